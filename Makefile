@@ -1,0 +1,50 @@
+# Every target runs from the repository root. PYTHON defaults to python3 (on the H200 machine,
+# the one that holds torch; in CI, the virtual environment .ci/run activates).
+PYTHON ?= python3
+TRACK ?= hopper
+PYTEST = $(PYTHON) -m pytest
+
+STAGE_DIRS := stages/stage1_gemm stages/stage2_qk stages/stage3_softmax stages/stage4_kv_interleave stages/stage5_online_softmax
+
+.PHONY: help setup test tour bench notebooks sanitize doctor stage-1 stage-2 stage-3 stage-4 stage-5 diff-2 diff-3 diff-4 diff-5
+
+help:
+	@echo "make setup      install requirements only if something does not import"
+	@echo "make tour       every stage on this machine's track: compile, instructions, correctness, TFLOP/s"
+	@echo "make test       all tests (GPU tests skip with a reason when the GPU is absent)"
+	@echo "make stage-N    the tests of stage N (1..5)"
+	@echo "make diff-N     what stage N changes over stage N-1 (TRACK=hopper|blackwell)"
+	@echo "make bench      benchmarks against cuBLAS / torch SDPA / FA4, timed in the same run"
+	@echo "make notebooks  execute every notebook (compile-only mode without a GPU)"
+	@echo "make sanitize   compute-sanitizer racecheck + synccheck on stages 4 and 5 (GPU)"
+	@echo "make doctor     versions, GPU, driver, arch"
+
+setup:
+	@$(PYTHON) -m common.setup_env
+
+test: setup
+	$(PYTEST) -q
+
+tour: setup
+	$(PYTHON) -m common.tour
+
+bench: setup
+	$(PYTHON) -m common.benchmarks
+
+notebooks: setup
+	$(PYTHON) -m common.nbrun notebooks/*.ipynb
+
+sanitize: setup
+	$(PYTHON) -m common.sanitize
+
+doctor:
+	@$(PYTHON) -m common.doctor
+
+stage-%: setup
+	$(PYTEST) -q tests/test_stage$*_*.py
+
+diff-%:
+	@n=$*; p=$$((n-1)); \
+	a=$$(ls -d stages/stage$${p}_*); b=$$(ls -d stages/stage$${n}_*); \
+	git --no-pager diff --no-index --stat $$a/$(TRACK).py $$b/$(TRACK).py; \
+	git --no-pager diff --no-index $$a/$(TRACK).py $$b/$(TRACK).py; true

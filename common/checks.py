@@ -1,0 +1,121 @@
+"""Argument checks shared by every entry point. Each error names the argument, what it got and
+what is allowed, so that bad input never turns into a wrong answer or a hang."""
+import torch
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _dtype_names(dtypes):
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(name, t, *, rank, dtypes=HALF_DTYPES, contiguous_last=True):
+    """A CUDA tensor of the given rank and dtype whose last dimension is contiguous and whose
+    base address and other strides allow 16-byte TMA transfers."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(
+            f"argument '{name}': dtype {str(t.dtype).replace('torch.', '')} is not supported; "
+            f"allowed: {_dtype_names(dtypes)}"
+        )
+    if t.dim() != rank:
+        raise ValueError(f"argument '{name}': expected a rank-{rank} tensor, got shape {tuple(t.shape)}")
+    if not t.is_cuda:
+        raise ValueError(f"argument '{name}': must be a CUDA tensor, got device '{t.device}'")
+    if contiguous_last and t.stride(-1) != 1:
+        raise ValueError(
+            f"argument '{name}': the last dimension must be contiguous (stride 1), got strides "
+            f"{tuple(t.stride())}; call .contiguous() first"
+        )
+    esize = t.element_size()
+    if t.data_ptr() % 16 != 0:
+        raise ValueError(f"argument '{name}': data pointer must be 16-byte aligned for TMA")
+    for d, s in enumerate(t.stride()[:-1]):
+        if (s * esize) % 16 != 0 and t.shape[d] > 1:
+            raise ValueError(
+                f"argument '{name}': stride {s} of dimension {d} is not a multiple of 16 bytes, "
+                "which TMA requires; call .contiguous() or pad the last dimension"
+            )
+    return t
+
+
+def check_same_dtype(names, tensors):
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > 1:
+        got = ", ".join(f"{n}: {str(t.dtype).replace('torch.', '')}" for n, t in zip(names, tensors))
+        raise TypeError(f"arguments {', '.join(repr(n) for n in names)} must share one dtype, got {got}")
+
+
+def check_same_device(names, tensors):
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        got = ", ".join(f"{n}: {t.device}" for n, t in zip(names, tensors))
+        raise ValueError(f"arguments must be on one device, got {got}")
+
+
+def check_dim_eq(name_a, a, dim_a, name_b, b, dim_b, what):
+    if a.shape[dim_a] != b.shape[dim_b]:
+        raise ValueError(
+            f"{what}: '{name_a}'.shape[{dim_a}] = {a.shape[dim_a]} must equal "
+            f"'{name_b}'.shape[{dim_b}] = {b.shape[dim_b]}"
+        )
+
+
+def check_multiple(name, value, multiple, why):
+    if value % multiple != 0:
+        raise ValueError(f"{name} = {value} must be a multiple of {multiple} ({why})")
+
+
+def check_max(name, value, limit, why):
+    if value > limit:
+        raise ValueError(f"{name} = {value} is larger than {limit} ({why})")
+
+
+def check_positive(name, value):
+    if value <= 0:
+        raise ValueError(f"{name} = {value} must be positive")
+
+
+def check_choice(name, value, allowed, why=""):
+    if value not in allowed:
+        extra = f" ({why})" if why else ""
+        raise ValueError(f"{name} = {value} is not supported; allowed: {', '.join(map(str, allowed))}{extra}")
+
+
+def check_scale(scale, head_dim):
+    """scale defaults to 1/sqrt(D); an explicit one must be a finite positive float."""
+    if scale is None:
+        return head_dim ** -0.5
+    try:
+        scale = float(scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"argument 'scale': expected a float or None, got {type(scale).__name__}") from None
+    if not (scale > 0 and scale != float("inf")):
+        raise ValueError(f"argument 'scale': must be a finite positive number, got {scale}")
+    return scale
+
+
+def check_attention_args(q, k, v=None, *, head_dims=(64, 128)):
+    """Common checks for stages 2-5: (B, H, S, D) tensors in one dtype and device, matching B, H
+    and D, a supported head dim. Returns (B, H, Sq, Sk, D)."""
+    check_tensor("q", q, rank=4)
+    check_tensor("k", k, rank=4)
+    names, ts = ["q", "k"], [q, k]
+    if v is not None:
+        check_tensor("v", v, rank=4)
+        names.append("v")
+        ts.append(v)
+    check_same_dtype(names, ts)
+    check_same_device(names, ts)
+    for d, what in ((0, "batch"), (1, "heads"), (3, "head dim")):
+        check_dim_eq("q", q, d, "k", k, d, what)
+    if v is not None:
+        for d, what in ((0, "batch"), (1, "heads"), (2, "key length"), (3, "head dim")):
+            check_dim_eq("k", k, d, "v", v, d, what)
+    B, H, Sq, D = q.shape
+    Sk = k.shape[2]
+    check_choice("head dim D", D, head_dims, "the tile configuration is specialised per head dim")
+    check_positive("Sq", Sq)
+    check_positive("Sk", Sk)
+    return B, H, Sq, Sk, D

@@ -1,0 +1,36 @@
+"""`make doctor`: versions, GPU, driver, arch - what to paste into a bug report."""
+import platform
+import shutil
+import subprocess
+
+
+def main():
+    print(f"python      {platform.python_version()} ({platform.machine()})")
+    try:
+        import torch
+
+        print(f"torch       {torch.__version__} (CUDA {torch.version.cuda})")
+    except Exception as e:
+        print(f"torch       not importable: {e}")
+        torch = None
+    try:
+        import cutlass
+
+        print(f"cutlass-dsl {cutlass.__version__}")
+    except Exception as e:
+        print(f"cutlass-dsl not importable: {e}")
+    from .arch import ARCH_OF_TRACK, compute_capability, gpu_description, track_of_capability
+
+    print(f"gpu         {gpu_description()}")
+    t = track_of_capability(compute_capability())
+    print(f"track       {t + ' (' + ARCH_OF_TRACK[t] + ')' if t else 'none: compile-only mode (both tracks compile without a GPU)'}")
+    if shutil.which("nvidia-smi"):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True).stdout.strip()
+        print(f"driver      {out}")
+    for tool in ("ptxas", "cuobjdump", "compute-sanitizer"):
+        print(f"{tool:<11} {shutil.which(tool) or 'not found'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""GPU tests carry a marker naming the track they need; on any other machine they are skipped
+with the reason, so the compile-only and harness tests still run in CI."""
+import os
+
+import matplotlib
+import pytest
+
+matplotlib.use("Agg")
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+from common.arch import gpu_description, gpu_track_available  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for track, marker in (("hopper", "gpu_hopper"), ("blackwell", "gpu_blackwell")):
+            if marker in item.keywords and not gpu_track_available(track):
+                need = "an sm_90 GPU (H100/H200)" if track == "hopper" else "an sm_100/sm_103 GPU (B200/GB200/B300)"
+                item.add_marker(pytest.mark.skip(reason=f"{track} GPU test: needs {need}, this machine has {gpu_description()}"))
+
+
+def pytest_report_header(config):
+    return f"GPU: {gpu_description()}"

@@ -1,0 +1,136 @@
+"""Tests of the harness itself: the checker must fail wrong or unwritten results, the argument
+checks must name the argument, the PTX counter must count, and the GPU deadline must fire."""
+import math
+
+import pytest
+import torch
+
+from common import arch, checker, checks, compile as ccompile, reference, stages
+
+
+def _ref_and_out(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ref = torch.randn(64, 48, generator=g, dtype=torch.float64)
+    return ref, ref.to(torch.bfloat16)
+
+
+def test_checker_passes_a_correct_low_precision_result():
+    ref, out = _ref_and_out()
+    r = checker.check_close("out", out, ref, rtol=1e-2)
+    assert r.passed and r.rel_err < 5e-3  # bf16 rounding alone: about 2^-9 relative
+
+
+def test_checker_fails_a_wrong_result_and_names_the_worst_element():
+    ref, out = _ref_and_out()
+    wrong = out.clone()
+    wrong[17, 5] += 4.0
+    with pytest.raises(AssertionError, match=r"worst element at \(17, 5\)"):
+        checker.check_close("out", wrong, ref, rtol=1e-2)
+
+
+def test_checker_fails_an_unwritten_element():
+    ref, out = _ref_and_out()
+    partly = checker.poison(torch.empty_like(out))
+    partly[:, :-1] = out[:, :-1]  # the last column was never written: still NaN
+    r = checker.compare("out", partly, ref, rtol=1e-2)
+    assert not r.passed and r.nonfinite == 64
+    with pytest.raises(AssertionError, match="non-finite"):
+        checker.check_close("out", partly, ref, rtol=1e-2)
+
+
+def test_checker_never_passes_nan_or_inf_even_with_a_huge_tolerance():
+    ref, out = _ref_and_out()
+    for bad in (float("nan"), float("inf")):
+        o = out.clone()
+        o[0, 0] = bad
+        assert not checker.compare("out", o, ref, rtol=1e9).passed
+
+
+def test_checker_holds_kernels_to_a_multiple_of_pytorchs_error():
+    ref, out = _ref_and_out()
+    worse = (out.double() * (1 + 2e-2)).to(torch.bfloat16)  # 2% off: inside rtol=5e-2 ...
+    r = checker.compare("out", worse, ref, rtol=5e-2, torch_lowp=out)
+    assert not r.passed  # ... but far more than 3x PyTorch's own bf16 error
+    assert r.torch_rel_err is not None and r.bound < 2e-2
+
+
+def test_poisoned_outputs_are_nan_unless_a_benchmark_turns_it_off():
+    assert torch.isnan(checker.empty_output((4, 4), torch.float32, "cpu")).all()
+    with checker.no_poison():
+        checker.empty_output((4, 4), torch.float32, "cpu")  # no fill: contents undefined
+    assert torch.isnan(checker.empty_output((4, 4), torch.bfloat16, "cpu")).all()
+
+
+def test_references_agree_with_the_definitions():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 5, 8, generator=g) for _ in range(3))
+    o, lse = reference.attention_ref(q, k, v)
+    s = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(8)
+    assert torch.allclose(lse, torch.logsumexp(s, -1))
+    assert torch.allclose(o, torch.softmax(s, -1) @ v.double())
+    a, b = torch.randn(3, 4, generator=g), torch.randn(5, 4, generator=g)
+    assert torch.allclose(reference.gemm_ref(a, b), a.double() @ b.double().T)
+
+
+def test_argument_checks_name_the_argument():
+    x = torch.zeros(2, 3, 4, 64, dtype=torch.float32)
+    with pytest.raises(TypeError, match="argument 'q': dtype float32 is not supported; allowed: bfloat16, float16"):
+        checks.check_tensor("q", x, rank=4)
+    with pytest.raises(ValueError, match="argument 'q': expected a rank-4 tensor"):
+        checks.check_tensor("q", x[0].bfloat16(), rank=4)
+    with pytest.raises(ValueError, match="argument 'q': must be a CUDA tensor"):
+        checks.check_tensor("q", x.bfloat16(), rank=4)
+    with pytest.raises(ValueError, match="head dim D = 96 is not supported"):
+        checks.check_choice("head dim D", 96, (64, 128))
+    with pytest.raises(ValueError, match="argument 'scale'"):
+        checks.check_scale(-1.0, 64)
+    assert checks.check_scale(None, 64) == 0.125
+
+
+def test_track_mapping():
+    assert arch.track_of_capability((9, 0)) == "hopper"
+    assert arch.track_of_capability((10, 0)) == "blackwell"
+    assert arch.track_of_capability((10, 3)) == "blackwell"
+    assert arch.track_of_capability((8, 0)) is None
+    assert arch.track_of_capability((12, 0)) is None
+    if arch.compute_capability() is None:
+        with pytest.raises(arch.UnsupportedGPUError, match="no CUDA GPU"):
+            arch.track()
+
+
+def test_ptx_counter_counts_statements_and_ignores_comments():
+    ptx = """
+    // wgmma.mma_async in a comment does not count
+    wgmma.fence.sync.aligned;
+    wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%f1}, %rd1, %rd2, p, 1, 1, 0, 0;
+    @%p3 wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%f1}, %rd1, %rd2, p, 1, 1, 0, 0;
+    cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%r1], [%rd3, {%r2, %r3}], [%r4];
+    cp.async.bulk.tensor.4d.shared::cta.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%r1], [%rd3, {%r2, %r3, %r2, %r3}], [%r4], %rd9;
+    cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%rd3, {%r2, %r3}], [%r1];
+    mbarrier.try_wait.parity.shared::cta.b64 %p1, [%r5], %r6;
+    """
+    c = ccompile.count_ptx(ptx)
+    assert c["wgmma.mma_async"] == 2 and c["wgmma.fence"] == 1
+    assert c["cp.async.bulk.tensor (load)"] == 2 and c["cp.async.bulk.tensor (store)"] == 1 and c["mbarrier.try_wait"] == 1
+    assert c["tcgen05.mma"] == 0
+
+
+def test_stage_table_is_consistent():
+    assert [s.number for s in stages.STAGES] == [1, 2, 3, 4, 5]
+    with pytest.raises(ValueError, match="stage 9 does not exist"):
+        stages.stage(9)
+
+
+@pytest.mark.gpu_hopper
+def test_deadline_turns_a_kernel_that_never_finishes_into_an_error():
+    # torch.cuda._sleep spins one GPU thread for a number of clock cycles: ~10 s at ~2 GHz stands
+    # in for a deadlocked kernel. The deadline (1 s) must fire long before it ends.
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="deadlock"):
+        checker.run_with_deadline(lambda: torch.cuda._sleep(20_000_000_000), seconds=1.0, what="spin")
+    assert time.monotonic() - t0 < 5
+    torch.cuda.synchronize()  # drain the spinning kernel before the next test
+    out = checker.run_with_deadline(lambda: torch.ones(4, device="cuda") * 2, seconds=10.0)
+    assert out.sum().item() == 8
