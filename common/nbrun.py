@@ -24,14 +24,16 @@ def run_notebook(path, verbose=True):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ns = {"__name__": "__main__", "__file__": os.path.abspath(path)}
+    path = os.path.abspath(path)
+    cells = list(code_cells(path))
+    ns = {"__name__": "__main__", "__file__": path}
     root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
     if root not in sys.path:
         sys.path.insert(0, root)
     old = os.getcwd()
     os.chdir(os.path.dirname(os.path.abspath(path)))
     try:
-        for i, src in code_cells(path):
+        for i, src in cells:
             t0 = time.perf_counter()
             try:
                 exec(compile(src, f"{os.path.basename(path)}[cell {i}]", "exec"), ns)

@@ -1,0 +1,339 @@
+"""Stage 2 - QK^T only (Blackwell). S[b, h] = scale * Q[b, h] @ K[b, h]^T on sm_100a (B200, GB200).
+
+Q (B, H, Sq, D) and K (B, H, Sk, D) in bf16 or fp16, the layout of torch SDPA (D contiguous);
+S (B, H, Sq, Sk) is written in fp32; scale defaults to 1/sqrt(D).
+
+Changes from stage 1:
+- Batching over (B, H): each tensor is viewed as (S, D, (H, B)), so one TMA descriptor covers
+  every head of every batch (a rank-4 TMA over S, D, H, B) and blockIdx.y picks the (b, h)
+  slice. Grid (Sq / 128, B * H): one CTA per 128-row Q tile of one head.
+- The reduction runs over D only (64 or 128), which fits one tile: the tiler is (bM, bN, bK) =
+  (128, 128, D), so one S tile is D / 16 = 4 or 8 `tcgen05.mma` 128 x 128 x 16. Every K tile
+  gives a fresh S tile (the first MMA of each tile does not accumulate), and the loop now runs
+  over K tiles, the columns of S, instead of over k-steps.
+- Operand reuse: Q is loaded once into its own buffer (q_stage = 1, its own full/empty barriers
+  and byte count) and read by every MMA of the CTA; K tiles stream through a ring of
+  kv_slots = 2. Shared memory: Q 128 x D x 2 B plus 2 K slots of the same size = 48 KiB (D = 64)
+  or 96 KiB (D = 128), instead of 128 KiB for stage 1's A/B ring.
+- S goes through TMEM once per K tile (128 lanes x 128 fp32 columns, s_buffers = 1): the MMA
+  warp waits until the softmax warps have read the previous S before overwriting it, and the
+  softmax warps `tcgen05.ld` each S tile, multiply it by scale and store it in fp32
+  (128 x 128 x 4 B = 64 KiB of S per K tile).
+
+Shapes. Sq and Sk must be multiples of 128 (whole tiles of S, no masking); D is 64 or 128.
+
+Verification status (2026-11-29): compile-checked for sm_100a here (CUTE_DSL_ARCH=sm_100a, fake
+tensors, no GPU); not run on Blackwell hardware. The numerical tests run only where an sm_100
+GPU is present.
+"""
+import torch
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+from cutlass import Float32, Int32, Int64
+from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.memory import SmemAllocator, TmemAllocator, get_num_tmem_alloc_cols
+
+from common import checks
+from common.checker import empty_output
+from common.compile import cached_compile
+from common.cute_interop import cute_dtype, current_stream, fake_stream, fake_tensor, to_cute
+
+
+class Sm100Kernel:
+    def __init__(self, dtype, head_dim):
+        self.q_dtype = dtype  # Q and K element type: cutlass.BFloat16 or cutlass.Float16
+        self.c_dtype = Float32  # S is written in fp32
+        self.qk_acc_dtype = Float32
+        # (bM, bN, bK) = (Q rows, K rows, D): one S tile; one tcgen05.mma is 128 x 128 x 16.
+        self.qk_mma_tiler = (128, 128, head_dim)
+        self.cta_group = tcgen05.CtaGroup.ONE  # one CTA per MMA (no 2-CTA pairs)
+        self.cluster_shape_mn = (1, 1)
+        # Warp roles: 0-3 read TMEM (epilogue here, softmax from stage 3), 4 MMA, 5 TMA.
+        self.softmax_warp_ids = (0, 1, 2, 3)
+        self.mma_warp_id = 4
+        self.tma_warp_id = 5
+        self.threads_per_cta = 32 * len((*self.softmax_warp_ids, self.mma_warp_id, self.tma_warp_id))
+        # Named barriers (0 is __syncthreads): the softmax warps among themselves, and the TMEM
+        # allocation handshake between the softmax warps and the MMA warp.
+        self.epilog_sync_bar_id = 1
+        self.tmem_alloc_bar_id = 2
+        # Pipeline depths: Q loaded once; a ring of 2 K tiles; one S tile in TMEM.
+        self.q_stage = 1
+        self.kv_slots = 2
+        self.s_buffers = 1
+        # TMEM columns (32-bit cells; lane = row of the tile): S from column 0.
+        self.tmem_s_offset = 0
+        # tcgen05.ld.32x32b.x32: each softmax thread reads 32 fp32 columns of its row per load.
+        self.tmem_load_cols = 32
+        self.smem_align = 1024  # the 128-byte swizzle pattern repeats every 8 rows = 1 KiB
+
+    @cute.jit
+    def __call__(self, q: cute.Tensor, k: cute.Tensor, c: cute.Tensor, scale: Float32, stream):
+        # (B, H, S, D) -> (S, D, (H, B)): the two tile modes first, then (h, b) as one batch mode.
+        q, k, c = [cute.make_tensor(t.iterator, cute.group_modes(cute.select(t.layout, mode=[2, 3, 1, 0]), 2, 4)) for t in (q, k, c)]
+
+        # One tcgen05.mma.cta_group::1.kind::f16 per 128 x 128 x 16: A and B from shared memory,
+        # both K-major, D (the accumulator) in TMEM.
+        qk_mma = utils.sm100.make_trivial_tiled_mma(
+            self.q_dtype,
+            self.q_dtype,
+            cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K,
+            self.qk_acc_dtype,
+            self.cta_group,
+            self.qk_mma_tiler[:2],
+            tcgen05.OperandSource.SMEM,
+        )
+        cluster_layout_vmnk = cute.tiled_divide(cute.make_layout((*self.cluster_shape_mn, 1)), (qk_mma.thr_id.shape,))
+
+        # (MMA, MMA_M, MMA_K, q_stage) and (MMA, MMA_N, MMA_K, kv_slots), 128-byte swizzled
+        q_smem_s = utils.sm100.make_smem_layout_a(qk_mma, self.qk_mma_tiler, self.q_dtype, self.q_stage)
+        k_smem_s = utils.sm100.make_smem_layout_b(qk_mma, self.qk_mma_tiler, self.q_dtype, self.kv_slots)
+        q_smem_one = cute.select(q_smem_s, mode=[0, 1, 2])
+        k_smem_one = cute.select(k_smem_s, mode=[0, 1, 2])
+
+        # TMA descriptors over (S, D, (H, B)): a 128 x D tile of Q, or of K.
+        tma_load_op = cpasync.CopyBulkTensorTileG2SOp(self.cta_group)
+        tma_q, tma_tq = cute.nvgpu.make_tiled_tma_atom_A(
+            tma_load_op, q, q_smem_one, self.qk_mma_tiler, qk_mma, cluster_layout_vmnk.shape
+        )
+        tma_k, tma_tk = cute.nvgpu.make_tiled_tma_atom_B(
+            tma_load_op, k, k_smem_one, self.qk_mma_tiler, qk_mma, cluster_layout_vmnk.shape
+        )
+        # Bytes per Q load and per K tile: 128 x D x 2 each (16 KiB for D = 64, 32 KiB for D = 128).
+        self.q_tma_bytes = cute.size_in_bytes(self.q_dtype, q_smem_one)
+        self.kv_tma_bytes = cute.size_in_bytes(self.q_dtype, k_smem_one)
+        # TMEM: the 128 x 128 fp32 tile S takes 128 columns (lane = row, column = column).
+        s_tmem_shape = qk_mma.partition_shape_C(self.qk_mma_tiler[:2])
+        self.num_tmem_alloc_cols = get_num_tmem_alloc_cols(qk_mma.make_fragment_C(s_tmem_shape))
+
+        @cute.struct
+        class SharedStorage:
+            q_bar: cute.struct.MemRange[Int64, self.q_stage * 2]
+            kv_bar: cute.struct.MemRange[Int64, self.kv_slots * 2]
+            mma_si_bar: cute.struct.MemRange[Int64, self.s_buffers * 2]
+            tmem_holding: Int32
+            sQ: cute.struct.Align[cute.struct.MemRange[self.q_dtype, cute.cosize(q_smem_s)], self.smem_align]
+            sK: cute.struct.Align[cute.struct.MemRange[self.q_dtype, cute.cosize(k_smem_s)], self.smem_align]
+
+        self.shared_storage = SharedStorage
+        self.shared_memory_bytes = SharedStorage.size_in_bytes()
+
+        # One CTA per 128-row Q tile of one (b, h).
+        grid = (cute.size(c, mode=[0]) // self.qk_mma_tiler[0], cute.size(c, mode=[2]), 1)
+        self.kernel(
+            qk_mma, tma_q, tma_tq, tma_k, tma_tk, c, scale, cluster_layout_vmnk, q_smem_s, k_smem_s
+        ).launch(grid=grid, block=[self.threads_per_cta, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        qk_mma: cute.TiledMma,
+        tma_q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        mK: cute.Tensor,
+        mC: cute.Tensor,
+        scale: Float32,
+        cluster_layout_vmnk: cute.Layout,
+        q_smem_s: cute.ComposedLayout,
+        k_smem_s: cute.ComposedLayout,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, bidy, _ = cute.arch.block_idx()
+        tile_coord = (bidx, None, 0)  # (Q tile, every K tile, the one D tile)
+
+        # 1. Prepare
+        if warp_idx == self.tma_warp_id:
+            cpasync.prefetch_descriptor(tma_q)
+            cpasync.prefetch_descriptor(tma_k)
+
+        storage = SmemAllocator().allocate(self.shared_storage)
+        # Q buffer and K ring: the TMA warp fills (full = the tile's bytes landed), the MMA
+        # warp's tcgen05.commit empties (one arrive). Each has its own barriers and byte count.
+        q_prod, q_cons = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.q_bar.data_ptr(),
+            num_stages=self.q_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            tx_count=self.q_tma_bytes,
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        ).make_participants()
+        kv_prod, kv_cons = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.kv_bar.data_ptr(),
+            num_stages=self.kv_slots,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            tx_count=self.kv_tma_bytes,
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        ).make_participants()
+        # S hand-off, MMA -> softmax warps: tcgen05.commit marks S complete (full); the 128
+        # softmax threads each arrive once they have read it (empty).
+        mma_si_prod, mma_si_cons = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.mma_si_bar.data_ptr(),
+            num_stages=self.s_buffers,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * len(self.softmax_warp_ids)),
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        ).make_participants()
+        epilog_sync_bar = pipeline.NamedBarrier(
+            barrier_id=self.epilog_sync_bar_id, num_threads=32 * len(self.softmax_warp_ids)
+        )
+        tmem_alloc_bar = pipeline.NamedBarrier(
+            barrier_id=self.tmem_alloc_bar_id, num_threads=32 * len((self.mma_warp_id, *self.softmax_warp_ids))
+        )
+        tmem = TmemAllocator(
+            storage.tmem_holding.ptr, barrier_for_retrieve=tmem_alloc_bar, allocator_warp_id=self.softmax_warp_ids[0]
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
+
+        # (MMA, MMA_M, MMA_K, q_stage)
+        sQ = storage.sQ.get_tensor(q_smem_s.outer, swizzle=q_smem_s.inner)
+        # (MMA, MMA_N, MMA_K, kv_slots)
+        sK = storage.sK.get_tensor(k_smem_s.outer, swizzle=k_smem_s.inner)
+
+        # This CTA's (b, h): Q (Sq, D), K (Sk, D) and S (Sq, Sk).
+        mQ, mK, mC = mQ[(None, None, bidy)], mK[(None, None, bidy)], mC[(None, None, bidy)]
+        # (bM, D)
+        gQ = cute.local_tile(mQ, self.qk_mma_tiler, tile_coord, proj=(1, None, 1))
+        # (bN, D, kv_tiles)
+        gK = cute.local_tile(mK, self.qk_mma_tiler, tile_coord, proj=(None, 1, 1))
+        # (bM, bN, kv_tiles)
+        gC = cute.local_tile(mC, self.qk_mma_tiler, tile_coord, proj=(1, 1, None))
+        kv_tiles = cute.size(gK, mode=[2])
+
+        qk_thr = qk_mma.get_slice(0)
+        # (MMA, MMA_M, MMA_K)
+        tCgQ = qk_thr.partition_A(gQ)
+        # (MMA, MMA_N, MMA_K, kv_tiles)
+        tCgK = qk_thr.partition_B(gK)
+        # (MMA, MMA_M, MMA_N, kv_tiles)
+        tCgC = qk_thr.partition_C(gC)
+        # TMA views, one CTA, no multicast: (TMA, q_stage) and (TMA); (TMA, kv_slots) and (TMA, kv_tiles)
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3), cute.group_modes(tCgQ, 0, 3)
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3), cute.group_modes(tCgK, 0, 3)
+        )
+        # MMA operands, as shared-memory descriptors. (MMA, MMA_M, MMA_K, q_stage)
+        tCrQ = qk_mma.make_fragment_A(sQ)
+        # (MMA, MMA_N, MMA_K, kv_slots)
+        tCrK = qk_mma.make_fragment_B(sK)
+        # S in TMEM; the base address is known once TMEM is allocated. (MMA, MMA_M, MMA_N)
+        tStS_layout = qk_mma.make_fragment_C(qk_thr.partition_shape_C(self.qk_mma_tiler[:2])).layout
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=cluster_layout_vmnk)
+
+        # 2. Main loop by warp role
+        if warp_idx == self.tma_warp_id:
+            # TMA warp: Q once, then K tile kt into the next empty slot of the ring.
+            q_empty = q_prod.acquire_and_advance()
+            cute.copy(tma_q, tQgQ, tQsQ[(None, q_empty.index)], tma_bar_ptr=q_empty.barrier)
+            for kt in cutlass.range(kv_tiles, unroll=1):
+                kv_empty = kv_prod.acquire_and_advance()
+                cute.copy(tma_k, tKgK[(None, kt)], tKsK[(None, kv_empty.index)], tma_bar_ptr=kv_empty.barrier)
+            # Every buffer released by the MMA warp before this warp exits.
+            kv_prod.tail()
+            q_prod.tail()
+
+        if warp_idx == self.mma_warp_id:
+            # MMA warp: S_kt = Q @ K_kt^T for every K tile, issued by one thread.
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(self.qk_acc_dtype)
+            tStS = cute.make_tensor(tmem_ptr + self.tmem_s_offset, tStS_layout)
+            q_full = q_cons.wait_and_advance()
+            for kt in cutlass.range(kv_tiles, unroll=1):
+                kv_full = kv_cons.wait_and_advance()
+                # The softmax warps have read the previous S: it may be overwritten.
+                s_empty = mma_si_prod.acquire_and_advance()
+                # The first MMA of each K tile overwrites S, the others accumulate over D.
+                qk_mma.set(tcgen05.Field.ACCUMULATE, False)
+                for kb in cutlass.range_constexpr(cute.size(tCrQ, mode=[2])):
+                    # S += Q[:, 16 kb : 16 kb + 16] @ K_kt[:, 16 kb : 16 kb + 16]^T  (128 x 128 x 16)
+                    cute.gemm(
+                        qk_mma, tStS, tCrQ[(None, None, kb, q_full.index)], tCrK[(None, None, kb, kv_full.index)], tStS
+                    )
+                    qk_mma.set(tcgen05.Field.ACCUMULATE, True)
+                # tcgen05.commit: S is full once these MMAs have completed ...
+                s_empty.commit()
+                # ... and the K slot is empty once they have read it.
+                kv_full.release()
+            # Q stays resident until the last MMA; then its buffer is released too.
+            q_full.release()
+
+        if warp_idx < self.mma_warp_id:
+            # Softmax warps: warp 0 allocates TMEM, all four read S.
+            tmem.allocate(self.num_tmem_alloc_cols)
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(self.qk_acc_dtype)
+            tStS = cute.make_tensor(tmem_ptr + self.tmem_s_offset, tStS_layout)
+
+            # 3. Epilogue, once per K tile: TMEM -> registers (tcgen05.ld) -> scale -> S in global memory
+            # Thread t of warp w owns row 32 w + t (a warp may only read its own 32 TMEM lanes).
+            epi_tiler = ((cute.size(tStS, mode=[0, 0]), self.tmem_load_cols),)
+            # ((128, 32), 4): S cut into 4 column slices of 32
+            tStS_epi = cute.zipped_divide(tStS, epi_tiler)
+            tmem_load = tcgen05.make_tmem_copy(
+                cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), self.qk_acc_dtype), tStS_epi[(None, 0)]
+            )
+            thr_load = tmem_load.get_slice(tidx)
+            # (T2R, T2R_M, slices): this thread's 32 TMEM cells per slice
+            tTR_tS = thr_load.partition_S(tStS_epi)
+
+            for kt in cutlass.range(kv_tiles, unroll=1):
+                s_full = mma_si_cons.wait_and_advance()
+                # (T2R, T2R_M, slices): where they go in S (global memory) for K tile kt
+                tTR_gC = thr_load.partition_D(cute.zipped_divide(tCgC[(None, None, None, kt)], epi_tiler))
+                # (T2R, T2R_M): 32 fp32 registers, and the same values in the output dtype (fp32)
+                tTR_rS = cute.make_rmem_tensor(tTR_gC[(None, None, 0)].shape, self.qk_acc_dtype)
+                tTR_rC = cute.make_rmem_tensor(tTR_gC[(None, None, 0)].shape, self.c_dtype)
+                for i in cutlass.range_constexpr(cute.size(tTR_tS, mode=[2])):
+                    cute.copy(tmem_load, tTR_tS[(None, None, i)], tTR_rS)
+                    # tcgen05.ld is asynchronous: tcgen05.wait::ld before the registers are read.
+                    cute.arch.fence_view_async_tmem_load()
+                    # S = scale * Q @ K^T, in fp32
+                    tTR_rC.store((scale * tTR_rS.load()).to(self.c_dtype))
+                    cute.autovec_copy(tTR_rC, tTR_gC[(None, None, i)])
+                # Every tcgen05.ld of this S has completed (wait::ld above): the MMA warp may overwrite it.
+                s_full.release()
+
+            # All four softmax warps are done with TMEM before warp 0 frees it.
+            tmem.relinquish_alloc_permit()
+            epilog_sync_bar.arrive_and_wait()
+            tmem.free(tmem_ptr)
+
+
+def compile_args(dtype, shape, scale=None):
+    """(kernel, args) for cute.compile with fake tensors: shape = (B, H, Sq, Sk, D)."""
+    B, H, Sq, Sk, D = shape
+    kernel = Sm100Kernel(cute_dtype(dtype), D)
+    q, k = fake_tensor(dtype, (B, H, Sq, D)), fake_tensor(dtype, (B, H, Sk, D))
+    s = fake_tensor(torch.float32, (B, H, Sq, Sk))
+    return kernel, (q, k, s, checks.check_scale(scale, D), fake_stream())
+
+
+def qk(q, k, scale=None):
+    """S = scale * Q @ K^T for Q (B, H, Sq, D) and K (B, H, Sk, D), bf16 or fp16; S (B, H, Sq, Sk) in fp32."""
+    B, H, Sq, Sk, D = checks.check_attention_args(q, k)
+    scale = checks.check_scale(scale, D)
+    bM, bN, _ = Sm100Kernel(cute_dtype(q.dtype), D).qk_mma_tiler
+    checks.check_multiple("Sq = q.shape[2]", Sq, bM, "each CTA stores whole 128 x 128 tiles of S, unmasked")
+    checks.check_multiple("Sk = k.shape[2]", Sk, bN, "each CTA stores whole 128 x 128 tiles of S, unmasked")
+    checks.check_max("B * H", B * H, 65535, "one CTA row per (b, h) in the grid's y dimension")
+
+    with torch.cuda.device(q.device):
+        s = empty_output((B, H, Sq, Sk), torch.float32, q.device)
+        args = (to_cute(q), to_cute(k), to_cute(s))
+        # The CuTe views have static shapes and strides: one compiled kernel per layout.
+        key = ("stage2", "blackwell", q.dtype, q.shape, q.stride(), k.shape, k.stride())
+        compiled = cached_compile(key, Sm100Kernel(cute_dtype(q.dtype), D), *args, scale, current_stream())
+        compiled(*args, scale, current_stream())
+    return s

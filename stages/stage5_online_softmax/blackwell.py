@@ -1,0 +1,543 @@
+"""Stage 5 - online softmax (Blackwell). O = softmax(scale * Q K^T) V in one pass, plus LSE, sm_100a.
+
+Q (B, H, Sq, D), K and V (B, H, Sk, D) in bf16 or fp16, the layout of torch SDPA (D contiguous);
+O (B, H, Sq, D) is written in the input dtype; scale defaults to 1/sqrt(D). With return_lse the
+entry also returns LSE = logsumexp(scale * Q K^T) (B, H, Sq) in fp32, natural log.
+
+Changes from stage 4:
+- One pass over the KV tiles (FlashAttention-2 style): stage 4's statistics pass is gone, so K
+  is read once. Per KV tile: 2 tile loads (K, V) and 2 tile GEMMs (QK, PV) instead of 3 and 3
+  (1/3 fewer of each); the TMA warp produces ("K", "V") per tile in a single sweep.
+- row_max and row_sum run over the tiles. When tile kt raises a row's max from m_old to m_new,
+  everything accumulated so far is relative to m_old and gets multiplied by
+  row_scale = exp(scale * (m_old - m_new)) = exp2((m_old - m_new) * scale_log2):
+  row_sum in a register, and O in TMEM. P_kt = exp(scale * (S_kt - m_new)) is not divided.
+- O is rescaled in TMEM by the softmax warps: each thread tcgen05.ld's its row of O 32 columns
+  at a time (D / 32 = 4 loads at D = 128), multiplies by row_scale and tcgen05.st's it back.
+  Ordering: the rescale of O for tile kt starts after PV_(kt-1) has completed (the same wait that
+  frees P's columns) and PV_kt starts after the rescale (the MMA warp waits for the P_kt
+  hand-off, which the softmax warps give after tcgen05.wait::st of both P_kt and O).
+- Epilogue: O / row_sum as in stage 3, and LSE = scale * row_max + log(row_sum) per row (one
+  fp32 per thread: the thread owns the row).
+- Shared memory and TMEM are unchanged: Q + 2 slots = 96 KiB (D = 128, bf16); S at columns
+  0-127, P over S at 0-63, O at 128-255 (D = 128) or 128-191; 256 columns.
+
+Shapes. Sq must be a multiple of 128 (whole Q tiles, unmasked stores); any Sk >= 1 (the keys
+beyond Sk in the last tile are masked); D is 64 or 128.
+
+Verification status (2026-11-29): compile-checked for sm_100a here (CUTE_DSL_ARCH=sm_100a, fake
+tensors, no GPU); not run on Blackwell hardware. The numerical tests run only where an sm_100
+GPU is present; the speed-up over stage 4 has not been measured.
+"""
+import math
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+from cutlass import Float32, Int32, Int64
+from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.memory import SmemAllocator, TmemAllocator, get_num_tmem_alloc_cols
+
+from common import checks
+from common.checker import empty_output
+from common.compile import cached_compile
+from common.cute_interop import cute_dtype, current_stream, fake_stream, fake_tensor, to_cute
+
+
+class Sm100Kernel:
+    def __init__(self, dtype, head_dim):
+        self.q_dtype = dtype  # Q, K and V element type: cutlass.BFloat16 or cutlass.Float16
+        self.c_dtype = dtype  # O is written in the input dtype
+        self.qk_acc_dtype = Float32
+        self.pv_acc_dtype = Float32
+        # (bM, bN, bK) = (Q rows, K rows, D): one S tile; one tcgen05.mma is 128 x 128 x 16.
+        self.qk_mma_tiler = (128, 128, head_dim)
+        # (bM, bN, bK) = (Q rows, D, K rows): O += P @ V; one tcgen05.mma is 128 x D x 16.
+        self.pv_mma_tiler = (128, head_dim, 128)
+        self.cta_group = tcgen05.CtaGroup.ONE  # one CTA per MMA (no 2-CTA pairs)
+        self.cluster_shape_mn = (1, 1)
+        # Warp roles: 0-3 softmax (and epilogue), 4 MMA, 5 TMA.
+        self.softmax_warp_ids = (0, 1, 2, 3)
+        self.mma_warp_id = 4
+        self.tma_warp_id = 5
+        self.threads_per_cta = 32 * len((*self.softmax_warp_ids, self.mma_warp_id, self.tma_warp_id))
+        # Named barriers (0 is __syncthreads): the softmax warps among themselves, and the TMEM
+        # allocation handshake between the softmax warps and the MMA warp.
+        self.epilog_sync_bar_id = 1
+        self.tmem_alloc_bar_id = 2
+        # Pipeline depths: Q loaded once; a ring of 2 K/V slots; one S tile in TMEM.
+        self.q_stage = 1
+        self.kv_slots = 2
+        self.s_buffers = 1
+        # Ring entries per KV tile, in order, one tuple per sweep over the KV tiles: what the TMA
+        # warp loads and what the MMA warp waits for. One pass: K (QK), then V (PV).
+        self.kv_producer_entries = (("K", "V"),)
+        self.kv_consumer_entries = (("K", "V"),)
+        # TMEM columns (32-bit cells; lane = row of the tile): S, P over S, O after S.
+        self.tmem_s_offset = 0
+        self.tmem_p_offset = 0
+        self.tmem_o_offset = self.qk_mma_tiler[1]
+        # tcgen05.ld.32x32b.x32: each softmax thread reads 32 fp32 columns of its row per load.
+        self.tmem_load_cols = 32
+        self.smem_align = 1024  # the 128-byte swizzle pattern repeats every 8 rows = 1 KiB
+
+    @cute.jit
+    def __call__(
+        self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, c: cute.Tensor, lse: cute.Tensor, scale_log2: Float32, stream
+    ):
+        # (B, H, S, D) -> (S, D, (H, B)): the two tile modes first, then (h, b) as one batch mode.
+        q, k, c = [cute.make_tensor(t.iterator, cute.group_modes(cute.select(t.layout, mode=[2, 3, 1, 0]), 2, 4)) for t in (q, k, c)]
+        # V -> (D, Sk, (H, B)): the B operand of P @ V is (N, K) = (D, keys), D contiguous (MN-major).
+        v = cute.make_tensor(v.iterator, cute.group_modes(cute.select(v.layout, mode=[3, 2, 1, 0]), 2, 4))
+        # LSE (B, H, Sq) -> (Sq, (H, B))
+        lse = cute.make_tensor(lse.iterator, cute.group_modes(cute.select(lse.layout, mode=[2, 1, 0]), 1, 3))
+
+        # One tcgen05.mma.cta_group::1.kind::f16 per 128 x 128 x 16: A and B from shared memory,
+        # both K-major, D (the accumulator) in TMEM.
+        qk_mma = utils.sm100.make_trivial_tiled_mma(
+            self.q_dtype,
+            self.q_dtype,
+            cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K,
+            self.qk_acc_dtype,
+            self.cta_group,
+            self.qk_mma_tiler[:2],
+            tcgen05.OperandSource.SMEM,
+        )
+        # O += P @ V per 128 x D x 16: A = P from TMEM (a row of P is a TMEM lane: K-major),
+        # B = V from shared memory, MN-major.
+        pv_mma = utils.sm100.make_trivial_tiled_mma(
+            self.q_dtype,
+            self.q_dtype,
+            cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.MN,
+            self.pv_acc_dtype,
+            self.cta_group,
+            self.pv_mma_tiler[:2],
+            tcgen05.OperandSource.TMEM,
+        )
+        cluster_layout_vmnk = cute.tiled_divide(cute.make_layout((*self.cluster_shape_mn, 1)), (qk_mma.thr_id.shape,))
+
+        # (MMA, MMA_M, MMA_K, q_stage) and (MMA, MMA_N, MMA_K, kv_slots), 128-byte swizzled
+        q_smem_s = utils.sm100.make_smem_layout_a(qk_mma, self.qk_mma_tiler, self.q_dtype, self.q_stage)
+        k_smem_s = utils.sm100.make_smem_layout_b(qk_mma, self.qk_mma_tiler, self.q_dtype, self.kv_slots)
+        q_smem_one = cute.select(q_smem_s, mode=[0, 1, 2])
+        k_smem_one = cute.select(k_smem_s, mode=[0, 1, 2])
+        # (MMA, MMA_N=D, MMA_K, kv_slots): a V tile in its own layout, but in K's slots (same slot stride)
+        v_smem_one = cute.select(utils.sm100.make_smem_layout_b(pv_mma, self.pv_mma_tiler, self.q_dtype, 1), mode=[0, 1, 2])
+        v_smem_s = cute.append(v_smem_one, cute.make_layout(self.kv_slots, stride=cute.cosize(k_smem_one)))
+        # (MMA, MMA_M, MMA_K, 1): P in TMEM as the A operand of P @ V
+        p_tmem_s = utils.sm100.make_smem_layout_a(pv_mma, self.pv_mma_tiler, self.q_dtype, 1)
+
+        # TMA descriptors over (S, D, (H, B)) and (D, Sk, (H, B)): a 128 x D tile of Q, of K, of V.
+        tma_load_op = cpasync.CopyBulkTensorTileG2SOp(self.cta_group)
+        tma_q, tma_tq = cute.nvgpu.make_tiled_tma_atom_A(
+            tma_load_op, q, q_smem_one, self.qk_mma_tiler, qk_mma, cluster_layout_vmnk.shape
+        )
+        tma_k, tma_tk = cute.nvgpu.make_tiled_tma_atom_B(
+            tma_load_op, k, k_smem_one, self.qk_mma_tiler, qk_mma, cluster_layout_vmnk.shape
+        )
+        tma_v, tma_tv = cute.nvgpu.make_tiled_tma_atom_B(
+            tma_load_op, v, v_smem_one, self.pv_mma_tiler, pv_mma, cluster_layout_vmnk.shape
+        )
+        # Bytes each TMA copy moves (its box), and the bytes each pipeline entry arms its full
+        # barrier with: 128 x D x 2 each (16 KiB for D = 64, 32 KiB for D = 128).
+        self.copy_bytes = {
+            name: cute.size_in_bytes(self.q_dtype, layout)
+            for name, layout in (("Q", q_smem_one), ("K", k_smem_one), ("V", v_smem_one))
+        }
+        self.q_tma_bytes = self.copy_bytes["Q"]
+        self.kv_tma_bytes = {"K": self.copy_bytes["K"], "V": self.copy_bytes["V"]}
+        self.kv_slot_bytes = cute.size_in_bytes(self.q_dtype, k_smem_one)
+        # TMEM: S (128 columns) and O (D columns); P lives over S.
+        s_tmem_shape = qk_mma.partition_shape_C(self.qk_mma_tiler[:2])
+        o_tmem_shape = pv_mma.partition_shape_C(self.pv_mma_tiler[:2])
+        self.num_tmem_alloc_cols = get_num_tmem_alloc_cols(
+            [qk_mma.make_fragment_C(s_tmem_shape), pv_mma.make_fragment_C(o_tmem_shape)]
+        )
+
+        @cute.struct
+        class SharedStorage:
+            q_bar: cute.struct.MemRange[Int64, self.q_stage * 2]
+            kv_bar: cute.struct.MemRange[Int64, self.kv_slots * 2]
+            mma_si_bar: cute.struct.MemRange[Int64, self.s_buffers * 2]
+            p_mma_bar: cute.struct.MemRange[Int64, 2]
+            mma_o_bar: cute.struct.MemRange[Int64, 2]
+            tmem_holding: Int32
+            sQ: cute.struct.Align[cute.struct.MemRange[self.q_dtype, cute.cosize(q_smem_s)], self.smem_align]
+            sK: cute.struct.Align[cute.struct.MemRange[self.q_dtype, cute.cosize(k_smem_s)], self.smem_align]
+
+        self.shared_storage = SharedStorage
+        self.shared_memory_bytes = SharedStorage.size_in_bytes()
+
+        # One CTA per 128-row Q tile of one (b, h).
+        grid = (cute.size(c, mode=[0]) // self.qk_mma_tiler[0], cute.size(c, mode=[2]), 1)
+        self.kernel(
+            qk_mma, pv_mma, tma_q, tma_tq, tma_k, tma_tk, tma_v, tma_tv, c, lse, scale_log2, cluster_layout_vmnk,
+            q_smem_s, k_smem_s, v_smem_s, p_tmem_s,
+        ).launch(grid=grid, block=[self.threads_per_cta, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        qk_mma: cute.TiledMma,
+        pv_mma: cute.TiledMma,
+        tma_q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        mV: cute.Tensor,
+        mC: cute.Tensor,
+        mLSE: cute.Tensor,
+        scale_log2: Float32,
+        cluster_layout_vmnk: cute.Layout,
+        q_smem_s: cute.ComposedLayout,
+        k_smem_s: cute.ComposedLayout,
+        v_smem_s: cute.ComposedLayout,
+        p_tmem_s: cute.ComposedLayout,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, bidy, _ = cute.arch.block_idx()
+        tile_coord = (bidx, None, 0)  # (Q tile, every K tile, the one D tile)
+        pv_tile_coord = (bidx, 0, None)  # (Q tile, the one D tile, every KV tile)
+        seqlen_k = mK.shape[0]
+
+        # 1. Prepare
+        if warp_idx == self.tma_warp_id:
+            cpasync.prefetch_descriptor(tma_q)
+            cpasync.prefetch_descriptor(tma_k)
+            cpasync.prefetch_descriptor(tma_v)
+
+        storage = SmemAllocator().allocate(self.shared_storage)
+        # Q buffer and K/V ring: the TMA warp fills (full = the tile's bytes landed), the MMA
+        # warp's tcgen05.commit empties (one arrive). Each has its own barriers and byte count;
+        # a ring entry holds one K or one V tile and arms kv_tma_bytes of it (below).
+        q_prod, q_cons = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.q_bar.data_ptr(),
+            num_stages=self.q_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            tx_count=self.q_tma_bytes,
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        ).make_participants()
+        kv_prod, kv_cons = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.kv_bar.data_ptr(),
+            num_stages=self.kv_slots,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            tx_count=self.kv_tma_bytes["K"],
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        ).make_participants()
+        # S hand-off, MMA -> softmax warps: tcgen05.commit marks S complete (full); the 128
+        # softmax threads each arrive once they have read it (empty).
+        mma_si_prod, mma_si_cons = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.mma_si_bar.data_ptr(),
+            num_stages=self.s_buffers,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * len(self.softmax_warp_ids)),
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        ).make_participants()
+        # P hand-off, softmax warps -> MMA: the 128 threads arrive once P is in TMEM (full);
+        # tcgen05.commit after the PV MMAs marks P's columns free again (empty).
+        p_mma_pipeline = pipeline.PipelineAsyncUmma.create(
+            barrier_storage=storage.p_mma_bar.data_ptr(),
+            num_stages=1,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * len(self.softmax_warp_ids)),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        )
+        p_mma_prod, p_mma_cons = p_mma_pipeline.make_participants()
+        # O hand-off, MMA -> epilogue: tcgen05.commit after the last PV MMA (full).
+        mma_o_prod, mma_o_cons = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.mma_o_bar.data_ptr(),
+            num_stages=1,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * len(self.softmax_warp_ids)),
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        ).make_participants()
+        epilog_sync_bar = pipeline.NamedBarrier(
+            barrier_id=self.epilog_sync_bar_id, num_threads=32 * len(self.softmax_warp_ids)
+        )
+        tmem_alloc_bar = pipeline.NamedBarrier(
+            barrier_id=self.tmem_alloc_bar_id, num_threads=32 * len((self.mma_warp_id, *self.softmax_warp_ids))
+        )
+        tmem = TmemAllocator(
+            storage.tmem_holding.ptr, barrier_for_retrieve=tmem_alloc_bar, allocator_warp_id=self.softmax_warp_ids[0]
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
+
+        # (MMA, MMA_M, MMA_K, q_stage)
+        sQ = storage.sQ.get_tensor(q_smem_s.outer, swizzle=q_smem_s.inner)
+        # (MMA, MMA_N, MMA_K, kv_slots)
+        sK = storage.sK.get_tensor(k_smem_s.outer, swizzle=k_smem_s.inner)
+        # (MMA, MMA_N=D, MMA_K, kv_slots): the same slots viewed as V tiles (V's own swizzle)
+        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, v_smem_s.inner), v_smem_s.outer)
+
+        # This CTA's (b, h): Q (Sq, D), K (Sk, D), V (D, Sk), O (Sq, D) and LSE (Sq).
+        mQ, mK, mV, mC = mQ[(None, None, bidy)], mK[(None, None, bidy)], mV[(None, None, bidy)], mC[(None, None, bidy)]
+        # (bM,): this Q tile's rows of LSE
+        gLSE = cute.local_tile(mLSE[(None, bidy)], (self.qk_mma_tiler[0],), (bidx,))
+        # (bM, D)
+        gQ = cute.local_tile(mQ, self.qk_mma_tiler, tile_coord, proj=(1, None, 1))
+        # (bN, D, kv_tiles)
+        gK = cute.local_tile(mK, self.qk_mma_tiler, tile_coord, proj=(None, 1, 1))
+        # (D, bN, kv_tiles)
+        gV = cute.local_tile(mV, self.pv_mma_tiler, pv_tile_coord, proj=(None, 1, 1))
+        # (bM, D)
+        gC = cute.local_tile(mC, self.pv_mma_tiler, pv_tile_coord, proj=(1, 1, None))
+        kv_tiles = cute.size(gK, mode=[2])
+
+        qk_thr = qk_mma.get_slice(0)
+        pv_thr = pv_mma.get_slice(0)
+        # (MMA, MMA_M, MMA_K)
+        tCgQ = qk_thr.partition_A(gQ)
+        # (MMA, MMA_N, MMA_K, kv_tiles)
+        tCgK = qk_thr.partition_B(gK)
+        # (MMA, MMA_N, MMA_K, kv_tiles)
+        tCgV = pv_thr.partition_B(gV)
+        # (MMA, MMA_M, MMA_N)
+        tCgC = pv_thr.partition_C(gC)
+        # TMA views, one CTA, no multicast: (TMA, q_stage) and (TMA); (TMA, kv_slots) and (TMA, kv_tiles)
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3), cute.group_modes(tCgQ, 0, 3)
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3), cute.group_modes(tCgK, 0, 3)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 3), cute.group_modes(tCgV, 0, 3)
+        )
+        # MMA operands, as shared-memory descriptors. (MMA, MMA_M, MMA_K, q_stage)
+        tCrQ = qk_mma.make_fragment_A(sQ)
+        # (MMA, MMA_N, MMA_K, kv_slots)
+        tCrK = qk_mma.make_fragment_B(sK)
+        # (MMA, MMA_N=D, MMA_K, kv_slots)
+        tCrV = pv_mma.make_fragment_B(sV)
+        # S and O in TMEM; the base address is known once TMEM is allocated. (MMA, MMA_M, MMA_N)
+        tStS_layout = qk_mma.make_fragment_C(qk_thr.partition_shape_C(self.qk_mma_tiler[:2])).layout
+        tOtO_layout = pv_mma.make_fragment_C(pv_thr.partition_shape_C(self.pv_mma_tiler[:2])).layout
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=cluster_layout_vmnk)
+
+        # 2. Main loop by warp role
+        if warp_idx == self.tma_warp_id:
+            # TMA warp: Q once, then every K and V tile, each tile its own ring entry.
+            q_empty = q_prod.acquire_and_advance()
+            cute.copy(tma_q, tQgQ, tQsQ[(None, q_empty.index)], tma_bar_ptr=q_empty.barrier)
+            kv_loads = {"K": (tma_k, tKgK, tKsK), "V": (tma_v, tVgV, tVsV)}
+            for sweep in cutlass.range_constexpr(len(self.kv_producer_entries)):
+                for kt in cutlass.range(kv_tiles, unroll=1):
+                    for name in self.kv_producer_entries[sweep]:
+                        tma, src, dst = kv_loads[name]
+                        # The next slot, once the MMAs that read its previous tile have completed;
+                        # its full barrier expects exactly this tile's bytes.
+                        kv_empty = kv_prod.acquire_and_advance(expected_tx=self.kv_tma_bytes[name])
+                        cute.copy(tma, src[(None, kt)], dst[(None, kv_empty.index)], tma_bar_ptr=kv_empty.barrier)
+            # Every buffer released by the MMA warp before this warp exits.
+            kv_prod.tail()
+            q_prod.tail()
+
+        if warp_idx == self.mma_warp_id:
+            # MMA warp, one thread issues: S_kt = Q @ K_kt^T, then O += P_kt @ V_kt, per KV tile.
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(self.qk_acc_dtype)
+            tStS = cute.make_tensor(tmem_ptr + self.tmem_s_offset, tStS_layout)
+            tOtO = cute.make_tensor(tmem_ptr + self.tmem_o_offset, tOtO_layout)
+            # (MMA, MMA_M, MMA_K): P as 16-bit values in TMEM, over S's columns
+            tOrP = pv_mma.make_fragment_A(cute.make_tensor(tmem_ptr, p_tmem_s.outer))[(None, None, None, 0)]
+            tOrP = cute.make_tensor(cute.recast_ptr(tmem_ptr + self.tmem_p_offset, dtype=self.q_dtype), tOrP.layout)
+            # Waits, like the softmax warps, until the PV MMAs of the previous tile have read P
+            p_free = p_mma_pipeline.make_producer()
+            q_full = q_cons.wait_and_advance()
+            o_empty = mma_o_prod.acquire_and_advance()
+            for kt in cutlass.range(kv_tiles, unroll=1):
+                kv_full = kv_cons.wait_and_advance()  # ring entry: K_kt
+                # The softmax warps have read the previous S: it may be overwritten.
+                s_empty = mma_si_prod.acquire_and_advance()
+                # S_kt overwrites P_(kt-1), which sits in S's columns: wait until the PV MMAs of
+                # tile kt-1 have completed (PTX keeps two tcgen05.mma in issue order only when
+                # they share accumulator and shape; QK writes S, PV writes O).
+                p_free.acquire_and_advance()
+                # The first MMA of each K tile overwrites S, the others accumulate over D.
+                qk_mma.set(tcgen05.Field.ACCUMULATE, False)
+                for kb in cutlass.range_constexpr(cute.size(tCrQ, mode=[2])):
+                    # S += Q[:, 16 kb : 16 kb + 16] @ K_kt[:, 16 kb : 16 kb + 16]^T  (128 x 128 x 16)
+                    cute.gemm(qk_mma, tStS, tCrQ[(None, None, kb, q_full.index)], tCrK[(None, None, kb, kv_full.index)], tStS)
+                    qk_mma.set(tcgen05.Field.ACCUMULATE, True)
+                # tcgen05.commit: S is full once these MMAs have completed ...
+                s_empty.commit()
+                # ... and the K slot is empty once they have read it.
+                kv_full.release()
+                # the softmax warps have written P_kt and rescaled O
+                p_full = p_mma_cons.wait_and_advance()
+                v_full = kv_cons.wait_and_advance()  # ring entry: V_kt
+                # O starts afresh with the first KV tile, then accumulates over the KV tiles.
+                pv_mma.set(tcgen05.Field.ACCUMULATE, kt != 0)
+                for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                    # O += P_kt[:, 16 kb : 16 kb + 16] @ V_kt[16 kb : 16 kb + 16, :]  (128 x D x 16)
+                    cute.gemm(pv_mma, tOtO, tOrP[(None, None, kb)], tCrV[(None, None, kb, v_full.index)], tOtO)
+                    pv_mma.set(tcgen05.Field.ACCUMULATE, True)
+                # P's columns and the V slot are free once these MMAs have completed.
+                p_full.release()
+                v_full.release()
+            # Q stays resident until the last MMA; then its buffer is released too.
+            q_full.release()
+            # O is complete once every MMA above has completed.
+            o_empty.commit()
+
+        if warp_idx < self.mma_warp_id:
+            # Softmax warps: warp 0 allocates TMEM, all four run the softmax and the epilogue.
+            tmem.allocate(self.num_tmem_alloc_cols)
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(self.qk_acc_dtype)
+            tStS = cute.make_tensor(tmem_ptr + self.tmem_s_offset, tStS_layout)
+            tOtO = cute.make_tensor(tmem_ptr + self.tmem_o_offset, tOtO_layout)
+
+            # Thread t of warp w owns row 32 w + t (a warp may only read its own 32 TMEM lanes).
+            epi_tiler = ((cute.size(tStS, mode=[0, 0]), self.tmem_load_cols),)
+            # ((128, 32), 4): S cut into 4 column slices of 32
+            tStS_epi = cute.zipped_divide(tStS, epi_tiler)
+            tmem_load = tcgen05.make_tmem_copy(
+                cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), self.qk_acc_dtype), tStS_epi[(None, 0)]
+            )
+            thr_load = tmem_load.get_slice(tidx)
+            # (T2R, T2R_M, slices): this thread's row of S in TMEM, and its (row, column) coordinates
+            tTR_tS = thr_load.partition_S(tStS_epi)
+            tTR_cS = thr_load.partition_D(
+                cute.zipped_divide(qk_thr.partition_C(cute.make_identity_tensor(self.qk_mma_tiler[:2])), epi_tiler)
+            )
+            # (T2R, T2R_M, slices): the whole row, 128 fp32 registers
+            tTR_rS = cute.make_rmem_tensor(tTR_cS.shape, self.qk_acc_dtype)
+            # P over S's columns, as 32-bit TMEM cells holding two 16-bit values: (128, 64)
+            p_cells = self.qk_mma_tiler[1] * self.q_dtype.width // 32
+            tStP = cute.make_tensor(
+                tStS.iterator + self.tmem_p_offset,
+                cute.composition(tStS.layout, cute.make_layout((cute.size(tStS, mode=[0, 0]), p_cells))),
+            )
+            # tcgen05.st.32x32b.x32: each thread writes 32 cells of its row per store, 2 stores
+            tmem_store = tcgen05.make_tmem_copy(
+                cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition.x32), self.qk_acc_dtype), tStP
+            )
+            thr_store = tmem_store.get_slice(tidx)
+            # (R2T, R2T_M, stores): this thread's row of P in TMEM, and the 64 registers it comes from
+            tRT_tP = thr_store.partition_D(tStP)
+            tRT_rP = cute.make_rmem_tensor(thr_store.partition_S(tStP).shape, self.qk_acc_dtype)
+            # The same 64 registers as 128 16-bit values, in S's column order
+            tTR_rP = cute.make_tensor(cute.recast_ptr(tRT_rP.iterator, dtype=self.q_dtype), tTR_rS.layout)
+
+            # O, for the rescale and the epilogue. ((128, 32), D / 32): O cut into column slices of 32
+            tOtO_epi = cute.zipped_divide(tOtO, epi_tiler)
+            # (T2R, T2R_M, slices): this thread's row of O in TMEM and in global memory
+            tTR_tO = thr_load.partition_S(tOtO_epi)
+            tTR_gC = thr_load.partition_D(cute.zipped_divide(tCgC, epi_tiler))
+            # (T2R, T2R_M): 32 fp32 registers, and the same values in the output dtype
+            tTR_rO = cute.make_rmem_tensor(tTR_gC[(None, None, 0)].shape, self.pv_acc_dtype)
+            tTR_rC = cute.make_rmem_tensor(tTR_gC[(None, None, 0)].shape, self.c_dtype)
+            # tcgen05.st.32x32b.x32: the rescaled O back into the same 32 columns
+            tmem_store_o = tcgen05.make_tmem_copy(
+                cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition.x32), self.pv_acc_dtype), tOtO_epi[(None, 0)]
+            )
+            tRT_tO = tmem_store_o.get_slice(tidx).partition_D(tOtO_epi)
+
+            # One pass: row_max and row_sum run over the KV tiles; O is rescaled when row_max grows.
+            row_max = -Float32.inf
+            row_sum = Float32(0.0)
+            for kt in cutlass.range(kv_tiles, unroll=1):
+                s_full = mma_si_cons.wait_and_advance()
+                cute.copy(tmem_load, tTR_tS, tTR_rS)
+                # tcgen05.ld is asynchronous: tcgen05.wait::ld before the registers are read.
+                cute.arch.fence_view_async_tmem_load()
+                s_full.release()
+                if cutlass.const_expr(seqlen_k % self.qk_mma_tiler[1] != 0):
+                    # Keys at or beyond Sk (zeros from TMA) get S = -inf: weight exp2(-inf) = 0.
+                    for i in cutlass.range(cute.size(tTR_rS), unroll_full=True):
+                        if kt * self.qk_mma_tiler[1] + tTR_cS[i][1] >= seqlen_k:
+                            tTR_rS[i] = -Float32.inf
+                row_max_new = cute.arch.fmax(row_max, tTR_rS.load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0))
+                # row_scale = exp(scale * (old max - new max)): what the sum and O so far are multiplied by
+                row_scale = cute.math.exp2((row_max - row_max_new) * scale_log2, fastmath=True)
+                # P_kt = exp(scale * (S_kt - new max))
+                row_max_scaled = row_max_new * scale_log2
+                for i in cutlass.range(cute.size(tTR_rS), unroll_full=True):
+                    tTR_rS[i] = cute.math.exp2(tTR_rS[i] * scale_log2 - row_max_scaled, fastmath=True)
+                row_sum = row_sum * row_scale + tTR_rS.load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                row_max = row_max_new
+                tTR_rP.store(tTR_rS.load().to(self.q_dtype))
+                # The PV MMAs of tile kt-1 have completed: P's columns are free, and O holds
+                # sum_(j < kt) P_j @ V_j, relative to the old max.
+                p_empty = p_mma_prod.acquire_and_advance()
+                if kt > 0:
+                    # O *= row_scale, in TMEM: tcgen05.ld, multiply, tcgen05.st, 32 columns at a time
+                    for i in cutlass.range_constexpr(cute.size(tTR_tO, mode=[2])):
+                        cute.copy(tmem_load, tTR_tO[(None, None, i)], tTR_rO)
+                        cute.arch.fence_view_async_tmem_load()
+                        tTR_rO.store(row_scale * tTR_rO.load())
+                        cute.copy(tmem_store_o, tTR_rO, tRT_tO[(None, None, i)])
+                cute.copy(tmem_store, tRT_rP, tRT_tP)
+                # tcgen05.st is asynchronous: tcgen05.wait::st (P and O) before the MMA warp is told.
+                cute.arch.fence_view_async_tmem_store()
+                p_empty.commit()
+
+            # 3. Epilogue: TMEM -> registers (tcgen05.ld) -> O / row_sum -> O in global memory; LSE
+            inv_row_sum = cute.arch.rcp_approx(row_sum)
+            o_full = mma_o_cons.wait_and_advance()
+            for i in cutlass.range_constexpr(cute.size(tTR_tO, mode=[2])):
+                cute.copy(tmem_load, tTR_tO[(None, None, i)], tTR_rO)
+                cute.arch.fence_view_async_tmem_load()
+                # O = (sum_kt P_kt @ V_kt) / row_sum, in the input dtype
+                tTR_rC.store((inv_row_sum * tTR_rO.load()).to(self.c_dtype))
+                cute.autovec_copy(tTR_rC, tTR_gC[(None, None, i)])
+            # LSE = log(sum_j exp(scale * S_j)) = scale * row_max + log(row_sum), natural log, fp32
+            gLSE[tidx] = (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)) * math.log(2.0)
+            o_full.release()
+
+            # All four softmax warps are done with TMEM before warp 0 frees it.
+            tmem.relinquish_alloc_permit()
+            epilog_sync_bar.arrive_and_wait()
+            tmem.free(tmem_ptr)
+
+
+def compile_args(dtype, shape, scale=None):
+    """(kernel, args) for cute.compile with fake tensors: shape = (B, H, Sq, Sk, D)."""
+    B, H, Sq, Sk, D = shape
+    kernel = Sm100Kernel(cute_dtype(dtype), D)
+    q, k, v = fake_tensor(dtype, (B, H, Sq, D)), fake_tensor(dtype, (B, H, Sk, D)), fake_tensor(dtype, (B, H, Sk, D))
+    o = fake_tensor(dtype, (B, H, Sq, D))
+    lse = fake_tensor(torch.float32, (B, H, Sq))
+    return kernel, (q, k, v, o, lse, checks.check_scale(scale, D) * math.log2(math.e), fake_stream())
+
+
+def attention(q, k, v, scale=None, return_lse=False):
+    """O = softmax(scale * Q @ K^T) @ V for Q (B, H, Sq, D) and K, V (B, H, Sk, D), any Sk,
+    all bf16 or all fp16, D contiguous, D in {64, 128}; scale defaults to 1/sqrt(D). O (B, H, Sq, D)
+    in the input dtype; with return_lse, also LSE = logsumexp(scale * Q @ K^T) (B, H, Sq) in fp32,
+    natural log."""
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"argument 'return_lse': expected a bool, got {type(return_lse).__name__}")
+    B, H, Sq, Sk, D = checks.check_attention_args(q, k, v)
+    scale = checks.check_scale(scale, D)
+    bM, _, _ = Sm100Kernel(cute_dtype(q.dtype), D).qk_mma_tiler
+    checks.check_multiple("Sq = q.shape[2]", Sq, bM, "each CTA stores whole 128-row tiles of O, unmasked")
+    checks.check_max("B * H", B * H, 65535, "one CTA row per (b, h) in the grid's y dimension")
+
+    with torch.cuda.device(q.device):
+        o = empty_output((B, H, Sq, D), q.dtype, q.device)
+        lse = empty_output((B, H, Sq), torch.float32, q.device)
+        args = (to_cute(q), to_cute(k), to_cute(v), to_cute(o), to_cute(lse))
+        # The CuTe views have static shapes and strides: one compiled kernel per layout.
+        key = ("stage5", "blackwell", q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride())
+        # exp(scale * x) = exp2(scale * log2(e) * x): the kernel takes the folded multiplier.
+        scale_log2 = scale * math.log2(math.e)
+        compiled = cached_compile(key, Sm100Kernel(cute_dtype(q.dtype), D), *args, scale_log2, current_stream())
+        compiled(*args, scale_log2, current_stream())
+    return (o, lse) if return_lse else o

@@ -1,0 +1,187 @@
+"""Stage 2 (Blackwell): S = scale * Q @ K^T per (batch, head) on sm_100a, Q resident, K streaming.
+
+- Compile-only tests need no GPU: the sm_100a PTX must hold the rank-4 TMA loads, the
+  tcgen05.mma of one S tile (D / 16 of them), TMEM allocation and the tcgen05.ld epilogue.
+  They run in CI.
+- GPU tests (marker gpu_blackwell) compare S with an fp64 reference for head dims 64 and 128,
+  several (B, H, Sq, Sk), bf16 and fp16, the default and an explicit scale, and Q/K given as
+  transposed views of (B, S, H, D) tensors. S is poisoned with NaN before the launch. As of
+  2026-11-29 no sm_100 GPU was available: these tests have not run yet.
+- Bad-input tests: every error names the argument; the CPU-tensor ones run in CI.
+"""
+import pytest
+import torch
+
+from common import checker, inputs, reference
+from common.compile import compile_only
+from stages.stage2_qk import blackwell
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def dtype_id(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def shape_id(shape):
+    return "x".join(map(str, shape))
+
+
+# ---------------------------------------------------------------- compile-only (no GPU)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("shape", [(2, 4, 512, 512, 128), (2, 4, 512, 384, 64)], ids=shape_id)
+def test_compiles_for_sm100a(dtype, shape):
+    B, H, Sq, Sk, D = shape
+    report = compile_only(2, "blackwell", dtype=dtype, shape=shape)
+    counts, ptx = report.counts, report.ptx
+    assert ".target sm_100a" in ptx
+    # One S tile = D / 16 tcgen05.mma 128 x 128 x 16, in the (not unrolled) loop over K tiles.
+    assert counts["tcgen05.mma"] == D // 16, report.summary()
+    assert "tcgen05.mma.cta_group::1.kind::f16" in ptx
+    assert counts["wgmma.mma_async"] == 0
+    assert counts["tcgen05.alloc"] == 1 and counts["tcgen05.dealloc"] == 1, report.summary()
+    # tcgen05.commit: S complete and K slot free (per K tile), Q free (once).
+    assert counts["tcgen05.commit"] == 3, report.summary()
+    # The softmax warps read each S tile in 4 loads of 32 fp32 columns, each waited for.
+    assert counts["tcgen05.ld"] == 4 and "tcgen05.ld.sync.aligned.32x32b.x32.b32" in ptx, report.summary()
+    assert ptx.count("tcgen05.wait::ld") == 4
+    # Rank-4 TMA over (S, D, H, B): a 128 x D tile is D / 64 boxes of 128-byte rows, for Q
+    # (once) and for K (per K tile).
+    assert "cp.async.bulk.tensor.4d" in ptx
+    assert counts["cp.async.bulk.tensor (load)"] == 2 * (D // 64), report.summary()
+    # Barriers: full + empty for Q (1 buffer), the K ring (kv_slots = 2) and S (1 tile).
+    assert counts["mbarrier.init"] == 2 * (1 + 2 + 1), report.summary()
+    assert "mbarrier.arrive.expect_tx" in ptx and counts["mbarrier.try_wait"] >= 4
+    # Q + 2 K slots, 128 x D x 2 bytes each, plus 1 KiB for the barriers.
+    assert report.shared_memory_bytes == 3 * 128 * D * 2 + 1024, report.summary()
+    if report.resources and "spill_stores" in report.resources:
+        assert report.resources["spill_stores"] == 0 and report.resources["spill_loads"] == 0, report.summary()
+    assert report.seconds < 60, report.summary()
+
+
+# ---------------------------------------------------------------- numerics on an sm_100 GPU
+
+
+SHAPES = [
+    (1, 1, 128, 128, 64),  # one CTA, one K tile
+    (1, 1, 128, 128, 128),
+    (2, 4, 512, 512, 64),
+    (2, 4, 512, 512, 128),
+    (3, 5, 256, 1024, 128),  # 15 heads; 8 K tiles: each of the 2 slots reused 4 times
+    (1, 2, 1024, 256, 64),  # 8 Q tiles per head, 2 K tiles
+    (4, 8, 128, 384, 64),  # 3 K tiles: an odd number through the 2-slot ring
+]
+
+
+def run_qk(q, k, scale=None):
+    return checker.run_with_deadline(lambda: blackwell.qk(q, k, scale), seconds=120, what="stage 2 blackwell qk")
+
+
+def check_qk(q, k, s, scale=None):
+    # Products of bf16/fp16 values are exact in fp32 and S is stored in fp32: the only error is
+    # the tensor core's fp32 accumulation over D terms (its own order and truncation, around
+    # 1e-7 to 1e-6 relative). 1e-4 leaves margin yet fails S rounded to bf16 (~2e-3 relative)
+    # or a scale off by 1% (~1e-2). PyTorch's bf16 matmul rounds S to bf16, so its error is no
+    # yardstick here.
+    B, H, Sq, D = q.shape
+    assert s.shape == (B, H, Sq, k.shape[2]) and s.dtype == torch.float32
+    return checker.check_close("S", s, reference.qk_ref(q, k, scale), rtol=1e-4)
+
+
+@pytest.mark.gpu_blackwell
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_qk_matches_fp64_reference(shape, dtype):
+    B, H, Sq, Sk, D = shape
+    q, k, _ = inputs.attention_inputs(B, H, Sq, Sk, D, dtype, seed=B + H + Sq + Sk + D)
+    check_qk(q, k, run_qk(q, k))
+
+
+@pytest.mark.gpu_blackwell
+def test_qk_explicit_scale():
+    q, k, _ = inputs.attention_inputs(2, 2, 256, 256, 64, torch.bfloat16, seed=11)
+    check_qk(q, k, run_qk(q, k, 0.3), 0.3)
+
+
+@pytest.mark.gpu_blackwell
+def test_qk_reads_transposed_bshd_views():
+    # Q, K stored as (B, S, H, D) and passed as (B, H, S, D) views: S stride H * D, H stride D.
+    B, H, Sq, Sk, D = 2, 3, 256, 384, 128
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q_bshd = torch.randn(B, Sq, H, D, generator=g, device="cuda").to(torch.bfloat16)
+    k_bshd = torch.randn(B, Sk, H, D, generator=g, device="cuda").to(torch.bfloat16)
+    q, k = q_bshd.transpose(1, 2), k_bshd.transpose(1, 2)
+    assert not q.is_contiguous() and q.stride(-1) == 1
+    check_qk(q, k, run_qk(q, k))
+
+
+@pytest.mark.gpu_blackwell
+def test_stage_package_dispatches_to_blackwell():
+    from stages.stage2_qk import qk
+
+    q, k, _ = inputs.attention_inputs(1, 2, 256, 256, 128, torch.bfloat16, seed=3)
+    check_qk(q, k, checker.run_with_deadline(lambda: qk(q, k), seconds=120))
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def cpu_qk(B=1, H=2, Sq=128, Sk=128, D=64, dtype=torch.bfloat16):
+    return torch.zeros(B, H, Sq, D, dtype=dtype), torch.zeros(B, H, Sk, D, dtype=dtype)
+
+
+def test_rejects_cpu_tensors():
+    q, k = cpu_qk()
+    with pytest.raises(ValueError, match="argument 'q': must be a CUDA tensor"):
+        blackwell.qk(q, k)
+
+
+def test_rejects_unsupported_dtype():
+    q, k = cpu_qk(dtype=torch.float32)
+    with pytest.raises(TypeError, match="argument 'q': dtype float32 is not supported"):
+        blackwell.qk(q, k)
+
+
+def test_rejects_wrong_rank():
+    q, k = cpu_qk()
+    with pytest.raises(ValueError, match="argument 'q': expected a rank-4 tensor"):
+        blackwell.qk(q[0], k)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (any)")
+
+
+def gpu_qk(B=1, H=2, Sq=128, Sk=128, D=64, Hk=None, Dk=None, dtype=torch.bfloat16):
+    q = torch.ones(B, H, Sq, D, dtype=dtype, device="cuda")
+    k = torch.ones(B, Hk or H, Sk, Dk or D, dtype=dtype, device="cuda")
+    return q, k
+
+
+@needs_cuda
+def test_rejects_mismatched_heads_and_head_dims():
+    with pytest.raises(ValueError, match="heads"):
+        blackwell.qk(*gpu_qk(H=2, Hk=4))
+    with pytest.raises(ValueError, match="head dim"):
+        blackwell.qk(*gpu_qk(D=64, Dk=128))
+
+
+@needs_cuda
+def test_rejects_unsupported_head_dim():
+    with pytest.raises(ValueError, match="head dim D = 96 is not supported"):
+        blackwell.qk(*gpu_qk(D=96))
+
+
+@needs_cuda
+def test_rejects_lengths_that_are_not_whole_tiles():
+    with pytest.raises(ValueError, match=r"Sq = q.shape\[2\] = 200 must be a multiple of 128"):
+        blackwell.qk(*gpu_qk(Sq=200))
+    with pytest.raises(ValueError, match=r"Sk = k.shape\[2\] = 136 must be a multiple of 128"):
+        blackwell.qk(*gpu_qk(Sk=136))
+
+
+@needs_cuda
+def test_rejects_bad_scale():
+    with pytest.raises(ValueError, match="argument 'scale'"):
+        blackwell.qk(*gpu_qk(), scale=-1.0)

@@ -1,0 +1,170 @@
+"""Stage 2 (Hopper): S = scale * Q K^T in fp32, batched over (batch, head) with rank-4 TMA, Q
+resident in shared memory and K tiles streaming through the pipeline.
+
+- Compile-only tests need no GPU: the sm_90a PTX must hold the m64n128k16 wgmma, the TMA loads
+  of Q and K and the TMA store of S, the mbarrier waits.
+- GPU tests (marker gpu_hopper) compare S with an fp64 reference on full and partial tiles,
+  B * H above the 132 SMs, Sq = 1, more K tiles than pipeline slots, both dtypes, D = 64 and 128,
+  large logits. Outputs are poisoned with NaN before the launch (common.checker.empty_output),
+  so an element the kernel never writes fails.
+- Bad input: every error names the argument.
+"""
+import pytest
+import torch
+
+from common import checker, inputs, reference
+from common.compile import compile_only
+from stages.stage2_qk import hopper
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def dtype_id(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def shape_id(shape):
+    return "x".join(map(str, shape))
+
+
+# ---------------------------------------------------------------- compile-only (no GPU)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("D", [64, 128])
+def test_compiles_for_sm90a(dtype, D):
+    report = compile_only(2, "hopper", dtype=dtype, shape=(2, 4, 512, 512, D))
+    counts, ptx = report.counts, report.ptx
+    ab = "bf16" if dtype == torch.bfloat16 else "f16"
+    # One K tile: D / 16 m64n128k16 wgmma per warpgroup, both operands from shared memory.
+    assert f"wgmma.mma_async.sync.aligned.m64n128k16.f32.{ab}.{ab}" in ptx
+    assert counts["wgmma.mma_async"] == D // 16, report.summary()
+    # Rank-4 TMA: Q and K tiles addressed by (row, 0, head, batch); S stored by TMA.
+    assert "cp.async.bulk.tensor.4d.shared::cta.global" in ptx
+    assert counts["cp.async.bulk.tensor (load)"] >= 2 and counts["cp.async.bulk.tensor (store)"] >= 1
+    assert counts["mbarrier.try_wait"] >= 3 and "mbarrier.arrive.expect_tx" in ptx
+    # Q + 2 K slots + the fp32 S staging tile, D = 128: 32 + 64 + 64 = 160 KB.
+    assert report.shared_memory_bytes <= (160 + 2) * 1024
+    if report.resources and "spill_stores" in report.resources:
+        assert report.resources["spill_stores"] == 0 and report.resources["spill_loads"] == 0, report.summary()
+
+
+# ---------------------------------------------------------------- numerics on the H200
+
+
+def run(q, k, scale=None):
+    # A deadlocked pipeline (a barrier phase that never completes) fails instead of hanging.
+    return checker.run_with_deadline(lambda: hopper.qk(q, k, scale), seconds=120, what="stage 2 hopper")
+
+
+def check_s(s, q, k, scale=None):
+    """S against the fp64 reference. S is written in fp32, so only the order of the fp32
+    accumulation inside wgmma separates it from the reference (~1e-6 relative). PyTorch's own
+    bf16/fp16 Q @ K^T rounds every score to the input dtype (unit roundoff 2^-8 / 2^-11): the
+    bound 1e-4 is far below that error, which is printed alongside."""
+    B, H, Sq, D = q.shape
+    assert s.shape == (B, H, Sq, k.shape[2]) and s.dtype == torch.float32
+    scale = D**-0.5 if scale is None else scale
+    torch_lowp = (q @ k.transpose(-1, -2)) * scale
+    return checker.check_close("S", s, reference.qk_ref(q, k, scale), rtol=1e-4, torch_lowp=torch_lowp)
+
+
+SHAPES = [
+    (1, 1, 128, 128, 64),
+    (1, 1, 128, 128, 128),
+    (2, 3, 200, 260, 128),  # tails: Sq = 128 + 72, Sk = 2 x 128 + 4
+    (4, 40, 256, 512, 64),  # B * H = 160 (h, b) pairs, 320 CTAs: more than the 132 SMs
+    (1, 2, 1, 4, 128),  # one query, four keys
+    (2, 2, 1000, 1000, 64),
+    (1, 1, 384, 2048, 128),  # 16 K tiles through 2 slots: each slot refilled 7 times
+]
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_qk_matches_fp64_reference(shape, dtype):
+    q, k, _ = inputs.attention_inputs(*shape, dtype, seed=sum(shape))
+    check_s(run(q, k), q, k)
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_large_logits_and_explicit_scale(dtype):
+    q, k, _ = inputs.attention_inputs(2, 4, 256, 384, 128, dtype, seed=3, logit_scale=10.0)
+    s = run(q, k, scale=0.2)
+    check_s(s, q, k, scale=0.2)
+    assert s.abs().max() > 30
+
+
+@pytest.mark.gpu_hopper
+def test_strided_inputs():
+    # Q, K as (B, H, S, D) views of (B, S, H, D) tensors: D contiguous, other strides arbitrary.
+    B, H, Sq, Sk, D = 2, 3, 192, 320, 64
+    q4, k4 = (t.transpose(1, 2).contiguous() for t in inputs.attention_inputs(B, H, Sq, Sk, D, seed=7)[:2])
+    q, k = q4.transpose(1, 2), k4.transpose(1, 2)
+    assert not q.is_contiguous()
+    check_s(run(q, k), q, k)
+
+
+@pytest.mark.gpu_hopper
+def test_stage_package_dispatches_to_hopper():
+    from stages.stage2_qk import qk
+
+    q, k, _ = inputs.attention_inputs(1, 2, 128, 256, 64, seed=8)
+    check_s(checker.run_with_deadline(lambda: qk(q, k), seconds=120), q, k)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def cpu_qk(B=1, H=2, Sq=64, Sk=64, D=64, dtype=torch.bfloat16):
+    return torch.zeros(B, H, Sq, D, dtype=dtype), torch.zeros(B, H, Sk, D, dtype=dtype)
+
+
+def test_rejects_cpu_tensors():
+    with pytest.raises(ValueError, match="argument 'q': must be a CUDA tensor"):
+        hopper.qk(*cpu_qk())
+
+
+def test_rejects_unsupported_dtype():
+    with pytest.raises(TypeError, match="argument 'q': dtype float32 is not supported"):
+        hopper.qk(*cpu_qk(dtype=torch.float32))
+
+
+def test_rejects_wrong_rank():
+    q, k = cpu_qk()
+    with pytest.raises(ValueError, match="argument 'q': expected a rank-4 tensor"):
+        hopper.qk(q[0], k)
+
+
+def gpu_qk(B=1, H=2, Sq=64, Sk=64, D=64, dtype=torch.bfloat16):
+    return inputs.attention_inputs(B, H, Sq, Sk, D, dtype)[:2]
+
+
+@pytest.mark.gpu_hopper
+def test_rejects_unsupported_head_dim():
+    with pytest.raises(ValueError, match="head dim D = 32 is not supported; allowed: 64, 128"):
+        hopper.qk(*gpu_qk(D=32))
+
+
+@pytest.mark.gpu_hopper
+def test_rejects_mismatched_shapes():
+    q, k = gpu_qk()
+    with pytest.raises(ValueError, match="heads"):
+        hopper.qk(q, torch.cat([k, k], dim=1))
+    with pytest.raises(ValueError, match="head dim"):
+        hopper.qk(q, k[..., :32].contiguous())
+
+
+@pytest.mark.gpu_hopper
+def test_rejects_sk_that_breaks_tma_alignment():
+    with pytest.raises(ValueError, match=r"Sk = k.shape\[2\] = 130 must be a multiple of 4"):
+        hopper.qk(*gpu_qk(Sk=130))
+
+
+@pytest.mark.gpu_hopper
+def test_rejects_mixed_dtypes():
+    q, k = gpu_qk()
+    with pytest.raises(TypeError, match="must share one dtype"):
+        hopper.qk(q, k.half())

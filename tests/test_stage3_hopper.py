@@ -1,0 +1,232 @@
+"""Stage 3 (Hopper): O = softmax(scale * Q K^T) V for Sk <= one KV tile, softmax in registers.
+
+- Compile-only tests need no GPU: the sm_90a PTX must hold both wgmma shapes (the second with P
+  from registers), the TMA loads, the mbarrier waits, the quad shuffles and one ex2 per score.
+- GPU tests (marker gpu_hopper) compare O with an fp64 reference on full and partial KV tiles,
+  B * H above the 132 SMs, Sq = 1, tails, both dtypes and D = 64 and 128, and on inputs built to
+  stress the softmax: logits of magnitude tens, one key far above the rest (in the last column
+  or in the middle), constant rows. Outputs are poisoned with NaN before the launch
+  (common.checker.empty_output), so an element the kernel never writes fails.
+- Bad input: every error names the argument; an Sk above one tile points to stage 4.
+"""
+import pytest
+import torch
+
+from common import checker, inputs, reference
+from common.compile import compile_only
+from stages.stage3_softmax import hopper
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def dtype_id(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def shape_id(shape):
+    return "x".join(map(str, shape))
+
+
+# ---------------------------------------------------------------- compile-only (no GPU)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("D", [64, 128])
+def test_compiles_for_sm90a(dtype, D):
+    report = compile_only(3, "hopper", dtype=dtype, shape=(2, 4, 512, 128, D))
+    counts, ptx = report.counts, report.ptx
+    ab = "bf16" if dtype == torch.bfloat16 else "f16"
+    # S = Q K^T: D / 16 m64n128k16 wgmma with both operands in shared memory (two descriptors).
+    assert f"wgmma.mma_async.sync.aligned.m64n128k16.f32.{ab}.{ab}" in ptx
+    # O = P V: 128 / 16 = 8 m64nDk16 wgmma whose A operand is 4 registers of P.
+    pv = [ln for ln in ptx.splitlines() if f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{ab}.{ab}" in ln]
+    assert sum("}, {%r" in ln for ln in pv) == 8, report.summary()
+    assert counts["wgmma.mma_async"] == D // 16 + 8, report.summary()
+    # Q, K and V by TMA, O stored by TMA; consumers wait on mbarriers.
+    assert counts["cp.async.bulk.tensor (load)"] >= 3 and counts["cp.async.bulk.tensor (store)"] >= 1
+    assert counts["mbarrier.try_wait"] >= 3 and "mbarrier.arrive.expect_tx" in ptx
+    # One exp2 per score: 64 per thread (2 rows x 32 columns); max and sum over the quad.
+    assert counts["ex2.approx"] == 64, report.summary()
+    assert counts["shfl.sync"] >= 8
+    # Q + 2 slots, D = 128: 96 KB.
+    assert report.shared_memory_bytes <= (96 + 2) * 1024
+    if report.resources and "spill_stores" in report.resources:
+        assert report.resources["spill_stores"] == 0 and report.resources["spill_loads"] == 0, report.summary()
+
+
+# ---------------------------------------------------------------- numerics on the H200
+
+
+def run(q, k, v, scale=None):
+    # A deadlocked pipeline (a barrier phase that never completes) fails instead of hanging.
+    return checker.run_with_deadline(lambda: hopper.attention(q, k, v, scale), seconds=120, what="stage 3 hopper")
+
+
+def check_attention(o, q, k, v, scale=None):
+    """O against the fp64 reference. The kernel rounds P to the input dtype before P @ V and O
+    at the end (unit roundoff 2^-8 in bf16, 2^-11 in fp16), on top of fp32 softmax and
+    accumulation. PyTorch's own attention in the input dtype (SDPA math backend, same inputs,
+    same reference) makes errors of that size too: the bound is 3x PyTorch's error, never
+    below 2 roundings of the output dtype (PyTorch's error can be ~0 when the answer is a row
+    of V, as with one dominant key) and never above 1e-2."""
+    assert o.shape == q.shape and o.dtype == q.dtype
+    ref = reference.attention_ref(q, k, v, scale)[0]
+    torch_err = checker.rel_err(reference.attention_lowp(q, k, v, scale), ref)
+    floor = 2 * (2.0**-8 if q.dtype == torch.bfloat16 else 2.0**-11)
+    return checker.check_close("O", o, ref, rtol=min(1e-2, max(3 * torch_err, floor)))
+
+
+SHAPES = [
+    (1, 1, 128, 128, 64),
+    (1, 1, 128, 128, 128),
+    (2, 3, 200, 77, 128),  # Sq tail (200 = 128 + 72) and a partial KV tile (77 keys, 51 masked)
+    (4, 40, 256, 128, 64),  # B * H = 160 (h, b) pairs, 320 CTAs: more than the 132 SMs
+    (1, 2, 1, 1, 128),  # one query, one key
+    (2, 2, 1000, 128, 64),
+    (1, 1, 300, 64, 128),
+]
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_attention_matches_fp64_reference(shape, dtype):
+    q, k, v = inputs.attention_inputs(*shape, dtype, seed=sum(shape))
+    check_attention(run(q, k, v), q, k, v)
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("D", [64, 128])
+def test_large_logits(dtype, D):
+    # Q scaled by 10: scale * Q K^T has standard deviation ~10, so |S| reaches 30-50 and
+    # exp(S - row_max) spans the whole fp32 range.
+    q, k, v = inputs.attention_inputs(2, 4, 256, 128, D, dtype, seed=3, logit_scale=10.0)
+    s = reference.qk_ref(q, k)
+    assert s.abs().max() > 30
+    check_attention(run(q, k, v), q, k, v)
+
+
+def peaked_inputs(B, H, Sq, Sk, D, dtype, hot, seed):
+    """Every query row meets one key (index `hot`) whose logit is ~4 sqrt(D) (32 for D = 64,
+    45 for D = 128) while the others stay within a few units: the row max sits at `hot`."""
+    q, k, v = inputs.attention_inputs(B, H, Sq, Sk, D, torch.float32, seed)
+    u = torch.where(torch.arange(D, device=q.device) % 3 == 0, -1.0, 1.0)  # a +-1 direction
+    q, k = 0.5 * q + u, 0.5 * k
+    k[:, :, hot] = 4 * u
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("where", ["last", "middle"])
+def test_one_dominant_key(dtype, where):
+    Sk = 128
+    hot = Sk - 1 if where == "last" else 45
+    q, k, v = peaked_inputs(2, 2, 256, Sk, 128, dtype, hot, seed=5)
+    s = reference.qk_ref(q, k)
+    assert (s.argmax(-1) == hot).all()  # the row max is in column `hot` for every row
+    o = run(q, k, v)
+    check_attention(o, q, k, v)
+    # P is ~1 at `hot` and < e^-25 elsewhere: O is V's row `hot`.
+    torch.testing.assert_close(o.float(), v[:, :, hot : hot + 1].float().expand_as(o), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_constant_rows(dtype):
+    # All keys equal: every row of S is constant, P = 1 / Sk, O = the mean of V's rows.
+    q, k, v = inputs.attention_inputs(2, 2, 200, 100, 64, dtype, seed=6)
+    k = k[:, :, :1].expand_as(k).contiguous()
+    o = run(q, k, v)
+    check_attention(o, q, k, v)
+    torch.testing.assert_close(o.float(), v.float().mean(2, keepdim=True).expand_as(o), rtol=2e-2, atol=1e-2)
+
+
+@pytest.mark.gpu_hopper
+def test_explicit_scale_and_strided_inputs():
+    # Q, K, V as (B, H, S, D) views of (B, S, H, D) tensors (the layout of many models): D
+    # contiguous, the other strides arbitrary. And a scale other than 1/sqrt(D).
+    B, H, Sq, Sk, D = 2, 3, 192, 96, 128
+    q4, k4, v4 = (t.transpose(1, 2).contiguous() for t in inputs.attention_inputs(B, H, Sq, Sk, D, seed=7))
+    q, k, v = (t.transpose(1, 2) for t in (q4, k4, v4))
+    assert not q.is_contiguous()
+    check_attention(run(q, k, v, scale=0.05), q, k, v, scale=0.05)
+
+
+@pytest.mark.gpu_hopper
+def test_stage_package_dispatches_to_hopper():
+    from stages.stage3_softmax import attention
+
+    q, k, v = inputs.attention_inputs(1, 2, 128, 128, 64, seed=8)
+    check_attention(checker.run_with_deadline(lambda: attention(q, k, v), seconds=120), q, k, v)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def cpu_qkv(B=1, H=2, Sq=64, Sk=64, D=64, dtype=torch.bfloat16):
+    return tuple(torch.zeros(B, H, S, D, dtype=dtype) for S in (Sq, Sk, Sk))
+
+
+def test_rejects_cpu_tensors():
+    with pytest.raises(ValueError, match="argument 'q': must be a CUDA tensor"):
+        hopper.attention(*cpu_qkv())
+
+
+def test_rejects_unsupported_dtype():
+    with pytest.raises(TypeError, match="argument 'q': dtype float32 is not supported"):
+        hopper.attention(*cpu_qkv(dtype=torch.float32))
+
+
+def test_rejects_wrong_rank():
+    q, k, v = cpu_qkv()
+    with pytest.raises(ValueError, match="argument 'q': expected a rank-4 tensor"):
+        hopper.attention(q[0], k, v)
+
+
+def gpu_qkv(B=1, H=2, Sq=64, Sk=64, D=64, dtype=torch.bfloat16):
+    return inputs.attention_inputs(B, H, Sq, Sk, D, dtype)
+
+
+@pytest.mark.gpu_hopper
+def test_rejects_sk_above_one_tile():
+    with pytest.raises(ValueError, match=r"Sk = k.shape\[2\] = 129 is larger than 128.*stage 4"):
+        hopper.attention(*gpu_qkv(Sk=129))
+
+
+@pytest.mark.gpu_hopper
+def test_rejects_unsupported_head_dim():
+    with pytest.raises(ValueError, match="head dim D = 96 is not supported; allowed: 64, 128"):
+        hopper.attention(*gpu_qkv(D=96))
+
+
+@pytest.mark.gpu_hopper
+def test_rejects_mismatched_shapes():
+    q, k, v = gpu_qkv()
+    with pytest.raises(ValueError, match="batch"):
+        hopper.attention(q, torch.cat([k, k]), torch.cat([v, v]))
+    with pytest.raises(ValueError, match="key length"):
+        hopper.attention(q, k, v[:, :, :32])
+    with pytest.raises(ValueError, match="head dim"):
+        hopper.attention(q, k[..., :32].contiguous(), v)
+
+
+@pytest.mark.gpu_hopper
+def test_rejects_mixed_dtypes():
+    q, k, v = gpu_qkv()
+    with pytest.raises(TypeError, match="must share one dtype"):
+        hopper.attention(q, k, v.half())
+
+
+@pytest.mark.gpu_hopper
+def test_rejects_non_contiguous_head_dim():
+    q, k, v = gpu_qkv()
+    with pytest.raises(ValueError, match="argument 'q': the last dimension must be contiguous"):
+        hopper.attention(q.transpose(2, 3), k, v)
+
+
+@pytest.mark.gpu_hopper
+def test_rejects_bad_scale():
+    with pytest.raises(ValueError, match="argument 'scale'"):
+        hopper.attention(*gpu_qkv(), scale=-1.0)

@@ -1,0 +1,259 @@
+"""Stage 5 (Blackwell): online softmax, O = softmax(scale * Q K^T) V in one pass over the KV
+tiles with O rescaled in TMEM, plus LSE, on sm_100a.
+
+- Compile-only tests need no GPU and run in CI: the sm_100a PTX must hold the QK tcgen05.mma
+  (shared-memory A and B) once per KV tile and the PV tcgen05.mma with A = P from TMEM
+  (`tcgen05.mma... [d_tmem], [a_tmem], b_desc`), TMEM allocation, tcgen05.ld of S and of O
+  (rescale and epilogue), tcgen05.st of P and of the rescaled O, TMA loads of Q, K and V (K
+  once, not twice: half of stage 4's QK MMAs), each arming its own tile's bytes, the LSE
+  (lg2 and a 32-bit store per row), and mbarrier waits. The ring schedule itself is checked in
+  tests/test_schedule.py.
+- GPU tests (marker gpu_blackwell) compare O and LSE with an fp64 reference for D = 64 and 128,
+  bf16 and fp16, 1 to 64 KV tiles, Sk not a multiple of 128, logits that grow along the keys
+  (O is rescaled at almost every tile), large logits and strided views, and check O against
+  stage 4. O and LSE are poisoned with NaN before the launch. As of 2026-11-29 no sm_100 GPU was
+  available: these tests have not run yet.
+- Bad-input tests: every error names the argument; the CPU-tensor ones run in CI.
+"""
+import re
+
+import pytest
+import torch
+
+from common import checker, inputs, reference
+from common.compile import compile_only
+from stages.stage5_online_softmax import blackwell
+
+DTYPES = [torch.bfloat16, torch.float16]
+# tcgen05.mma with A and B as shared-memory descriptors (QK) / with A in TMEM (PV)
+QK_MMA = re.compile(r"tcgen05\.mma\.cta_group::1\.kind::f16\S*\s+\[%r\d+\],\s*%rd\d+,\s*%rd\d+,")
+PV_MMA = re.compile(r"tcgen05\.mma\.cta_group::1\.kind::f16\S*\s+\[%r\d+\],\s*\[%r\d+\],\s*%rd\d+,")
+
+
+def dtype_id(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def shape_id(shape):
+    return "x".join(map(str, shape))
+
+
+def expect_tx_immediates(ptx):
+    """The byte counts armed by every mbarrier.arrive.expect_tx (the PTX moves them into a register first)."""
+    out = []
+    for reg in re.findall(r"mbarrier\.arrive\.expect_tx\.shared\.b64\s+\S+,\s*\[[^\]]+\],\s*(%r\d+);", ptx):
+        m = re.search(r"mov\.[bus]32\s+" + re.escape(reg) + r",\s*(\d+);", ptx)
+        out.append(int(m.group(1)) if m else None)
+    return out
+
+
+# ---------------------------------------------------------------- compile-only (no GPU)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("shape", [(2, 4, 512, 1024, 128), (2, 4, 512, 1024, 64), (1, 2, 256, 300, 64)], ids=shape_id)
+def test_compiles_for_sm100a(dtype, shape):
+    B, H, Sq, Sk, D = shape
+    report = compile_only(5, "blackwell", dtype=dtype, shape=shape)
+    counts, ptx = report.counts, report.ptx
+    assert ".target sm_100a" in ptx
+    assert counts["wgmma.mma_async"] == 0
+    # One loop over the KV tiles: S = Q @ K^T (D / 16 MMAs, A and B from shared memory), then
+    # O += P @ V (8 MMAs 128 x D x 16, A = P read from TMEM).
+    assert len(QK_MMA.findall(ptx)) == D // 16, report.summary()
+    assert len(PV_MMA.findall(ptx)) == 128 // 16, report.summary()
+    assert counts["tcgen05.mma"] == D // 16 + 8, report.summary()
+    assert counts["tcgen05.alloc"] == 1 and counts["tcgen05.dealloc"] == 1, report.summary()
+    # tcgen05.ld: S (4 loads of 32 columns), O for the rescale (D / 32) and O for the epilogue
+    # (D / 32), each waited for.
+    assert counts["tcgen05.ld"] == 128 // 32 + 2 * (D // 32), report.summary()
+    assert "tcgen05.ld.sync.aligned.32x32b.x32.b32" in ptx
+    assert ptx.count("tcgen05.wait::ld") == 1 + 2 * (D // 32)
+    # tcgen05.st: P (2 stores of 32 cells) and the rescaled O (D / 32 stores), one wait::st for both.
+    assert counts["tcgen05.st"] == 2 + D // 32, report.summary()
+    assert "tcgen05.st.sync.aligned.32x32b.x32.b32" in ptx
+    assert ptx.count("tcgen05.wait::st") == 1
+    # tcgen05.commit: S full, K free, P free, V free (per tile); Q free; O full.
+    assert counts["tcgen05.commit"] == 6, report.summary()
+    # TMA: Q, K and V once each, D / 64 boxes each.
+    assert re.search(r"cp\.async\.bulk\.tensor\.[34]d\.shared::cta\.global", ptx)
+    assert counts["cp.async.bulk.tensor (load)"] == 3 * (D // 64), report.summary()
+    assert expect_tx_immediates(ptx) == [128 * D * 2] * 3
+    assert counts["mbarrier.init"] == 2 * (1 + 2 + 1 + 1 + 1), report.summary()
+    assert counts["mbarrier.try_wait"] >= 6, report.summary()
+    # exp2 of every score, plus row_scale; log2 of row_sum for LSE, stored as one fp32 per row.
+    assert counts["ex2.approx"] >= 128 + 1, report.summary()
+    assert "lg2.approx" in ptx
+    assert re.search(r"st\.global\.[bf]32\s", ptx)
+    assert report.shared_memory_bytes == 3 * 128 * D * 2 + 1024, report.summary()
+    if report.resources and "spill_stores" in report.resources:
+        assert report.resources["spill_stores"] == 0 and report.resources["spill_loads"] == 0, report.summary()
+
+
+def test_one_pass_halves_the_qk_work_of_stage_4():
+    # The same problem compiled for stage 4 and stage 5: K is loaded and multiplied once, not twice.
+    shape = (2, 4, 512, 1024, 128)
+    s4 = compile_only(4, "blackwell", shape=shape)
+    s5 = compile_only(5, "blackwell", shape=shape)
+    assert 2 * len(QK_MMA.findall(s5.ptx)) == len(QK_MMA.findall(s4.ptx))
+    assert len(PV_MMA.findall(s5.ptx)) == len(PV_MMA.findall(s4.ptx))
+    assert 4 * s5.counts["cp.async.bulk.tensor (load)"] == 3 * s4.counts["cp.async.bulk.tensor (load)"]
+    assert s5.counts["ex2.approx"] < s4.counts["ex2.approx"]
+
+
+# ---------------------------------------------------------------- numerics on an sm_100 GPU
+
+
+SHAPES = [
+    (1, 1, 128, 128, 64),  # one KV tile: no rescale
+    (1, 1, 128, 256, 128),  # 2 KV tiles: one rescale of O
+    (2, 4, 512, 384, 64),  # 3 KV tiles
+    (2, 4, 512, 1024, 128),
+    (1, 2, 256, 8192, 128),  # 64 KV tiles: 63 rescales, each ring slot reused 64 times
+    (3, 5, 256, 300, 128),  # 3 tiles, the last with 84 keys masked
+    (1, 2, 384, 64, 64),  # fewer keys than one tile
+]
+
+
+def run_attention(q, k, v, scale=None):
+    return checker.run_with_deadline(
+        lambda: blackwell.attention(q, k, v, scale, return_lse=True), seconds=120, what="stage 5 blackwell attention"
+    )
+
+
+def check_attention(q, k, v, out, scale=None):
+    o, lse = out
+    # O: S, the running row_max and row_sum in fp32, P rounded to bf16/fp16 for the second MMA
+    # (as FlashAttention does), O accumulated and rescaled in fp32 and rounded once: about 2^-9
+    # relative (bf16) or 2^-12 (fp16). PyTorch's SDPA math backend in the same dtype also rounds
+    # S. Bound: 2e-2, and at most 3x PyTorch's own error against the same fp64 reference.
+    assert o.shape == q.shape and o.dtype == q.dtype
+    assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    o_ref, lse_ref = reference.attention_ref(q, k, v, scale)
+    checker.check_close("O", o, o_ref, rtol=2e-2, torch_lowp=reference.attention_lowp(q, k, v, scale))
+    # LSE = scale * row_max + log(row_sum) from fp32 scores (exact bf16/fp16 products summed in
+    # fp32) and fp32 sums: error around 1e-6 relative. 1e-4 leaves margin and still fails a log2
+    # instead of a natural log (x1.44), a missing max term or a row_sum left unrescaled.
+    checker.check_close("LSE", lse, lse_ref, rtol=1e-4)
+
+
+@pytest.mark.gpu_blackwell
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_attention_matches_fp64_reference(shape, dtype):
+    B, H, Sq, Sk, D = shape
+    q, k, v = inputs.attention_inputs(B, H, Sq, Sk, D, dtype, seed=B + H + Sq + Sk + D)
+    check_attention(q, k, v, run_attention(q, k, v))
+
+
+@pytest.mark.gpu_blackwell
+def test_attention_when_the_row_max_grows_across_tiles():
+    # Keys scaled up along the sequence: most rows find a larger max in each later tile, so O in
+    # TMEM and row_sum are rescaled at almost every tile.
+    q, k, v = inputs.attention_inputs(2, 2, 256, 1024, 128, torch.bfloat16, seed=13, logit_scale=3.0)
+    k = (k.float() * torch.linspace(0.1, 2.0, 1024, device=k.device)[:, None]).to(k.dtype)
+    check_attention(q, k, v, run_attention(q, k, v))
+
+
+@pytest.mark.gpu_blackwell
+@pytest.mark.parametrize("logit_scale", [8.0, 30.0])
+def test_attention_large_logits(logit_scale):
+    # |scale * S| of tens: exp without the row max would overflow fp32.
+    q, k, v = inputs.attention_inputs(2, 2, 256, 640, 128, torch.bfloat16, seed=9, logit_scale=logit_scale)
+    check_attention(q, k, v, run_attention(q, k, v))
+
+
+@pytest.mark.gpu_blackwell
+def test_attention_explicit_scale():
+    q, k, v = inputs.attention_inputs(2, 2, 256, 512, 64, torch.bfloat16, seed=11)
+    check_attention(q, k, v, run_attention(q, k, v, 0.3), 0.3)
+
+
+@pytest.mark.gpu_blackwell
+def test_attention_reads_transposed_bshd_views():
+    # Q, K, V stored as (B, S, H, D) and passed as (B, H, S, D) views.
+    B, H, Sq, Sk, D = 2, 3, 256, 384, 128
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = [torch.randn(B, S, H, D, generator=g, device="cuda").to(torch.bfloat16).transpose(1, 2) for S in (Sq, Sk, Sk)]
+    assert not q.is_contiguous() and q.stride(-1) == 1
+    check_attention(q, k, v, run_attention(q, k, v))
+
+
+@pytest.mark.gpu_blackwell
+def test_return_lse_false_returns_o_only_and_agrees_with_stage_4():
+    from stages.stage4_kv_interleave import blackwell as stage4
+
+    q, k, v = inputs.attention_inputs(1, 2, 256, 1024, 128, torch.bfloat16, seed=21)
+    o5 = checker.run_with_deadline(lambda: blackwell.attention(q, k, v), seconds=120)
+    assert isinstance(o5, torch.Tensor)
+    o4 = checker.run_with_deadline(lambda: stage4.attention(q, k, v), seconds=120)
+    # Two exact algorithms that round P differently (P / row_sum vs P): both within bf16 error
+    # of the reference, so within twice that of each other.
+    o_ref, _ = reference.attention_ref(q, k, v)
+    assert checker.rel_err(o5, o4) <= 2 * max(checker.rel_err(o5, o_ref), checker.rel_err(o4, o_ref)) + 1e-6
+
+
+@pytest.mark.gpu_blackwell
+def test_stage_package_dispatches_to_blackwell():
+    from stages.stage5_online_softmax import attention
+
+    q, k, v = inputs.attention_inputs(1, 2, 256, 512, 128, torch.bfloat16, seed=3)
+    check_attention(q, k, v, checker.run_with_deadline(lambda: attention(q, k, v, return_lse=True), seconds=120))
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def cpu_qkv(B=1, H=2, Sq=128, Sk=128, D=64, dtype=torch.bfloat16):
+    return (torch.zeros(B, H, Sq, D, dtype=dtype), torch.zeros(B, H, Sk, D, dtype=dtype), torch.zeros(B, H, Sk, D, dtype=dtype))
+
+
+def test_rejects_cpu_tensors():
+    with pytest.raises(ValueError, match="argument 'q': must be a CUDA tensor"):
+        blackwell.attention(*cpu_qkv())
+
+
+def test_rejects_unsupported_dtype():
+    with pytest.raises(TypeError, match="argument 'q': dtype float32 is not supported"):
+        blackwell.attention(*cpu_qkv(dtype=torch.float32))
+
+
+def test_rejects_return_lse_that_is_not_a_bool():
+    with pytest.raises(TypeError, match="argument 'return_lse': expected a bool"):
+        blackwell.attention(*cpu_qkv(), return_lse="yes")
+
+
+def test_rejects_wrong_rank():
+    q, k, v = cpu_qkv()
+    with pytest.raises(ValueError, match="argument 'q': expected a rank-4 tensor"):
+        blackwell.attention(q[0], k, v)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (any)")
+
+
+def gpu_qkv(B=1, H=2, Sq=128, Sk=128, D=64, Sv=None, dtype=torch.bfloat16):
+    q = torch.ones(B, H, Sq, D, dtype=dtype, device="cuda")
+    k = torch.ones(B, H, Sk, D, dtype=dtype, device="cuda")
+    v = torch.ones(B, H, Sv or Sk, D, dtype=dtype, device="cuda")
+    return q, k, v
+
+
+@needs_cuda
+def test_rejects_q_length_that_is_not_whole_tiles():
+    with pytest.raises(ValueError, match=r"Sq = q.shape\[2\] = 200 must be a multiple of 128"):
+        blackwell.attention(*gpu_qkv(Sq=200))
+
+
+@needs_cuda
+def test_rejects_mismatched_key_and_value_lengths():
+    with pytest.raises(ValueError, match="key length"):
+        blackwell.attention(*gpu_qkv(Sk=128, Sv=64))
+
+
+@needs_cuda
+def test_rejects_unsupported_head_dim_and_bad_scale():
+    with pytest.raises(ValueError, match="head dim D = 96 is not supported"):
+        blackwell.attention(*gpu_qkv(D=96))
+    with pytest.raises(ValueError, match="argument 'scale'"):
+        blackwell.attention(*gpu_qkv(), scale=0.0)
