@@ -4,8 +4,6 @@ PYTHON ?= python3
 TRACK ?= hopper
 PYTEST = $(PYTHON) -m pytest
 
-STAGE_DIRS := stages/stage1_gemm stages/stage2_qk stages/stage3_softmax stages/stage4_kv_interleave stages/stage5_online_softmax
-
 .PHONY: help setup test tour bench notebooks sanitize doctor stage-1 stage-2 stage-3 stage-4 stage-5 diff-2 diff-3 diff-4 diff-5
 
 help:
@@ -40,10 +38,10 @@ sanitize: setup
 doctor:
 	@$(PYTHON) -m common.doctor
 
-stage-%: setup
+$(addprefix stage-,1 2 3 4 5): stage-%: setup
 	$(PYTEST) -q tests/test_stage$*_*.py
 
-diff-%:
+$(addprefix diff-,2 3 4 5): diff-%:
 	@n=$*; p=$$((n-1)); \
 	a=$$(ls -d stages/stage$${p}_*); b=$$(ls -d stages/stage$${n}_*); \
 	git --no-pager diff --no-index --stat $$a/$(TRACK).py $$b/$(TRACK).py; \

@@ -137,6 +137,14 @@ class _ArchOverride:
         self.envar._arch = self.old
 
 
+def compile_for_arch(kernel, args, arch):
+    """cute.compile(kernel, *args) for `arch` ('sm_90a' or 'sm_100a'), no GPU needed when args are
+    fake tensors; returns (ptx text, cubin bytes). The kernel object keeps what tracing set on it."""
+    with tempfile.TemporaryDirectory() as dump, _ArchOverride(arch):
+        compiled = cute.compile(kernel, *args, options=f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir {dump}")
+        return compiled.artifacts.PTX, compiled.artifacts.CUBIN
+
+
 def compile_only(stage, track, dtype=torch.bfloat16, shape=None, scale=None, resources=True):
     """Compile stage `stage` of `track` for its arch (sm_90a / sm_100a) with fake tensors: no GPU
     needed. Returns a CompileReport with PTX, CUBIN and instruction counts."""
@@ -147,11 +155,9 @@ def compile_only(stage, track, dtype=torch.bfloat16, shape=None, scale=None, res
     shape = tuple(shape or st.compile_shape)
     mod = stages.track_module(stage, track)
     kernel, args = mod.compile_args(dtype, shape, scale)
-    with tempfile.TemporaryDirectory() as dump, _ArchOverride(arch):
-        t0 = time.perf_counter()
-        compiled = cute.compile(kernel, *args, options=f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir {dump}")
-        seconds = time.perf_counter() - t0
-        ptx, cubin = compiled.artifacts.PTX, compiled.artifacts.CUBIN
+    t0 = time.perf_counter()
+    ptx, cubin = compile_for_arch(kernel, args, arch)
+    seconds = time.perf_counter() - t0
     return CompileReport(stage, track, arch, str(dtype).replace("torch.", ""), shape, seconds, ptx, cubin,
                          count_ptx(ptx), ptxas_resources(ptx, arch) if resources else None,
                          getattr(kernel, "shared_memory_bytes", None))

@@ -14,15 +14,13 @@ object's own configuration (common/schedule.py), and the check shown to fail on 
 """
 import copy
 import re
-import tempfile
 
 import pytest
 import torch
 
-import cutlass.cute as cute
 
 from common import schedule, stages
-from common.compile import _ArchOverride
+from common.compile import compile_for_arch
 
 # (stage, compile shape, KV tile counts the stage runs): stage 3 takes exactly one KV tile.
 KERNELS = [
@@ -41,9 +39,8 @@ def traced(stage, shape, kv_slots=None, dtype=torch.bfloat16):
         kernel, args = stages.track_module(stage, "blackwell").compile_args(dtype, shape)
         if kv_slots is not None:
             kernel.kv_slots = kv_slots
-        with tempfile.TemporaryDirectory() as dump, _ArchOverride("sm_100a"):
-            compiled = cute.compile(kernel, *args, options=f"--gpu-arch sm_100a --keep-ptx --dump-dir {dump}")
-            _TRACED[key] = (kernel, compiled.artifacts.PTX)
+        ptx, _ = compile_for_arch(kernel, args, "sm_100a")
+        _TRACED[key] = (kernel, ptx)
     return _TRACED[key]
 
 
