@@ -21,7 +21,7 @@ setup:
 	@$(PYTHON) -m common.setup_env
 
 test: setup
-	$(PYTEST) -q
+	$(PYTEST) -q $(PYTEST_ARGS)
 
 tour: setup
 	$(PYTHON) -m common.tour

@@ -14,7 +14,10 @@ Changes from stage 2:
 - The ring carries K then V: K in slot 0, V in slot 1 (kv_slots = 2, both loaded up front).
   Shared memory (D = 128): Q 32 KB + 2 slots x 32 KB = 96 KB (D = 64: 16 + 2 x 16 = 48 KB). O's
   staging tile reuses Q's bytes, free once both warpgroups' S wgmmas are done; the fp32 S
-  staging tile of stage 2 is gone.
+  staging tile of stage 2 is gone:
+
+      shared memory | q_full, kv_full, kv_empty | sQ: Q 32 KB         | slot 0: K  | slot 1: V  |
+                    |                           | sO: O (epilogue)    | (sVt: V^T over the slots) |
 - Softmax in registers. A warpgroup's 64 x 128 S accumulator gives each thread 2 rows x 32
   columns (rows lane / 4 and lane / 4 + 8 of its warp's 16 rows, columns 8 n + 2 (lane % 4) +
   {0, 1}); a row lives in the 4 threads of a quad. row_max: a max over the thread's 32 values,
@@ -29,7 +32,11 @@ Changes from stage 2:
 - Keys beyond Sk (when Sk < 128) read zeros from TMA; their scores are set to -inf before the
   softmax, so they get weight 0.
 - Epilogue: O = (P @ V) / row_sum, rounded to the input dtype, stored through shared memory
-  and TMA like stage 1's C. Registers: S 64 + O 64 (D = 128) + P 32 fp32-sized per thread.
+  and TMA like stage 1's C. Registers: S 64 + O 64 (D = 128) + P 32 per thread (ptxas: 124 in
+  all, no spills).
+- Speed, H200, 2026-11-29, bf16 (B, H, Sq, Sk, D) = (16, 16, 1024, 128, 128): 129 TFLOP/s,
+  SDPA flash 200 in the same run. With a single KV tile nothing overlaps: each CTA waits for its
+  loads, computes, and stores.
 
 Shapes: B, H, Sq >= 1, 1 <= Sk <= 128, D in {64, 128}.
 """
@@ -404,8 +411,8 @@ class Sm90Kernel:
 def compile_args(dtype, shape, scale=None):
     """(kernel, args) for cute.compile with fake tensors, shape = (B, H, Sq, Sk, D)."""
     B, H, Sq, Sk, D = shape
-    q, k, v = fake_tensor(dtype, (B, H, Sq, D)), fake_tensor(dtype, (B, H, Sk, D)), fake_tensor(dtype, (B, H, Sk, D))
-    o = fake_tensor(dtype, (B, H, Sq, D))
+    q, k, v = (fake_tensor(dtype, (B, H, S, D), dynamic=True) for S in (Sq, Sk, Sk))
+    o = fake_tensor(dtype, (B, H, Sq, D), dynamic=True)
     return Sm90Kernel(cute_dtype(dtype), D), (q, k, v, o, checks.check_scale(scale, D), fake_stream())
 
 
