@@ -76,8 +76,11 @@ def test_notebook_runs(stage, capsys):
     log = nb.LOG
     assert log["stage"] == stage
     assert not log["errors"], "the notebook reported problems:\n" + "\n".join(map(str, log["errors"]))
+    gpu_track = arch.track() if nb.MODE == "gpu" else None
     for track in arch.TRACKS:
-        if stages.available(stage, track):
+        # In GPU mode the GPU's own track is compiled by the real launch (checked as 'verified'
+        # below); every other track must show its compile-only summary.
+        if stages.available(stage, track) and track != gpu_track:
             assert (stage, track) in log["compiled"], f"stage {stage} ({track}) was not compiled by its notebook"
     if nb.MODE == "gpu":
         track = arch.track()
