@@ -59,7 +59,7 @@ class Ring:
 
 
 def rings_of(kernel):
-    """The Q buffer and the K/V ring of a traced Blackwell Sm100Kernel (stages 3-5), from its own
+    """The Q buffer and the K/V ring of a traced Blackwell Sm100Kernel (stages 2-5), from its own
     attributes: q_stage, q_tma_bytes, kv_slots, kv_slot_bytes, kv_producer_entries,
     kv_consumer_entries, kv_tma_bytes (what each entry arms) and copy_bytes (what each operand's
     TMA copy moves). The byte counts are set when the kernel is traced (cute.compile), from the

@@ -1,5 +1,5 @@
-"""The ring schedule of the Blackwell attention kernels (stages 3-5), checked from each kernel
-object's own configuration (common/schedule.py), and the check shown to fail on the seed.
+"""The ring schedule of the Blackwell kernels of stages 2-5, checked from each kernel object's
+own configuration (common/schedule.py), and the check shown to fail on the seed.
 
 - Each kernel is traced for sm_100a (cute.compile with fake tensors, no GPU): that sets the byte
   counts it derives from its shared-memory layouts. The checker then replays the Q buffer and the
@@ -24,10 +24,12 @@ from common.compile import compile_for_arch
 
 # (stage, compile shape, KV tile counts the stage runs): stage 3 takes exactly one KV tile.
 KERNELS = [
+    (2, (1, 2, 256, 512, 128), (1, 2, 3, 4, 7)),
     (3, (1, 2, 256, 128, 128), (1,)),
     (4, (1, 2, 256, 512, 128), (1, 2, 3, 4, 7)),
     (5, (1, 2, 256, 512, 128), (1, 2, 3, 4, 7)),
 ]
+SHAPES = {stage: shape for stage, shape, _ in KERNELS}
 _TRACED = {}
 
 
@@ -114,7 +116,7 @@ def seed_rings(kernel):
 
 
 def test_checker_rejects_the_seed_configuration():
-    kernel, _ = traced(4, KERNELS[1][1])
+    kernel, _ = traced(4, SHAPES[4])
     q_ring, kv_ring = seed_rings(kernel)
     q_violations = schedule.check_ring(q_ring, (1, 3))
     kv_violations = schedule.check_ring(kv_ring, (1, 3))
@@ -133,7 +135,7 @@ def test_checker_rejects_the_seed_configuration():
 
 
 def test_seed_timeline_shows_the_race_and_the_hang():
-    kernel, _ = traced(4, KERNELS[1][1])
+    kernel, _ = traced(4, SHAPES[4])
     _, kv_ring = seed_rings(kernel)
     lines = schedule.timeline(kv_ring, 2)
     assert lines[0].startswith("TMA  slot 0 <- K_0 (sweep 1) + V_0 (sweep 1)")
@@ -142,7 +144,7 @@ def test_seed_timeline_shows_the_race_and_the_hang():
 
 
 def test_correct_timeline_alternates_slots_and_never_stalls():
-    kernel, _ = traced(4, KERNELS[1][1])
+    kernel, _ = traced(4, SHAPES[4])
     kv_ring = schedule.rings_of(kernel)[1]
     lines = schedule.timeline(kv_ring, 3)
     # 3 K tiles (pass 1) + 3 x (K, V) (pass 2) = 9 entries, each loaded once and read once
@@ -156,14 +158,14 @@ def test_correct_timeline_alternates_slots_and_never_stalls():
 
 def mutated(**changes):
     """A copy of the traced stage-4 kernel with some configuration attributes replaced."""
-    kernel = copy.copy(traced(4, KERNELS[1][1])[0])
+    kernel = copy.copy(traced(4, SHAPES[4])[0])
     for name, value in changes.items():
         setattr(kernel, name, value)
     return kernel
 
 
 def test_checker_rejects_wrong_transaction_bytes():
-    kernel = traced(4, KERNELS[1][1])[0]
+    kernel = traced(4, SHAPES[4])[0]
     bad = mutated(kv_tma_bytes={"K": kernel.copy_bytes["Q"] + kernel.copy_bytes["K"], "V": kernel.kv_tma_bytes["V"]})
     report = "\n".join(schedule.check_kernel(bad, (2,)))
     assert "an entry loading K arms" in report and "never completes" in report
@@ -183,12 +185,12 @@ def test_checker_rejects_v_loaded_before_k():
 
 
 def test_checker_rejects_a_tile_larger_than_a_slot():
-    kernel = traced(4, KERNELS[1][1])[0]
+    kernel = traced(4, SHAPES[4])[0]
     bad = mutated(kv_slot_bytes=kernel.copy_bytes["V"] // 2)
     assert any("does not fit a slot" in v for v in schedule.check_kernel(bad, (1,)))
 
 
 def test_checker_needs_a_traced_kernel():
-    kernel, _ = stages.track_module(4, "blackwell").compile_args(torch.bfloat16, KERNELS[1][1])
+    kernel, _ = stages.track_module(4, "blackwell").compile_args(torch.bfloat16, SHAPES[4])
     with pytest.raises(ValueError, match="compile it first"):
         schedule.rings_of(kernel)

@@ -64,6 +64,10 @@ class Sm100Kernel:
         self.q_stage = 1
         self.kv_slots = 2
         self.s_buffers = 1
+        # Ring entries per KV tile, in order, one tuple per sweep over the KV tiles: what the TMA
+        # warp loads and what the MMA warp waits for (K for QK).
+        self.kv_producer_entries = (("K",),)
+        self.kv_consumer_entries = (("K",),)
         # TMEM columns (32-bit cells; lane = row of the tile): S from column 0.
         self.tmem_s_offset = 0
         # tcgen05.ld.32x32b.x32: each softmax thread reads 32 fp32 columns of its row per load.
@@ -103,9 +107,15 @@ class Sm100Kernel:
         tma_k, tma_tk = cute.nvgpu.make_tiled_tma_atom_B(
             tma_load_op, k, k_smem_one, self.qk_mma_tiler, qk_mma, cluster_layout_vmnk.shape
         )
-        # Bytes per Q load and per K tile: 128 x D x 2 each (16 KiB for D = 64, 32 KiB for D = 128).
-        self.q_tma_bytes = cute.size_in_bytes(self.q_dtype, q_smem_one)
-        self.kv_tma_bytes = cute.size_in_bytes(self.q_dtype, k_smem_one)
+        # Bytes each TMA copy moves (its box), and the bytes each pipeline entry arms its full
+        # barrier with: 128 x D x 2 each (16 KiB for D = 64, 32 KiB for D = 128).
+        self.copy_bytes = {
+            name: cute.size_in_bytes(self.q_dtype, layout)
+            for name, layout in (("Q", q_smem_one), ("K", k_smem_one))
+        }
+        self.q_tma_bytes = self.copy_bytes["Q"]
+        self.kv_tma_bytes = {"K": self.copy_bytes["K"]}
+        self.kv_slot_bytes = cute.size_in_bytes(self.q_dtype, k_smem_one)
         # TMEM: the 128 x 128 fp32 tile S takes 128 columns (lane = row, column = column).
         s_tmem_shape = qk_mma.partition_shape_C(self.qk_mma_tiler[:2])
         self.num_tmem_alloc_cols = get_num_tmem_alloc_cols(qk_mma.make_fragment_C(s_tmem_shape))
@@ -154,7 +164,8 @@ class Sm100Kernel:
 
         storage = SmemAllocator().allocate(self.shared_storage)
         # Q buffer and K ring: the TMA warp fills (full = the tile's bytes landed), the MMA
-        # warp's tcgen05.commit empties (one arrive). Each has its own barriers and byte count.
+        # warp's tcgen05.commit empties (one arrive). Each has its own barriers and byte count;
+        # a ring entry holds one K tile and arms kv_tma_bytes of it.
         q_prod, q_cons = pipeline.PipelineTmaUmma.create(
             barrier_storage=storage.q_bar.data_ptr(),
             num_stages=self.q_stage,
@@ -169,7 +180,7 @@ class Sm100Kernel:
             num_stages=self.kv_slots,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            tx_count=self.kv_tma_bytes,
+            tx_count=self.kv_tma_bytes["K"],
             cta_layout_vmnk=cluster_layout_vmnk,
             defer_sync=True,
         ).make_participants()
