@@ -41,17 +41,13 @@ def measure(case, names=None):
             try:
                 bargs = sets
                 if name == "FA4":  # FA4 takes (B, S, H, D)
-                    bargs = [tuple(t.transpose(1, 2).contiguous() for t in s) for s in sets[:2]]
+                    bargs = [tuple(t.transpose(1, 2).contiguous() for t in s) for s in sets]
                 fn(*bargs[0])
                 bms = bench.time_ms(fn, bargs)
                 out[name] = (bms, bench.tflops(case.flops, bms))
             except Exception as e:  # a backend that cannot run this shape is reported, not fatal
                 print(f"    {name}: not available for this shape ({type(e).__name__}: {str(e)[:80]})", flush=True)
     return out
-
-
-def fmt_row(label, res):
-    return f"| {label} | " + " | ".join(f"{res[k][1]:.0f}" if k in res else "-" for k in res) + " |"
 
 
 def main(argv=None):

@@ -39,10 +39,12 @@ def make_case(n, track, shape, dtype=torch.bfloat16, seed=0, with_fa4=False):
     q, k, v = inputs.attention_inputs(B, H, Sq, Sk, D, dtype, seed)
     if n == 2:
         scale = D ** -0.5
-        # S is written in fp32: only the fp32 accumulation order differs from the reference.
+        # S is written in fp32 and every product of two bf16/fp16 numbers is exact in fp32: only
+        # the fp32 summation order differs from the fp64 reference (about 1e-7 relative), so the
+        # yardstick is PyTorch's fp32 product and the ceiling 1e-4.
         return Case(n, shape, dtype, (q, k), lambda: entry(q, k), lambda: reference.qk_ref(q, k),
-                    lambda: (q @ k.transpose(-1, -2)).float() * scale, 2 * B * H * Sq * Sk * D,
-                    {"cuBLAS (torch.matmul)": lambda q, k: torch.matmul(q, k.transpose(-1, -2))}, 1e-3)
+                    lambda: (q.float() @ k.float().transpose(-1, -2)) * scale, 2 * B * H * Sq * Sk * D,
+                    {"cuBLAS (torch.matmul)": lambda q, k: torch.matmul(q, k.transpose(-1, -2))}, 1e-4)
     base = {"SDPA flash": bench.sdpa_backend_fn("flash"), "SDPA cuDNN": bench.sdpa_backend_fn("cudnn")}
     if with_fa4 and bench.fa4_fn() is not None:
         base["FA4"] = bench.fa4_fn()

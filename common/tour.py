@@ -81,14 +81,22 @@ def gpu_rows(track):
     return rows
 
 
+def _failed(rows):
+    """Rows whose verdict says the stage did not compile, run or pass."""
+    return [r for r in rows if any(str(x).startswith(("COMPILE FAILED", "FAIL", "ERROR")) for x in r)]
+
+
 def main():
     t0 = time.time()
+    failed = []
     t = arch.track_of_capability(arch.compute_capability())
     if t is None:
         print(f"No GPU of either track here ({arch.gpu_description()}): compile-only tour of both tracks.\n")
         for track in arch.TRACKS:
             print(f"== {track} ({arch.ARCH_OF_TRACK[track]}) ==")
-            print_table(("stage", "title", "compile", "PTX instructions"), compile_rows(track))
+            rows = compile_rows(track)
+            failed += _failed(rows)
+            print_table(("stage", "title", "compile", "PTX instructions"), rows)
             print()
         print("Blackwell kernels are compile-checked here, not run on hardware.")
     else:
@@ -97,9 +105,13 @@ def main():
         gpu, date = gpu_and_date()
         print(f"== {t} track on {gpu}, {date} ==")
         rows = gpu_rows(t)
+        failed += _failed(rows)
         print()
         print_table(("stage", "title", "compile", "correct (rel err)", "TFLOP/s", "baseline TFLOP/s", "ratio"), rows)
     print(f"\ntour took {time.time() - t0:.0f} s")
+    if failed:
+        print(f"tour: {len(failed)} stage(s) failed: " + ", ".join(f"stage {r[0]}" for r in failed))
+        return 1
     return 0
 
 
