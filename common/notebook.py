@@ -578,8 +578,7 @@ def measure(stage, shapes, baselines=None, also_stages=()):
 # Blackwell: the TMEM plan of a stage
 # --------------------------------------------------------------------------------------------
 
-_TMEM_ATTRS = {"S": ("tmem_s_offset", "tmem_s0_offset"), "P": ("tmem_p_offset", "tmem_p0_offset"),
-               "O": ("tmem_o_offset", "tmem_o0_offset")}
+_TMEM_ATTRS = {"S": "tmem_s_offset", "P": "tmem_p_offset", "O": "tmem_o_offset"}
 
 
 def tmem_plan(stage, head_dim=128, block_n=128):
@@ -600,12 +599,10 @@ def tmem_plan(stage, head_dim=128, block_n=128):
             mod = stages.track_module(stage, "blackwell")
             kernel, _ = mod.compile_args(torch.bfloat16, stages.stage(stage).compile_shape)
             found = {}
-            for reg, names in _TMEM_ATTRS.items():
-                for attr in names:
-                    v = getattr(kernel, attr, None)
-                    if isinstance(v, int):
-                        found[reg] = v
-                        break
+            for reg, attr in _TMEM_ATTRS.items():
+                v = getattr(kernel, attr, None)
+                if isinstance(v, int):
+                    found[reg] = v
             if found:
                 regions = [(n, found.get("S" if n == "C" else n, s), w, what) for n, s, w, what in regions]
                 source = "the offsets the stage file's Sm100Kernel sets (" + ", ".join(

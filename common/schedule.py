@@ -60,7 +60,7 @@ class Ring:
 
 def rings_of(kernel):
     """The Q buffer and the K/V ring of a traced Blackwell Sm100Kernel (stages 2-5), from its own
-    attributes: q_stage, q_tma_bytes, kv_slots, kv_slot_bytes, kv_producer_entries,
+    attributes: q_buffers, q_tma_bytes, kv_slots, kv_slot_bytes, kv_producer_entries,
     kv_consumer_entries, kv_tma_bytes (what each entry arms) and copy_bytes (what each operand's
     TMA copy moves). The byte counts are set when the kernel is traced (cute.compile), from the
     shared-memory layouts its TMA atoms are built with."""
@@ -73,7 +73,7 @@ def rings_of(kernel):
     nbytes = kernel.copy_bytes
     q_ring = Ring(
         "Q",
-        kernel.q_stage,
+        kernel.q_buffers,
         nbytes["Q"],
         (Sweep((Entry((Load("Q", nbytes["Q"]),), kernel.q_tma_bytes),), ("Q",), per_kv_tile=False),),
     )

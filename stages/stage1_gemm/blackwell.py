@@ -27,9 +27,10 @@ Shapes. M and N must be multiples of 128 (whole tiles of C: the epilogue stores 
 masking). K may be any positive size with 16-byte rows (K % 8 == 0): TMA zero-fills the part of
 the last 64-wide k-step that lies beyond K.
 
-Verification status (2026-11-29): compile-checked for sm_100a here (CUTE_DSL_ARCH=sm_100a, fake
-tensors, no GPU); not run on Blackwell hardware. The numerical tests run only where an sm_100
-GPU is present.
+Verification status (2026-11-29): compile-checked for sm_100a here with fake tensors and no GPU,
+through common.compile.compile_only(stage, "blackwell"), which sets CuTe DSL's target arch to
+sm_100a for the compile; not run on Blackwell hardware. The numerical tests run only where an
+sm_100 GPU is present.
 """
 import torch
 
@@ -65,8 +66,12 @@ class Sm100Kernel:
         # allocation handshake between the softmax warps and the MMA warp.
         self.epilog_sync_bar_id = 1
         self.tmem_alloc_bar_id = 2
-        # Pipeline depths: 4 buffers of (A, B) k-steps; one S tile in TMEM.
+        # Pipeline depths: 4 buffers of (A, B) k-steps; one S tile in TMEM. The A (q) and B (k)
+        # tiles of a k-step share one ring entry, so both take ab_buffers buffers; from stage 2 on
+        # Q has a buffer of its own (q_buffers = 1) and K streams through kv_slots.
         self.ab_buffers = 4
+        self.q_buffers = self.ab_buffers
+        self.kv_slots = self.ab_buffers
         self.s_buffers = 1
         # TMEM columns (32-bit cells; lane = row of the tile): S from column 0.
         self.tmem_s_offset = 0
@@ -90,9 +95,9 @@ class Sm100Kernel:
         )
         cluster_layout_vmnk = cute.tiled_divide(cute.make_layout((*self.cluster_shape_mn, 1)), (qk_mma.thr_id.shape,))
 
-        # (MMA, MMA_M, MMA_K, ab_buffers) and (MMA, MMA_N, MMA_K, ab_buffers), 128-byte swizzled
-        q_smem_s = utils.sm100.make_smem_layout_a(qk_mma, self.qk_mma_tiler, self.q_dtype, self.ab_buffers)
-        k_smem_s = utils.sm100.make_smem_layout_b(qk_mma, self.qk_mma_tiler, self.q_dtype, self.ab_buffers)
+        # (MMA, MMA_M, MMA_K, q_buffers) and (MMA, MMA_N, MMA_K, kv_slots), 128-byte swizzled
+        q_smem_s = utils.sm100.make_smem_layout_a(qk_mma, self.qk_mma_tiler, self.q_dtype, self.q_buffers)
+        k_smem_s = utils.sm100.make_smem_layout_b(qk_mma, self.qk_mma_tiler, self.q_dtype, self.kv_slots)
         q_smem_one = cute.select(q_smem_s, mode=[0, 1, 2])
         k_smem_one = cute.select(k_smem_s, mode=[0, 1, 2])
 
@@ -183,9 +188,9 @@ class Sm100Kernel:
         )
         pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
 
-        # (MMA, MMA_M, MMA_K, ab_buffers)
+        # (MMA, MMA_M, MMA_K, q_buffers)
         sQ = storage.sQ.get_tensor(q_smem_s.outer, swizzle=q_smem_s.inner)
-        # (MMA, MMA_N, MMA_K, ab_buffers)
+        # (MMA, MMA_N, MMA_K, kv_slots)
         sK = storage.sK.get_tensor(k_smem_s.outer, swizzle=k_smem_s.inner)
 
         # (bM, bK, k_tiles)
@@ -210,9 +215,9 @@ class Sm100Kernel:
         tKsK, tKgK = cpasync.tma_partition(
             tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3), cute.group_modes(tCgK, 0, 3)
         )
-        # MMA operands, as shared-memory descriptors. (MMA, MMA_M, MMA_K, ab_buffers)
+        # MMA operands, as shared-memory descriptors. (MMA, MMA_M, MMA_K, q_buffers)
         tCrQ = qk_mma.make_fragment_A(sQ)
-        # (MMA, MMA_N, MMA_K, ab_buffers)
+        # (MMA, MMA_N, MMA_K, kv_slots)
         tCrK = qk_mma.make_fragment_B(sK)
         # S in TMEM; the base address is known once TMEM is allocated. (MMA, MMA_M, MMA_N)
         tStS_layout = qk_mma.make_fragment_C(qk_thr.partition_shape_C(self.qk_mma_tiler[:2])).layout

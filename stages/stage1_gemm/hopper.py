@@ -35,10 +35,12 @@ the skeleton that every later Hopper stage keeps:
 - Tile order: the CTA launched i-th computes tile i of a band of raster_m = 16 M-tiles walked
   N-tile by N-tile, so the 132 CTAs resident at once (one per SM) cover 16 x ~8 tiles of C and
   read 16 x 128 rows of A and ~8 x 256 rows of B (the smallest such footprint), rather than 64 x 2
-  tiles in plain launch order. For bf16 8192^3 on the H200 (2026-11-29) this measured 792 TFLOP/s
-  against 757 with bands of 8 and 715 in launch order.
-- Speed, H200, 2026-11-29, 8192^3: bf16 700-810 TFLOP/s (the clock falls as the GPU heats up),
-  0.97-1.01x cuBLAS (torch.matmul) timed in the same round; fp16 779 vs cuBLAS 773.
+  tiles in plain launch order. In an earlier timing run the same day (H200, 2026-11-29), bf16
+  8192^3 measured 792 TFLOP/s with this order against 757 with bands of 8 and 715 in launch order.
+- Speed (make bench, H200, 2026-11-29; see docs/results/h200.md), bf16: 8192^3 784 TFLOP/s against
+  cuBLAS (torch.matmul) 690 in the same run, 1.14x; 4096^3 758 against 774, 0.98x. Earlier timing
+  runs the same day (H200, 2026-11-29) gave bf16 8192^3 700-810 TFLOP/s as the clock fell with
+  heat, 0.97-1.01x cuBLAS timed in the same round, and fp16 8192^3 779 against cuBLAS 773.
 
 Shapes: M, N, K >= 1 with K % 8 == 0 and N % 8 == 0, because TMA needs every row of A, B and C
 to start on a 16-byte boundary. M, N and K need not be multiples of the tile: TMA fills the parts
@@ -215,7 +217,7 @@ class Sm90Kernel:
         # Fill the pipeline: the first ab_buffers K tiles are in flight before the first wgmma.
         if warp_idx == 0:
             for _ in cutlass.range(cutlass.min(self.ab_buffers, k_tiles), unroll=1):
-                self.load_ab(ab_pipeline, producer_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB)
+                self.load_tiles(ab_pipeline, producer_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB)
                 producer_state.advance()
 
         # The first wgmma overwrites the accumulator, the others add to it.
@@ -241,7 +243,7 @@ class Sm90Kernel:
                 ab_pipeline.consumer_release(release_state)
                 release_state.advance()
                 if warp_idx == 0 and producer_state.count < k_tiles:
-                    self.load_ab(ab_pipeline, producer_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB)
+                    self.load_tiles(ab_pipeline, producer_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB)
                     producer_state.advance()
 
         warpgroup.wait_group(0)
@@ -279,7 +281,7 @@ class Sm90Kernel:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def load_ab(self, ab_pipeline, producer_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB):
+    def load_tiles(self, ab_pipeline, producer_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB):
         """Producer step: wait until buffer producer_state.index is empty, announce its 48 KB on
         its full barrier, and start the TMA loads of K tile producer_state.count into it."""
         ab_pipeline.producer_acquire(producer_state)

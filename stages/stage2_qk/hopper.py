@@ -24,12 +24,15 @@ Changes from stage 1:
   staging tile is reused by the next step only after TMA has finished reading it.
 - Registers: S accumulator 128 x 128 fp32 / 256 threads = 64 per thread (ptxas: 90 in all).
 - Dynamic layouts: the entry marks B, H, S (shapes and strides) dynamic, one compile per (dtype,
-  D). Stage 1 keeps static layouts for speed; here they gain nothing (stage 5, bf16, S = 8k,
-  D = 128: 590 TFLOP/s dynamic vs 567 static; stage 4: 388 vs 337; H200, 2026-11-29), and a
-  static size-1 mode (B = 1, H = 1, Sq = 1) would be folded away and change the TMA's rank.
-- Speed, H200, 2026-11-29, bf16 (B, H, S, D) = (4, 16, 1024, 128): 0.118 ms, 146 TFLOP/s. The
-  kernel is bound by writing S in fp32 (268 MB at 2.3 TB/s); torch.matmul, which writes S in
-  bf16 (half the bytes), ran at 330 TFLOP/s in the same run.
+  D). Stage 1 keeps static layouts for speed; here they gain nothing (an earlier timing run,
+  H200, 2026-11-29: stage 5, bf16, S = 8k, D = 128: 590 TFLOP/s dynamic vs 567 static; stage 4:
+  388 vs 337), and a static size-1 mode (B = 1, H = 1, Sq = 1) would be folded away and change
+  the TMA's rank.
+- Speed (make bench, H200, 2026-11-29; see docs/results/h200.md), bf16 (B, H, Sq, Sk, D) =
+  (4, 16, 2048, 2048, 128): 0.367 ms, 187 TFLOP/s; cuBLAS batched matmul, which writes S in bf16
+  (half the bytes), 407 TFLOP/s in the same run. The kernel is memory-heavy: it writes 1.07 GB of
+  fp32 S, about 2.9 TB/s, two thirds of the ~4.3 TB/s of a device-to-device copy measured on an
+  H200 here (2026-11-04).
 
 Shapes: B, H, Sq, Sk >= 1, D in {64, 128}, Sk % 4 == 0 (TMA writes rows of S that start on
 16-byte boundaries). Q and K tiles that stick out of Sq or Sk are zero-filled by TMA.
@@ -210,7 +213,7 @@ class Sm90Kernel:
                 cute.arch.mbarrier_arrive_and_expect_tx(q_full, q_bytes)
             cute.copy(tma_atom_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_full)
             for _ in cutlass.range(cutlass.min(self.kv_slots, kv_tiles), unroll=1):
-                self.load_kv(kv_pipeline, producer_state, producer_state.count, tma_atom_k, tKgK, tKsK)
+                self.load_tiles(kv_pipeline, producer_state, producer_state.count, tma_atom_k, tKgK, tKsK)
                 producer_state.advance()
 
         # Q has landed (the one and only phase of q_full).
@@ -234,7 +237,7 @@ class Sm90Kernel:
             kv_pipeline.consumer_release(read_state)
             read_state.advance()
             if warp_idx == 0 and producer_state.count < kv_tiles:
-                self.load_kv(kv_pipeline, producer_state, producer_state.count, tma_atom_k, tKgK, tKsK)
+                self.load_tiles(kv_pipeline, producer_state, producer_state.count, tma_atom_k, tKgK, tKsK)
                 producer_state.advance()
 
             # The S tile leaves as C did in stage 1. TMA has finished reading the previous S tile
@@ -272,7 +275,7 @@ class Sm90Kernel:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def load_kv(self, kv_pipeline, producer_state, kv_tile, tma_atom, tXgX, tXsX):
+    def load_tiles(self, kv_pipeline, producer_state, kv_tile, tma_atom, tXgX, tXsX):
         """Producer step: wait until slot producer_state.index is empty, announce one tile's bytes
         on its full barrier, and start the TMA load of tile kv_tile (of tXgX) into the slot."""
         kv_pipeline.producer_acquire(producer_state)

@@ -27,9 +27,10 @@ Changes from stage 2:
 Shapes. Sq must be a multiple of 128 (whole Q tiles, unmasked stores); 1 <= Sk <= 128; D is 64
 or 128. Longer key sequences are stage 4.
 
-Verification status (2026-11-29): compile-checked for sm_100a here (CUTE_DSL_ARCH=sm_100a, fake
-tensors, no GPU); not run on Blackwell hardware. The numerical tests run only where an sm_100
-GPU is present.
+Verification status (2026-11-29): compile-checked for sm_100a here with fake tensors and no GPU,
+through common.compile.compile_only(stage, "blackwell"), which sets CuTe DSL's target arch to
+sm_100a for the compile; not run on Blackwell hardware. The numerical tests run only where an
+sm_100 GPU is present.
 """
 import math
 
@@ -71,7 +72,7 @@ class Sm100Kernel:
         self.epilog_sync_bar_id = 1
         self.tmem_alloc_bar_id = 2
         # Pipeline depths: Q loaded once; a ring of 2 K/V slots; one S tile in TMEM.
-        self.q_stage = 1
+        self.q_buffers = 1
         self.kv_slots = 2
         self.s_buffers = 1
         # Ring entries per KV tile, in order, one tuple per sweep over the KV tiles: what the TMA
@@ -121,8 +122,8 @@ class Sm100Kernel:
         )
         cluster_layout_vmnk = cute.tiled_divide(cute.make_layout((*self.cluster_shape_mn, 1)), (qk_mma.thr_id.shape,))
 
-        # (MMA, MMA_M, MMA_K, q_stage) and (MMA, MMA_N, MMA_K, kv_slots), 128-byte swizzled
-        q_smem_s = utils.sm100.make_smem_layout_a(qk_mma, self.qk_mma_tiler, self.q_dtype, self.q_stage)
+        # (MMA, MMA_M, MMA_K, q_buffers) and (MMA, MMA_N, MMA_K, kv_slots), 128-byte swizzled
+        q_smem_s = utils.sm100.make_smem_layout_a(qk_mma, self.qk_mma_tiler, self.q_dtype, self.q_buffers)
         k_smem_s = utils.sm100.make_smem_layout_b(qk_mma, self.qk_mma_tiler, self.q_dtype, self.kv_slots)
         q_smem_one = cute.select(q_smem_s, mode=[0, 1, 2])
         k_smem_one = cute.select(k_smem_s, mode=[0, 1, 2])
@@ -161,7 +162,7 @@ class Sm100Kernel:
 
         @cute.struct
         class SharedStorage:
-            q_bar: cute.struct.MemRange[Int64, self.q_stage * 2]
+            q_bar: cute.struct.MemRange[Int64, self.q_buffers * 2]
             kv_bar: cute.struct.MemRange[Int64, self.kv_slots * 2]
             mma_si_bar: cute.struct.MemRange[Int64, self.s_buffers * 2]
             p_mma_bar: cute.struct.MemRange[Int64, 2]
@@ -218,7 +219,7 @@ class Sm100Kernel:
         # a ring entry holds one K or one V tile and arms kv_tma_bytes of it (below).
         q_prod, q_cons = pipeline.PipelineTmaUmma.create(
             barrier_storage=storage.q_bar.data_ptr(),
-            num_stages=self.q_stage,
+            num_stages=self.q_buffers,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
             tx_count=self.q_tma_bytes,
@@ -275,7 +276,7 @@ class Sm100Kernel:
         )
         pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
 
-        # (MMA, MMA_M, MMA_K, q_stage)
+        # (MMA, MMA_M, MMA_K, q_buffers)
         sQ = storage.sQ.get_tensor(q_smem_s.outer, swizzle=q_smem_s.inner)
         # (MMA, MMA_N, MMA_K, kv_slots)
         sK = storage.sK.get_tensor(k_smem_s.outer, swizzle=k_smem_s.inner)
@@ -303,7 +304,7 @@ class Sm100Kernel:
         tCgV = pv_thr.partition_B(gV)
         # (MMA, MMA_M, MMA_N)
         tCgC = pv_thr.partition_C(gC)
-        # TMA views, one CTA, no multicast: (TMA, q_stage) and (TMA); (TMA, kv_slots) and (TMA, kv_tiles)
+        # TMA views, one CTA, no multicast: (TMA, q_buffers) and (TMA); (TMA, kv_slots) and (TMA, kv_tiles)
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3), cute.group_modes(tCgQ, 0, 3)
         )
@@ -313,7 +314,7 @@ class Sm100Kernel:
         tVsV, tVgV = cpasync.tma_partition(
             tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 3), cute.group_modes(tCgV, 0, 3)
         )
-        # MMA operands, as shared-memory descriptors. (MMA, MMA_M, MMA_K, q_stage)
+        # MMA operands, as shared-memory descriptors. (MMA, MMA_M, MMA_K, q_buffers)
         tCrQ = qk_mma.make_fragment_A(sQ)
         # (MMA, MMA_N, MMA_K, kv_slots)
         tCrK = qk_mma.make_fragment_B(sK)

@@ -34,9 +34,9 @@ Changes from stage 2:
 - Epilogue: O = (P @ V) / row_sum, rounded to the input dtype, stored through shared memory
   and TMA like stage 1's C. Registers: S 64 + O 64 (D = 128) + P 32 per thread (ptxas: 124 in
   all, no spills).
-- Speed, H200, 2026-11-29, bf16 (B, H, Sq, Sk, D) = (16, 16, 1024, 128, 128): 129 TFLOP/s,
-  SDPA flash 200 in the same run. With a single KV tile nothing overlaps: each CTA waits for its
-  loads, computes, and stores.
+- Speed (make bench, H200, 2026-11-29; see docs/results/h200.md), bf16 (B, H, Sq, Sk, D) =
+  (16, 16, 4096, 128, 128): 367 TFLOP/s, SDPA flash 239 and SDPA cuDNN 398 in the same run. With
+  a single KV tile nothing overlaps: each CTA waits for its loads, computes, and stores.
 
 Shapes: B, H, Sq >= 1, 1 <= Sk <= 128, D in {64, 128}.
 """
@@ -269,9 +269,9 @@ class Sm90Kernel:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(q_full, q_bytes)
             cute.copy(tma_atom_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_full)
-            self.load_kv(kv_pipeline, producer_state, 0, tma_atom_k, tKgK, tKsK)
+            self.load_tiles(kv_pipeline, producer_state, 0, tma_atom_k, tKgK, tKsK)
             producer_state.advance()
-            self.load_kv(kv_pipeline, producer_state, 0, tma_atom_v, tVgV, tVsV)
+            self.load_tiles(kv_pipeline, producer_state, 0, tma_atom_v, tVgV, tVsV)
             producer_state.advance()
 
         # Q has landed (the one and only phase of q_full).
@@ -355,7 +355,7 @@ class Sm90Kernel:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def load_kv(self, kv_pipeline, producer_state, kv_tile, tma_atom, tXgX, tXsX):
+    def load_tiles(self, kv_pipeline, producer_state, kv_tile, tma_atom, tXgX, tXsX):
         """Producer step: wait until slot producer_state.index is empty, announce one tile's bytes
         on its full barrier, and start the TMA load of tile kv_tile (of tXgX) into the slot."""
         kv_pipeline.producer_acquire(producer_state)

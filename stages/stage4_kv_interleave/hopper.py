@@ -30,17 +30,18 @@ Changes from stage 3:
   the slot is released, just as full-barrier phase r completes when use r has landed.
 - Shared memory: Q + kv_slots x one tile = 32 + 2 x 32 = 96 KB (D = 128; D = 64: 48 KB) instead
   of Q + K ring + V ring = 32 + 2 x 32 + 2 x 32 = 160 KB for the same two tiles of lookahead.
-  kv_slots = 2 because more did not help: 3 slots ran at the same 388 TFLOP/s (bf16, S = 8k,
-  D = 128; H200, 2026-11-29), and so did 3 and 4 slots in stage 5.
+  kv_slots = 2 because more did not help: in an earlier timing run (H200, 2026-11-29), 3 slots
+  ran at the same 388 TFLOP/s (bf16, S = 8k, D = 128), and so did 3 and 4 slots in stage 5.
 - Exact softmax in two passes over the KV tiles. Pass 1 (K only): S = Q K^T, running row_max m
   and row_sum l (l is rescaled by exp2((m_old - m_new) * scale_log2) when m grows: two scalars
   per row, O is not involved). Pass 2 (K and V): S again, P = exp2(S * scale_log2 - m *
   scale_log2) / l, the final probabilities, and O += P V; no division at the end. Pass 1 costs a
   second QK^T and a second exponential per score: about 1.5x the matrix work of one pass.
 - Registers (ptxas): 174 (D = 128), no spills.
-- Speed, H200, 2026-11-29, bf16, B x S = 16k tokens, H x D = 2048, FLOPs counted as 4 B H Sq Sk D
-  (pass 1 is extra work on top): S = 8k, D = 128: 386 TFLOP/s, SDPA flash 359 in the same run;
-  D = 64: 325 (SDPA 298); S = 2k, D = 128: 347 (SDPA 333).
+- Speed (make bench, H200, 2026-11-29; see docs/results/h200.md), bf16, B x S = 16k tokens,
+  H x D = 2048, FLOPs counted as 4 B H Sq Sk D (pass 1 is extra work on top), each line timed in
+  one run: S = 8k, D = 128: 366 TFLOP/s, SDPA flash 345; D = 64: 309 (SDPA flash 303);
+  S = 2k, D = 128: 357 (SDPA flash 340).
 
 Shapes: B, H, Sq, Sk >= 1, D in {64, 128}.
 """
@@ -280,7 +281,7 @@ class Sm90Kernel:
             cute.copy(tma_atom_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_full)
             for step in cutlass.range(cutlass.min(self.kv_slots, steps), unroll=1):
                 fresh_slot = self.slot_state(step % self.kv_slots, 1)
-                self.load_kv(kv_pipeline, fresh_slot, step % kv_tiles, tma_atom_k, tKgK, tKsK)
+                self.load_tiles(kv_pipeline, fresh_slot, step % kv_tiles, tma_atom_k, tKgK, tKsK)
 
         # Q has landed (the one and only phase of q_full).
         cute.arch.mbarrier_wait(q_full, 0)
@@ -310,7 +311,7 @@ class Sm90Kernel:
             warpgroup.wait_group(0)
             kv_pipeline.consumer_release(k_state)
             if warp_idx == 0 and step + self.kv_slots < steps:
-                self.load_kv(kv_pipeline, k_state, (step + self.kv_slots) % kv_tiles, tma_atom_k, tKgK, tKsK)
+                self.load_tiles(kv_pipeline, k_state, (step + self.kv_slots) % kv_tiles, tma_atom_k, tKgK, tKsK)
 
             # Keys at or beyond Sk (zeros from TMA) get S = -inf: weight exp2(-inf) = 0.
             if (kv_tile + 1) * bN > seqlen_k:
@@ -348,7 +349,7 @@ class Sm90Kernel:
             warpgroup.wait_group(0)
             kv_pipeline.consumer_release(k_state)
             if warp_idx == 0:
-                self.load_kv(kv_pipeline, k_state, kv_tile, tma_atom_v, tVgV, tVsV)
+                self.load_tiles(kv_pipeline, k_state, kv_tile, tma_atom_v, tVgV, tVsV)
 
             # Keys at or beyond Sk (zeros from TMA) get S = -inf: weight exp2(-inf) = 0.
             if (kv_tile + 1) * bN > seqlen_k:
@@ -376,7 +377,7 @@ class Sm90Kernel:
             warpgroup.wait_group(0)
             kv_pipeline.consumer_release(v_state)
             if warp_idx == 0 and step + self.kv_slots < steps:
-                self.load_kv(kv_pipeline, v_state, (step + self.kv_slots) % kv_tiles, tma_atom_k, tKgK, tKsK)
+                self.load_tiles(kv_pipeline, v_state, (step + self.kv_slots) % kv_tiles, tma_atom_k, tKgK, tKsK)
 
         # 3. Epilogue
         # Both warpgroups have finished reading sQ, which sO overwrites.
@@ -411,7 +412,7 @@ class Sm90Kernel:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def load_kv(self, kv_pipeline, producer_state, kv_tile, tma_atom, tXgX, tXsX):
+    def load_tiles(self, kv_pipeline, producer_state, kv_tile, tma_atom, tXgX, tXsX):
         """Producer step: wait on slot producer_state.index's empty barrier for the phase parity
         producer_state.phase (the release of the slot's previous use; 1 passes on a fresh slot),
         announce one tile's bytes on its full barrier, and start the TMA load of tile kv_tile (of

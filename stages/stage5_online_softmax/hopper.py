@@ -18,11 +18,12 @@ Changes from stage 4:
 - Work per KV tile: 2 wgmma batches (QK^T, PV) and 1 exp2 per score, against stage 4's 3 and 2:
   at Sq = Sk the ideal speed-up over stage 4 is 1.5x.
 - Registers (ptxas): 160 (D = 128), no spills; shared memory as in stage 4 (96 KB at D = 128).
-- Speed, H200, 2026-11-29, bf16, B x S = 16k tokens, H x D = 2048, FLOPs 4 B H Sq Sk D, each
-  line timed in one run: S = 8k, D = 128: 587 TFLOP/s, 1.52x stage 4 (386) and 1.64x SDPA flash
-  (359); D = 64: 523 (stage 4 325, SDPA 298); S = 2k, D = 128: 491 (SDPA 333); S = 16k: 567
-  (SDPA 355). fp16, S = 8k, D = 128: 474 (SDPA 345). kv_slots = 3 and 4 measured 589 and 586
-  against 590 for 2 in an earlier run, so 2 stays.
+- Speed (make bench, H200, 2026-11-29; see docs/results/h200.md), bf16, B x S = 16k tokens,
+  H x D = 2048, FLOPs 4 B H Sq Sk D, each line timed in one run: S = 8k, D = 128: 524 TFLOP/s,
+  1.43x stage 4 (366) and 1.52x SDPA flash (345); D = 64: 473 (stage 4 309, SDPA flash 303);
+  S = 2k, D = 128: 489 (SDPA flash 340); S = 16k: 541 (SDPA flash 346). In earlier timing runs
+  the same day (H200, 2026-11-29): fp16, S = 8k, D = 128: 474 (SDPA flash 345); kv_slots = 3
+  and 4 measured 589 and 586 against 590 for 2, so 2 stays.
 
 Shapes: B, H, Sq, Sk >= 1, D in {64, 128}.
 """
@@ -265,7 +266,7 @@ class Sm90Kernel:
             cute.copy(tma_atom_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_full)
             for step in cutlass.range(cutlass.min(self.kv_slots, steps), unroll=1):
                 fresh_slot = self.slot_state(step % self.kv_slots, 1)
-                self.load_kv(kv_pipeline, fresh_slot, step % kv_tiles, tma_atom_k, tKgK, tKsK)
+                self.load_tiles(kv_pipeline, fresh_slot, step % kv_tiles, tma_atom_k, tKgK, tKsK)
 
         # Q has landed (the one and only phase of q_full).
         cute.arch.mbarrier_wait(q_full, 0)
@@ -298,7 +299,7 @@ class Sm90Kernel:
             warpgroup.wait_group(0)
             kv_pipeline.consumer_release(k_state)
             if warp_idx == 0:
-                self.load_kv(kv_pipeline, k_state, kv_tile, tma_atom_v, tVgV, tVsV)
+                self.load_tiles(kv_pipeline, k_state, kv_tile, tma_atom_v, tVgV, tVsV)
 
             # Keys at or beyond Sk (zeros from TMA) get S = -inf: weight exp2(-inf) = 0.
             if (kv_tile + 1) * bN > seqlen_k:
@@ -330,7 +331,7 @@ class Sm90Kernel:
             warpgroup.wait_group(0)
             kv_pipeline.consumer_release(v_state)
             if warp_idx == 0 and step + self.kv_slots < steps:
-                self.load_kv(kv_pipeline, v_state, (step + self.kv_slots) % kv_tiles, tma_atom_k, tKgK, tKsK)
+                self.load_tiles(kv_pipeline, v_state, (step + self.kv_slots) % kv_tiles, tma_atom_k, tKgK, tKsK)
 
         # 3. Epilogue
         # Each thread's row_sum covers its 32 columns of every tile: add up the 4 of the quad.
@@ -384,7 +385,7 @@ class Sm90Kernel:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def load_kv(self, kv_pipeline, producer_state, kv_tile, tma_atom, tXgX, tXsX):
+    def load_tiles(self, kv_pipeline, producer_state, kv_tile, tma_atom, tXgX, tXsX):
         """Producer step: wait on slot producer_state.index's empty barrier for the phase parity
         producer_state.phase (the release of the slot's previous use; 1 passes on a fresh slot),
         announce one tile's bytes on its full barrier, and start the TMA load of tile kv_tile (of
