@@ -7,6 +7,8 @@ import time
 
 import torch
 
+from . import reference
+
 _POISON = True
 
 
@@ -120,3 +122,54 @@ def run_with_deadline(fn, seconds=60.0, what="kernel"):
         time.sleep(0.001)
     torch.cuda.synchronize()
     return out
+
+
+def unit_roundoff(dtype):
+    """The relative error of one rounding to `dtype`: 2^-8 (bf16), 2^-11 (fp16), 2^-24 (fp32)."""
+    return torch.finfo(dtype).eps / 2
+
+
+def check_close_floor(name, out, ref, *, rtol, torch_lowp, torch_factor=3.0, floor=0.0):
+    """check_close() with PyTorch's yardstick, whose bound torch_factor x PyTorch's error is raised
+    to at least `floor` (and never above rtol). The floor is for inputs whose answer PyTorch's
+    low-precision result reproduces almost exactly (one dominant key: O is a row of V), where a
+    correct kernel that rounds differently would otherwise be held to ~0."""
+    r = compare(name, out, ref, rtol=rtol, torch_lowp=torch_lowp, torch_factor=torch_factor)
+    bound = min(rtol, max(r.bound, floor))
+    r = dataclasses.replace(r, bound=bound, passed=r.nonfinite == 0 and r.rel_err <= bound)
+    if not r.passed:
+        raise AssertionError(str(r))
+    return r
+
+
+def check_attention(name, o, q, k, v, scale=None, lse=None, *, rtol=1e-2, torch_factor=3.0, floor=None,
+                    lse_rtol=1e-4):
+    """O = softmax(scale * Q K^T) V (and LSE, when given) against the fp64 reference computed from
+    the same q, k, v; raises AssertionError with the full report. Returns (O's CheckResult, LSE's
+    or None).
+
+    O: the kernels keep S, row_max and row_sum in fp32 but round P to the input dtype before
+    P @ V and O once at the end (unit roundoff u = 2^-8 in bf16, 2^-11 in fp16). The bound is
+    torch_factor x the error of PyTorch's own attention in the input dtype (SDPA math backend,
+    same inputs, same reference), never above rtol, and never below `floor`, by default one
+    rounding, u: PyTorch's error is ~0 when the answer is a row of V (a single key, one dominant
+    key), yet a correct kernel may still carry the rounding of P. (The kernels' roundings emulated
+    in PyTorch on the tests' inputs, on CPU, 2026-11-29: 1.3-1.5x PyTorch's error, 0 where it is 0.)
+
+    LSE (fp32, natural log, (B, H, Sq)): scale * row_max + log(row_sum) from fp32 scores (exact
+    bf16/fp16 products summed in fp32) and fp32 sums, through ex2/lg2.approx (~2^-22 relative):
+    about 1e-6 relative. lse_rtol = 1e-4 leaves margin yet fails a log2 in place of the natural
+    log (x1.44), a missing max term or a row_sum left unrescaled. PyTorch's logsumexp of logits
+    rounded to bf16 is off by ~1e-3, so it is no yardstick here."""
+    if o.shape != q.shape or o.dtype != q.dtype:
+        raise AssertionError(f"{name}: got shape {tuple(o.shape)} {o.dtype}, expected {tuple(q.shape)} {q.dtype}")
+    o_ref, lse_ref = reference.attention_ref(q, k, v, scale)
+    if floor is None:
+        floor = unit_roundoff(q.dtype)
+    o_result = check_close_floor(name, o, o_ref, rtol=rtol, torch_lowp=reference.attention_lowp(q, k, v, scale),
+                                 torch_factor=torch_factor, floor=floor)
+    if lse is None:
+        return o_result, None
+    if lse.shape != q.shape[:3] or lse.dtype != torch.float32:
+        raise AssertionError(f"LSE of {name}: got shape {tuple(lse.shape)} {lse.dtype}, expected {tuple(q.shape[:3])} float32")
+    return o_result, check_close(f"LSE of {name}", lse, lse_ref, rtol=lse_rtol)

@@ -116,6 +116,6 @@ def check_attention_args(q, k, v=None, *, head_dims=(64, 128)):
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
     check_choice("head dim D", D, head_dims, "the tile configuration is specialised per head dim")
-    check_positive("Sq", Sq)
-    check_positive("Sk", Sk)
+    check_positive("Sq = q.shape[2]", Sq)
+    check_positive("Sk = k.shape[2]", Sk)
     return B, H, Sq, Sk, D

@@ -60,6 +60,17 @@ def count_ptx(ptx):
     return counts
 
 
+def expect_tx_immediates(ptx):
+    """The byte count armed by each mbarrier.arrive.expect_tx, in PTX order. The PTX moves the
+    count into a register first (`mov.b32 %r7, 32768;`); a count that is not such an immediate
+    is None."""
+    out = []
+    for reg in re.findall(r"mbarrier\.arrive\.expect_tx\.shared\.b64\s+\S+,\s*\[[^\]]+\],\s*(%r\d+);", ptx):
+        m = re.search(r"mov\.[bus]32\s+" + re.escape(reg) + r",\s*(\d+);", ptx)
+        out.append(int(m.group(1)) if m else None)
+    return out
+
+
 def ptx_lines(ptx, pattern, limit=8):
     """Up to `limit` PTX statements matching `pattern` (for notebooks and test messages)."""
     rx = re.compile(pattern)

@@ -54,11 +54,55 @@ def test_checker_holds_kernels_to_a_multiple_of_pytorchs_error():
     assert r.torch_rel_err is not None and r.bound < 2e-2
 
 
-def test_poisoned_outputs_are_nan_unless_a_benchmark_turns_it_off():
+def test_check_attention_holds_o_to_pytorchs_error_and_lse_to_fp32():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, S, 64, generator=g).to(torch.bfloat16) for S in (32, 48, 48))
+    o_ref, lse_ref = reference.attention_ref(q, k, v)
+    o_res, lse_res = checker.check_attention("O", o_ref.to(torch.bfloat16), q, k, v, lse=lse_ref.float())
+    assert o_res.torch_rel_err is not None and o_res.bound < 1e-2 and lse_res.rel_err < 1e-6
+    with pytest.raises(AssertionError, match="O: rel err"):  # 1% off: more than 3x PyTorch's bf16 error
+        checker.check_attention("O", (o_ref * 1.01).to(torch.bfloat16), q, k, v)
+    with pytest.raises(AssertionError, match="LSE of O: rel err"):  # log2 in place of the natural log
+        checker.check_attention("O", o_ref.to(torch.bfloat16), q, k, v, lse=(lse_ref / math.log(2)).float())
+    with pytest.raises(AssertionError, match="non-finite"):
+        checker.check_attention("O", checker.poison(torch.empty_like(q)), q, k, v)
+
+
+def test_check_attention_floor_applies_when_pytorch_is_exact():
+    # One key: O = V exactly, PyTorch's error is 0, so the bound is the floor (one bf16 rounding).
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 1, S, 64, generator=g).to(torch.bfloat16) for S in (16, 1, 1))
+    r, _ = checker.check_attention("O", v.expand_as(q).contiguous(), q, k, v)
+    assert r.torch_rel_err == 0 and r.bound == 2.0**-8
+    off = (v.double() * (1 + 2.0**-6)).to(torch.bfloat16).expand_as(q).contiguous()
+    with pytest.raises(AssertionError, match=r"bound 3\.906e-03"):
+        checker.check_attention("O", off, q, k, v)
+
+
+def test_expect_tx_immediates_reads_the_armed_byte_counts():
+    ptx = """
+    mov.b32 %r11, 32768;
+    mbarrier.arrive.expect_tx.shared.b64 %rd4, [%r9], %r11;
+    mbarrier.arrive.expect_tx.shared.b64 %rd5, [%r10+8], %r12;
+    """
+    assert ccompile.expect_tx_immediates(ptx) == [32768, None]
+
+
+def test_poisoned_outputs_are_nan_unless_a_benchmark_turns_it_off(monkeypatch):
     assert torch.isnan(checker.empty_output((4, 4), torch.float32, "cpu")).all()
+    calls = []
+    real_poison = checker.poison
+
+    def counting_poison(t):
+        calls.append(t)
+        return real_poison(t)
+
+    monkeypatch.setattr(checker, "poison", counting_poison)
     with checker.no_poison():
-        checker.empty_output((4, 4), torch.float32, "cpu")  # no fill: contents undefined
-    assert torch.isnan(checker.empty_output((4, 4), torch.bfloat16, "cpu")).all()
+        checker.empty_output((4, 4), torch.float32, "cpu")
+    assert len(calls) == 0  # no NaN fill inside no_poison(): a benchmark does not time it
+    out = checker.empty_output((4, 4), torch.bfloat16, "cpu")
+    assert len(calls) == 1 and torch.isnan(out).all()  # poisoning is back on after the block
 
 
 def test_references_agree_with_the_definitions():
@@ -85,6 +129,11 @@ def test_argument_checks_name_the_argument():
     with pytest.raises(ValueError, match="argument 'scale'"):
         checks.check_scale(-1.0, 64)
     assert checks.check_scale(None, 64) == 0.125
+    q, k = torch.zeros(1, 2, 8, 64), torch.zeros(1, 4, 8, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"heads: 'q'\.shape\[1\] = 2 must equal 'k'\.shape\[1\] = 4"):
+        checks.check_dim_eq("q", q, 1, "k", k, 1, "heads")
+    with pytest.raises(TypeError, match=r"arguments 'q', 'k' must share one dtype, got q: float32, k: float16"):
+        checks.check_same_dtype(["q", "k"], [q, k])
 
 
 def test_track_mapping():
@@ -121,7 +170,7 @@ def test_stage_table_is_consistent():
         stages.stage(9)
 
 
-@pytest.mark.gpu_hopper
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (any)")
 def test_deadline_turns_a_kernel_that_never_finishes_into_an_error():
     # torch.cuda._sleep spins one GPU thread for a number of clock cycles: ~10 s at ~2 GHz stands
     # in for a deadlocked kernel. The deadline (1 s) must fire long before it ends.

@@ -13,14 +13,13 @@ own configuration (common/schedule.py), and the check shown to fail on the seed.
   defects; so must single mutations of a correct kernel's configuration.
 """
 import copy
-import re
 
 import pytest
 import torch
 
 
 from common import schedule, stages
-from common.compile import compile_for_arch
+from common.compile import compile_for_arch, expect_tx_immediates
 
 # (stage, compile shape, KV tile counts the stage runs): stage 3 takes exactly one KV tile.
 KERNELS = [
@@ -81,11 +80,8 @@ def test_producer_and_consumer_agree_per_tile(entry):
 def test_ptx_arms_exactly_the_declared_byte_counts(entry):
     stage, shape, _ = entry
     kernel, ptx = traced(stage, shape)
-    armed = []
-    for reg in re.findall(r"mbarrier\.arrive\.expect_tx\.shared\.b64\s+\S+,\s*\[[^\]]+\],\s*(%r\d+);", ptx):
-        mov = re.search(r"mov\.[bus]32\s+" + re.escape(reg) + r",\s*(\d+);", ptx)
-        assert mov, f"expect_tx count {reg} is not an immediate in the PTX"
-        armed.append(int(mov.group(1)))
+    armed = expect_tx_immediates(ptx)
+    assert None not in armed, f"an expect_tx count is not an immediate in the PTX: {armed}"
     declared = {kernel.q_tma_bytes, *kernel.kv_tma_bytes.values()}
     # one expect_tx per load site: Q, then one per operand per sweep (stage 4: K | K, V)
     assert len(armed) == 1 + sum(len(sweep) for sweep in kernel.kv_producer_entries)

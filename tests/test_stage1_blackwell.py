@@ -172,7 +172,7 @@ def gpu_pair(M=128, N=128, K=64, dtype=torch.bfloat16):
 def test_rejects_mismatched_k():
     a, _ = gpu_pair(K=64)
     _, b = gpu_pair(K=128)
-    with pytest.raises(ValueError, match="inner dimension K"):
+    with pytest.raises(ValueError, match=r"inner dimension K of C = A @ B\^T: 'a'\.shape\[1\] = 64 must equal 'b'\.shape\[1\] = 128"):
         blackwell.gemm(a, b)
 
 
@@ -180,7 +180,7 @@ def test_rejects_mismatched_k():
 def test_rejects_mixed_dtypes():
     a, _ = gpu_pair()
     _, b = gpu_pair(dtype=torch.float16)
-    with pytest.raises(TypeError, match="'a', 'b' must share one dtype"):
+    with pytest.raises(TypeError, match="arguments 'a', 'b' must share one dtype, got a: bfloat16, b: float16"):
         blackwell.gemm(a, b)
 
 

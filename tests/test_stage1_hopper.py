@@ -5,7 +5,8 @@
   tall, wide and deep-K shapes, in bf16 and fp16. The output is poisoned with NaN before the
   launch (common.checker.empty_output), so an element the kernel never writes fails.
 - Bad-input tests: every error names the argument. Those that fail before any CUDA call run on
-  CPU tensors, so they run in CI too.
+  CPU tensors, so they run in CI too; the others need a CUDA device (any: they fail in the
+  argument checks, before a kernel is compiled or launched).
 """
 import pytest
 import torch
@@ -40,8 +41,9 @@ def test_compiles_for_sm90a(dtype, shape):
     # Consumers wait on the full barriers, the producer on the empty ones.
     assert counts["mbarrier.try_wait"] >= 2 and "mbarrier.try_wait" in ptx
     assert "mbarrier.arrive.expect_tx" in ptx
-    # 4 buffers of 48 KB plus the barriers, within the 227 KB a CTA may use.
-    assert report.shared_memory_bytes is not None and 4 * 48 * 1024 <= report.shared_memory_bytes <= 227 * 1024
+    # 4 buffers of A (128 x 64) + B (256 x 64) x 2 bytes = 48 KiB, plus 1 KiB: the mbarriers,
+    # padded to the 1 KiB alignment of the swizzled tiles. 193 KiB of the 227 KiB a CTA may use.
+    assert report.shared_memory_bytes == 4 * 48 * 1024 + 1024, report.summary()
     if report.resources and "spill_stores" in report.resources:
         # 128 fp32 accumulators per thread must stay in registers.
         assert report.resources["spill_stores"] == 0 and report.resources["spill_loads"] == 0, report.summary()
@@ -147,27 +149,30 @@ def test_rejects_non_tensor():
         hopper.gemm([[1.0]], b)
 
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (any)")
+
+
 def gpu_pair(M=64, N=64, K=64, dtype=torch.bfloat16):
     return torch.ones(M, K, dtype=dtype, device="cuda"), torch.ones(N, K, dtype=dtype, device="cuda")
 
 
-@pytest.mark.gpu_hopper
+@needs_cuda
 def test_rejects_mismatched_k():
     a, _ = gpu_pair(K=64)
     _, b = gpu_pair(K=128)
-    with pytest.raises(ValueError, match="inner dimension K"):
+    with pytest.raises(ValueError, match=r"inner dimension K of C = A @ B\^T: 'a'\.shape\[1\] = 64 must equal 'b'\.shape\[1\] = 128"):
         hopper.gemm(a, b)
 
 
-@pytest.mark.gpu_hopper
+@needs_cuda
 def test_rejects_mixed_dtypes():
     a, _ = gpu_pair()
     _, b = gpu_pair(dtype=torch.float16)
-    with pytest.raises(TypeError, match="'a', 'b' must share one dtype"):
+    with pytest.raises(TypeError, match="arguments 'a', 'b' must share one dtype, got a: bfloat16, b: float16"):
         hopper.gemm(a, b)
 
 
-@pytest.mark.gpu_hopper
+@needs_cuda
 def test_rejects_b_that_is_not_k_major():
     a, _ = gpu_pair()
     b_kn = torch.ones(64, 64, dtype=torch.bfloat16, device="cuda")  # (K, N)
@@ -175,7 +180,7 @@ def test_rejects_b_that_is_not_k_major():
         hopper.gemm(a, b_kn.T)
 
 
-@pytest.mark.gpu_hopper
+@needs_cuda
 def test_rejects_k_that_breaks_tma_alignment():
     a, b = gpu_pair(K=100)  # rows of 200 bytes: not 16-byte aligned
     with pytest.raises(ValueError, match="argument 'a'.*16 bytes"):
@@ -185,14 +190,14 @@ def test_rejects_k_that_breaks_tma_alignment():
         hopper.gemm(a, b)
 
 
-@pytest.mark.gpu_hopper
+@needs_cuda
 def test_rejects_n_that_breaks_tma_alignment():
     a, b = gpu_pair(N=12)
     with pytest.raises(ValueError, match=r"N = b.shape\[0\] = 12 must be a multiple of 8"):
         hopper.gemm(a, b)
 
 
-@pytest.mark.gpu_hopper
+@needs_cuda
 def test_rejects_empty_problem():
     a, b = gpu_pair(M=0)
     with pytest.raises(ValueError, match=r"M = a.shape\[0\] = 0 must be positive"):

@@ -161,9 +161,9 @@ def gpu_qk(B=1, H=2, Sq=128, Sk=128, D=64, Hk=None, Dk=None, dtype=torch.bfloat1
 
 @needs_cuda
 def test_rejects_mismatched_heads_and_head_dims():
-    with pytest.raises(ValueError, match="heads"):
+    with pytest.raises(ValueError, match=r"heads: 'q'\.shape\[1\] = 2 must equal 'k'\.shape\[1\] = 4"):
         blackwell.qk(*gpu_qk(H=2, Hk=4))
-    with pytest.raises(ValueError, match="head dim"):
+    with pytest.raises(ValueError, match=r"head dim: 'q'\.shape\[3\] = 64 must equal 'k'\.shape\[3\] = 128"):
         blackwell.qk(*gpu_qk(D=64, Dk=128))
 
 

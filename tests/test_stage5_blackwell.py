@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from common import checker, inputs, reference
-from common.compile import compile_only
+from common.compile import compile_only, expect_tx_immediates
 from stages.stage5_online_softmax import blackwell
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -36,15 +36,6 @@ def dtype_id(dtype):
 
 def shape_id(shape):
     return "x".join(map(str, shape))
-
-
-def expect_tx_immediates(ptx):
-    """The byte counts armed by every mbarrier.arrive.expect_tx (the PTX moves them into a register first)."""
-    out = []
-    for reg in re.findall(r"mbarrier\.arrive\.expect_tx\.shared\.b64\s+\S+,\s*\[[^\]]+\],\s*(%r\d+);", ptx):
-        m = re.search(r"mov\.[bus]32\s+" + re.escape(reg) + r",\s*(\d+);", ptx)
-        out.append(int(m.group(1)) if m else None)
-    return out
 
 
 # ---------------------------------------------------------------- compile-only (no GPU)
@@ -116,25 +107,15 @@ SHAPES = [
 
 
 def run_attention(q, k, v, scale=None):
+    """(O, LSE) from the kernel, under a deadline."""
     return checker.run_with_deadline(
         lambda: blackwell.attention(q, k, v, scale, return_lse=True), seconds=120, what="stage 5 blackwell attention"
     )
 
 
-def check_attention(q, k, v, out, scale=None):
-    o, lse = out
-    # O: S, the running row_max and row_sum in fp32, P rounded to bf16/fp16 for the second MMA
-    # (as FlashAttention does), O accumulated and rescaled in fp32 and rounded once: about 2^-9
-    # relative (bf16) or 2^-12 (fp16). PyTorch's SDPA math backend in the same dtype also rounds
-    # S. Bound: 2e-2, and at most 3x PyTorch's own error against the same fp64 reference.
-    assert o.shape == q.shape and o.dtype == q.dtype
-    assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
-    o_ref, lse_ref = reference.attention_ref(q, k, v, scale)
-    checker.check_close("O", o, o_ref, rtol=2e-2, torch_lowp=reference.attention_lowp(q, k, v, scale))
-    # LSE = scale * row_max + log(row_sum) from fp32 scores (exact bf16/fp16 products summed in
-    # fp32) and fp32 sums: error around 1e-6 relative. 1e-4 leaves margin and still fails a log2
-    # instead of a natural log (x1.44), a missing max term or a row_sum left unrescaled.
-    checker.check_close("LSE", lse, lse_ref, rtol=1e-4)
+# checker.check_attention holds O to 3x the error of PyTorch's own attention in the input dtype
+# against the same fp64 reference (never above 1e-2, never below one rounding of the dtype), and
+# LSE to 1e-4 relative; its docstring derives both bounds.
 
 
 @pytest.mark.gpu_blackwell
@@ -143,7 +124,8 @@ def check_attention(q, k, v, out, scale=None):
 def test_attention_matches_fp64_reference(shape, dtype):
     B, H, Sq, Sk, D = shape
     q, k, v = inputs.attention_inputs(B, H, Sq, Sk, D, dtype, seed=B + H + Sq + Sk + D)
-    check_attention(q, k, v, run_attention(q, k, v))
+    o, lse = run_attention(q, k, v)
+    checker.check_attention("O", o, q, k, v, lse=lse)
 
 
 @pytest.mark.gpu_blackwell
@@ -152,7 +134,8 @@ def test_attention_when_the_row_max_grows_across_tiles():
     # TMEM and row_sum are rescaled at almost every tile.
     q, k, v = inputs.attention_inputs(2, 2, 256, 1024, 128, torch.bfloat16, seed=13, logit_scale=3.0)
     k = (k.float() * torch.linspace(0.1, 2.0, 1024, device=k.device)[:, None]).to(k.dtype)
-    check_attention(q, k, v, run_attention(q, k, v))
+    o, lse = run_attention(q, k, v)
+    checker.check_attention("O", o, q, k, v, lse=lse)
 
 
 @pytest.mark.gpu_blackwell
@@ -160,13 +143,15 @@ def test_attention_when_the_row_max_grows_across_tiles():
 def test_attention_large_logits(logit_scale):
     # |scale * S| of tens: exp without the row max would overflow fp32.
     q, k, v = inputs.attention_inputs(2, 2, 256, 640, 128, torch.bfloat16, seed=9, logit_scale=logit_scale)
-    check_attention(q, k, v, run_attention(q, k, v))
+    o, lse = run_attention(q, k, v)
+    checker.check_attention("O", o, q, k, v, lse=lse)
 
 
 @pytest.mark.gpu_blackwell
 def test_attention_explicit_scale():
     q, k, v = inputs.attention_inputs(2, 2, 256, 512, 64, torch.bfloat16, seed=11)
-    check_attention(q, k, v, run_attention(q, k, v, 0.3), 0.3)
+    o, lse = run_attention(q, k, v, 0.3)
+    checker.check_attention("O", o, q, k, v, 0.3, lse=lse)
 
 
 @pytest.mark.gpu_blackwell
@@ -176,7 +161,8 @@ def test_attention_reads_transposed_bshd_views():
     g = torch.Generator(device="cuda").manual_seed(5)
     q, k, v = [torch.randn(B, S, H, D, generator=g, device="cuda").to(torch.bfloat16).transpose(1, 2) for S in (Sq, Sk, Sk)]
     assert not q.is_contiguous() and q.stride(-1) == 1
-    check_attention(q, k, v, run_attention(q, k, v))
+    o, lse = run_attention(q, k, v)
+    checker.check_attention("O", o, q, k, v, lse=lse)
 
 
 @pytest.mark.gpu_blackwell
@@ -186,11 +172,15 @@ def test_return_lse_false_returns_o_only_and_agrees_with_stage_4():
     q, k, v = inputs.attention_inputs(1, 2, 256, 1024, 128, torch.bfloat16, seed=21)
     o5 = checker.run_with_deadline(lambda: blackwell.attention(q, k, v), seconds=120)
     assert isinstance(o5, torch.Tensor)
+    checker.check_attention("O", o5, q, k, v)
     o4 = checker.run_with_deadline(lambda: stage4.attention(q, k, v), seconds=120)
-    # Two exact algorithms that round P differently (P / row_sum vs P): both within bf16 error
-    # of the reference, so within twice that of each other.
+    # Both stages keep S in fp32 and round P and O to bf16, P at different points (P / row_sum
+    # in stage 4, P against the running max in stage 5), so their roundings are independent.
+    # Emulated in PyTorch on inputs like these (CPU, 2026-11-29), the two differ by 1.5-1.9x
+    # PyTorch's own bf16 error against the fp64 reference: bound 3x, the reference check's factor.
     o_ref, _ = reference.attention_ref(q, k, v)
-    assert checker.rel_err(o5, o4) <= 2 * max(checker.rel_err(o5, o_ref), checker.rel_err(o4, o_ref)) + 1e-6
+    torch_err = checker.rel_err(reference.attention_lowp(q, k, v), o_ref)
+    checker.check_close("O (stage 5 vs stage 4)", o5, o4, rtol=3 * torch_err)
 
 
 @pytest.mark.gpu_blackwell
@@ -198,7 +188,8 @@ def test_stage_package_dispatches_to_blackwell():
     from stages.stage5_online_softmax import attention
 
     q, k, v = inputs.attention_inputs(1, 2, 256, 512, 128, torch.bfloat16, seed=3)
-    check_attention(q, k, v, checker.run_with_deadline(lambda: attention(q, k, v, return_lse=True), seconds=120))
+    o, lse = checker.run_with_deadline(lambda: attention(q, k, v, return_lse=True), seconds=120)
+    checker.check_attention("O", o, q, k, v, lse=lse)
 
 
 # ---------------------------------------------------------------- bad input
@@ -247,7 +238,7 @@ def test_rejects_q_length_that_is_not_whole_tiles():
 
 @needs_cuda
 def test_rejects_mismatched_key_and_value_lengths():
-    with pytest.raises(ValueError, match="key length"):
+    with pytest.raises(ValueError, match=r"key length: 'k'\.shape\[2\] = 128 must equal 'v'\.shape\[2\] = 64"):
         blackwell.attention(*gpu_qkv(Sk=128, Sv=64))
 
 

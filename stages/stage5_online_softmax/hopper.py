@@ -463,6 +463,8 @@ def attention(q, k, v, scale=None, return_lse=False):
     fp16, D contiguous, D in {64, 128}; scale defaults to 1/sqrt(D). O (B, H, Sq, D) in the input
     dtype; with return_lse, also LSE (B, H, Sq) in fp32, the natural-log log-sum-exp of each row
     of scale * Q @ K^T."""
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"argument 'return_lse': expected a bool, got {type(return_lse).__name__}")
     B, H, Sq, Sk, D = checks.check_attention_args(q, k, v)
     scale = checks.check_scale(scale, D)
 
