@@ -55,6 +55,8 @@ def main(argv=None):
     ap.add_argument("--stages", default="1,2,3,4,5", help="comma-separated stage numbers")
     ap.add_argument("--seqlens", default=",".join(map(str, SEQLENS)))
     ap.add_argument("--headdims", default="64,128")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    ap.add_argument("--repeat", type=int, default=1, help="time each stage 4/5 row this many times (spread check)")
     ap.add_argument("--out", default="docs/results")
     args = ap.parse_args(argv)
     track = arch.track()
@@ -62,9 +64,10 @@ def main(argv=None):
     want = [int(s) for s in args.stages.split(",")]
     seqlens = [int(s) for s in args.seqlens.split(",")]
     headdims = [int(d) for d in args.headdims.split(",")]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     t0 = time.time()
     results = {"gpu": gpu, "date": date, "track": track, "torch": torch.__version__, "rows": []}
-    lines = [f"# Benchmarks on {gpu}, {date}", "",
+    lines = [f"# Benchmarks on {gpu}, {date} ({args.dtype})", "",
              f"torch {torch.__version__}; medians of CUDA-event timings after warm-up, inputs rotated past L2; "
              "every number in a table was timed in the same run.", ""]
 
@@ -77,10 +80,10 @@ def main(argv=None):
             print(f"stage {n}: not written yet for {track}, skipped", flush=True)
             continue
         if n == 1:
-            lines += ["## Stage 1: GEMM (bf16, C = A @ B^T), TFLOP/s", "", "| M=N=K | stage 1 | cuBLAS | ratio |", "| --- | --- | --- | --- |"]
+            lines += ["## Stage 1: GEMM (C = A @ B^T), TFLOP/s", "", "| M=N=K | stage 1 | cuBLAS | ratio |", "| --- | --- | --- | --- |"]
             for sz in (4096, 8192):
                 print(f"stage 1: {sz}^3 ...", flush=True)
-                res = measure(make_case(1, track, (sz, sz, sz)))
+                res = measure(make_case(1, track, (sz, sz, sz), dtype))
                 record(1, (sz, sz, sz), res)
                 s, c = res["stage 1"][1], res["cuBLAS (torch.matmul)"][1]
                 lines.append(f"| {sz} | {s:.0f} | {c:.0f} | {s / c:.2f}x |")
@@ -91,7 +94,7 @@ def main(argv=None):
             for D in headdims:
                 shape = (4, 2048 // D, 2048, 2048, D)
                 print(f"stage 2: {shape} ...", flush=True)
-                res = measure(make_case(2, track, shape))
+                res = measure(make_case(2, track, shape, dtype))
                 record(2, shape, res)
                 s, c = res["stage 2"][1], res["cuBLAS (torch.matmul)"][1]
                 lines.append(f"| {shape} | {s:.0f} | {c:.0f} | {s / c:.2f}x |")
@@ -102,7 +105,7 @@ def main(argv=None):
             for D in headdims:
                 shape = (16, 2048 // D, 4096, 128, D)
                 print(f"stage 3: {shape} ...", flush=True)
-                res = measure(make_case(3, track, shape))
+                res = measure(make_case(3, track, shape, dtype))
                 record(3, shape, res)
                 g = lambda k: f"{res[k][1]:.0f}" if k in res else "-"
                 lines.append(f"| {shape} | {g('stage 3')} | {g('SDPA flash')} | {g('SDPA cuDNN')} |")
@@ -116,19 +119,21 @@ def main(argv=None):
             lines += [f"### D = {D}", "", "| S | " + " | ".join(cols) + " |", "|" + " --- |" * (len(cols) + 1)]
             for S in seqlens:
                 shape = paper_shape(S, D)
-                row = {}
-                for i, n in enumerate(attn):
-                    print(f"stage {n}: {shape} ...", flush=True)
-                    res = measure(make_case(n, track, shape, with_fa4=(i == 0)), names=None if i == 0 else ())
-                    row.update(res)
-                record("4/5", shape, row)
-                for k, v in row.items():
-                    curves.setdefault((D, k), []).append((S, v[1]))
-                lines.append(f"| {S} | " + " | ".join(f"{row[c][1]:.0f}" if c in row else "-" for c in cols) + " |")
-                print("  " + ", ".join(f"{k} {v[1]:.0f}" for k, v in row.items()), flush=True)
+                for rep in range(args.repeat):
+                    row = {}
+                    for i, n in enumerate(attn):
+                        print(f"stage {n}: {shape} ...", flush=True)
+                        res = measure(make_case(n, track, shape, dtype, with_fa4=(i == 0)), names=None if i == 0 else ())
+                        row.update(res)
+                    record("4/5", shape, row)
+                    if rep == 0:
+                        for k, v in row.items():
+                            curves.setdefault((D, k), []).append((S, v[1]))
+                    lines.append(f"| {S} | " + " | ".join(f"{row[c][1]:.0f}" if c in row else "-" for c in cols) + " |")
+                    print("  " + ", ".join(f"{k} {v[1]:.0f}" for k, v in row.items()), flush=True)
             lines.append("")
     os.makedirs(args.out, exist_ok=True)
-    tag = f"{gpu.replace('NVIDIA ', '').replace(' ', '_').lower()}_{date}"
+    tag = f"{gpu.replace('NVIDIA ', '').replace(' ', '_').lower()}_{date}" + ("" if args.dtype == "bf16" else f"_{args.dtype}")
     with open(os.path.join(args.out, f"bench_{tag}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(args.out, f"bench_{tag}.json"), "w") as f:
@@ -136,7 +141,7 @@ def main(argv=None):
     if curves:
         from .plots import plot_attention_bench
 
-        plot_attention_bench(curves, f"Attention forward on {gpu}, {date} (bf16, non-causal)",
+        plot_attention_bench(curves, f"Attention forward on {gpu}, {date} ({args.dtype}, non-causal)",
                              os.path.join(args.out, f"attention_{tag}.png"))
     print("\n".join(lines))
     print(f"\nwritten to {args.out}/bench_{tag}.md (+ .json{', attention_' + tag + '.png' if curves else ''}); "
