@@ -4,7 +4,7 @@ PYTHON ?= python3
 TRACK ?= hopper
 PYTEST = $(PYTHON) -m pytest
 
-.PHONY: help setup test tour bench notebooks sanitize doctor stage-1 stage-2 stage-3 stage-4 stage-5 diff-2 diff-3 diff-4 diff-5
+.PHONY: help setup test tour bench notebooks notebooks-source sanitize doctor stage-1 stage-2 stage-3 stage-4 stage-5 diff-2 diff-3 diff-4 diff-5
 
 help:
 	@echo "make setup      install requirements only if something does not import"
@@ -14,6 +14,7 @@ help:
 	@echo "make diff-N     what stage N changes over stage N-1 (TRACK=hopper|blackwell)"
 	@echo "make bench      benchmarks against cuBLAS / torch SDPA / FA4, timed in the same run"
 	@echo "make notebooks  execute every notebook (compile-only mode without a GPU)"
+	@echo "make notebooks-source  rewrite notebooks/*.ipynb from notebooks/source/ (their single source)"
 	@echo "make sanitize   compute-sanitizer racecheck + synccheck on stages 4 and 5 (GPU)"
 	@echo "make doctor     versions, GPU, driver, arch"
 
@@ -31,6 +32,9 @@ bench: setup
 
 notebooks: setup
 	$(PYTHON) -m common.nbrun notebooks/*.ipynb
+
+notebooks-source:
+	$(PYTHON) notebooks/source/gen.py
 
 sanitize: setup
 	$(PYTHON) -m common.sanitize

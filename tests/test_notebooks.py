@@ -153,3 +153,15 @@ def test_ring_model_finds_the_race():
     # A consumer waiting for a tile the producer can never load is reported, not hung on.
     with pytest.raises(plots.Deadlock):
         plots.simulate_ring([("A", 0), ("B", 0)], [("MMA", "x", 1.0, ["B"], []), ("MMA", "y", 1.0, ["A"], ["A"])])
+
+
+def test_committed_notebooks_are_what_their_source_generates(tmp_path):
+    """notebooks/source/*.py is the single source of the notebooks: regenerate and compare."""
+    import subprocess
+    import sys
+
+    gen = os.path.join(NB_DIR, "source", "gen.py")
+    subprocess.run([sys.executable, gen, str(tmp_path)], check=True, capture_output=True)
+    for name in sorted(NOTEBOOKS.values()):
+        with open(os.path.join(NB_DIR, name), "rb") as a, open(tmp_path / name, "rb") as b:
+            assert a.read() == b.read(), f"{name} differs from notebooks/source: edit the source, then `make notebooks-source`"
