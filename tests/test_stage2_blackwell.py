@@ -7,7 +7,8 @@
   several (B, H, Sq, Sk), bf16 and fp16, the default and an explicit scale, and Q/K given as
   transposed views of (B, S, H, D) tensors. S is poisoned with NaN before the launch. As of
   2026-11-29 no sm_100 GPU was available: these tests have not run yet.
-- Bad-input tests: every error names the argument; the CPU-tensor ones run in CI.
+- Bad-input tests: every error names the argument; the CPU-tensor ones run in CI. The cases
+  common to stages 2-5 are in tests/attention_cases.py; this file adds its stage's own limits.
 """
 import pytest
 import torch
@@ -16,15 +17,8 @@ from common import checker, inputs, reference
 from common.compile import compile_only
 from stages.stage2_qk import blackwell
 
-DTYPES = [torch.bfloat16, torch.float16]
-
-
-def dtype_id(dtype):
-    return str(dtype).replace("torch.", "")
-
-
-def shape_id(shape):
-    return "x".join(map(str, shape))
+import attention_cases
+from attention_cases import DTYPES, dtype_id, needs_cuda, shape_id
 
 
 # ---------------------------------------------------------------- compile-only (no GPU)
@@ -128,60 +122,14 @@ def test_stage_package_dispatches_to_blackwell():
 # ---------------------------------------------------------------- bad input
 
 
-def cpu_qk(B=1, H=2, Sq=128, Sk=128, D=64, dtype=torch.bfloat16):
-    return torch.zeros(B, H, Sq, D, dtype=dtype), torch.zeros(B, H, Sk, D, dtype=dtype)
-
-
-def test_rejects_cpu_tensors():
-    q, k = cpu_qk()
-    with pytest.raises(ValueError, match="argument 'q': must be a CUDA tensor"):
-        blackwell.qk(q, k)
-
-
-def test_rejects_unsupported_dtype():
-    q, k = cpu_qk(dtype=torch.float32)
-    with pytest.raises(TypeError, match="argument 'q': dtype float32 is not supported"):
-        blackwell.qk(q, k)
-
-
-def test_rejects_wrong_rank():
-    q, k = cpu_qk()
-    with pytest.raises(ValueError, match="argument 'q': expected a rank-4 tensor"):
-        blackwell.qk(q[0], k)
-
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (any)")
-
-
-def gpu_qk(B=1, H=2, Sq=128, Sk=128, D=64, Hk=None, Dk=None, dtype=torch.bfloat16):
-    q = torch.ones(B, H, Sq, D, dtype=dtype, device="cuda")
-    k = torch.ones(B, Hk or H, Sk, Dk or D, dtype=dtype, device="cuda")
-    return q, k
-
-
-@needs_cuda
-def test_rejects_mismatched_heads_and_head_dims():
-    with pytest.raises(ValueError, match=r"heads: 'q'\.shape\[1\] = 2 must equal 'k'\.shape\[1\] = 4"):
-        blackwell.qk(*gpu_qk(H=2, Hk=4))
-    with pytest.raises(ValueError, match=r"head dim: 'q'\.shape\[3\] = 64 must equal 'k'\.shape\[3\] = 128"):
-        blackwell.qk(*gpu_qk(D=64, Dk=128))
-
-
-@needs_cuda
-def test_rejects_unsupported_head_dim():
-    with pytest.raises(ValueError, match="head dim D = 96 is not supported"):
-        blackwell.qk(*gpu_qk(D=96))
+@pytest.mark.parametrize("case", attention_cases.BAD_QK_INPUTS)
+def test_rejects_bad_input(case):
+    case.check(blackwell.qk)
 
 
 @needs_cuda
 def test_rejects_lengths_that_are_not_whole_tiles():
     with pytest.raises(ValueError, match=r"Sq = q.shape\[2\] = 200 must be a multiple of 128"):
-        blackwell.qk(*gpu_qk(Sq=200))
+        blackwell.qk(*attention_cases.qkv(Sq=200)[:2])
     with pytest.raises(ValueError, match=r"Sk = k.shape\[2\] = 136 must be a multiple of 128"):
-        blackwell.qk(*gpu_qk(Sk=136))
-
-
-@needs_cuda
-def test_rejects_bad_scale():
-    with pytest.raises(ValueError, match="argument 'scale'"):
-        blackwell.qk(*gpu_qk(), scale=-1.0)
+        blackwell.qk(*attention_cases.qkv(Sk=136)[:2])

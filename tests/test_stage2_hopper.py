@@ -9,7 +9,8 @@ resident in shared memory and K tiles streaming through the pipeline.
   so an element the kernel never writes fails.
 - Bad input: every error names the argument. Those that fail before any CUDA call run on CPU
   tensors, so they run in CI too; the others need a CUDA device (any: they fail in the argument
-  checks, before a kernel is compiled or launched).
+  checks, before a kernel is compiled or launched). The cases common to stages 2-5 are in
+  tests/attention_cases.py; this file adds its stage's own limits.
 """
 import pytest
 import torch
@@ -18,15 +19,8 @@ from common import checker, inputs, reference
 from common.compile import compile_only
 from stages.stage2_qk import hopper
 
-DTYPES = [torch.bfloat16, torch.float16]
-
-
-def dtype_id(dtype):
-    return str(dtype).replace("torch.", "")
-
-
-def shape_id(shape):
-    return "x".join(map(str, shape))
+import attention_cases
+from attention_cases import DTYPES, dtype_id, needs_cuda, shape_id
 
 
 # ---------------------------------------------------------------- compile-only (no GPU)
@@ -122,56 +116,12 @@ def test_stage_package_dispatches_to_hopper():
 # ---------------------------------------------------------------- bad input
 
 
-def cpu_qk(B=1, H=2, Sq=64, Sk=64, D=64, dtype=torch.bfloat16):
-    return torch.zeros(B, H, Sq, D, dtype=dtype), torch.zeros(B, H, Sk, D, dtype=dtype)
-
-
-def test_rejects_cpu_tensors():
-    with pytest.raises(ValueError, match="argument 'q': must be a CUDA tensor"):
-        hopper.qk(*cpu_qk())
-
-
-def test_rejects_unsupported_dtype():
-    with pytest.raises(TypeError, match="argument 'q': dtype float32 is not supported"):
-        hopper.qk(*cpu_qk(dtype=torch.float32))
-
-
-def test_rejects_wrong_rank():
-    q, k = cpu_qk()
-    with pytest.raises(ValueError, match="argument 'q': expected a rank-4 tensor"):
-        hopper.qk(q[0], k)
-
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (any)")
-
-
-def gpu_qk(B=1, H=2, Sq=64, Sk=64, D=64, dtype=torch.bfloat16):
-    return inputs.attention_inputs(B, H, Sq, Sk, D, dtype)[:2]
-
-
-@needs_cuda
-def test_rejects_unsupported_head_dim():
-    with pytest.raises(ValueError, match="head dim D = 32 is not supported; allowed: 64, 128"):
-        hopper.qk(*gpu_qk(D=32))
-
-
-@needs_cuda
-def test_rejects_mismatched_shapes():
-    q, k = gpu_qk()
-    with pytest.raises(ValueError, match=r"heads: 'q'\.shape\[1\] = 2 must equal 'k'\.shape\[1\] = 4"):
-        hopper.qk(q, torch.cat([k, k], dim=1))
-    with pytest.raises(ValueError, match=r"head dim: 'q'\.shape\[3\] = 64 must equal 'k'\.shape\[3\] = 32"):
-        hopper.qk(q, k[..., :32].contiguous())
+@pytest.mark.parametrize("case", attention_cases.BAD_QK_INPUTS)
+def test_rejects_bad_input(case):
+    case.check(hopper.qk)
 
 
 @needs_cuda
 def test_rejects_sk_that_breaks_tma_alignment():
     with pytest.raises(ValueError, match=r"Sk = k.shape\[2\] = 130 must be a multiple of 4"):
-        hopper.qk(*gpu_qk(Sk=130))
-
-
-@needs_cuda
-def test_rejects_mixed_dtypes():
-    q, k = gpu_qk()
-    with pytest.raises(TypeError, match="arguments 'q', 'k' must share one dtype, got q: bfloat16, k: float16"):
-        hopper.qk(q, k.half())
+        hopper.qk(*attention_cases.qkv(Sk=130)[:2])

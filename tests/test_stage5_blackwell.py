@@ -13,7 +13,8 @@ tiles with O rescaled in TMEM, plus LSE, on sm_100a.
   (O is rescaled at almost every tile), large logits and strided views, and check O against
   stage 4. O and LSE are poisoned with NaN before the launch. As of 2026-11-29 no sm_100 GPU was
   available: these tests have not run yet.
-- Bad-input tests: every error names the argument; the CPU-tensor ones run in CI.
+- Bad-input tests: every error names the argument; the CPU-tensor ones run in CI. The cases
+  common to stages 2-5 are in tests/attention_cases.py; this file adds its stage's own limits.
 """
 import re
 
@@ -24,18 +25,12 @@ from common import checker, inputs, reference
 from common.compile import compile_only, expect_tx_immediates
 from stages.stage5_online_softmax import blackwell
 
-DTYPES = [torch.bfloat16, torch.float16]
+import attention_cases
+from attention_cases import DTYPES, dtype_id, needs_cuda, shape_id
+
 # tcgen05.mma with A and B as shared-memory descriptors (QK) / with A in TMEM (PV)
 QK_MMA = re.compile(r"tcgen05\.mma\.cta_group::1\.kind::f16\S*\s+\[%r\d+\],\s*%rd\d+,\s*%rd\d+,")
 PV_MMA = re.compile(r"tcgen05\.mma\.cta_group::1\.kind::f16\S*\s+\[%r\d+\],\s*\[%r\d+\],\s*%rd\d+,")
-
-
-def dtype_id(dtype):
-    return str(dtype).replace("torch.", "")
-
-
-def shape_id(shape):
-    return "x".join(map(str, shape))
 
 
 # ---------------------------------------------------------------- compile-only (no GPU)
@@ -132,8 +127,7 @@ def test_attention_matches_fp64_reference(shape, dtype):
 def test_attention_when_the_row_max_grows_across_tiles():
     # Keys scaled up along the sequence: most rows find a larger max in each later tile, so O in
     # TMEM and row_sum are rescaled at almost every tile.
-    q, k, v = inputs.attention_inputs(2, 2, 256, 1024, 128, torch.bfloat16, seed=13, logit_scale=3.0)
-    k = (k.float() * torch.linspace(0.1, 2.0, 1024, device=k.device)[:, None]).to(k.dtype)
+    q, k, v = attention_cases.growing_logits(2, 2, 256, 1024, 128, torch.bfloat16, seed=13, logit_scale=3.0)
     o, lse = run_attention(q, k, v)
     checker.check_attention("O", o, q, k, v, lse=lse)
 
@@ -142,7 +136,7 @@ def test_attention_when_the_row_max_grows_across_tiles():
 @pytest.mark.parametrize("logit_scale", [8.0, 30.0])
 def test_attention_large_logits(logit_scale):
     # |scale * S| of tens: exp without the row max would overflow fp32.
-    q, k, v = inputs.attention_inputs(2, 2, 256, 640, 128, torch.bfloat16, seed=9, logit_scale=logit_scale)
+    q, k, v = attention_cases.large_logits(2, 2, 256, 640, 128, torch.bfloat16, seed=9, logit_scale=logit_scale)
     o, lse = run_attention(q, k, v)
     checker.check_attention("O", o, q, k, v, lse=lse)
 
@@ -195,56 +189,17 @@ def test_stage_package_dispatches_to_blackwell():
 # ---------------------------------------------------------------- bad input
 
 
-def cpu_qkv(B=1, H=2, Sq=128, Sk=128, D=64, dtype=torch.bfloat16):
-    return (torch.zeros(B, H, Sq, D, dtype=dtype), torch.zeros(B, H, Sk, D, dtype=dtype), torch.zeros(B, H, Sk, D, dtype=dtype))
-
-
-def test_rejects_cpu_tensors():
-    with pytest.raises(ValueError, match="argument 'q': must be a CUDA tensor"):
-        blackwell.attention(*cpu_qkv())
-
-
-def test_rejects_unsupported_dtype():
-    with pytest.raises(TypeError, match="argument 'q': dtype float32 is not supported"):
-        blackwell.attention(*cpu_qkv(dtype=torch.float32))
+@pytest.mark.parametrize("case", attention_cases.BAD_ATTENTION_INPUTS)
+def test_rejects_bad_input(case):
+    case.check(blackwell.attention)
 
 
 def test_rejects_return_lse_that_is_not_a_bool():
     with pytest.raises(TypeError, match="argument 'return_lse': expected a bool"):
-        blackwell.attention(*cpu_qkv(), return_lse="yes")
-
-
-def test_rejects_wrong_rank():
-    q, k, v = cpu_qkv()
-    with pytest.raises(ValueError, match="argument 'q': expected a rank-4 tensor"):
-        blackwell.attention(q[0], k, v)
-
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (any)")
-
-
-def gpu_qkv(B=1, H=2, Sq=128, Sk=128, D=64, Sv=None, dtype=torch.bfloat16):
-    q = torch.ones(B, H, Sq, D, dtype=dtype, device="cuda")
-    k = torch.ones(B, H, Sk, D, dtype=dtype, device="cuda")
-    v = torch.ones(B, H, Sv or Sk, D, dtype=dtype, device="cuda")
-    return q, k, v
+        blackwell.attention(*attention_cases.qkv("cpu"), return_lse="yes")
 
 
 @needs_cuda
 def test_rejects_q_length_that_is_not_whole_tiles():
     with pytest.raises(ValueError, match=r"Sq = q.shape\[2\] = 200 must be a multiple of 128"):
-        blackwell.attention(*gpu_qkv(Sq=200))
-
-
-@needs_cuda
-def test_rejects_mismatched_key_and_value_lengths():
-    with pytest.raises(ValueError, match=r"key length: 'k'\.shape\[2\] = 128 must equal 'v'\.shape\[2\] = 64"):
-        blackwell.attention(*gpu_qkv(Sk=128, Sv=64))
-
-
-@needs_cuda
-def test_rejects_unsupported_head_dim_and_bad_scale():
-    with pytest.raises(ValueError, match="head dim D = 96 is not supported"):
-        blackwell.attention(*gpu_qkv(D=96))
-    with pytest.raises(ValueError, match="argument 'scale'"):
-        blackwell.attention(*gpu_qkv(), scale=0.0)
+        blackwell.attention(*attention_cases.qkv(Sq=200))

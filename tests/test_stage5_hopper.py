@@ -13,24 +13,18 @@ in registers), and the log-sum-exp of each row.
   must give bit-identical results.
 - Bad input: every error names the argument. Those that fail before any CUDA call run on CPU
   tensors, so they run in CI too; the others need a CUDA device (any: they fail in the argument
-  checks, before a kernel is compiled or launched).
+  checks, before a kernel is compiled or launched). The cases common to stages 2-5 are in
+  tests/attention_cases.py; this file adds its stage's own limits.
 """
 import pytest
 import torch
 
-from common import checker, inputs, reference
+from common import checker, inputs
 from common.compile import compile_only
 from stages.stage5_online_softmax import hopper
 
-DTYPES = [torch.bfloat16, torch.float16]
-
-
-def dtype_id(dtype):
-    return str(dtype).replace("torch.", "")
-
-
-def shape_id(shape):
-    return "x".join(map(str, shape))
+import attention_cases
+from attention_cases import DTYPES, dtype_id, shape_id
 
 
 # ---------------------------------------------------------------- compile-only (no GPU)
@@ -107,21 +101,9 @@ def test_attention_and_lse_match_fp64_reference(shape, dtype):
 def test_large_logits(dtype, D):
     # Q scaled by 10: scale * Q K^T has standard deviation ~10, so |S| reaches 30-50, exp(S -
     # row_max) spans the whole fp32 range, and row_max jumps by tens between tiles.
-    q, k, v = inputs.attention_inputs(2, 4, 256, 1024, D, dtype, seed=3, logit_scale=10.0)
-    s = reference.qk_ref(q, k)
-    assert s.abs().max() > 30
+    q, k, v = attention_cases.large_logits(2, 4, 256, 1024, D, dtype, seed=3, logit_scale=10.0, min_abs_logit=30)
     o, lse = run(q, k, v, return_lse=True)
     checker.check_attention("O", o, q, k, v, lse=lse)
-
-
-def peaked_inputs(B, H, Sq, Sk, D, dtype, hot, seed):
-    """Every query row meets one key (index `hot`) whose logit is ~4 sqrt(D) (32 for D = 64,
-    45 for D = 128) while the others stay within a few units: the row max sits at `hot`."""
-    q, k, v = inputs.attention_inputs(B, H, Sq, Sk, D, torch.float32, seed)
-    u = torch.where(torch.arange(D, device=q.device) % 3 == 0, -1.0, 1.0)  # a +-1 direction
-    q, k = 0.5 * q + u, 0.5 * k
-    k[:, :, hot] = 4 * u
-    return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
 @pytest.mark.gpu_hopper
@@ -132,13 +114,8 @@ def test_one_dominant_key(dtype, where):
     # earlier max, so all of O is rescaled by ~e^-45 at the end. "middle": in tile 2 of 4.
     Sk = 1000
     hot = Sk - 1 if where == "last" else 300
-    q, k, v = peaked_inputs(2, 2, 256, Sk, 128, dtype, hot, seed=5)
-    s = reference.qk_ref(q, k)
-    assert (s.argmax(-1) == hot).all()  # the row max is in column `hot` for every row
-    # P is ~1 at `hot` and < e^-25 elsewhere: the answer is V's row `hot`, to within
-    # Sk x e^-25 x max|V| < 1e-7, and the standard check holds O to it.
-    o_ref, _ = reference.attention_ref(q, k, v)
-    torch.testing.assert_close(o_ref, v[:, :, hot : hot + 1].double().expand_as(o_ref), rtol=0, atol=1e-6)
+    # The builder asserts that the row max is in column `hot` and that the fp64 reference is V's row `hot`.
+    q, k, v = attention_cases.one_dominant_key(2, 2, 256, Sk, 128, dtype, hot=hot, seed=5)
     o, lse = run(q, k, v, return_lse=True)
     checker.check_attention("O", o, q, k, v, lse=lse)
 
@@ -146,12 +123,8 @@ def test_one_dominant_key(dtype, where):
 @pytest.mark.gpu_hopper
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_constant_rows(dtype):
-    # All keys equal: every row of S is constant, P = 1 / Sk, O = the mean of V's rows. The fp64
-    # reference is exactly that mean, so the standard check holds O to it.
-    q, k, v = inputs.attention_inputs(2, 2, 200, 700, 64, dtype, seed=6)
-    k = k[:, :, :1].expand_as(k).contiguous()
-    o_ref, _ = reference.attention_ref(q, k, v)
-    torch.testing.assert_close(o_ref, v.double().mean(2, keepdim=True).expand_as(o_ref))
+    # All keys equal: P = 1 / Sk, O = the mean of V's rows (the builder asserts the fp64 reference is it).
+    q, k, v = attention_cases.constant_rows(2, 2, 200, 700, 64, dtype, seed=6)
     o, lse = run(q, k, v, return_lse=True)
     checker.check_attention("O", o, q, k, v, lse=lse)
 
@@ -201,77 +174,11 @@ def test_stage_package_dispatches_to_hopper():
 # ---------------------------------------------------------------- bad input
 
 
-def cpu_qkv(B=1, H=2, Sq=64, Sk=64, D=64, dtype=torch.bfloat16):
-    return tuple(torch.zeros(B, H, S, D, dtype=dtype) for S in (Sq, Sk, Sk))
-
-
-def test_rejects_cpu_tensors():
-    with pytest.raises(ValueError, match="argument 'q': must be a CUDA tensor"):
-        hopper.attention(*cpu_qkv())
-
-
-def test_rejects_unsupported_dtype():
-    with pytest.raises(TypeError, match="argument 'q': dtype float32 is not supported"):
-        hopper.attention(*cpu_qkv(dtype=torch.float32))
+@pytest.mark.parametrize("case", attention_cases.BAD_ATTENTION_INPUTS)
+def test_rejects_bad_input(case):
+    case.check(hopper.attention)
 
 
 def test_rejects_return_lse_that_is_not_a_bool():
     with pytest.raises(TypeError, match="argument 'return_lse': expected a bool, got str"):
-        hopper.attention(*cpu_qkv(), return_lse="yes")
-
-
-def test_rejects_wrong_rank():
-    q, k, v = cpu_qkv()
-    with pytest.raises(ValueError, match="argument 'q': expected a rank-4 tensor"):
-        hopper.attention(q[0], k, v)
-
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (any)")
-
-
-def gpu_qkv(B=1, H=2, Sq=64, Sk=64, D=64, dtype=torch.bfloat16):
-    return inputs.attention_inputs(B, H, Sq, Sk, D, dtype)
-
-
-@needs_cuda
-def test_rejects_unsupported_head_dim():
-    with pytest.raises(ValueError, match="head dim D = 96 is not supported; allowed: 64, 128"):
-        hopper.attention(*gpu_qkv(D=96))
-
-
-@needs_cuda
-def test_rejects_mismatched_shapes():
-    q, k, v = gpu_qkv()
-    with pytest.raises(ValueError, match=r"batch: 'q'\.shape\[0\] = 1 must equal 'k'\.shape\[0\] = 2"):
-        hopper.attention(q, torch.cat([k, k]), torch.cat([v, v]))
-    with pytest.raises(ValueError, match=r"key length: 'k'\.shape\[2\] = 64 must equal 'v'\.shape\[2\] = 32"):
-        hopper.attention(q, k, v[:, :, :32])
-    with pytest.raises(ValueError, match=r"head dim: 'q'\.shape\[3\] = 64 must equal 'k'\.shape\[3\] = 32"):
-        hopper.attention(q, k[..., :32].contiguous(), v)
-
-
-@needs_cuda
-def test_rejects_mixed_dtypes():
-    q, k, v = gpu_qkv()
-    with pytest.raises(TypeError, match="arguments 'q', 'k', 'v' must share one dtype, got q: bfloat16, k: bfloat16, v: float16"):
-        hopper.attention(q, k, v.half())
-
-
-@needs_cuda
-def test_rejects_non_contiguous_head_dim():
-    q, k, v = gpu_qkv()
-    with pytest.raises(ValueError, match="argument 'q': the last dimension must be contiguous"):
-        hopper.attention(q.transpose(2, 3), k, v)
-
-
-@needs_cuda
-def test_rejects_empty_sequence():
-    q, k, v = gpu_qkv()
-    with pytest.raises(ValueError, match=r"Sk = k\.shape\[2\] = 0 must be positive"):
-        hopper.attention(q, k[:, :, :0], v[:, :, :0])
-
-
-@needs_cuda
-def test_rejects_bad_scale():
-    with pytest.raises(ValueError, match="argument 'scale'"):
-        hopper.attention(*gpu_qkv(), scale=-1.0)
+        hopper.attention(*attention_cases.qkv("cpu"), return_lse="yes")
