@@ -4,11 +4,12 @@ PYTHON ?= python3
 TRACK ?= hopper
 PYTEST = $(PYTHON) -m pytest
 
-.PHONY: help setup test tour bench notebooks notebooks-source sanitize doctor stage-1 stage-2 stage-3 stage-4 stage-5 diff-2 diff-3 diff-4 diff-5
+.PHONY: help setup lint format test tour bench notebooks notebooks-source sanitize doctor stage-1 stage-2 stage-3 stage-4 stage-5 diff-2 diff-3 diff-4 diff-5
 
 help:
 	@echo "make setup      install requirements only if something does not import"
 	@echo "make tour       every stage on this machine's track: compile, instructions, correctness, TFLOP/s"
+	@echo "make lint       ruff format --check and ruff check (what CI runs; make format rewrites)"
 	@echo "make test       all tests (GPU tests skip with a reason when the GPU is absent)"
 	@echo "make stage-N    the tests of stage N (1..5)"
 	@echo "make diff-N     what stage N changes over stage N-1 (TRACK=hopper|blackwell)"
@@ -20,6 +21,14 @@ help:
 
 setup:
 	@$(PYTHON) -m common.setup_env
+
+lint: setup
+	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -m ruff check .
+
+format: setup
+	$(PYTHON) -m ruff format .
+	$(PYTHON) -m ruff check --fix .
 
 test: setup
 	$(PYTEST) -q $(PYTEST_ARGS)

@@ -3,6 +3,7 @@
 hopper    -> sm_90a  (H100, H200): wgmma, accumulators in registers
 blackwell -> sm_100a (B200, GB200, and sm_103 B300): tcgen05.mma, accumulators in tensor memory
 """
+
 import functools
 
 TRACKS = ("hopper", "blackwell")

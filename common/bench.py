@@ -1,6 +1,7 @@
 """Benchmarking: event-timed medians after warm-up, inputs rotated past L2, TFLOP/s, and the
 baselines timed in the same run (cuBLAS via torch.matmul; torch SDPA flash and cuDNN backends;
 FA4 when importable)."""
+
 import statistics
 
 import torch
@@ -38,7 +39,9 @@ def sdpa_backend_fn(backend_name):
     """torch SDPA pinned to one backend ('flash' or 'cudnn'), or None if it cannot run here."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend_name]
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[
+        backend_name
+    ]
 
     def run(q, k, v):
         with sdpa_kernel(backend):

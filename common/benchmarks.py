@@ -6,6 +6,7 @@ Stage 3: attention with Sk = one KV tile against torch SDPA (flash and cuDNN bac
 Stages 4 and 5: the FlashAttention paper shapes (B*S = 16k tokens, H*D = 2048, S = 512 ... 16k,
 D = 64 and 128, non-causal) against SDPA flash, SDPA cuDNN and FA4 when importable.
 Writes docs/results/bench_<gpu>_<date>.{md,json} and attention_<gpu>_<date>.png."""
+
 import argparse
 import json
 import os
@@ -31,7 +32,9 @@ def measure(case, names=None):
     sets = [case.args] + [tuple(t.clone() for t in case.args) for _ in range(n_sets - 1)]
     out = {}
     with no_poison():
-        entry = getattr(stages.track_module(case.stage, arch.track()), stages.stage(case.stage).entry)
+        entry = getattr(
+            stages.track_module(case.stage, arch.track()), stages.stage(case.stage).entry
+        )
         entry(*case.args)  # compile outside the timed region
         ms = bench.time_ms(entry, sets)
         out[f"stage {case.stage}"] = (ms, bench.tflops(case.flops, ms))
@@ -46,17 +49,27 @@ def measure(case, names=None):
                 bms = bench.time_ms(fn, bargs)
                 out[name] = (bms, bench.tflops(case.flops, bms))
             except Exception as e:  # a backend that cannot run this shape is reported, not fatal
-                print(f"    {name}: not available for this shape ({type(e).__name__}: {str(e)[:80]})", flush=True)
+                print(
+                    f"    {name}: not available for this shape ({type(e).__name__}: {str(e)[:80]})",
+                    flush=True,
+                )
     return out
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--stages", default="1,2,3,4,5", help="comma-separated stage numbers")
     ap.add_argument("--seqlens", default=",".join(map(str, SEQLENS)))
     ap.add_argument("--headdims", default="64,128")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
-    ap.add_argument("--repeat", type=int, default=1, help="time each stage 4/5 row this many times (spread check)")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="time each stage 4/5 row this many times (spread check)",
+    )
     ap.add_argument("--out", default="docs/results")
     args = ap.parse_args(argv)
     track = arch.track()
@@ -67,30 +80,53 @@ def main(argv=None):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     t0 = time.time()
     results = {"gpu": gpu, "date": date, "track": track, "torch": torch.__version__, "rows": []}
-    lines = [f"# Benchmarks on {gpu}, {date} ({args.dtype})", "",
-             f"torch {torch.__version__}; medians of CUDA-event timings after warm-up, inputs rotated past L2; "
-             "every number in a table was timed in the same run.", ""]
+    lines = [
+        f"# Benchmarks on {gpu}, {date} ({args.dtype})",
+        "",
+        f"torch {torch.__version__}; medians of CUDA-event timings after warm-up, inputs rotated past L2; "
+        "every number in a table was timed in the same run.",
+        "",
+    ]
 
     def record(stage, shape, res):
-        results["rows"].append({"stage": stage, "shape": list(shape),
-                                "tflops": {k: v[1] for k, v in res.items()}, "ms": {k: v[0] for k, v in res.items()}})
+        results["rows"].append(
+            {
+                "stage": stage,
+                "shape": list(shape),
+                "tflops": {k: v[1] for k, v in res.items()},
+                "ms": {k: v[0] for k, v in res.items()},
+            }
+        )
 
     for n in want:
         if not stages.available(n, track):
             print(f"stage {n}: not written yet for {track}, skipped", flush=True)
             continue
         if n == 1:
-            lines += ["## Stage 1: GEMM (C = A @ B^T), TFLOP/s", "", "| M=N=K | stage 1 | cuBLAS | ratio |", "| --- | --- | --- | --- |"]
+            lines += [
+                "## Stage 1: GEMM (C = A @ B^T), TFLOP/s",
+                "",
+                "| M=N=K | stage 1 | cuBLAS | ratio |",
+                "| --- | --- | --- | --- |",
+            ]
             for sz in (4096, 8192):
                 print(f"stage 1: {sz}^3 ...", flush=True)
                 res = measure(make_case(1, track, (sz, sz, sz), dtype))
                 record(1, (sz, sz, sz), res)
                 s, c = res["stage 1"][1], res["cuBLAS (torch.matmul)"][1]
                 lines.append(f"| {sz} | {s:.0f} | {c:.0f} | {s / c:.2f}x |")
-                print(f"  stage 1 {s:.0f} TFLOP/s, cuBLAS {c:.0f} TFLOP/s, ratio {s / c:.2f}", flush=True)
+                print(
+                    f"  stage 1 {s:.0f} TFLOP/s, cuBLAS {c:.0f} TFLOP/s, ratio {s / c:.2f}",
+                    flush=True,
+                )
             lines.append("")
         elif n == 2:
-            lines += ["## Stage 2: S = scale * Q K^T in fp32, TFLOP/s", "", "| (B, H, Sq, Sk, D) | stage 2 | cuBLAS batched | ratio |", "| --- | --- | --- | --- |"]
+            lines += [
+                "## Stage 2: S = scale * Q K^T in fp32, TFLOP/s",
+                "",
+                "| (B, H, Sq, Sk, D) | stage 2 | cuBLAS batched | ratio |",
+                "| --- | --- | --- | --- |",
+            ]
             for D in headdims:
                 shape = (4, 2048 // D, 2048, 2048, D)
                 print(f"stage 2: {shape} ...", flush=True)
@@ -100,40 +136,63 @@ def main(argv=None):
                 lines.append(f"| {shape} | {s:.0f} | {c:.0f} | {s / c:.2f}x |")
             lines.append("")
         elif n == 3:
-            lines += ["## Stage 3: attention with Sk = one KV tile (128), TFLOP/s", "",
-                      "| (B, H, Sq, Sk, D) | stage 3 | SDPA flash | SDPA cuDNN |", "| --- | --- | --- | --- |"]
+            lines += [
+                "## Stage 3: attention with Sk = one KV tile (128), TFLOP/s",
+                "",
+                "| (B, H, Sq, Sk, D) | stage 3 | SDPA flash | SDPA cuDNN |",
+                "| --- | --- | --- | --- |",
+            ]
             for D in headdims:
                 shape = (16, 2048 // D, 4096, 128, D)
                 print(f"stage 3: {shape} ...", flush=True)
                 res = measure(make_case(3, track, shape, dtype))
                 record(3, shape, res)
                 g = lambda k: f"{res[k][1]:.0f}" if k in res else "-"
-                lines.append(f"| {shape} | {g('stage 3')} | {g('SDPA flash')} | {g('SDPA cuDNN')} |")
+                lines.append(
+                    f"| {shape} | {g('stage 3')} | {g('SDPA flash')} | {g('SDPA cuDNN')} |"
+                )
             lines.append("")
     attn = [n for n in want if n in (4, 5) and stages.available(n, track)]
     curves = {}
     if attn:
-        lines += ["## Stages 4 and 5: attention forward, FlashAttention paper shapes (B*S = 16k, H*D = 2048, non-causal), TFLOP/s", ""]
+        lines += [
+            "## Stages 4 and 5: attention forward, FlashAttention paper shapes (B*S = 16k, H*D = 2048, non-causal), TFLOP/s",
+            "",
+        ]
         for D in headdims:
             cols = [f"stage {n}" for n in attn] + ["SDPA flash", "SDPA cuDNN", "FA4"]
-            lines += [f"### D = {D}", "", "| S | " + " | ".join(cols) + " |", "|" + " --- |" * (len(cols) + 1)]
+            lines += [
+                f"### D = {D}",
+                "",
+                "| S | " + " | ".join(cols) + " |",
+                "|" + " --- |" * (len(cols) + 1),
+            ]
             for S in seqlens:
                 shape = paper_shape(S, D)
                 for rep in range(args.repeat):
                     row = {}
                     for i, n in enumerate(attn):
                         print(f"stage {n}: {shape} ...", flush=True)
-                        res = measure(make_case(n, track, shape, dtype, with_fa4=(i == 0)), names=None if i == 0 else ())
+                        res = measure(
+                            make_case(n, track, shape, dtype, with_fa4=(i == 0)),
+                            names=None if i == 0 else (),
+                        )
                         row.update(res)
                     record("4/5", shape, row)
                     if rep == 0:
                         for k, v in row.items():
                             curves.setdefault((D, k), []).append((S, v[1]))
-                    lines.append(f"| {S} | " + " | ".join(f"{row[c][1]:.0f}" if c in row else "-" for c in cols) + " |")
+                    lines.append(
+                        f"| {S} | "
+                        + " | ".join(f"{row[c][1]:.0f}" if c in row else "-" for c in cols)
+                        + " |"
+                    )
                     print("  " + ", ".join(f"{k} {v[1]:.0f}" for k, v in row.items()), flush=True)
             lines.append("")
     os.makedirs(args.out, exist_ok=True)
-    tag = f"{gpu.replace('NVIDIA ', '').replace(' ', '_').lower()}_{date}" + ("" if args.dtype == "bf16" else f"_{args.dtype}")
+    tag = f"{gpu.replace('NVIDIA ', '').replace(' ', '_').lower()}_{date}" + (
+        "" if args.dtype == "bf16" else f"_{args.dtype}"
+    )
     with open(os.path.join(args.out, f"bench_{tag}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(args.out, f"bench_{tag}.json"), "w") as f:
@@ -141,11 +200,16 @@ def main(argv=None):
     if curves:
         from .plots import plot_attention_bench
 
-        plot_attention_bench(curves, f"Attention forward on {gpu}, {date} ({args.dtype}, non-causal)",
-                             os.path.join(args.out, f"attention_{tag}.png"))
+        plot_attention_bench(
+            curves,
+            f"Attention forward on {gpu}, {date} ({args.dtype}, non-causal)",
+            os.path.join(args.out, f"attention_{tag}.png"),
+        )
     print("\n".join(lines))
-    print(f"\nwritten to {args.out}/bench_{tag}.md (+ .json{', attention_' + tag + '.png' if curves else ''}); "
-          f"took {time.time() - t0:.0f} s")
+    print(
+        f"\nwritten to {args.out}/bench_{tag}.md (+ .json{', attention_' + tag + '.png' if curves else ''}); "
+        f"took {time.time() - t0:.0f} s"
+    )
     return 0
 
 

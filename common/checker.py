@@ -1,6 +1,7 @@
 """The checker: relative error against a high-precision reference, the worst element's
 coordinates, NaN/Inf never pass, outputs poisoned before every launch, and a deadline on the GPU
 so that a deadlocked kernel fails instead of hanging the suite."""
+
 import contextlib
 import dataclasses
 import time
@@ -54,10 +55,16 @@ class CheckResult:
     passed: bool
 
     def __str__(self):
-        s = (f"{self.name}: rel err {self.rel_err:.3e} (bound {self.bound:.3e}"
-             + (f", PyTorch low-precision rel err {self.torch_rel_err:.3e}" if self.torch_rel_err is not None else "")
-             + f"), max abs err {self.max_abs_err:.3e}, mean abs err {self.mean_abs_err:.3e}, "
-             f"worst element at {self.worst_index}: out {self.worst_out:.6g} vs ref {self.worst_ref:.6g}")
+        s = (
+            f"{self.name}: rel err {self.rel_err:.3e} (bound {self.bound:.3e}"
+            + (
+                f", PyTorch low-precision rel err {self.torch_rel_err:.3e}"
+                if self.torch_rel_err is not None
+                else ""
+            )
+            + f"), max abs err {self.max_abs_err:.3e}, mean abs err {self.mean_abs_err:.3e}, "
+            f"worst element at {self.worst_index}: out {self.worst_out:.6g} vs ref {self.worst_ref:.6g}"
+        )
         if self.nonfinite:
             s += f"; {self.nonfinite} non-finite output element(s) (NaN = unwritten or overflow)"
         return s
@@ -65,7 +72,9 @@ class CheckResult:
 
 def rel_err(out, ref):
     ref64 = ref.to(torch.float64)
-    return (torch.linalg.vector_norm(out.to(torch.float64) - ref64) / torch.linalg.vector_norm(ref64)).item()
+    return (
+        torch.linalg.vector_norm(out.to(torch.float64) - ref64) / torch.linalg.vector_norm(ref64)
+    ).item()
 
 
 def compare(name, out, ref, *, rtol, torch_lowp=None, torch_factor=3.0):
@@ -74,7 +83,9 @@ def compare(name, out, ref, *, rtol, torch_lowp=None, torch_factor=3.0):
     is given, the error is at most `torch_factor` times PyTorch's error (plus 1e-6 of slack for
     references so exact that PyTorch's error is zero)."""
     if out.shape != ref.shape:
-        raise AssertionError(f"{name}: output shape {tuple(out.shape)} != reference shape {tuple(ref.shape)}")
+        raise AssertionError(
+            f"{name}: output shape {tuple(out.shape)} != reference shape {tuple(ref.shape)}"
+        )
     out64 = out.detach().to(torch.float64)
     ref64 = ref.detach().to(torch.float64)
     finite = torch.isfinite(out64)
@@ -83,17 +94,30 @@ def compare(name, out, ref, *, rtol, torch_lowp=None, torch_factor=3.0):
     diff = torch.where(finite, diff, torch.full_like(diff, float("inf")))
     flat = int(torch.argmax(diff).item())
     idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), out.shape))
-    err = rel_err(out64.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0), ref64) if nonfinite else rel_err(out64, ref64)
+    err = (
+        rel_err(out64.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0), ref64)
+        if nonfinite
+        else rel_err(out64, ref64)
+    )
     bound = rtol
     terr = None
     if torch_lowp is not None:
         terr = rel_err(torch_lowp, ref64)
         bound = min(rtol, torch_factor * terr + 1e-6)
     passed = nonfinite == 0 and err <= bound
-    return CheckResult(name, err, float(diff[finite].max().item()) if finite.any() else float("inf"),
-                       float(diff[finite].mean().item()) if finite.any() else float("inf"),
-                       idx, float(out64.flatten()[flat].item()), float(ref64.flatten()[flat].item()),
-                       nonfinite, bound, terr, passed)
+    return CheckResult(
+        name,
+        err,
+        float(diff[finite].max().item()) if finite.any() else float("inf"),
+        float(diff[finite].mean().item()) if finite.any() else float("inf"),
+        idx,
+        float(out64.flatten()[flat].item()),
+        float(ref64.flatten()[flat].item()),
+        nonfinite,
+        bound,
+        terr,
+        passed,
+    )
 
 
 def check_close(name, out, ref, *, rtol, torch_lowp=None, torch_factor=3.0):
@@ -142,8 +166,20 @@ def check_close_floor(name, out, ref, *, rtol, torch_lowp, torch_factor=3.0, flo
     return r
 
 
-def check_attention(name, o, q, k, v, scale=None, lse=None, *, rtol=1e-2, torch_factor=3.0, floor=None,
-                    lse_rtol=1e-4):
+def check_attention(
+    name,
+    o,
+    q,
+    k,
+    v,
+    scale=None,
+    lse=None,
+    *,
+    rtol=1e-2,
+    torch_factor=3.0,
+    floor=None,
+    lse_rtol=1e-4,
+):
     """O = softmax(scale * Q K^T) V (and LSE, when given) against the fp64 reference computed from
     the same q, k, v; raises AssertionError with the full report. Returns (O's CheckResult, LSE's
     or None).
@@ -162,14 +198,25 @@ def check_attention(name, o, q, k, v, scale=None, lse=None, *, rtol=1e-2, torch_
     log (x1.44), a missing max term or a row_sum left unrescaled. PyTorch's logsumexp of logits
     rounded to bf16 is off by ~1e-3, so it is no yardstick here."""
     if o.shape != q.shape or o.dtype != q.dtype:
-        raise AssertionError(f"{name}: got shape {tuple(o.shape)} {o.dtype}, expected {tuple(q.shape)} {q.dtype}")
+        raise AssertionError(
+            f"{name}: got shape {tuple(o.shape)} {o.dtype}, expected {tuple(q.shape)} {q.dtype}"
+        )
     o_ref, lse_ref = reference.attention_ref(q, k, v, scale)
     if floor is None:
         floor = unit_roundoff(q.dtype)
-    o_result = check_close_floor(name, o, o_ref, rtol=rtol, torch_lowp=reference.attention_lowp(q, k, v, scale),
-                                 torch_factor=torch_factor, floor=floor)
+    o_result = check_close_floor(
+        name,
+        o,
+        o_ref,
+        rtol=rtol,
+        torch_lowp=reference.attention_lowp(q, k, v, scale),
+        torch_factor=torch_factor,
+        floor=floor,
+    )
     if lse is None:
         return o_result, None
     if lse.shape != q.shape[:3] or lse.dtype != torch.float32:
-        raise AssertionError(f"LSE of {name}: got shape {tuple(lse.shape)} {lse.dtype}, expected {tuple(q.shape[:3])} float32")
+        raise AssertionError(
+            f"LSE of {name}: got shape {tuple(lse.shape)} {lse.dtype}, expected {tuple(q.shape[:3])} float32"
+        )
     return o_result, check_close(f"LSE of {name}", lse, lse_ref, rtol=lse_rtol)

@@ -1,5 +1,6 @@
 """Argument checks shared by every entry point. Each error names the argument, what it got and
 what is allowed, so that bad input never turns into a wrong answer or a hang."""
+
 import torch
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -20,7 +21,9 @@ def check_tensor(name, t, *, rank, dtypes=HALF_DTYPES, contiguous_last=True):
             f"allowed: {_dtype_names(dtypes)}"
         )
     if t.dim() != rank:
-        raise ValueError(f"argument '{name}': expected a rank-{rank} tensor, got shape {tuple(t.shape)}")
+        raise ValueError(
+            f"argument '{name}': expected a rank-{rank} tensor, got shape {tuple(t.shape)}"
+        )
     if not t.is_cuda:
         raise ValueError(f"argument '{name}': must be a CUDA tensor, got device '{t.device}'")
     if contiguous_last and t.stride(-1) != 1:
@@ -43,8 +46,12 @@ def check_tensor(name, t, *, rank, dtypes=HALF_DTYPES, contiguous_last=True):
 def check_same_dtype(names, tensors):
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) > 1:
-        got = ", ".join(f"{n}: {str(t.dtype).replace('torch.', '')}" for n, t in zip(names, tensors))
-        raise TypeError(f"arguments {', '.join(repr(n) for n in names)} must share one dtype, got {got}")
+        got = ", ".join(
+            f"{n}: {str(t.dtype).replace('torch.', '')}" for n, t in zip(names, tensors)
+        )
+        raise TypeError(
+            f"arguments {', '.join(repr(n) for n in names)} must share one dtype, got {got}"
+        )
 
 
 def check_same_device(names, tensors):
@@ -80,17 +87,21 @@ def check_positive(name, value):
 def check_choice(name, value, allowed, why=""):
     if value not in allowed:
         extra = f" ({why})" if why else ""
-        raise ValueError(f"{name} = {value} is not supported; allowed: {', '.join(map(str, allowed))}{extra}")
+        raise ValueError(
+            f"{name} = {value} is not supported; allowed: {', '.join(map(str, allowed))}{extra}"
+        )
 
 
 def check_scale(scale, head_dim):
     """scale defaults to 1/sqrt(D); an explicit one must be a finite positive float."""
     if scale is None:
-        return head_dim ** -0.5
+        return head_dim**-0.5
     try:
         scale = float(scale)
     except (TypeError, ValueError):
-        raise TypeError(f"argument 'scale': expected a float or None, got {type(scale).__name__}") from None
+        raise TypeError(
+            f"argument 'scale': expected a float or None, got {type(scale).__name__}"
+        ) from None
     if not (scale > 0 and scale != float("inf")):
         raise ValueError(f"argument 'scale': must be a finite positive number, got {scale}")
     return scale

@@ -1,5 +1,6 @@
 """Compiling stages: a per-shape cache for real launches, and compile-only reports that need no
 GPU (fake tensors, any target arch), with counts of the instructions each stage is about."""
+
 import dataclasses
 import os
 import re
@@ -8,8 +9,8 @@ import subprocess
 import tempfile
 import time
 
-import torch
 import cutlass.cute as cute
+import torch
 
 from . import stages
 from .arch import ARCH_OF_TRACK
@@ -65,7 +66,9 @@ def expect_tx_immediates(ptx):
     count into a register first (`mov.b32 %r7, 32768;`); a count that is not such an immediate
     is None."""
     out = []
-    for reg in re.findall(r"mbarrier\.arrive\.expect_tx\.shared\.b64\s+\S+,\s*\[[^\]]+\],\s*(%r\d+);", ptx):
+    for reg in re.findall(
+        r"mbarrier\.arrive\.expect_tx\.shared\.b64\s+\S+,\s*\[[^\]]+\],\s*(%r\d+);", ptx
+    ):
         m = re.search(r"mov\.[bus]32\s+" + re.escape(reg) + r",\s*(\d+);", ptx)
         out.append(int(m.group(1)) if m else None)
     return out
@@ -88,11 +91,17 @@ def ptxas_resources(ptx, arch):
         src = os.path.join(d, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        p = subprocess.run([exe, f"-arch={arch}", "-v", "-o", os.path.join(d, "k.cubin"), src],
-                           capture_output=True, text=True, timeout=300)
+        p = subprocess.run(
+            [exe, f"-arch={arch}", "-v", "-o", os.path.join(d, "k.cubin"), src],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     text = p.stdout + p.stderr
     if p.returncode != 0:
-        return {"error": text.strip().splitlines()[-1] if text.strip() else f"ptxas exit {p.returncode}"}
+        return {
+            "error": text.strip().splitlines()[-1] if text.strip() else f"ptxas exit {p.returncode}"
+        }
     res = {}
     m = re.search(r"Used (\d+) registers", text)
     if m:
@@ -128,7 +137,10 @@ class CompileReport:
             r = self.resources
             res = f"; {r['registers']} regs, spills {r.get('spill_stores', 0)}/{r.get('spill_loads', 0)} B"
         smem = f"; smem {self.shared_memory_bytes} B" if self.shared_memory_bytes else ""
-        return f"stage {self.stage} {self.track} ({self.arch}, {self.seconds:.1f} s){smem}{res}: " + ", ".join(parts)
+        return (
+            f"stage {self.stage} {self.track} ({self.arch}, {self.seconds:.1f} s){smem}{res}: "
+            + ", ".join(parts)
+        )
 
 
 class _ArchOverride:
@@ -152,7 +164,9 @@ def compile_for_arch(kernel, args, arch):
     """cute.compile(kernel, *args) for `arch` ('sm_90a' or 'sm_100a'), no GPU needed when args are
     fake tensors; returns (ptx text, cubin bytes). The kernel object keeps what tracing set on it."""
     with tempfile.TemporaryDirectory() as dump, _ArchOverride(arch):
-        compiled = cute.compile(kernel, *args, options=f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir {dump}")
+        compiled = cute.compile(
+            kernel, *args, options=f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir {dump}"
+        )
         return compiled.artifacts.PTX, compiled.artifacts.CUBIN
 
 
@@ -169,6 +183,16 @@ def compile_only(stage, track, dtype=torch.bfloat16, shape=None, scale=None, res
     t0 = time.perf_counter()
     ptx, cubin = compile_for_arch(kernel, args, arch)
     seconds = time.perf_counter() - t0
-    return CompileReport(stage, track, arch, str(dtype).replace("torch.", ""), shape, seconds, ptx, cubin,
-                         count_ptx(ptx), ptxas_resources(ptx, arch) if resources else None,
-                         getattr(kernel, "shared_memory_bytes", None))
+    return CompileReport(
+        stage,
+        track,
+        arch,
+        str(dtype).replace("torch.", ""),
+        shape,
+        seconds,
+        ptx,
+        cubin,
+        count_ptx(ptx),
+        ptxas_resources(ptx, arch) if resources else None,
+        getattr(kernel, "shared_memory_bytes", None),
+    )

@@ -1,7 +1,13 @@
 """torch <-> CuTe: wrapping real tensors for a launch, and fake tensors for compile-only."""
-import torch
+
 import cutlass
-from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+import torch
+from cutlass.cute.runtime import (
+    from_dlpack,
+    make_fake_compact_tensor,
+    make_fake_stream,
+    make_fake_tensor,
+)
 from cutlass.cute.typing import sym_int
 
 _CUTE_DTYPE = {
@@ -35,10 +41,13 @@ def fake_tensor(torch_dtype, shape, assumed_align=16, dynamic=False):
         n = len(shape)
         extents = tuple(sym_int() for _ in range(n))
         strides = tuple(sym_int(64, divisibility=16 // esize) for _ in range(n - 1)) + (1,)
-        return make_fake_tensor(cute_dtype(torch_dtype), extents, strides, assumed_align=assumed_align)
+        return make_fake_tensor(
+            cute_dtype(torch_dtype), extents, strides, assumed_align=assumed_align
+        )
     order = tuple(range(len(shape) - 1, -1, -1))
-    return make_fake_compact_tensor(cute_dtype(torch_dtype), tuple(shape), stride_order=order,
-                                    assumed_align=assumed_align)
+    return make_fake_compact_tensor(
+        cute_dtype(torch_dtype), tuple(shape), stride_order=order, assumed_align=assumed_align
+    )
 
 
 def fake_stream():

@@ -1,4 +1,5 @@
 """`make doctor`: versions, GPU, driver, arch - what to paste into a bug report."""
+
 import platform
 import shutil
 import subprocess
@@ -23,10 +24,15 @@ def main():
 
     print(f"gpu         {gpu_description()}")
     t = track_of_capability(compute_capability())
-    print(f"track       {t + ' (' + ARCH_OF_TRACK[t] + ')' if t else 'none: compile-only mode (both tracks compile without a GPU)'}")
+    print(
+        f"track       {t + ' (' + ARCH_OF_TRACK[t] + ')' if t else 'none: compile-only mode (both tracks compile without a GPU)'}"
+    )
     if shutil.which("nvidia-smi"):
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True).stdout.strip()
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         print(f"driver      {out}")
     for tool in ("ptxas", "cuobjdump", "compute-sanitizer"):
         print(f"{tool:<11} {shutil.which(tool) or 'not found'}")

@@ -1,5 +1,6 @@
 """Seeded random inputs in the layouts the stages take. Fresh values for every seed; never zeros
 (zeros hide unwritten outputs and wrong indexing)."""
+
 import torch
 
 

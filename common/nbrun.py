@@ -1,6 +1,7 @@
 """A plain in-process notebook runner: executes a notebook's code cells in order in one
 namespace, with matplotlib on the Agg backend. Enough to verify notebooks on machines without
 Jupyter (the H200 machine) and in CI (compile-only mode, no GPU)."""
+
 import json
 import os
 import sys
@@ -42,7 +43,10 @@ def run_notebook(path, verbose=True):
             finally:
                 plt.close("all")
             if verbose:
-                print(f"  {os.path.basename(path)} cell {i}: {time.perf_counter() - t0:.1f} s", flush=True)
+                print(
+                    f"  {os.path.basename(path)} cell {i}: {time.perf_counter() - t0:.1f} s",
+                    flush=True,
+                )
     finally:
         os.chdir(old)
     return ns

@@ -5,6 +5,7 @@ MODE is "gpu" when this machine's GPU runs one of the two tracks (then the GPU c
 the kernels and check them), else "compile-only" (the GPU cells say they are skipped and why,
 and show the compile summary instead). Override with TUTORIAL_NB_MODE=gpu|compile-only.
 Every helper that does not need a GPU works without one."""
+
 import ast
 import dataclasses
 import difflib
@@ -33,7 +34,9 @@ def _mode():
         if forced not in MODES:
             raise ValueError(f"TUTORIAL_NB_MODE = {forced!r}; allowed: {', '.join(MODES)}")
         return forced
-    return "gpu" if GPU_TRACK is not None and arch.gpu_track_available(GPU_TRACK) else "compile-only"
+    return (
+        "gpu" if GPU_TRACK is not None and arch.gpu_track_available(GPU_TRACK) else "compile-only"
+    )
 
 
 MODE = _mode()
@@ -45,9 +48,20 @@ LOG = {"stage": None, "compiled": [], "verified": [], "measured": [], "missing":
 
 # The instruction families each track's compile summary prints excerpts of.
 PTX_EXCERPTS = {
-    "hopper": (r"wgmma\.mma_async", r"cp\.async\.bulk\.tensor", r"mbarrier\.try_wait", r"shfl\.sync\.bfly",
-               r"ex2\.approx"),
-    "blackwell": (r"tcgen05\.mma", r"tcgen05\.ld", r"tcgen05\.st", r"tcgen05\.alloc", r"cp\.async\.bulk\.tensor"),
+    "hopper": (
+        r"wgmma\.mma_async",
+        r"cp\.async\.bulk\.tensor",
+        r"mbarrier\.try_wait",
+        r"shfl\.sync\.bfly",
+        r"ex2\.approx",
+    ),
+    "blackwell": (
+        r"tcgen05\.mma",
+        r"tcgen05\.ld",
+        r"tcgen05\.st",
+        r"tcgen05\.alloc",
+        r"cp\.async\.bulk\.tensor",
+    ),
 }
 SKELETON = ("__init__", "__call__", "kernel", "compile_args", "gemm", "qk", "attention")
 KERNEL_CLASS = {"hopper": "Sm90Kernel", "blackwell": "Sm100Kernel"}
@@ -56,6 +70,7 @@ KERNEL_CLASS = {"hopper": "Sm90Kernel", "blackwell": "Sm100Kernel"}
 # --------------------------------------------------------------------------------------------
 # Display: rich in Jupyter, plain text under common/nbrun.py and in scripts
 # --------------------------------------------------------------------------------------------
+
 
 def _ipython():
     try:
@@ -86,12 +101,26 @@ def _markdown(md, plain=None):
 def _table(header, rows):
     """A table as Markdown in Jupyter, as aligned text elsewhere."""
     rows = [[str(x) for x in r] for r in rows]
-    md = "| " + " | ".join(header) + " |\n|" + " --- |" * len(header) + "\n" + "\n".join(
-        "| " + " | ".join(r) + " |" for r in rows)
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)] if rows else [len(h) for h in header]
-    plain = "\n".join([" | ".join(h.ljust(w) for h, w in zip(header, widths)),
-                       "-+-".join("-" * w for w in widths)]
-                      + [" | ".join(x.ljust(w) for x, w in zip(r, widths)) for r in rows])
+    md = (
+        "| "
+        + " | ".join(header)
+        + " |\n|"
+        + " --- |" * len(header)
+        + "\n"
+        + "\n".join("| " + " | ".join(r) + " |" for r in rows)
+    )
+    widths = (
+        [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+        if rows
+        else [len(h) for h in header]
+    )
+    plain = "\n".join(
+        [
+            " | ".join(h.ljust(w) for h, w in zip(header, widths)),
+            "-+-".join("-" * w for w in widths),
+        ]
+        + [" | ".join(x.ljust(w) for x, w in zip(r, widths)) for r in rows]
+    )
     _markdown(md, plain)
 
 
@@ -103,6 +132,7 @@ def note(text):
 # --------------------------------------------------------------------------------------------
 # Stage files
 # --------------------------------------------------------------------------------------------
+
 
 def stage_path(stage, track, relative=False):
     rel = os.path.join("stages", stages.stage(stage).package, f"{track}.py")
@@ -117,8 +147,10 @@ def available(stage, track):
         return True
     if (stage, track) not in LOG["missing"]:
         LOG["missing"].append((stage, track))
-        note(f"`{stage_path(stage, track, True)}` does not exist yet (stage {stage}, {track} track). "
-             "The cells that need it show this note instead; re-run the notebook once the file has landed.")
+        note(
+            f"`{stage_path(stage, track, True)}` does not exist yet (stage {stage}, {track} track). "
+            "The cells that need it show this note instead; re-run the notebook once the file has landed."
+        )
     return False
 
 
@@ -130,20 +162,31 @@ def start(stage):
     LOG["stage"] = stage
     gpu = arch.gpu_description()
     if MODE == "gpu":
-        what = (f"**GPU mode** on {gpu}: the {TRACK} kernels are launched and checked against the "
-                "fp64 reference; the other track is compile-checked.")
+        what = (
+            f"**GPU mode** on {gpu}: the {TRACK} kernels are launched and checked against the "
+            "fp64 reference; the other track is compile-checked."
+        )
     else:
-        why = ("there is no CUDA GPU here" if GPU_TRACK is None and arch.compute_capability() is None
-               else f"{gpu} runs neither track" if GPU_TRACK is None else "TUTORIAL_NB_MODE=compile-only")
-        what = (f"**Compile-only mode** ({why}): every stage is compiled for sm_90a and sm_100a with fake "
-                "tensors and its PTX inspected; the cells that launch kernels say they are skipped.")
+        why = (
+            "there is no CUDA GPU here"
+            if GPU_TRACK is None and arch.compute_capability() is None
+            else f"{gpu} runs neither track"
+            if GPU_TRACK is None
+            else "TUTORIAL_NB_MODE=compile-only"
+        )
+        what = (
+            f"**Compile-only mode** ({why}): every stage is compiled for sm_90a and sm_100a with fake "
+            "tensors and its PTX inspected; the cells that launch kernels say they are skipped."
+        )
     have = []
     for n in sorted({max(1, stage - 1), stage}):
         for t in arch.TRACKS:
             ok = os.path.exists(stage_path(n, t))
             have.append(f"`{stage_path(n, t, True)}` {'present' if ok else 'not written yet'}")
-    _markdown(f"Stage {stage} - {st.title}. {what}\n\n" + "; ".join(have) + ".",
-              f"Stage {stage} - {st.title}. {what}\n" + "; ".join(have) + ".")
+    _markdown(
+        f"Stage {stage} - {st.title}. {what}\n\n" + "; ".join(have) + ".",
+        f"Stage {stage} - {st.title}. {what}\n" + "; ".join(have) + ".",
+    )
 
 
 def _source_file(stage, track):
@@ -167,13 +210,20 @@ def _ast_lookup(source, qualname):
     lines = source.splitlines()
     body, node = tree.body, None
     for part in qualname.split("."):
-        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-                     and n.name == part), None)
+        node = next(
+            (
+                n
+                for n in body
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                and n.name == part
+            ),
+            None,
+        )
         if node is None:
             return None
         body = getattr(node, "body", [])
     first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-    return textwrap.dedent("\n".join(lines[first - 1:node.end_lineno]))
+    return textwrap.dedent("\n".join(lines[first - 1 : node.end_lineno]))
 
 
 def _get_source(stage, track, qualname):
@@ -200,8 +250,11 @@ def outline(stage, track="hopper"):
     for n in tree.body:
         if isinstance(n, ast.ClassDef):
             out.append((n.name, "class"))
-            out += [(f"{n.name}.{m.name}", "method") for m in n.body if isinstance(m, (ast.FunctionDef,
-                                                                                        ast.AsyncFunctionDef))]
+            out += [
+                (f"{n.name}.{m.name}", "method")
+                for m in n.body
+                if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
+            ]
         elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
             out.append((n.name, "function"))
     return out
@@ -211,8 +264,13 @@ def helper_names(stage, track="hopper"):
     """Functions and methods of the file beyond the skeleton every stage keeps."""
     if not available(stage, track):
         return []
-    return [q for q, kind in outline(stage, track) if kind != "class" and q.split(".")[-1] not in SKELETON
-            and not q.split(".")[-1].startswith("_")]
+    return [
+        q
+        for q, kind in outline(stage, track)
+        if kind != "class"
+        and q.split(".")[-1] not in SKELETON
+        and not q.split(".")[-1].startswith("_")
+    ]
 
 
 def _section(source, banner):
@@ -281,21 +339,27 @@ def kernel_config(stage, track="hopper"):
     if not available(stage, track):
         return {}
     try:
-        kernel, _ = stages.track_module(stage, track).compile_args(torch.bfloat16, stages.stage(stage).compile_shape)
+        kernel, _ = stages.track_module(stage, track).compile_args(
+            torch.bfloat16, stages.stage(stage).compile_shape
+        )
     except Exception as e:
         note(f"could not build the stage {stage} ({track}) kernel object: {type(e).__name__}: {e}")
         LOG["errors"].append(f"stage {stage} {track}: compile_args failed: {e}")
         return {}
     simple = (int, float, str, bool, tuple)
-    return {k: v for k, v in vars(kernel).items() if isinstance(v, simple) and not k.startswith("_")}
+    return {
+        k: v for k, v in vars(kernel).items() if isinstance(v, simple) and not k.startswith("_")
+    }
 
 
 def show_config(stage, track="hopper"):
     """kernel_config as a table."""
     cfg = kernel_config(stage, track)
     if cfg:
-        _markdown(f"Settings of `{KERNEL_CLASS[track]}` in `{stage_path(stage, track, True)}` (bf16):",
-                  f"--- settings of {KERNEL_CLASS[track]} in {stage_path(stage, track, True)} (bf16) ---")
+        _markdown(
+            f"Settings of `{KERNEL_CLASS[track]}` in `{stage_path(stage, track, True)}` (bf16):",
+            f"--- settings of {KERNEL_CLASS[track]} in {stage_path(stage, track, True)} (bf16) ---",
+        )
         _table(("attribute", "value"), [(k, repr(v)) for k, v in cfg.items()])
     return cfg
 
@@ -308,13 +372,17 @@ def show_docstring(stage, track="hopper"):
     if tree is None:
         return
     doc = ast.get_docstring(tree)
-    _markdown(f"`{stage_path(stage, track, True)}`, docstring:", f"--- {stage_path(stage, track, True)}, docstring ---")
+    _markdown(
+        f"`{stage_path(stage, track, True)}`, docstring:",
+        f"--- {stage_path(stage, track, True)}, docstring ---",
+    )
     _code(doc or "(no docstring)", language="text")
 
 
 # --------------------------------------------------------------------------------------------
 # Diffs
 # --------------------------------------------------------------------------------------------
+
 
 def diff_text(old_rel, new_rel):
     """`git diff --no-index --stat` then the unified diff, as `make diff-N` prints them; difflib
@@ -323,8 +391,12 @@ def diff_text(old_rel, new_rel):
     if git:
         out = []
         for extra in (["--stat"], []):
-            p = subprocess.run([git, "--no-pager", "diff", "--no-index", "--no-color", *extra, old_rel, new_rel],
-                               cwd=ROOT, capture_output=True, text=True)
+            p = subprocess.run(
+                [git, "--no-pager", "diff", "--no-index", "--no-color", *extra, old_rel, new_rel],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+            )
             if p.returncode not in (0, 1):
                 break
             out.append(p.stdout.rstrip("\n"))
@@ -361,8 +433,10 @@ def show_diff(stage, track="hopper", max_lines=None):
     old, new = stage_path(stage - 1, track, True), stage_path(stage, track, True)
     text = diff_text(old, new)
     plus, minus = _diff_stat(text)
-    _markdown(f"`make diff-{stage} TRACK={track}`: **+{plus} -{minus}** lines",
-              f"--- make diff-{stage} TRACK={track}: +{plus} -{minus} lines ---")
+    _markdown(
+        f"`make diff-{stage} TRACK={track}`: **+{plus} -{minus}** lines",
+        f"--- make diff-{stage} TRACK={track}: +{plus} -{minus} lines ---",
+    )
     _show_diff_text(text, max_lines, f"make diff-{stage} TRACK={track}")
 
 
@@ -373,8 +447,10 @@ def show_cross_track_diff(stage, max_lines=300):
     old, new = stage_path(stage, "hopper", True), stage_path(stage, "blackwell", True)
     text = diff_text(old, new)
     plus, minus = _diff_stat(text)
-    _markdown(f"`{old}` -> `{new}`: **+{plus} -{minus}** lines",
-              f"--- {old} -> {new}: +{plus} -{minus} lines ---")
+    _markdown(
+        f"`{old}` -> `{new}`: **+{plus} -{minus}** lines",
+        f"--- {old} -> {new}: +{plus} -{minus} lines ---",
+    )
     _show_diff_text(text, max_lines, f"git diff --no-index {old} {new}")
 
 
@@ -415,11 +491,20 @@ def compile_summary(stage, track="hopper", shape=None, patterns=None, excerpt_li
     if r is None:
         return None
     res = r.resources or {}
-    rows = [("target", f"{r.arch} ({track})"), ("shape", str(r.shape)), ("dtype", r.dtype),
-            ("compile time", f"{r.seconds:.1f} s")]
+    rows = [
+        ("target", f"{r.arch} ({track})"),
+        ("shape", str(r.shape)),
+        ("dtype", r.dtype),
+        ("compile time", f"{r.seconds:.1f} s"),
+    ]
     if "registers" in res:
         rows.append(("registers / thread", str(res["registers"])))
-        rows.append(("spills (store / load bytes)", f"{res.get('spill_stores', 0)} / {res.get('spill_loads', 0)}"))
+        rows.append(
+            (
+                "spills (store / load bytes)",
+                f"{res.get('spill_stores', 0)} / {res.get('spill_loads', 0)}",
+            )
+        )
     elif res.get("error"):
         rows.append(("ptxas", res["error"][:80]))
     else:
@@ -428,7 +513,10 @@ def compile_summary(stage, track="hopper", shape=None, patterns=None, excerpt_li
         smem = r.shared_memory_bytes
         rows.append(("dynamic shared memory / CTA", f"{smem} B ({smem / 1024:.1f} KiB)"))
     rows += [(f"PTX: {k}", str(v)) for k, v in r.counts.items() if v]
-    _markdown(f"**Compile summary, stage {stage} ({track})**", f"=== compile summary, stage {stage} ({track}) ===")
+    _markdown(
+        f"**Compile summary, stage {stage} ({track})**",
+        f"=== compile summary, stage {stage} ({track}) ===",
+    )
     _table(("", "value"), rows)
     from .compile import ptx_lines
 
@@ -447,6 +535,7 @@ def compile_summary(stage, track="hopper", shape=None, patterns=None, excerpt_li
 # Running and checking (GPU)
 # --------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class Verification:
     stage: int
@@ -454,15 +543,22 @@ class Verification:
     shape: tuple
     out: torch.Tensor
     ref: torch.Tensor
-    check: object          # common.checker.CheckResult of the main output
-    lse_check: object      # CheckResult of the LSE (stage 5), else None
+    check: object  # common.checker.CheckResult of the main output
+    lse_check: object  # CheckResult of the LSE (stage 5), else None
 
 
 def _skip(what, stage):
-    why = ("no CUDA GPU is visible" if arch.compute_capability() is None else
-           f"{arch.gpu_description()} runs neither track" if GPU_TRACK is None else "TUTORIAL_NB_MODE=compile-only")
-    note(f"{what} skipped: this cell launches the stage {stage} kernel, which needs an sm_90 (H100/H200) or "
-         f"sm_100 (B200/GB200) GPU, and {why}.")
+    why = (
+        "no CUDA GPU is visible"
+        if arch.compute_capability() is None
+        else f"{arch.gpu_description()} runs neither track"
+        if GPU_TRACK is None
+        else "TUTORIAL_NB_MODE=compile-only"
+    )
+    note(
+        f"{what} skipped: this cell launches the stage {stage} kernel, which needs an sm_90 (H100/H200) or "
+        f"sm_100 (B200/GB200) GPU, and {why}."
+    )
 
 
 def run_and_verify(stage, shape=None, seed=0):
@@ -486,22 +582,45 @@ def run_and_verify(stage, shape=None, seed=0):
     out = run_with_deadline(case.run, 60, f"stage {stage} ({track})")
     first = time.perf_counter() - t0
     ref = case.ref()
-    chk = compare(f"stage {stage} {track} {shape}", out, ref, rtol=case.rtol, torch_lowp=case.lowp())
+    chk = compare(
+        f"stage {stage} {track} {shape}", out, ref, rtol=case.rtol, torch_lowp=case.lowp()
+    )
     lse_chk = None
     if stage == 5:
         from .reference import attention_ref
 
         entry = getattr(stages.track_module(stage, track), stages.stage(stage).entry)
         q, k, v = case.args
-        _, lse = run_with_deadline(lambda: entry(q, k, v, return_lse=True), 60, "stage 5 with return_lse")
+        _, lse = run_with_deadline(
+            lambda: entry(q, k, v, return_lse=True), 60, "stage 5 with return_lse"
+        )
         # LSE is fp32 from fp32 statistics: a relative error around 1e-6 is expected; 1e-4 leaves room
         # for exp2/log2 approximations and would still catch a wrong base (log2 vs ln) or a missing scale.
         lse_chk = compare(f"stage 5 LSE {shape}", lse, attention_ref(q, k, v)[1], rtol=1e-4)
-    _table(("check", "relative error", "bound", "PyTorch's own error", "max abs error", "worst element", "verdict"),
-           [(c.name, f"{c.rel_err:.2e}", f"{c.bound:.2e}",
-             "-" if c.torch_rel_err is None else f"{c.torch_rel_err:.2e}", f"{c.max_abs_err:.2e}",
-             f"{c.worst_index}: {c.worst_out:.5g} vs {c.worst_ref:.5g}", "pass" if c.passed else "FAIL")
-            for c in (chk, lse_chk) if c is not None])
+    _table(
+        (
+            "check",
+            "relative error",
+            "bound",
+            "PyTorch's own error",
+            "max abs error",
+            "worst element",
+            "verdict",
+        ),
+        [
+            (
+                c.name,
+                f"{c.rel_err:.2e}",
+                f"{c.bound:.2e}",
+                "-" if c.torch_rel_err is None else f"{c.torch_rel_err:.2e}",
+                f"{c.max_abs_err:.2e}",
+                f"{c.worst_index}: {c.worst_out:.5g} vs {c.worst_ref:.5g}",
+                "pass" if c.passed else "FAIL",
+            )
+            for c in (chk, lse_chk)
+            if c is not None
+        ],
+    )
     print(f"first launch (compile + run) took {first:.1f} s on {arch.gpu_description()}")
     for c in (chk, lse_chk):
         if c is not None and not c.passed:
@@ -519,11 +638,20 @@ def _cpu_standin(stage, seed=0):
     if stage == 1:
         a, b = inputs.gemm_inputs(256, 256, 256, torch.bfloat16, seed, device="cpu")
         return (a @ b.T), reference.gemm_ref(a, b), "PyTorch bf16 GEMM 256^3 on the CPU"
-    q, k, v = inputs.attention_inputs(1, 1, 256, 128 if stage == 3 else 512, 128, torch.bfloat16, seed, device="cpu")
+    q, k, v = inputs.attention_inputs(
+        1, 1, 256, 128 if stage == 3 else 512, 128, torch.bfloat16, seed, device="cpu"
+    )
     if stage == 2:
-        return (q @ k.transpose(-1, -2)).float() * 128 ** -0.5, reference.qk_ref(q, k), "PyTorch bf16 Q K^T on the CPU"
-    return (reference.attention_lowp(q, k, v), reference.attention_ref(q, k, v)[0],
-            "PyTorch bf16 attention (SDPA math) on the CPU")
+        return (
+            (q @ k.transpose(-1, -2)).float() * 128**-0.5,
+            reference.qk_ref(q, k),
+            "PyTorch bf16 Q K^T on the CPU",
+        )
+    return (
+        reference.attention_lowp(q, k, v),
+        reference.attention_ref(q, k, v)[0],
+        "PyTorch bf16 attention (SDPA math) on the CPU",
+    )
 
 
 def error_picture(stage, result=None):
@@ -532,8 +660,11 @@ def error_picture(stage, result=None):
     from . import plots
 
     if result is not None:
-        return plots.error_heatmap(result.out, result.ref,
-                                   title=f"stage {stage} ({result.track}) |out - ref|, {arch.gpu_description()}")
+        return plots.error_heatmap(
+            result.out,
+            result.ref,
+            title=f"stage {stage} ({result.track}) |out - ref|, {arch.gpu_description()}",
+        )
     out, ref, what = _cpu_standin(stage)
     return plots.error_heatmap(out, ref, title=f"no kernel run here - {what}: |out - fp64 ref|")
 
@@ -568,7 +699,9 @@ def measure(stage, shapes, baselines=None, also_stages=()):
             rows.append((str(tuple(shape)), name, f"{ms:.3f}", f"{tf:.0f}", ratio))
         torch.cuda.empty_cache()
     _table(("shape", "kernel", "ms", "TFLOP/s", "baseline / stage"), rows)
-    print(f"measured on {gpu}, {date}; medians of CUDA-event timings after warm-up, all in this run")
+    print(
+        f"measured on {gpu}, {date}; medians of CUDA-event timings after warm-up, all in this run"
+    )
     LOG["measured"].append((stage, track))
     plots.bench_bars(results, f"stage {stage} ({track}) on {gpu}, {date}")
     return results
@@ -590,8 +723,11 @@ def tmem_plan(stage, head_dim=128, block_n=128):
         name = "C" if stage == 1 else "S"
         regions, alloc = [(name, 0, block_n, "fp32 accumulator")], block_n
     else:
-        regions = [("S", 0, block_n, "fp32"), ("P", 32, block_n // 2, "bf16, 2 per column"),
-                   ("O", block_n, head_dim, "fp32")]
+        regions = [
+            ("S", 0, block_n, "fp32"),
+            ("P", 32, block_n // 2, "bf16, 2 per column"),
+            ("O", block_n, head_dim, "fp32"),
+        ]
         alloc = 1 << (block_n + head_dim - 1).bit_length()
     source = "the stage plan (the stage file exposes no tmem_*_offset attributes)"
     if os.path.exists(stage_path(stage, "blackwell")) and stages.available(stage, "blackwell"):
@@ -604,9 +740,14 @@ def tmem_plan(stage, head_dim=128, block_n=128):
                 if isinstance(v, int):
                     found[reg] = v
             if found:
-                regions = [(n, found.get("S" if n == "C" else n, s), w, what) for n, s, w, what in regions]
-                source = "the offsets the stage file's Sm100Kernel sets (" + ", ".join(
-                    f"{k} at column {v}" for k, v in found.items()) + ")"
+                regions = [
+                    (n, found.get("S" if n == "C" else n, s), w, what) for n, s, w, what in regions
+                ]
+                source = (
+                    "the offsets the stage file's Sm100Kernel sets ("
+                    + ", ".join(f"{k} at column {v}" for k, v in found.items())
+                    + ")"
+                )
             alloc = getattr(kernel, "num_tmem_alloc_cols", None) or alloc
         except Exception as e:  # the picture still shows the plan
             source += f"; reading the kernel failed: {type(e).__name__}"
@@ -618,5 +759,8 @@ def show_tmem(stage, head_dim=128, block_n=128):
 
     regions, alloc, source = tmem_plan(stage, head_dim, block_n)
     print(f"TMEM columns from {source}")
-    return plots.tmem_columns(regions, alloc_cols=alloc,
-                              title=f"Stage {stage}, Blackwell: tensor memory of one CTA (128 lanes x 512 columns)")
+    return plots.tmem_columns(
+        regions,
+        alloc_cols=alloc,
+        title=f"Stage {stage}, Blackwell: tensor memory of one CTA (128 lanes x 512 columns)",
+    )

@@ -8,6 +8,7 @@ Every picture is drawn from the same small functions the tests check against the
     shared-memory slots through full/empty mbarriers (durations are illustrative, not measured).
 Each plotting function returns its matplotlib Figure.
 """
+
 import math
 
 import matplotlib
@@ -19,17 +20,49 @@ from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 
 # One palette for all pictures: the same thing has the same colour everywhere.
 C = {
-    "q": "#4C72B0", "k": "#DD8452", "v": "#55A868", "s": "#C44E52", "p": "#8172B3", "o": "#937860",
-    "a": "#4C72B0", "b": "#DD8452", "c": "#C44E52",
-    "load": "#64B5CD", "resident": "#D6EAF8", "mma": "#DD8452", "softmax": "#8172B3",
-    "wait": "#BBBBBB", "race": "#E41A1C", "free": "#FFFFFF", "grid": "#444444",
+    "q": "#4C72B0",
+    "k": "#DD8452",
+    "v": "#55A868",
+    "s": "#C44E52",
+    "p": "#8172B3",
+    "o": "#937860",
+    "a": "#4C72B0",
+    "b": "#DD8452",
+    "c": "#C44E52",
+    "load": "#64B5CD",
+    "resident": "#D6EAF8",
+    "mma": "#DD8452",
+    "softmax": "#8172B3",
+    "wait": "#BBBBBB",
+    "race": "#E41A1C",
+    "free": "#FFFFFF",
+    "grid": "#444444",
 }
 WARP_COLORS = ("#FBE3D6", "#DCEAF7", "#E2F0D9", "#EDE1F5")
 LANE_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52")
 
 
-def _box(ax, x, y, w, h, fc, ec="black", lw=0.8, text=None, fontsize=8, alpha=1.0, hatch=None, tc="black", **kw):
-    ax.add_patch(Rectangle((x, y), w, h, facecolor=fc, edgecolor=ec, linewidth=lw, alpha=alpha, hatch=hatch, **kw))
+def _box(
+    ax,
+    x,
+    y,
+    w,
+    h,
+    fc,
+    ec="black",
+    lw=0.8,
+    text=None,
+    fontsize=8,
+    alpha=1.0,
+    hatch=None,
+    tc="black",
+    **kw,
+):
+    ax.add_patch(
+        Rectangle(
+            (x, y), w, h, facecolor=fc, edgecolor=ec, linewidth=lw, alpha=alpha, hatch=hatch, **kw
+        )
+    )
     if text is not None:
         ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=fontsize, color=tc)
 
@@ -44,6 +77,7 @@ def _finish(fig, path=None):
 # --------------------------------------------------------------------------------------------
 # CuTe layouts, evaluated in plain Python
 # --------------------------------------------------------------------------------------------
+
 
 def _flat(t):
     if isinstance(t, (tuple, list)):
@@ -66,8 +100,10 @@ def layout_eval(shape, stride, index):
 
 def layout_str(shape, stride):
     """The layout printed the way cute prints it, e.g. '((4,8,4),(2,2,16)):((128,1,16),(64,8,512))'."""
+
     def f(t):
         return "(" + ",".join(f(x) for x in t) + ")" if isinstance(t, (tuple, list)) else str(t)
+
     return f"{f(shape)}:{f(stride)}"
 
 
@@ -124,6 +160,7 @@ def swizzle_128b_chunk(row, chunk):
 # Tiles and grids
 # --------------------------------------------------------------------------------------------
 
+
 def gemm_tiling(M=1024, N=1024, K=512, tile=(128, 256, 64), highlight=(2, 1), path=None):
     """C = A @ B^T tiled over CTAs: one CTA per bM x bN tile of C (grid = (M / bM, N / bN)); the
     highlighted CTA streams its row panel of A and its row panel of B through shared memory one
@@ -137,29 +174,76 @@ def gemm_tiling(M=1024, N=1024, K=512, tile=(128, 256, 64), highlight=(2, 1), pa
     for i in range(gm):
         for j in range(gn):
             hit = (i, j) == (hm, hn)
-            _box(ax, j * bN, i * bM, bN, bM, C["c"] if hit else "#F6E3E3", lw=0.6,
-                 text=f"({i},{j})", fontsize=7 if gm * gn > 40 else 8, alpha=0.9 if hit else 1.0,
-                 tc="white" if hit else "black")
-    ax.text(N / 2, M + gap * 0.6, f"C  (M={M}, N={N}): {gm} x {gn} CTAs, block_idx = (m tile, n tile)",
-            ha="center", va="center", fontsize=9)
+            _box(
+                ax,
+                j * bN,
+                i * bM,
+                bN,
+                bM,
+                C["c"] if hit else "#F6E3E3",
+                lw=0.6,
+                text=f"({i},{j})",
+                fontsize=7 if gm * gn > 40 else 8,
+                alpha=0.9 if hit else 1.0,
+                tc="white" if hit else "black",
+            )
+    ax.text(
+        N / 2,
+        M + gap * 0.6,
+        f"C  (M={M}, N={N}): {gm} x {gn} CTAs, block_idx = (m tile, n tile)",
+        ha="center",
+        va="center",
+        fontsize=9,
+    )
     # A, left: rows m, columns k
     ax0 = -gap - K
     _box(ax, ax0, 0, K, M, "#EAF0F8", lw=0.6)
     for k in range(-(-K // bK)):
-        _box(ax, ax0 + k * bK, hm * bM, min(bK, K - k * bK), bM, C["a"], lw=0.5, alpha=0.35 + 0.65 * (k == 0),
-             text=str(k) if bK / K > 0.05 else None, fontsize=7)
+        _box(
+            ax,
+            ax0 + k * bK,
+            hm * bM,
+            min(bK, K - k * bK),
+            bM,
+            C["a"],
+            lw=0.5,
+            alpha=0.35 + 0.65 * (k == 0),
+            text=str(k) if bK / K > 0.05 else None,
+            fontsize=7,
+        )
     ax.text(ax0 + K / 2, M + gap * 0.6, f"A  (M x K={K})", ha="center", fontsize=9)
     # B^T, top: rows k, columns n (B is stored N x K, K-major; drawn transposed)
     by0 = -gap - K
     _box(ax, 0, by0, N, K, "#FBEFE5", lw=0.6)
     for k in range(-(-K // bK)):
-        _box(ax, hn * bN, by0 + k * bK, bN, min(bK, K - k * bK), C["b"], lw=0.5, alpha=0.35 + 0.65 * (k == 0),
-             text=str(k) if bK / K > 0.05 else None, fontsize=7)
-    ax.text(N + gap * 0.3, by0 + K / 2, f"B^T  (K x N)\nB is stored\n(N, K), K-major", ha="left",
-            va="center", fontsize=9)
-    ax.text(ax0 + K / 2, by0 + K / 2,
-            f"CTA ({hm},{hn}):\nK tiles of {bK}\n(numbered) flow\nthrough the\nab_buffers ring",
-            ha="center", va="center", fontsize=9)
+        _box(
+            ax,
+            hn * bN,
+            by0 + k * bK,
+            bN,
+            min(bK, K - k * bK),
+            C["b"],
+            lw=0.5,
+            alpha=0.35 + 0.65 * (k == 0),
+            text=str(k) if bK / K > 0.05 else None,
+            fontsize=7,
+        )
+    ax.text(
+        N + gap * 0.3,
+        by0 + K / 2,
+        "B^T  (K x N)\nB is stored\n(N, K), K-major",
+        ha="left",
+        va="center",
+        fontsize=9,
+    )
+    ax.text(
+        ax0 + K / 2,
+        by0 + K / 2,
+        f"CTA ({hm},{hn}):\nK tiles of {bK}\n(numbered) flow\nthrough the\nab_buffers ring",
+        ha="center",
+        va="center",
+        fontsize=9,
+    )
     ax.set_xlim(ax0 - gap * 0.2, N + gap * 2.2)
     ax.set_ylim(M + gap, by0 - gap * 0.2)
     ax.set_aspect("equal")
@@ -168,8 +252,18 @@ def gemm_tiling(M=1024, N=1024, K=512, tile=(128, 256, 64), highlight=(2, 1), pa
     return _finish(fig, path)
 
 
-def attention_grid(B=2, H=4, Sq=512, Sk=1024, D=128, block_m=128, block_n=128, highlight=(1, 2, 1),
-                   grid_label="grid = (Sq / bM, H, B)", path=None):
+def attention_grid(
+    B=2,
+    H=4,
+    Sq=512,
+    Sk=1024,
+    D=128,
+    block_m=128,
+    block_n=128,
+    highlight=(1, 2, 1),
+    grid_label="grid = (Sq / bM, H, B)",
+    path=None,
+):
     """Left: one CTA per (Q tile, head, batch); right: what the highlighted CTA does - its Q tile
     (bM x D) stays resident, the K tiles (bN x D) of the same (b, h) stream past it, producing
     one bM-row band of S = Q K^T."""
@@ -181,8 +275,18 @@ def attention_grid(B=2, H=4, Sq=512, Sk=1024, D=128, block_m=128, block_n=128, h
             y = b * H + h
             for t in range(qt):
                 hit = (b, h, t) == (hb, hh, hq)
-                _box(ax, t, y, 1, 1, C["q"] if hit else WARP_COLORS[b % 4], lw=0.6, text=f"{t},{h},{b}",
-                     fontsize=7, tc="white" if hit else "black")
+                _box(
+                    ax,
+                    t,
+                    y,
+                    1,
+                    1,
+                    C["q"] if hit else WARP_COLORS[b % 4],
+                    lw=0.6,
+                    text=f"{t},{h},{b}",
+                    fontsize=7,
+                    tc="white" if hit else "black",
+                )
     ax.set_xlim(-0.1, qt + 0.1)
     ax.set_ylim(B * H + 0.1, -0.1)
     ax.set_xticks([t + 0.5 for t in range(qt)], [str(t) for t in range(qt)])
@@ -194,17 +298,58 @@ def attention_grid(B=2, H=4, Sq=512, Sk=1024, D=128, block_m=128, block_n=128, h
     kt = -(-Sk // block_n)
     u = 1.0 / max(block_m, D)
     qh, qw = block_m * u, D * u
-    _box(bx, 0, 0.6, qw, qh, C["q"], text=f"Q tile\n{block_m} x {D}\n(resident)", tc="white", fontsize=8)
+    _box(
+        bx,
+        0,
+        0.6,
+        qw,
+        qh,
+        C["q"],
+        text=f"Q tile\n{block_m} x {D}\n(resident)",
+        tc="white",
+        fontsize=8,
+    )
     x0 = qw + 0.4
     for j in range(min(kt, 8)):
-        _box(bx, x0 + j * block_n * u, -0.05 - qw, block_n * u, qw, C["k"], alpha=0.5 + 0.5 * (j == 0),
-             text=f"K{j}^T", fontsize=7)
-        _box(bx, x0 + j * block_n * u, 0.6, block_n * u, qh, C["s"], alpha=0.25 + 0.5 * (j == 0),
-             text=f"S[:, {j}]", fontsize=7)
+        _box(
+            bx,
+            x0 + j * block_n * u,
+            -0.05 - qw,
+            block_n * u,
+            qw,
+            C["k"],
+            alpha=0.5 + 0.5 * (j == 0),
+            text=f"K{j}^T",
+            fontsize=7,
+        )
+        _box(
+            bx,
+            x0 + j * block_n * u,
+            0.6,
+            block_n * u,
+            qh,
+            C["s"],
+            alpha=0.25 + 0.5 * (j == 0),
+            text=f"S[:, {j}]",
+            fontsize=7,
+        )
     more = " ..." if kt > 8 else ""
-    bx.text(x0, 0.6 + qh + 0.12, f"one CTA (b={hb}, h={hh}, q tile {hq}): S band {block_m} x {Sk} = "
-            f"{kt} K tiles of {block_n}{more}", fontsize=9, va="top")
-    bx.text(x0 - 0.2, -0.05 - qw / 2, f"K tiles ({block_n} x {D})\nstream in", ha="right", va="center", fontsize=8)
+    bx.text(
+        x0,
+        0.6 + qh + 0.12,
+        f"one CTA (b={hb}, h={hh}, q tile {hq}): S band {block_m} x {Sk} = "
+        f"{kt} K tiles of {block_n}{more}",
+        fontsize=9,
+        va="top",
+    )
+    bx.text(
+        x0 - 0.2,
+        -0.05 - qw / 2,
+        f"K tiles ({block_n} x {D})\nstream in",
+        ha="right",
+        va="center",
+        fontsize=8,
+    )
     bx.set_xlim(-0.1, x0 + min(kt, 8) * block_n * u + 0.2)
     bx.set_ylim(0.6 + qh + 0.3, -0.25 - qw)
     bx.set_aspect("equal")
@@ -226,27 +371,48 @@ def swizzle_128b(rows=8, path=None):
             for c in range(8):
                 p = swizzle_128b_chunk(r, c) if swz else c
                 hot = c == 0
-                _box(ax, p, r, 1, 1, cmap(c), alpha=0.95 if hot else 0.35, lw=2.0 if hot else 0.5,
-                     ec="black", text=f"{c}", fontsize=9, tc="white" if hot else "black")
+                _box(
+                    ax,
+                    p,
+                    r,
+                    1,
+                    1,
+                    cmap(c),
+                    alpha=0.95 if hot else 0.35,
+                    lw=2.0 if hot else 0.5,
+                    ec="black",
+                    text=f"{c}",
+                    fontsize=9,
+                    tc="white" if hot else "black",
+                )
         ax.set_xlim(0, 8)
         ax.set_ylim(rows, 0)
-        ax.set_xticks([p + 0.5 for p in range(8)], [f"bytes\n{16 * p}-{16 * p + 15}\nbanks\n{4 * p}-{4 * p + 3}"
-                                                    for p in range(8)], fontsize=7)
+        ax.set_xticks(
+            [p + 0.5 for p in range(8)],
+            [f"bytes\n{16 * p}-{16 * p + 15}\nbanks\n{4 * p}-{4 * p + 3}" for p in range(8)],
+            fontsize=7,
+        )
         ax.set_yticks([r + 0.5 for r in range(rows)], [f"row {r}" for r in range(rows)], fontsize=8)
         ax.set_aspect("equal")
         banks = sorted({4 * (swizzle_128b_chunk(r, 0) if swz else 0) for r in range(min(rows, 8))})
-        ax.set_title(("128B swizzle: chunk c of row r at c ^ (r % 8)" if swz else "no swizzle: chunk c at c")
-                     + f"\nchunk 0 of rows 0-7 -> {len(banks) * 4} distinct banks "
-                     + ("(conflict-free)" if len(banks) == 8 else "(8-way bank conflict)"), fontsize=10)
-    fig.suptitle("One 128-byte row = 64 bf16 = eight 16-byte chunks (chunk c holds k = 8c .. 8c + 7); "
-                 "the pattern repeats every 8 rows (1 KB)",
-                 fontsize=10)
+        ax.set_title(
+            ("128B swizzle: chunk c of row r at c ^ (r % 8)" if swz else "no swizzle: chunk c at c")
+            + f"\nchunk 0 of rows 0-7 -> {len(banks) * 4} distinct banks "
+            + ("(conflict-free)" if len(banks) == 8 else "(8-way bank conflict)"),
+            fontsize=10,
+        )
+    fig.suptitle(
+        "One 128-byte row = 64 bf16 = eight 16-byte chunks (chunk c holds k = 8c .. 8c + 7); "
+        "the pattern repeats every 8 rows (1 KB)",
+        fontsize=10,
+    )
     return _finish(fig, path)
 
 
 # --------------------------------------------------------------------------------------------
 # Pipelines: a model of a TMA producer and an MMA consumer sharing a ring of slots
 # --------------------------------------------------------------------------------------------
+
 
 class Deadlock(RuntimeError):
     """Producer and consumer both wait: the schedule would hang on the GPU."""
@@ -303,8 +469,14 @@ def simulate_ring(loads, ops, load_time=3.0, issue_time=0.15, wait_for_release=N
                 ci += 1
                 progressed = True
         if not progressed:
-            waiting_p = f"the producer waits to load {loads[pi][0]}" if pi < len(loads) else "the producer is done"
-            waiting_c = f"the consumer waits for {ops[ci][3]}" if ci < len(ops) else "the consumer is done"
+            waiting_p = (
+                f"the producer waits to load {loads[pi][0]}"
+                if pi < len(loads)
+                else "the producer is done"
+            )
+            waiting_c = (
+                f"the consumer waits for {ops[ci][3]}" if ci < len(ops) else "the consumer is done"
+            )
             raise Deadlock(f"deadlock: {waiting_p}, {waiting_c}")
     # A load that lands in a slot while an earlier occupant is still being read is a race.
     for item, (slot, _, start, end) in ev["loads"].items():
@@ -326,7 +498,12 @@ def _draw_timeline(ev, slots, lanes, title, path=None, notes=(), item_color=None
     # producer lane: issue ticks and empty-barrier waits
     last_label = -1e9
     for item, (slot, issue, start, end) in ev["loads"].items():
-        ax.plot([start, start], [y["TMA producer"] - h / 2, y["TMA producer"] + h / 2], color="black", lw=1)
+        ax.plot(
+            [start, start],
+            [y["TMA producer"] - h / 2, y["TMA producer"] + h / 2],
+            color="black",
+            lw=1,
+        )
         if start - last_label > 0.6:
             ax.text(start + 0.05, y["TMA producer"] - h / 2 - 0.05, item, fontsize=7, va="bottom")
             last_label = start
@@ -335,7 +512,17 @@ def _draw_timeline(ev, slots, lanes, title, path=None, notes=(), item_color=None
     # consumer lanes
     for lane, label, start, end, wait_from in ev["ops"]:
         if start > wait_from + 1e-9 and lane == lanes[1]:
-            _box(ax, wait_from, y[lane] - h / 2, start - wait_from, h, C["wait"], hatch="//", lw=0.3, alpha=0.6)
+            _box(
+                ax,
+                wait_from,
+                y[lane] - h / 2,
+                start - wait_from,
+                h,
+                C["wait"],
+                hatch="//",
+                lw=0.3,
+                alpha=0.6,
+            )
         fc = C["softmax"] if lane != lanes[1] else C["mma"]
         _box(ax, start, y[lane] - h / 2, end - start, h, fc, text=label, fontsize=7, tc="white")
     # slots: loading, resident, released
@@ -343,16 +530,34 @@ def _draw_timeline(ev, slots, lanes, title, path=None, notes=(), item_color=None
         yy = y[f"slot {slot}"]
         rel = ev["releases"].get(item, t_end)
         _box(ax, start, yy - h / 2, end - start, h, item_color(item), alpha=0.55, lw=0.5)
-        _box(ax, end, yy - h / 2, max(rel - end, 0.0), h, item_color(item), alpha=0.95, lw=0.5, text=item,
-             fontsize=8, tc="white")
+        _box(
+            ax,
+            end,
+            yy - h / 2,
+            max(rel - end, 0.0),
+            h,
+            item_color(item),
+            alpha=0.95,
+            lw=0.5,
+            text=item,
+            fontsize=8,
+            tc="white",
+        )
         ax.plot(end, yy - h / 2 - 0.05, marker="v", color="black", ms=5)
         if item in ev["releases"]:
             ax.plot(rel, yy + h / 2 + 0.05, marker="^", color="black", ms=5)
     for item, prev, a, b in ev["races"]:
         yy = y[f"slot {ev['slot_of'][item]}"]
         _box(ax, a, yy - h / 2, b - a, h, "none", ec=C["race"], lw=2.5, hatch="xx")
-        ax.text((a + b) / 2, yy + h / 2 + 0.18, f"RACE: {item} overwrites {prev} while it is read",
-                color=C["race"], fontsize=8, ha="center", fontweight="bold")
+        ax.text(
+            (a + b) / 2,
+            yy + h / 2 + 0.18,
+            f"RACE: {item} overwrites {prev} while it is read",
+            color=C["race"],
+            fontsize=8,
+            ha="center",
+            fontweight="bold",
+        )
     ax.set_yticks(range(len(rows)), rows)
     ax.set_ylim(len(rows) - 0.4, -0.8)
     ax.set_xlim(0, t_end + 0.3)
@@ -362,13 +567,39 @@ def _draw_timeline(ev, slots, lanes, title, path=None, notes=(), item_color=None
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    handles = [Line2D([], [], marker="v", color="black", ls="none", label="full barrier completes (TMA bytes landed)"),
-               Line2D([], [], marker="^", color="black", ls="none",
-                      label="release: arrive on the slot's empty barrier"),
-               Patch(facecolor=C["wait"], hatch="//", label="waiting on a barrier"),
-               Patch(facecolor="#BBBBBB", alpha=0.55, label="light: TMA transfer in flight; dark: tile in the slot")]
+    handles = [
+        Line2D(
+            [],
+            [],
+            marker="v",
+            color="black",
+            ls="none",
+            label="full barrier completes (TMA bytes landed)",
+        ),
+        Line2D(
+            [],
+            [],
+            marker="^",
+            color="black",
+            ls="none",
+            label="release: arrive on the slot's empty barrier",
+        ),
+        Patch(facecolor=C["wait"], hatch="//", label="waiting on a barrier"),
+        Patch(
+            facecolor="#BBBBBB",
+            alpha=0.55,
+            label="light: TMA transfer in flight; dark: tile in the slot",
+        ),
+    ]
     handles += [Patch(facecolor=col, label=lab) for lab, col in notes]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, fontsize=7, frameon=False)
+    ax.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.22),
+        ncol=3,
+        fontsize=7,
+        frameon=False,
+    )
     return _finish(fig, path)
 
 
@@ -382,12 +613,16 @@ def gemm_pipeline_timeline(ab_buffers=4, k_tiles=10, load_time=3.0, mma_time=1.0
     ev = simulate_ring(loads, ops, load_time=load_time)
     busy = sum(e - s for _, _, s, e, _ in ev["ops"])
     span = max(e for _, _, _, e, _ in ev["ops"])
-    title = (f"Stage 1 pipeline, ab_buffers = {ab_buffers}, {k_tiles} K tiles: tensor cores busy "
-             f"{100 * busy / span:.0f}% of the time (model: load {load_time}, MMA {mma_time})")
+    title = (
+        f"Stage 1 pipeline, ab_buffers = {ab_buffers}, {k_tiles} K tiles: tensor cores busy "
+        f"{100 * busy / span:.0f}% of the time (model: load {load_time}, MMA {mma_time})"
+    )
     return _draw_timeline(ev, ab_buffers, ("TMA producer", "wgmma"), title, path)
 
 
-def kv_ring_schedule(kv_tiles=3, kv_slots=2, two_pass=True, v_waits_for_release=True, slot_per="tile"):
+def kv_ring_schedule(
+    kv_tiles=3, kv_slots=2, two_pass=True, v_waits_for_release=True, slot_per="tile"
+):
     """(loads, ops, wait rule) of the K/V ring. two_pass=True is stage 4: pass 1 streams K_j only
     (row max m, row sum l), pass 2 streams K_j and V_j. two_pass=False is stage 5: one pass,
     online softmax. slot_per="tile" is the Hopper track: step t of the ring uses slot
@@ -419,7 +654,10 @@ def kv_ring_schedule(kv_tiles=3, kv_slots=2, two_pass=True, v_waits_for_release=
             order.append((kname(j + kv_slots), sl[j + kv_slots]))
     if slot_per == "entry":
         order = [(kname(j) if x == 0 else f"V{j}", None) for j in range(kv_tiles) for x in (0, 1)]
-        loads = [(item, e % kv_slots) for e, (item, _) in enumerate([(it, None) for it, _ in loads] + order)]
+        loads = [
+            (item, e % kv_slots)
+            for e, (item, _) in enumerate([(it, None) for it, _ in loads] + order)
+        ]
     else:
         loads.extend(order)
     for j in range(kv_tiles):
@@ -430,8 +668,15 @@ def kv_ring_schedule(kv_tiles=3, kv_slots=2, two_pass=True, v_waits_for_release=
     return loads, ops, wait
 
 
-def kv_slot_timeline(kv_tiles=3, kv_slots=2, two_pass=True, v_waits_for_release=True, load_time=2.0,
-                     slot_per="tile", path=None):
+def kv_slot_timeline(
+    kv_tiles=3,
+    kv_slots=2,
+    two_pass=True,
+    v_waits_for_release=True,
+    load_time=2.0,
+    slot_per="tile",
+    path=None,
+):
     """Stage 4 (two_pass=True) or stage 5 (two_pass=False): one ring of kv_slots shared-memory
     slots carries K and V. In pass 2 a slot receives K_j, the QK^T MMA reads it, the slot is
     released, V_j is loaded into the same slot, the PV MMA reads it, the slot is released again.
@@ -442,19 +687,29 @@ def kv_slot_timeline(kv_tiles=3, kv_slots=2, two_pass=True, v_waits_for_release=
     def color(item):
         return C["v"] if item.startswith("V") else C["k"]
 
-    what = "stage 4, exact two-pass softmax (pass 1: K only; pass 2: K' then V)" if two_pass else \
-        "stage 5, one pass with online softmax"
-    ring = "V_j into K_j's slot (Hopper)" if slot_per == "tile" else "one ring entry per load (Blackwell)"
+    what = (
+        "stage 4, exact two-pass softmax (pass 1: K only; pass 2: K' then V)"
+        if two_pass
+        else "stage 5, one pass with online softmax"
+    )
+    ring = (
+        "V_j into K_j's slot (Hopper)"
+        if slot_per == "tile"
+        else "one ring entry per load (Blackwell)"
+    )
     title = f"K/V ring, kv_slots = {kv_slots}, {kv_tiles} KV tiles, {ring} - {what}"
     notes = [("a K tile in the slot", C["k"]), ("a V tile in the slot", C["v"])]
     if not v_waits_for_release:
         title += "\nRACY VARIANT: V_j is loaded without waiting for the QK_j release"
-    return _draw_timeline(ev, kv_slots, ("TMA producer", "MMA", "softmax"), title, path, notes, color)
+    return _draw_timeline(
+        ev, kv_slots, ("TMA producer", "MMA", "softmax"), title, path, notes, color
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # Register fragments (Hopper)
 # --------------------------------------------------------------------------------------------
+
 
 def wgmma_accumulator_layout(n=32, thread=5, path=None):
     """The 64 x n fp32 accumulator of one warpgroup's wgmma m64nNk16 (the PTX ISA's "D" fragment).
@@ -465,7 +720,17 @@ def wgmma_accumulator_layout(n=32, thread=5, path=None):
     show_n = min(n, 32)
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(16, 6.2), gridspec_kw={"width_ratios": [1, 2.6]})
     for w in range(4):
-        _box(ax, 0, 16 * w, n, 16, WARP_COLORS[w], lw=0.6, text=f"warp {w}\nrows {16 * w}-{16 * w + 15}", fontsize=9)
+        _box(
+            ax,
+            0,
+            16 * w,
+            n,
+            16,
+            WARP_COLORS[w],
+            lw=0.6,
+            text=f"warp {w}\nrows {16 * w}-{16 * w + 15}",
+            fontsize=9,
+        )
     mine = wgmma_c_coords(thread, n)
     for v, r, c in mine:
         _box(ax, c, r, 1, 1, LANE_COLORS[thread % 4], lw=0)
@@ -474,14 +739,28 @@ def wgmma_accumulator_layout(n=32, thread=5, path=None):
     ax.set_aspect("equal")
     ax.set_xlabel("column")
     ax.set_ylabel("row")
-    ax.set_title(f"64 x {n} accumulator, thread {thread}: {len(mine)} fp32 registers\n"
-                 f"rows {mine[0][1]} and {mine[0][1] + 8}", fontsize=10)
+    ax.set_title(
+        f"64 x {n} accumulator, thread {thread}: {len(mine)} fp32 registers\n"
+        f"rows {mine[0][1]} and {mine[0][1] + 8}",
+        fontsize=10,
+    )
     for t in range(32):
         for v, r, c in wgmma_c_coords(t, n):
             if c >= show_n:
                 continue
-            _box(bx, c, r, 1, 1, LANE_COLORS[t % 4], alpha=0.9 if t == thread else 0.28, lw=0.3,
-                 text=f"T{t}\nd{v}", fontsize=5.5, tc="white" if t == thread else "black")
+            _box(
+                bx,
+                c,
+                r,
+                1,
+                1,
+                LANE_COLORS[t % 4],
+                alpha=0.9 if t == thread else 0.28,
+                lw=0.3,
+                text=f"T{t}\nd{v}",
+                fontsize=5.5,
+                tc="white" if t == thread else "black",
+            )
     r0 = thread // 4
     for rr in (r0, r0 + 8):
         bx.add_patch(Rectangle((0, rr), show_n, 1, fill=False, edgecolor="black", lw=2))
@@ -489,13 +768,19 @@ def wgmma_accumulator_layout(n=32, thread=5, path=None):
     bx.set_ylim(16, 0)
     bx.set_xticks([c + 0.5 for c in range(show_n)], [str(c) for c in range(show_n)], fontsize=6)
     bx.set_yticks([r + 0.5 for r in range(16)], [str(r) for r in range(16)], fontsize=7)
-    bx.set_title(f"warp 0, columns 0-{show_n - 1}: colour = lane % 4 (position in the quad). Rows {r0} and "
-                 f"{r0 + 8} (boxed) live in lanes {4 * r0}-{4 * r0 + 3}", fontsize=10)
+    bx.set_title(
+        f"warp 0, columns 0-{show_n - 1}: colour = lane % 4 (position in the quad). Rows {r0} and "
+        f"{r0 + 8} (boxed) live in lanes {4 * r0}-{4 * r0 + 3}",
+        fontsize=10,
+    )
     return _finish(fig, path)
 
 
-def quad_reduction(values=((1.5, -0.3, 2.0), (0.7, 3.1, -1.0), (2.2, 0.1, 0.4), (-0.5, 1.9, 2.6)), op="max",
-                   path=None):
+def quad_reduction(
+    values=((1.5, -0.3, 2.0), (0.7, 3.1, -1.0), (2.2, 0.1, 0.4), (-0.5, 1.9, 2.6)),
+    op="max",
+    path=None,
+):
     """Row max (or sum) of a row spread over a quad: each lane first reduces its own registers of
     the row, then two butterfly shuffles (shfl.sync.bfly with lane mask 2, then 1, the order of
     cute.arch.warp_reduction) combine the 4 partial results, after which all 4 lanes hold the
@@ -509,31 +794,55 @@ def quad_reduction(values=((1.5, -0.3, 2.0), (0.7, 3.1, -1.0), (2.2, 0.1, 0.4), 
         part[i] = acc
     s1 = [f(part[i], part[i ^ 2]) for i in range(4)]
     s2 = [f(s1[i], s1[i ^ 1]) for i in range(4)]
-    cols = [("registers of the row\n(per lane)", [", ".join(f"{x:g}" for x in vs) for vs in values]),
-            (f"lane-local {op}", [f"{x:g}" for x in part]),
-            ("after shfl xor 2", [f"{x:g}" for x in s1]),
-            ("after shfl xor 1", [f"{x:g}" for x in s2])]
+    cols = [
+        ("registers of the row\n(per lane)", [", ".join(f"{x:g}" for x in vs) for vs in values]),
+        (f"lane-local {op}", [f"{x:g}" for x in part]),
+        ("after shfl xor 2", [f"{x:g}" for x in s1]),
+        ("after shfl xor 1", [f"{x:g}" for x in s2]),
+    ]
     fig, ax = plt.subplots(figsize=(11, 3.8))
     w, h = 2.2, 0.7
     for ci, (title, texts) in enumerate(cols):
         x = ci * 3.0
         ax.text(x + w / 2, -0.7, title, ha="center", fontsize=9)
         for lane, t in enumerate(texts):
-            _box(ax, x, lane, w, h, LANE_COLORS[lane], alpha=0.35 if ci < 3 else 0.85, text=f"lane {lane}: {t}",
-                 fontsize=8)
+            _box(
+                ax,
+                x,
+                lane,
+                w,
+                h,
+                LANE_COLORS[lane],
+                alpha=0.35 if ci < 3 else 0.85,
+                text=f"lane {lane}: {t}",
+                fontsize=8,
+            )
     for ci, mask in ((1, 2), (2, 1)):
         x0 = ci * 3.0 + w
         for lane in range(4):
             src = lane ^ mask
-            ax.add_patch(FancyArrowPatch((x0, src + h / 2), (x0 + 0.8, lane + h / 2), arrowstyle="->",
-                                         mutation_scale=8, lw=0.8, color=LANE_COLORS[src]))
+            ax.add_patch(
+                FancyArrowPatch(
+                    (x0, src + h / 2),
+                    (x0 + 0.8, lane + h / 2),
+                    arrowstyle="->",
+                    mutation_scale=8,
+                    lw=0.8,
+                    color=LANE_COLORS[src],
+                )
+            )
     for lane in range(4):
-        ax.add_patch(FancyArrowPatch((w, lane + h / 2), (3.0, lane + h / 2), arrowstyle="->", mutation_scale=8,
-                                     lw=0.8))
+        ax.add_patch(
+            FancyArrowPatch(
+                (w, lane + h / 2), (3.0, lane + h / 2), arrowstyle="->", mutation_scale=8, lw=0.8
+            )
+        )
     ax.set_xlim(-0.2, 3 * 3.0 + w + 0.2)
     ax.set_ylim(4.0, -1.1)
     ax.axis("off")
-    ax.set_title(f"row {op} over a quad: 2 shuffles, every lane ends with the same {s2[0]:g}", fontsize=10)
+    ax.set_title(
+        f"row {op} over a quad: 2 shuffles, every lane ends with the same {s2[0]:g}", fontsize=10
+    )
     return _finish(fig, path)
 
 
@@ -548,15 +857,26 @@ def p_register_path(n=64, thread=5, path=None):
     cmap = plt.get_cmap("tab10")
     c_mine = wgmma_c_coords(thread, n)
     a_mine = wgmma_a_coords(thread)
-    for ax, title in zip(axes, ("S = Q K^T: wgmma accumulator (fp32), warp 0 rows 0-15",
-                                "P as the A operand of O += P V: k-blocks of 16 columns (bf16 in registers)")):
+    for ax, title in zip(
+        axes,
+        (
+            "S = Q K^T: wgmma accumulator (fp32), warp 0 rows 0-15",
+            "P as the A operand of O += P V: k-blocks of 16 columns (bf16 in registers)",
+        ),
+    ):
         for r in range(16):
             for c in range(n):
                 _box(ax, c, r, 1, 1, "#F4F4F4", lw=0.2)
         for j in range(kb):
             ax.add_patch(Rectangle((16 * j, 0), 16, 16, fill=False, edgecolor=cmap(j % 10), lw=2))
-            ax.text(16 * j + 8, -0.6, f"k-block {j}" if "P" in title[:2] else f"cols {16 * j}-{16 * j + 15}",
-                    ha="center", fontsize=8, color=cmap(j % 10))
+            ax.text(
+                16 * j + 8,
+                -0.6,
+                f"k-block {j}" if "P" in title[:2] else f"cols {16 * j}-{16 * j + 15}",
+                ha="center",
+                fontsize=8,
+                color=cmap(j % 10),
+            )
         ax.set_xlim(0, n)
         ax.set_ylim(16, -1.3)
         ax.set_aspect("equal")
@@ -565,13 +885,38 @@ def p_register_path(n=64, thread=5, path=None):
         ax.set_xticks([])
     for v, r, c in c_mine:
         if r < 16:
-            _box(axes[0], c, r, 1, 1, cmap((c // 16) % 10), lw=0.3, text=f"d{v}", fontsize=6, tc="white")
+            _box(
+                axes[0],
+                c,
+                r,
+                1,
+                1,
+                cmap((c // 16) % 10),
+                lw=0.3,
+                text=f"d{v}",
+                fontsize=6,
+                tc="white",
+            )
     for j in range(kb):
         for v, r, k in a_mine:
             if r < 16:
-                _box(axes[1], 16 * j + k, r, 1, 1, cmap(j % 10), lw=0.3, text=f"a{v}", fontsize=6, tc="white")
-    fig.suptitle(f"thread {thread}: identical positions in both fragments, so P = bf16(exp2(...)) is used "
-                 f"in place (d[8j..8j+7] -> a0..a7 of k-block j)", fontsize=10)
+                _box(
+                    axes[1],
+                    16 * j + k,
+                    r,
+                    1,
+                    1,
+                    cmap(j % 10),
+                    lw=0.3,
+                    text=f"a{v}",
+                    fontsize=6,
+                    tc="white",
+                )
+    fig.suptitle(
+        f"thread {thread}: identical positions in both fragments, so P = bf16(exp2(...)) is used "
+        f"in place (d[8j..8j+7] -> a0..a7 of k-block j)",
+        fontsize=10,
+    )
     return _finish(fig, path)
 
 
@@ -579,8 +924,15 @@ def p_register_path(n=64, thread=5, path=None):
 # Blackwell
 # --------------------------------------------------------------------------------------------
 
-def tmem_columns(regions=(("S", 0, 128, "fp32"), ("P", 32, 64, "bf16 x2"), ("O", 128, 128, "fp32")),
-                 alloc_cols=256, total_cols=512, lanes=128, title=None, path=None):
+
+def tmem_columns(
+    regions=(("S", 0, 128, "fp32"), ("P", 32, 64, "bf16 x2"), ("O", 128, 128, "fp32")),
+    alloc_cols=256,
+    total_cols=512,
+    lanes=128,
+    title=None,
+    path=None,
+):
     """Tensor memory of one SM: 128 lanes x 512 columns of 32 bits. A row of a 128-row tile lives
     in one lane; warp w (w % 4 within its warpgroup) may access lanes 32 (w % 4) .. 32 (w % 4) + 31
     only, so softmax warps 0-3 own rows 0-31, ..., 96-127, one row per thread. An fp32 tile of N
@@ -592,12 +944,28 @@ def tmem_columns(regions=(("S", 0, 128, "fp32"), ("P", 32, 64, "bf16 x2"), ("O",
     _box(ax, 0, 0, alloc_cols, lanes, "#F0F0F0", lw=0.8)
     for w in range(4):
         ax.plot([0, total_cols], [32 * w, 32 * w], color="#999999", lw=0.5)
-        ax.text(-4, 32 * w + 16, f"warp {w}\nlanes {32 * w}-{32 * w + 31}", ha="right", va="center", fontsize=8)
+        ax.text(
+            -4,
+            32 * w + 16,
+            f"warp {w}\nlanes {32 * w}-{32 * w + 31}",
+            ha="right",
+            va="center",
+            fontsize=8,
+        )
     overlays = [(s, s + w) for n, s, w, _ in regions if n == "P"]
     for name, start, width, what in regions:
         overlay = name == "P"
-        _box(ax, start, 0, width, lanes, colors.get(name, "#999999"), alpha=0.45 if overlay else 0.75,
-             hatch="///" if overlay else None, lw=1.5 if overlay else 0.8)
+        _box(
+            ax,
+            start,
+            0,
+            width,
+            lanes,
+            colors.get(name, "#999999"),
+            alpha=0.45 if overlay else 0.75,
+            hatch="///" if overlay else None,
+            lw=1.5 if overlay else 0.8,
+        )
         # the label goes over the widest part of the region that P does not cover
         a, b = start, start + width
         if not overlay:
@@ -608,18 +976,34 @@ def tmem_columns(regions=(("S", 0, 128, "fp32"), ("P", 32, 64, "bf16 x2"), ("O",
                     a = min(pb, b)
                 elif a < pa < b:
                     b = pa
-        ax.text((a + b) / 2, lanes * (0.3 if overlay else 0.7),
-                f"{name}\ncols {start}-{start + width - 1}\n{what}", ha="center", va="center", fontsize=9,
-                color="black", fontweight="bold")
-    ax.text(alloc_cols + (total_cols - alloc_cols) / 2, lanes / 2,
-            f"not allocated\n(tcgen05.alloc takes a power of 2 >= 32 columns: {alloc_cols})",
-            ha="center", va="center", fontsize=8, color="#777777")
+        ax.text(
+            (a + b) / 2,
+            lanes * (0.3 if overlay else 0.7),
+            f"{name}\ncols {start}-{start + width - 1}\n{what}",
+            ha="center",
+            va="center",
+            fontsize=9,
+            color="black",
+            fontweight="bold",
+        )
+    ax.text(
+        alloc_cols + (total_cols - alloc_cols) / 2,
+        lanes / 2,
+        f"not allocated\n(tcgen05.alloc takes a power of 2 >= 32 columns: {alloc_cols})",
+        ha="center",
+        va="center",
+        fontsize=8,
+        color="#777777",
+    )
     ax.set_xlim(-70, total_cols + 5)
     ax.set_ylim(lanes + 5, -5)
     ax.set_xticks([0, 64, 128, 192, 256, 320, 384, 448, 512])
     ax.set_xlabel("TMEM column (32 bits each)")
     ax.set_yticks([])
-    ax.set_title(title or "Tensor memory (TMEM): 128 lanes x 512 columns x 32 bit = 256 KB per SM", fontsize=10)
+    ax.set_title(
+        title or "Tensor memory (TMEM): 128 lanes x 512 columns x 32 bit = 256 KB per SM",
+        fontsize=10,
+    )
     return _finish(fig, path)
 
 
@@ -628,14 +1012,30 @@ def blackwell_warp_roles(stage=3, path=None):
     128-row tile per thread, read from TMEM with tcgen05.ld), warp 4 issues tcgen05.mma (one
     thread), warp 5 issues the TMA loads. Arrows: data through shared memory and TMEM, and the
     mbarriers that order them."""
-    soft = {1: "epilogue: tcgen05.ld C\n-> registers -> global",
-            2: "epilogue: tcgen05.ld S\n(scaled) -> global"}.get(
-        stage, "softmax: tcgen05.ld S, row max/sum,\nexp2, tcgen05.st P over S;\nepilogue: O / l -> global")
+    soft = {
+        1: "epilogue: tcgen05.ld C\n-> registers -> global",
+        2: "epilogue: tcgen05.ld S\n(scaled) -> global",
+    }.get(
+        stage,
+        "softmax: tcgen05.ld S, row max/sum,\nexp2, tcgen05.st P over S;\nepilogue: O / l -> global",
+    )
     mma = {1: "tcgen05.mma: C += A B^T\n(A, B from smem)", 2: "tcgen05.mma: S = Q K^T"}.get(
-        stage, "tcgen05.mma: S = Q K^T (smem, smem)\n O += P V (P from TMEM)")
-    tma = {1: "TMA: A, B tiles\n-> ab_buffers ring"}.get(stage, "TMA: Q once,\nK (and V) -> kv_slots ring")
+        stage, "tcgen05.mma: S = Q K^T (smem, smem)\n O += P V (P from TMEM)"
+    )
+    tma = {1: "TMA: A, B tiles\n-> ab_buffers ring"}.get(
+        stage, "TMA: Q once,\nK (and V) -> kv_slots ring"
+    )
     fig, ax = plt.subplots(figsize=(13, 4.6))
-    _box(ax, 0, 0, 3.6, 3.2, "#EDE1F5", text=f"warps 0-3 (128 threads,\none row per thread)\n\n{soft}", fontsize=9)
+    _box(
+        ax,
+        0,
+        0,
+        3.6,
+        3.2,
+        "#EDE1F5",
+        text=f"warps 0-3 (128 threads,\none row per thread)\n\n{soft}",
+        fontsize=9,
+    )
     _box(ax, 4.9, 0, 2.5, 1.4, "#F6E3E3", text="TMEM\n(accumulators)", fontsize=9)
     _box(ax, 4.9, 1.8, 2.5, 1.4, "#E2F0D9", text="shared memory\n(swizzled tiles)", fontsize=9)
     _box(ax, 8.7, 0, 3.2, 1.4, "#FBE3D6", text=f"warp 4 (one thread issues)\n{mma}", fontsize=9)
@@ -643,14 +1043,21 @@ def blackwell_warp_roles(stage=3, path=None):
 
     def arrow(a, b, text, style="->", dy=-0.12):
         ax.add_patch(FancyArrowPatch(a, b, arrowstyle=style, mutation_scale=12, lw=1.2))
-        ax.text((a[0] + b[0]) / 2, (a[1] + b[1]) / 2 + dy, text, fontsize=7.5, ha="center", va="bottom")
+        ax.text(
+            (a[0] + b[0]) / 2, (a[1] + b[1]) / 2 + dy, text, fontsize=7.5, ha="center", va="bottom"
+        )
 
     arrow((8.7, 2.5), (7.4, 2.5), "TMA loads")
     arrow((7.4, 2.0), (8.7, 1.2), "operands", dy=0.05)
     arrow((8.7, 0.5), (7.4, 0.5), "MMA writes")
     arrow((4.9, 0.6), (3.6, 0.6), "tcgen05.ld" + (" / .st" if stage >= 3 else ""), style="<->")
-    ax.text(0.0, 3.75, "mbarriers order every hand-over: full (TMA -> MMA), empty (MMA -> TMA), accumulator "
-            "ready (MMA -> warps 0-3)" + ("; P ready (warps 0-3 -> MMA)" if stage >= 3 else ""), fontsize=8.5)
+    ax.text(
+        0.0,
+        3.75,
+        "mbarriers order every hand-over: full (TMA -> MMA), empty (MMA -> TMA), accumulator "
+        "ready (MMA -> warps 0-3)" + ("; P ready (warps 0-3 -> MMA)" if stage >= 3 else ""),
+        fontsize=8.5,
+    )
     ax.set_xlim(-0.2, 12.1)
     ax.set_ylim(4.1, -0.3)
     ax.axis("off")
@@ -662,6 +1069,7 @@ def blackwell_warp_roles(stage=3, path=None):
 # Softmax
 # --------------------------------------------------------------------------------------------
 
+
 def online_softmax_trace(scores, tile=4, path=None):
     """One row of scores processed tile by tile: running max m (steps), the rescale factor
     alpha = exp(m_old - m_new) applied to l and O whenever a tile raises m, and the running sum l.
@@ -671,7 +1079,7 @@ def online_softmax_trace(scores, tile=4, path=None):
     m, l = float("-inf"), 0.0
     ms, ls, alphas, edges = [], [], [], []
     for t0 in range(0, n, tile):
-        blk = s[t0:t0 + tile]
+        blk = s[t0 : t0 + tile]
         m_new = max(m, max(blk))
         alpha = math.exp(m - m_new) if m != float("-inf") else 0.0
         l = l * alpha + sum(math.exp(x - m_new) for x in blk)
@@ -685,7 +1093,14 @@ def online_softmax_trace(scores, tile=4, path=None):
     for (a, b), mm, al in zip(edges, ms, alphas):
         ax.plot([a - 0.4, b - 0.6], [mm, mm], color="black", lw=2)
         txt = f"m={mm:.2f}\n" + ("first tile" if a == 0 else f"alpha={al:.3f}")
-        ax.text((a + b - 1) / 2, max([mm, 0.0] + s[a:b]) + 0.15, txt, ha="center", va="bottom", fontsize=8)
+        ax.text(
+            (a + b - 1) / 2,
+            max([mm, 0.0] + s[a:b]) + 0.15,
+            txt,
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_ylim(min(0.0, min(s)) - 0.3, max(s) + 0.25 * (max(s) - min(0.0, min(s))) + 0.5)
     ax.set_xlabel("column (key)")
     ax.set_ylabel("score")
@@ -696,7 +1111,9 @@ def online_softmax_trace(scores, tile=4, path=None):
     bx.set_xticks(range(1, len(ls) + 1))
     bx.set_xlabel("tiles seen")
     bx.set_ylabel("l (running sum, relative to the current m)")
-    bx.set_title(f"final l = {ls[-1]:.4f}; LSE = m + log(l) = {ms[-1] + math.log(ls[-1]):.4f}", fontsize=10)
+    bx.set_title(
+        f"final l = {ls[-1]:.4f}; LSE = m + log(l) = {ms[-1] + math.log(ls[-1]):.4f}", fontsize=10
+    )
     bx.grid(alpha=0.3)
     return _finish(fig, path)
 
@@ -704,6 +1121,7 @@ def online_softmax_trace(scores, tile=4, path=None):
 # --------------------------------------------------------------------------------------------
 # Errors and benchmarks
 # --------------------------------------------------------------------------------------------
+
 
 def error_heatmap(out, ref, title="|out - ref|", max_side=512, path=None):
     """|out - ref| over a 2-D tile (the last two dims of the first batch/head), log colour scale,
@@ -719,15 +1137,23 @@ def error_heatmap(out, ref, title="|out - ref|", max_side=512, path=None):
     rows, cols = err.shape
     f = max(1, -(-max(rows, cols) // max_side))
     if f > 1:
-        pooled = torch.nn.functional.max_pool2d(err[None, None].nan_to_num(posinf=1e30), f, ceil_mode=True)[0, 0]
+        pooled = torch.nn.functional.max_pool2d(
+            err[None, None].nan_to_num(posinf=1e30), f, ceil_mode=True
+        )[0, 0]
     else:
         pooled = err
     fig, ax = plt.subplots(figsize=(7.5, min(8.0, max(3.0, 6.5 * rows / max(cols, 1)))))
     finite = pooled[torch.isfinite(pooled) & (pooled > 0)]
     hi = float(finite.max()) if finite.numel() else 1.0
     lo = max(float(finite.min()), hi * 1e-4) if finite.numel() else hi * 1e-4
-    im = ax.imshow(pooled.clamp(min=lo).numpy(), norm=LogNorm(vmin=lo, vmax=max(hi, lo * 10)), cmap="viridis",
-                   aspect="auto", extent=(0, cols, rows, 0), interpolation="nearest")
+    im = ax.imshow(
+        pooled.clamp(min=lo).numpy(),
+        norm=LogNorm(vmin=lo, vmax=max(hi, lo * 10)),
+        cmap="viridis",
+        aspect="auto",
+        extent=(0, cols, rows, 0),
+        interpolation="nearest",
+    )
     flat = int(torch.argmax(err.nan_to_num(posinf=1e300)))
     wr, wc = divmod(flat, cols)
     ax.plot(wc + 0.5, wr + 0.5, marker="o", mfc="none", mec="red", ms=14, mew=2)
@@ -735,7 +1161,9 @@ def error_heatmap(out, ref, title="|out - ref|", max_side=512, path=None):
     ax.set_xlabel("column")
     ax.set_ylabel("row")
     pooled_note = f" (max-pooled {f}x{f})" if f > 1 else ""
-    ax.set_title(f"{title}{pooled_note}\nworst at ({wr}, {wc}): {float(err[wr, wc]):.3e}", fontsize=10)
+    ax.set_title(
+        f"{title}{pooled_note}\nworst at ({wr}, {wc}): {float(err[wr, wc]):.3e}", fontsize=10
+    )
     return _finish(fig, path)
 
 
@@ -747,7 +1175,9 @@ def bench_bars(results, title, path=None):
         for k in res:
             if k not in names:
                 names.append(k)
-    names = [k for k in names if k.startswith("stage")] + [k for k in names if not k.startswith("stage")]
+    names = [k for k in names if k.startswith("stage")] + [
+        k for k in names if not k.startswith("stage")
+    ]
     fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(shapes) * len(names) / 2 + 2), 4))
     width = 0.8 / max(1, len(names))
     for i, name in enumerate(names):
@@ -778,7 +1208,9 @@ def plot_attention_bench(curves, title, path=None):
             if d != D:
                 continue
             xs, ys = zip(*pts)
-            ax.plot(xs, ys, marker="o", label=label, linewidth=2.5 if label.startswith("stage") else 1.2)
+            ax.plot(
+                xs, ys, marker="o", label=label, linewidth=2.5 if label.startswith("stage") else 1.2
+            )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length S")
         ax.set_ylabel("TFLOP/s")

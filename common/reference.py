@@ -1,5 +1,6 @@
 """PyTorch references in high precision (fp64 by default), computed from the very same low-precision
 inputs the kernel reads, so the only error measured is the kernel's own."""
+
 import torch
 
 
@@ -39,4 +40,3 @@ def attention_flops(B, H, Sq, Sk, D, causal=False):
 
 def gemm_flops(M, N, K):
     return 2 * M * N * K
-

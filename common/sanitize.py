@@ -1,5 +1,6 @@
 """`make sanitize`: compute-sanitizer racecheck and synccheck on stages 4 and 5 at small shapes.
 Each (tool, stage) runs in its own process under the sanitizer; any reported hazard fails."""
+
 import re
 import shutil
 import subprocess
@@ -12,9 +13,9 @@ def target(n):
     """What runs under the sanitizer: one launch of stage n on a small shape, checked."""
     import torch
 
+    from .arch import track
     from .cases import make_case
     from .checker import check_close, run_with_deadline
-    from .arch import track
 
     c = make_case(n, track(), SHAPES[n])
     out = run_with_deadline(c.run, 600, f"stage {n}")
@@ -32,13 +33,27 @@ def main():
     failed = []
     for n in (4, 5):
         for tool in ("racecheck", "synccheck"):
-            cmd = [exe, "--tool", tool, "--error-exitcode", "99", sys.executable, "-m", "common.sanitize", str(n)]
+            cmd = [
+                exe,
+                "--tool",
+                tool,
+                "--error-exitcode",
+                "99",
+                sys.executable,
+                "-m",
+                "common.sanitize",
+                str(n),
+            ]
             if tool == "racecheck":
                 cmd[3:3] = ["--racecheck-report", "all"]
             print(f"== {tool} on stage {n}: {' '.join(cmd)}", flush=True)
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
             text = p.stdout + p.stderr
-            summary = [ln for ln in text.splitlines() if re.search(r"ERROR SUMMARY|RACECHECK SUMMARY|hazard", ln)]
+            summary = [
+                ln
+                for ln in text.splitlines()
+                if re.search(r"ERROR SUMMARY|RACECHECK SUMMARY|hazard", ln)
+            ]
             print("\n".join(summary[-5:]) or text[-2000:], flush=True)
             if p.returncode != 0:
                 print(text[-4000:])

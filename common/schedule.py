@@ -23,6 +23,7 @@ Barrier waits follow the hardware's parity rule: a wait for parity P passes when
 has completed a number of phases whose parity differs from P (producers start at parity 1,
 consumers at 0, both flip when their slot index wraps).
 """
+
 import dataclasses
 import itertools
 from collections import deque
@@ -31,6 +32,7 @@ from collections import deque
 @dataclasses.dataclass(frozen=True)
 class Load:
     """One TMA copy: which operand's tile it moves and how many bytes."""
+
     operand: str
     nbytes: int
 
@@ -38,6 +40,7 @@ class Load:
 @dataclasses.dataclass(frozen=True)
 class Entry:
     """One producer acquire of a slot: the copies issued under it and the bytes it arms."""
+
     loads: tuple
     tx_bytes: int
 
@@ -45,6 +48,7 @@ class Entry:
 @dataclasses.dataclass(frozen=True)
 class Sweep:
     """What one repetition produces and consumes; repeated once per KV tile, or once."""
+
     producer: tuple  # Entry per producer acquire, in order
     consumer: tuple  # operand name per consumer wait, in order
     per_kv_tile: bool = True
@@ -64,7 +68,11 @@ def rings_of(kernel):
     kv_consumer_entries, kv_tma_bytes (what each entry arms) and copy_bytes (what each operand's
     TMA copy moves). The byte counts are set when the kernel is traced (cute.compile), from the
     shared-memory layouts its TMA atoms are built with."""
-    missing = [a for a in ("q_tma_bytes", "kv_tma_bytes", "copy_bytes", "kv_slot_bytes") if not hasattr(kernel, a)]
+    missing = [
+        a
+        for a in ("q_tma_bytes", "kv_tma_bytes", "copy_bytes", "kv_slot_bytes")
+        if not hasattr(kernel, a)
+    ]
     if missing:
         raise ValueError(
             f"{type(kernel).__name__} has no {', '.join(missing)} yet: compile it first (cute.compile traces "
@@ -75,10 +83,16 @@ def rings_of(kernel):
         "Q",
         kernel.q_buffers,
         nbytes["Q"],
-        (Sweep((Entry((Load("Q", nbytes["Q"]),), kernel.q_tma_bytes),), ("Q",), per_kv_tile=False),),
+        (
+            Sweep(
+                (Entry((Load("Q", nbytes["Q"]),), kernel.q_tma_bytes),), ("Q",), per_kv_tile=False
+            ),
+        ),
     )
     sweeps = []
-    for produced, consumed in itertools.zip_longest(kernel.kv_producer_entries, kernel.kv_consumer_entries, fillvalue=()):
+    for produced, consumed in itertools.zip_longest(
+        kernel.kv_producer_entries, kernel.kv_consumer_entries, fillvalue=()
+    ):
         entries = tuple(Entry((Load(op, nbytes[op]),), kernel.kv_tma_bytes[op]) for op in produced)
         sweeps.append(Sweep(entries, tuple(consumed)))
     kv_ring = Ring("K/V", kernel.kv_slots, kernel.kv_slot_bytes, tuple(sweeps))
@@ -130,7 +144,9 @@ def static_violations(ring):
                 )
             for ld in entry.loads:
                 if ld.nbytes > ring.slot_bytes:
-                    out.append(f"{ring.name}: a {ld.operand} tile ({ld.nbytes} B) does not fit a slot ({ring.slot_bytes} B)")
+                    out.append(
+                        f"{ring.name}: a {ld.operand} tile ({ld.nbytes} B) does not fit a slot ({ring.slot_bytes} B)"
+                    )
     return out
 
 
@@ -150,7 +166,9 @@ def _producer_effects(ring, producer):
             mem[slot] = tag
         writes_of.append(steps)
         done = list(full_done[-1])
-        if sum(n for _, n in writes) >= entry.tx_bytes:  # completes (early, if more bytes than armed)
+        if (
+            sum(n for _, n in writes) >= entry.tx_bytes
+        ):  # completes (early, if more bytes than armed)
             done[slot] += 1
         contents.append(mem)
         full_done.append(done)
@@ -259,7 +277,11 @@ def timeline(ring, n_kv_tiles):
     while (p, c) != (P, C):
         if p < P and _empty_done(c, S)[p % S] % 2 != _parity(p, 1, S):
             entry, writes = producer[p]
-            lines.append(f"TMA  slot {p % S} <- " + " + ".join(_tag(t) for t, _ in writes) + f"  (arms {entry.tx_bytes} B)")
+            lines.append(
+                f"TMA  slot {p % S} <- "
+                + " + ".join(_tag(t) for t, _ in writes)
+                + f"  (arms {entry.tx_bytes} B)"
+            )
             p += 1
         elif c < C and full_done[p][c % S] % 2 != _parity(c, 0, S):
             have = contents[p][c % S]
@@ -270,7 +292,11 @@ def timeline(ring, n_kv_tiles):
             lines.append(f"MMA  slot {c % S}: {got}; commit releases slot {c % S}")
             c += 1
         else:
-            prod = f"producer blocked at entry {p + 1} of {P}" if p < P else f"producer done after {P} entries"
+            prod = (
+                f"producer blocked at entry {p + 1} of {P}"
+                if p < P
+                else f"producer done after {P} entries"
+            )
             lines.append(f"HANG: {prod}, consumer blocked at wait {c + 1} of {C}")
             break
     return lines

@@ -1,6 +1,7 @@
 """`make setup`: install requirements.txt only when something the project needs does not import.
 On a machine that already has everything (the H200 machine, which has no network) it installs
 nothing. Jupyter is only needed to open the notebooks, not to test them."""
+
 import importlib
 import subprocess
 import sys
@@ -31,13 +32,18 @@ def main():
         import cutlass
         import torch
 
-        print(f"setup: everything imports (cutlass-dsl {cutlass.__version__}, torch {torch.__version__}); "
-              "nothing to install")
+        print(
+            f"setup: everything imports (cutlass-dsl {cutlass.__version__}, torch {torch.__version__}); "
+            "nothing to install"
+        )
         return 0
     print(f"setup: missing {', '.join(miss)}; installing requirements.txt", flush=True)
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-r", "requirements.txt"])
     if r.returncode != 0:
-        print("setup: pip failed (no network?). Install these by hand: " + ", ".join(miss), file=sys.stderr)
+        print(
+            "setup: pip failed (no network?). Install these by hand: " + ", ".join(miss),
+            file=sys.stderr,
+        )
         return r.returncode
     still = missing()
     if still:

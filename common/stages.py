@@ -1,5 +1,6 @@
 """The stage table: one row per stage, shared by the tour, the compile checks, the notebooks and
 the benchmarks."""
+
 import dataclasses
 import importlib
 
@@ -7,30 +8,60 @@ import importlib
 @dataclasses.dataclass(frozen=True)
 class Stage:
     number: int
-    package: str          # stages.<package>
-    entry: str            # entry function name
+    package: str  # stages.<package>
+    entry: str  # entry function name
     title: str
     concept: str
     compile_shape: tuple  # shape used for compile-only checks
-    tour_shape: tuple     # shape used for the correctness/speed line of `make tour`
+    tour_shape: tuple  # shape used for the correctness/speed line of `make tour`
 
 
 STAGES = (
-    Stage(1, "stage1_gemm", "gemm", "GEMM",
-          "TMA, swizzled smem, mbarrier pipeline, the matrix instruction, the epilogue",
-          (1024, 1024, 1024), (8192, 8192, 8192)),
-    Stage(2, "stage2_qk", "qk", "QK^T only",
-          "batching over (B, H) with rank-4 TMA, Q resident, K streaming",
-          (2, 4, 512, 512, 128), (4, 16, 1024, 1024, 128)),
-    Stage(3, "stage3_softmax", "attention", "single-KV-tile softmax",
-          "row max/sum, exp2, P as the A operand of the second GEMM",
-          (2, 4, 512, 128, 128), (16, 16, 1024, 128, 128)),
-    Stage(4, "stage4_kv_interleave", "attention", "KV interleave, V overwrites K",
-          "one smem ring for K and V, the K->V slot hazard, exact two-pass softmax",
-          (2, 4, 512, 1024, 128), (2, 16, 8192, 8192, 128)),
-    Stage(5, "stage5_online_softmax", "attention", "online softmax",
-          "running max and sum, O rescaled, one pass, LSE",
-          (2, 4, 512, 1024, 128), (2, 16, 8192, 8192, 128)),
+    Stage(
+        1,
+        "stage1_gemm",
+        "gemm",
+        "GEMM",
+        "TMA, swizzled smem, mbarrier pipeline, the matrix instruction, the epilogue",
+        (1024, 1024, 1024),
+        (8192, 8192, 8192),
+    ),
+    Stage(
+        2,
+        "stage2_qk",
+        "qk",
+        "QK^T only",
+        "batching over (B, H) with rank-4 TMA, Q resident, K streaming",
+        (2, 4, 512, 512, 128),
+        (4, 16, 1024, 1024, 128),
+    ),
+    Stage(
+        3,
+        "stage3_softmax",
+        "attention",
+        "single-KV-tile softmax",
+        "row max/sum, exp2, P as the A operand of the second GEMM",
+        (2, 4, 512, 128, 128),
+        (16, 16, 1024, 128, 128),
+    ),
+    Stage(
+        4,
+        "stage4_kv_interleave",
+        "attention",
+        "KV interleave, V overwrites K",
+        "one smem ring for K and V, the K->V slot hazard, exact two-pass softmax",
+        (2, 4, 512, 1024, 128),
+        (2, 16, 8192, 8192, 128),
+    ),
+    Stage(
+        5,
+        "stage5_online_softmax",
+        "attention",
+        "online softmax",
+        "running max and sum, O rescaled, one pass, LSE",
+        (2, 4, 512, 1024, 128),
+        (2, 16, 8192, 8192, 128),
+    ),
 )
 
 BY_NUMBER = {s.number: s for s in STAGES}

@@ -1,6 +1,7 @@
 """`make tour`: every stage present, on this machine's track - compile time, instruction summary,
 correctness against the reference and TFLOP/s against the baseline, as one table. With no GPU
 (or a GPU of neither track) it prints the compile-only summary of both tracks."""
+
 import sys
 import time
 
@@ -10,14 +11,28 @@ from . import arch, stages
 from .compile import compile_only
 
 KEY_COUNTS = {
-    "hopper": ("wgmma.mma_async", "cp.async.bulk.tensor (load)", "mbarrier.try_wait", "shfl.sync", "ex2.approx"),
-    "blackwell": ("tcgen05.mma", "tcgen05.ld", "tcgen05.st", "tcgen05.alloc", "cp.async.bulk.tensor (load)",
-                  "mbarrier.try_wait"),
+    "hopper": (
+        "wgmma.mma_async",
+        "cp.async.bulk.tensor (load)",
+        "mbarrier.try_wait",
+        "shfl.sync",
+        "ex2.approx",
+    ),
+    "blackwell": (
+        "tcgen05.mma",
+        "tcgen05.ld",
+        "tcgen05.st",
+        "tcgen05.alloc",
+        "cp.async.bulk.tensor (load)",
+        "mbarrier.try_wait",
+    ),
 }
 
 
 def _short(name):
-    return name.replace("cp.async.bulk.tensor (load)", "tma.load").replace("mbarrier.try_wait", "mbar.wait")
+    return name.replace("cp.async.bulk.tensor (load)", "tma.load").replace(
+        "mbarrier.try_wait", "mbar.wait"
+    )
 
 
 def compile_rows(track):
@@ -30,9 +45,18 @@ def compile_rows(track):
         try:
             r = compile_only(st.number, track)
         except Exception as e:  # a broken stage is reported, the tour goes on
-            rows.append((st.number, st.title, f"COMPILE FAILED: {type(e).__name__}: {str(e).splitlines()[0][:80]}", ""))
+            rows.append(
+                (
+                    st.number,
+                    st.title,
+                    f"COMPILE FAILED: {type(e).__name__}: {str(e).splitlines()[0][:80]}",
+                    "",
+                )
+            )
             continue
-        counts = ", ".join(f"{_short(k)} {r.counts[k]}" for k in KEY_COUNTS[track] if r.counts.get(k))
+        counts = ", ".join(
+            f"{_short(k)} {r.counts[k]}" for k in KEY_COUNTS[track] if r.counts.get(k)
+        )
         res = r.resources or {}
         regs = f"{res['registers']} regs" if "registers" in res else ""
         rows.append((st.number, st.title, f"{r.seconds:.1f} s", f"{counts}; {regs}".strip("; ")))
@@ -58,8 +82,11 @@ def gpu_rows(track):
         if not stages.available(st.number, track):
             rows.append((st.number, st.title, "not written yet", "", "", "", ""))
             continue
-        print(f"  stage {st.number}: compile-only summary, correctness at {st.compile_shape}, "
-              f"speed at {st.tour_shape} ...", flush=True)
+        print(
+            f"  stage {st.number}: compile-only summary, correctness at {st.compile_shape}, "
+            f"speed at {st.tour_shape} ...",
+            flush=True,
+        )
         try:
             r = compile_only(st.number, track, resources=False)
             c = make_case(st.number, track, st.compile_shape)
@@ -68,22 +95,43 @@ def gpu_rows(track):
             verdict = f"{'ok' if chk.passed else 'FAIL'} ({chk.rel_err:.1e})"
             big = make_case(st.number, track, st.tour_shape, seed=1)
             with no_poison():
-                ms = bench.time_ms(lambda *a: big.run(), [big.args])
+                ms = bench.time_ms(lambda *a, big=big: big.run(), [big.args])
                 name, fn = next(iter(big.baselines.items()))
                 base_ms = bench.time_ms(fn, [big.args])
             tf, btf = bench.tflops(big.flops, ms), bench.tflops(big.flops, base_ms)
-            rows.append((st.number, st.title, f"{r.seconds:.1f} s", verdict, f"{tf:.0f}",
-                         f"{name} {btf:.0f}", f"{tf / btf:.2f}x"))
+            rows.append(
+                (
+                    st.number,
+                    st.title,
+                    f"{r.seconds:.1f} s",
+                    verdict,
+                    f"{tf:.0f}",
+                    f"{name} {btf:.0f}",
+                    f"{tf / btf:.2f}x",
+                )
+            )
             del big, c
             torch.cuda.empty_cache()
         except Exception as e:
-            rows.append((st.number, st.title, "", f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:70]}", "", "", ""))
+            rows.append(
+                (
+                    st.number,
+                    st.title,
+                    "",
+                    f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:70]}",
+                    "",
+                    "",
+                    "",
+                )
+            )
     return rows
 
 
 def _failed(rows):
     """Rows whose verdict says the stage did not compile, run or pass."""
-    return [r for r in rows if any(str(x).startswith(("COMPILE FAILED", "FAIL", "ERROR")) for x in r)]
+    return [
+        r for r in rows if any(str(x).startswith(("COMPILE FAILED", "FAIL", "ERROR")) for x in r)
+    ]
 
 
 def main():
@@ -91,7 +139,9 @@ def main():
     failed = []
     t = arch.track_of_capability(arch.compute_capability())
     if t is None:
-        print(f"No GPU of either track here ({arch.gpu_description()}): compile-only tour of both tracks.\n")
+        print(
+            f"No GPU of either track here ({arch.gpu_description()}): compile-only tour of both tracks.\n"
+        )
         for track in arch.TRACKS:
             print(f"== {track} ({arch.ARCH_OF_TRACK[track]}) ==")
             rows = compile_rows(track)
@@ -107,7 +157,18 @@ def main():
         rows = gpu_rows(t)
         failed += _failed(rows)
         print()
-        print_table(("stage", "title", "compile", "correct (rel err)", "TFLOP/s", "baseline TFLOP/s", "ratio"), rows)
+        print_table(
+            (
+                "stage",
+                "title",
+                "compile",
+                "correct (rel err)",
+                "TFLOP/s",
+                "baseline TFLOP/s",
+                "ratio",
+            ),
+            rows,
+        )
     print(f"\ntour took {time.time() - t0:.0f} s")
     if failed:
         print(f"tour: {len(failed)} stage(s) failed: " + ", ".join(f"stage {r[0]}" for r in failed))

@@ -12,6 +12,7 @@ tests here; each tests/test_stageN_<track>.py runs these against its own entry).
   test relies on (the row max where it should be, the fp64 reference equal to the closed-form
   answer) before any kernel runs.
 """
+
 import dataclasses
 from typing import Callable
 
@@ -69,41 +70,126 @@ def _head_dim(D):
 
 # Cases that hold for qk(q, k) and attention(q, k, v) alike: they break q, or k and v together.
 _SHARED = [
-    BadInput("q_on_cpu", "cpu", lambda q, k, v: (q, k, v), ValueError, "argument 'q': must be a CUDA tensor"),
-    BadInput("float32", "cpu", lambda q, k, v: (q.float(), k.float(), v.float()), TypeError,
-             "argument 'q': dtype float32 is not supported"),
-    BadInput("q_rank_3", "cpu", lambda q, k, v: (q[0], k, v), ValueError, "argument 'q': expected a rank-4 tensor"),
-    BadInput("batch_mismatch", "cuda", lambda q, k, v: (q, torch.cat([k, k]), torch.cat([v, v])), ValueError,
-             r"batch: 'q'\.shape\[0\] = 1 must equal 'k'\.shape\[0\] = 2"),
-    BadInput("heads_mismatch", "cuda", lambda q, k, v: (q, torch.cat([k, k], 1), torch.cat([v, v], 1)), ValueError,
-             r"heads: 'q'\.shape\[1\] = 2 must equal 'k'\.shape\[1\] = 4"),
-    BadInput("head_dim_mismatch", "cuda", lambda q, k, v: (q, k[..., :32].contiguous(), v), ValueError,
-             r"head dim: 'q'\.shape\[3\] = 64 must equal 'k'\.shape\[3\] = 32"),
-    BadInput("head_dim_32", "cuda", _head_dim(32), ValueError, "head dim D = 32 is not supported; allowed: 64, 128"),
-    BadInput("head_dim_96", "cuda", _head_dim(96), ValueError, "head dim D = 96 is not supported; allowed: 64, 128"),
-    BadInput("q_head_dim_strided", "cuda", lambda q, k, v: (q.transpose(2, 3), k, v), ValueError,
-             "argument 'q': the last dimension must be contiguous"),
-    BadInput("empty_keys", "cuda", lambda q, k, v: (q, k[:, :, :0], v[:, :, :0]), ValueError,
-             r"Sk = k\.shape\[2\] = 0 must be positive"),
-    BadInput("scale_negative", "cuda", lambda q, k, v: (q, k, v), ValueError, "argument 'scale'", {"scale": -1.0}),
-    BadInput("scale_zero", "cuda", lambda q, k, v: (q, k, v), ValueError, "argument 'scale'", {"scale": 0.0}),
+    BadInput(
+        "q_on_cpu",
+        "cpu",
+        lambda q, k, v: (q, k, v),
+        ValueError,
+        "argument 'q': must be a CUDA tensor",
+    ),
+    BadInput(
+        "float32",
+        "cpu",
+        lambda q, k, v: (q.float(), k.float(), v.float()),
+        TypeError,
+        "argument 'q': dtype float32 is not supported",
+    ),
+    BadInput(
+        "q_rank_3",
+        "cpu",
+        lambda q, k, v: (q[0], k, v),
+        ValueError,
+        "argument 'q': expected a rank-4 tensor",
+    ),
+    BadInput(
+        "batch_mismatch",
+        "cuda",
+        lambda q, k, v: (q, torch.cat([k, k]), torch.cat([v, v])),
+        ValueError,
+        r"batch: 'q'\.shape\[0\] = 1 must equal 'k'\.shape\[0\] = 2",
+    ),
+    BadInput(
+        "heads_mismatch",
+        "cuda",
+        lambda q, k, v: (q, torch.cat([k, k], 1), torch.cat([v, v], 1)),
+        ValueError,
+        r"heads: 'q'\.shape\[1\] = 2 must equal 'k'\.shape\[1\] = 4",
+    ),
+    BadInput(
+        "head_dim_mismatch",
+        "cuda",
+        lambda q, k, v: (q, k[..., :32].contiguous(), v),
+        ValueError,
+        r"head dim: 'q'\.shape\[3\] = 64 must equal 'k'\.shape\[3\] = 32",
+    ),
+    BadInput(
+        "head_dim_32",
+        "cuda",
+        _head_dim(32),
+        ValueError,
+        "head dim D = 32 is not supported; allowed: 64, 128",
+    ),
+    BadInput(
+        "head_dim_96",
+        "cuda",
+        _head_dim(96),
+        ValueError,
+        "head dim D = 96 is not supported; allowed: 64, 128",
+    ),
+    BadInput(
+        "q_head_dim_strided",
+        "cuda",
+        lambda q, k, v: (q.transpose(2, 3), k, v),
+        ValueError,
+        "argument 'q': the last dimension must be contiguous",
+    ),
+    BadInput(
+        "empty_keys",
+        "cuda",
+        lambda q, k, v: (q, k[:, :, :0], v[:, :, :0]),
+        ValueError,
+        r"Sk = k\.shape\[2\] = 0 must be positive",
+    ),
+    BadInput(
+        "scale_negative",
+        "cuda",
+        lambda q, k, v: (q, k, v),
+        ValueError,
+        "argument 'scale'",
+        {"scale": -1.0},
+    ),
+    BadInput(
+        "scale_zero",
+        "cuda",
+        lambda q, k, v: (q, k, v),
+        ValueError,
+        "argument 'scale'",
+        {"scale": 0.0},
+    ),
 ]
 
 _ATTENTION_ONLY = [
-    BadInput("key_value_length_mismatch", "cuda", lambda q, k, v: (q, k, v[:, :, :64]), ValueError,
-             r"key length: 'k'\.shape\[2\] = 128 must equal 'v'\.shape\[2\] = 64"),
-    BadInput("mixed_dtypes", "cuda", lambda q, k, v: (q, k, v.half()), TypeError,
-             "arguments 'q', 'k', 'v' must share one dtype, got q: bfloat16, k: bfloat16, v: float16"),
+    BadInput(
+        "key_value_length_mismatch",
+        "cuda",
+        lambda q, k, v: (q, k, v[:, :, :64]),
+        ValueError,
+        r"key length: 'k'\.shape\[2\] = 128 must equal 'v'\.shape\[2\] = 64",
+    ),
+    BadInput(
+        "mixed_dtypes",
+        "cuda",
+        lambda q, k, v: (q, k, v.half()),
+        TypeError,
+        "arguments 'q', 'k', 'v' must share one dtype, got q: bfloat16, k: bfloat16, v: float16",
+    ),
 ]
 
 _QK_ONLY = [
-    BadInput("mixed_dtypes", "cuda", lambda q, k, v: (q, k.half()), TypeError,
-             "arguments 'q', 'k' must share one dtype, got q: bfloat16, k: float16"),
+    BadInput(
+        "mixed_dtypes",
+        "cuda",
+        lambda q, k, v: (q, k.half()),
+        TypeError,
+        "arguments 'q', 'k' must share one dtype, got q: bfloat16, k: float16",
+    ),
 ]
 
 
 def _params(cases):
-    return [pytest.param(c, id=c.id, marks=[needs_cuda] if c.device == "cuda" else []) for c in cases]
+    return [
+        pytest.param(c, id=c.id, marks=[needs_cuda] if c.device == "cuda" else []) for c in cases
+    ]
 
 
 # pytest parameters (cases on "cuda" carry needs_cuda): parametrize("case", ...) and case.check(entry).
@@ -132,11 +218,15 @@ def one_dominant_key(B, H, Sq, Sk, D, dtype, *, hot, seed):
     q, k = 0.5 * q + u, 0.5 * k
     k[:, :, hot] = 4 * u
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    assert (reference.qk_ref(q, k).argmax(-1) == hot).all()  # the row max is in column `hot` for every row
+    assert (
+        reference.qk_ref(q, k).argmax(-1) == hot
+    ).all()  # the row max is in column `hot` for every row
     # P is ~1 at `hot` and < e^-25 elsewhere: the answer is V's row `hot`, to within
     # Sk x e^-25 x max|V| < 1e-7, and the standard check holds O to it.
     o_ref, _ = reference.attention_ref(q, k, v)
-    torch.testing.assert_close(o_ref, v[:, :, hot : hot + 1].double().expand_as(o_ref), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        o_ref, v[:, :, hot : hot + 1].double().expand_as(o_ref), rtol=0, atol=1e-6
+    )
     return q, k, v
 
 

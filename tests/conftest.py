@@ -1,5 +1,6 @@
 """GPU tests carry a marker naming the track they need; on any other machine they are skipped
 with the reason, so the compile-only and harness tests still run in CI."""
+
 import os
 
 import matplotlib
@@ -15,8 +16,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         for track, marker in (("hopper", "gpu_hopper"), ("blackwell", "gpu_blackwell")):
             if marker in item.keywords and not gpu_track_available(track):
-                need = "an sm_90 GPU (H100/H200)" if track == "hopper" else "an sm_100/sm_103 GPU (B200/GB200/B300)"
-                item.add_marker(pytest.mark.skip(reason=f"{track} GPU test: needs {need}, this machine has {gpu_description()}"))
+                need = (
+                    "an sm_90 GPU (H100/H200)"
+                    if track == "hopper"
+                    else "an sm_100/sm_103 GPU (B200/GB200/B300)"
+                )
+                item.add_marker(
+                    pytest.mark.skip(
+                        reason=f"{track} GPU test: needs {need}, this machine has {gpu_description()}"
+                    )
+                )
 
 
 def pytest_report_header(config):

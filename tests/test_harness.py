@@ -1,11 +1,13 @@
 """Tests of the harness itself: the checker must fail wrong or unwritten results, the argument
 checks must name the argument, the PTX counter must count, and the GPU deadline must fire."""
+
 import math
 
 import pytest
 import torch
 
-from common import arch, checker, checks, compile as ccompile, reference, stages
+from common import arch, checker, checks, reference, stages
+from common import compile as ccompile
 
 
 def _ref_and_out(seed=0):
@@ -58,12 +60,20 @@ def test_check_attention_holds_o_to_pytorchs_error_and_lse_to_fp32():
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 2, S, 64, generator=g).to(torch.bfloat16) for S in (32, 48, 48))
     o_ref, lse_ref = reference.attention_ref(q, k, v)
-    o_res, lse_res = checker.check_attention("O", o_ref.to(torch.bfloat16), q, k, v, lse=lse_ref.float())
+    o_res, lse_res = checker.check_attention(
+        "O", o_ref.to(torch.bfloat16), q, k, v, lse=lse_ref.float()
+    )
     assert o_res.torch_rel_err is not None and o_res.bound < 1e-2 and lse_res.rel_err < 1e-6
-    with pytest.raises(AssertionError, match="O: rel err"):  # 1% off: more than 3x PyTorch's bf16 error
+    with pytest.raises(
+        AssertionError, match="O: rel err"
+    ):  # 1% off: more than 3x PyTorch's bf16 error
         checker.check_attention("O", (o_ref * 1.01).to(torch.bfloat16), q, k, v)
-    with pytest.raises(AssertionError, match="LSE of O: rel err"):  # log2 in place of the natural log
-        checker.check_attention("O", o_ref.to(torch.bfloat16), q, k, v, lse=(lse_ref / math.log(2)).float())
+    with pytest.raises(
+        AssertionError, match="LSE of O: rel err"
+    ):  # log2 in place of the natural log
+        checker.check_attention(
+            "O", o_ref.to(torch.bfloat16), q, k, v, lse=(lse_ref / math.log(2)).float()
+        )
     with pytest.raises(AssertionError, match="non-finite"):
         checker.check_attention("O", checker.poison(torch.empty_like(q)), q, k, v)
 
@@ -118,7 +128,9 @@ def test_references_agree_with_the_definitions():
 
 def test_argument_checks_name_the_argument():
     x = torch.zeros(2, 3, 4, 64, dtype=torch.float32)
-    with pytest.raises(TypeError, match="argument 'q': dtype float32 is not supported; allowed: bfloat16, float16"):
+    with pytest.raises(
+        TypeError, match="argument 'q': dtype float32 is not supported; allowed: bfloat16, float16"
+    ):
         checks.check_tensor("q", x, rank=4)
     with pytest.raises(ValueError, match="argument 'q': expected a rank-4 tensor"):
         checks.check_tensor("q", x[0].bfloat16(), rank=4)
@@ -130,9 +142,13 @@ def test_argument_checks_name_the_argument():
         checks.check_scale(-1.0, 64)
     assert checks.check_scale(None, 64) == 0.125
     q, k = torch.zeros(1, 2, 8, 64), torch.zeros(1, 4, 8, 64, dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"heads: 'q'\.shape\[1\] = 2 must equal 'k'\.shape\[1\] = 4"):
+    with pytest.raises(
+        ValueError, match=r"heads: 'q'\.shape\[1\] = 2 must equal 'k'\.shape\[1\] = 4"
+    ):
         checks.check_dim_eq("q", q, 1, "k", k, 1, "heads")
-    with pytest.raises(TypeError, match=r"arguments 'q', 'k' must share one dtype, got q: float32, k: float16"):
+    with pytest.raises(
+        TypeError, match=r"arguments 'q', 'k' must share one dtype, got q: float32, k: float16"
+    ):
         checks.check_same_dtype(["q", "k"], [q, k])
 
 
@@ -160,7 +176,11 @@ def test_ptx_counter_counts_statements_and_ignores_comments():
     """
     c = ccompile.count_ptx(ptx)
     assert c["wgmma.mma_async"] == 2 and c["wgmma.fence"] == 1
-    assert c["cp.async.bulk.tensor (load)"] == 2 and c["cp.async.bulk.tensor (store)"] == 1 and c["mbarrier.try_wait"] == 1
+    assert (
+        c["cp.async.bulk.tensor (load)"] == 2
+        and c["cp.async.bulk.tensor (store)"] == 1
+        and c["mbarrier.try_wait"] == 1
+    )
     assert c["tcgen05.mma"] == 0
 
 
@@ -178,7 +198,9 @@ def test_deadline_turns_a_kernel_that_never_finishes_into_an_error():
 
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="deadlock"):
-        checker.run_with_deadline(lambda: torch.cuda._sleep(20_000_000_000), seconds=1.0, what="spin")
+        checker.run_with_deadline(
+            lambda: torch.cuda._sleep(20_000_000_000), seconds=1.0, what="spin"
+        )
     assert time.monotonic() - t0 < 5
     torch.cuda.synchronize()  # drain the spinning kernel before the next test
     out = checker.run_with_deadline(lambda: torch.ones(4, device="cuda") * 2, seconds=10.0)

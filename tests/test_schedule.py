@@ -12,11 +12,11 @@ own configuration (common/schedule.py), and the check shown to fail on the seed.
   consumer that waits twice per tile, Q + K bytes armed) must be rejected, for each of its
   defects; so must single mutations of a correct kernel's configuration.
 """
+
 import copy
 
 import pytest
 import torch
-
 
 from common import schedule, stages
 from common.compile import compile_for_arch, expect_tx_immediates
@@ -101,12 +101,31 @@ def seed_rings(kernel):
     q_bytes, k_bytes, v_bytes = (kernel.copy_bytes[x] for x in ("Q", "K", "V"))
     seed_tx = q_bytes + k_bytes
     q_ring = schedule.Ring(
-        "Q", 1, q_bytes,
-        (schedule.Sweep((schedule.Entry((schedule.Load("Q", q_bytes),), seed_tx),), ("Q",), per_kv_tile=False),),
+        "Q",
+        1,
+        q_bytes,
+        (
+            schedule.Sweep(
+                (schedule.Entry((schedule.Load("Q", q_bytes),), seed_tx),),
+                ("Q",),
+                per_kv_tile=False,
+            ),
+        ),
     )
     kv_ring = schedule.Ring(
-        "K/V", 2, k_bytes,
-        (schedule.Sweep((schedule.Entry((schedule.Load("K", k_bytes), schedule.Load("V", v_bytes)), seed_tx),), ("K", "V")),),
+        "K/V",
+        2,
+        k_bytes,
+        (
+            schedule.Sweep(
+                (
+                    schedule.Entry(
+                        (schedule.Load("K", k_bytes), schedule.Load("V", v_bytes)), seed_tx
+                    ),
+                ),
+                ("K", "V"),
+            ),
+        ),
     )
     return q_ring, kv_ring
 
@@ -118,7 +137,10 @@ def test_checker_rejects_the_seed_configuration():
     kv_violations = schedule.check_ring(kv_ring, (1, 3))
     report = "\n".join(q_violations + kv_violations)
     # Defect 1: V_j lands on K_j, in the same slot, before the QK MMA read K_j ...
-    assert "V_0 (sweep 1) is written into slot 0 while K_0 (sweep 1) is still there, unreleased by its reader" in report
+    assert (
+        "V_0 (sweep 1) is written into slot 0 while K_0 (sweep 1) is still there, unreleased by its reader"
+        in report
+    )
     # ... so QK reads V_j where it expects K_j.
     assert "expects K_0 (sweep 1) in slot 0 but finds V_0 (sweep 1)" in report
     # Defect 2: 1 entry per tile produced, 2 waited for: the consumer hangs.
@@ -126,7 +148,10 @@ def test_checker_rejects_the_seed_configuration():
     assert "hang: the consumer's wait 2 (for V_0 (sweep 1)) has no entry" in report
     # Defect 3: the Q buffer arms Q + K bytes but its copy moves Q bytes: its barrier never completes.
     q_bytes = kernel.copy_bytes["Q"]
-    assert f"arms {q_bytes + kernel.copy_bytes['K']} transaction bytes but its TMA copies move {q_bytes}" in report
+    assert (
+        f"arms {q_bytes + kernel.copy_bytes['K']} transaction bytes but its TMA copies move {q_bytes}"
+        in report
+    )
     assert "Q: hang: the full barrier of slot 0 never completes" in report
 
 
@@ -162,7 +187,12 @@ def mutated(**changes):
 
 def test_checker_rejects_wrong_transaction_bytes():
     kernel = traced(4, SHAPES[4])[0]
-    bad = mutated(kv_tma_bytes={"K": kernel.copy_bytes["Q"] + kernel.copy_bytes["K"], "V": kernel.kv_tma_bytes["V"]})
+    bad = mutated(
+        kv_tma_bytes={
+            "K": kernel.copy_bytes["Q"] + kernel.copy_bytes["K"],
+            "V": kernel.kv_tma_bytes["V"],
+        }
+    )
     report = "\n".join(schedule.check_kernel(bad, (2,)))
     assert "an entry loading K arms" in report and "never completes" in report
 

@@ -10,6 +10,7 @@
   CPU tensors, so they run in CI too; the others need a CUDA device (any: they fail in the
   argument checks, before a kernel is compiled or launched).
 """
+
 import pytest
 import torch
 
@@ -48,10 +49,14 @@ def test_compiles_for_sm100a(dtype, shape):
     # tcgen05.commit frees an A/B buffer, and marks S complete.
     assert counts["tcgen05.commit"] == 2, report.summary()
     # Epilogue: 4 loads of 32 fp32 columns per thread, each waited for before its registers are read.
-    assert counts["tcgen05.ld"] == 4 and "tcgen05.ld.sync.aligned.32x32b.x32.b32" in ptx, report.summary()
+    assert counts["tcgen05.ld"] == 4 and "tcgen05.ld.sync.aligned.32x32b.x32.b32" in ptx, (
+        report.summary()
+    )
     assert ptx.count("tcgen05.wait::ld") == 4
     # TMA loads of A and B (2D boxes), counted against a 32 KiB transaction per buffer.
-    assert counts["cp.async.bulk.tensor (load)"] == 2 and "cp.async.bulk.tensor.2d" in ptx, report.summary()
+    assert counts["cp.async.bulk.tensor (load)"] == 2 and "cp.async.bulk.tensor.2d" in ptx, (
+        report.summary()
+    )
     assert "mbarrier.arrive.expect_tx" in ptx
     # Barriers: full + empty per buffer (ab_buffers = 4) and per S tile (1).
     assert counts["mbarrier.init"] == 2 * 4 + 2, report.summary()
@@ -59,7 +64,9 @@ def test_compiles_for_sm100a(dtype, shape):
     # 4 buffers of 32 KiB plus 1 KiB for the barriers (the tiles are 1 KiB aligned).
     assert report.shared_memory_bytes == 4 * 32 * 1024 + 1024, report.summary()
     if report.resources and "spill_stores" in report.resources:
-        assert report.resources["spill_stores"] == 0 and report.resources["spill_loads"] == 0, report.summary()
+        assert report.resources["spill_stores"] == 0 and report.resources["spill_loads"] == 0, (
+            report.summary()
+        )
     # The tutorial promises a compile of a few seconds (a backstop against a blow-up).
     assert report.seconds < 60, report.summary()
 
@@ -83,7 +90,9 @@ SHAPES = [
 
 def run_gemm(a, b):
     # A deadlocked pipeline (a barrier phase that never completes) fails instead of hanging.
-    return checker.run_with_deadline(lambda: blackwell.gemm(a, b), seconds=120, what="stage 1 blackwell gemm")
+    return checker.run_with_deadline(
+        lambda: blackwell.gemm(a, b), seconds=120, what="stage 1 blackwell gemm"
+    )
 
 
 def check_gemm(a, b, c):
@@ -165,14 +174,19 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def gpu_pair(M=128, N=128, K=64, dtype=torch.bfloat16):
-    return torch.ones(M, K, dtype=dtype, device="cuda"), torch.ones(N, K, dtype=dtype, device="cuda")
+    return torch.ones(M, K, dtype=dtype, device="cuda"), torch.ones(
+        N, K, dtype=dtype, device="cuda"
+    )
 
 
 @needs_cuda
 def test_rejects_mismatched_k():
     a, _ = gpu_pair(K=64)
     _, b = gpu_pair(K=128)
-    with pytest.raises(ValueError, match=r"inner dimension K of C = A @ B\^T: 'a'\.shape\[1\] = 64 must equal 'b'\.shape\[1\] = 128"):
+    with pytest.raises(
+        ValueError,
+        match=r"inner dimension K of C = A @ B\^T: 'a'\.shape\[1\] = 64 must equal 'b'\.shape\[1\] = 128",
+    ):
         blackwell.gemm(a, b)
 
 
@@ -180,7 +194,9 @@ def test_rejects_mismatched_k():
 def test_rejects_mixed_dtypes():
     a, _ = gpu_pair()
     _, b = gpu_pair(dtype=torch.float16)
-    with pytest.raises(TypeError, match="arguments 'a', 'b' must share one dtype, got a: bfloat16, b: float16"):
+    with pytest.raises(
+        TypeError, match="arguments 'a', 'b' must share one dtype, got a: bfloat16, b: float16"
+    ):
         blackwell.gemm(a, b)
 
 

@@ -8,6 +8,7 @@
   CPU tensors, so they run in CI too; the others need a CUDA device (any: they fail in the
   argument checks, before a kernel is compiled or launched).
 """
+
 import pytest
 import torch
 
@@ -26,7 +27,9 @@ def dtype_id(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("shape", [(1024, 1024, 1024), (1000, 264, 200)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(
+    "shape", [(1024, 1024, 1024), (1000, 264, 200)], ids=lambda s: "x".join(map(str, s))
+)
 def test_compiles_for_sm90a(dtype, shape):
     report = compile_only(1, "hopper", dtype=dtype, shape=shape)
     counts, ptx = report.counts, report.ptx
@@ -37,7 +40,9 @@ def test_compiles_for_sm90a(dtype, shape):
     assert counts["wgmma.commit_group"] >= 1 and counts["wgmma.wait_group"] >= 1
     # TMA loads of A and B (prologue and main loop) and the TMA store of C.
     assert "cp.async.bulk.tensor" in ptx
-    assert counts["cp.async.bulk.tensor (load)"] >= 2 and counts["cp.async.bulk.tensor (store)"] >= 1
+    assert (
+        counts["cp.async.bulk.tensor (load)"] >= 2 and counts["cp.async.bulk.tensor (store)"] >= 1
+    )
     # Consumers wait on the full barriers, the producer on the empty ones.
     assert counts["mbarrier.try_wait"] >= 2 and "mbarrier.try_wait" in ptx
     assert "mbarrier.arrive.expect_tx" in ptx
@@ -46,7 +51,9 @@ def test_compiles_for_sm90a(dtype, shape):
     assert report.shared_memory_bytes == 4 * 48 * 1024 + 1024, report.summary()
     if report.resources and "spill_stores" in report.resources:
         # 128 fp32 accumulators per thread must stay in registers.
-        assert report.resources["spill_stores"] == 0 and report.resources["spill_loads"] == 0, report.summary()
+        assert report.resources["spill_stores"] == 0 and report.resources["spill_loads"] == 0, (
+            report.summary()
+        )
 
 
 # ---------------------------------------------------------------- numerics on the H200
@@ -70,7 +77,9 @@ SHAPES = [
 
 def run_gemm(a, b):
     # A deadlocked pipeline (a barrier phase that never completes) fails instead of hanging.
-    return checker.run_with_deadline(lambda: hopper.gemm(a, b), seconds=120, what="stage 1 hopper gemm")
+    return checker.run_with_deadline(
+        lambda: hopper.gemm(a, b), seconds=120, what="stage 1 hopper gemm"
+    )
 
 
 def check_gemm(a, b, c):
@@ -153,14 +162,19 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def gpu_pair(M=64, N=64, K=64, dtype=torch.bfloat16):
-    return torch.ones(M, K, dtype=dtype, device="cuda"), torch.ones(N, K, dtype=dtype, device="cuda")
+    return torch.ones(M, K, dtype=dtype, device="cuda"), torch.ones(
+        N, K, dtype=dtype, device="cuda"
+    )
 
 
 @needs_cuda
 def test_rejects_mismatched_k():
     a, _ = gpu_pair(K=64)
     _, b = gpu_pair(K=128)
-    with pytest.raises(ValueError, match=r"inner dimension K of C = A @ B\^T: 'a'\.shape\[1\] = 64 must equal 'b'\.shape\[1\] = 128"):
+    with pytest.raises(
+        ValueError,
+        match=r"inner dimension K of C = A @ B\^T: 'a'\.shape\[1\] = 64 must equal 'b'\.shape\[1\] = 128",
+    ):
         hopper.gemm(a, b)
 
 
@@ -168,7 +182,9 @@ def test_rejects_mismatched_k():
 def test_rejects_mixed_dtypes():
     a, _ = gpu_pair()
     _, b = gpu_pair(dtype=torch.float16)
-    with pytest.raises(TypeError, match="arguments 'a', 'b' must share one dtype, got a: bfloat16, b: float16"):
+    with pytest.raises(
+        TypeError, match="arguments 'a', 'b' must share one dtype, got a: bfloat16, b: float16"
+    ):
         hopper.gemm(a, b)
 
 

@@ -10,16 +10,15 @@
 - Bad-input tests: every error names the argument; the CPU-tensor ones run in CI. The cases
   common to stages 2-5 are in tests/attention_cases.py; this file adds its stage's own limits.
 """
+
+import attention_cases
 import pytest
 import torch
+from attention_cases import DTYPES, dtype_id, needs_cuda, shape_id
 
 from common import checker, inputs, reference
 from common.compile import compile_only
 from stages.stage2_qk import blackwell
-
-import attention_cases
-from attention_cases import DTYPES, dtype_id, needs_cuda, shape_id
-
 
 # ---------------------------------------------------------------- compile-only (no GPU)
 
@@ -39,7 +38,9 @@ def test_compiles_for_sm100a(dtype, shape):
     # tcgen05.commit: S complete and K slot free (per K tile), Q free (once).
     assert counts["tcgen05.commit"] == 3, report.summary()
     # The softmax warps read each S tile in 4 loads of 32 fp32 columns, each waited for.
-    assert counts["tcgen05.ld"] == 4 and "tcgen05.ld.sync.aligned.32x32b.x32.b32" in ptx, report.summary()
+    assert counts["tcgen05.ld"] == 4 and "tcgen05.ld.sync.aligned.32x32b.x32.b32" in ptx, (
+        report.summary()
+    )
     assert ptx.count("tcgen05.wait::ld") == 4
     # Rank-4 TMA over (S, D, H, B): a 128 x D tile is D / 64 boxes of 128-byte rows, for Q
     # (once) and for K (per K tile).
@@ -51,7 +52,9 @@ def test_compiles_for_sm100a(dtype, shape):
     # Q + 2 K slots, 128 x D x 2 bytes each, plus 1 KiB for the barriers.
     assert report.shared_memory_bytes == 3 * 128 * D * 2 + 1024, report.summary()
     if report.resources and "spill_stores" in report.resources:
-        assert report.resources["spill_stores"] == 0 and report.resources["spill_loads"] == 0, report.summary()
+        assert report.resources["spill_stores"] == 0 and report.resources["spill_loads"] == 0, (
+            report.summary()
+        )
     assert report.seconds < 60, report.summary()
 
 
@@ -70,7 +73,9 @@ SHAPES = [
 
 
 def run_qk(q, k, scale=None):
-    return checker.run_with_deadline(lambda: blackwell.qk(q, k, scale), seconds=120, what="stage 2 blackwell qk")
+    return checker.run_with_deadline(
+        lambda: blackwell.qk(q, k, scale), seconds=120, what="stage 2 blackwell qk"
+    )
 
 
 def check_qk(q, k, s, scale=None):

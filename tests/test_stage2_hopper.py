@@ -12,16 +12,15 @@ resident in shared memory and K tiles streaming through the pipeline.
   checks, before a kernel is compiled or launched). The cases common to stages 2-5 are in
   tests/attention_cases.py; this file adds its stage's own limits.
 """
+
+import attention_cases
 import pytest
 import torch
+from attention_cases import DTYPES, dtype_id, needs_cuda, shape_id
 
 from common import checker, inputs, reference
 from common.compile import compile_only
 from stages.stage2_qk import hopper
-
-import attention_cases
-from attention_cases import DTYPES, dtype_id, needs_cuda, shape_id
-
 
 # ---------------------------------------------------------------- compile-only (no GPU)
 
@@ -37,14 +36,18 @@ def test_compiles_for_sm90a(dtype, D):
     assert counts["wgmma.mma_async"] == D // 16, report.summary()
     # Rank-4 TMA: Q and K tiles addressed by (row, 0, head, batch); S stored by TMA.
     assert "cp.async.bulk.tensor.4d.shared::cta.global" in ptx
-    assert counts["cp.async.bulk.tensor (load)"] >= 2 and counts["cp.async.bulk.tensor (store)"] >= 1
+    assert (
+        counts["cp.async.bulk.tensor (load)"] >= 2 and counts["cp.async.bulk.tensor (store)"] >= 1
+    )
     assert counts["mbarrier.try_wait"] >= 3 and "mbarrier.arrive.expect_tx" in ptx
     # Q (128 x D) + 2 K slots (128 x D each) x 2 bytes, the fp32 S staging tile (128 x 128 x 4),
     # plus 1 KiB: the mbarriers, padded to the 1 KiB alignment of the swizzled tiles.
     # D = 128: 32 + 64 + 64 + 1 = 161 KiB; D = 64: 16 + 32 + 64 + 1 = 113 KiB.
     assert report.shared_memory_bytes == 3 * 128 * D * 2 + 128 * 128 * 4 + 1024, report.summary()
     if report.resources and "spill_stores" in report.resources:
-        assert report.resources["spill_stores"] == 0 and report.resources["spill_loads"] == 0, report.summary()
+        assert report.resources["spill_stores"] == 0 and report.resources["spill_loads"] == 0, (
+            report.summary()
+        )
 
 
 # ---------------------------------------------------------------- numerics on the H200
@@ -52,7 +55,9 @@ def test_compiles_for_sm90a(dtype, D):
 
 def run(q, k, scale=None):
     # A deadlocked pipeline (a barrier phase that never completes) fails instead of hanging.
-    return checker.run_with_deadline(lambda: hopper.qk(q, k, scale), seconds=120, what="stage 2 hopper")
+    return checker.run_with_deadline(
+        lambda: hopper.qk(q, k, scale), seconds=120, what="stage 2 hopper"
+    )
 
 
 def check_s(s, q, k, scale=None):
@@ -64,7 +69,9 @@ def check_s(s, q, k, scale=None):
     assert s.shape == (B, H, Sq, k.shape[2]) and s.dtype == torch.float32
     scale = D**-0.5 if scale is None else scale
     torch_lowp = (q @ k.transpose(-1, -2)) * scale
-    return checker.check_close("S", s, reference.qk_ref(q, k, scale), rtol=1e-4, torch_lowp=torch_lowp)
+    return checker.check_close(
+        "S", s, reference.qk_ref(q, k, scale), rtol=1e-4, torch_lowp=torch_lowp
+    )
 
 
 SHAPES = [
@@ -99,7 +106,9 @@ def test_large_logits_and_explicit_scale(dtype):
 def test_strided_inputs():
     # Q, K as (B, H, S, D) views of (B, S, H, D) tensors: D contiguous, other strides arbitrary.
     B, H, Sq, Sk, D = 2, 3, 192, 320, 64
-    q4, k4 = (t.transpose(1, 2).contiguous() for t in inputs.attention_inputs(B, H, Sq, Sk, D, seed=7)[:2])
+    q4, k4 = (
+        t.transpose(1, 2).contiguous() for t in inputs.attention_inputs(B, H, Sq, Sk, D, seed=7)[:2]
+    )
     q, k = q4.transpose(1, 2), k4.transpose(1, 2)
     assert not q.is_contiguous()
     check_s(run(q, k), q, k)

@@ -11,17 +11,17 @@
 - Bad-input tests: every error names the argument; the CPU-tensor ones run in CI. The cases
   common to stages 2-5 are in tests/attention_cases.py; this file adds its stage's own limits.
 """
+
 import re
 
+import attention_cases
 import pytest
 import torch
+from attention_cases import DTYPES, dtype_id, needs_cuda, shape_id
 
 from common import checker, inputs
 from common.compile import compile_only, expect_tx_immediates
 from stages.stage3_softmax import blackwell
-
-import attention_cases
-from attention_cases import DTYPES, dtype_id, needs_cuda, shape_id
 
 # tcgen05.mma with A and B as shared-memory descriptors (QK) / with A in TMEM (PV)
 QK_MMA = re.compile(r"tcgen05\.mma\.cta_group::1\.kind::f16\S*\s+\[%r\d+\],\s*%rd\d+,\s*%rd\d+,")
@@ -32,7 +32,9 @@ PV_MMA = re.compile(r"tcgen05\.mma\.cta_group::1\.kind::f16\S*\s+\[%r\d+\],\s*\[
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("shape", [(2, 4, 512, 128, 128), (2, 4, 512, 128, 64), (1, 2, 256, 100, 128)], ids=shape_id)
+@pytest.mark.parametrize(
+    "shape", [(2, 4, 512, 128, 128), (2, 4, 512, 128, 64), (1, 2, 256, 100, 128)], ids=shape_id
+)
 def test_compiles_for_sm100a(dtype, shape):
     B, H, Sq, Sk, D = shape
     report = compile_only(3, "blackwell", dtype=dtype, shape=shape)
@@ -50,7 +52,9 @@ def test_compiles_for_sm100a(dtype, shape):
     assert "tcgen05.ld.sync.aligned.32x32b.x32.b32" in ptx
     assert ptx.count("tcgen05.wait::ld") == 1 + D // 32
     # tcgen05.st: P, 128 16-bit values = 64 cells per row, 32 cells per store, then wait::st.
-    assert counts["tcgen05.st"] == 2 and "tcgen05.st.sync.aligned.32x32b.x32.b32" in ptx, report.summary()
+    assert counts["tcgen05.st"] == 2 and "tcgen05.st.sync.aligned.32x32b.x32.b32" in ptx, (
+        report.summary()
+    )
     assert ptx.count("tcgen05.wait::st") == 1
     # tcgen05.commit: S full, K slot free, P free, V slot free, Q free, O full.
     assert counts["tcgen05.commit"] == 6, report.summary()
@@ -68,7 +72,9 @@ def test_compiles_for_sm100a(dtype, shape):
     # Q + K + V, 128 x D x 2 bytes each, plus 1 KiB for the barriers.
     assert report.shared_memory_bytes == 3 * 128 * D * 2 + 1024, report.summary()
     if report.resources and "spill_stores" in report.resources:
-        assert report.resources["spill_stores"] == 0 and report.resources["spill_loads"] == 0, report.summary()
+        assert report.resources["spill_stores"] == 0 and report.resources["spill_loads"] == 0, (
+            report.summary()
+        )
 
 
 # ---------------------------------------------------------------- numerics on an sm_100 GPU
@@ -109,7 +115,9 @@ def test_attention_matches_fp64_reference(shape, dtype):
 @pytest.mark.parametrize("logit_scale", [8.0, 30.0])
 def test_attention_large_logits(logit_scale):
     # |scale * S| of tens: exp without the row max would overflow fp32.
-    q, k, v = attention_cases.large_logits(2, 2, 256, 128, 128, torch.bfloat16, seed=9, logit_scale=logit_scale)
+    q, k, v = attention_cases.large_logits(
+        2, 2, 256, 128, 128, torch.bfloat16, seed=9, logit_scale=logit_scale
+    )
     checker.check_attention("O", run_attention(q, k, v), q, k, v)
 
 
@@ -124,7 +132,10 @@ def test_attention_reads_transposed_bshd_views():
     # Q, K, V stored as (B, S, H, D) and passed as (B, H, S, D) views.
     B, H, Sq, Sk, D = 2, 3, 256, 128, 128
     g = torch.Generator(device="cuda").manual_seed(5)
-    q, k, v = [torch.randn(B, S, H, D, generator=g, device="cuda").to(torch.bfloat16).transpose(1, 2) for S in (Sq, Sk, Sk)]
+    q, k, v = [
+        torch.randn(B, S, H, D, generator=g, device="cuda").to(torch.bfloat16).transpose(1, 2)
+        for S in (Sq, Sk, Sk)
+    ]
     assert not q.is_contiguous() and q.stride(-1) == 1
     checker.check_attention("O", run_attention(q, k, v), q, k, v)
 
@@ -134,7 +145,9 @@ def test_stage_package_dispatches_to_blackwell():
     from stages.stage3_softmax import attention
 
     q, k, v = inputs.attention_inputs(1, 2, 256, 128, 128, torch.bfloat16, seed=3)
-    checker.check_attention("O", checker.run_with_deadline(lambda: attention(q, k, v), seconds=120), q, k, v)
+    checker.check_attention(
+        "O", checker.run_with_deadline(lambda: attention(q, k, v), seconds=120), q, k, v
+    )
 
 
 # ---------------------------------------------------------------- bad input

@@ -13,16 +13,15 @@
   tests/attention_cases.py; this file adds its stage's own limit: an Sk above one tile points
   to stage 4.
 """
+
+import attention_cases
 import pytest
 import torch
+from attention_cases import DTYPES, dtype_id, needs_cuda, shape_id
 
 from common import checker, inputs
 from common.compile import compile_only
 from stages.stage3_softmax import hopper
-
-import attention_cases
-from attention_cases import DTYPES, dtype_id, needs_cuda, shape_id
-
 
 # ---------------------------------------------------------------- compile-only (no GPU)
 
@@ -36,11 +35,17 @@ def test_compiles_for_sm90a(dtype, D):
     # S = Q K^T: D / 16 m64n128k16 wgmma with both operands in shared memory (two descriptors).
     assert f"wgmma.mma_async.sync.aligned.m64n128k16.f32.{ab}.{ab}" in ptx
     # O = P V: 128 / 16 = 8 m64nDk16 wgmma whose A operand is 4 registers of P.
-    pv = [ln for ln in ptx.splitlines() if f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{ab}.{ab}" in ln]
+    pv = [
+        ln
+        for ln in ptx.splitlines()
+        if f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{ab}.{ab}" in ln
+    ]
     assert sum("}, {%r" in ln for ln in pv) == 8, report.summary()
     assert counts["wgmma.mma_async"] == D // 16 + 8, report.summary()
     # Q, K and V by TMA, O stored by TMA; consumers wait on mbarriers.
-    assert counts["cp.async.bulk.tensor (load)"] >= 3 and counts["cp.async.bulk.tensor (store)"] >= 1
+    assert (
+        counts["cp.async.bulk.tensor (load)"] >= 3 and counts["cp.async.bulk.tensor (store)"] >= 1
+    )
     assert counts["mbarrier.try_wait"] >= 3 and "mbarrier.arrive.expect_tx" in ptx
     # One exp2 per score: 64 per thread (2 rows x 32 columns); max and sum over the quad.
     assert counts["ex2.approx"] == 64, report.summary()
@@ -49,7 +54,9 @@ def test_compiles_for_sm90a(dtype, D):
     # alignment of the swizzled tiles. D = 128: 97 KiB; D = 64: 49 KiB.
     assert report.shared_memory_bytes == 3 * 128 * D * 2 + 1024, report.summary()
     if report.resources and "spill_stores" in report.resources:
-        assert report.resources["spill_stores"] == 0 and report.resources["spill_loads"] == 0, report.summary()
+        assert report.resources["spill_stores"] == 0 and report.resources["spill_loads"] == 0, (
+            report.summary()
+        )
 
 
 # ---------------------------------------------------------------- numerics on the H200
@@ -57,7 +64,9 @@ def test_compiles_for_sm90a(dtype, D):
 
 def run(q, k, v, scale=None):
     # A deadlocked pipeline (a barrier phase that never completes) fails instead of hanging.
-    return checker.run_with_deadline(lambda: hopper.attention(q, k, v, scale), seconds=120, what="stage 3 hopper")
+    return checker.run_with_deadline(
+        lambda: hopper.attention(q, k, v, scale), seconds=120, what="stage 3 hopper"
+    )
 
 
 # checker.check_attention holds O to 3x the error of PyTorch's own attention in the input dtype
@@ -90,7 +99,9 @@ def test_attention_matches_fp64_reference(shape, dtype):
 def test_large_logits(dtype, D):
     # Q scaled by 10: scale * Q K^T has standard deviation ~10, so |S| reaches 30-50 and
     # exp(S - row_max) spans the whole fp32 range.
-    q, k, v = attention_cases.large_logits(2, 4, 256, 128, D, dtype, seed=3, logit_scale=10.0, min_abs_logit=30)
+    q, k, v = attention_cases.large_logits(
+        2, 4, 256, 128, D, dtype, seed=3, logit_scale=10.0, min_abs_logit=30
+    )
     checker.check_attention("O", run(q, k, v), q, k, v)
 
 
@@ -120,7 +131,9 @@ def test_explicit_scale_and_strided_inputs():
     # Q, K, V as (B, H, S, D) views of (B, S, H, D) tensors (the layout of many models): D
     # contiguous, the other strides arbitrary. And a scale other than 1/sqrt(D).
     B, H, Sq, Sk, D = 2, 3, 192, 96, 128
-    q4, k4, v4 = (t.transpose(1, 2).contiguous() for t in inputs.attention_inputs(B, H, Sq, Sk, D, seed=7))
+    q4, k4, v4 = (
+        t.transpose(1, 2).contiguous() for t in inputs.attention_inputs(B, H, Sq, Sk, D, seed=7)
+    )
     q, k, v = (t.transpose(1, 2) for t in (q4, k4, v4))
     assert not q.is_contiguous()
     checker.check_attention("O", run(q, k, v, scale=0.05), q, k, v, scale=0.05)
@@ -131,7 +144,9 @@ def test_stage_package_dispatches_to_hopper():
     from stages.stage3_softmax import attention
 
     q, k, v = inputs.attention_inputs(1, 2, 128, 128, 64, seed=8)
-    checker.check_attention("O", checker.run_with_deadline(lambda: attention(q, k, v), seconds=120), q, k, v)
+    checker.check_attention(
+        "O", checker.run_with_deadline(lambda: attention(q, k, v), seconds=120), q, k, v
+    )
 
 
 # ---------------------------------------------------------------- bad input

@@ -18,16 +18,15 @@ O += P V).
   checks, before a kernel is compiled or launched). The cases common to stages 2-5 are in
   tests/attention_cases.py; this file adds its stage's own limits.
 """
+
+import attention_cases
 import pytest
 import torch
+from attention_cases import DTYPES, dtype_id, shape_id
 
 from common import checker, inputs
 from common.compile import compile_only
 from stages.stage4_kv_interleave import hopper
-
-import attention_cases
-from attention_cases import DTYPES, dtype_id, shape_id
-
 
 # ---------------------------------------------------------------- compile-only (no GPU)
 
@@ -41,13 +40,19 @@ def test_compiles_for_sm90a(dtype, D):
     # Pass 1: D / 16 wgmma for S = Q K^T per KV tile. Pass 2: D / 16 again, and 128 / 16 = 8
     # for O += P V (A operand: 4 registers of P). Each batch is written once in its loop.
     assert f"wgmma.mma_async.sync.aligned.m64n128k16.f32.{ab}.{ab}" in ptx
-    pv = [ln for ln in ptx.splitlines() if f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{ab}.{ab}" in ln]
+    pv = [
+        ln
+        for ln in ptx.splitlines()
+        if f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{ab}.{ab}" in ln
+    ]
     assert sum("}, {%r" in ln for ln in pv) == 8, report.summary()
     assert counts["wgmma.mma_async"] == 2 * (D // 16) + 8, report.summary()
     assert counts["wgmma.wait_group"] == 3, report.summary()
     # Q, K and V by TMA, O stored by TMA; consumers wait on the ring's full barriers, the
     # producer on its empty barriers.
-    assert counts["cp.async.bulk.tensor (load)"] >= 3 and counts["cp.async.bulk.tensor (store)"] >= 1
+    assert (
+        counts["cp.async.bulk.tensor (load)"] >= 3 and counts["cp.async.bulk.tensor (store)"] >= 1
+    )
     assert counts["mbarrier.try_wait"] >= 4 and "mbarrier.arrive.expect_tx" in ptx
     # 64 exp2 per thread per tile (2 rows x 32 columns) in each pass, + 2 for the rescaling
     # factors of row_sum in pass 1.
@@ -57,7 +62,9 @@ def test_compiles_for_sm90a(dtype, D):
     # alignment of the swizzled tiles. D = 128: 97 KiB; D = 64: 49 KiB.
     assert report.shared_memory_bytes == 3 * 128 * D * 2 + 1024, report.summary()
     if report.resources and "spill_stores" in report.resources:
-        assert report.resources["spill_stores"] == 0 and report.resources["spill_loads"] == 0, report.summary()
+        assert report.resources["spill_stores"] == 0 and report.resources["spill_loads"] == 0, (
+            report.summary()
+        )
 
 
 # ---------------------------------------------------------------- numerics on the H200
@@ -65,7 +72,9 @@ def test_compiles_for_sm90a(dtype, D):
 
 def run(q, k, v, scale=None):
     # A deadlocked pipeline (a barrier phase that never completes) fails instead of hanging.
-    return checker.run_with_deadline(lambda: hopper.attention(q, k, v, scale), seconds=120, what="stage 4 hopper")
+    return checker.run_with_deadline(
+        lambda: hopper.attention(q, k, v, scale), seconds=120, what="stage 4 hopper"
+    )
 
 
 # checker.check_attention holds O to 3x the error of PyTorch's own attention in the input dtype
@@ -99,7 +108,9 @@ def test_attention_matches_fp64_reference(shape, dtype):
 def test_large_logits(dtype, D):
     # Q scaled by 10: scale * Q K^T has standard deviation ~10, so |S| reaches 30-50, exp(S -
     # row_max) spans the whole fp32 range, and pass 1's row_max jumps by tens between tiles.
-    q, k, v = attention_cases.large_logits(2, 4, 256, 1024, D, dtype, seed=3, logit_scale=10.0, min_abs_logit=30)
+    q, k, v = attention_cases.large_logits(
+        2, 4, 256, 1024, D, dtype, seed=3, logit_scale=10.0, min_abs_logit=30
+    )
     o = run(q, k, v)
     checker.check_attention("O", o, q, k, v)
 
@@ -144,7 +155,9 @@ def test_explicit_scale_and_strided_inputs():
     # Q, K, V as (B, H, S, D) views of (B, S, H, D) tensors (the layout of many models): D
     # contiguous, the other strides arbitrary. And a scale other than 1/sqrt(D).
     B, H, Sq, Sk, D = 2, 3, 192, 500, 128
-    q4, k4, v4 = (t.transpose(1, 2).contiguous() for t in inputs.attention_inputs(B, H, Sq, Sk, D, seed=7))
+    q4, k4, v4 = (
+        t.transpose(1, 2).contiguous() for t in inputs.attention_inputs(B, H, Sq, Sk, D, seed=7)
+    )
     q, k, v = (t.transpose(1, 2) for t in (q4, k4, v4))
     assert not q.is_contiguous()
     checker.check_attention("O", run(q, k, v, scale=0.05), q, k, v, scale=0.05)
@@ -155,7 +168,9 @@ def test_stage_package_dispatches_to_hopper():
     from stages.stage4_kv_interleave import attention
 
     q, k, v = inputs.attention_inputs(1, 2, 128, 256, 64, seed=8)
-    checker.check_attention("O", checker.run_with_deadline(lambda: attention(q, k, v), seconds=120), q, k, v)
+    checker.check_attention(
+        "O", checker.run_with_deadline(lambda: attention(q, k, v), seconds=120), q, k, v
+    )
 
 
 # ---------------------------------------------------------------- bad input

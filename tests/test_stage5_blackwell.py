@@ -16,17 +16,17 @@ tiles with O rescaled in TMEM, plus LSE, on sm_100a.
 - Bad-input tests: every error names the argument; the CPU-tensor ones run in CI. The cases
   common to stages 2-5 are in tests/attention_cases.py; this file adds its stage's own limits.
 """
+
 import re
 
+import attention_cases
 import pytest
 import torch
+from attention_cases import DTYPES, dtype_id, needs_cuda, shape_id
 
 from common import checker, inputs, reference
 from common.compile import compile_only, expect_tx_immediates
 from stages.stage5_online_softmax import blackwell
-
-import attention_cases
-from attention_cases import DTYPES, dtype_id, needs_cuda, shape_id
 
 # tcgen05.mma with A and B as shared-memory descriptors (QK) / with A in TMEM (PV)
 QK_MMA = re.compile(r"tcgen05\.mma\.cta_group::1\.kind::f16\S*\s+\[%r\d+\],\s*%rd\d+,\s*%rd\d+,")
@@ -37,7 +37,9 @@ PV_MMA = re.compile(r"tcgen05\.mma\.cta_group::1\.kind::f16\S*\s+\[%r\d+\],\s*\[
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("shape", [(2, 4, 512, 1024, 128), (2, 4, 512, 1024, 64), (1, 2, 256, 300, 64)], ids=shape_id)
+@pytest.mark.parametrize(
+    "shape", [(2, 4, 512, 1024, 128), (2, 4, 512, 1024, 64), (1, 2, 256, 300, 64)], ids=shape_id
+)
 def test_compiles_for_sm100a(dtype, shape):
     B, H, Sq, Sk, D = shape
     report = compile_only(5, "blackwell", dtype=dtype, shape=shape)
@@ -73,7 +75,9 @@ def test_compiles_for_sm100a(dtype, shape):
     assert re.search(r"st\.global\.[bf]32\s", ptx)
     assert report.shared_memory_bytes == 3 * 128 * D * 2 + 1024, report.summary()
     if report.resources and "spill_stores" in report.resources:
-        assert report.resources["spill_stores"] == 0 and report.resources["spill_loads"] == 0, report.summary()
+        assert report.resources["spill_stores"] == 0 and report.resources["spill_loads"] == 0, (
+            report.summary()
+        )
 
 
 def test_one_pass_halves_the_qk_work_of_stage_4():
@@ -83,7 +87,9 @@ def test_one_pass_halves_the_qk_work_of_stage_4():
     s5 = compile_only(5, "blackwell", shape=shape)
     assert 2 * len(QK_MMA.findall(s5.ptx)) == len(QK_MMA.findall(s4.ptx))
     assert len(PV_MMA.findall(s5.ptx)) == len(PV_MMA.findall(s4.ptx))
-    assert 4 * s5.counts["cp.async.bulk.tensor (load)"] == 3 * s4.counts["cp.async.bulk.tensor (load)"]
+    assert (
+        4 * s5.counts["cp.async.bulk.tensor (load)"] == 3 * s4.counts["cp.async.bulk.tensor (load)"]
+    )
     assert s5.counts["ex2.approx"] < s4.counts["ex2.approx"]
 
 
@@ -104,7 +110,9 @@ SHAPES = [
 def run_attention(q, k, v, scale=None):
     """(O, LSE) from the kernel, under a deadline."""
     return checker.run_with_deadline(
-        lambda: blackwell.attention(q, k, v, scale, return_lse=True), seconds=120, what="stage 5 blackwell attention"
+        lambda: blackwell.attention(q, k, v, scale, return_lse=True),
+        seconds=120,
+        what="stage 5 blackwell attention",
     )
 
 
@@ -127,7 +135,9 @@ def test_attention_matches_fp64_reference(shape, dtype):
 def test_attention_when_the_row_max_grows_across_tiles():
     # Keys scaled up along the sequence: most rows find a larger max in each later tile, so O in
     # TMEM and row_sum are rescaled at almost every tile.
-    q, k, v = attention_cases.growing_logits(2, 2, 256, 1024, 128, torch.bfloat16, seed=13, logit_scale=3.0)
+    q, k, v = attention_cases.growing_logits(
+        2, 2, 256, 1024, 128, torch.bfloat16, seed=13, logit_scale=3.0
+    )
     o, lse = run_attention(q, k, v)
     checker.check_attention("O", o, q, k, v, lse=lse)
 
@@ -136,7 +146,9 @@ def test_attention_when_the_row_max_grows_across_tiles():
 @pytest.mark.parametrize("logit_scale", [8.0, 30.0])
 def test_attention_large_logits(logit_scale):
     # |scale * S| of tens: exp without the row max would overflow fp32.
-    q, k, v = attention_cases.large_logits(2, 2, 256, 640, 128, torch.bfloat16, seed=9, logit_scale=logit_scale)
+    q, k, v = attention_cases.large_logits(
+        2, 2, 256, 640, 128, torch.bfloat16, seed=9, logit_scale=logit_scale
+    )
     o, lse = run_attention(q, k, v)
     checker.check_attention("O", o, q, k, v, lse=lse)
 
@@ -153,7 +165,10 @@ def test_attention_reads_transposed_bshd_views():
     # Q, K, V stored as (B, S, H, D) and passed as (B, H, S, D) views.
     B, H, Sq, Sk, D = 2, 3, 256, 384, 128
     g = torch.Generator(device="cuda").manual_seed(5)
-    q, k, v = [torch.randn(B, S, H, D, generator=g, device="cuda").to(torch.bfloat16).transpose(1, 2) for S in (Sq, Sk, Sk)]
+    q, k, v = [
+        torch.randn(B, S, H, D, generator=g, device="cuda").to(torch.bfloat16).transpose(1, 2)
+        for S in (Sq, Sk, Sk)
+    ]
     assert not q.is_contiguous() and q.stride(-1) == 1
     o, lse = run_attention(q, k, v)
     checker.check_attention("O", o, q, k, v, lse=lse)

@@ -16,16 +16,15 @@ in registers), and the log-sum-exp of each row.
   checks, before a kernel is compiled or launched). The cases common to stages 2-5 are in
   tests/attention_cases.py; this file adds its stage's own limits.
 """
+
+import attention_cases
 import pytest
 import torch
+from attention_cases import DTYPES, dtype_id, shape_id
 
 from common import checker, inputs
 from common.compile import compile_only
 from stages.stage5_online_softmax import hopper
-
-import attention_cases
-from attention_cases import DTYPES, dtype_id, shape_id
-
 
 # ---------------------------------------------------------------- compile-only (no GPU)
 
@@ -39,13 +38,19 @@ def test_compiles_for_sm90a(dtype, D):
     # One pass: per KV tile D / 16 wgmma for S = Q K^T (operands in shared memory) and
     # 128 / 16 = 8 for O += P V (A operand: 4 registers of P), each written once in the loop.
     assert f"wgmma.mma_async.sync.aligned.m64n128k16.f32.{ab}.{ab}" in ptx
-    pv = [ln for ln in ptx.splitlines() if f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{ab}.{ab}" in ln]
+    pv = [
+        ln
+        for ln in ptx.splitlines()
+        if f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{ab}.{ab}" in ln
+    ]
     assert sum("}, {%r" in ln for ln in pv) == 8, report.summary()
     assert counts["wgmma.mma_async"] == D // 16 + 8, report.summary()
     assert counts["wgmma.wait_group"] == 2, report.summary()
     # Q, K and V by TMA, O stored by TMA; consumers wait on the ring's full barriers, the
     # producer on its empty barriers.
-    assert counts["cp.async.bulk.tensor (load)"] >= 3 and counts["cp.async.bulk.tensor (store)"] >= 1
+    assert (
+        counts["cp.async.bulk.tensor (load)"] >= 3 and counts["cp.async.bulk.tensor (store)"] >= 1
+    )
     assert counts["mbarrier.try_wait"] >= 4 and "mbarrier.arrive.expect_tx" in ptx
     # 64 exp2 per thread per tile (2 rows x 32 columns) + 2 for the rows' rescaling factors.
     assert counts["ex2.approx"] == 64 + 2, report.summary()
@@ -56,7 +61,9 @@ def test_compiles_for_sm90a(dtype, D):
     # alignment of the swizzled tiles. D = 128: 97 KiB; D = 64: 49 KiB.
     assert report.shared_memory_bytes == 3 * 128 * D * 2 + 1024, report.summary()
     if report.resources and "spill_stores" in report.resources:
-        assert report.resources["spill_stores"] == 0 and report.resources["spill_loads"] == 0, report.summary()
+        assert report.resources["spill_stores"] == 0 and report.resources["spill_loads"] == 0, (
+            report.summary()
+        )
 
 
 # ---------------------------------------------------------------- numerics on the H200
@@ -101,7 +108,9 @@ def test_attention_and_lse_match_fp64_reference(shape, dtype):
 def test_large_logits(dtype, D):
     # Q scaled by 10: scale * Q K^T has standard deviation ~10, so |S| reaches 30-50, exp(S -
     # row_max) spans the whole fp32 range, and row_max jumps by tens between tiles.
-    q, k, v = attention_cases.large_logits(2, 4, 256, 1024, D, dtype, seed=3, logit_scale=10.0, min_abs_logit=30)
+    q, k, v = attention_cases.large_logits(
+        2, 4, 256, 1024, D, dtype, seed=3, logit_scale=10.0, min_abs_logit=30
+    )
     o, lse = run(q, k, v, return_lse=True)
     checker.check_attention("O", o, q, k, v, lse=lse)
 
@@ -147,7 +156,9 @@ def test_explicit_scale_and_strided_inputs():
     # Q, K, V as (B, H, S, D) views of (B, S, H, D) tensors (the layout of many models): D
     # contiguous, the other strides arbitrary. And a scale other than 1/sqrt(D).
     B, H, Sq, Sk, D = 2, 3, 192, 500, 128
-    q4, k4, v4 = (t.transpose(1, 2).contiguous() for t in inputs.attention_inputs(B, H, Sq, Sk, D, seed=7))
+    q4, k4, v4 = (
+        t.transpose(1, 2).contiguous() for t in inputs.attention_inputs(B, H, Sq, Sk, D, seed=7)
+    )
     q, k, v = (t.transpose(1, 2) for t in (q4, k4, v4))
     assert not q.is_contiguous()
     o, lse = run(q, k, v, scale=0.05, return_lse=True)

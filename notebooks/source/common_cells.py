@@ -1,4 +1,5 @@
 """Cell builders shared by the notebook generators."""
+
 import json
 import textwrap
 
@@ -18,7 +19,12 @@ class NB:
         cells = []
         for i, (kind, src) in enumerate(self.cells):
             lines = src.splitlines(keepends=True)
-            cell = {"cell_type": kind, "id": f"stage{self.stage}-{i:02d}", "metadata": {}, "source": lines}
+            cell = {
+                "cell_type": kind,
+                "id": f"stage{self.stage}-{i:02d}",
+                "metadata": {},
+                "source": lines,
+            }
             if kind == "code":
                 cell["execution_count"] = None
                 cell["outputs"] = []
@@ -38,7 +44,7 @@ class NB:
 
 
 def setup(nb, stage):
-    nb.code(f'''
+    nb.code(f"""
         # Setup: this notebook lives in notebooks/; the repository root holds `common` and `stages`.
         import os
         import sys
@@ -52,7 +58,7 @@ def setup(nb, stage):
         from common import notebook as nb, plots
 
         nb.start({stage})
-        ''')
+        """)
 
 
 HOW_TO_RUN = """
@@ -64,7 +70,9 @@ compiler produced instead (every stage compiles for sm_90a and sm_100a without a
 
 
 def blackwell_intro(nb, sub, pkg, extra=""):
-    extra = textwrap.indent(textwrap.dedent(extra).strip(), " " * 8).lstrip() + "\n" if extra else ""
+    extra = (
+        textwrap.indent(textwrap.dedent(extra).strip(), " " * 8).lstrip() + "\n" if extra else ""
+    )
     nb.md(f"""
         ### 5.{sub} The same stage on Blackwell
 

@@ -4,6 +4,7 @@ Edit the stageN.py files here, then `make notebooks-source` (python notebooks/so
 rewrite the notebooks; tests/test_notebooks.py checks that the committed notebooks are exactly what
 this generates, so the two never drift.
 """
+
 import os
 import sys
 
@@ -16,7 +17,13 @@ from stage3 import stage3  # noqa: E402
 from stage4 import stage4  # noqa: E402
 from stage5 import stage5  # noqa: E402
 
-NAMES = {1: "stage1_gemm", 2: "stage2_qk", 3: "stage3_softmax", 4: "stage4_kv_interleave", 5: "stage5_online_softmax"}
+NAMES = {
+    1: "stage1_gemm",
+    2: "stage2_qk",
+    3: "stage3_softmax",
+    4: "stage4_kv_interleave",
+    5: "stage5_online_softmax",
+}
 
 
 def main(out_dir):
@@ -30,4 +37,8 @@ def main(out_dir):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main(
+        sys.argv[1]
+        if len(sys.argv) > 1
+        else os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    )

@@ -187,11 +187,16 @@ def stage1(nb, setup, how_to_run, blackwell_intro):
     nb.code("""
         nb.show_source(1, "hopper", section="# 3.")
         """)
-    blackwell_intro(nb, 6, "stage1_gemm", """
+    blackwell_intro(
+        nb,
+        6,
+        "stage1_gemm",
+        """
         In stage 1 the softmax warps only run the epilogue: `tcgen05.ld` brings each thread's row of the
         128 x 128 fp32 accumulator from TMEM into registers, 32 columns at a time, and they write C.
         The accumulator takes 128 of the 512 TMEM columns.
-        """)
+        """,
+    )
     nb.code("""
         fig = plots.blackwell_warp_roles(stage=1)
         fig = nb.show_tmem(1)

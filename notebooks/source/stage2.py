@@ -115,12 +115,17 @@ def stage2(nb, setup, how_to_run, blackwell_intro):
               f"+ S staging {s_bytes // 1024} KB = {(q_bytes + kv_slots * k_bytes + s_bytes) // 1024} KB of 227 KB")
         nb.show_source(2, "hopper", section="# 2.")
         """)
-    blackwell_intro(nb, 4, "stage2_qk", """
+    blackwell_intro(
+        nb,
+        4,
+        "stage2_qk",
+        """
         In stage 2 the MMA warp computes one S tile per K tile into TMEM (128 lanes x 128 fp32 columns) and
         waits until the softmax warps have read the previous S before overwriting it; the softmax warps
         `tcgen05.ld` their row, multiply by scale and store fp32 S. The Blackwell grid flattens (h, b)
         into one grid dimension.
-        """)
+        """,
+    )
     nb.code("""
         fig = plots.blackwell_warp_roles(stage=2)
         fig = nb.show_tmem(2)

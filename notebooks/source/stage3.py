@@ -140,7 +140,11 @@ def stage3(nb, setup, how_to_run, blackwell_intro):
     nb.code("""
         nb.show_source(3, "hopper", section="# 3.")
         """)
-    blackwell_intro(nb, 4, "stage3_softmax", """
+    blackwell_intro(
+        nb,
+        4,
+        "stage3_softmax",
+        """
         In stage 3 the difference is at its largest. **S and P live in TMEM, O too.** Thread t of softmax
         warp w owns row $32w + t$: `tcgen05.ld.32x32b` brings its whole row of S into 128 registers, so
         the row max and sum are per-thread loops - no shuffles. P is written back into TMEM *over S*
@@ -148,7 +152,8 @@ def stage3(nb, setup, how_to_run, blackwell_intro):
         `tcgen05.mma` with A = P from TMEM and B = V from shared memory, accumulating O in TMEM. The
         hand-overs S ready -> P ready -> O ready are mbarriers. The picture of TMEM below takes its
         column offsets from the stage file's `Sm100Kernel` when it exposes them.
-        """)
+        """,
+    )
     nb.code("""
         fig = plots.blackwell_warp_roles(stage=3)
         fig = nb.show_tmem(3, head_dim=128, block_n=128)

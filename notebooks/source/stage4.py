@@ -148,7 +148,11 @@ def stage4(nb, setup, how_to_run, blackwell_intro):
     nb.code("""
         nb.show_source(4, "hopper", names=["Sm90Kernel.online_softmax"])
         """)
-    blackwell_intro(nb, 4, "stage4_kv_interleave", """
+    blackwell_intro(
+        nb,
+        4,
+        "stage4_kv_interleave",
+        """
         In stage 4 the Blackwell file finishes the user's seed draft (warp roles 0-3 / 4 / 5, Q loaded
         once, a 2-slot K/V ring with V viewed over K's shared memory, S, P and O in TMEM) and fixes its
         defects, listed in its docstring: V loaded into K's slot under K's barrier before the QK MMA had
@@ -156,7 +160,8 @@ def stage4(nb, setup, how_to_run, blackwell_intro):
         including Q's bytes; S accumulated across KV tiles; one CTA. Its ring differs from Hopper's:
         every load is its own ring entry (entry e in slot e % `kv_slots`), so $V_j$ goes to the slot
         *after* $K_j$'s, and a slot is released by `tcgen05.commit` when the MMA that read it completes.
-        """)
+        """,
+    )
     nb.code("""
         bw = nb.kernel_config(4, "blackwell")
         print("ring entries per KV tile, producer (pass 1, pass 2):", bw.get("kv_producer_entries"),

@@ -133,14 +133,19 @@ def stage5(nb, setup, how_to_run, blackwell_intro):
     nb.code("""
         nb.show_source(5, "hopper", section="# 3.")
         """)
-    blackwell_intro(nb, 4, "stage5_online_softmax", """
+    blackwell_intro(
+        nb,
+        4,
+        "stage5_online_softmax",
+        """
         In stage 5 the difference is **where O is rescaled**: O lives in TMEM, so the softmax warps
         `tcgen05.ld` their row of O (32 columns at a time), multiply it by `row_scale` and `tcgen05.st`
         it back, between $PV_{j-1}$ completing and $PV_j$ starting - mbarriers order the three parties.
         Faster Blackwell kernels (FA4) hand this job to a separate *correction* warp group and skip the
         rescale when the max barely moves; this stage keeps it in the softmax warps. The ring is one
         entry per load, as in stage 4's Blackwell file.
-        """)
+        """,
+    )
     nb.code("""
         bw = nb.kernel_config(5, "blackwell")
         fig = plots.kv_slot_timeline(kv_tiles=4, kv_slots=bw.get("kv_slots", 2), two_pass=False, slot_per="entry")

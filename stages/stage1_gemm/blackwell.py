@@ -32,12 +32,12 @@ through common.compile.compile_only(stage, "blackwell"), which sets CuTe DSL's t
 sm_100a for the compile; not run on Blackwell hardware. The numerical tests run only where an
 sm_100 GPU is present.
 """
-import torch
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
+import torch
 from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.memory import SmemAllocator, TmemAllocator, get_num_tmem_alloc_cols
@@ -45,7 +45,7 @@ from cutlass.memory import SmemAllocator, TmemAllocator, get_num_tmem_alloc_cols
 from common import checks
 from common.checker import empty_output
 from common.compile import cached_compile
-from common.cute_interop import cute_dtype, current_stream, fake_stream, fake_tensor, to_cute
+from common.cute_interop import current_stream, cute_dtype, fake_stream, fake_tensor, to_cute
 
 
 class Sm100Kernel:
@@ -61,7 +61,9 @@ class Sm100Kernel:
         self.softmax_warp_ids = (0, 1, 2, 3)
         self.mma_warp_id = 4
         self.tma_warp_id = 5
-        self.threads_per_cta = 32 * len((*self.softmax_warp_ids, self.mma_warp_id, self.tma_warp_id))
+        self.threads_per_cta = 32 * len(
+            (*self.softmax_warp_ids, self.mma_warp_id, self.tma_warp_id)
+        )
         # Named barriers (0 is __syncthreads): the softmax warps among themselves, and the TMEM
         # allocation handshake between the softmax warps and the MMA warp.
         self.epilog_sync_bar_id = 1
@@ -93,11 +95,17 @@ class Sm100Kernel:
             self.qk_mma_tiler[:2],
             tcgen05.OperandSource.SMEM,
         )
-        cluster_layout_vmnk = cute.tiled_divide(cute.make_layout((*self.cluster_shape_mn, 1)), (qk_mma.thr_id.shape,))
+        cluster_layout_vmnk = cute.tiled_divide(
+            cute.make_layout((*self.cluster_shape_mn, 1)), (qk_mma.thr_id.shape,)
+        )
 
         # (MMA, MMA_M, MMA_K, q_buffers) and (MMA, MMA_N, MMA_K, kv_slots), 128-byte swizzled
-        q_smem_s = utils.sm100.make_smem_layout_a(qk_mma, self.qk_mma_tiler, self.q_dtype, self.q_buffers)
-        k_smem_s = utils.sm100.make_smem_layout_b(qk_mma, self.qk_mma_tiler, self.q_dtype, self.kv_slots)
+        q_smem_s = utils.sm100.make_smem_layout_a(
+            qk_mma, self.qk_mma_tiler, self.q_dtype, self.q_buffers
+        )
+        k_smem_s = utils.sm100.make_smem_layout_b(
+            qk_mma, self.qk_mma_tiler, self.q_dtype, self.kv_slots
+        )
         q_smem_one = cute.select(q_smem_s, mode=[0, 1, 2])
         k_smem_one = cute.select(k_smem_s, mode=[0, 1, 2])
 
@@ -110,7 +118,9 @@ class Sm100Kernel:
             tma_load_op, k, k_smem_one, self.qk_mma_tiler, qk_mma, cluster_layout_vmnk.shape
         )
         # Bytes one buffer receives: 128 x 64 x 2 (A) + 128 x 64 x 2 (B) = 32 KiB.
-        self.ab_tma_bytes = cute.size_in_bytes(self.q_dtype, q_smem_one) + cute.size_in_bytes(self.q_dtype, k_smem_one)
+        self.ab_tma_bytes = cute.size_in_bytes(self.q_dtype, q_smem_one) + cute.size_in_bytes(
+            self.q_dtype, k_smem_one
+        )
         # TMEM: the 128 x 128 fp32 tile S takes 128 columns (lane = row, column = column).
         s_tmem_shape = qk_mma.partition_shape_C(self.qk_mma_tiler[:2])
         self.num_tmem_alloc_cols = get_num_tmem_alloc_cols(qk_mma.make_fragment_C(s_tmem_shape))
@@ -120,8 +130,12 @@ class Sm100Kernel:
             ab_bar: cute.struct.MemRange[Int64, self.ab_buffers * 2]
             mma_si_bar: cute.struct.MemRange[Int64, self.s_buffers * 2]
             tmem_holding: Int32
-            sQ: cute.struct.Align[cute.struct.MemRange[self.q_dtype, cute.cosize(q_smem_s)], self.smem_align]
-            sK: cute.struct.Align[cute.struct.MemRange[self.q_dtype, cute.cosize(k_smem_s)], self.smem_align]
+            sQ: cute.struct.Align[
+                cute.struct.MemRange[self.q_dtype, cute.cosize(q_smem_s)], self.smem_align
+            ]
+            sK: cute.struct.Align[
+                cute.struct.MemRange[self.q_dtype, cute.cosize(k_smem_s)], self.smem_align
+            ]
 
         self.shared_storage = SharedStorage
         self.shared_memory_bytes = SharedStorage.size_in_bytes()
@@ -173,7 +187,9 @@ class Sm100Kernel:
             barrier_storage=storage.mma_si_bar.data_ptr(),
             num_stages=self.s_buffers,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * len(self.softmax_warp_ids)),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, 32 * len(self.softmax_warp_ids)
+            ),
             cta_layout_vmnk=cluster_layout_vmnk,
             defer_sync=True,
         ).make_participants()
@@ -181,10 +197,13 @@ class Sm100Kernel:
             barrier_id=self.epilog_sync_bar_id, num_threads=32 * len(self.softmax_warp_ids)
         )
         tmem_alloc_bar = pipeline.NamedBarrier(
-            barrier_id=self.tmem_alloc_bar_id, num_threads=32 * len((self.mma_warp_id, *self.softmax_warp_ids))
+            barrier_id=self.tmem_alloc_bar_id,
+            num_threads=32 * len((self.mma_warp_id, *self.softmax_warp_ids)),
         )
         tmem = TmemAllocator(
-            storage.tmem_holding.ptr, barrier_for_retrieve=tmem_alloc_bar, allocator_warp_id=self.softmax_warp_ids[0]
+            storage.tmem_holding.ptr,
+            barrier_for_retrieve=tmem_alloc_bar,
+            allocator_warp_id=self.softmax_warp_ids[0],
         )
         pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
 
@@ -229,8 +248,18 @@ class Sm100Kernel:
             # TMA warp: the A and B tiles of k-step kt into the next empty buffer.
             for kt in cutlass.range(k_tiles, unroll=1):
                 ab_empty = ab_prod.acquire_and_advance()
-                cute.copy(tma_q, tQgQ[(None, kt)], tQsQ[(None, ab_empty.index)], tma_bar_ptr=ab_empty.barrier)
-                cute.copy(tma_k, tKgK[(None, kt)], tKsK[(None, ab_empty.index)], tma_bar_ptr=ab_empty.barrier)
+                cute.copy(
+                    tma_q,
+                    tQgQ[(None, kt)],
+                    tQsQ[(None, ab_empty.index)],
+                    tma_bar_ptr=ab_empty.barrier,
+                )
+                cute.copy(
+                    tma_k,
+                    tKgK[(None, kt)],
+                    tKsK[(None, ab_empty.index)],
+                    tma_bar_ptr=ab_empty.barrier,
+                )
             # Every buffer released by the MMA warp before this warp exits.
             ab_prod.tail()
 
@@ -247,7 +276,11 @@ class Sm100Kernel:
                 for kb in cutlass.range_constexpr(cute.size(tCrQ, mode=[2])):
                     # S += Q[:, 16 kb : 16 kb + 16] @ K[:, 16 kb : 16 kb + 16]^T  (128 x 128 x 16)
                     cute.gemm(
-                        qk_mma, tStS, tCrQ[(None, None, kb, ab_full.index)], tCrK[(None, None, kb, ab_full.index)], tStS
+                        qk_mma,
+                        tStS,
+                        tCrQ[(None, None, kb, ab_full.index)],
+                        tCrK[(None, None, kb, ab_full.index)],
+                        tStS,
                     )
                     qk_mma.set(tcgen05.Field.ACCUMULATE, True)
                 # tcgen05.commit: the buffer is empty once the MMAs above have read it.
@@ -268,7 +301,8 @@ class Sm100Kernel:
             # ((128, 32), 4): S cut into 4 column slices of 32
             tStS_epi = cute.zipped_divide(tStS, epi_tiler)
             tmem_load = tcgen05.make_tmem_copy(
-                cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), self.qk_acc_dtype), tStS_epi[(None, 0)]
+                cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), self.qk_acc_dtype),
+                tStS_epi[(None, 0)],
             )
             thr_load = tmem_load.get_slice(tidx)
             # (T2R, T2R_M, slices): this thread's 32 TMEM cells per slice
@@ -299,7 +333,12 @@ def compile_args(dtype, shape, scale=None):
     """(kernel, args) for cute.compile with fake tensors: shape = (M, N, K); scale is unused."""
     M, N, K = shape
     kernel = Sm100Kernel(cute_dtype(dtype))
-    args = (fake_tensor(dtype, (M, K)), fake_tensor(dtype, (N, K)), fake_tensor(dtype, (M, N)), fake_stream())
+    args = (
+        fake_tensor(dtype, (M, K)),
+        fake_tensor(dtype, (N, K)),
+        fake_tensor(dtype, (M, N)),
+        fake_stream(),
+    )
     return kernel, args
 
 
@@ -315,9 +354,15 @@ def gemm(a, b):
     checks.check_positive("N = b.shape[0]", N)
     checks.check_positive("K = a.shape[1]", K)
     bM, bN, _ = Sm100Kernel(cute_dtype(a.dtype)).qk_mma_tiler
-    checks.check_multiple("M = a.shape[0]", M, bM, "each CTA stores a whole 128 x 128 tile of C, unmasked")
-    checks.check_multiple("N = b.shape[0]", N, bN, "each CTA stores a whole 128 x 128 tile of C, unmasked")
-    checks.check_multiple("K = a.shape[1]", K, 8, "TMA reads rows of A and B that start on 16-byte boundaries")
+    checks.check_multiple(
+        "M = a.shape[0]", M, bM, "each CTA stores a whole 128 x 128 tile of C, unmasked"
+    )
+    checks.check_multiple(
+        "N = b.shape[0]", N, bN, "each CTA stores a whole 128 x 128 tile of C, unmasked"
+    )
+    checks.check_multiple(
+        "K = a.shape[1]", K, 8, "TMA reads rows of A and B that start on 16-byte boundaries"
+    )
 
     with torch.cuda.device(a.device):
         c = empty_output((M, N), a.dtype, a.device)

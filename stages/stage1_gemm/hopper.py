@@ -47,12 +47,12 @@ to start on a 16-byte boundary. M, N and K need not be multiples of the tile: TM
 of A and B tiles outside the matrices with zeros (K is padded to a multiple of 64 with zeros,
 which add nothing) and clips the store of C.
 """
-import torch
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
+import torch
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
@@ -60,7 +60,7 @@ from cutlass.tensor_utils import LayoutEnum
 from common import checks
 from common.checker import empty_output
 from common.compile import cached_compile
-from common.cute_interop import cute_dtype, current_stream, fake_stream, fake_tensor, to_cute
+from common.cute_interop import current_stream, cute_dtype, fake_stream, fake_tensor, to_cute
 
 
 class Sm90Kernel:
@@ -90,9 +90,13 @@ class Sm90Kernel:
             tiler_mn=(64, bN),
         )
         # (bM, bK, ab_buffers), 128B-swizzled
-        a_smem_layout = sm90_utils.make_smem_layout_a(row_major, self.cta_tile, self.dtype, self.ab_buffers)
+        a_smem_layout = sm90_utils.make_smem_layout_a(
+            row_major, self.cta_tile, self.dtype, self.ab_buffers
+        )
         # (bN, bK, ab_buffers), 128B-swizzled
-        b_smem_layout = sm90_utils.make_smem_layout_b(row_major, self.cta_tile, self.dtype, self.ab_buffers)
+        b_smem_layout = sm90_utils.make_smem_layout_b(
+            row_major, self.cta_tile, self.dtype, self.ab_buffers
+        )
         # (bM, bN, 1), 128B-swizzled
         c_smem_layout = sm90_utils.make_smem_layout_epi(self.dtype, row_major, (bM, bN), 1)
 
@@ -111,8 +115,12 @@ class Sm90Kernel:
         class SharedStorage:
             ab_full: cute.struct.MemRange[cutlass.Int64, self.ab_buffers]
             ab_empty: cute.struct.MemRange[cutlass.Int64, self.ab_buffers]
-            sA: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(a_smem_layout)], self.smem_align]
-            sB: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(b_smem_layout)], self.smem_align]
+            sA: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(a_smem_layout)], self.smem_align
+            ]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(b_smem_layout)], self.smem_align
+            ]
 
         self.shared_storage = SharedStorage
         self.shared_memory_bytes = SharedStorage.size_in_bytes()
@@ -120,8 +128,16 @@ class Sm90Kernel:
         # One CTA per 128 x 256 tile of C.
         grid = (cute.ceil_div(c.shape[0], bM), cute.ceil_div(c.shape[1], bN), 1)
         self.kernel(
-            tiled_mma, tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_c, tma_c,
-            a_smem_layout, b_smem_layout, c_smem_layout,
+            tiled_mma,
+            tma_atom_a,
+            tma_a,
+            tma_atom_b,
+            tma_b,
+            tma_atom_c,
+            tma_c,
+            a_smem_layout,
+            b_smem_layout,
+            c_smem_layout,
         ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
@@ -192,11 +208,19 @@ class Sm90Kernel:
 
         # TMA views, one CTA (no multicast): (TMA, ab_buffers) and (TMA, k_tiles)
         tAsA, tAgA = cpasync.tma_partition(
-            tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+            tma_atom_a,
+            0,
+            cute.make_layout(1),
+            cute.group_modes(sA, 0, 2),
+            cute.group_modes(gA, 0, 2),
         )
         # (TMA, ab_buffers) and (TMA, k_tiles)
         tBsB, tBgB = cpasync.tma_partition(
-            tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+            tma_atom_b,
+            0,
+            cute.make_layout(1),
+            cute.group_modes(sB, 0, 2),
+            cute.group_modes(gB, 0, 2),
         )
 
         # wgmma views of this thread's warpgroup: shared-memory descriptors for A and B.
@@ -210,14 +234,22 @@ class Sm90Kernel:
         k_blocks = cute.size(tCrA, mode=[2])  # bK / 16 = 4 wgmma per K tile
 
         # 2. Main loop
-        producer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_buffers)
-        read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_buffers)
-        release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_buffers)
+        producer_state = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Producer, self.ab_buffers
+        )
+        read_state = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Consumer, self.ab_buffers
+        )
+        release_state = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Consumer, self.ab_buffers
+        )
 
         # Fill the pipeline: the first ab_buffers K tiles are in flight before the first wgmma.
         if warp_idx == 0:
             for _ in cutlass.range(cutlass.min(self.ab_buffers, k_tiles), unroll=1):
-                self.load_tiles(ab_pipeline, producer_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB)
+                self.load_tiles(
+                    ab_pipeline, producer_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB
+                )
                 producer_state.advance()
 
         # The first wgmma overwrites the accumulator, the others add to it.
@@ -243,7 +275,9 @@ class Sm90Kernel:
                 ab_pipeline.consumer_release(release_state)
                 release_state.advance()
                 if warp_idx == 0 and producer_state.count < k_tiles:
-                    self.load_tiles(ab_pipeline, producer_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB)
+                    self.load_tiles(
+                        ab_pipeline, producer_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB
+                    )
                     producer_state.advance()
 
         warpgroup.wait_group(0)
@@ -254,7 +288,8 @@ class Sm90Kernel:
 
         # C = acc rounded to the input dtype, written to shared memory by stmatrix.
         r2s_copy = cute.make_tiled_copy_C(
-            sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, self.acc_dtype), tiled_mma
+            sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, self.acc_dtype),
+            tiled_mma,
         )
         thr_r2s = r2s_copy.get_slice(tidx)
         # (R2S, R2S_M, R2S_N)
@@ -272,7 +307,11 @@ class Sm90Kernel:
 
         # (TMA) and (TMA): the whole tile, clipped to C's bounds by TMA
         tCsC, tCgC = cpasync.tma_partition(
-            tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), cute.group_modes(gC, 0, 2)
+            tma_atom_c,
+            0,
+            cute.make_layout(1),
+            cute.group_modes(sC, 0, 2),
+            cute.group_modes(gC, 0, 2),
         )
         if tidx == 0:
             cute.copy(tma_atom_c, tCsC, tCgC)
@@ -281,7 +320,9 @@ class Sm90Kernel:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def load_tiles(self, ab_pipeline, producer_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB):
+    def load_tiles(
+        self, ab_pipeline, producer_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB
+    ):
         """Producer step: wait until buffer producer_state.index is empty, announce its 48 KB on
         its full barrier, and start the TMA loads of K tile producer_state.count into it."""
         ab_pipeline.producer_acquire(producer_state)
@@ -310,8 +351,12 @@ def gemm(a, b):
     checks.check_positive("M = a.shape[0]", M)
     checks.check_positive("N = b.shape[0]", N)
     checks.check_positive("K = a.shape[1]", K)
-    checks.check_multiple("K = a.shape[1]", K, 8, "TMA reads rows of A and B that start on 16-byte boundaries")
-    checks.check_multiple("N = b.shape[0]", N, 8, "TMA writes rows of C that start on 16-byte boundaries")
+    checks.check_multiple(
+        "K = a.shape[1]", K, 8, "TMA reads rows of A and B that start on 16-byte boundaries"
+    )
+    checks.check_multiple(
+        "N = b.shape[0]", N, 8, "TMA writes rows of C that start on 16-byte boundaries"
+    )
 
     with torch.cuda.device(a.device):
         c = empty_output((M, N), a.dtype, a.device)
@@ -320,7 +365,14 @@ def gemm(a, b):
         # static size-1 mode (M = 1) is folded away and changes the rank of the TMA copies, so
         # such shapes get dynamic layouts, compiled once per dtype.
         dynamic = 1 in (M, N, K)
-        args = [to_cute(t).mark_layout_dynamic(leading_dim=1) if dynamic else to_cute(t) for t in (a, b, c)]
-        key = ("stage1", "hopper", a.dtype) + (() if dynamic else (a.shape, a.stride(), b.shape, b.stride()))
-        cached_compile(key, Sm90Kernel(cute_dtype(a.dtype)), *args, current_stream())(*args, current_stream())
+        args = [
+            to_cute(t).mark_layout_dynamic(leading_dim=1) if dynamic else to_cute(t)
+            for t in (a, b, c)
+        ]
+        key = ("stage1", "hopper", a.dtype) + (
+            () if dynamic else (a.shape, a.stride(), b.shape, b.stride())
+        )
+        cached_compile(key, Sm90Kernel(cute_dtype(a.dtype)), *args, current_stream())(
+            *args, current_stream()
+        )
     return c

@@ -27,12 +27,12 @@ through common.compile.compile_only(stage, "blackwell"), which sets CuTe DSL's t
 sm_100a for the compile; not run on Blackwell hardware. The numerical tests run only where an
 sm_100 GPU is present.
 """
-import torch
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
+import torch
 from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.memory import SmemAllocator, TmemAllocator, get_num_tmem_alloc_cols
@@ -40,7 +40,7 @@ from cutlass.memory import SmemAllocator, TmemAllocator, get_num_tmem_alloc_cols
 from common import checks
 from common.checker import empty_output
 from common.compile import cached_compile
-from common.cute_interop import cute_dtype, current_stream, fake_stream, fake_tensor, to_cute
+from common.cute_interop import current_stream, cute_dtype, fake_stream, fake_tensor, to_cute
 
 
 class Sm100Kernel:
@@ -56,7 +56,9 @@ class Sm100Kernel:
         self.softmax_warp_ids = (0, 1, 2, 3)
         self.mma_warp_id = 4
         self.tma_warp_id = 5
-        self.threads_per_cta = 32 * len((*self.softmax_warp_ids, self.mma_warp_id, self.tma_warp_id))
+        self.threads_per_cta = 32 * len(
+            (*self.softmax_warp_ids, self.mma_warp_id, self.tma_warp_id)
+        )
         # Named barriers (0 is __syncthreads): the softmax warps among themselves, and the TMEM
         # allocation handshake between the softmax warps and the MMA warp.
         self.epilog_sync_bar_id = 1
@@ -78,7 +80,12 @@ class Sm100Kernel:
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, c: cute.Tensor, scale: Float32, stream):
         # (B, H, S, D) -> (S, D, (H, B)): the two tile modes first, then (h, b) as one batch mode.
-        q, k, c = [cute.make_tensor(t.iterator, cute.group_modes(cute.select(t.layout, mode=[2, 3, 1, 0]), 2, 4)) for t in (q, k, c)]
+        q, k, c = [
+            cute.make_tensor(
+                t.iterator, cute.group_modes(cute.select(t.layout, mode=[2, 3, 1, 0]), 2, 4)
+            )
+            for t in (q, k, c)
+        ]
 
         # One tcgen05.mma.cta_group::1.kind::f16 per 128 x 128 x 16: A and B from shared memory,
         # both K-major, D (the accumulator) in TMEM.
@@ -92,11 +99,17 @@ class Sm100Kernel:
             self.qk_mma_tiler[:2],
             tcgen05.OperandSource.SMEM,
         )
-        cluster_layout_vmnk = cute.tiled_divide(cute.make_layout((*self.cluster_shape_mn, 1)), (qk_mma.thr_id.shape,))
+        cluster_layout_vmnk = cute.tiled_divide(
+            cute.make_layout((*self.cluster_shape_mn, 1)), (qk_mma.thr_id.shape,)
+        )
 
         # (MMA, MMA_M, MMA_K, q_buffers) and (MMA, MMA_N, MMA_K, kv_slots), 128-byte swizzled
-        q_smem_s = utils.sm100.make_smem_layout_a(qk_mma, self.qk_mma_tiler, self.q_dtype, self.q_buffers)
-        k_smem_s = utils.sm100.make_smem_layout_b(qk_mma, self.qk_mma_tiler, self.q_dtype, self.kv_slots)
+        q_smem_s = utils.sm100.make_smem_layout_a(
+            qk_mma, self.qk_mma_tiler, self.q_dtype, self.q_buffers
+        )
+        k_smem_s = utils.sm100.make_smem_layout_b(
+            qk_mma, self.qk_mma_tiler, self.q_dtype, self.kv_slots
+        )
         q_smem_one = cute.select(q_smem_s, mode=[0, 1, 2])
         k_smem_one = cute.select(k_smem_s, mode=[0, 1, 2])
 
@@ -127,8 +140,12 @@ class Sm100Kernel:
             kv_bar: cute.struct.MemRange[Int64, self.kv_slots * 2]
             mma_si_bar: cute.struct.MemRange[Int64, self.s_buffers * 2]
             tmem_holding: Int32
-            sQ: cute.struct.Align[cute.struct.MemRange[self.q_dtype, cute.cosize(q_smem_s)], self.smem_align]
-            sK: cute.struct.Align[cute.struct.MemRange[self.q_dtype, cute.cosize(k_smem_s)], self.smem_align]
+            sQ: cute.struct.Align[
+                cute.struct.MemRange[self.q_dtype, cute.cosize(q_smem_s)], self.smem_align
+            ]
+            sK: cute.struct.Align[
+                cute.struct.MemRange[self.q_dtype, cute.cosize(k_smem_s)], self.smem_align
+            ]
 
         self.shared_storage = SharedStorage
         self.shared_memory_bytes = SharedStorage.size_in_bytes()
@@ -191,7 +208,9 @@ class Sm100Kernel:
             barrier_storage=storage.mma_si_bar.data_ptr(),
             num_stages=self.s_buffers,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * len(self.softmax_warp_ids)),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, 32 * len(self.softmax_warp_ids)
+            ),
             cta_layout_vmnk=cluster_layout_vmnk,
             defer_sync=True,
         ).make_participants()
@@ -199,10 +218,13 @@ class Sm100Kernel:
             barrier_id=self.epilog_sync_bar_id, num_threads=32 * len(self.softmax_warp_ids)
         )
         tmem_alloc_bar = pipeline.NamedBarrier(
-            barrier_id=self.tmem_alloc_bar_id, num_threads=32 * len((self.mma_warp_id, *self.softmax_warp_ids))
+            barrier_id=self.tmem_alloc_bar_id,
+            num_threads=32 * len((self.mma_warp_id, *self.softmax_warp_ids)),
         )
         tmem = TmemAllocator(
-            storage.tmem_holding.ptr, barrier_for_retrieve=tmem_alloc_bar, allocator_warp_id=self.softmax_warp_ids[0]
+            storage.tmem_holding.ptr,
+            barrier_for_retrieve=tmem_alloc_bar,
+            allocator_warp_id=self.softmax_warp_ids[0],
         )
         pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
 
@@ -251,7 +273,12 @@ class Sm100Kernel:
             cute.copy(tma_q, tQgQ, tQsQ[(None, q_empty.index)], tma_bar_ptr=q_empty.barrier)
             for kt in cutlass.range(kv_tiles, unroll=1):
                 kv_empty = kv_prod.acquire_and_advance()
-                cute.copy(tma_k, tKgK[(None, kt)], tKsK[(None, kv_empty.index)], tma_bar_ptr=kv_empty.barrier)
+                cute.copy(
+                    tma_k,
+                    tKgK[(None, kt)],
+                    tKsK[(None, kv_empty.index)],
+                    tma_bar_ptr=kv_empty.barrier,
+                )
             # Every buffer released by the MMA warp before this warp exits.
             kv_prod.tail()
             q_prod.tail()
@@ -271,7 +298,11 @@ class Sm100Kernel:
                 for kb in cutlass.range_constexpr(cute.size(tCrQ, mode=[2])):
                     # S += Q[:, 16 kb : 16 kb + 16] @ K_kt[:, 16 kb : 16 kb + 16]^T  (128 x 128 x 16)
                     cute.gemm(
-                        qk_mma, tStS, tCrQ[(None, None, kb, q_full.index)], tCrK[(None, None, kb, kv_full.index)], tStS
+                        qk_mma,
+                        tStS,
+                        tCrQ[(None, None, kb, q_full.index)],
+                        tCrK[(None, None, kb, kv_full.index)],
+                        tStS,
                     )
                     qk_mma.set(tcgen05.Field.ACCUMULATE, True)
                 # tcgen05.commit: S is full once these MMAs have completed ...
@@ -294,7 +325,8 @@ class Sm100Kernel:
             # ((128, 32), 4): S cut into 4 column slices of 32
             tStS_epi = cute.zipped_divide(tStS, epi_tiler)
             tmem_load = tcgen05.make_tmem_copy(
-                cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), self.qk_acc_dtype), tStS_epi[(None, 0)]
+                cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), self.qk_acc_dtype),
+                tStS_epi[(None, 0)],
             )
             thr_load = tmem_load.get_slice(tidx)
             # (T2R, T2R_M, slices): this thread's 32 TMEM cells per slice
@@ -303,7 +335,9 @@ class Sm100Kernel:
             for kt in cutlass.range(kv_tiles, unroll=1):
                 s_full = mma_si_cons.wait_and_advance()
                 # (T2R, T2R_M, slices): where they go in S (global memory) for K tile kt
-                tTR_gC = thr_load.partition_D(cute.zipped_divide(tCgC[(None, None, None, kt)], epi_tiler))
+                tTR_gC = thr_load.partition_D(
+                    cute.zipped_divide(tCgC[(None, None, None, kt)], epi_tiler)
+                )
                 # (T2R, T2R_M): 32 fp32 registers, and the same values in the output dtype (fp32)
                 tTR_rS = cute.make_rmem_tensor(tTR_gC[(None, None, 0)].shape, self.qk_acc_dtype)
                 tTR_rC = cute.make_rmem_tensor(tTR_gC[(None, None, 0)].shape, self.c_dtype)
@@ -337,8 +371,12 @@ def qk(q, k, scale=None):
     B, H, Sq, Sk, D = checks.check_attention_args(q, k)
     scale = checks.check_scale(scale, D)
     bM, bN, _ = Sm100Kernel(cute_dtype(q.dtype), D).qk_mma_tiler
-    checks.check_multiple("Sq = q.shape[2]", Sq, bM, "each CTA stores whole 128 x 128 tiles of S, unmasked")
-    checks.check_multiple("Sk = k.shape[2]", Sk, bN, "each CTA stores whole 128 x 128 tiles of S, unmasked")
+    checks.check_multiple(
+        "Sq = q.shape[2]", Sq, bM, "each CTA stores whole 128 x 128 tiles of S, unmasked"
+    )
+    checks.check_multiple(
+        "Sk = k.shape[2]", Sk, bN, "each CTA stores whole 128 x 128 tiles of S, unmasked"
+    )
     checks.check_max("B * H", B * H, 65535, "one CTA row per (b, h) in the grid's y dimension")
 
     with torch.cuda.device(q.device):
@@ -346,6 +384,8 @@ def qk(q, k, scale=None):
         args = (to_cute(q), to_cute(k), to_cute(s))
         # The CuTe views have static shapes and strides: one compiled kernel per layout.
         key = ("stage2", "blackwell", q.dtype, q.shape, q.stride(), k.shape, k.stride())
-        compiled = cached_compile(key, Sm100Kernel(cute_dtype(q.dtype), D), *args, scale, current_stream())
+        compiled = cached_compile(
+            key, Sm100Kernel(cute_dtype(q.dtype), D), *args, scale, current_stream()
+        )
         compiled(*args, scale, current_stream())
     return s

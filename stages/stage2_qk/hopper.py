@@ -37,12 +37,12 @@ Changes from stage 1:
 Shapes: B, H, Sq, Sk >= 1, D in {64, 128}, Sk % 4 == 0 (TMA writes rows of S that start on
 16-byte boundaries). Q and K tiles that stick out of Sq or Sk are zero-filled by TMA.
 """
-import torch
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
+import torch
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
@@ -50,12 +50,14 @@ from cutlass.tensor_utils import LayoutEnum
 from common import checks
 from common.checker import empty_output
 from common.compile import cached_compile
-from common.cute_interop import cute_dtype, current_stream, fake_stream, fake_tensor, to_cute
+from common.cute_interop import current_stream, cute_dtype, fake_stream, fake_tensor, to_cute
 
 
 class Sm90Kernel:
     def __init__(self, dtype, head_dim):
-        self.dtype = dtype  # element type of Q and K (and V, O): cutlass.BFloat16 or cutlass.Float16
+        self.dtype = (
+            dtype  # element type of Q and K (and V, O): cutlass.BFloat16 or cutlass.Float16
+        )
         self.acc_dtype = cutlass.Float32
         self.cta_tile = (128, 128, head_dim)  # (bM, bN, bK): query rows, keys per K tile, head dim
         self.mma_warpgroups = 2  # warpgroup w computes query rows [64 w, 64 w + 64) of the tile
@@ -64,11 +66,16 @@ class Sm90Kernel:
         self.smem_align = 1024  # the 128-byte swizzle repeats every 8 rows of 128 B
 
     @cute.jit
-    def __call__(self, q: cute.Tensor, k: cute.Tensor, s: cute.Tensor, scale: cutlass.Float32, stream):
+    def __call__(
+        self, q: cute.Tensor, k: cute.Tensor, s: cute.Tensor, scale: cutlass.Float32, stream
+    ):
         bM, bN, bK = self.cta_tile
         row_major = LayoutEnum.ROW_MAJOR  # Q, K: D contiguous; S: Sk contiguous
         # (B, H, S, D) -> (S, D, H, B) and (B, H, Sq, Sk) -> (Sq, Sk, H, B): one matrix per (h, b)
-        q, k, s = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0])) for t in (q, k, s)]
+        q, k, s = [
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
+            for t in (q, k, s)
+        ]
 
         # Two m64n128k16 wgmma atoms stacked along M, one per warpgroup.
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -83,7 +90,9 @@ class Sm90Kernel:
         # (bM, bK, 1), 128B-swizzled
         q_smem_layout = sm90_utils.make_smem_layout_a(row_major, self.cta_tile, self.dtype, 1)
         # (bN, bK, kv_slots), 128B-swizzled
-        kv_smem_layout = sm90_utils.make_smem_layout_b(row_major, self.cta_tile, self.dtype, self.kv_slots)
+        kv_smem_layout = sm90_utils.make_smem_layout_b(
+            row_major, self.cta_tile, self.dtype, self.kv_slots
+        )
         # (bM, bN, 1), 128B-swizzled
         s_smem_layout = sm90_utils.make_smem_layout_epi(self.acc_dtype, row_major, (bM, bN), 1)
 
@@ -103,9 +112,15 @@ class Sm90Kernel:
             q_full: cute.struct.MemRange[cutlass.Int64, 1]
             kv_full: cute.struct.MemRange[cutlass.Int64, self.kv_slots]
             kv_empty: cute.struct.MemRange[cutlass.Int64, self.kv_slots]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_smem_layout)], self.smem_align]
-            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_smem_layout)], self.smem_align]
-            sS: cute.struct.Align[cute.struct.MemRange[self.acc_dtype, cute.cosize(s_smem_layout)], self.smem_align]
+            sQ: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(q_smem_layout)], self.smem_align
+            ]
+            sKV: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(kv_smem_layout)], self.smem_align
+            ]
+            sS: cute.struct.Align[
+                cute.struct.MemRange[self.acc_dtype, cute.cosize(s_smem_layout)], self.smem_align
+            ]
 
         self.shared_storage = SharedStorage
         self.shared_memory_bytes = SharedStorage.size_in_bytes()
@@ -113,8 +128,17 @@ class Sm90Kernel:
         # One CTA per 128-row Q tile of one (head, batch).
         grid = (cute.ceil_div(q.shape[0], bM), q.shape[2], q.shape[3])
         self.kernel(
-            tiled_mma, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_s, tma_s,
-            q_smem_layout, kv_smem_layout, s_smem_layout, scale,
+            tiled_mma,
+            tma_atom_q,
+            tma_q,
+            tma_atom_k,
+            tma_k,
+            tma_atom_s,
+            tma_s,
+            q_smem_layout,
+            kv_smem_layout,
+            s_smem_layout,
+            scale,
         ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
@@ -151,18 +175,24 @@ class Sm90Kernel:
         # (bN, bK, kv_slots)
         sKV = storage.sKV.get_tensor(kv_smem_layout.outer, swizzle=kv_smem_layout.inner)
         # (bM, bN)
-        sS = storage.sS.get_tensor(cute.select(s_smem_layout.outer, mode=[0, 1]), swizzle=s_smem_layout.inner)
+        sS = storage.sS.get_tensor(
+            cute.select(s_smem_layout.outer, mode=[0, 1]), swizzle=s_smem_layout.inner
+        )
 
         # q_full: 1 arrive (the producer's expect_tx of Q's bytes) + the TMA writes of Q.
         q_full = storage.q_full.data_ptr()
-        q_bytes = cute.size_in_bytes(self.dtype, cute.select(q_smem_layout, mode=[0, 1]))  # 32 KB (D = 128)
+        q_bytes = cute.size_in_bytes(
+            self.dtype, cute.select(q_smem_layout, mode=[0, 1])
+        )  # 32 KB (D = 128)
         if warp_idx == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(q_full, 1)
         # kv_full[i]: 1 arrive (the producer's expect_tx of one tile) + the TMA writes of the tile.
         # kv_empty[i]: 1 arrive from each of the 8 consumer warps. (Creating the pipeline fences
         # and syncs the CTA, which also publishes q_full's initialisation.)
-        kv_bytes = cute.size_in_bytes(self.dtype, cute.select(kv_smem_layout, mode=[0, 1]))  # 32 KB (D = 128)
+        kv_bytes = cute.size_in_bytes(
+            self.dtype, cute.select(kv_smem_layout, mode=[0, 1])
+        )  # 32 KB (D = 128)
         kv_pipeline = pipeline.PipelineTmaAsync.create(
             num_stages=self.kv_slots,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
@@ -172,24 +202,42 @@ class Sm90Kernel:
         )
 
         # (bM, bK)
-        gQ = cute.local_tile(mQ[None, None, head, batch], self.cta_tile, (pid_m, None, 0), proj=(1, None, 1))
+        gQ = cute.local_tile(
+            mQ[None, None, head, batch], self.cta_tile, (pid_m, None, 0), proj=(1, None, 1)
+        )
         # (bN, bK, kv_tiles)
-        gK = cute.local_tile(mK[None, None, head, batch], self.cta_tile, (None, None, 0), proj=(None, 1, 1))
+        gK = cute.local_tile(
+            mK[None, None, head, batch], self.cta_tile, (None, None, 0), proj=(None, 1, 1)
+        )
         # (bM, bN, kv_tiles)
-        gS = cute.local_tile(mS[None, None, head, batch], self.cta_tile, (pid_m, None, None), proj=(1, 1, None))
+        gS = cute.local_tile(
+            mS[None, None, head, batch], self.cta_tile, (pid_m, None, None), proj=(1, 1, None)
+        )
         kv_tiles = cute.size(gK, mode=[2])
 
         # TMA views, one CTA (no multicast): (TMA, 1) and (TMA)
         tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+            tma_atom_q,
+            0,
+            cute.make_layout(1),
+            cute.group_modes(sQ, 0, 2),
+            cute.group_modes(gQ, 0, 2),
         )
         # (TMA, kv_slots) and (TMA, kv_tiles)
         tKsK, tKgK = cpasync.tma_partition(
-            tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sKV, 0, 2), cute.group_modes(gK, 0, 2)
+            tma_atom_k,
+            0,
+            cute.make_layout(1),
+            cute.group_modes(sKV, 0, 2),
+            cute.group_modes(gK, 0, 2),
         )
         # (TMA) and (TMA, kv_tiles)
         tSsS, tSgS = cpasync.tma_partition(
-            tma_atom_s, 0, cute.make_layout(1), cute.group_modes(sS, 0, 2), cute.group_modes(gS, 0, 2)
+            tma_atom_s,
+            0,
+            cute.make_layout(1),
+            cute.group_modes(sS, 0, 2),
+            cute.group_modes(gS, 0, 2),
         )
 
         # wgmma views of this thread's warpgroup: shared-memory descriptors for Q and K.
@@ -203,7 +251,9 @@ class Sm90Kernel:
         k_blocks = cute.size(tSrQ, mode=[2])  # bK / 16 wgmma per K tile
 
         # 2. Main loop
-        producer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_slots)
+        producer_state = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Producer, self.kv_slots
+        )
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_slots)
 
         # Q once, then fill the pipeline: the first kv_slots K tiles are in flight before the
@@ -213,7 +263,9 @@ class Sm90Kernel:
                 cute.arch.mbarrier_arrive_and_expect_tx(q_full, q_bytes)
             cute.copy(tma_atom_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_full)
             for _ in cutlass.range(cutlass.min(self.kv_slots, kv_tiles), unroll=1):
-                self.load_tiles(kv_pipeline, producer_state, producer_state.count, tma_atom_k, tKgK, tKsK)
+                self.load_tiles(
+                    kv_pipeline, producer_state, producer_state.count, tma_atom_k, tKgK, tKsK
+                )
                 producer_state.advance()
 
         # Q has landed (the one and only phase of q_full).
@@ -237,7 +289,9 @@ class Sm90Kernel:
             kv_pipeline.consumer_release(read_state)
             read_state.advance()
             if warp_idx == 0 and producer_state.count < kv_tiles:
-                self.load_tiles(kv_pipeline, producer_state, producer_state.count, tma_atom_k, tKgK, tKsK)
+                self.load_tiles(
+                    kv_pipeline, producer_state, producer_state.count, tma_atom_k, tKgK, tKsK
+                )
                 producer_state.advance()
 
             # The S tile leaves as C did in stage 1. TMA has finished reading the previous S tile
@@ -248,7 +302,8 @@ class Sm90Kernel:
 
             # S = scale * acc_S, kept in fp32, written to shared memory.
             r2s_copy = cute.make_tiled_copy_C(
-                sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.acc_dtype, self.acc_dtype), tiled_mma
+                sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.acc_dtype, self.acc_dtype),
+                tiled_mma,
             )
             thr_r2s = r2s_copy.get_slice(tidx)
             # (R2S, R2S_M, R2S_N)
@@ -280,7 +335,12 @@ class Sm90Kernel:
         on its full barrier, and start the TMA load of tile kv_tile (of tXgX) into the slot."""
         kv_pipeline.producer_acquire(producer_state)
         full_barrier = kv_pipeline.producer_get_barrier(producer_state)
-        cute.copy(tma_atom, tXgX[None, kv_tile], tXsX[None, producer_state.index], tma_bar_ptr=full_barrier)
+        cute.copy(
+            tma_atom,
+            tXgX[None, kv_tile],
+            tXsX[None, producer_state.index],
+            tma_bar_ptr=full_barrier,
+        )
 
 
 def compile_args(dtype, shape, scale=None):
@@ -296,12 +356,19 @@ def qk(q, k, scale=None):
     contiguous, D in {64, 128}; scale defaults to 1/sqrt(D). S (B, H, Sq, Sk) in fp32."""
     B, H, Sq, Sk, D = checks.check_attention_args(q, k)
     scale = checks.check_scale(scale, D)
-    checks.check_multiple("Sk = k.shape[2]", Sk, 4, "TMA writes rows of S (fp32) that start on 16-byte boundaries")
+    checks.check_multiple(
+        "Sk = k.shape[2]", Sk, 4, "TMA writes rows of S (fp32) that start on 16-byte boundaries"
+    )
 
     with torch.cuda.device(q.device):
         s = empty_output((B, H, Sq, Sk), torch.float32, q.device)
         # Dynamic shapes and strides: one compile per (dtype, D) serves every B, H, Sq, Sk. (A
         # static size-1 mode, B = 1 say, would be folded away and change the rank of the TMA.)
-        args = [to_cute(t).mark_layout_dynamic(leading_dim=3) for t in (q, k, s)] + [scale, current_stream()]
-        cached_compile(("stage2", "hopper", q.dtype, D), Sm90Kernel(cute_dtype(q.dtype), D), *args)(*args)
+        args = [to_cute(t).mark_layout_dynamic(leading_dim=3) for t in (q, k, s)] + [
+            scale,
+            current_stream(),
+        ]
+        cached_compile(("stage2", "hopper", q.dtype, D), Sm90Kernel(cute_dtype(q.dtype), D), *args)(
+            *args
+        )
     return s

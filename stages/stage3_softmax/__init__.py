@@ -1,6 +1,7 @@
 """Stage 3 - single-KV-tile softmax. `attention(q, k, v, scale=None)` for Sk <= one KV tile runs
 the kernel of this machine's track: hopper.py on sm_90 (H100, H200), blackwell.py on
 sm_100/sm_103. A track's file is imported on first use, so neither track needs the other's file."""
+
 import importlib
 
 from common.arch import track

@@ -32,14 +32,14 @@ through common.compile.compile_only(stage, "blackwell"), which sets CuTe DSL's t
 sm_100a for the compile; not run on Blackwell hardware. The numerical tests run only where an
 sm_100 GPU is present.
 """
-import math
 
-import torch
+import math
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
+import torch
 from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.memory import SmemAllocator, TmemAllocator, get_num_tmem_alloc_cols
@@ -47,7 +47,7 @@ from cutlass.memory import SmemAllocator, TmemAllocator, get_num_tmem_alloc_cols
 from common import checks
 from common.checker import empty_output
 from common.compile import cached_compile
-from common.cute_interop import cute_dtype, current_stream, fake_stream, fake_tensor, to_cute
+from common.cute_interop import current_stream, cute_dtype, fake_stream, fake_tensor, to_cute
 
 
 class Sm100Kernel:
@@ -66,7 +66,9 @@ class Sm100Kernel:
         self.softmax_warp_ids = (0, 1, 2, 3)
         self.mma_warp_id = 4
         self.tma_warp_id = 5
-        self.threads_per_cta = 32 * len((*self.softmax_warp_ids, self.mma_warp_id, self.tma_warp_id))
+        self.threads_per_cta = 32 * len(
+            (*self.softmax_warp_ids, self.mma_warp_id, self.tma_warp_id)
+        )
         # Named barriers (0 is __syncthreads): the softmax warps among themselves, and the TMEM
         # allocation handshake between the softmax warps and the MMA warp.
         self.epilog_sync_bar_id = 1
@@ -89,12 +91,25 @@ class Sm100Kernel:
 
     @cute.jit
     def __call__(
-        self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, c: cute.Tensor, scale_log2: Float32, stream
+        self,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        v: cute.Tensor,
+        c: cute.Tensor,
+        scale_log2: Float32,
+        stream,
     ):
         # (B, H, S, D) -> (S, D, (H, B)): the two tile modes first, then (h, b) as one batch mode.
-        q, k, c = [cute.make_tensor(t.iterator, cute.group_modes(cute.select(t.layout, mode=[2, 3, 1, 0]), 2, 4)) for t in (q, k, c)]
+        q, k, c = [
+            cute.make_tensor(
+                t.iterator, cute.group_modes(cute.select(t.layout, mode=[2, 3, 1, 0]), 2, 4)
+            )
+            for t in (q, k, c)
+        ]
         # V -> (D, Sk, (H, B)): the B operand of P @ V is (N, K) = (D, keys), D contiguous (MN-major).
-        v = cute.make_tensor(v.iterator, cute.group_modes(cute.select(v.layout, mode=[3, 2, 1, 0]), 2, 4))
+        v = cute.make_tensor(
+            v.iterator, cute.group_modes(cute.select(v.layout, mode=[3, 2, 1, 0]), 2, 4)
+        )
 
         # One tcgen05.mma.cta_group::1.kind::f16 per 128 x 128 x 16: A and B from shared memory,
         # both K-major, D (the accumulator) in TMEM.
@@ -120,16 +135,27 @@ class Sm100Kernel:
             self.pv_mma_tiler[:2],
             tcgen05.OperandSource.TMEM,
         )
-        cluster_layout_vmnk = cute.tiled_divide(cute.make_layout((*self.cluster_shape_mn, 1)), (qk_mma.thr_id.shape,))
+        cluster_layout_vmnk = cute.tiled_divide(
+            cute.make_layout((*self.cluster_shape_mn, 1)), (qk_mma.thr_id.shape,)
+        )
 
         # (MMA, MMA_M, MMA_K, q_buffers) and (MMA, MMA_N, MMA_K, kv_slots), 128-byte swizzled
-        q_smem_s = utils.sm100.make_smem_layout_a(qk_mma, self.qk_mma_tiler, self.q_dtype, self.q_buffers)
-        k_smem_s = utils.sm100.make_smem_layout_b(qk_mma, self.qk_mma_tiler, self.q_dtype, self.kv_slots)
+        q_smem_s = utils.sm100.make_smem_layout_a(
+            qk_mma, self.qk_mma_tiler, self.q_dtype, self.q_buffers
+        )
+        k_smem_s = utils.sm100.make_smem_layout_b(
+            qk_mma, self.qk_mma_tiler, self.q_dtype, self.kv_slots
+        )
         q_smem_one = cute.select(q_smem_s, mode=[0, 1, 2])
         k_smem_one = cute.select(k_smem_s, mode=[0, 1, 2])
         # (MMA, MMA_N=D, MMA_K, kv_slots): a V tile in its own layout, but in K's slots (same slot stride)
-        v_smem_one = cute.select(utils.sm100.make_smem_layout_b(pv_mma, self.pv_mma_tiler, self.q_dtype, 1), mode=[0, 1, 2])
-        v_smem_s = cute.append(v_smem_one, cute.make_layout(self.kv_slots, stride=cute.cosize(k_smem_one)))
+        v_smem_one = cute.select(
+            utils.sm100.make_smem_layout_b(pv_mma, self.pv_mma_tiler, self.q_dtype, 1),
+            mode=[0, 1, 2],
+        )
+        v_smem_s = cute.append(
+            v_smem_one, cute.make_layout(self.kv_slots, stride=cute.cosize(k_smem_one))
+        )
         # (MMA, MMA_M, MMA_K, 1): P in TMEM as the A operand of P @ V
         p_tmem_s = utils.sm100.make_smem_layout_a(pv_mma, self.pv_mma_tiler, self.q_dtype, 1)
 
@@ -168,8 +194,12 @@ class Sm100Kernel:
             p_mma_bar: cute.struct.MemRange[Int64, 2]
             mma_o_bar: cute.struct.MemRange[Int64, 2]
             tmem_holding: Int32
-            sQ: cute.struct.Align[cute.struct.MemRange[self.q_dtype, cute.cosize(q_smem_s)], self.smem_align]
-            sK: cute.struct.Align[cute.struct.MemRange[self.q_dtype, cute.cosize(k_smem_s)], self.smem_align]
+            sQ: cute.struct.Align[
+                cute.struct.MemRange[self.q_dtype, cute.cosize(q_smem_s)], self.smem_align
+            ]
+            sK: cute.struct.Align[
+                cute.struct.MemRange[self.q_dtype, cute.cosize(k_smem_s)], self.smem_align
+            ]
 
         self.shared_storage = SharedStorage
         self.shared_memory_bytes = SharedStorage.size_in_bytes()
@@ -177,8 +207,21 @@ class Sm100Kernel:
         # One CTA per 128-row Q tile of one (b, h).
         grid = (cute.size(c, mode=[0]) // self.qk_mma_tiler[0], cute.size(c, mode=[2]), 1)
         self.kernel(
-            qk_mma, pv_mma, tma_q, tma_tq, tma_k, tma_tk, tma_v, tma_tv, c, scale_log2, cluster_layout_vmnk,
-            q_smem_s, k_smem_s, v_smem_s, p_tmem_s,
+            qk_mma,
+            pv_mma,
+            tma_q,
+            tma_tq,
+            tma_k,
+            tma_tk,
+            tma_v,
+            tma_tv,
+            c,
+            scale_log2,
+            cluster_layout_vmnk,
+            q_smem_s,
+            k_smem_s,
+            v_smem_s,
+            p_tmem_s,
         ).launch(grid=grid, block=[self.threads_per_cta, 1, 1], stream=stream)
 
     @cute.kernel
@@ -241,7 +284,9 @@ class Sm100Kernel:
             barrier_storage=storage.mma_si_bar.data_ptr(),
             num_stages=self.s_buffers,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * len(self.softmax_warp_ids)),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, 32 * len(self.softmax_warp_ids)
+            ),
             cta_layout_vmnk=cluster_layout_vmnk,
             defer_sync=True,
         ).make_participants()
@@ -250,7 +295,9 @@ class Sm100Kernel:
         p_mma_pipeline = pipeline.PipelineAsyncUmma.create(
             barrier_storage=storage.p_mma_bar.data_ptr(),
             num_stages=1,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * len(self.softmax_warp_ids)),
+            producer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, 32 * len(self.softmax_warp_ids)
+            ),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             cta_layout_vmnk=cluster_layout_vmnk,
             defer_sync=True,
@@ -261,7 +308,9 @@ class Sm100Kernel:
             barrier_storage=storage.mma_o_bar.data_ptr(),
             num_stages=1,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * len(self.softmax_warp_ids)),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, 32 * len(self.softmax_warp_ids)
+            ),
             cta_layout_vmnk=cluster_layout_vmnk,
             defer_sync=True,
         ).make_participants()
@@ -269,10 +318,13 @@ class Sm100Kernel:
             barrier_id=self.epilog_sync_bar_id, num_threads=32 * len(self.softmax_warp_ids)
         )
         tmem_alloc_bar = pipeline.NamedBarrier(
-            barrier_id=self.tmem_alloc_bar_id, num_threads=32 * len((self.mma_warp_id, *self.softmax_warp_ids))
+            barrier_id=self.tmem_alloc_bar_id,
+            num_threads=32 * len((self.mma_warp_id, *self.softmax_warp_ids)),
         )
         tmem = TmemAllocator(
-            storage.tmem_holding.ptr, barrier_for_retrieve=tmem_alloc_bar, allocator_warp_id=self.softmax_warp_ids[0]
+            storage.tmem_holding.ptr,
+            barrier_for_retrieve=tmem_alloc_bar,
+            allocator_warp_id=self.softmax_warp_ids[0],
         )
         pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
 
@@ -284,7 +336,12 @@ class Sm100Kernel:
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, v_smem_s.inner), v_smem_s.outer)
 
         # This CTA's (b, h): Q (Sq, D), K (Sk, D), V (D, Sk) and O (Sq, D).
-        mQ, mK, mV, mC = mQ[(None, None, bidy)], mK[(None, None, bidy)], mV[(None, None, bidy)], mC[(None, None, bidy)]
+        mQ, mK, mV, mC = (
+            mQ[(None, None, bidy)],
+            mK[(None, None, bidy)],
+            mV[(None, None, bidy)],
+            mC[(None, None, bidy)],
+        )
         # (bM, D)
         gQ = cute.local_tile(mQ, self.qk_mma_tiler, tile_coord, proj=(1, None, 1))
         # (bN, D, kv_tiles)
@@ -337,7 +394,9 @@ class Sm100Kernel:
                 # The next slot, once the MMAs that read its previous tile have completed; its
                 # full barrier expects exactly this tile's bytes.
                 kv_empty = kv_prod.acquire_and_advance(expected_tx=self.kv_tma_bytes[name])
-                cute.copy(tma, src[(None, 0)], dst[(None, kv_empty.index)], tma_bar_ptr=kv_empty.barrier)
+                cute.copy(
+                    tma, src[(None, 0)], dst[(None, kv_empty.index)], tma_bar_ptr=kv_empty.barrier
+                )
             # Every buffer released by the MMA warp before this warp exits.
             kv_prod.tail()
             q_prod.tail()
@@ -349,8 +408,12 @@ class Sm100Kernel:
             tStS = cute.make_tensor(tmem_ptr + self.tmem_s_offset, tStS_layout)
             tOtO = cute.make_tensor(tmem_ptr + self.tmem_o_offset, tOtO_layout)
             # (MMA, MMA_M, MMA_K): P as 16-bit values in TMEM, over S's columns
-            tOrP = pv_mma.make_fragment_A(cute.make_tensor(tmem_ptr, p_tmem_s.outer))[(None, None, None, 0)]
-            tOrP = cute.make_tensor(cute.recast_ptr(tmem_ptr + self.tmem_p_offset, dtype=self.q_dtype), tOrP.layout)
+            tOrP = pv_mma.make_fragment_A(cute.make_tensor(tmem_ptr, p_tmem_s.outer))[
+                (None, None, None, 0)
+            ]
+            tOrP = cute.make_tensor(
+                cute.recast_ptr(tmem_ptr + self.tmem_p_offset, dtype=self.q_dtype), tOrP.layout
+            )
             q_full = q_cons.wait_and_advance()
             kv_full = kv_cons.wait_and_advance()  # ring entry: K
             # The softmax warps have read the previous S: it may be overwritten.
@@ -359,7 +422,13 @@ class Sm100Kernel:
             qk_mma.set(tcgen05.Field.ACCUMULATE, False)
             for kb in cutlass.range_constexpr(cute.size(tCrQ, mode=[2])):
                 # S += Q[:, 16 kb : 16 kb + 16] @ K[:, 16 kb : 16 kb + 16]^T  (128 x 128 x 16)
-                cute.gemm(qk_mma, tStS, tCrQ[(None, None, kb, q_full.index)], tCrK[(None, None, kb, kv_full.index)], tStS)
+                cute.gemm(
+                    qk_mma,
+                    tStS,
+                    tCrQ[(None, None, kb, q_full.index)],
+                    tCrK[(None, None, kb, kv_full.index)],
+                    tStS,
+                )
                 qk_mma.set(tcgen05.Field.ACCUMULATE, True)
             # tcgen05.commit: S is full once these MMAs have completed ...
             s_empty.commit()
@@ -371,7 +440,9 @@ class Sm100Kernel:
             pv_mma.set(tcgen05.Field.ACCUMULATE, False)
             for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
                 # O += P[:, 16 kb : 16 kb + 16] @ V[16 kb : 16 kb + 16, :]  (128 x D x 16)
-                cute.gemm(pv_mma, tOtO, tOrP[(None, None, kb)], tCrV[(None, None, kb, v_full.index)], tOtO)
+                cute.gemm(
+                    pv_mma, tOtO, tOrP[(None, None, kb)], tCrV[(None, None, kb, v_full.index)], tOtO
+                )
                 pv_mma.set(tcgen05.Field.ACCUMULATE, True)
             # P's columns and the V slot are free once these MMAs have completed.
             p_full.release()
@@ -394,13 +465,16 @@ class Sm100Kernel:
             # ((128, 32), 4): S cut into 4 column slices of 32
             tStS_epi = cute.zipped_divide(tStS, epi_tiler)
             tmem_load = tcgen05.make_tmem_copy(
-                cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), self.qk_acc_dtype), tStS_epi[(None, 0)]
+                cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), self.qk_acc_dtype),
+                tStS_epi[(None, 0)],
             )
             thr_load = tmem_load.get_slice(tidx)
             # (T2R, T2R_M, slices): this thread's row of S in TMEM, and its (row, column) coordinates
             tTR_tS = thr_load.partition_S(tStS_epi)
             tTR_cS = thr_load.partition_D(
-                cute.zipped_divide(qk_thr.partition_C(cute.make_identity_tensor(self.qk_mma_tiler[:2])), epi_tiler)
+                cute.zipped_divide(
+                    qk_thr.partition_C(cute.make_identity_tensor(self.qk_mma_tiler[:2])), epi_tiler
+                )
             )
             # (T2R, T2R_M, slices): the whole row, 128 fp32 registers
             tTR_rS = cute.make_rmem_tensor(tTR_cS.shape, self.qk_acc_dtype)
@@ -408,18 +482,23 @@ class Sm100Kernel:
             p_cells = self.qk_mma_tiler[1] * self.q_dtype.width // 32
             tStP = cute.make_tensor(
                 tStS.iterator + self.tmem_p_offset,
-                cute.composition(tStS.layout, cute.make_layout((cute.size(tStS, mode=[0, 0]), p_cells))),
+                cute.composition(
+                    tStS.layout, cute.make_layout((cute.size(tStS, mode=[0, 0]), p_cells))
+                ),
             )
             # tcgen05.st.32x32b.x32: each thread writes 32 cells of its row per store, 2 stores
             tmem_store = tcgen05.make_tmem_copy(
-                cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition.x32), self.qk_acc_dtype), tStP
+                cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition.x32), self.qk_acc_dtype),
+                tStP,
             )
             thr_store = tmem_store.get_slice(tidx)
             # (R2T, R2T_M, stores): this thread's row of P in TMEM, and the 64 registers it comes from
             tRT_tP = thr_store.partition_D(tStP)
             tRT_rP = cute.make_rmem_tensor(thr_store.partition_S(tStP).shape, self.qk_acc_dtype)
             # The same 64 registers as 128 16-bit values, in S's column order
-            tTR_rP = cute.make_tensor(cute.recast_ptr(tRT_rP.iterator, dtype=self.q_dtype), tTR_rS.layout)
+            tTR_rP = cute.make_tensor(
+                cute.recast_ptr(tRT_rP.iterator, dtype=self.q_dtype), tTR_rS.layout
+            )
             # O, for the epilogue. ((128, 32), D / 32): O cut into column slices of 32
             tOtO_epi = cute.zipped_divide(tOtO, epi_tiler)
             # (T2R, T2R_M, slices): this thread's row of O in TMEM and in global memory
@@ -475,7 +554,11 @@ def compile_args(dtype, shape, scale=None):
     """(kernel, args) for cute.compile with fake tensors: shape = (B, H, Sq, Sk, D)."""
     B, H, Sq, Sk, D = shape
     kernel = Sm100Kernel(cute_dtype(dtype), D)
-    q, k, v = fake_tensor(dtype, (B, H, Sq, D)), fake_tensor(dtype, (B, H, Sk, D)), fake_tensor(dtype, (B, H, Sk, D))
+    q, k, v = (
+        fake_tensor(dtype, (B, H, Sq, D)),
+        fake_tensor(dtype, (B, H, Sk, D)),
+        fake_tensor(dtype, (B, H, Sk, D)),
+    )
     o = fake_tensor(dtype, (B, H, Sq, D))
     return kernel, (q, k, v, o, checks.check_scale(scale, D) * math.log2(math.e), fake_stream())
 
@@ -487,10 +570,14 @@ def attention(q, k, v, scale=None):
     B, H, Sq, Sk, D = checks.check_attention_args(q, k, v)
     scale = checks.check_scale(scale, D)
     bM, bN, _ = Sm100Kernel(cute_dtype(q.dtype), D).qk_mma_tiler
-    checks.check_multiple("Sq = q.shape[2]", Sq, bM, "each CTA stores whole 128-row tiles of O, unmasked")
+    checks.check_multiple(
+        "Sq = q.shape[2]", Sq, bM, "each CTA stores whole 128-row tiles of O, unmasked"
+    )
     checks.check_max("B * H", B * H, 65535, "one CTA row per (b, h) in the grid's y dimension")
     checks.check_max(
-        "Sk = k.shape[2]", Sk, bN,
+        "Sk = k.shape[2]",
+        Sk,
+        bN,
         "stage 3 computes the softmax of one KV tile of 128 keys; stage 4 (stages.stage4_kv_interleave) takes any Sk",
     )
 
@@ -501,6 +588,8 @@ def attention(q, k, v, scale=None):
         key = ("stage3", "blackwell", q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride())
         # exp(scale * x) = exp2(scale * log2(e) * x): the kernel takes the folded multiplier.
         scale_log2 = scale * math.log2(math.e)
-        compiled = cached_compile(key, Sm100Kernel(cute_dtype(q.dtype), D), *args, scale_log2, current_stream())
+        compiled = cached_compile(
+            key, Sm100Kernel(cute_dtype(q.dtype), D), *args, scale_log2, current_stream()
+        )
         compiled(*args, scale_log2, current_stream())
     return o

@@ -1,6 +1,7 @@
 """Stage 5 - online softmax. `attention(q, k, v, scale=None, return_lse=False)` runs the kernel
 of this machine's track: hopper.py on sm_90 (H100, H200), blackwell.py on sm_100/sm_103. A
 track's file is imported on first use, so neither track needs the other's file."""
+
 import importlib
 
 from common.arch import track
@@ -9,4 +10,6 @@ from common.arch import track
 def attention(q, k, v, scale=None, return_lse=False):
     """O = softmax(scale * Q @ K^T) @ V in one pass, and LSE (B, H, Sq) in fp32 when return_lse;
     see hopper.py / blackwell.py."""
-    return importlib.import_module(f"{__name__}.{track()}").attention(q, k, v, scale=scale, return_lse=return_lse)
+    return importlib.import_module(f"{__name__}.{track()}").attention(
+        q, k, v, scale=scale, return_lse=return_lse
+    )

@@ -27,14 +27,14 @@ Changes from stage 4:
 
 Shapes: B, H, Sq, Sk >= 1, D in {64, 128}.
 """
-import math
 
-import torch
+import math
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
+import torch
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
@@ -42,7 +42,7 @@ from cutlass.tensor_utils import LayoutEnum
 from common import checks
 from common.checker import empty_output
 from common.compile import cached_compile
-from common.cute_interop import cute_dtype, current_stream, fake_stream, fake_tensor, to_cute
+from common.cute_interop import current_stream, cute_dtype, fake_stream, fake_tensor, to_cute
 
 
 class Sm90Kernel:
@@ -69,7 +69,10 @@ class Sm90Kernel:
         bM, bN, bK = self.cta_tile
         row_major = LayoutEnum.ROW_MAJOR  # Q, K, V, O: D contiguous
         # (B, H, S, D) -> (S, D, H, B): one matrix per (h, b)
-        q, k, v, o = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0])) for t in (q, k, v, o)]
+        q, k, v, o = [
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
+            for t in (q, k, v, o)
+        ]
         # (B, H, Sq) -> (Sq, H, B)
         lse = cute.make_tensor(lse.iterator, cute.select(lse.layout, mode=[2, 1, 0]))
 
@@ -97,7 +100,9 @@ class Sm90Kernel:
         # (bM, bK, 1), 128B-swizzled
         q_smem_layout = sm90_utils.make_smem_layout_a(row_major, self.cta_tile, self.dtype, 1)
         # (bN, bK, kv_slots), 128B-swizzled
-        kv_smem_layout = sm90_utils.make_smem_layout_b(row_major, self.cta_tile, self.dtype, self.kv_slots)
+        kv_smem_layout = sm90_utils.make_smem_layout_b(
+            row_major, self.cta_tile, self.dtype, self.kv_slots
+        )
         # (bK, bN, kv_slots): V^T, the B operand of P @ V, MN-major: the bytes of kv_smem_layout
         # with modes 0 and 1 swapped (same 128B swizzle, same offsets).
         vt_smem_layout = sm90_utils.make_smem_layout_b(
@@ -125,8 +130,12 @@ class Sm90Kernel:
             q_full: cute.struct.MemRange[cutlass.Int64, 1]
             kv_full: cute.struct.MemRange[cutlass.Int64, self.kv_slots]
             kv_empty: cute.struct.MemRange[cutlass.Int64, self.kv_slots]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_smem_layout)], self.smem_align]
-            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_smem_layout)], self.smem_align]
+            sQ: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(q_smem_layout)], self.smem_align
+            ]
+            sKV: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(kv_smem_layout)], self.smem_align
+            ]
 
         self.shared_storage = SharedStorage
         self.shared_memory_bytes = SharedStorage.size_in_bytes()
@@ -134,8 +143,22 @@ class Sm90Kernel:
         # One CTA per 128-row Q tile of one (head, batch).
         grid = (cute.ceil_div(q.shape[0], bM), q.shape[2], q.shape[3])
         self.kernel(
-            tiled_mma, tiled_mma_pv, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o,
-            lse, q_smem_layout, kv_smem_layout, vt_smem_layout, o_smem_layout, scale,
+            tiled_mma,
+            tiled_mma_pv,
+            tma_atom_q,
+            tma_q,
+            tma_atom_k,
+            tma_k,
+            tma_atom_v,
+            tma_v,
+            tma_atom_o,
+            tma_o,
+            lse,
+            q_smem_layout,
+            kv_smem_layout,
+            vt_smem_layout,
+            o_smem_layout,
+            scale,
         ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
@@ -179,7 +202,9 @@ class Sm90Kernel:
         # (bN, bK, kv_slots)
         sKV = storage.sKV.get_tensor(kv_smem_layout.outer, swizzle=kv_smem_layout.inner)
         # (bK, bN, kv_slots): V^T over sKV's bytes
-        sVt = cute.make_tensor(cute.recast_ptr(sKV.iterator, vt_smem_layout.inner), vt_smem_layout.outer)
+        sVt = cute.make_tensor(
+            cute.recast_ptr(sKV.iterator, vt_smem_layout.inner), vt_smem_layout.outer
+        )
         # (bM, bK): over sQ's bytes, used only after the last wgmma reading Q
         sO = cute.make_tensor(
             cute.recast_ptr(sQ.iterator, o_smem_layout.inner, dtype=self.dtype),
@@ -188,14 +213,18 @@ class Sm90Kernel:
 
         # q_full: 1 arrive (the producer's expect_tx of Q's bytes) + the TMA writes of Q.
         q_full = storage.q_full.data_ptr()
-        q_bytes = cute.size_in_bytes(self.dtype, cute.select(q_smem_layout, mode=[0, 1]))  # 32 KB (D = 128)
+        q_bytes = cute.size_in_bytes(
+            self.dtype, cute.select(q_smem_layout, mode=[0, 1])
+        )  # 32 KB (D = 128)
         if warp_idx == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(q_full, 1)
         # kv_full[i]: 1 arrive (the producer's expect_tx of one tile) + the TMA writes of the tile.
         # kv_empty[i]: 1 arrive from each of the 8 consumer warps. (Creating the pipeline fences
         # and syncs the CTA, which also publishes q_full's initialisation.)
-        kv_bytes = cute.size_in_bytes(self.dtype, cute.select(kv_smem_layout, mode=[0, 1]))  # 32 KB (D = 128)
+        kv_bytes = cute.size_in_bytes(
+            self.dtype, cute.select(kv_smem_layout, mode=[0, 1])
+        )  # 32 KB (D = 128)
         kv_pipeline = pipeline.PipelineTmaAsync.create(
             num_stages=self.kv_slots,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
@@ -205,27 +234,47 @@ class Sm90Kernel:
         )
 
         # (bM, bK)
-        gQ = cute.local_tile(mQ[None, None, head, batch], self.cta_tile, (pid_m, None, 0), proj=(1, None, 1))
+        gQ = cute.local_tile(
+            mQ[None, None, head, batch], self.cta_tile, (pid_m, None, 0), proj=(1, None, 1)
+        )
         # (bN, bK, kv_tiles)
-        gK = cute.local_tile(mK[None, None, head, batch], self.cta_tile, (None, None, 0), proj=(None, 1, 1))
+        gK = cute.local_tile(
+            mK[None, None, head, batch], self.cta_tile, (None, None, 0), proj=(None, 1, 1)
+        )
         # (bN, bK, kv_tiles)
-        gV = cute.local_tile(mV[None, None, head, batch], self.cta_tile, (None, None, 0), proj=(None, 1, 1))
+        gV = cute.local_tile(
+            mV[None, None, head, batch], self.cta_tile, (None, None, 0), proj=(None, 1, 1)
+        )
         # (bM, bK)
-        gO = cute.local_tile(mO[None, None, head, batch], self.cta_tile, (pid_m, None, 0), proj=(1, None, 1))
+        gO = cute.local_tile(
+            mO[None, None, head, batch], self.cta_tile, (pid_m, None, 0), proj=(1, None, 1)
+        )
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         kv_tiles = cute.size(gK, mode=[2])
 
         # TMA views, one CTA (no multicast): (TMA, 1) and (TMA)
         tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+            tma_atom_q,
+            0,
+            cute.make_layout(1),
+            cute.group_modes(sQ, 0, 2),
+            cute.group_modes(gQ, 0, 2),
         )
         # (TMA, kv_slots) and (TMA, kv_tiles)
         tKsK, tKgK = cpasync.tma_partition(
-            tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sKV, 0, 2), cute.group_modes(gK, 0, 2)
+            tma_atom_k,
+            0,
+            cute.make_layout(1),
+            cute.group_modes(sKV, 0, 2),
+            cute.group_modes(gK, 0, 2),
         )
         # (TMA, kv_slots) and (TMA, kv_tiles)
         tVsV, tVgV = cpasync.tma_partition(
-            tma_atom_v, 0, cute.make_layout(1), cute.group_modes(sKV, 0, 2), cute.group_modes(gV, 0, 2)
+            tma_atom_v,
+            0,
+            cute.make_layout(1),
+            cute.group_modes(sKV, 0, 2),
+            cute.group_modes(gV, 0, 2),
         )
 
         # wgmma views of this thread's warpgroup: shared-memory descriptors for Q, K and V^T.
@@ -331,7 +380,9 @@ class Sm90Kernel:
             warpgroup.wait_group(0)
             kv_pipeline.consumer_release(v_state)
             if warp_idx == 0 and step + self.kv_slots < steps:
-                self.load_tiles(kv_pipeline, v_state, (step + self.kv_slots) % kv_tiles, tma_atom_k, tKgK, tKsK)
+                self.load_tiles(
+                    kv_pipeline, v_state, (step + self.kv_slots) % kv_tiles, tma_atom_k, tKgK, tKsK
+                )
 
         # 3. Epilogue
         # Each thread's row_sum covers its 32 columns of every tile: add up the 4 of the quad.
@@ -358,7 +409,8 @@ class Sm90Kernel:
 
         # O rounded to the input dtype, written to shared memory by stmatrix.
         r2s_copy = cute.make_tiled_copy_C(
-            sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, self.acc_dtype), tiled_mma_pv
+            sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, self.acc_dtype),
+            tiled_mma_pv,
         )
         thr_r2s = r2s_copy.get_slice(tidx)
         # (R2S, R2S_M, R2S_N)
@@ -376,7 +428,11 @@ class Sm90Kernel:
 
         # (TMA) and (TMA): the whole tile, clipped to O's bounds by TMA
         tOsO, tOgO = cpasync.tma_partition(
-            tma_atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
+            tma_atom_o,
+            0,
+            cute.make_layout(1),
+            cute.group_modes(sO, 0, 2),
+            cute.group_modes(gO, 0, 2),
         )
         if tidx == 0:
             cute.copy(tma_atom_o, tOsO, tOgO)
@@ -392,7 +448,12 @@ class Sm90Kernel:
         tXgX) into the slot."""
         kv_pipeline.producer_acquire(producer_state)
         full_barrier = kv_pipeline.producer_get_barrier(producer_state)
-        cute.copy(tma_atom, tXgX[None, kv_tile], tXsX[None, producer_state.index], tma_bar_ptr=full_barrier)
+        cute.copy(
+            tma_atom,
+            tXgX[None, kv_tile],
+            tXsX[None, producer_state.index],
+            tma_bar_ptr=full_barrier,
+        )
 
     def slot_state(self, slot, phase):
         """The pipeline state of one use of a slot: its barriers' index and the phase parity."""
@@ -416,7 +477,9 @@ class Sm90Kernel:
         halves = cute.logical_divide(acc.layout, ((None, None, 2), None, None))
         (c, r, (n2, n16)), m_, n_ = halves.shape
         (dc, dr, (dn2, dn16)), dm_, dn_ = halves.stride
-        operand_a = cute.make_layout(((c, r, n2), m_, (n16, n_)), stride=((dc, dr, dn2), dm_, (dn16, dn_)))
+        operand_a = cute.make_layout(
+            ((c, r, n2), m_, (n16, n_)), stride=((dc, dr, dn2), dm_, (dn16, dn_))
+        )
         return cute.make_tensor(acc.iterator, operand_a)
 
     @cute.jit
@@ -445,7 +508,9 @@ class Sm90Kernel:
             row_scale[r] = cute.math.exp2((row_max[r] - m_new) * scale_log2, fastmath=True)
             p = cute.math.exp2(s * scale_log2 - m_new * scale_log2, fastmath=True)
             acc_S_mn[r, None].store(p)
-            row_sum[r] = row_sum[r] * row_scale[r] + p.reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)
+            row_sum[r] = row_sum[r] * row_scale[r] + p.reduce(
+                cute.ReductionOp.ADD, cutlass.Float32(0.0), 0
+            )
             row_max[r] = m_new
         return row_scale
 
@@ -454,8 +519,19 @@ def compile_args(dtype, shape, scale=None):
     """(kernel, args) for cute.compile with fake tensors, shape = (B, H, Sq, Sk, D)."""
     B, H, Sq, Sk, D = shape
     q, k, v = (fake_tensor(dtype, (B, H, S, D), dynamic=True) for S in (Sq, Sk, Sk))
-    o, lse = fake_tensor(dtype, (B, H, Sq, D), dynamic=True), fake_tensor(torch.float32, (B, H, Sq), dynamic=True)
-    return Sm90Kernel(cute_dtype(dtype), D), (q, k, v, o, lse, checks.check_scale(scale, D), fake_stream())
+    o, lse = (
+        fake_tensor(dtype, (B, H, Sq, D), dynamic=True),
+        fake_tensor(torch.float32, (B, H, Sq), dynamic=True),
+    )
+    return Sm90Kernel(cute_dtype(dtype), D), (
+        q,
+        k,
+        v,
+        o,
+        lse,
+        checks.check_scale(scale, D),
+        fake_stream(),
+    )
 
 
 def attention(q, k, v, scale=None, return_lse=False):
@@ -475,5 +551,7 @@ def attention(q, k, v, scale=None, return_lse=False):
         # static size-1 mode, B = 1 say, would be folded away and change the rank of the TMA.)
         args = [to_cute(t).mark_layout_dynamic(leading_dim=3) for t in (q, k, v, o)]
         args += [to_cute(lse).mark_layout_dynamic(leading_dim=2), scale, current_stream()]
-        cached_compile(("stage5", "hopper", q.dtype, D), Sm90Kernel(cute_dtype(q.dtype), D), *args)(*args)
+        cached_compile(("stage5", "hopper", q.dtype, D), Sm90Kernel(cute_dtype(q.dtype), D), *args)(
+            *args
+        )
     return (o, lse) if return_lse else o
