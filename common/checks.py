@@ -10,9 +10,11 @@ def _dtype_names(dtypes):
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
-def check_tensor(name, t, *, rank, dtypes=HALF_DTYPES, contiguous_last=True):
+def check_tensor(name, t, *, rank, dtypes=HALF_DTYPES, contiguous_last=True, broadcast_dims=()):
     """A CUDA tensor of the given rank and dtype whose last dimension is contiguous and whose
-    base address and other strides allow 16-byte TMA transfers."""
+    base address and other strides allow 16-byte TMA transfers. A stride of 0 (a tensor made by
+    .expand) is allowed only in `broadcast_dims` (K and V over batch and heads), where the
+    kernel is compiled with that 0 folded in (common/compile.py)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -31,6 +33,17 @@ def check_tensor(name, t, *, rank, dtypes=HALF_DTYPES, contiguous_last=True):
             f"argument '{name}': the last dimension must be contiguous (stride 1), got strides "
             f"{tuple(t.stride())}; call .contiguous() first"
         )
+    for d, (n, s) in enumerate(zip(t.shape, t.stride())):
+        if s == 0 and n > 1 and d not in broadcast_dims:
+            allowed = (
+                f"only dimension(s) {', '.join(map(str, broadcast_dims))} may be broadcast"
+                if broadcast_dims
+                else "this argument may not be broadcast"
+            )
+            raise ValueError(
+                f"argument '{name}': dimension {d} has stride 0 (a broadcast, e.g. from .expand); "
+                f"{allowed}; call .contiguous() first"
+            )
     esize = t.element_size()
     if t.data_ptr() % 16 != 0:
         raise ValueError(f"argument '{name}': data pointer must be 16-byte aligned for TMA")
@@ -107,18 +120,40 @@ def check_scale(scale, head_dim):
     return scale
 
 
-def check_attention_args(q, k, v=None, *, head_dims=(64, 128)):
+def check_inference_only(names, tensors, what):
+    """The kernels are forward-only: with autograd on, an input that requires grad would get an
+    output silently detached from the graph (training would see no gradient through it)."""
+    if not torch.is_grad_enabled():
+        return
+    for n, t in zip(names, tensors):
+        if t.requires_grad:
+            raise RuntimeError(
+                f"argument '{n}' requires grad and autograd is on, but {what} is forward-only: "
+                "its output would come back detached and no gradient would flow through it. "
+                "Call it under torch.no_grad() or torch.inference_mode() for inference; for "
+                "training use torch.nn.functional.scaled_dot_product_attention (or torch.matmul)."
+            )
+
+
+# K and V may be broadcast over batch (0) and heads (1): K.expand(B, H, Sk, D) of a (B, 1, Sk, D)
+# tensor, as GQA / MQA written with expand produces.
+KV_BROADCAST_DIMS = (0, 1)
+
+
+def check_attention_args(q, k, v=None, *, head_dims=(64, 128), kv_broadcast_dims=KV_BROADCAST_DIMS):
     """Common checks for stages 2-5: (B, H, S, D) tensors in one dtype and device, matching B, H
-    and D, a supported head dim. Returns (B, H, Sq, Sk, D)."""
+    and D, a supported head dim, no input that requires grad under autograd. Returns
+    (B, H, Sq, Sk, D)."""
     check_tensor("q", q, rank=4)
-    check_tensor("k", k, rank=4)
+    check_tensor("k", k, rank=4, broadcast_dims=kv_broadcast_dims)
     names, ts = ["q", "k"], [q, k]
     if v is not None:
-        check_tensor("v", v, rank=4)
+        check_tensor("v", v, rank=4, broadcast_dims=kv_broadcast_dims)
         names.append("v")
         ts.append(v)
     check_same_dtype(names, ts)
     check_same_device(names, ts)
+    check_inference_only(names, ts, "this attention kernel")
     for d, what in ((0, "batch"), (1, "heads"), (3, "head dim")):
         check_dim_eq("q", q, d, "k", k, d, what)
     if v is not None:
@@ -130,3 +165,14 @@ def check_attention_args(q, k, v=None, *, head_dims=(64, 128)):
     check_positive("Sq = q.shape[2]", Sq)
     check_positive("Sk = k.shape[2]", Sk)
     return B, H, Sq, Sk, D
+
+
+def check_options(options, allowed):
+    """Keyword options of compile_args / compile_only that a stage knows (stage 6's causal and
+    window, stage 7's head counts); any other name is an error, not silently ignored."""
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise TypeError(
+            f"unknown option(s) {', '.join(unknown)}; this stage takes "
+            + (", ".join(allowed) if allowed else "none")
+        )

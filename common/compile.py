@@ -1,7 +1,8 @@
-"""Compiling stages: a per-shape cache for real launches, and compile-only reports that need no
+"""Compiling stages: a cache for real launches keyed by what the compiled code assumes, and compile-only reports that need no
 GPU (fake tensors, any target arch), with counts of the instructions each stage is about."""
 
 import dataclasses
+import inspect
 import os
 import re
 import shutil
@@ -9,22 +10,116 @@ import subprocess
 import tempfile
 import time
 
+import cutlass
 import cutlass.cute as cute
 import torch
+from cutlass.cute.runtime import _Tensor as CuteRuntimeTensor
 
 from . import stages
 from .arch import ARCH_OF_TRACK
 
 _CACHE = {}
 
+# What a compiled kernel assumes, and how the cache keeps every launch inside it.
+#
+# cute.compile(kernel, *args) traces the kernel against the *types* of its arguments: for a CuTe
+# tensor that is its element type, its assumed pointer alignment and its layout, in which every
+# extent and stride is either a run-time value ("?") or a constant folded into the code. A
+# compiled kernel is therefore valid exactly for arguments whose types are the same. The cache
+# key is built from those types, never from a hand-written tuple, case by case:
+#
+# | what the code assumes                         | how it is kept                              |
+# | --------------------------------------------- | ------------------------------------------- |
+# | element type, assumed alignment (16 bytes)    | in the key (arg_signature); the alignment   |
+# |                                               | is also checked on every call (check_tensor)|
+# | static extents and strides (Hopper stage 1's  | in the key: the layout type as the DSL      |
+# | static GEMM layouts, Blackwell's static ones) | prints it, "?" for run-time values          |
+# | a stride of 0 (K, V from .expand over heads   | in the key: 0 stays a static 0 even in a    |
+# | or batch): the mode is folded, TMA reads one  | "dynamic" layout, so an expanded K/V gets   |
+# | head for all                                  | its own kernel (needed again by GQA)        |
+# | a stride of 0 anywhere else (q, o, or along   | refused by check_tensor with the argument's |
+# | S or D): a broadcast TMA tile is not taught   | name: call .contiguous()                    |
+# | the stride of a size-1 mode (B = 1, H = 1,    | normalised by to_cute: the index there is   |
+# | Sq = 1): any value addresses the same bytes,  | always 0, so the stride is replaced by a    |
+# | but torch leaves arbitrary ones (0, 1, ...)   | canonical non-zero multiple of 16 bytes and |
+# |                                               | B = 1 shares the kernel of B = 2            |
+# | the kernel's configuration (tile sizes, slots,| in the key: the class object itself and     |
+# | warp roles; causal / window of later stages)  | every attribute its __init__ set, by value  |
+# |                                               | (a reloaded module compiles anew)           |
+# | Python constants among the arguments          | in the key, by value                        |
+# | run-time scalars (annotated cutlass.Float32,  | not in the key: passed at every launch      |
+# | Int32 ...: the softmax scale) and the stream  |                                             |
+# | the device the module was loaded on           | in the key (torch.cuda.current_device())    |
 
-def cached_compile(key, kernel, *args):
-    """cute.compile(kernel, *args) once per key (dtype, shape, tile config ...)."""
+
+def kernel_config(kernel):
+    """The configuration a kernel object was built with: its class and every attribute, by value."""
+    return (type(kernel), tuple(sorted((k, repr(v)) for k, v in vars(kernel).items())))
+
+
+def _runtime_scalar_params(kernel):
+    """Names of __call__ parameters annotated with a cutlass numeric type: values passed at run
+    time, which the compiled code does not depend on."""
+    try:
+        params = inspect.signature(type(kernel).__call__).parameters
+    except (TypeError, ValueError):
+        return set()
+    return {
+        n
+        for n, p in params.items()
+        if isinstance(p.annotation, type) and issubclass(p.annotation, cutlass.Numeric)
+    }
+
+
+def tensor_signature(t):
+    """The type of a CuTe runtime tensor as the compiled code sees it: element type, assumed
+    alignment and layout, e.g. ('BFloat16', 16, '(?,?,?,?):(?{i64},0,?{i64},1)') for an expanded
+    K. The pointer value is not part of it."""
+    text = re.sub(r"^Tensor<0x[0-9a-fA-F]+@", "Tensor<@", str(t))
+    return (str(t.element_type), getattr(t, "_assumed_align", None), text)
+
+
+def arg_signature(kernel, args):
+    """One entry per argument of kernel.__call__: the tensor signature, 'runtime <type>' for
+    run-time scalars and the stream, the value itself for anything else (a Python constant)."""
+    names = [n for n in inspect.signature(type(kernel).__call__).parameters if n != "self"]
+    runtime = _runtime_scalar_params(kernel)
+    sig = []
+    for i, a in enumerate(args):
+        name = names[i] if i < len(names) else f"arg{i}"
+        if isinstance(a, CuteRuntimeTensor):
+            sig.append((name, "tensor", *tensor_signature(a)))
+        elif name in runtime or type(a).__name__ == "CUstream":
+            sig.append((name, "runtime", type(a).__name__))
+        else:
+            sig.append((name, "constant", type(a).__name__, repr(a)))
+    return tuple(sig)
+
+
+def compile_key(kernel, args):
+    """Everything the code compiled for (kernel, args) depends on; see the table above."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    return (kernel_config(kernel), arg_signature(kernel, args), device)
+
+
+def cached_compile(kernel, *args):
+    """cute.compile(kernel, *args), once per compile_key(kernel, args): a compiled kernel only
+    ever runs on arguments of the types it was compiled for."""
+    key = compile_key(kernel, args)
     fn = _CACHE.get(key)
     if fn is None:
         fn = cute.compile(kernel, *args)
         _CACHE[key] = fn
     return fn
+
+
+def clear_cache():
+    """Forget every compiled kernel (the next launch of each compiles again)."""
+    _CACHE.clear()
+
+
+def cache_size():
+    return len(_CACHE)
 
 
 # Instruction families counted in the PTX; the regex matches at the start of a statement.
@@ -170,16 +265,19 @@ def compile_for_arch(kernel, args, arch):
         return compiled.artifacts.PTX, compiled.artifacts.CUBIN
 
 
-def compile_only(stage, track, dtype=torch.bfloat16, shape=None, scale=None, resources=True):
+def compile_only(
+    stage, track, dtype=torch.bfloat16, shape=None, scale=None, resources=True, **options
+):
     """Compile stage `stage` of `track` for its arch (sm_90a / sm_100a) with fake tensors: no GPU
-    needed. Returns a CompileReport with PTX, CUBIN and instruction counts."""
+    needed. Returns a CompileReport with PTX, CUBIN and instruction counts. `options` go to the
+    stage's compile_args by keyword (a later stage's causal=..., window=..., head counts)."""
     if track not in ARCH_OF_TRACK:
         raise ValueError(f"track = {track!r}; allowed: {', '.join(ARCH_OF_TRACK)}")
     arch = ARCH_OF_TRACK[track]
     st = stages.stage(stage)
     shape = tuple(shape or st.compile_shape)
     mod = stages.track_module(stage, track)
-    kernel, args = mod.compile_args(dtype, shape, scale)
+    kernel, args = mod.compile_args(dtype, shape, scale, **options)
     t0 = time.perf_counter()
     ptx, cubin = compile_for_arch(kernel, args, arch)
     seconds = time.perf_counter() - t0

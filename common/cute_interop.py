@@ -24,10 +24,30 @@ def cute_dtype(torch_dtype):
         raise TypeError(f"no CuTe element type for {torch_dtype}") from None
 
 
-def to_cute(t, assumed_align=16):
-    """A CuTe view of a torch CUDA tensor (same memory, static shape and strides).
-    The kernels are compiled per shape, so static layouts let the compiler fold index math."""
-    return from_dlpack(t.detach(), assumed_align=assumed_align)
+def canonical_strides(t):
+    """The same tensor with every size-1 mode (other than the last) given one canonical stride:
+    the index into such a mode is always 0, so its stride never moves an address, but torch
+    leaves whatever the tensor came from (a B = 1 batch may have stride 0, 1 or anything). The
+    canonical stride is the tensor's span over its other modes (a non-zero multiple of 16 bytes
+    whenever the other strides are), so that B = 1, H = 1 or Sq = 1 share the compiled kernel of
+    a larger extent instead of compiling one per stray stride (see common/compile.py)."""
+    shape, stride = tuple(t.shape), list(t.stride())
+    span = max([n * s for n, s in zip(shape, stride) if n > 1 and s > 0] + [shape[-1]])
+    for d in range(t.dim() - 1):
+        if shape[d] == 1:
+            stride[d] = span
+    return t if tuple(stride) == t.stride() else t.as_strided(shape, stride)
+
+
+def to_cute(t, dynamic=False, assumed_align=16):
+    """A CuTe view of a torch CUDA tensor (same memory) with canonical size-1 strides.
+
+    dynamic=False: static shape and strides, folded into the code (one compile per layout).
+    dynamic=True: every extent and every stride but the last (D, contiguous) is a run-time value,
+    except a stride of 0 (an expanded tensor), which stays a static 0. Either way the cache key
+    of common.compile.cached_compile holds exactly what is static."""
+    c = from_dlpack(canonical_strides(t.detach()), assumed_align=assumed_align)
+    return c.mark_layout_dynamic(leading_dim=t.dim() - 1) if dynamic else c
 
 
 def fake_tensor(torch_dtype, shape, assumed_align=16, dynamic=False):

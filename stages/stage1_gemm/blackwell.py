@@ -329,8 +329,9 @@ class Sm100Kernel:
             tmem.free(tmem_ptr)
 
 
-def compile_args(dtype, shape, scale=None):
+def compile_args(dtype, shape, scale=None, **options):
     """(kernel, args) for cute.compile with fake tensors: shape = (M, N, K); scale is unused."""
+    checks.check_options(options, allowed=())
     M, N, K = shape
     kernel = Sm100Kernel(cute_dtype(dtype))
     args = (
@@ -348,6 +349,7 @@ def gemm(a, b):
     checks.check_tensor("b", b, rank=2)
     checks.check_same_dtype(("a", "b"), (a, b))
     checks.check_same_device(("a", "b"), (a, b))
+    checks.check_inference_only(("a", "b"), (a, b), "this GEMM kernel")
     checks.check_dim_eq("a", a, 1, "b", b, 1, "inner dimension K of C = A @ B^T")
     (M, K), N = a.shape, b.shape[0]
     checks.check_positive("M = a.shape[0]", M)
@@ -367,8 +369,7 @@ def gemm(a, b):
     with torch.cuda.device(a.device):
         c = empty_output((M, N), a.dtype, a.device)
         args = (to_cute(a), to_cute(b), to_cute(c))
-        # The CuTe views have static shapes and strides: one compiled kernel per layout.
-        key = ("stage1", "blackwell", a.dtype, a.shape, a.stride(), b.shape, b.stride())
-        compiled = cached_compile(key, Sm100Kernel(cute_dtype(a.dtype)), *args, current_stream())
+        # Static shapes and strides: one compiled kernel per layout (the cache key holds them).
+        compiled = cached_compile(Sm100Kernel(cute_dtype(a.dtype)), *args, current_stream())
         compiled(*args, current_stream())
     return c

@@ -343,8 +343,9 @@ class Sm90Kernel:
         )
 
 
-def compile_args(dtype, shape, scale=None):
+def compile_args(dtype, shape, scale=None, **options):
     """(kernel, args) for cute.compile with fake tensors, shape = (B, H, Sq, Sk, D)."""
+    checks.check_options(options, allowed=())
     B, H, Sq, Sk, D = shape
     q, k = (fake_tensor(dtype, (B, H, S, D), dynamic=True) for S in (Sq, Sk))
     s = fake_tensor(torch.float32, (B, H, Sq, Sk), dynamic=True)
@@ -364,11 +365,9 @@ def qk(q, k, scale=None):
         s = empty_output((B, H, Sq, Sk), torch.float32, q.device)
         # Dynamic shapes and strides: one compile per (dtype, D) serves every B, H, Sq, Sk. (A
         # static size-1 mode, B = 1 say, would be folded away and change the rank of the TMA.)
-        args = [to_cute(t).mark_layout_dynamic(leading_dim=3) for t in (q, k, s)] + [
+        args = [to_cute(t, dynamic=True) for t in (q, k, s)] + [
             scale,
             current_stream(),
         ]
-        cached_compile(("stage2", "hopper", q.dtype, D), Sm90Kernel(cute_dtype(q.dtype), D), *args)(
-            *args
-        )
+        cached_compile(Sm90Kernel(cute_dtype(q.dtype), D), *args)(*args)
     return s

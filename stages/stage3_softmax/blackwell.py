@@ -550,8 +550,9 @@ class Sm100Kernel:
             tmem.free(tmem_ptr)
 
 
-def compile_args(dtype, shape, scale=None):
+def compile_args(dtype, shape, scale=None, **options):
     """(kernel, args) for cute.compile with fake tensors: shape = (B, H, Sq, Sk, D)."""
+    checks.check_options(options, allowed=())
     B, H, Sq, Sk, D = shape
     kernel = Sm100Kernel(cute_dtype(dtype), D)
     q, k, v = (
@@ -584,12 +585,11 @@ def attention(q, k, v, scale=None):
     with torch.cuda.device(q.device):
         o = empty_output((B, H, Sq, D), q.dtype, q.device)
         args = (to_cute(q), to_cute(k), to_cute(v), to_cute(o))
-        # The CuTe views have static shapes and strides: one compiled kernel per layout.
-        key = ("stage3", "blackwell", q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride())
+        # Static shapes and strides: one compiled kernel per layout (the cache key holds them).
         # exp(scale * x) = exp2(scale * log2(e) * x): the kernel takes the folded multiplier.
         scale_log2 = scale * math.log2(math.e)
         compiled = cached_compile(
-            key, Sm100Kernel(cute_dtype(q.dtype), D), *args, scale_log2, current_stream()
+            Sm100Kernel(cute_dtype(q.dtype), D), *args, scale_log2, current_stream()
         )
         compiled(*args, scale_log2, current_stream())
     return o

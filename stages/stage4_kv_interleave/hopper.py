@@ -553,8 +553,9 @@ class Sm90Kernel:
             acc_S_mn[r, None].store(p * cute.arch.rcp_approx(row_sum[r]))
 
 
-def compile_args(dtype, shape, scale=None):
+def compile_args(dtype, shape, scale=None, **options):
     """(kernel, args) for cute.compile with fake tensors, shape = (B, H, Sq, Sk, D)."""
+    checks.check_options(options, allowed=())
     B, H, Sq, Sk, D = shape
     q, k, v = (fake_tensor(dtype, (B, H, S, D), dynamic=True) for S in (Sq, Sk, Sk))
     o = fake_tensor(dtype, (B, H, Sq, D), dynamic=True)
@@ -579,11 +580,9 @@ def attention(q, k, v, scale=None):
         o = empty_output((B, H, Sq, D), q.dtype, q.device)
         # Dynamic shapes and strides: one compile per (dtype, D) serves every B, H, Sq, Sk. (A
         # static size-1 mode, B = 1 say, would be folded away and change the rank of the TMA.)
-        args = [to_cute(t).mark_layout_dynamic(leading_dim=3) for t in (q, k, v, o)] + [
+        args = [to_cute(t, dynamic=True) for t in (q, k, v, o)] + [
             scale,
             current_stream(),
         ]
-        cached_compile(("stage4", "hopper", q.dtype, D), Sm90Kernel(cute_dtype(q.dtype), D), *args)(
-            *args
-        )
+        cached_compile(Sm90Kernel(cute_dtype(q.dtype), D), *args)(*args)
     return o
