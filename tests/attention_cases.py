@@ -141,6 +141,27 @@ _SHARED = [
         r"Sk = k\.shape\[2\] = 0 must be positive",
     ),
     BadInput(
+        "q_requires_grad",
+        "cuda",
+        lambda q, k, v: (q.requires_grad_(), k, v),
+        RuntimeError,
+        r"argument 'q' requires grad and autograd is on, .* is forward-only.*torch\.no_grad\(\)",
+    ),
+    BadInput(
+        "q_broadcast",
+        "cuda",
+        lambda q, k, v: (q[:, :1].expand_as(q), k, v),
+        ValueError,
+        r"argument 'q': dimension 1 has stride 0 .*this argument may not be broadcast",
+    ),
+    BadInput(
+        "k_broadcast_over_keys",
+        "cuda",
+        lambda q, k, v: (q, k[:, :, :1].expand_as(k), v[:, :, :1].expand_as(v)),
+        ValueError,
+        r"argument 'k': dimension 2 has stride 0 .*only dimension\(s\) 0, 1 may be broadcast",
+    ),
+    BadInput(
         "scale_negative",
         "cuda",
         lambda q, k, v: (q, k, v),

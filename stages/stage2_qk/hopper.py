@@ -78,7 +78,7 @@ class Sm90Kernel:
         ]
 
         # Two m64n128k16 wgmma atoms stacked along M, one per warpgroup.
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+        qk_mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype,
             self.dtype,
             row_major.sm90_mma_major_mode(),
@@ -128,7 +128,7 @@ class Sm90Kernel:
         # One CTA per 128-row Q tile of one (head, batch).
         grid = (cute.ceil_div(q.shape[0], bM), q.shape[2], q.shape[3])
         self.kernel(
-            tiled_mma,
+            qk_mma,
             tma_atom_q,
             tma_q,
             tma_atom_k,
@@ -144,7 +144,7 @@ class Sm90Kernel:
     @cute.kernel
     def kernel(
         self,
-        tiled_mma: cute.TiledMma,
+        qk_mma: cute.TiledMma,
         tma_atom_q: cute.CopyAtom,
         mQ: cute.Tensor,
         tma_atom_k: cute.CopyAtom,
@@ -241,13 +241,13 @@ class Sm90Kernel:
         )
 
         # wgmma views of this thread's warpgroup: shared-memory descriptors for Q and K.
-        thr_mma = tiled_mma.get_slice(warpgroup_idx * 128)
+        qk_thr = qk_mma.get_slice(warpgroup_idx * 128)
         # (MMA, MMA_M, MMA_K, 1)
-        tSrQ = tiled_mma.make_fragment_A(thr_mma.partition_A(sQ))
+        tSrQ = qk_mma.make_fragment_A(qk_thr.partition_A(sQ))
         # (MMA, MMA_N, MMA_K, kv_slots)
-        tSrK = tiled_mma.make_fragment_B(thr_mma.partition_B(sKV))
+        tSrK = qk_mma.make_fragment_B(qk_thr.partition_B(sKV))
         # (MMA, MMA_M, MMA_N): 64 fp32 per thread
-        acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C(self.cta_tile[:2]), self.acc_dtype)
+        acc_S = cute.make_rmem_tensor(qk_thr.partition_shape_C(self.cta_tile[:2]), self.acc_dtype)
         k_blocks = cute.size(tSrQ, mode=[2])  # bK / 16 wgmma per K tile
 
         # 2. Main loop
@@ -276,11 +276,11 @@ class Sm90Kernel:
 
             # S = Q @ K_tile^T: bK / 16 asynchronous m64n128k16 steps, the first overwrites acc_S.
             warpgroup.fence()
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+            qk_mma.set(warpgroup.Field.ACCUMULATE, False)
             for k_block in cutlass.range_constexpr(k_blocks):
                 coord = (None, None, k_block, read_state.index)
-                cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k_block, 0], tSrK[coord], acc_S)
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                cute.gemm(qk_mma, acc_S, tSrQ[None, None, k_block, 0], tSrK[coord], acc_S)
+                qk_mma.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.commit_group()
 
             # The whole S tile is needed: wait for all wgmmas. Then the K slot is read: release
@@ -303,7 +303,7 @@ class Sm90Kernel:
             # S = scale * acc_S, kept in fp32, written to shared memory.
             r2s_copy = cute.make_tiled_copy_C(
                 sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.acc_dtype, self.acc_dtype),
-                tiled_mma,
+                qk_mma,
             )
             thr_r2s = r2s_copy.get_slice(tidx)
             # (R2S, R2S_M, R2S_N)

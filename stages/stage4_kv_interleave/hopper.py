@@ -80,7 +80,7 @@ class Sm90Kernel:
         k: cute.Tensor,
         v: cute.Tensor,
         o: cute.Tensor,
-        scale: cutlass.Float32,
+        scale_log2: cutlass.Float32,
         stream,
     ):
         bM, bN, bK = self.cta_tile
@@ -92,7 +92,7 @@ class Sm90Kernel:
         ]
 
         # S = Q @ K^T: two m64n128k16 wgmma atoms stacked along M, one per warpgroup.
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+        qk_mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype,
             self.dtype,
             row_major.sm90_mma_major_mode(),
@@ -102,7 +102,7 @@ class Sm90Kernel:
             tiler_mn=(64, bN),
         )
         # O = P @ V: two m64nDk16 atoms; A = P from registers, B = V^T, MN-major (D contiguous).
-        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+        pv_mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype,
             self.dtype,
             row_major.sm90_mma_major_mode(),
@@ -158,8 +158,8 @@ class Sm90Kernel:
         # One CTA per 128-row Q tile of one (head, batch).
         grid = (cute.ceil_div(q.shape[0], bM), q.shape[2], q.shape[3])
         self.kernel(
-            tiled_mma,
-            tiled_mma_pv,
+            qk_mma,
+            pv_mma,
             tma_atom_q,
             tma_q,
             tma_atom_k,
@@ -172,14 +172,14 @@ class Sm90Kernel:
             kv_smem_layout,
             vt_smem_layout,
             o_smem_layout,
-            scale,
+            scale_log2,
         ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(
         self,
-        tiled_mma: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
+        qk_mma: cute.TiledMma,
+        pv_mma: cute.TiledMma,
         tma_atom_q: cute.CopyAtom,
         mQ: cute.Tensor,
         tma_atom_k: cute.CopyAtom,
@@ -192,7 +192,7 @@ class Sm90Kernel:
         kv_smem_layout: cute.ComposedLayout,
         vt_smem_layout: cute.ComposedLayout,
         o_smem_layout: cute.ComposedLayout,
-        scale: cutlass.Float32,
+        scale_log2: cutlass.Float32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -291,28 +291,27 @@ class Sm90Kernel:
         )
 
         # wgmma views of this thread's warpgroup: shared-memory descriptors for Q, K and V^T.
-        thr_mma = tiled_mma.get_slice(warpgroup_idx * 128)
-        thr_mma_pv = tiled_mma_pv.get_slice(warpgroup_idx * 128)
+        qk_thr = qk_mma.get_slice(warpgroup_idx * 128)
+        pv_thr = pv_mma.get_slice(warpgroup_idx * 128)
         # (MMA, MMA_M, MMA_K, 1)
-        tSrQ = tiled_mma.make_fragment_A(thr_mma.partition_A(sQ))
+        tSrQ = qk_mma.make_fragment_A(qk_thr.partition_A(sQ))
         # (MMA, MMA_N, MMA_K, kv_slots)
-        tSrK = tiled_mma.make_fragment_B(thr_mma.partition_B(sKV))
+        tSrK = qk_mma.make_fragment_B(qk_thr.partition_B(sKV))
         # (MMA, MMA_N, MMA_K, kv_slots)
-        tOrVt = tiled_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt))
+        tOrVt = pv_mma.make_fragment_B(pv_thr.partition_B(sVt))
         # (MMA, MMA_M, MMA_N): 64 fp32 per thread
-        acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C(self.cta_tile[:2]), self.acc_dtype)
+        acc_S = cute.make_rmem_tensor(qk_thr.partition_shape_C(self.cta_tile[:2]), self.acc_dtype)
         # (MMA, MMA_M, MMA_N): (query row, key) within the tile of this thread's elements of acc_S
-        tScS = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((bM, bN)))
+        tScS = qk_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((bM, bN)))
         # (MMA, MMA_M, MMA_K): P in the input dtype, 32 registers per thread
-        tOrP = cute.make_rmem_tensor(thr_mma_pv.partition_shape_A((bM, bN)), self.dtype)
+        tOrP = cute.make_rmem_tensor(pv_thr.partition_shape_A((bM, bN)), self.dtype)
         # (MMA, MMA_M, MMA_N): bK / 2 fp32 per thread
-        acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((bM, bK)), self.acc_dtype)
+        acc_O = cute.make_rmem_tensor(pv_thr.partition_shape_C((bM, bK)), self.acc_dtype)
         k_blocks = cute.size(tSrQ, mode=[2])  # bK / 16 wgmma for S
         kv_blocks = cute.size(tOrP, mode=[2])  # bN / 16 wgmma for O
         # One value per row this thread holds (2): m and l of the softmax
         row_max = cute.make_rmem_tensor(cute.size(self.rows_view(acc_S), mode=[0]), self.acc_dtype)
         row_sum = cute.make_rmem_tensor_like(row_max)
-        scale_log2 = scale * math.log2(math.e)
 
         # 2. Main loop
         # Step t of the ring: K tile t in pass 1 (t < kv_tiles), then K and V tile t - kv_tiles in
@@ -347,11 +346,11 @@ class Sm90Kernel:
 
             # S = Q @ K_j^T: bK / 16 asynchronous m64n128k16 steps, the first overwrites acc_S.
             warpgroup.fence()
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+            qk_mma.set(warpgroup.Field.ACCUMULATE, False)
             for k_block in cutlass.range_constexpr(k_blocks):
                 coord = (None, None, k_block, k_state.index)
-                cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k_block, 0], tSrK[coord], acc_S)
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                cute.gemm(qk_mma, acc_S, tSrQ[None, None, k_block, 0], tSrK[coord], acc_S)
+                qk_mma.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.commit_group()
 
             # The whole S tile is needed: wait for all wgmmas. Then the K slot is read: release
@@ -375,7 +374,7 @@ class Sm90Kernel:
             row_sum[r] = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
 
         # Pass 2: S again, the final P, O += P @ V. K_j and V_j take turns in one slot.
-        tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, False)
+        pv_mma.set(warpgroup.Field.ACCUMULATE, False)
         for kv_tile in cutlass.range(kv_tiles, unroll=1):
             step = kv_tiles + kv_tile
             slot = step % self.kv_slots
@@ -386,11 +385,11 @@ class Sm90Kernel:
 
             # S = Q @ K_j^T: bK / 16 asynchronous m64n128k16 steps, the first overwrites acc_S.
             warpgroup.fence()
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+            qk_mma.set(warpgroup.Field.ACCUMULATE, False)
             for k_block in cutlass.range_constexpr(k_blocks):
                 coord = (None, None, k_block, k_state.index)
-                cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k_block, 0], tSrK[coord], acc_S)
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                cute.gemm(qk_mma, acc_S, tSrQ[None, None, k_block, 0], tSrK[coord], acc_S)
+                qk_mma.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.commit_group()
 
             # The hazard: V_j will overwrite K_j in this slot. Wait until the wgmmas reading K_j
@@ -419,8 +418,8 @@ class Sm90Kernel:
             warpgroup.fence()
             for kv_block in cutlass.range_constexpr(kv_blocks):
                 coord = (None, None, kv_block, v_state.index)
-                cute.gemm(tiled_mma_pv, acc_O, tOrP[None, None, kv_block], tOrVt[coord], acc_O)
-                tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+                cute.gemm(pv_mma, acc_O, tOrP[None, None, kv_block], tOrVt[coord], acc_O)
+                pv_mma.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.commit_group()
 
             # V_j is read: release the slot, and refill it with the K tile of step + kv_slots.
@@ -438,7 +437,7 @@ class Sm90Kernel:
         # O rounded to the input dtype, written to shared memory by stmatrix.
         r2s_copy = cute.make_tiled_copy_C(
             sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, self.acc_dtype),
-            tiled_mma_pv,
+            pv_mma,
         )
         thr_r2s = r2s_copy.get_slice(tidx)
         # (R2S, R2S_M, R2S_N)
@@ -564,7 +563,7 @@ def compile_args(dtype, shape, scale=None, **options):
         k,
         v,
         o,
-        checks.check_scale(scale, D),
+        checks.check_scale(scale, D) * math.log2(math.e),
         fake_stream(),
     )
 
@@ -575,13 +574,15 @@ def attention(q, k, v, scale=None):
     dtype."""
     B, H, Sq, Sk, D = checks.check_attention_args(q, k, v)
     scale = checks.check_scale(scale, D)
+    # exp(scale * x) = exp2(scale_log2 * x): the kernel takes the folded multiplier.
+    scale_log2 = scale * math.log2(math.e)
 
     with torch.cuda.device(q.device):
         o = empty_output((B, H, Sq, D), q.dtype, q.device)
         # Dynamic shapes and strides: one compile per (dtype, D) serves every B, H, Sq, Sk. (A
         # static size-1 mode, B = 1 say, would be folded away and change the rank of the TMA.)
         args = [to_cute(t, dynamic=True) for t in (q, k, v, o)] + [
-            scale,
+            scale_log2,
             current_stream(),
         ]
         cached_compile(Sm90Kernel(cute_dtype(q.dtype), D), *args)(*args)
