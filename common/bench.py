@@ -35,8 +35,10 @@ def tflops(flops, ms):
     return flops / (ms * 1e-3) / 1e12
 
 
-def sdpa_backend_fn(backend_name):
-    """torch SDPA pinned to one backend ('flash' or 'cudnn'), or None if it cannot run here."""
+def sdpa_backend_fn(backend_name, causal=False):
+    """torch SDPA pinned to one backend ('flash' or 'cudnn'), or None if it cannot run here.
+    causal=True is SDPA's is_causal (top-left aligned: the same mask as this tutorial's only
+    when Sq == Sk, which every benchmark shape has)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[
@@ -45,12 +47,12 @@ def sdpa_backend_fn(backend_name):
 
     def run(q, k, v):
         with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     return run
 
 
-def fa4_fn():
+def fa4_fn(causal=False):
     """FA4's CuTe DSL forward (flash_attn.cute), which takes (B, S, H, D); None if not importable."""
     try:
         from flash_attn.cute import flash_attn_func
@@ -60,7 +62,7 @@ def fa4_fn():
     def run(q, k, v):
         # q, k, v arrive as (B, H, S, D); FA4 wants (B, S, H, D): a transposed view costs nothing
         # only if the memory is already (B, S, H, D), so the caller passes pre-transposed copies.
-        return flash_attn_func(q, k, v)
+        return flash_attn_func(q, k, v, causal=causal)
 
     return run
 

@@ -5,6 +5,8 @@ Stage 2: QK^T against batched cuBLAS.
 Stage 3: attention with Sk = one KV tile against torch SDPA (flash and cuDNN backends).
 Stages 4 and 5: the FlashAttention paper shapes (B*S = 16k tokens, H*D = 2048, S = 512 ... 16k,
 D = 64 and 128, non-causal) against SDPA flash, SDPA cuDNN and FA4 when importable.
+Stage 6: the same shapes causal (FLOPs halved) against the same baselines run causal, and against
+stage 6 and stage 5 without a mask.
 Writes docs/results/bench_<gpu>_<date>.{md,json} and attention_<gpu>_<date>.png."""
 
 import argparse
@@ -32,7 +34,7 @@ def measure(case, names=None):
     sets = [case.args] + [tuple(t.clone() for t in case.args) for _ in range(n_sets - 1)]
     out = {}
     with no_poison():
-        entry = getattr(
+        entry = case.fn or getattr(
             stages.track_module(case.stage, arch.track()), stages.stage(case.stage).entry
         )
         entry(*case.args)  # compile outside the timed region
@@ -60,7 +62,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--stages", default="1,2,3,4,5", help="comma-separated stage numbers")
+    ap.add_argument("--stages", default="1,2,3,4,5,6", help="comma-separated stage numbers")
     ap.add_argument("--seqlens", default=",".join(map(str, SEQLENS)))
     ap.add_argument("--headdims", default="64,128")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
@@ -189,6 +191,50 @@ def main(argv=None):
                     )
                     print("  " + ", ".join(f"{k} {v[1]:.0f}" for k, v in row.items()), flush=True)
             lines.append("")
+    causal_curves = {}
+    if 6 in want and stages.available(6, track):
+        lines += [
+            "## Stage 6: causal attention with tile skipping, paper shapes (B*S = 16k, H*D = 2048), "
+            "TFLOP/s (causal FLOPs halved)",
+            "",
+            "Every column is causal except `stage 6 full` and `stage 5 full` (no mask, same shape). "
+            "`own` = stage 6 causal / stage 6 full (goal >= 0.9 from S = 4k: tile skipping "
+            "works); `vs flash` = stage 6 causal / SDPA flash causal (goal >= 1.3).",
+            "",
+        ]
+        for D in headdims:
+            cols = ["stage 6", "stage 6 full", "stage 5 full", "SDPA flash", "SDPA cuDNN", "FA4"]
+            lines += [
+                f"### D = {D}",
+                "",
+                "| S | " + " | ".join(cols) + " | own | vs flash |",
+                "|" + " --- |" * (len(cols) + 3),
+            ]
+            for S in seqlens:
+                shape = paper_shape(S, D)
+                print(f"stage 6: {shape} causal ...", flush=True)
+                row = measure(make_case(6, track, shape, dtype, with_fa4=True, causal=True))
+                full6 = measure(make_case(6, track, shape, dtype), names=())
+                row["stage 6 full"] = full6["stage 6"]
+                if stages.available(5, track):
+                    full5 = measure(make_case(5, track, shape, dtype), names=())
+                    row["stage 5 full"] = full5["stage 5"]
+                record("6", shape, row)
+                for key, v in row.items():
+                    causal_curves.setdefault((D, key), []).append((S, v[1]))
+                own = row["stage 6"][1] / row["stage 6 full"][1]
+                vs = (
+                    row["stage 6"][1] / row["SDPA flash"][1]
+                    if "SDPA flash" in row
+                    else float("nan")
+                )
+                lines.append(
+                    f"| {S} | "
+                    + " | ".join(f"{row[c][1]:.0f}" if c in row else "-" for c in cols)
+                    + f" | {own:.2f} | {vs:.2f} |"
+                )
+                print("  " + ", ".join(f"{k} {v[1]:.0f}" for k, v in row.items()), flush=True)
+            lines.append("")
     os.makedirs(args.out, exist_ok=True)
     tag = f"{gpu.replace('NVIDIA ', '').replace(' ', '_').lower()}_{date}" + (
         "" if args.dtype == "bf16" else f"_{args.dtype}"
@@ -204,6 +250,14 @@ def main(argv=None):
             curves,
             f"Attention forward on {gpu}, {date} ({args.dtype}, non-causal)",
             os.path.join(args.out, f"attention_{tag}.png"),
+        )
+    if causal_curves:
+        from .plots import plot_attention_bench
+
+        plot_attention_bench(
+            causal_curves,
+            f"Causal attention forward on {gpu}, {date} ({args.dtype}; stage 6/5 full: no mask)",
+            os.path.join(args.out, f"causal_{tag}.png"),
         )
     print("\n".join(lines))
     print(

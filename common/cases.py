@@ -21,13 +21,15 @@ class Case:
     flops: int
     baselines: dict  # name -> fn(*args) timed next to the kernel
     rtol: float
+    fn: callable = None  # fn(*args): the kernel call that is timed (default: the entry itself)
 
 
 def _entry(n, track):
     return getattr(stages.track_module(n, track), stages.stage(n).entry)
 
 
-def make_case(n, track, shape, dtype=torch.bfloat16, seed=0, with_fa4=False):
+def make_case(n, track, shape, dtype=torch.bfloat16, seed=0, with_fa4=False, causal=False):
+    """causal (stage 6 on): the kernel and every baseline run causal, FLOPs halved."""
     entry = _entry(n, track)
     if n == 1:
         M, N, K = shape
@@ -65,11 +67,22 @@ def make_case(n, track, shape, dtype=torch.bfloat16, seed=0, with_fa4=False):
             1e-4,
         )
     base = {
-        "SDPA flash": bench.sdpa_backend_fn("flash"),
-        "SDPA cuDNN": bench.sdpa_backend_fn("cudnn"),
+        "SDPA flash": bench.sdpa_backend_fn("flash", causal),
+        "SDPA cuDNN": bench.sdpa_backend_fn("cudnn", causal),
     }
     if with_fa4 and bench.fa4_fn() is not None:
-        base["FA4"] = bench.fa4_fn()
+        base["FA4"] = bench.fa4_fn(causal)
+    mask = None
+    if n >= 6:
+        from . import masks
+
+        fn = lambda q, k, v: entry(q, k, v, causal=causal)  # noqa: E731
+        if causal:
+            mask = masks.visible(Sq, Sk, *masks.resolve_window(True, None, Sq, Sk), q.device)
+    else:
+        if causal:
+            raise ValueError(f"stage {n} has no causal mask (stage 6 adds it)")
+        fn = entry
     # bf16 P and a bf16 output: about 1e-2 relative at most, and within a small multiple of
     # PyTorch's own bf16 attention error.
     return Case(
@@ -77,10 +90,11 @@ def make_case(n, track, shape, dtype=torch.bfloat16, seed=0, with_fa4=False):
         shape,
         dtype,
         (q, k, v),
-        lambda: entry(q, k, v),
-        lambda: reference.attention_ref(q, k, v)[0],
-        lambda: reference.attention_lowp(q, k, v),
-        reference.attention_flops(B, H, Sq, Sk, D),
+        lambda: fn(q, k, v),
+        lambda: reference.attention_ref(q, k, v, mask=mask)[0],
+        lambda: reference.attention_lowp(q, k, v, mask=mask),
+        reference.attention_flops(B, H, Sq, Sk, D, causal),
         base,
         1e-2,
+        fn,
     )

@@ -179,6 +179,7 @@ def check_attention(
     torch_factor=3.0,
     floor=None,
     lse_rtol=1e-4,
+    mask=None,
 ):
     """O = softmax(scale * Q K^T) V (and LSE, when given) against the fp64 reference computed from
     the same q, k, v; raises AssertionError with the full report. Returns (O's CheckResult, LSE's
@@ -201,22 +202,43 @@ def check_attention(
         raise AssertionError(
             f"{name}: got shape {tuple(o.shape)} {o.dtype}, expected {tuple(q.shape)} {q.dtype}"
         )
-    o_ref, lse_ref = reference.attention_ref(q, k, v, scale)
+    o_ref, lse_ref = reference.attention_ref(q, k, v, scale, mask=mask)
     if floor is None:
         floor = unit_roundoff(q.dtype)
+    if lse is not None and (lse.shape != q.shape[:3] or lse.dtype != torch.float32):
+        raise AssertionError(
+            f"LSE of {name}: got shape {tuple(lse.shape)} {lse.dtype}, expected {tuple(q.shape[:3])} float32"
+        )
+    # Rows that see no key (a mask): O must be exactly 0 there and LSE exactly -inf, never NaN.
+    empty = ~torch.isfinite(lse_ref)
+    if empty.any():
+        bad = (o[empty] != 0).any(-1)
+        if bad.any():
+            where = tuple(int(x) for x in empty.nonzero()[int(bad.nonzero()[0])])
+            raise AssertionError(
+                f"{name}: {int(bad.sum())} row(s) that see no key have O != 0 (first at (b, h, "
+                f"row) = {where}: {o[where][:4].tolist()} ...)"
+            )
+        if lse is not None and not (lse[empty] == float("-inf")).all():
+            where = tuple(
+                int(x) for x in empty.nonzero()[int((lse[empty] != float("-inf")).nonzero()[0])]
+            )
+            raise AssertionError(
+                f"LSE of {name}: rows that see no key must have LSE = -inf; at (b, h, row) = "
+                f"{where} got {lse[where].item()}"
+            )
+        if empty.all():
+            return None, None
     o_result = check_close_floor(
         name,
         o,
         o_ref,
         rtol=rtol,
-        torch_lowp=reference.attention_lowp(q, k, v, scale),
+        torch_lowp=reference.attention_lowp(q, k, v, scale, mask=mask),
         torch_factor=torch_factor,
         floor=floor,
     )
     if lse is None:
         return o_result, None
-    if lse.shape != q.shape[:3] or lse.dtype != torch.float32:
-        raise AssertionError(
-            f"LSE of {name}: got shape {tuple(lse.shape)} {lse.dtype}, expected {tuple(q.shape[:3])} float32"
-        )
-    return o_result, check_close(f"LSE of {name}", lse, lse_ref, rtol=lse_rtol)
+    seen = ~empty
+    return o_result, check_close(f"LSE of {name}", lse[seen], lse_ref[seen], rtol=lse_rtol)

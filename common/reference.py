@@ -15,21 +15,35 @@ def qk_ref(q, k, scale=None, dtype=torch.float64):
     return scale * (q.to(dtype) @ k.to(dtype).transpose(-1, -2))
 
 
-def attention_ref(q, k, v, scale=None, dtype=torch.float64):
-    """O = softmax(scale * Q K^T) V and LSE = logsumexp(scale * Q K^T) (natural log), per row."""
+def attention_ref(q, k, v, scale=None, dtype=torch.float64, mask=None):
+    """O = softmax(scale * Q K^T) V and LSE = logsumexp(scale * Q K^T) (natural log), per row.
+
+    mask: an optional boolean (Sq, Sk) tensor (or one that broadcasts to (B, H, Sq, Sk)), True
+    where a query sees a key (common.masks.visible). A row that sees no key gets O = 0 and
+    LSE = -inf, the convention of the kernels (and FlashAttention's)."""
     s = qk_ref(q, k, scale, dtype)
+    if mask is not None:
+        s = s.masked_fill(~mask.to(s.device), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None])
+    finite = torch.isfinite(lse)[..., None]
+    p = torch.where(finite, torch.exp(s - torch.where(finite, lse[..., None], 0.0)), 0.0)
     return p @ v.to(dtype), lse
 
 
-def attention_lowp(q, k, v, scale=None):
+def attention_lowp(q, k, v, scale=None, mask=None):
     """The same attention computed by PyTorch in the inputs' own precision (SDPA math backend):
-    its error against the fp64 reference is the yardstick the kernels are held to."""
+    its error against the fp64 reference is the yardstick the kernels are held to. With a mask,
+    rows that see no key are set to 0 (SDPA's math backend may give NaN there)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel(SDPBackend.MATH):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+        if mask is None:
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+        mask = mask.to(q.device)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return torch.where(
+            mask.any(-1)[..., None], o, torch.zeros((), dtype=o.dtype, device=o.device)
+        )
 
 
 def attention_flops(B, H, Sq, Sk, D, causal=False):

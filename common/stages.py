@@ -62,6 +62,15 @@ STAGES = (
         (2, 4, 512, 1024, 128),
         (2, 16, 8192, 8192, 128),
     ),
+    Stage(
+        6,
+        "stage6_masks",
+        "attention",
+        "causal and window masks",
+        "the KV-tile range of a Q tile, skipped tiles, element masks only on edge tiles",
+        (2, 4, 512, 1024, 128),
+        (2, 16, 8192, 8192, 128),
+    ),
 )
 
 BY_NUMBER = {s.number: s for s in STAGES}

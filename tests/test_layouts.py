@@ -21,7 +21,11 @@ ENTRIES = {
     3: ("stage3_softmax", "attention"),
     4: ("stage4_kv_interleave", "attention"),
     5: ("stage5_online_softmax", "attention"),
+    6: ("stage6_masks", "attention"),
 }
+# Stage 6 cycles through these masks along the sequence, so that a kernel is also never reused
+# across masks it was not compiled for: (causal, window).
+MASKS = [(True, None), (False, (64, 0)), (False, None), (True, (100, None)), (False, (30, 30))]
 TRACK_MARK = {"hopper": pytest.mark.gpu_hopper, "blackwell": pytest.mark.gpu_blackwell}
 BF16, FP16 = torch.bfloat16, torch.float16
 
@@ -117,19 +121,19 @@ def attention_sequence(max_sk=None, sk_multiple=1):
 
 # What each stage accepts (the same on both tracks): stage 3 is a single KV tile (Sk <= 128),
 # stage 2 writes fp32 rows of S that TMA stores from 16-byte boundaries (Sk % 4 == 0).
-LIMITS = {2: {"sk_multiple": 4}, 3: {"max_sk": 128}, 4: {}, 5: {}}
+LIMITS = {2: {"sk_multiple": 4}, 3: {"max_sk": 128}, 4: {}, 5: {}, 6: {}}
 
 
-def check_output(stage, out, q, k, v, label):
+def check_output(stage, out, q, k, v, label, mask=None):
     name = f"stage {stage} [{label}]"
     if stage == 2:
         scale = q.shape[-1] ** -0.5
         torch_lowp = (q @ k.transpose(-1, -2)) * scale
         # S in fp32: only wgmma's fp32 accumulation order separates it from fp64 (~1e-6).
         checker.check_close(name, out, reference.qk_ref(q, k), rtol=1e-4, torch_lowp=torch_lowp)
-    elif stage == 5:
+    elif stage >= 5:
         o, lse = out
-        checker.check_attention(name, o, q, k, v, lse=lse)
+        checker.check_attention(name, o, q, k, v, lse=lse, mask=mask)
     else:
         checker.check_attention(name, out, q, k, v)
 
@@ -139,21 +143,34 @@ def check_output(stage, out, q, k, v, label):
     [
         pytest.param(s, t, marks=TRACK_MARK[t], id=f"stage{s}-{t}")
         for t in ("hopper", "blackwell")
-        for s in (2, 3, 4, 5)
+        for s in (2, 3, 4, 5, 6)
     ],
 )
 def test_attention_entry_alternating_layouts(stage, track):
+    from common import masks
+
     fn = entry(stage, track)
     for i, (label, layout, shape, dtype) in enumerate(attention_sequence(**LIMITS[stage])):
         q, k, v = layout(*shape, dtype, seed=100 + i)
+        mask = None
         with torch.no_grad():
             if stage == 2:
                 out = deadline(lambda: fn(q, k), label)
             elif stage == 5:
                 out = deadline(lambda: fn(q, k, v, return_lse=True), label)
+            elif stage == 6:
+                causal, window = MASKS[i % len(MASKS)]
+                label += f", causal={causal}, window={window}"
+                out = deadline(
+                    lambda: fn(q, k, v, causal=causal, window=window, return_lse=True), label
+                )
+                Sq, Sk = q.shape[2], k.shape[2]
+                mask = masks.visible(Sq, Sk, *masks.resolve_window(causal, window, Sq, Sk), "cuda")
             else:
                 out = deadline(lambda: fn(q, k, v), label)
-        check_output(stage, out, q.detach(), k.detach(), v.detach() if stage > 2 else None, label)
+        check_output(
+            stage, out, q.detach(), k.detach(), v.detach() if stage > 2 else None, label, mask
+        )
 
 
 @pytest.mark.parametrize(
@@ -161,7 +178,7 @@ def test_attention_entry_alternating_layouts(stage, track):
     [
         pytest.param(s, t, marks=TRACK_MARK[t], id=f"stage{s}-{t}")
         for t in ("hopper", "blackwell")
-        for s in (2, 3, 4, 5)
+        for s in (2, 3, 4, 5, 6)
     ],
 )
 def test_attention_entry_refuses_then_recovers(stage, track):
@@ -181,7 +198,7 @@ def test_attention_entry_refuses_then_recovers(stage, track):
     k = k.detach()
     if stage == 2:
         out = deadline(lambda: fn(q, k), "after refusals")
-    elif stage == 5:
+    elif stage >= 5:
         out = deadline(lambda: fn(q, k, v, return_lse=True), "after refusals")
     else:
         out = deadline(lambda: fn(q, k, v), "after refusals")
