@@ -7,6 +7,8 @@ Stages 4 and 5: the FlashAttention paper shapes (B*S = 16k tokens, H*D = 2048, S
 D = 64 and 128, non-causal) against SDPA flash, SDPA cuDNN and FA4 when importable.
 Stage 6: the same shapes causal (FLOPs halved) against the same baselines run causal, and against
 stage 6 and stage 5 without a mask.
+Stage 7: GQA 32/8 against its own MHA, FA4 and cuDNN; packed sequences against FA4's varlen and a
+padded SDPA batch.
 Writes docs/results/bench_<gpu>_<date>.{md,json} and attention_<gpu>_<date>.png."""
 
 import argparse
@@ -58,11 +60,164 @@ def measure(case, names=None):
     return out
 
 
+def _time(fn, sets):
+    fn(*sets[0])
+    return bench.time_ms(fn, sets)
+
+
+def stage7_rows(track, dtype, record):
+    """GQA 32 query / 8 KV heads (D = 128, B x S = 16k) against this stage's own MHA at the same
+    shape, FA4 and SDPA cuDNN with enable_gqa; packed sequences (16 of 64-2047 tokens, fixed
+    seed, H = 16, D = 128, FLOPs of the real tokens only) against FA4's varlen and the same
+    batch padded to the longest sequence through SDPA cuDNN."""
+    import importlib
+
+    from . import inputs, reference
+
+    mod = importlib.import_module(f"stages.stage7_gqa_varlen.{track}")
+    fa4 = None
+    try:
+        import flash_attn.cute as fa
+
+        fa4 = fa
+    except Exception:
+        pass
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def cudnn(q, k, v, causal):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1]
+            )
+
+    lines = [
+        "## Stage 7: GQA (32 query / 8 KV heads, D = 128, B*S = 16k), TFLOP/s",
+        "",
+        "`GQA / MHA` = stage 7 GQA over stage 7 with 32 KV heads at the same shape (goal >= 0.95).",
+        "",
+        "| S | causal | stage 7 GQA | stage 7 MHA | GQA / MHA | FA4 | SDPA cuDNN |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    with no_poison():
+        for S in (2048, 8192):
+            B, H, Hkv, D = 16384 // S, 32, 8, 128
+            for causal in (False, True):
+                q, _, _ = inputs.attention_inputs(B, H, S, S, D, dtype, seed=1)
+                _, k, v = inputs.attention_inputs(B, Hkv, S, S, D, dtype, seed=2)
+                _, kf, vf = inputs.attention_inputs(B, H, S, S, D, dtype, seed=3)
+                flops = reference.attention_flops(B, H, S, S, D, causal)
+                row = {}
+                row["stage 7 GQA"] = _time(
+                    lambda q, k, v: mod.attention(q, k, v, causal=causal), [(q, k, v)]
+                )
+                row["stage 7 MHA"] = _time(
+                    lambda q, k, v: mod.attention(q, k, v, causal=causal), [(q, kf, vf)]
+                )
+                if fa4 is not None:
+                    t = [tuple(x.transpose(1, 2).contiguous() for x in (q, k, v))]
+                    row["FA4"] = _time(
+                        lambda q, k, v: fa4.flash_attn_func(q, k, v, causal=causal), t
+                    )
+                try:
+                    row["SDPA cuDNN"] = _time(lambda q, k, v: cudnn(q, k, v, causal), [(q, k, v)])
+                except Exception as e:
+                    print(f"    SDPA cuDNN GQA: not available ({type(e).__name__})", flush=True)
+                tf = {name: bench.tflops(flops, ms) for name, ms in row.items()}
+                record("7 gqa", (B, H, Hkv, S, D, causal), {k: (row[k], tf[k]) for k in row})
+                g = lambda n: f"{tf[n]:.0f}" if n in tf else "-"  # noqa: E731
+                ratio = tf["stage 7 GQA"] / tf["stage 7 MHA"]
+                lines.append(
+                    f"| {S} | {causal} | {g('stage 7 GQA')} | {g('stage 7 MHA')} | {ratio:.2f} | {g('FA4')} | {g('SDPA cuDNN')} |"
+                )
+                print("  " + lines[-1], flush=True)
+        lines += [
+            "",
+            "## Stage 7: packed sequences (16 of 64-2047 tokens, H = 16, D = 128), useful TFLOP/s",
+            "",
+            "FLOPs of the real tokens only; `padded SDPA` runs the same batch padded to the longest "
+            "sequence (B = 16) through SDPA cuDNN with a key-padding mask (goal: stage 7 >= 2x it).",
+            "",
+            "| causal | stage 7 varlen | FA4 varlen | padded SDPA cuDNN | stage 7 / padded |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        g = torch.Generator().manual_seed(2026)
+        lens = torch.randint(64, 2048, (16,), generator=g).tolist()
+        H, D = 16, 128
+        total, longest = sum(lens), max(lens)
+        cu = torch.tensor(
+            [0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda"
+        )
+        q, k, v = (torch.randn(total, H, D, device="cuda").to(dtype) for _ in range(3))
+        padded = [torch.zeros(16, H, longest, D, device="cuda", dtype=dtype) for _ in range(3)]
+        keep = torch.zeros(16, longest, dtype=torch.bool, device="cuda")
+        for b, n in enumerate(lens):
+            for t, src in zip(padded, (q, k, v)):
+                t[b, :, :n] = src[cu[b] : cu[b] + n].transpose(0, 1)
+            keep[b, :n] = True
+        for causal in (False, True):
+            flops = sum(reference.attention_flops(1, H, n, n, D, causal) for n in lens)
+            row = {}
+            row["stage 7"] = _time(
+                lambda q, k, v: mod.attention_varlen(
+                    q, k, v, cu, cu, longest, longest, causal=causal
+                ),
+                [(q, k, v)],
+            )
+            if fa4 is not None:
+                try:
+                    row["FA4"] = _time(
+                        lambda q, k, v: fa4.flash_attn_varlen_func(
+                            q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=causal
+                        ),
+                        [(q, k, v)],
+                    )
+                except Exception as e:
+                    print(
+                        f"    FA4 varlen: not available ({type(e).__name__}: {str(e)[:100]})",
+                        flush=True,
+                    )
+            qi = torch.arange(longest, device="cuda")
+            mask = keep[:, None, None, :]
+            if causal:
+                mask = mask & (qi[None, :] <= qi[:, None])[None, None]
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                try:
+                    row["padded"] = _time(
+                        lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+                            q, k, v, attn_mask=mask
+                        ),
+                        [tuple(padded)],
+                    )
+                except Exception as e:
+                    # cuDNN without the padding mask does the same padded work (the pad rows'
+                    # results are discarded); is_causal is its own causal mask.
+                    print(
+                        f"    padded SDPA cuDNN with a mask: {type(e).__name__}; timing it without",
+                        flush=True,
+                    )
+                    row["padded"] = _time(
+                        lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+                            q, k, v, is_causal=causal
+                        ),
+                        [tuple(padded)],
+                    )
+            tf = {name: bench.tflops(flops, ms) for name, ms in row.items()}
+            record("7 varlen", (16, H, total, D, causal), {k: (row[k], tf[k]) for k in row})
+            gg = lambda n: f"{tf[n]:.0f}" if n in tf else "-"  # noqa: E731
+            ratio = tf["stage 7"] / tf["padded"] if "padded" in tf else float("nan")
+            lines.append(
+                f"| {causal} | {gg('stage 7')} | {gg('FA4')} | {gg('padded')} | {ratio:.2f} |"
+            )
+            print("  " + lines[-1], flush=True)
+    lines.append("")
+    return lines
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--stages", default="1,2,3,4,5,6", help="comma-separated stage numbers")
+    ap.add_argument("--stages", default="1,2,3,4,5,6,7", help="comma-separated stage numbers")
     ap.add_argument("--seqlens", default=",".join(map(str, SEQLENS)))
     ap.add_argument("--headdims", default="64,128")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
@@ -235,6 +390,8 @@ def main(argv=None):
                 )
                 print("  " + ", ".join(f"{k} {v[1]:.0f}" for k, v in row.items()), flush=True)
             lines.append("")
+    if 7 in want and stages.available(7, track):
+        lines += stage7_rows(track, dtype, record)
     os.makedirs(args.out, exist_ok=True)
     tag = f"{gpu.replace('NVIDIA ', '').replace(' ', '_').lower()}_{date}" + (
         "" if args.dtype == "bf16" else f"_{args.dtype}"

@@ -140,10 +140,12 @@ def check_inference_only(names, tensors, what):
 KV_BROADCAST_DIMS = (0, 1)
 
 
-def check_attention_args(q, k, v=None, *, head_dims=(64, 128), kv_broadcast_dims=KV_BROADCAST_DIMS):
-    """Common checks for stages 2-5: (B, H, S, D) tensors in one dtype and device, matching B, H
+def check_attention_args(
+    q, k, v=None, *, head_dims=(64, 128), kv_broadcast_dims=KV_BROADCAST_DIMS, kv_heads=False
+):
+    """Common checks for stages 2-7: (B, H, S, D) tensors in one dtype and device, matching B, H
     and D, a supported head dim, no input that requires grad under autograd. Returns
-    (B, H, Sq, Sk, D)."""
+    (B, H, Sq, Sk, D). kv_heads=True (stage 7 on): K and V may have Hkv heads, H % Hkv == 0."""
     check_tensor("q", q, rank=4)
     check_tensor("k", k, rank=4, broadcast_dims=kv_broadcast_dims)
     names, ts = ["q", "k"], [q, k]
@@ -155,6 +157,9 @@ def check_attention_args(q, k, v=None, *, head_dims=(64, 128), kv_broadcast_dims
     check_same_device(names, ts)
     check_inference_only(names, ts, "this attention kernel")
     for d, what in ((0, "batch"), (1, "heads"), (3, "head dim")):
+        if d == 1 and kv_heads:
+            check_head_groups(q.shape[1], k.shape[1])
+            continue
         check_dim_eq("q", q, d, "k", k, d, what)
     if v is not None:
         for d, what in ((0, "batch"), (1, "heads"), (2, "key length"), (3, "head dim")):
@@ -176,3 +181,100 @@ def check_options(options, allowed):
             f"unknown option(s) {', '.join(unknown)}; this stage takes "
             + (", ".join(allowed) if allowed else "none")
         )
+
+
+def check_head_groups(H, Hkv):
+    """GQA / MQA: every KV head serves the same number of query heads."""
+    if Hkv <= 0 or H % Hkv != 0:
+        raise ValueError(
+            f"heads: H = {H} query heads must be a multiple of Hkv = {Hkv} KV heads "
+            "(query head h reads KV head h // (H // Hkv))"
+        )
+
+
+def check_varlen_args(q, k, v, *, head_dims=(64, 128)):
+    """Packed sequences: q (total_q, H, D), k and v (total_k, Hkv, D), one dtype and device,
+    H % Hkv == 0, a supported head dim. Returns (total_q, H, D)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, rank=3)
+    check_same_dtype(("q", "k", "v"), (q, k, v))
+    check_same_device(("q", "k", "v"), (q, k, v))
+    check_inference_only(("q", "k", "v"), (q, k, v), "this attention kernel")
+    check_head_groups(q.shape[1], k.shape[1])
+    check_dim_eq("q", q, 2, "k", k, 2, "head dim")
+    for d, what in ((0, "key tokens"), (1, "KV heads"), (2, "head dim")):
+        check_dim_eq("k", k, d, "v", v, d, what)
+    check_choice(
+        "head dim D", q.shape[2], head_dims, "the tile configuration is specialised per head dim"
+    )
+    return tuple(q.shape)
+
+
+def check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """cu_seqlens_q and cu_seqlens_k: int32 CUDA tensors on q's device, rank 1, the same length
+    batch + 1 >= 2, starting at 0, non-decreasing, ending at q's and k's token counts; a given
+    max_seqlen must be an int at least the longest sequence. Reads both to the host (one small
+    copy). Returns (max_seqlen_q, max_seqlen_k)."""
+    lengths = {}
+    for name, cu, total in (
+        ("cu_seqlens_q", cu_seqlens_q, q.shape[0]),
+        ("cu_seqlens_k", cu_seqlens_k, k.shape[0]),
+    ):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise TypeError(
+                f"argument '{name}': dtype must be int32, got {str(cu.dtype).replace('torch.', '')}"
+            )
+        if cu.dim() != 1:
+            raise ValueError(
+                f"argument '{name}': expected a rank-1 tensor, got shape {tuple(cu.shape)}"
+            )
+        if cu.device != q.device:
+            raise ValueError(
+                f"argument '{name}': must be on q's device {q.device}, got {cu.device}"
+            )
+        if cu.shape[0] < 2:
+            raise ValueError(f"argument '{name}': needs batch + 1 >= 2 offsets, got {cu.shape[0]}")
+        if cu.stride(0) != 1:
+            raise ValueError(f"argument '{name}': must be contiguous, got stride {cu.stride(0)}")
+        host = cu.tolist()
+        if host[0] != 0:
+            raise ValueError(f"argument '{name}': must start at 0, got {host[0]}")
+        steps = [b - a for a, b in zip(host, host[1:])]
+        if min(steps) < 0:
+            i = steps.index(min(steps))
+            raise ValueError(
+                f"argument '{name}': offsets must be non-decreasing, but {name}[{i + 1}] = "
+                f"{host[i + 1]} < {name}[{i}] = {host[i]}"
+            )
+        if host[-1] != total:
+            raise ValueError(
+                f"argument '{name}': the last offset {host[-1]} must equal the number of tokens "
+                f"{total} ({'q' if name.endswith('q') else 'k'}.shape[0])"
+            )
+        lengths[name] = steps
+    if len(lengths["cu_seqlens_q"]) != len(lengths["cu_seqlens_k"]):
+        raise ValueError(
+            f"arguments 'cu_seqlens_q' and 'cu_seqlens_k' must describe the same number of "
+            f"sequences, got {len(lengths['cu_seqlens_q'])} and {len(lengths['cu_seqlens_k'])}"
+        )
+    out = []
+    for name, given, steps in (
+        ("max_seqlen_q", max_seqlen_q, lengths["cu_seqlens_q"]),
+        ("max_seqlen_k", max_seqlen_k, lengths["cu_seqlens_k"]),
+    ):
+        longest = max(steps)
+        if given is None:
+            out.append(longest)
+            continue
+        if isinstance(given, bool) or not isinstance(given, int):
+            raise TypeError(
+                f"argument '{name}': expected an int or None, got {type(given).__name__}"
+            )
+        if given < longest:
+            raise ValueError(
+                f"argument '{name}' = {given} is smaller than the longest sequence ({longest})"
+            )
+        out.append(given)
+    return tuple(out)

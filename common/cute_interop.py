@@ -14,6 +14,7 @@ _CUTE_DTYPE = {
     torch.bfloat16: cutlass.BFloat16,
     torch.float16: cutlass.Float16,
     torch.float32: cutlass.Float32,
+    torch.int32: cutlass.Int32,
 }
 
 
@@ -53,14 +54,15 @@ def to_cute(t, dynamic=False, assumed_align=16):
 def fake_tensor(torch_dtype, shape, assumed_align=16, dynamic=False):
     """A fake row-major tensor (last dim contiguous) for cute.compile without a GPU.
 
-    dynamic=True stands for `to_cute(t).mark_layout_dynamic(leading_dim=-1)`: every extent and
-    every stride but the last is a run-time value (strides keep 16-byte divisibility, as TMA
-    needs), so compile-only compiles the same code that a dynamic-layout launch runs."""
+    dynamic=True stands for `to_cute(t, dynamic=True)`: every extent and every stride but the
+    last is a run-time value, with the types mark_layout_dynamic gives them (32-bit extents,
+    64-bit strides, no divisibility known to the compiler), so that compile-only compiles the
+    same code that a launch runs. (A kernel that needs aligned strides, for 16-byte stores,
+    asserts them itself with cute.assume; check_tensor guarantees them at run time.)"""
     if dynamic:
-        esize = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}[torch_dtype]
         n = len(shape)
         extents = tuple(sym_int() for _ in range(n))
-        strides = tuple(sym_int(64, divisibility=16 // esize) for _ in range(n - 1)) + (1,)
+        strides = tuple(sym_int(64) for _ in range(n - 1)) + (1,)
         return make_fake_tensor(
             cute_dtype(torch_dtype), extents, strides, assumed_align=assumed_align
         )

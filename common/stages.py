@@ -71,6 +71,15 @@ STAGES = (
         (2, 4, 512, 1024, 128),
         (2, 16, 8192, 8192, 128),
     ),
+    Stage(
+        7,
+        "stage7_gqa_varlen",
+        "attention",
+        "GQA/MQA and packed sequences",
+        "KV heads shared through TMA coordinates, per-sequence offsets and bounds",
+        (2, 4, 512, 1024, 128),
+        (2, 16, 8192, 8192, 128),
+    ),
 )
 
 BY_NUMBER = {s.number: s for s in STAGES}

@@ -22,6 +22,7 @@ ENTRIES = {
     4: ("stage4_kv_interleave", "attention"),
     5: ("stage5_online_softmax", "attention"),
     6: ("stage6_masks", "attention"),
+    7: ("stage7_gqa_varlen", "attention"),
 }
 # Stage 6 cycles through these masks along the sequence, so that a kernel is also never reused
 # across masks it was not compiled for: (causal, window).
@@ -121,7 +122,7 @@ def attention_sequence(max_sk=None, sk_multiple=1):
 
 # What each stage accepts (the same on both tracks): stage 3 is a single KV tile (Sk <= 128),
 # stage 2 writes fp32 rows of S that TMA stores from 16-byte boundaries (Sk % 4 == 0).
-LIMITS = {2: {"sk_multiple": 4}, 3: {"max_sk": 128}, 4: {}, 5: {}, 6: {}}
+LIMITS = {2: {"sk_multiple": 4}, 3: {"max_sk": 128}, 4: {}, 5: {}, 6: {}, 7: {}}
 
 
 def check_output(stage, out, q, k, v, label, mask=None):
@@ -143,7 +144,7 @@ def check_output(stage, out, q, k, v, label, mask=None):
     [
         pytest.param(s, t, marks=TRACK_MARK[t], id=f"stage{s}-{t}")
         for t in ("hopper", "blackwell")
-        for s in (2, 3, 4, 5, 6)
+        for s in (2, 3, 4, 5, 6, 7)
     ],
 )
 def test_attention_entry_alternating_layouts(stage, track):
@@ -158,7 +159,7 @@ def test_attention_entry_alternating_layouts(stage, track):
                 out = deadline(lambda: fn(q, k), label)
             elif stage == 5:
                 out = deadline(lambda: fn(q, k, v, return_lse=True), label)
-            elif stage == 6:
+            elif stage >= 6:
                 causal, window = MASKS[i % len(MASKS)]
                 label += f", causal={causal}, window={window}"
                 out = deadline(
@@ -178,7 +179,7 @@ def test_attention_entry_alternating_layouts(stage, track):
     [
         pytest.param(s, t, marks=TRACK_MARK[t], id=f"stage{s}-{t}")
         for t in ("hopper", "blackwell")
-        for s in (2, 3, 4, 5, 6)
+        for s in (2, 3, 4, 5, 6, 7)
     ],
 )
 def test_attention_entry_refuses_then_recovers(stage, track):
@@ -299,3 +300,102 @@ def test_reported_sequences_in_fresh_processes(kinds):
     lines = p.stdout.split("\n")
     assert [ln.split()[0] for ln in lines if ln.strip()] == list(kinds), p.stdout
     print(p.stdout)
+
+
+# ---------------------------------------------------------------- stage 7: both entry points
+
+
+def _packed(lens_q, lens_k, H, Hkv, D, dtype, seed):
+    g = torch.Generator(device="cuda")
+    g.manual_seed(seed)
+    q = torch.randn(sum(lens_q), H, D, generator=g, device="cuda").to(dtype)
+    k = torch.randn(sum(lens_k), Hkv, D, generator=g, device="cuda").to(dtype)
+    v = torch.randn(sum(lens_k), Hkv, D, generator=g, device="cuda").to(dtype)
+    cu = lambda lens: torch.tensor(
+        [0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda"
+    )  # noqa: E731
+    return q, k, v, cu(lens_q), cu(lens_k)
+
+
+def _check_packed(label, o, lse, q, k, v, cu_q, cu_k, causal, window):
+    from common import masks
+
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    group = q.shape[1] // k.shape[1]
+    for b in range(len(cq) - 1):
+        q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        if q1 == q0 or k1 == k0:
+            continue
+        to4 = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731
+        qb, ob = to4(q[q0:q1]), to4(o[q0:q1])
+        kb, vb = (to4(t[k0:k1]).repeat_interleave(group, 1) for t in (k, v))
+        Sq, Sk = q1 - q0, k1 - k0
+        mask = masks.visible(Sq, Sk, *masks.resolve_window(causal, window, Sq, Sk), "cuda")
+        checker.check_attention(
+            f"stage 7 [{label}] sequence {b}",
+            ob,
+            qb,
+            kb,
+            vb,
+            lse=lse[:, q0:q1].unsqueeze(0),
+            mask=mask,
+        )
+
+
+@pytest.mark.parametrize(
+    "track", [pytest.param(t, marks=TRACK_MARK[t]) for t in ("hopper", "blackwell")]
+)
+def test_stage7_alternating_entries_heads_and_packing(track):
+    # attention (batch mode) and attention_varlen (packed) share one kernel class; their compiled
+    # forms differ (cu_seqlens or none), as do GQA groups only by run-time values.
+    from common import masks
+
+    mod = importlib.import_module(f"stages.stage7_gqa_varlen.{track}")
+    steps = [
+        ("batch, GQA 8/2, causal", "batch", (2, 8, 2, 300, 300, 64, BF16), (True, None)),
+        (
+            "packed, GQA 8/2",
+            "packed",
+            ([100, 0, 257, 1], [90, 40, 300, 1], 8, 2, 64, BF16),
+            (False, None),
+        ),
+        ("batch, MQA, window", "batch", (1, 8, 1, 200, 700, 64, BF16), (False, (64, 0))),
+        ("packed fp16, causal", "packed", ([300, 5], [300, 600], 4, 4, 64, FP16), (True, None)),
+        ("batch, expanded K/V over heads", "expanded", (2, 4, 4, 256, 256, 64, BF16), (True, None)),
+        (
+            "packed D = 128, MQA",
+            "packed",
+            ([129, 64], [200, 64], 4, 1, 128, BF16),
+            (True, (50, None)),
+        ),
+        ("batch fp16 D = 128, GQA 4/2", "batch", (2, 4, 2, 128, 384, 128, FP16), (False, None)),
+        (
+            "packed again, GQA 8/2",
+            "packed",
+            ([100, 0, 257, 1], [90, 40, 300, 1], 8, 2, 64, BF16),
+            (True, None),
+        ),
+    ]
+    for i, (label, kind, shape, (causal, window)) in enumerate(steps):
+        if kind == "packed":
+            q, k, v, cu_q, cu_k = _packed(*shape, seed=300 + i)
+            o, lse = deadline(
+                lambda: mod.attention_varlen(
+                    q, k, v, cu_q, cu_k, causal=causal, window=window, return_lse=True
+                ),
+                label,
+            )
+            _check_packed(label, o, lse, q, k, v, cu_q, cu_k, causal, window)
+            continue
+        B, H, Hkv, Sq, Sk, D, dtype = shape
+        q, _, _ = inputs.attention_inputs(B, H, Sq, Sq, D, dtype, seed=400 + i)
+        _, k, v = inputs.attention_inputs(B, Hkv, Sk, Sk, D, dtype, seed=500 + i)
+        if kind == "expanded":
+            k, v = k[:, :1].expand(B, H, Sk, D), v[:, :1].expand(B, H, Sk, D)
+        o, lse = deadline(
+            lambda: mod.attention(q, k, v, causal=causal, window=window, return_lse=True), label
+        )
+        group = H // k.shape[1]
+        kf, vf = (t.repeat_interleave(group, 1) for t in (k, v))
+        mask = masks.visible(Sq, Sk, *masks.resolve_window(causal, window, Sq, Sk), "cuda")
+        checker.check_attention(f"stage 7 [{label}]", o, q, kf, vf, lse=lse, mask=mask)

@@ -1,0 +1,336 @@
+"""Stage 7 (Hopper): GQA / MQA and packed variable-length sequences.
+
+- Compile-only (no GPU): the batch-mode and packed kernels keep stage 6's loop body (the same
+  wgmma and exp2 counts), no spills.
+- GPU tests (marker gpu_hopper) against fp64 references computed per sequence with the stage 6
+  mask: GQA group sizes 1, 2, 4, 8 and MQA, causal and windows; packed batches with one long and
+  many short sequences, zero-length and single-token ones, lengths that are not tile multiples,
+  Sq != Sk per sequence, both dtypes, D = 64 and 128, LSE. NaN planted in every row outside one
+  sequence must not reach that sequence's output (no tile is read or written across a sequence
+  boundary). Outputs are poisoned with NaN before each launch.
+- Bad input: every check of the packed entry, and the head-count rule.
+"""
+
+import attention_cases
+import pytest
+import torch
+from attention_cases import DTYPES, dtype_id
+
+from common import checker, inputs, masks, reference
+from stages.stage7_gqa_varlen import hopper
+
+
+def compile_stage7(dtype, D, **options):
+    from common.compile import compile_for_arch, count_ptx, ptxas_resources
+
+    kernel, args = hopper.compile_args(dtype, (2, 8, 512, 1024, D), **options)
+    ptx, _ = compile_for_arch(kernel, args, "sm_90a")
+    return count_ptx(ptx), ptxas_resources(ptx, "sm_90a")
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["batch", "packed"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_compiles_with_stage6_loop_body(varlen, D):
+    counts, res = compile_stage7(torch.bfloat16, D, kv_heads=2, varlen=varlen, causal=True)
+    assert counts["wgmma.mma_async"] == D // 16 + 8
+    assert counts["ex2.approx"] == 64 + 2
+    # Loads by TMA; O is stored by threads (16-byte chunks, only the sequence's rows).
+    assert counts["cp.async.bulk.tensor (load)"] >= 3
+    assert counts["cp.async.bulk.tensor (store)"] == 0
+    if res and "spill_stores" in res:
+        assert res["spill_stores"] == 0 and res["spill_loads"] == 0, res
+
+
+# ---------------------------------------------------------------- references
+
+
+def gqa_reference_check(name, o, lse, q, k, v, causal, window):
+    """Expand K and V to H heads (query head h reads KV head h // group) for the fp64 reference."""
+    group = q.shape[1] // k.shape[1]
+    k_full, v_full = (t.repeat_interleave(group, dim=1) for t in (k, v))
+    Sq, Sk = q.shape[2], k.shape[2]
+    mask = masks.visible(Sq, Sk, *masks.resolve_window(causal, window, Sq, Sk), q.device)
+    checker.check_attention(name, o, q, k_full, v_full, lse=lse, mask=mask)
+
+
+def packed_inputs(lens_q, lens_k, H, Hkv, D, dtype, seed):
+    g = torch.Generator(device="cuda")
+    g.manual_seed(seed)
+    tq, tk = sum(lens_q), sum(lens_k)
+    q = torch.randn(tq, H, D, generator=g, device="cuda").to(dtype)
+    k = torch.randn(tk, Hkv, D, generator=g, device="cuda").to(dtype)
+    v = torch.randn(tk, Hkv, D, generator=g, device="cuda").to(dtype)
+
+    def cu(lens):
+        return torch.tensor(
+            [0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda"
+        )
+
+    return q, k, v, cu(lens_q), cu(lens_k)
+
+
+def check_packed(o, lse, q, k, v, cu_q, cu_k, causal, window, only=None):
+    """Sequence by sequence against the batch-mode reference of that sequence alone."""
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(cq) - 1) if only is None else [only]:
+        q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        if q1 == q0:
+            continue
+        qb = q[q0:q1].transpose(0, 1).unsqueeze(0)
+        ob = o[q0:q1].transpose(0, 1).unsqueeze(0)
+        lb = lse[:, q0:q1].unsqueeze(0)
+        if k1 == k0:  # no key at all: every row sees nothing
+            assert (ob == 0).all() and (lb == float("-inf")).all(), f"sequence {b}"
+            continue
+        kb, vb = (t[k0:k1].transpose(0, 1).unsqueeze(0) for t in (k, v))
+        gqa_reference_check(f"sequence {b}", ob, lb, qb, kb, vb, causal, window)
+
+
+def run(fn):
+    return checker.run_with_deadline(fn, seconds=120, what="stage 7 hopper")
+
+
+# ---------------------------------------------------------------- GQA / MQA
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize(
+    "H, Hkv", [(8, 8), (8, 4), (8, 2), (16, 2), (8, 1)], ids=["mha", "g2", "g4", "g8", "mqa"]
+)
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (False, (100, 0))])
+def test_gqa_matches_fp64_reference(H, Hkv, dtype, causal, window):
+    q, _, _ = inputs.attention_inputs(2, H, 300, 300, 128, dtype, seed=H + Hkv)
+    _, k, v = inputs.attention_inputs(2, Hkv, 300, 700, 128, dtype, seed=H * Hkv)
+    o, lse = run(lambda: hopper.attention(q, k, v, causal=causal, window=window, return_lse=True))
+    gqa_reference_check("O", o, lse, q, k, v, causal, window)
+
+
+@pytest.mark.gpu_hopper
+def test_gqa_d64_decode_like():
+    # Sq = 1 per head, 32 query heads on 8 KV heads, a long cache.
+    q, _, _ = inputs.attention_inputs(4, 32, 1, 1, 64, seed=3)
+    _, k, v = inputs.attention_inputs(4, 8, 1, 4000, 64, seed=4)
+    o, lse = run(lambda: hopper.attention(q, k, v, causal=True, return_lse=True))
+    gqa_reference_check("O", o, lse, q, k, v, True, None)
+
+
+@pytest.mark.gpu_hopper
+def test_gqa_needs_no_expanded_copy():
+    # The same answer as K, V expanded to H heads by stride-0 views (stage 6's way).
+    q, _, _ = inputs.attention_inputs(2, 8, 256, 256, 64, seed=5)
+    _, k, v = inputs.attention_inputs(2, 2, 256, 512, 64, seed=6)
+    o = run(lambda: hopper.attention(q, k, v, causal=True))
+    ke, ve = (t[:, :, None].expand(2, 2, 4, 512, 64).reshape(2, 8, 512, 64) for t in (k, v))
+    assert torch.equal(o, run(lambda: hopper.attention(q, ke, ve, causal=True)))
+
+
+# ---------------------------------------------------------------- packed sequences
+
+PACKS = {
+    # one long sequence and many short ones, zero-length and single-token ones, ragged lengths
+    "long-and-short": ([1000, 3, 1, 130, 0, 257, 64, 1], [1000, 3, 1, 130, 0, 257, 64, 1]),
+    "sq-ne-sk": ([5, 128, 300, 1, 0], [700, 128, 200, 900, 50]),
+    "empty-keys": ([64, 10, 200], [0, 300, 0]),
+    "one": ([513], [513]),
+}
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("pack", list(PACKS))
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, (77, None))])
+def test_packed_sequences_match_per_sequence_reference(pack, D, dtype, causal, window):
+    lens_q, lens_k = PACKS[pack]
+    q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, 4, 2, D, dtype, seed=len(pack) + D)
+    o, lse = run(
+        lambda: hopper.attention_varlen(
+            q, k, v, cu_q, cu_k, causal=causal, window=window, return_lse=True
+        )
+    )
+    assert o.shape == q.shape and lse.shape == (4, q.shape[0])
+    check_packed(o, lse, q, k, v, cu_q, cu_k, causal, window)
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("D", [64, 128])
+def test_nan_outside_a_sequence_never_reaches_it(D):
+    # Every row of Q, K and V outside sequence b is NaN: sequence b's O and LSE must be exactly
+    # what they are alone. Its last Q and KV tiles end inside the neighbours' rows, so a tile
+    # read or written across the boundary shows here.
+    lens_q, lens_k = [200, 77, 300, 1], [130, 190, 129, 260]
+    q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, 4, 2, D, torch.bfloat16, seed=9)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(lens_q)):
+        qn, kn, vn = q.clone(), k.clone(), v.clone()
+        for t, c in ((qn, cq), (kn, ck), (vn, ck)):
+            t[: c[b]] = float("nan")
+            t[c[b + 1] :] = float("nan")
+        o, lse = run(lambda: hopper.attention_varlen(qn, kn, vn, cu_q, cu_k, return_lse=True))
+        check_packed(o, lse, q, k, v, cu_q, cu_k, False, None, only=b)
+
+
+@pytest.mark.gpu_hopper
+def test_packed_equals_batch_mode_on_equal_lengths():
+    B, H, S, D = 3, 4, 300, 64
+    q, k, v = inputs.attention_inputs(B, H, S, S, D, seed=12)
+    o = run(lambda: hopper.attention(q, k, v, causal=True))
+    pack = lambda t: t.transpose(1, 2).reshape(B * S, H, D)  # noqa: E731
+    cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device="cuda")
+    op = run(lambda: hopper.attention_varlen(pack(q), pack(k), pack(v), cu, cu, causal=True))
+    assert torch.equal(op, pack(o))
+
+
+@pytest.mark.gpu_hopper
+def test_all_empty_and_given_max_seqlen():
+    q, k, v, cu_q, cu_k = packed_inputs([0, 0], [5, 0], 4, 4, 64, torch.bfloat16, seed=1)
+    o, lse = run(lambda: hopper.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True))
+    assert o.shape == (0, 4, 64) and lse.shape == (4, 0)
+    q, k, v, cu_q, cu_k = packed_inputs([100, 30], [40, 260], 4, 4, 64, torch.bfloat16, seed=2)
+    o, lse = run(
+        lambda: hopper.attention_varlen(
+            q, k, v, cu_q, cu_k, max_seqlen_q=512, max_seqlen_k=300, return_lse=True
+        )
+    )
+    check_packed(o, lse, q, k, v, cu_q, cu_k, False, None)
+
+
+@pytest.mark.gpu_hopper
+def test_stage_package_dispatches_to_hopper():
+    from stages.stage7_gqa_varlen import attention, attention_varlen
+
+    q, k, v = inputs.attention_inputs(1, 4, 200, 200, 64, seed=8)
+    o = run(lambda: attention(q, k[:, :2], v[:, :2], causal=True))
+    gqa_reference_check("O", o, None, q, k[:, :2], v[:, :2], True, None)
+    q, k, v, cu_q, cu_k = packed_inputs([10, 20], [10, 20], 4, 2, 64, torch.bfloat16, seed=3)
+    o = run(lambda: attention_varlen(q, k, v, cu_q, cu_k))
+    assert torch.isfinite(o).all()
+
+
+# ---------------------------------------------------------------- bad input
+
+
+SHARED = [c for c in attention_cases.BAD_ATTENTION_INPUTS if c.id != "heads_mismatch"]
+
+
+@pytest.mark.parametrize("case", SHARED)
+def test_rejects_bad_input(case):
+    case.check(hopper.attention)
+
+
+@attention_cases.needs_cuda
+def test_rejects_heads_that_do_not_divide():
+    q, k, v = attention_cases.qkv("cuda", H=6)
+    with pytest.raises(ValueError, match=r"H = 6 query heads must be a multiple of Hkv = 4"):
+        hopper.attention(q, k[:, :4], v[:, :4])
+
+
+def _packed(device="cuda"):
+    q = torch.randn(30, 4, 64, device=device).bfloat16()
+    k = torch.randn(40, 2, 64, device=device).bfloat16()
+    cu_q = torch.tensor([0, 10, 30], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 25, 40], dtype=torch.int32, device=device)
+    return q, k, k.clone(), cu_q, cu_k
+
+
+BAD_PACKED = [
+    (
+        "cu_q_int64",
+        lambda a: {**a, "cu_seqlens_q": a["cu_seqlens_q"].long()},
+        TypeError,
+        "argument 'cu_seqlens_q': dtype must be int32, got int64",
+    ),
+    (
+        "cu_q_on_cpu",
+        lambda a: {**a, "cu_seqlens_q": a["cu_seqlens_q"].cpu()},
+        ValueError,
+        "argument 'cu_seqlens_q': must be on q's device",
+    ),
+    (
+        "cu_k_rank_2",
+        lambda a: {**a, "cu_seqlens_k": a["cu_seqlens_k"][None]},
+        ValueError,
+        "argument 'cu_seqlens_k': expected a rank-1 tensor",
+    ),
+    (
+        "cu_q_not_from_0",
+        lambda a: {**a, "cu_seqlens_q": a["cu_seqlens_q"] + 1},
+        ValueError,
+        "argument 'cu_seqlens_q': must start at 0",
+    ),
+    (
+        "cu_k_decreasing",
+        lambda a: {**a, "cu_seqlens_k": a["cu_seqlens_k"][[0, 2, 1]]},
+        ValueError,
+        r"argument 'cu_seqlens_k': offsets must be non-decreasing",
+    ),
+    (
+        "cu_q_wrong_total",
+        lambda a: {**a, "q": a["q"][:29]},
+        ValueError,
+        r"argument 'cu_seqlens_q': the last offset 30 must equal the number of tokens 29",
+    ),
+    (
+        "batch_counts_differ",
+        lambda a: {**a, "cu_seqlens_k": a["cu_seqlens_k"][[0, 2]]},
+        ValueError,
+        "must describe the same number of sequences, got 2 and 1",
+    ),
+    (
+        "max_seqlen_too_small",
+        lambda a: {**a, "max_seqlen_q": 19},
+        ValueError,
+        r"argument 'max_seqlen_q' = 19 is smaller than the longest sequence \(20\)",
+    ),
+    (
+        "max_seqlen_float",
+        lambda a: {**a, "max_seqlen_k": 25.0},
+        TypeError,
+        "argument 'max_seqlen_k': expected an int or None",
+    ),
+    (
+        "heads_do_not_divide",
+        lambda a: {**a, "q": a["q"][:, :3]},
+        ValueError,
+        "H = 3 query heads must be a multiple of Hkv = 2",
+    ),
+    (
+        "q_rank_4",
+        lambda a: {**a, "q": a["q"][None]},
+        ValueError,
+        "argument 'q': expected a rank-3 tensor",
+    ),
+    (
+        "cu_not_a_tensor",
+        lambda a: {**a, "cu_seqlens_q": [0, 10, 30]},
+        TypeError,
+        "argument 'cu_seqlens_q': expected a torch.Tensor",
+    ),
+]
+
+
+@attention_cases.needs_cuda
+@pytest.mark.parametrize("name, change, error, match", BAD_PACKED, ids=[c[0] for c in BAD_PACKED])
+def test_rejects_bad_packed_input(name, change, error, match):
+    q, k, v, cu_q, cu_k = _packed()
+    args = change(dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))
+    with pytest.raises(error, match=match):
+        hopper.attention_varlen(**args)
+
+
+def test_reference_helpers_are_exact_on_cpu():
+    # The per-sequence reference with GQA equals the expanded-head reference (fp64, CPU).
+    q = torch.randn(1, 4, 5, 8, dtype=torch.float64)
+    k = torch.randn(1, 2, 7, 8, dtype=torch.float64)
+    o, _ = reference.attention_ref(q, k.repeat_interleave(2, 1), k.repeat_interleave(2, 1))
+    o2 = torch.cat(
+        [
+            reference.attention_ref(
+                q[:, h : h + 1], k[:, h // 2 : h // 2 + 1], k[:, h // 2 : h // 2 + 1]
+            )[0]
+            for h in range(4)
+        ],
+        1,
+    )
+    torch.testing.assert_close(o, o2)
