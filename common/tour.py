@@ -73,9 +73,9 @@ def print_table(header, rows):
 
 
 def gpu_rows(track):
-    from . import bench
+    from .benchmarks import measure
     from .cases import make_case
-    from .checker import compare, no_poison, run_with_deadline
+    from .checker import compare, run_with_deadline
 
     rows = []
     for st in stages.STAGES:
@@ -94,11 +94,11 @@ def gpu_rows(track):
             chk = compare(f"stage {st.number}", out, c.ref(), rtol=c.rtol, torch_lowp=c.lowp())
             verdict = f"{'ok' if chk.passed else 'FAIL'} ({chk.rel_err:.1e})"
             big = make_case(st.number, track, st.tour_shape, seed=1)
-            with no_poison():
-                ms = bench.time_ms(lambda *a, big=big: big.run(), [big.args])
-                name, fn = next(iter(big.baselines.items()))
-                base_ms = bench.time_ms(fn, [big.args])
-            tf, btf = bench.tflops(big.flops, ms), bench.tflops(big.flops, base_ms)
+            # The same timing path as `make bench` (inputs rotated past L2, event medians), so
+            # the two agree within noise.
+            name = next(iter(big.baselines))
+            res = measure(big, names=(name,))
+            tf, btf = res[f"stage {st.number}"][1], res[name][1]
             rows.append(
                 (
                     st.number,
