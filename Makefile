@@ -4,16 +4,17 @@ PYTHON ?= python3
 TRACK ?= hopper
 PYTEST = $(PYTHON) -m pytest
 
-.PHONY: help setup lint format test tour bench notebooks notebooks-source sanitize doctor stage-1 stage-2 stage-3 stage-4 stage-5 stage-6 stage-7 diff-2 diff-3 diff-4 diff-5 diff-6 diff-7
+.PHONY: help setup lint format test tour bench model notebooks notebooks-source sanitize doctor stage-1 stage-2 stage-3 stage-4 stage-5 stage-6 stage-7 stage-8 diff-2 diff-3 diff-4 diff-5 diff-6 diff-7 diff-8
 
 help:
 	@echo "make setup      install requirements only if something does not import"
 	@echo "make tour       every stage on this machine's track: compile, instructions, correctness, TFLOP/s"
 	@echo "make lint       ruff format --check and ruff check (what CI runs; make format rewrites)"
 	@echo "make test       all tests (GPU tests skip with a reason when the GPU is absent)"
-	@echo "make stage-N    the tests of stage N (1..7)"
+	@echo "make stage-N    the tests of stage N (1..8)"
 	@echo "make diff-N     what stage N changes over stage N-1 (TRACK=hopper|blackwell)"
 	@echo "make bench      benchmarks against cuBLAS / torch SDPA / FA4, timed in the same run"
+	@echo "make model      a Llama-style transformers model on the latest stage's kernel: logits vs SDPA, prefill tokens/s vs SDPA and FA4"
 	@echo "make notebooks  execute every notebook (compile-only mode without a GPU)"
 	@echo "make notebooks-source  rewrite notebooks/*.ipynb from notebooks/source/ (their single source)"
 	@echo "make sanitize   compute-sanitizer racecheck + synccheck on stages 4 and 5 (GPU)"
@@ -39,6 +40,11 @@ tour: setup
 bench: setup
 	$(PYTHON) -m common.benchmarks
 
+# Needs transformers (optional: pip install 'transformers>=4.48'); without it, or without an
+# sm_90 GPU, it prints why and exits 0. MODEL_ARGS: e.g. --layers 2 --shapes 2x2048.
+model: setup
+	$(PYTHON) -m common.model $(MODEL_ARGS)
+
 notebooks: setup
 	$(PYTHON) -m common.nbrun notebooks/*.ipynb
 
@@ -51,10 +57,10 @@ sanitize: setup
 doctor:
 	@$(PYTHON) -m common.doctor
 
-$(addprefix stage-,1 2 3 4 5 6 7): stage-%: setup
+$(addprefix stage-,1 2 3 4 5 6 7 8): stage-%: setup
 	$(PYTEST) -q tests/test_stage$*_*.py
 
-$(addprefix diff-,2 3 4 5 6 7): diff-%:
+$(addprefix diff-,2 3 4 5 6 7 8): diff-%:
 	@n=$*; p=$$((n-1)); \
 	a=$$(ls -d stages/stage$${p}_*); b=$$(ls -d stages/stage$${n}_*); \
 	git --no-pager diff --no-index --stat $$a/$(TRACK).py $$b/$(TRACK).py; \

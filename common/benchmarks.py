@@ -309,11 +309,13 @@ def main(argv=None):
                     f"| {shape} | {g('stage 3')} | {g('SDPA flash')} | {g('SDPA cuDNN')} |"
                 )
             lines.append("")
-    attn = [n for n in want if n in (4, 5) and stages.available(n, track)]
+    attn = [n for n in want if n in (4, 5, 8) and stages.available(n, track)]
     curves = {}
     if attn:
         lines += [
-            "## Stages 4 and 5: attention forward, FlashAttention paper shapes (B*S = 16k, H*D = 2048, non-causal), TFLOP/s",
+            "## Stages "
+            + ", ".join(map(str, attn))
+            + ": attention forward, FlashAttention paper shapes (B*S = 16k, H*D = 2048, non-causal), TFLOP/s",
             "",
         ]
         for D in headdims:

@@ -2,18 +2,33 @@
 time it. The notebooks import the stage files and display them; they never paste kernels.
 
 MODE is "gpu" when this machine's GPU runs one of the two tracks (then the GPU cells launch
-the kernels and check them), else "compile-only" (the GPU cells say they are skipped and why,
-and show the compile summary instead). Override with TUTORIAL_NB_MODE=gpu|compile-only.
-Every helper that does not need a GPU works without one."""
+the kernels and check them), else "compile-only" (the GPU cells say they are skipped and why).
+Override with TUTORIAL_NB_MODE=gpu|compile-only. Every helper that does not need a GPU works
+without one; the compile summaries (PTX, registers, shared memory) of both tracks are shown in
+both modes.
+
+Changing a kernel from a notebook: edit the stage file and call reload_stage(n), or leave the
+file alone and override settings of the kernel class for one call, e.g.
+measure(1, shapes, variants={"ab_buffers=2": dict(ab_buffers=2)}) or
+compile_summary(1, "hopper", settings=dict(ab_buffers=2)). Both build a kernel object whose
+configuration differs, which common.compile.cached_compile keys on, so the new kernel is what
+gets compiled and timed."""
 
 import ast
+import contextlib
 import dataclasses
 import difflib
+import functools
+import importlib
+import importlib.util
 import inspect
 import os
 import re
 import shutil
+import struct
 import subprocess
+import sys
+import tempfile
 import textwrap
 import time
 
@@ -44,7 +59,15 @@ MODE = _mode()
 TRACK = GPU_TRACK or "hopper"
 
 # What a notebook run did, for tests/test_notebooks.py: reset by start().
-LOG = {"stage": None, "compiled": [], "verified": [], "measured": [], "missing": [], "errors": []}
+LOG = {
+    "stage": None,
+    "compiled": [],
+    "verified": [],
+    "measured": [],
+    "missing": [],
+    "errors": [],
+    "traced": [],
+}
 
 # The instruction families each track's compile summary prints excerpts of.
 PTX_EXCERPTS = {
@@ -65,11 +88,23 @@ PTX_EXCERPTS = {
 }
 SKELETON = ("__init__", "__call__", "kernel", "compile_args", "gemm", "qk", "attention")
 KERNEL_CLASS = {"hopper": "Sm90Kernel", "blackwell": "Sm100Kernel"}
+ENTRY_AND_DRIVER = ("compile_args", "gemm", "qk", "attention")
 
 
 # --------------------------------------------------------------------------------------------
 # Display: rich in Jupyter, plain text under common/nbrun.py and in scripts
 # --------------------------------------------------------------------------------------------
+
+# common.nbrun --execute-to installs a sink here: sink(kind, payload) with kind "markdown"
+# (payload (markdown, plain text)) or "code" (payload (text, language)), so that the executed
+# copies it writes carry the same rich outputs Jupyter shows.
+_SINK = None
+
+
+def set_display_sink(sink):
+    """Route markdown and code displays to sink(kind, payload) (None: back to print/IPython)."""
+    global _SINK
+    _SINK = sink
 
 
 def _ipython():
@@ -81,7 +116,9 @@ def _ipython():
 
 
 def _code(text, language="python"):
-    if _ipython():
+    if _SINK is not None:
+        _SINK("code", (text, language))
+    elif _ipython():
         from IPython.display import Code, display
 
         display(Code(text, language=language))
@@ -90,7 +127,9 @@ def _code(text, language="python"):
 
 
 def _markdown(md, plain=None):
-    if _ipython():
+    if _SINK is not None:
+        _SINK("markdown", (md, plain if plain is not None else md))
+    elif _ipython():
         from IPython.display import Markdown, display
 
         display(Markdown(md))
@@ -98,19 +137,24 @@ def _markdown(md, plain=None):
         print(plain if plain is not None else md)
 
 
+def _md_cell(x):
+    return str(x).replace("|", "\\|").replace("\n", " ")
+
+
 def _table(header, rows):
     """A table as Markdown in Jupyter, as aligned text elsewhere."""
     rows = [[str(x) for x in r] for r in rows]
     md = (
         "| "
-        + " | ".join(header)
+        + " | ".join(_md_cell(h) for h in header)
         + " |\n|"
         + " --- |" * len(header)
         + "\n"
-        + "\n".join("| " + " | ".join(r) + " |" for r in rows)
+        + "\n".join("| " + " | ".join(_md_cell(x) for x in r) + " |" for r in rows)
     )
+    plain_rows = [[x.replace("`", "") for x in r] for r in rows]
     widths = (
-        [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+        [max(len(str(x)) for x in col) for col in zip(header, *plain_rows)]
         if rows
         else [len(h) for h in header]
     )
@@ -119,14 +163,14 @@ def _table(header, rows):
             " | ".join(h.ljust(w) for h, w in zip(header, widths)),
             "-+-".join("-" * w for w in widths),
         ]
-        + [" | ".join(x.ljust(w) for x, w in zip(r, widths)) for r in rows]
+        + [" | ".join(x.ljust(w) for x, w in zip(r, widths)) for r in plain_rows]
     )
     _markdown(md, plain)
 
 
 def note(text):
     """A visible note (a missing stage file, a skipped GPU cell)."""
-    _markdown(f"> **Note.** {text}", f"NOTE: {text}")
+    _markdown(f"> **Note.** {text}", f"NOTE: {text.replace('`', '')}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -164,19 +208,13 @@ def start(stage):
     if MODE == "gpu":
         what = (
             f"**GPU mode** on {gpu}: the {TRACK} kernels are launched and checked against the "
-            "fp64 reference; the other track is compile-checked."
+            "fp64 reference and timed; both tracks are also compiled for their compile summaries."
         )
     else:
-        why = (
-            "there is no CUDA GPU here"
-            if GPU_TRACK is None and arch.compute_capability() is None
-            else f"{gpu} runs neither track"
-            if GPU_TRACK is None
-            else "TUTORIAL_NB_MODE=compile-only"
-        )
         what = (
-            f"**Compile-only mode** ({why}): every stage is compiled for sm_90a and sm_100a with fake "
-            "tensors and its PTX inspected; the cells that launch kernels say they are skipped."
+            f"**Compile-only mode** ({_why_no_gpu()}): every stage is compiled for sm_90a and "
+            "sm_100a with fake tensors and its PTX inspected; the cells that launch kernels say "
+            "they are skipped."
         )
     have = []
     for n in sorted({max(1, stage - 1), stage}):
@@ -185,7 +223,9 @@ def start(stage):
             have.append(f"`{stage_path(n, t, True)}` {'present' if ok else 'not written yet'}")
     _markdown(
         f"Stage {stage} - {st.title}. {what}\n\n" + "; ".join(have) + ".",
-        f"Stage {stage} - {st.title}. {what}\n" + "; ".join(have) + ".",
+        f"Stage {stage} - {st.title}. {what.replace('**', '')}\n"
+        + "; ".join(have).replace("`", "")
+        + ".",
     )
 
 
@@ -204,11 +244,8 @@ def _parse(stage, track):
         return None
 
 
-def _ast_lookup(source, qualname):
-    """Source text of a top-level object or a method (Class.method), decorators included."""
-    tree = ast.parse(source)
-    lines = source.splitlines()
-    body, node = tree.body, None
+def _find_node(body, qualname):
+    node = None
     for part in qualname.split("."):
         node = next(
             (
@@ -222,8 +259,22 @@ def _ast_lookup(source, qualname):
         if node is None:
             return None
         body = getattr(node, "body", [])
+    return node
+
+
+def _node_lines(node):
+    """(first, last) 1-based line numbers of a definition, decorators included."""
     first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-    return textwrap.dedent("\n".join(lines[first - 1 : node.end_lineno]))
+    return first, node.end_lineno
+
+
+def _ast_lookup(source, qualname):
+    """Source text of a top-level object or a method (Class.method), decorators included."""
+    node = _find_node(ast.parse(source).body, qualname)
+    if node is None:
+        return None
+    first, last = _node_lines(node)
+    return textwrap.dedent("\n".join(source.splitlines()[first - 1 : last]))
 
 
 def _get_source(stage, track, qualname):
@@ -332,16 +383,95 @@ def show_source(stage, track="hopper", names=None, section=None):
         _code(text)
 
 
-def kernel_config(stage, track="hopper"):
+# --------------------------------------------------------------------------------------------
+# Kernel configuration: read it, override it for a call, reload an edited stage file
+# --------------------------------------------------------------------------------------------
+
+
+def _kernel_class(stage, track):
+    return getattr(stages.track_module(stage, track), KERNEL_CLASS[track])
+
+
+@contextlib.contextmanager
+def kernel_settings(stage, track="hopper", **settings):
+    """Within the block, every kernel object of stage `stage` (`track`) is built with these
+    settings in place of the values its __init__ writes, e.g.
+    `with nb.kernel_settings(1, "hopper", ab_buffers=2): ...`. The override happens as __init__
+    assigns the attribute, so settings __init__ derives from it follow (Blackwell stage 1 derives
+    its K slots from ab_buffers). The compile cache keys on the kernel's attributes, so the
+    modified kernel is compiled anew. An unknown name raises AttributeError."""
+    if not settings:
+        yield
+        return
+    cls = _kernel_class(stage, track)
+    orig_init = cls.__init__
+
+    @functools.wraps(orig_init)
+    def __init__(self, *args, **kwargs):
+        prev = cls.__dict__.get("__setattr__")  # an enclosing kernel_settings' override, if any
+
+        def overriding_setattr(obj, name, value):
+            (prev or object.__setattr__)(obj, name, settings.get(name, value))
+
+        cls.__setattr__ = overriding_setattr
+        try:
+            orig_init(self, *args, **kwargs)
+        finally:
+            if prev is None:
+                if "__setattr__" in cls.__dict__:
+                    del cls.__setattr__
+            else:
+                cls.__setattr__ = prev
+        unknown = [k for k in settings if k not in vars(self)]
+        if unknown:
+            raise AttributeError(
+                f"{cls.__name__}.__init__ ({stage_path(stage, track, True)}) sets no "
+                f"{', '.join(unknown)}; the settings it has: {', '.join(sorted(vars(self)))}"
+            )
+
+    cls.__init__ = __init__
+    try:
+        yield
+    finally:
+        cls.__init__ = orig_init
+
+
+def reload_stage(stage, track=None):
+    """Re-import a stage file after you edited it (e.g. `self.ab_buffers = 2` in
+    stages/stage1_gemm/hopper.py), so that the cells below build, compile and time the edited
+    kernel: the new module defines a new kernel class, which the compile cache keys on. Both
+    tracks by default. Prints the settings of the reloaded kernel."""
+    tracks = [track] if track else list(arch.TRACKS)
+    for t in tracks:
+        if not available(stage, t):
+            continue
+        importlib.reload(stages.track_module(stage, t))
+        for key in [k for k in _REPORTS if k[0] == stage and k[1] == t]:
+            del _REPORTS[key]
+    pkg = f"stages.{stages.stage(stage).package}"
+    if pkg in sys.modules:
+        importlib.reload(sys.modules[pkg])
+    for t in tracks:
+        cfg = kernel_config(stage, t)
+        if cfg:
+            print(
+                f"reloaded {stage_path(stage, t, True)}: "
+                + ", ".join(f"{k}={v!r}" for k, v in cfg.items() if not isinstance(v, type))
+            )
+
+
+def kernel_config(stage, track="hopper", settings=None):
     """The settings the kernel class's __init__ fixes (tile sizes, pipeline depths, warp roles...),
     read from the object compile_args builds: {name: int | float | str | bool | tuple}. The
-    pictures take their parameters from here, so they follow the stage file."""
+    pictures take their parameters from here, so they follow the stage file. `settings`:
+    overrides, as in kernel_settings."""
     if not available(stage, track):
         return {}
     try:
-        kernel, _ = stages.track_module(stage, track).compile_args(
-            torch.bfloat16, stages.stage(stage).compile_shape
-        )
+        with kernel_settings(stage, track, **(settings or {})):
+            kernel, _ = stages.track_module(stage, track).compile_args(
+                torch.bfloat16, stages.stage(stage).compile_shape
+            )
     except Exception as e:
         note(f"could not build the stage {stage} ({track}) kernel object: {type(e).__name__}: {e}")
         LOG["errors"].append(f"stage {stage} {track}: compile_args failed: {e}")
@@ -352,9 +482,9 @@ def kernel_config(stage, track="hopper"):
     }
 
 
-def show_config(stage, track="hopper"):
+def show_config(stage, track="hopper", settings=None):
     """kernel_config as a table."""
-    cfg = kernel_config(stage, track)
+    cfg = kernel_config(stage, track, settings)
     if cfg:
         _markdown(
             f"Settings of `{KERNEL_CLASS[track]}` in `{stage_path(stage, track, True)}` (bf16):",
@@ -377,6 +507,98 @@ def show_docstring(stage, track="hopper"):
         f"--- {stage_path(stage, track, True)}, docstring ---",
     )
     _code(doc or "(no docstring)", language="text")
+
+
+# --------------------------------------------------------------------------------------------
+# Trace time: the layouts CuTe computes, printed while the kernel is traced
+# --------------------------------------------------------------------------------------------
+
+_TRACED = {}
+
+
+def _trace_record(name, value):
+    layout = getattr(value, "layout", None)
+    _TRACED[name] = str(layout if layout is not None else value)
+
+
+def trace_layouts(stage, track="hopper", names=(), shape=None, show=True):
+    """Compile the stage's kernel with a Python print-like hook after the line that defines each
+    of `names` in `kernel` (its parameters at the top), and return {name: layout as CuTe prints
+    it}. Python code in a CuTe kernel runs once, while the kernel is traced, so this shows the
+    static layouts the real code computes - the trace-time counterpart of cute.printf. The stage
+    file itself is not changed: a copy with the hooks is compiled (fake tensors, no GPU)."""
+    if not available(stage, track):
+        return {}
+    rel = stage_path(stage, track, True)
+    text = _source_file(stage, track)
+    tree = ast.parse(text)
+    kern = _find_node(tree.body, f"{KERNEL_CLASS[track]}.kernel")
+    if kern is None:
+        note(f"`{rel}` has no `{KERNEL_CLASS[track]}.kernel` to trace.")
+        LOG["errors"].append(f"{rel}: no kernel method")
+        return {}
+    lines = text.splitlines()
+    inserts = []  # (insert after this 0-based line index, indent, name)
+    params = {a.arg for a in kern.args.args}
+    first = kern.body[0]
+    if isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant):
+        first = kern.body[1]
+    found = set()
+    for name in names:
+        if name in params:
+            inserts.append((first.lineno - 2, first.col_offset, name))
+            found.add(name)
+    for node in ast.walk(kern):
+        if not isinstance(node, (ast.Assign, ast.AnnAssign)):
+            continue
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for t in targets:
+            for n in [t] if isinstance(t, ast.Name) else getattr(t, "elts", []):
+                if isinstance(n, ast.Name) and n.id in names and n.id not in found:
+                    found.add(n.id)
+                    inserts.append((node.end_lineno - 1, node.col_offset, n.id))
+    missing = [n for n in names if n not in found]
+    if missing:
+        note(f"`{rel}`: `kernel` defines no {', '.join(missing)} to trace.")
+        LOG["errors"].append(f"{rel}: trace_layouts found no {missing}")
+    for after, indent, name in sorted(inserts, key=lambda x: -x[0]):
+        lines.insert(after + 1, " " * indent + f"_nb_trace({name!r}, {name})")
+    lines.insert(0, "from common.notebook import _trace_record as _nb_trace  # noqa")
+    _TRACED.clear()
+    modname = f"_nb_trace_stage{stage}_{track}"
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, f"{modname}.py")
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        spec = importlib.util.spec_from_file_location(modname, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[modname] = mod
+        try:
+            spec.loader.exec_module(mod)
+            from .compile import compile_for_arch
+
+            kernel, args = mod.compile_args(
+                torch.bfloat16, tuple(shape or stages.stage(stage).compile_shape)
+            )
+            compile_for_arch(kernel, args, arch.ARCH_OF_TRACK[track])
+        except Exception as e:
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            note(f"tracing stage {stage} ({track}) failed: {type(e).__name__}: {msg}")
+            LOG["errors"].append(f"stage {stage} {track}: trace failed: {msg}")
+            return {}
+        finally:
+            sys.modules.pop(modname, None)
+    got = {n: _TRACED[n] for n in names if n in _TRACED}
+    LOG["traced"].append((stage, track))
+    if show:
+        shape_txt = tuple(shape or stages.stage(stage).compile_shape)
+        _markdown(
+            f"Layouts in `{KERNEL_CLASS[track]}.kernel` of `{rel}` as CuTe computes them at trace "
+            f"time, shape {shape_txt}, bf16 (`shape:stride`; `1@0` = one step of coordinate 0):",
+            f"--- layouts in {KERNEL_CLASS[track]}.kernel of {rel}, traced for shape {shape_txt}, bf16 ---",
+        )
+        _table(("tensor", "layout (shape:stride)"), [(n, f"`{v}`") for n, v in got.items()])
+    return got
 
 
 # --------------------------------------------------------------------------------------------
@@ -422,36 +644,209 @@ def _show_diff_text(text, max_lines, hint):
     _code(text or "(no differences)", language="diff")
 
 
-def show_diff(stage, track="hopper", max_lines=None):
-    """What stage `stage` changes over stage - 1 in the same track: the output of
-    `make diff-N TRACK=track`."""
+def _class_lines(stage, track):
+    """(first line number, lines) of the kernel class of a stage file: what a kernel-only diff
+    compares (the module docstring, imports, compile_args and the entry function left out)."""
+    text = _source_file(stage, track)
+    node = _find_node(ast.parse(text).body, KERNEL_CLASS[track])
+    if node is None:
+        return None, []
+    first, last = _node_lines(node)
+    return first, text.splitlines(keepends=True)[first - 1 : last]
+
+
+def _method_at(stage, track, line):
+    """Kernel-class method containing file line `line` (1-based), for diff hunk headers."""
+    node = _find_node(ast.parse(_source_file(stage, track)).body, KERNEL_CLASS[track])
+    best = None
+    for m in getattr(node, "body", []):
+        if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            first, last = _node_lines(m)
+            if first <= line <= last:
+                best = m.name
+    return f"{KERNEL_CLASS[track]}.{best}" if best else KERNEL_CLASS[track]
+
+
+def kernel_diff_text(stage, track="hopper", context=3):
+    """Unified diff of the kernel class of stage - 1 against stage's (same track), each hunk
+    headed by the method it falls in, line numbers those of the files."""
+    old_rel, new_rel = stage_path(stage - 1, track, True), stage_path(stage, track, True)
+    a0, a = _class_lines(stage - 1, track)
+    b0, b = _class_lines(stage, track)
+    out = [
+        f"--- {old_rel} (class {KERNEL_CLASS[track]})",
+        f"+++ {new_rel} (class {KERNEL_CLASS[track]})",
+    ]
+    for group in difflib.SequenceMatcher(None, a, b, autojunk=False).get_grouped_opcodes(context):
+        i1, i2, j1, j2 = group[0][1], group[-1][2], group[0][3], group[-1][4]
+        changed_j = next((j for tag, _, _, j, _ in group if tag != "equal"), j1)
+        where = _method_at(stage, track, b0 + changed_j)
+        out.append(f"@@ -{a0 + i1},{i2 - i1} +{b0 + j1},{j2 - j1} @@ {where}")
+        for tag, x1, x2, y1, y2 in group:
+            if tag == "equal":
+                out += [" " + ln.rstrip("\n") for ln in a[x1:x2]]
+                continue
+            out += ["-" + ln.rstrip("\n") for ln in a[x1:x2]]
+            out += ["+" + ln.rstrip("\n") for ln in b[y1:y2]]
+    return "\n".join(out) if len(out) > 2 else ""
+
+
+def show_diff(stage, track="hopper", max_lines=None, whole_file=False):
+    """What stage `stage` changes in the kernel over stage - 1 in the same track: the diff of the
+    kernel class only (no docstring, imports or entry-function hunks; the docstring is shown on
+    its own). whole_file=True: the output of `make diff-N TRACK=track`."""
     if stage < 2:
         note("stage 1 is the first stage: there is no previous stage to diff against.")
         return
     if not (available(stage - 1, track) and available(stage, track)):
         return
-    old, new = stage_path(stage - 1, track, True), stage_path(stage, track, True)
-    text = diff_text(old, new)
+    if whole_file:
+        old, new = stage_path(stage - 1, track, True), stage_path(stage, track, True)
+        text = diff_text(old, new)
+        plus, minus = _diff_stat(text)
+        _markdown(
+            f"`make diff-{stage} TRACK={track}`: **+{plus} -{minus}** lines",
+            f"--- make diff-{stage} TRACK={track}: +{plus} -{minus} lines ---",
+        )
+        _show_diff_text(text, max_lines, f"make diff-{stage} TRACK={track}")
+        return
+    text = kernel_diff_text(stage, track)
     plus, minus = _diff_stat(text)
     _markdown(
-        f"`make diff-{stage} TRACK={track}`: **+{plus} -{minus}** lines",
-        f"--- make diff-{stage} TRACK={track}: +{plus} -{minus} lines ---",
+        f"Kernel diff, stage {stage - 1} -> {stage} ({track}), class `{KERNEL_CLASS[track]}` only: "
+        f"**+{plus} -{minus}** lines (docstring above; `make diff-{stage} TRACK={track}` shows the "
+        "whole files, entry function included):",
+        f"--- kernel diff, stage {stage - 1} -> {stage} ({track}), class {KERNEL_CLASS[track]} only: "
+        f"+{plus} -{minus} lines (make diff-{stage} TRACK={track}: whole files) ---",
     )
     _show_diff_text(text, max_lines, f"make diff-{stage} TRACK={track}")
 
 
-def show_cross_track_diff(stage, max_lines=300):
-    """hopper.py against blackwell.py of one stage: the same algorithm, another machine."""
+# The same concept in the two tracks: (concept, hopper pattern, blackwell pattern, first stage).
+# Patterns are regular expressions over the kernel class's source, matched on CuTe DSL calls
+# rather than variable names where possible; a pattern of None means "not in this track" and
+# the table says why.
+CONCEPTS = (
+    ("tiled MMA (host)", r"make_trivial_tiled_mma\(", r"make_trivial_tiled_mma\(", 1),
+    ("128B-swizzled smem layouts", r"make_smem_layout_a\(", r"make_smem_layout_a\(", 1),
+    ("TMA descriptors (host)", r"make_tiled_tma_atom\(", r"make_tiled_tma_atom_A\(", 1),
+    ("launch: grid and block", r"\.launch\(", r"\.launch\(", 1),
+    ("barriers: pipeline objects", r"Pipeline\w+\.create\(", r"Pipeline\w+\.create\(", 1),
+    ("CTA tile of a global tensor", r"local_tile\(", r"local_tile\(", 1),
+    ("TMA partition", r"tma_partition\(", r"tma_partition\(", 1),
+    ("MMA operands: smem descriptors", r"make_fragment_A\(", r"make_fragment_A\(", 1),
+    (
+        "accumulator",
+        r"make_rmem_tensor\(\s*\w+\.partition_shape_C",
+        r"tmem\.allocate\(|\.allocate\(self\.num_tmem",
+        1,
+    ),
+    ("who loads: warp roles", r"if warp_idx == 0", r"if warp_idx == self\.\w*tma\w*", 1),
+    (
+        "producer waits for an empty slot",
+        r"producer_acquire\(",
+        r"_prod\w*\.acquire_and_advance\(",
+        1,
+    ),
+    ("TMA load of a tile", r"cute\.copy\(\s*tma\w*,\s*\w+\[", r"cute\.copy\(\s*tma\w*,\s*\w+\[", 1),
+    ("consumer waits for a full slot", r"consumer_wait\(", r"_cons\w*\.wait_and_advance\(", 1),
+    ("MMA issued", r"cute\.gemm\(", r"cute\.gemm\(", 1),
+    ("MMAs complete: wait / commit to a barrier", r"warpgroup\.wait_group\(", r"\.commit\(\)", 1),
+    ("slot released after its MMAs", r"consumer_release\(", r"\.release\(\)", 1),
+    ("accumulator -> registers", r"make_tiled_copy_C\(", r"Ld32x32bOp", 1),
+    (
+        "output stored",
+        r"cute\.copy\(\s*tma_atom_\w+,\s*t\w+s\w+,",
+        r"autovec_copy\(|cute\.copy\(\s*tma\w*,\s*t\w+s\w+,",
+        1,
+    ),
+    ("second MMA, P @ V: A operand from", r"OperandSource\.RMEM", r"OperandSource\.TMEM", 3),
+    ("V as the B operand (MN-major)", r"sVt\s*=", r"sV\s*=", 3),
+    ("keys beyond Sk masked", r"mask_keys\(|>= seqlen_k", r"mask_keys\(|>= seqlen_k", 3),
+    ("row max", r"warp_reduction_max\(", r"ReductionOp\.MAX", 3),
+    ("exp2 with log2(e) folded in", r"exp2\(", r"exp2\(", 3),
+    ("P handed to the PV MMA", r"acc_as_operand_a\(", r"St32x32bOp", 3),
+    ("divide by row_sum", r"rcp_approx\(", r"rcp_approx\(|log2\(\s*row_sum", 3),
+    ("K and V share the ring", r"tma_atom_v", r"kv_producer_entries", 4),
+    (
+        "rescale of O by row_scale",
+        r"\.store\(.*row_scale",
+        r"\.store\(.*row_scale",
+        5,
+    ),
+    ("LSE written", r"LSE\w*\[[^\]]*\]\s*=", r"LSE\w*\[[^\]]*\]\s*=", 5),
+)
+
+
+def concept_lines(stage, track, pattern):
+    """[(file line, code)] of each match of `pattern` in the kernel class of the stage file,
+    outside comments; code is the start of the statement the match is in."""
+    first, lines = _class_lines(stage, track)
+    if first is None:
+        return []
+    text = "".join(lines)
+    spans = [
+        (n.lineno, n.end_lineno, isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))
+        for n in ast.walk(ast.parse(textwrap.dedent(text)))
+        if isinstance(n, ast.stmt)
+    ]
+    out, seen = [], set()
+    for m in re.finditer(pattern, text):
+        i = text.count("\n", 0, m.start())
+        col = m.start() - (text.rfind("\n", 0, m.start()) + 1)
+        if "#" in lines[i][:col]:
+            continue
+        inner = max((sp for sp in spans if sp[0] <= i + 1 <= sp[1]), default=None)
+        if inner is not None and inner[2]:
+            continue  # inside a docstring
+        start = inner[0] - 1 if inner else i
+        if start in seen:
+            continue
+        seen.add(start)
+        code = lines[start].strip()
+        if code.endswith(("(", "[", ",")) and start + 1 < len(lines):
+            code += " " + lines[start + 1].strip()
+        out.append((first + start, code))
+    return out
+
+
+def cross_track_table(stage, max_code=64):
+    """One row per concept of the stage: where it lives in hopper.py and in blackwell.py (file
+    line and code). The two tracks share the algorithm, TMA and the mbarrier pipeline; this table
+    lines them up instead of a whole-file diff. Concepts a pattern no longer finds are listed
+    (and logged as errors, so the notebook test catches a rename)."""
     if not (available(stage, "hopper") and available(stage, "blackwell")):
-        return
-    old, new = stage_path(stage, "hopper", True), stage_path(stage, "blackwell", True)
-    text = diff_text(old, new)
-    plus, minus = _diff_stat(text)
+        return []
+    rows, missing = [], []
+
+    def cell(track, pattern):
+        hits = concept_lines(stage, track, pattern)
+        if not hits:
+            return None
+        line, code = hits[0]
+        code = code if len(code) <= max_code else code[: max_code - 3] + "..."
+        more = f" (+{len(hits) - 1} more)" if len(hits) > 1 else ""
+        return f"l. {line}{more}: `{code}`"
+
+    for concept, hp, bp, since in CONCEPTS:
+        if stage < since:
+            continue
+        h, b = cell("hopper", hp), cell("blackwell", bp)
+        for track, got in (("hopper", h), ("blackwell", b)):
+            if got is None:
+                missing.append(f"{concept} ({track})")
+        rows.append((concept, h or "(not found)", b or "(not found)"))
     _markdown(
-        f"`{old}` -> `{new}`: **+{plus} -{minus}** lines",
-        f"--- {old} -> {new}: +{plus} -{minus} lines ---",
+        f"Stage {stage}, the same concepts in both tracks (`{stage_path(stage, 'hopper', True)}` | "
+        f"`{stage_path(stage, 'blackwell', True)}`; line numbers of the files):",
+        f"--- stage {stage}: the same concepts in {stage_path(stage, 'hopper', True)} and "
+        f"{stage_path(stage, 'blackwell', True)} ---",
     )
-    _show_diff_text(text, max_lines, f"git diff --no-index {old} {new}")
+    _table(("concept", "hopper.py", "blackwell.py"), rows)
+    if missing:
+        note("no match for: " + "; ".join(missing) + " (common.notebook.CONCEPTS needs updating).")
+        LOG["errors"].append(f"stage {stage}: cross-track table misses {missing}")
+    return rows
 
 
 # --------------------------------------------------------------------------------------------
@@ -461,17 +856,28 @@ def show_cross_track_diff(stage, max_lines=300):
 _REPORTS = {}
 
 
-def compile_report(stage, track, shape=None):
-    """common.compile.compile_only, cached per (stage, track, shape) for this process; None (and
-    a note) when the file is missing or does not compile."""
+def _settings_key(settings):
+    return tuple(sorted((k, repr(v)) for k, v in (settings or {}).items()))
+
+
+def compile_report(stage, track, shape=None, settings=None):
+    """common.compile.compile_only, cached per (stage, track, shape, settings, kernel class) for
+    this process; None (and a note) when the file is missing or does not compile."""
     if not available(stage, track):
         return None
-    key = (stage, track, tuple(shape) if shape else None)
+    key = (
+        stage,
+        track,
+        tuple(shape) if shape else None,
+        _settings_key(settings),
+        id(_kernel_class(stage, track)),
+    )
     if key not in _REPORTS:
         from .compile import compile_only
 
         try:
-            _REPORTS[key] = compile_only(stage, track, shape=shape)
+            with kernel_settings(stage, track, **(settings or {})):
+                _REPORTS[key] = compile_only(stage, track, shape=shape)
         except Exception as e:
             msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             note(f"stage {stage} ({track}) does not compile: {msg}")
@@ -483,43 +889,178 @@ def compile_report(stage, track, shape=None):
     return r
 
 
-def compile_summary(stage, track="hopper", shape=None, patterns=None, excerpt_lines=3):
+def cubin_registers(cubin):
+    """Registers per thread of the (single) kernel in a cubin, read from its ELF `.nv.info`
+    section (attribute EIATTR_REGCOUNT), or None. This is the count of the binary the CuTe DSL
+    built with its own assembler, so it needs no ptxas on the machine."""
+    try:
+        if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+            return None
+        shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+        shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+        secs = [
+            struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)
+        ]
+        strtab = secs[shstrndx][4]
+        found = []
+        for sec in secs:
+            end = cubin.index(b"\0", strtab + sec[0])
+            if cubin[strtab + sec[0] : end] != b".nv.info":
+                continue
+            p, stop = sec[4], sec[4] + sec[5]
+            while p + 2 <= stop:
+                fmt, attr = cubin[p], cubin[p + 1]
+                if fmt == 0x04:  # EIFMT_SVAL: u16 size, payload
+                    size = struct.unpack_from("<H", cubin, p + 2)[0]
+                    if attr == 0x2F and size >= 8:  # EIATTR_REGCOUNT: (symbol, registers)
+                        found.append(struct.unpack_from("<II", cubin, p + 4)[1])
+                    p += 4 + size
+                elif fmt == 0x03:  # EIFMT_HVAL: u16 value
+                    p += 4
+                elif fmt in (0x01, 0x02):  # EIFMT_NVAL / EIFMT_BVAL
+                    p += 2 if fmt == 0x01 else 3
+                else:
+                    break
+        return max(found) if found else None
+    except (IndexError, ValueError, struct.error):
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def ptxas_info():
+    """{path, release, targets} of the ptxas on PATH (release as `ptxas --version` prints it,
+    targets the sm_* names `ptxas --help` allows), or None when there is none."""
+    exe = shutil.which("ptxas")
+    if exe is None:
+        return None
+
+    def run(*args):
+        try:
+            p = subprocess.run([exe, *args], capture_output=True, text=True, timeout=60)
+            return p.stdout + p.stderr
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    version = run("--version")
+    m = re.search(r"release (\d+\.\d+)", version)
+    helptext = run("--help")
+    allowed = re.search(
+        r"^--gpu-name\b.*?Allowed values for this option:(.*?)(?:\n\s*\n|Default value)",
+        helptext,
+        re.S | re.M,
+    )
+    targets = sorted(set(re.findall(r"sm_\d+[a-z]?", allowed.group(1)))) if allowed else []
+    return {"path": exe, "release": m.group(1) if m else "(unknown release)", "targets": targets}
+
+
+def _arch_key(name):
+    m = re.match(r"sm_(\d+)([a-z]?)", name)
+    return (int(m.group(1)), m.group(2)) if m else (0, "")
+
+
+def _ptxas_first_error(ptx, arch_name):
+    """The first line of ptxas's own complaint about `ptx` (not its closing 'aborted' line)."""
+    info = ptxas_info()
+    if info is None or not ptx:
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        try:
+            p = subprocess.run(
+                [info["path"], f"-arch={arch_name}", "-o", os.path.join(d, "k.cubin"), src],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+    lines = [ln.strip() for ln in (p.stdout + p.stderr).splitlines() if ln.strip()]
+    useful = [ln for ln in lines if "aborted due to errors" not in ln]
+    return (useful or lines or [None])[0]
+
+
+def ptxas_problem(res, arch_name, ptx=None):
+    """A sentence saying why ptxas gave no register count for `arch_name`, or None. ptxas_resources
+    in common.compile returns {"error": <its last line>} when ptxas fails, which for an older
+    ptxas facing sm_100a is a bare 'ptxas fatal : Ptx assembly aborted due to errors': this names
+    the ptxas, its release and its newest target instead (or, with `ptx`, ptxas's first real
+    error line)."""
+    info = ptxas_info()
+    if res is None:
+        return "no ptxas on PATH (install the CUDA toolkit to see registers and spills)"
+    if not res.get("error"):
+        return None
+    if info is None:
+        return f"ptxas failed: {res['error']}"
+    if info["targets"] and arch_name not in info["targets"]:
+        newest = max(info["targets"], key=_arch_key)
+        return (
+            f"ptxas {info['release']} ({info['path']}) cannot assemble {arch_name}: its newest "
+            f"target is {newest}. The kernel itself compiled (the CuTe DSL assembles with its own "
+            "bundled compiler); only this report's spill counts need a ptxas of CUDA 12.8 or newer"
+        )
+    detail = _ptxas_first_error(ptx, arch_name) or res["error"]
+    return f"ptxas {info['release']} ({info['path']}) failed for {arch_name}: {detail}"
+
+
+def compile_summary(
+    stage, track="hopper", shape=None, patterns=None, excerpt_lines=3, settings=None
+):
     """Compile stage `stage` of `track` for its arch with fake tensors (no GPU) and show: compile
-    time, registers and spills (ptxas), dynamic shared memory, how many of each instruction family
-    the PTX holds, and a few PTX lines of the families the stage is about."""
-    r = compile_report(stage, track, shape)
+    time, registers and spills, dynamic shared memory, the byte counts the full barriers expect
+    (expect_tx), how many of each instruction family the PTX holds, and a few PTX lines of the
+    families the stage is about. `settings`: kernel settings to override (kernel_settings), to
+    see what a change costs without editing the file."""
+    r = compile_report(stage, track, shape, settings)
     if r is None:
         return None
-    res = r.resources or {}
-    rows = [
-        ("target", f"{r.arch} ({track})"),
+    from .compile import expect_tx_immediates, ptx_lines
+
+    res = r.resources
+    rows = [("target", f"{r.arch} ({track})")]
+    if settings:
+        rows.append(("settings changed", ", ".join(f"{k}={v!r}" for k, v in settings.items())))
+    rows += [
         ("shape", str(r.shape)),
         ("dtype", r.dtype),
         ("compile time", f"{r.seconds:.1f} s"),
     ]
-    if "registers" in res:
-        rows.append(("registers / thread", str(res["registers"])))
+    regs = cubin_registers(r.cubin)
+    if res and "registers" in res:
+        rows.append(("registers / thread", f"{res['registers']} (ptxas)"))
         rows.append(
             (
                 "spills (store / load bytes)",
                 f"{res.get('spill_stores', 0)} / {res.get('spill_loads', 0)}",
             )
         )
-    elif res.get("error"):
-        rows.append(("ptxas", res["error"][:80]))
     else:
-        rows.append(("registers / thread", "(ptxas not installed)"))
+        rows.append(
+            (
+                "registers / thread",
+                f"{regs} (from the cubin the CuTe DSL built)" if regs else "(not available)",
+            )
+        )
+        rows.append(("ptxas", ptxas_problem(res, r.arch, r.ptx)))
     if r.shared_memory_bytes:
         smem = r.shared_memory_bytes
         rows.append(("dynamic shared memory / CTA", f"{smem} B ({smem / 1024:.1f} KiB)"))
+    tx = [b for b in expect_tx_immediates(r.ptx) if b is not None]
+    if tx:
+        rows.append(
+            (
+                "expect_tx bytes (per arrive.expect_tx)",
+                ", ".join(f"{b} ({b / 1024:g} KiB)" for b in sorted(set(tx))),
+            )
+        )
     rows += [(f"PTX: {k}", str(v)) for k, v in r.counts.items() if v]
     _markdown(
         f"**Compile summary, stage {stage} ({track})**",
         f"=== compile summary, stage {stage} ({track}) ===",
     )
     _table(("", "value"), rows)
-    from .compile import ptx_lines
-
     excerpt = []
     for pat in patterns or PTX_EXCERPTS[track]:
         got = ptx_lines(r.ptx, pat, limit=excerpt_lines)
@@ -547,29 +1088,33 @@ class Verification:
     lse_check: object  # CheckResult of the LSE (stage 5), else None
 
 
-def _skip(what, stage):
-    why = (
+def _why_no_gpu():
+    return (
         "no CUDA GPU is visible"
         if arch.compute_capability() is None
         else f"{arch.gpu_description()} runs neither track"
         if GPU_TRACK is None
         else "TUTORIAL_NB_MODE=compile-only"
     )
+
+
+def _skip(what, stage):
     note(
         f"{what} skipped: this cell launches the stage {stage} kernel, which needs an sm_90 (H100/H200) or "
-        f"sm_100 (B200/GB200) GPU, and {why}."
+        f"sm_100 (B200/GB200) GPU, and {_why_no_gpu()}. The compile summaries above show what the "
+        "compiler produced."
     )
 
 
-def run_and_verify(stage, shape=None, seed=0):
+def run_and_verify(stage, shape=None, seed=0, settings=None):
     """GPU mode: launch stage `stage` of this GPU's track on seeded inputs (outputs poisoned with
     NaN first), wait with a deadline, and check against the fp64 reference and PyTorch's own
     low-precision error (common.checker); raise AssertionError with the report if it fails.
-    Compile-only mode: say that the cell is skipped and why, and show the compile summary."""
+    `settings`: kernel settings to override (kernel_settings). Compile-only mode: say that the
+    cell is skipped and why."""
     shape = tuple(shape or stages.stage(stage).compile_shape)
     if MODE != "gpu":
         _skip("Run and verify", stage)
-        compile_summary(stage, TRACK)
         return None
     track = arch.track()
     if not available(stage, track):
@@ -578,25 +1123,27 @@ def run_and_verify(stage, shape=None, seed=0):
     from .checker import compare, run_with_deadline
 
     case = make_case(stage, track, shape, seed=seed)
-    t0 = time.perf_counter()
-    out = run_with_deadline(case.run, 60, f"stage {stage} ({track})")
-    first = time.perf_counter() - t0
-    ref = case.ref()
-    chk = compare(
-        f"stage {stage} {track} {shape}", out, ref, rtol=case.rtol, torch_lowp=case.lowp()
-    )
-    lse_chk = None
-    if stage == 5:
-        from .reference import attention_ref
-
-        entry = getattr(stages.track_module(stage, track), stages.stage(stage).entry)
-        q, k, v = case.args
-        _, lse = run_with_deadline(
-            lambda: entry(q, k, v, return_lse=True), 60, "stage 5 with return_lse"
+    with kernel_settings(stage, track, **(settings or {})):
+        t0 = time.perf_counter()
+        out = run_with_deadline(case.run, 60, f"stage {stage} ({track})")
+        first = time.perf_counter() - t0
+        ref = case.ref()
+        chk = compare(
+            f"stage {stage} {track} {shape}", out, ref, rtol=case.rtol, torch_lowp=case.lowp()
         )
-        # LSE is fp32 from fp32 statistics: a relative error around 1e-6 is expected; 1e-4 leaves room
-        # for exp2/log2 approximations and would still catch a wrong base (log2 vs ln) or a missing scale.
-        lse_chk = compare(f"stage 5 LSE {shape}", lse, attention_ref(q, k, v)[1], rtol=1e-4)
+        lse_chk = None
+        if stage == 5:
+            from .reference import attention_ref
+
+            entry = getattr(stages.track_module(stage, track), stages.stage(stage).entry)
+            q, k, v = case.args
+            _, lse = run_with_deadline(
+                lambda: entry(q, k, v, return_lse=True), 60, "stage 5 with return_lse"
+            )
+            # LSE is fp32 from fp32 statistics: a relative error around 1e-6 is expected; 1e-4
+            # leaves room for exp2/log2 approximations and would still catch a wrong base (log2
+            # vs ln) or a missing scale.
+            lse_chk = compare(f"stage 5 LSE {shape}", lse, attention_ref(q, k, v)[1], rtol=1e-4)
     _table(
         (
             "check",
@@ -621,7 +1168,10 @@ def run_and_verify(stage, shape=None, seed=0):
             if c is not None
         ],
     )
-    print(f"first launch (compile + run) took {first:.1f} s on {arch.gpu_description()}")
+    print(
+        f"bound = min(hard bound, 3 x PyTorch's own error + 1e-6); first launch (compile + run) "
+        f"took {first:.1f} s on {arch.gpu_description()}"
+    )
     for c in (chk, lse_chk):
         if c is not None and not c.passed:
             LOG["errors"].append(str(c))
@@ -654,26 +1204,44 @@ def _cpu_standin(stage, seed=0):
     )
 
 
-def error_picture(stage, result=None):
-    """|out - ref| of the kernel's checked output (GPU mode), or, without a GPU, the same map for
-    PyTorch's own bf16 computation on the CPU (the yardstick the kernel is held to)."""
+def error_picture(stage, result=None, standin=None):
+    """GPU mode: |out - ref| of the kernel's checked output, for the (b, h) slice that holds the
+    worst element (named in the title, the same element as the table's). Without a GPU: for
+    stage 1 (or standin=True) the same map for PyTorch's own bf16 computation on the CPU - the
+    yardstick, uniform rounding noise; for later stages a note, since that picture would only
+    repeat stage 1's noise."""
     from . import plots
 
     if result is not None:
         return plots.error_heatmap(
             result.out,
             result.ref,
-            title=f"stage {stage} ({result.track}) |out - ref|, {arch.gpu_description()}",
+            title=f"stage {stage} ({result.track}) kernel |out - fp64 ref|, {arch.gpu_description()}",
         )
+    if standin is None:
+        standin = stage == 1
+    if not standin:
+        note(
+            "no kernel ran, so there is no error map of it here. In GPU mode this cell draws the "
+            "kernel's |out - ref| for the slice holding its worst element; a correct kernel shows "
+            "uniform rounding noise like the stand-in of stage 1 (section 6), while a bug shows "
+            "structure (a tile, a row band, a column of keys). `nb.error_picture(n, standin=True)` "
+            "draws the CPU stand-in."
+        )
+        return None
     out, ref, what = _cpu_standin(stage)
-    return plots.error_heatmap(out, ref, title=f"no kernel run here - {what}: |out - fp64 ref|")
+    return plots.error_heatmap(
+        out, ref, title=f"NO KERNEL RAN - stand-in: {what}, |out - fp64 ref| (rounding noise)"
+    )
 
 
-def measure(stage, shapes, baselines=None, also_stages=()):
+def measure(stage, shapes, baselines=None, also_stages=(), variants=None):
     """GPU mode: time stage `stage` and its baselines (cuBLAS or SDPA, all in the same run, inputs
-    rotated past L2; common.benchmarks.measure) at each shape, and the stages in `also_stages`
-    (same entry signature) on the same shapes; print a table naming the GPU and date, draw a bar
-    chart, return {shape: {name: TFLOP/s}}. Compile-only mode: skipped."""
+    rotated past L2; common.benchmarks.measure) at each shape, the stages in `also_stages`
+    (same entry signature) on the same shapes, and each variant {label: settings} of the stage's
+    own kernel (kernel_settings: the modified kernel is compiled anew and timed in the same run);
+    print a table naming the GPU and date, draw a bar chart, return {shape: {name: TFLOP/s}}.
+    Compile-only mode: skipped."""
     if MODE != "gpu":
         _skip("Measure", stage)
         return None
@@ -688,19 +1256,25 @@ def measure(stage, shapes, baselines=None, also_stages=()):
     gpu, date = gpu_and_date()
     results, rows = {}, []
     for shape in shapes:
-        res = bench_measure(make_case(stage, track, tuple(shape), seed=1), names=baselines)
+        case = make_case(stage, track, tuple(shape), seed=1)
+        res = bench_measure(case, names=baselines)
+        for label, settings in (variants or {}).items():
+            with kernel_settings(stage, track, **settings):
+                var = bench_measure(make_case(stage, track, tuple(shape), seed=1), names=())
+            res[f"stage {stage} ({label})"] = var[f"stage {stage}"]
         for other in also_stages:
             if available(other, track):
                 res.update(bench_measure(make_case(other, track, tuple(shape), seed=1), names=()))
         results[str(tuple(shape))] = {k: v[1] for k, v in res.items()}
         mine = res[f"stage {stage}"][1]
         for name, (ms, tf) in res.items():
-            ratio = "" if name == f"stage {stage}" else f"{tf / mine:.2f}x"
+            ratio = "-" if name == f"stage {stage}" else f"{mine / tf:.2f}x"
             rows.append((str(tuple(shape)), name, f"{ms:.3f}", f"{tf:.0f}", ratio))
         torch.cuda.empty_cache()
-    _table(("shape", "kernel", "ms", "TFLOP/s", "baseline / stage"), rows)
+    _table(("shape", "kernel", "ms", "TFLOP/s", f"stage {stage} speed-up over it"), rows)
     print(
-        f"measured on {gpu}, {date}; medians of CUDA-event timings after warm-up, all in this run"
+        f"measured on {gpu}, {date}; medians of CUDA-event timings after warm-up, all in this run; "
+        f"'speed-up' = stage {stage}'s TFLOP/s / that kernel's (above 1: stage {stage} is faster)"
     )
     LOG["measured"].append((stage, track))
     plots.bench_bars(results, f"stage {stage} ({track}) on {gpu}, {date}")

@@ -6,7 +6,9 @@ Every picture is drawn from the same small functions the tests check against the
   - swizzle: CuTe's Swizzle<B, M, S> on byte addresses (S<3,4,3> is TMA's 128-byte swizzle);
   - simulate_ring: a small model of a TMA producer and an MMA consumer sharing a ring of
     shared-memory slots through full/empty mbarriers (durations are illustrative, not measured).
-Each plotting function returns its matplotlib Figure.
+Each plotting function returns its matplotlib Figure. Figures are at most FIG_WIDTH inches wide
+and no label is smaller than MIN_FONT points, so that they stay readable at notebook size (a
+notebook shows a figure about 8-10 inches wide).
 """
 
 import math
@@ -16,7 +18,12 @@ import matplotlib
 matplotlib.use("Agg") if matplotlib.get_backend().lower() in ("", "agg") else None
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
-from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.patches import FancyArrowPatch, Patch, Rectangle  # noqa: E402
+
+FIG_WIDTH = 11.0
+MIN_FONT = 9.0
+MONO = "monospace"
 
 # One palette for all pictures: the same thing has the same colour everywhere.
 C = {
@@ -37,9 +44,39 @@ C = {
     "race": "#E41A1C",
     "free": "#FFFFFF",
     "grid": "#444444",
+    "desc": "#F2C14E",
 }
 WARP_COLORS = ("#FBE3D6", "#DCEAF7", "#E2F0D9", "#EDE1F5")
 LANE_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52")
+
+# One colour per kernel across every notebook and benchmark plot: a baseline keeps its colour
+# whichever stage it is timed against.
+KERNEL_COLORS = {
+    "stage 1": "#E377C2",
+    "stage 2": "#BCBD22",
+    "stage 3": "#17BECF",
+    "stage 4": "#9467BD",
+    "stage 5": "#D62728",
+    "cuBLAS (torch.matmul)": "#7F7F7F",
+    "SDPA flash": "#1F77B4",
+    "SDPA cuDNN": "#2CA02C",
+    "FA4": "#FF7F0E",
+}
+
+
+def kernel_color(name):
+    """The colour of a kernel in every bar chart and curve: its own, or its stage's for a variant
+    ("stage 1 (ab_buffers=2)" is drawn in stage 1's colour, hatched)."""
+    if name in KERNEL_COLORS:
+        return KERNEL_COLORS[name]
+    for key, col in KERNEL_COLORS.items():
+        if name.startswith(key + " "):
+            return col
+    return "#8C564B"
+
+
+def _fs(size):
+    return max(MIN_FONT, size)
 
 
 def _box(
@@ -52,7 +89,7 @@ def _box(
     ec="black",
     lw=0.8,
     text=None,
-    fontsize=8,
+    fontsize=MIN_FONT,
     alpha=1.0,
     hatch=None,
     tc="black",
@@ -64,14 +101,36 @@ def _box(
         )
     )
     if text is not None:
-        ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=fontsize, color=tc)
+        ax.text(
+            x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=_fs(fontsize), color=tc
+        )
 
 
-def _finish(fig, path=None):
-    fig.tight_layout()
+def _finish(fig, path=None, rect=None):
+    if rect is None:
+        fig.tight_layout()
+    else:
+        fig.tight_layout(rect=rect)
     if path:
         fig.savefig(path, dpi=120)
     return fig
+
+
+def _arrow(ax, a, b, text=None, style="->", color="black", lw=1.2, fontsize=MIN_FONT, dy=0.0, **kw):
+    ax.add_patch(
+        FancyArrowPatch(a, b, arrowstyle=style, mutation_scale=13, lw=lw, color=color, **kw)
+    )
+    if text:
+        ax.text(
+            (a[0] + b[0]) / 2,
+            (a[1] + b[1]) / 2 + dy,
+            text,
+            fontsize=_fs(fontsize),
+            ha="center",
+            va="center",
+            color=color,
+            bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.85),
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -164,12 +223,13 @@ def swizzle_128b_chunk(row, chunk):
 def gemm_tiling(M=1024, N=1024, K=512, tile=(128, 256, 64), highlight=(2, 1), path=None):
     """C = A @ B^T tiled over CTAs: one CTA per bM x bN tile of C (grid = (M / bM, N / bN)); the
     highlighted CTA streams its row panel of A and its row panel of B through shared memory one
-    bK-wide K tile at a time."""
+    bK-wide K tile at a time. Tiles and K tiles are numbered from 0, as in the code."""
     bM, bN, bK = tile
     gm, gn = -(-M // bM), -(-N // bN)
     hm, hn = highlight
     gap = 0.08 * max(M, N)
-    fig, ax = plt.subplots(figsize=(8, 8 * (M + K + gap) / (N + K + gap)))
+    width = 9.5
+    fig, ax = plt.subplots(figsize=(width, width * (M + K + 2 * gap) / (N + K + 3.4 * gap)))
     # C, bottom right: x = column n, y = row m (y grows downwards)
     for i in range(gm):
         for j in range(gn):
@@ -182,23 +242,24 @@ def gemm_tiling(M=1024, N=1024, K=512, tile=(128, 256, 64), highlight=(2, 1), pa
                 bM,
                 C["c"] if hit else "#F6E3E3",
                 lw=0.6,
-                text=f"({i},{j})",
-                fontsize=7 if gm * gn > 40 else 8,
+                text=f"({i},{j})" if gm * gn <= 64 else None,
+                fontsize=10,
                 alpha=0.9 if hit else 1.0,
                 tc="white" if hit else "black",
             )
     ax.text(
         N / 2,
-        M + gap * 0.6,
-        f"C  (M={M}, N={N}): {gm} x {gn} CTAs, block_idx = (m tile, n tile)",
+        M + gap * 0.55,
+        f"C (M={M}, N={N}): {gm} x {gn} CTAs, label = (m tile, n tile)",
         ha="center",
         va="center",
-        fontsize=9,
+        fontsize=11,
     )
+    kt = -(-K // bK)
     # A, left: rows m, columns k
     ax0 = -gap - K
     _box(ax, ax0, 0, K, M, "#EAF0F8", lw=0.6)
-    for k in range(-(-K // bK)):
+    for k in range(kt):
         _box(
             ax,
             ax0 + k * bK,
@@ -208,14 +269,14 @@ def gemm_tiling(M=1024, N=1024, K=512, tile=(128, 256, 64), highlight=(2, 1), pa
             C["a"],
             lw=0.5,
             alpha=0.35 + 0.65 * (k == 0),
-            text=str(k) if bK / K > 0.05 else None,
-            fontsize=7,
+            text=str(k) if kt <= 12 else None,
+            fontsize=10,
         )
-    ax.text(ax0 + K / 2, M + gap * 0.6, f"A  (M x K={K})", ha="center", fontsize=9)
+    ax.text(ax0 + K / 2, M + gap * 0.55, f"A (M x K = {K})", ha="center", fontsize=11)
     # B^T, top: rows k, columns n (B is stored N x K, K-major; drawn transposed)
     by0 = -gap - K
     _box(ax, 0, by0, N, K, "#FBEFE5", lw=0.6)
-    for k in range(-(-K // bK)):
+    for k in range(kt):
         _box(
             ax,
             hn * bN,
@@ -225,30 +286,30 @@ def gemm_tiling(M=1024, N=1024, K=512, tile=(128, 256, 64), highlight=(2, 1), pa
             C["b"],
             lw=0.5,
             alpha=0.35 + 0.65 * (k == 0),
-            text=str(k) if bK / K > 0.05 else None,
-            fontsize=7,
+            text=str(k) if kt <= 12 else None,
+            fontsize=10,
         )
     ax.text(
         N + gap * 0.3,
         by0 + K / 2,
-        "B^T  (K x N)\nB is stored\n(N, K), K-major",
+        "B^T (K x N)\nB is stored\n(N, K),\nK-major",
         ha="left",
         va="center",
-        fontsize=9,
+        fontsize=11,
     )
     ax.text(
         ax0 + K / 2,
         by0 + K / 2,
-        f"CTA ({hm},{hn}):\nK tiles of {bK}\n(numbered) flow\nthrough the\nab_buffers ring",
+        f"CTA ({hm},{hn}):\nK tiles {0}..{kt - 1}\nof {bK} flow\nthrough the\nab_buffers ring",
         ha="center",
         va="center",
-        fontsize=9,
+        fontsize=11,
     )
-    ax.set_xlim(ax0 - gap * 0.2, N + gap * 2.2)
+    ax.set_xlim(ax0 - gap * 0.2, N + gap * 3.2)
     ax.set_ylim(M + gap, by0 - gap * 0.2)
     ax.set_aspect("equal")
     ax.axis("off")
-    ax.set_title(f"GEMM tiling: CTA tile {bM} x {bN}, K tile {bK}")
+    ax.set_title(f"GEMM tiling: CTA tile {bM} x {bN}, K tile {bK}", fontsize=12)
     return _finish(fig, path)
 
 
@@ -266,10 +327,12 @@ def attention_grid(
 ):
     """Left: one CTA per (Q tile, head, batch); right: what the highlighted CTA does - its Q tile
     (bM x D) stays resident, the K tiles (bN x D) of the same (b, h) stream past it, producing
-    one bM-row band of S = Q K^T."""
+    one bM-row band of S = Q K^T. Everything is numbered from 0."""
     qt = -(-Sq // block_m)
     hb, hh, hq = highlight
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1, 1.5]})
+    fig, (ax, bx) = plt.subplots(
+        1, 2, figsize=(FIG_WIDTH, 4.8), gridspec_kw={"width_ratios": [1, 1.5]}
+    )
     for b in range(B):
         for h in range(H):
             y = b * H + h
@@ -284,33 +347,26 @@ def attention_grid(
                     C["q"] if hit else WARP_COLORS[b % 4],
                     lw=0.6,
                     text=f"{t},{h},{b}",
-                    fontsize=7,
+                    fontsize=9,
                     tc="white" if hit else "black",
                 )
     ax.set_xlim(-0.1, qt + 0.1)
     ax.set_ylim(B * H + 0.1, -0.1)
-    ax.set_xticks([t + 0.5 for t in range(qt)], [str(t) for t in range(qt)])
-    ax.set_yticks([y + 0.5 for y in range(B * H)], [f"b{y // H} h{y % H}" for y in range(B * H)])
-    ax.set_xlabel(f"Q tile ({block_m} rows each)")
+    ax.set_xticks([t + 0.5 for t in range(qt)], [str(t) for t in range(qt)], fontsize=9)
+    ax.set_yticks(
+        [y + 0.5 for y in range(B * H)], [f"b{y // H} h{y % H}" for y in range(B * H)], fontsize=9
+    )
+    ax.set_xlabel(f"Q tile ({block_m} rows each)", fontsize=10)
     ax.set_title(f"{qt * H * B} CTAs: {grid_label}\nlabel = (q tile, head, batch)", fontsize=10)
     ax.set_aspect("equal")
     # Right: the highlighted CTA's work. Units: rows/cols scaled to fit.
     kt = -(-Sk // block_n)
+    shown = min(kt, 6)
     u = 1.0 / max(block_m, D)
     qh, qw = block_m * u, D * u
-    _box(
-        bx,
-        0,
-        0.6,
-        qw,
-        qh,
-        C["q"],
-        text=f"Q tile\n{block_m} x {D}\n(resident)",
-        tc="white",
-        fontsize=8,
-    )
+    _box(bx, 0, 0.6, qw, qh, C["q"], text=f"Q tile\n{block_m} x {D}\n(resident)", tc="white")
     x0 = qw + 0.4
-    for j in range(min(kt, 8)):
+    for j in range(shown):
         _box(
             bx,
             x0 + j * block_n * u,
@@ -320,7 +376,6 @@ def attention_grid(
             C["k"],
             alpha=0.5 + 0.5 * (j == 0),
             text=f"K{j}^T",
-            fontsize=7,
         )
         _box(
             bx,
@@ -331,27 +386,26 @@ def attention_grid(
             C["s"],
             alpha=0.25 + 0.5 * (j == 0),
             text=f"S[:, {j}]",
-            fontsize=7,
         )
-    more = " ..." if kt > 8 else ""
+    more = f" (first {shown} drawn)" if kt > shown else ""
     bx.text(
-        x0,
+        0,
         0.6 + qh + 0.12,
-        f"one CTA (b={hb}, h={hh}, q tile {hq}): S band {block_m} x {Sk} = "
-        f"{kt} K tiles of {block_n}{more}",
-        fontsize=9,
+        f"one CTA (b={hb}, h={hh}, q tile {hq}): S band {block_m} x {Sk} =\n"
+        f"{kt} K tiles of {block_n}, numbered 0..{kt - 1}{more}",
+        fontsize=10,
         va="top",
     )
     bx.text(
         x0 - 0.2,
         -0.05 - qw / 2,
-        f"K tiles ({block_n} x {D})\nstream in",
+        f"K tiles\n({block_n} x {D})\nstream in",
         ha="right",
         va="center",
-        fontsize=8,
+        fontsize=9,
     )
-    bx.set_xlim(-0.1, x0 + min(kt, 8) * block_n * u + 0.2)
-    bx.set_ylim(0.6 + qh + 0.3, -0.25 - qw)
+    bx.set_xlim(-0.1, x0 + shown * block_n * u + 0.2)
+    bx.set_ylim(0.6 + qh + 0.55, -0.25 - qw)
     bx.set_aspect("equal")
     bx.axis("off")
     return _finish(fig, path)
@@ -365,7 +419,7 @@ def swizzle_128b(rows=8, path=None):
     8 times. Right: the 128-byte swizzle (Swizzle<3,4,3> on byte addresses), logical chunk c of
     row r stored at chunk c ^ (r % 8): the 8 reads spread over all 32 banks."""
     cmap = plt.get_cmap("tab10")
-    fig, axes = plt.subplots(1, 2, figsize=(13, 2.0 + 0.55 * rows))
+    fig, axes = plt.subplots(1, 2, figsize=(FIG_WIDTH, 2.6 + 0.5 * rows))
     for ax, swz in zip(axes, (False, True)):
         for r in range(rows):
             for c in range(8):
@@ -382,29 +436,355 @@ def swizzle_128b(rows=8, path=None):
                     lw=2.0 if hot else 0.5,
                     ec="black",
                     text=f"{c}",
-                    fontsize=9,
+                    fontsize=10,
                     tc="white" if hot else "black",
                 )
         ax.set_xlim(0, 8)
         ax.set_ylim(rows, 0)
         ax.set_xticks(
             [p + 0.5 for p in range(8)],
-            [f"bytes\n{16 * p}-{16 * p + 15}\nbanks\n{4 * p}-{4 * p + 3}" for p in range(8)],
-            fontsize=7,
+            [f"B {16 * p}-\n{16 * p + 15}\nbanks\n{4 * p}-{4 * p + 3}" for p in range(8)],
+            fontsize=9,
         )
-        ax.set_yticks([r + 0.5 for r in range(rows)], [f"row {r}" for r in range(rows)], fontsize=8)
+        ax.set_yticks([r + 0.5 for r in range(rows)], [f"row {r}" for r in range(rows)], fontsize=9)
         ax.set_aspect("equal")
         banks = sorted({4 * (swizzle_128b_chunk(r, 0) if swz else 0) for r in range(min(rows, 8))})
         ax.set_title(
             ("128B swizzle: chunk c of row r at c ^ (r % 8)" if swz else "no swizzle: chunk c at c")
             + f"\nchunk 0 of rows 0-7 -> {len(banks) * 4} distinct banks "
-            + ("(conflict-free)" if len(banks) == 8 else "(8-way bank conflict)"),
+            + ("(conflict-free)" if len(banks) == 8 else "(8-way conflict)"),
             fontsize=10,
         )
     fig.suptitle(
-        "One 128-byte row = 64 bf16 = eight 16-byte chunks (chunk c holds k = 8c .. 8c + 7); "
-        "the pattern repeats every 8 rows (1 KB)",
+        "One 128-byte row = 64 bf16 = eight 16-byte chunks (chunk c holds k = 8c .. 8c + 7);\n"
+        "the pattern repeats every 8 rows (1 KB). Cell label = logical chunk, column = where it is stored",
         fontsize=10,
+    )
+    return _finish(fig, path)
+
+
+# --------------------------------------------------------------------------------------------
+# CuTe DSL: from a global tensor to what the MMA reads (stage 1, section "Prepare")
+# --------------------------------------------------------------------------------------------
+
+
+def prepare_views(
+    cta_tile=(128, 256, 64),
+    ab_buffers=4,
+    mma_warpgroups=2,
+    shape=(1024, 1024, 1024),
+    layouts=None,
+    path=None,
+):
+    """The '# 1. Prepare' section of the Hopper GEMM as a picture: how operand A goes from a
+    global tensor to the tensor cores (B takes the same path).
+
+    Left (global -> shared memory, TMA): mA (M, K) -> local_tile -> gA (bM, bK, k_tiles), this
+    CTA's row panel cut into K tiles -> tma_partition -> tAgA (TMA, k_tiles) and tAsA (TMA,
+    ab_buffers): one TMA box per K tile and per buffer -> cute.copy(...) with the buffer's full
+    barrier -> sA (bM, bK, ab_buffers), 128B-swizzled.
+    Right (shared memory -> wgmma): partition_A gives each warpgroup its 64 rows of sA,
+    make_fragment_A turns them into wgmma *descriptors* tCrA (MMA, MMA_M, MMA_K, ab_buffers) -
+    64-bit shared-memory addresses with the swizzle mode, one per 64 x 16 block, not registers
+    holding data - and cute.gemm(tiled_mma, acc, tCrA[...], tCrB[...], acc) issues one wgmma per
+    k_block, accumulating into acc, the only operand held in registers.
+
+    layouts: {name: layout string as CuTe prints it at trace time} (from
+    common.notebook.trace_layouts), printed in each box; without it the shapes are computed
+    from the configuration."""
+    bM, bN, bK = cta_tile
+    M, N, K = shape
+    k_tiles = -(-K // bK)
+    k_blocks = bK // 16
+    rows_per_wg = bM // mma_warpgroups
+    lay = dict(layouts or {})
+    a_kb = bM * bK * 2 // 1024
+    b_kb = bN * bK * 2 // 1024
+    fig, ax = plt.subplots(figsize=(FIG_WIDTH, 8.6))
+    ax.set_xlim(0, 22)
+    ax.set_ylim(16.6, -0.9)
+    ax.axis("off")
+    bh, gap = 2.95, 1.25
+
+    def box(col, i, title, lines, fc, names=(), extra=None):
+        x = 0.1 if col == 0 else 11.4
+        w = 10.5
+        y = i * (bh + gap)
+        _box(ax, x, y, w, bh, fc, lw=1.0)
+        ax.text(x + 0.2, y + 0.4, title, fontsize=10.5, fontweight="bold", va="center", family=MONO)
+        for n, ln in enumerate(lines):
+            ax.text(x + 0.2, y + 0.9 + 0.42 * n, ln, fontsize=9.5, va="center")
+        traced = [f"{n} = {lay[n]}" for n in names if n in lay]
+        for n, ln in enumerate(traced):
+            ax.text(
+                x + 0.2,
+                y + 0.95 + 0.42 * (len(lines) + n),
+                ln if len(ln) <= 58 else ln[:57] + "...",
+                fontsize=9,
+                family=MONO,
+                va="center",
+                color="#1F4E79",
+            )
+        if extra:
+            extra(x, y, w)
+
+    def step(col, i, code):
+        x = 0.1 + 0.6 if col == 0 else 11.4 + 0.6
+        y0 = i * (bh + gap) + bh
+        _arrow(ax, (x, y0 + 0.05), (x, y0 + gap - 0.05), lw=1.6)
+        for n, ln in enumerate(code):
+            ax.text(x + 0.35, y0 + 0.45 + 0.42 * n, ln, fontsize=9, family=MONO, va="center")
+
+    def panel_strip(x, y, w):
+        for k in range(min(k_tiles, 8)):
+            _box(
+                ax,
+                x + w - 3.0 + 0.34 * k,
+                y + 0.55,
+                0.3,
+                1.2,
+                C["a"],
+                alpha=0.3 + 0.7 * (k == 0),
+                lw=0.4,
+            )
+        ax.text(x + w - 1.6, y + 2.3, "K tiles 0, 1, ...", fontsize=9, ha="center")
+
+    def slots(x, y, w):
+        for s in range(ab_buffers):
+            _box(
+                ax,
+                x + w - 2.5 + 0.6 * s,
+                y + 0.6,
+                0.5,
+                0.9,
+                C["a"],
+                alpha=0.85,
+                lw=0.5,
+                text=str(s),
+            )
+
+    def descs(x, y, w):
+        for s in range(ab_buffers):
+            for kb in range(k_blocks):
+                _box(ax, x + w - 2.1 + 0.5 * kb, y + 0.75 + 0.42 * s, 0.44, 0.36, C["desc"], lw=0.4)
+        ax.text(x + w - 1.1, y + 0.45, "k_block ->", fontsize=9, ha="center")
+
+    box(
+        0,
+        0,
+        f"mA  (M, K) = ({M}, {K})",
+        [
+            "global A as the TMA atom sees it: a tensor of",
+            "coordinates (the descriptor holds address and strides)",
+        ],
+        "#EAF0F8",
+        ["mA"],
+    )
+    step(
+        0,
+        0,
+        [
+            "gA = cute.local_tile(mA, cta_tile, (pid_m, pid_n, None),",
+            "                     proj=(1, None, 1))  # keep M, K",
+        ],
+    )
+    box(
+        0,
+        1,
+        f"gA  (bM, bK, k_tiles) = ({bM}, {bK}, {k_tiles})",
+        ["this CTA's row panel of A cut into K tiles;", "None = keep every tile of that mode"],
+        "#EAF0F8",
+        ["gA"],
+        panel_strip,
+    )
+    step(
+        0,
+        1,
+        [
+            "tAsA, tAgA = cpasync.tma_partition(tma_atom_a, 0,",
+            "    make_layout(1), group_modes(sA, 0, 2), group_modes(gA, 0, 2))",
+        ],
+    )
+    box(
+        0,
+        2,
+        "tAgA (TMA, k_tiles), tAsA (TMA, ab_buffers)",
+        [
+            f"TMA mode = one whole box of {bM} x {bK} = {bM * bK} elements",
+            f"({a_kb} KB): one copy per K tile into one buffer",
+        ],
+        "#FFF4E0",
+        ["tAgA", "tAsA"],
+    )
+    step(
+        0,
+        2,
+        [
+            "cute.copy(tma_atom_a, tAgA[None, k_tile], tAsA[None, buffer],",
+            "          tma_bar_ptr=full[buffer])  # bytes count down tx_count",
+        ],
+    )
+    box(
+        0,
+        3,
+        f"sA  (bM, bK, ab_buffers) = ({bM}, {bK}, {ab_buffers})",
+        ["shared memory, 128-byte swizzle,", f"{ab_buffers} buffers x {a_kb} KB"],
+        "#E2F0D9",
+        ["sA"],
+        slots,
+    )
+
+    box(
+        1,
+        0,
+        "thr_mma.partition_A(sA)",
+        [
+            "thr_mma = tiled_mma.get_slice(warpgroup_idx * 128):",
+            f"warpgroup w takes rows {rows_per_wg} w .. {rows_per_wg} w + {rows_per_wg - 1} of every",
+            "buffer of sA (left, bottom), in 64 x 16 blocks",
+        ],
+        "#E2F0D9",
+    )
+    step(1, 0, ["tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))"])
+    box(
+        1,
+        1,
+        "tCrA  (MMA, MMA_M, MMA_K, ab_buffers)",
+        [
+            f"= (1, 1, {k_blocks}, {ab_buffers}): wgmma DESCRIPTORS (a 64-bit",
+            "smem address + swizzle mode per 64 x 16",
+            "block), NOT registers holding A",
+        ],
+        "#FFF7D6",
+        ["tCrA", "tCrB"],
+        descs,
+    )
+    step(
+        1,
+        1,
+        [
+            "cute.gemm(tiled_mma, acc, tCrA[None, None, k_block, buffer],",
+            "          tCrB[None, None, k_block, buffer], acc)",
+        ],
+    )
+    box(
+        1,
+        2,
+        "acc  (MMA, MMA_M, MMA_N)",
+        [
+            "REGISTERS: the only operand in registers,",
+            f"{bM} x {bN} fp32 / {128 * mma_warpgroups} threads = {bM * bN // (128 * mma_warpgroups)} per thread",
+        ],
+        "#F6E3E3",
+        ["acc"],
+    )
+    ax.text(
+        11.4,
+        3 * (bh + gap) + 0.3,
+        f"per K tile: wait full[buffer] (tx_count = {a_kb} + {b_kb} KB\n"
+        f"landed) -> {k_blocks} x wgmma m64n{bN}k16, one per k_block,\n"
+        "each reading a descriptor of A and of B -> wait_group\n"
+        "-> release empty[buffer] (one arrive per consumer warp)",
+        fontsize=9.5,
+        va="top",
+    )
+    ax.text(
+        0.1,
+        -0.45,
+        "global -> shared memory (TMA, one elected thread)",
+        fontsize=11,
+        fontweight="bold",
+    )
+    ax.text(
+        11.4,
+        -0.45,
+        "shared memory -> tensor cores (wgmma, a warpgroup)",
+        fontsize=11,
+        fontweight="bold",
+    )
+    return _finish(fig, path)
+
+
+def barrier_phases(uses=3, path=None):
+    """One buffer's two mbarriers over its first `uses` uses. An mbarrier starts in phase 0; a
+    phase completes when its pending arrivals (and, for a full barrier, the expected TMA bytes)
+    reach zero, and the next phase begins. `try_wait.parity p` returns once the most recent phase
+    with parity p has completed. On a fresh barrier nothing has completed, but the phase before
+    phase 0 - parity 1 - counts as complete, so a wait for parity 1 returns at once: that is why
+    the producer's first wait on every empty barrier uses parity 1 (the buffer starts empty) and
+    the consumer's first wait on the full barrier uses parity 0 (it must wait for TMA)."""
+    fig, ax = plt.subplots(figsize=(FIG_WIDTH, 4.4))
+    fill, mma = 2.0, 1.4
+    # use r: producer acquires at a_r (waits empty parity (r+1)%2), TMA lands at l_r, consumer
+    # waits full parity r%2 then runs MMA until e_r, releases (empty phase r completes).
+    t = 0.0
+    events = []
+    for r in range(uses):
+        a = t
+        land = a + fill
+        end = land + mma
+        events.append((r, a, land, end))
+        t = end + 0.3
+    rows = {"empty barrier": 0, "full barrier": 1}
+    for name, y in rows.items():
+        ax.plot([0, t + 0.5], [y, y], color="#999999", lw=0.8)
+    for r, a, land, end in events:
+        # full barrier: phase r runs from the previous completion to `land`
+        prev_full = events[r - 1][2] if r else 0.0
+        _box(
+            ax,
+            prev_full,
+            1 - 0.28,
+            land - prev_full,
+            0.56,
+            WARP_COLORS[r % 4],
+            lw=0.6,
+            text=f"phase {r} (parity {r % 2})",
+        )
+        prev_empty = events[r - 1][3] if r else 0.0
+        _box(
+            ax,
+            prev_empty,
+            -0.28,
+            end - prev_empty,
+            0.56,
+            WARP_COLORS[(r + 1) % 4],
+            lw=0.6,
+            text=f"phase {r} (parity {r % 2})",
+        )
+        ax.plot(land, 1.36, marker="v", color="black", ms=7)
+        ax.plot(end, 0.36, marker="^", color="black", ms=7)
+        wait_p = (r + 1) % 2
+        passes = "returns at once: fresh barrier" if r == 0 else f"waits for empty phase {r - 1}"
+        ax.annotate(
+            f"producer use {r}:\nwait empty parity {wait_p}\n({passes})",
+            xy=(a, -0.3),
+            xytext=(a + 0.05, -0.75),
+            fontsize=9,
+            va="bottom",
+            arrowprops=dict(arrowstyle="->", lw=0.8),
+        )
+        ax.annotate(
+            f"consumer use {r}: wait full\nparity {r % 2} (phase {r} completes\nwhen TMA's bytes land)",
+            xy=(land, 1.3),
+            xytext=(land - 1.2, 1.75),
+            fontsize=9,
+            va="top",
+            arrowprops=dict(arrowstyle="->", lw=0.8),
+        )
+    ax.set_yticks(
+        [0, 1], ["empty[i]\n(consumers arrive)", "full[i]\n(expect_tx + TMA bytes)"], fontsize=10
+    )
+    ax.set_ylim(3.05, -2.35)
+    ax.set_xlim(-0.2, t + 0.5)
+    ax.set_xticks([])
+    ax.set_xlabel(
+        "time ->   (one buffer i of the ring; ▼ full phase completes, ▲ empty phase completes)",
+        fontsize=10,
+    )
+    ax.set_title(
+        "Phases and parities: use r of a buffer waits full with parity r % 2 and empty with parity (r + 1) % 2",
+        fontsize=11,
     )
     return _finish(fig, path)
 
@@ -488,27 +868,56 @@ def simulate_ring(loads, ops, load_time=3.0, issue_time=0.15, wait_for_release=N
     return ev
 
 
-def _draw_timeline(ev, slots, lanes, title, path=None, notes=(), item_color=None):
-    item_color = item_color or (lambda it: C["load"])
+def _t_end(ev):
+    return max([e for _, _, _, e, _ in ev["ops"]] + [v[3] for v in ev["loads"].values()])
+
+
+def _timeline_rows(slots, lanes, ev):
     rows = list(lanes) + [f"slot {s}" for s in range(slots)]
+    if ev["races"]:
+        rows.append("hazards")
+    return rows
+
+
+def _draw_timeline(ax, ev, slots, lanes, title, item_color=None, t_max=None):
+    """Draw one schedule into `ax`: the producer lane (a tick and a label per load, hatched while
+    it waits on an empty barrier), the consumer lanes, one lane per slot (light: TMA transfer in
+    flight, dark: the tile resident until its release), and, for a racy schedule, a hazards lane
+    naming each overwrite."""
+    item_color = item_color or (lambda it: C["load"])
+    rows = _timeline_rows(slots, lanes, ev)
     y = {name: i for i, name in enumerate(rows)}
-    t_end = max([e for _, _, _, e, _ in ev["ops"]] + [v[3] for v in ev["loads"].values()])
-    fig, ax = plt.subplots(figsize=(min(18, 5 + t_end * 0.6), 2.0 + 0.6 * len(rows)))
-    h = 0.7
-    # producer lane: issue ticks and empty-barrier waits
-    last_label = -1e9
-    for item, (slot, issue, start, end) in ev["loads"].items():
-        ax.plot(
-            [start, start],
-            [y["TMA producer"] - h / 2, y["TMA producer"] + h / 2],
-            color="black",
-            lw=1,
-        )
-        if start - last_label > 0.6:
-            ax.text(start + 0.05, y["TMA producer"] - h / 2 - 0.05, item, fontsize=7, va="bottom")
-            last_label = start
+    t_end = t_max if t_max is not None else _t_end(ev)
+    h = 0.72
+    # producer lane: a tick per load at the moment TMA starts it, labelled with the tile; labels
+    # that would overlap go on further levels of the lane (up to 4)
+    yp = y[lanes[0]]
     for a, b, prev in ev["producer_waits"]:
-        _box(ax, a, y["TMA producer"] - h / 2, b - a, h, C["wait"], hatch="//", lw=0.3, alpha=0.6)
+        _box(ax, a, yp - h / 2, b - a, h, C["wait"], hatch="//", lw=0.3, alpha=0.6)
+    bbox = ax.get_window_extent()
+    per_char = 0.62 * 9 / 72 * ax.figure.dpi * (t_end + 0.3) / max(bbox.width, 1.0)
+    ends, placed = [], []
+    for item, (slot, issue, start, end) in sorted(ev["loads"].items(), key=lambda kv: kv[1][2]):
+        for lv, e in enumerate(ends):
+            if e <= start:
+                break
+        else:
+            lv = len(ends)
+            ends.append(0.0)
+        ends[lv] = start + per_char * (len(item) + 1)
+        placed.append((item, start, lv))
+    levels = min(4, max(1, len(ends)))
+    for item, start, lv in placed:
+        ax.plot([start, start], [yp - h / 2, yp + h / 2], color="black", lw=1.2)
+        ax.text(
+            start + 0.04,
+            yp - h / 2 + (min(lv, levels - 1) + 0.5) * h / levels,
+            item,
+            fontsize=9,
+            va="center",
+            color=item_color(item) if item_color(item) != C["load"] else "black",
+            fontweight="bold",
+        )
     # consumer lanes
     for lane, label, start, end, wait_from in ev["ops"]:
         if start > wait_from + 1e-9 and lane == lanes[1]:
@@ -524,49 +933,71 @@ def _draw_timeline(ev, slots, lanes, title, path=None, notes=(), item_color=None
                 alpha=0.6,
             )
         fc = C["softmax"] if lane != lanes[1] else C["mma"]
-        _box(ax, start, y[lane] - h / 2, end - start, h, fc, text=label, fontsize=7, tc="white")
-    # slots: loading, resident, released
+        _box(ax, start, y[lane] - h / 2, end - start, h, fc, text=label, fontsize=9, tc="white")
+    # slots: occupants may overlap only in a racy schedule; overlapping ones share the lane
+    by_slot = {}
     for item, (slot, issue, start, end) in ev["loads"].items():
-        yy = y[f"slot {slot}"]
         rel = ev["releases"].get(item, t_end)
-        _box(ax, start, yy - h / 2, end - start, h, item_color(item), alpha=0.55, lw=0.5)
-        _box(
-            ax,
-            end,
-            yy - h / 2,
-            max(rel - end, 0.0),
-            h,
-            item_color(item),
-            alpha=0.95,
-            lw=0.5,
-            text=item,
-            fontsize=8,
-            tc="white",
-        )
-        ax.plot(end, yy - h / 2 - 0.05, marker="v", color="black", ms=5)
-        if item in ev["releases"]:
-            ax.plot(rel, yy + h / 2 + 0.05, marker="^", color="black", ms=5)
-    for item, prev, a, b in ev["races"]:
+        by_slot.setdefault(slot, []).append((start, end, rel, item))
+    for slot, occ in by_slot.items():
+        occ.sort()
+        sub_end, sub_of = [], {}
+        for start, end, rel, item in occ:
+            for i, e in enumerate(sub_end):
+                if e <= start + 1e-9:
+                    sub_end[i] = rel
+                    sub_of[item] = i
+                    break
+            else:
+                sub_of[item] = len(sub_end)
+                sub_end.append(rel)
+        n_sub = len(sub_end)
+        sh = h / n_sub
+        yy0 = y[f"slot {slot}"] - h / 2
+        for start, end, rel, item in occ:
+            top = yy0 + sub_of[item] * sh
+            _box(ax, start, top, end - start, sh, item_color(item), alpha=0.45, lw=0.5)
+            _box(
+                ax,
+                end,
+                top,
+                max(rel - end, 0.0),
+                sh,
+                item_color(item),
+                alpha=0.95,
+                lw=0.5,
+                text=item,
+                fontsize=9,
+                tc="white",
+            )
+            ax.plot(end, yy0 - 0.06, marker="v", color="black", ms=6)
+            if item in ev["releases"]:
+                ax.plot(rel, yy0 + h + 0.06, marker="^", color="black", ms=6)
+    for n, (item, prev, a, b) in enumerate(ev["races"]):
         yy = y[f"slot {ev['slot_of'][item]}"]
         _box(ax, a, yy - h / 2, b - a, h, "none", ec=C["race"], lw=2.5, hatch="xx")
+        yh = y["hazards"]
+        ax.plot([a, b], [yh, yh], color=C["race"], lw=4)
         ax.text(
             (a + b) / 2,
-            yy + h / 2 + 0.18,
-            f"RACE: {item} overwrites {prev} while it is read",
+            yh - 0.12 + 0.3 * (n % 2),
+            f"RACE: {item} lands in slot {ev['slot_of'][item]} while {prev} is still read",
             color=C["race"],
-            fontsize=8,
+            fontsize=9,
             ha="center",
+            va="bottom" if n % 2 == 0 else "top",
             fontweight="bold",
         )
-    ax.set_yticks(range(len(rows)), rows)
-    ax.set_ylim(len(rows) - 0.4, -0.8)
+    ax.set_yticks(range(len(rows)), rows, fontsize=10)
+    ax.set_ylim(len(rows) - 0.4, -0.75)
     ax.set_xlim(0, t_end + 0.3)
-    ax.set_xlabel("time (model units: load = TMA latency + transfer, MMA = one tile's MMAs)")
     ax.grid(axis="x", alpha=0.2)
+    ax.tick_params(axis="x", labelsize=9)
     ax.set_title(title, fontsize=10)
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
+    return t_end
 
+
+def _timeline_legend(fig, notes=(), ncol=3):
     handles = [
         Line2D(
             [],
@@ -574,7 +1005,7 @@ def _draw_timeline(ev, slots, lanes, title, path=None, notes=(), item_color=None
             marker="v",
             color="black",
             ls="none",
-            label="full barrier completes (TMA bytes landed)",
+            label="full barrier completes (bytes landed)",
         ),
         Line2D(
             [],
@@ -582,54 +1013,80 @@ def _draw_timeline(ev, slots, lanes, title, path=None, notes=(), item_color=None
             marker="^",
             color="black",
             ls="none",
-            label="release: arrive on the slot's empty barrier",
+            label="release: arrive on the empty barrier",
         ),
         Patch(facecolor=C["wait"], hatch="//", label="waiting on a barrier"),
-        Patch(
-            facecolor="#BBBBBB",
-            alpha=0.55,
-            label="light: TMA transfer in flight; dark: tile in the slot",
-        ),
+        Patch(facecolor="#BBBBBB", alpha=0.45, label="light: TMA transfer in flight"),
+        Patch(facecolor="#777777", label="dark: tile resident in the slot"),
     ]
     handles += [Patch(facecolor=col, label=lab) for lab, col in notes]
-    ax.legend(
-        handles=handles,
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.22),
-        ncol=3,
-        fontsize=7,
-        frameon=False,
+    fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=9, frameon=False)
+
+
+def _timeline_figure(panels, notes=(), suptitle=None, path=None):
+    """panels: [(ev, slots, lanes, title, item_color)] drawn one above the other on ONE time axis,
+    so that they can be compared by eye; one legend for all, attached below the last axis."""
+    t_max = max(_t_end(p[0]) for p in panels)
+    heights = [len(_timeline_rows(p[1], p[2], p[0])) + 0.8 for p in panels]
+    legend_h = 0.65
+    fig_h = 0.5 * sum(heights) + 1.0 + legend_h + (0.3 if suptitle else 0)
+    width = min(FIG_WIDTH, 5.5 + t_max * 0.45)
+    fig, axes = plt.subplots(
+        len(panels),
+        1,
+        figsize=(width, fig_h),
+        sharex=True,
+        gridspec_kw={"height_ratios": heights},
+        squeeze=False,
     )
-    return _finish(fig, path)
+    for ax, (ev, slots, lanes, title, color) in zip(axes[:, 0], panels):
+        _draw_timeline(ax, ev, slots, lanes, title, color, t_max=t_max)
+    axes[-1, 0].set_xlabel(
+        "time (model units: load = TMA latency + transfer, MMA = one tile's MMAs), one axis for all panels"
+        if len(panels) > 1
+        else "time (model units: load = TMA latency + transfer, MMA = one tile's MMAs)",
+        fontsize=9,
+    )
+    _timeline_legend(fig, notes)
+    if suptitle:
+        fig.suptitle(suptitle, fontsize=11)
+    return _finish(fig, path, rect=(0, legend_h / fig_h, 1, 1))
 
 
 def gemm_pipeline_timeline(ab_buffers=4, k_tiles=10, load_time=3.0, mma_time=1.0, path=None):
     """Stage 1's mainloop as a model schedule: TMA fills ab_buffers slots ahead, the wgmma of K tile
     k waits on full[k % ab_buffers], and the slot is released (empty barrier) once the MMAs that read
-    it are done, which lets TMA refill it with K tile k + ab_buffers. With
-    load_time > (ab_buffers - 1) * mma_time the MMAs stall (try ab_buffers=2)."""
-    loads = [(f"AB{k}", k % ab_buffers) for k in range(k_tiles)]
-    ops = [("wgmma", f"k={k}", mma_time, [f"AB{k}"], [f"AB{k}"]) for k in range(k_tiles)]
-    ev = simulate_ring(loads, ops, load_time=load_time)
-    busy = sum(e - s for _, _, s, e, _ in ev["ops"])
-    span = max(e for _, _, _, e, _ in ev["ops"])
-    title = (
-        f"Stage 1 pipeline, ab_buffers = {ab_buffers}, {k_tiles} K tiles: tensor cores busy "
-        f"{100 * busy / span:.0f}% of the time (model: load {load_time}, MMA {mma_time})"
-    )
-    return _draw_timeline(ev, ab_buffers, ("TMA producer", "wgmma"), title, path)
+    it are done, which lets TMA refill it with K tile k + ab_buffers: while K tile k is multiplied,
+    TMA can be loading up to ab_buffers - 1 tiles ahead of it. With
+    load_time > (ab_buffers - 1) * mma_time the MMAs stall. ab_buffers may be a tuple, e.g.
+    (2, 4): one panel per depth, on one time axis."""
+    depths = ab_buffers if isinstance(ab_buffers, (tuple, list)) else (ab_buffers,)
+    panels = []
+    for n in depths:
+        loads = [(f"AB{k}", k % n) for k in range(k_tiles)]
+        ops = [("wgmma", f"k={k}", mma_time, [f"AB{k}"], [f"AB{k}"]) for k in range(k_tiles)]
+        ev = simulate_ring(loads, ops, load_time=load_time)
+        busy = sum(e - s for _, _, s, e, _ in ev["ops"])
+        span = max(e for _, _, _, e, _ in ev["ops"])
+        title = (
+            f"ab_buffers = {n}, K tiles 0..{k_tiles - 1}: tensor cores busy {100 * busy / span:.0f}% "
+            f"of the time (model: load {load_time:g}, MMA {mma_time:g}; the MMAs never wait if load <= "
+            f"{n - 1} x MMA)"
+        )
+        panels.append((ev, n, ("TMA producer", "wgmma"), title, None))
+    return _timeline_figure(panels, suptitle="Stage 1 pipeline (model schedule)", path=path)
 
 
 def kv_ring_schedule(
     kv_tiles=3, kv_slots=2, two_pass=True, v_waits_for_release=True, slot_per="tile"
 ):
     """(loads, ops, wait rule) of the K/V ring. two_pass=True is stage 4: pass 1 streams K_j only
-    (row max m, row sum l), pass 2 streams K_j and V_j. two_pass=False is stage 5: one pass,
-    online softmax. slot_per="tile" is the Hopper track: step t of the ring uses slot
-    t % kv_slots twice, V_j lands in the slot K_j just left. slot_per="entry" is the Blackwell
-    track: every load (K_j or V_j) is the next ring entry, entry e in slot e % kv_slots.
-    v_waits_for_release=False is the seed draft's bug: V_j is loaded into K_j's slot without
-    waiting for the QK^T MMA to release it."""
+    (row max m, row sum l), pass 2 streams K_j' (the same tiles again) and V_j. two_pass=False is
+    stage 5: one pass, online softmax. slot_per="tile" is the Hopper track: step t of the ring
+    uses slot t % kv_slots twice, V_j lands in the slot K_j just left. slot_per="entry" is the
+    Blackwell track: every load (K_j or V_j) is the next ring entry, entry e in slot
+    e % kv_slots. v_waits_for_release=False is the faulty first draft of the Blackwell kernel:
+    V_j is loaded into K_j's slot without waiting for the QK^T MMA to release it."""
     if slot_per not in ("tile", "entry"):
         raise ValueError(f"slot_per = {slot_per!r}; allowed: 'tile', 'entry'")
     loads, ops = [], []
@@ -638,7 +1095,7 @@ def kv_ring_schedule(
         for j in range(kv_tiles):
             loads.append((f"K{j}", t % kv_slots))
             ops.append(("MMA", f"QK{j}", 1.0, [f"K{j}"], [f"K{j}"]))
-            ops.append(("softmax", f"m,l {j}", 0.7, [], []))
+            ops.append(("softmax", "m,l", 0.7, [], []))
             t += 1
     # pass 2 (or the only pass): slot of tile j receives K_j then V_j
     sl = {}
@@ -661,11 +1118,48 @@ def kv_ring_schedule(
     else:
         loads.extend(order)
     for j in range(kv_tiles):
-        ops.append(("MMA", f"QK{j}", 1.0, [kname(j)], [kname(j)]))
-        ops.append(("softmax", "P=exp(S-m)/l" if two_pass else "online", 0.9, [], []))
+        ops.append(("MMA", "Q" + kname(j), 1.0, [kname(j)], [kname(j)]))
+        ops.append(("softmax", "P" if two_pass else "P,a", 0.9, [], []))
         ops.append(("MMA", f"PV{j}", 1.0, [f"V{j}"], [f"V{j}"]))
     wait = None if v_waits_for_release else (lambda item: not item.startswith("V"))
     return loads, ops, wait
+
+
+def _kv_color(item):
+    return C["v"] if item.startswith("V") else C["k"]
+
+
+def _kv_panel(kv_tiles, kv_slots, two_pass, v_waits_for_release, load_time, slot_per, label=None):
+    loads, ops, wait = kv_ring_schedule(kv_tiles, kv_slots, two_pass, v_waits_for_release, slot_per)
+    ev = simulate_ring(loads, ops, load_time=load_time, wait_for_release=wait)
+    what = (
+        "stage 4, two passes (pass 1: K only; pass 2: K' then V)"
+        if two_pass
+        else "stage 5, one pass (online softmax)"
+    )
+    ring = (
+        "Hopper: V_j into K_j's slot"
+        if slot_per == "tile"
+        else "Blackwell: one ring entry per load"
+    )
+    title = label or f"{what}; {ring}; kv_slots = {kv_slots}, KV tiles 0..{kv_tiles - 1}"
+    if not v_waits_for_release:
+        title += "\nRACY VARIANT: V_j is loaded without waiting for the release of K_j's slot"
+    span = max(e for _, _, _, e, _ in ev["ops"])
+    return (
+        ev,
+        kv_slots,
+        ("TMA producer", "MMA", "softmax"),
+        title + f" - done at t = {span:.1f}",
+        _kv_color,
+    )
+
+
+_KV_NOTES = (
+    ("a K tile (K' = pass 2)", C["k"]),
+    ("a V tile", C["v"]),
+    ("softmax: m,l = row max / sum; P = probabilities; a = rescale", C["softmax"]),
+)
 
 
 def kv_slot_timeline(
@@ -680,30 +1174,32 @@ def kv_slot_timeline(
     """Stage 4 (two_pass=True) or stage 5 (two_pass=False): one ring of kv_slots shared-memory
     slots carries K and V. In pass 2 a slot receives K_j, the QK^T MMA reads it, the slot is
     released, V_j is loaded into the same slot, the PV MMA reads it, the slot is released again.
-    With v_waits_for_release=False (the seed draft) V_j's load overlaps QK_j: a race."""
-    loads, ops, wait = kv_ring_schedule(kv_tiles, kv_slots, two_pass, v_waits_for_release, slot_per)
-    ev = simulate_ring(loads, ops, load_time=load_time, wait_for_release=wait)
+    With v_waits_for_release=False (the faulty first draft) V_j's load overlaps QK_j: a race."""
+    panel = _kv_panel(kv_tiles, kv_slots, two_pass, v_waits_for_release, load_time, slot_per)
+    return _timeline_figure([panel], notes=_KV_NOTES, path=path)
 
-    def color(item):
-        return C["v"] if item.startswith("V") else C["k"]
 
-    what = (
-        "stage 4, exact two-pass softmax (pass 1: K only; pass 2: K' then V)"
-        if two_pass
-        else "stage 5, one pass with online softmax"
-    )
-    ring = (
-        "V_j into K_j's slot (Hopper)"
-        if slot_per == "tile"
-        else "one ring entry per load (Blackwell)"
-    )
-    title = f"K/V ring, kv_slots = {kv_slots}, {kv_tiles} KV tiles, {ring} - {what}"
-    notes = [("a K tile in the slot", C["k"]), ("a V tile in the slot", C["v"])]
-    if not v_waits_for_release:
-        title += "\nRACY VARIANT: V_j is loaded without waiting for the QK_j release"
-    return _draw_timeline(
-        ev, kv_slots, ("TMA producer", "MMA", "softmax"), title, path, notes, color
-    )
+def kv_slot_timelines(variants, load_time=2.0, suptitle=None, path=None):
+    """Several K/V ring schedules one above the other on one time axis, for comparison.
+    variants: [dict(kv_tiles=..., kv_slots=..., two_pass=..., v_waits_for_release=...,
+    slot_per=..., label=...)]."""
+    panels = []
+    for v in variants:
+        v = dict(v)
+        panels.append(
+            _kv_panel(
+                v.pop("kv_tiles", 3),
+                v.pop("kv_slots", 2),
+                v.pop("two_pass", True),
+                v.pop("v_waits_for_release", True),
+                v.pop("load_time", load_time),
+                v.pop("slot_per", "tile"),
+                v.pop("label", None),
+            )
+        )
+        if v:
+            raise TypeError(f"unknown keys {sorted(v)}")
+    return _timeline_figure(panels, notes=_KV_NOTES, suptitle=suptitle, path=path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -711,14 +1207,16 @@ def kv_slot_timeline(
 # --------------------------------------------------------------------------------------------
 
 
-def wgmma_accumulator_layout(n=32, thread=5, path=None):
+def wgmma_accumulator_layout(n=32, thread=5, show_n=16, path=None):
     """The 64 x n fp32 accumulator of one warpgroup's wgmma m64nNk16 (the PTX ISA's "D" fragment).
     Left: which warp owns which rows (warp w: rows 16 w .. 16 w + 15) and the registers of one
-    thread. Right: warp 0's 16 rows, each cell labelled T<lane>/d<register>: thread t holds rows
-    t/4 and t/4 + 8, columns 2 (t % 4) + 8 i + {0, 1}; one row is spread over the 4 threads of a
-    quad (lanes 4 r .. 4 r + 3)."""
-    show_n = min(n, 32)
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(16, 6.2), gridspec_kw={"width_ratios": [1, 2.6]})
+    thread. Right: warp 0's 16 rows, columns 0 .. show_n - 1, each cell labelled T<lane>/d<register>:
+    thread t holds rows t/4 and t/4 + 8, columns 2 (t % 4) + 8 i + {0, 1}; one row is spread over
+    the 4 threads of a quad (lanes 4 r .. 4 r + 3)."""
+    show_n = min(n, show_n)
+    fig, (ax, bx) = plt.subplots(
+        1, 2, figsize=(FIG_WIDTH, 6.0), gridspec_kw={"width_ratios": [1, 2.2]}
+    )
     for w in range(4):
         _box(
             ax,
@@ -729,7 +1227,7 @@ def wgmma_accumulator_layout(n=32, thread=5, path=None):
             WARP_COLORS[w],
             lw=0.6,
             text=f"warp {w}\nrows {16 * w}-{16 * w + 15}",
-            fontsize=9,
+            fontsize=10,
         )
     mine = wgmma_c_coords(thread, n)
     for v, r, c in mine:
@@ -737,10 +1235,11 @@ def wgmma_accumulator_layout(n=32, thread=5, path=None):
     ax.set_xlim(0, n)
     ax.set_ylim(64, 0)
     ax.set_aspect("equal")
-    ax.set_xlabel("column")
-    ax.set_ylabel("row")
+    ax.set_xlabel("column", fontsize=10)
+    ax.set_ylabel("row", fontsize=10)
+    ax.tick_params(labelsize=9)
     ax.set_title(
-        f"64 x {n} accumulator, thread {thread}: {len(mine)} fp32 registers\n"
+        f"64 x {n} accumulator; thread {thread}:\n{len(mine)} fp32 registers, "
         f"rows {mine[0][1]} and {mine[0][1] + 8}",
         fontsize=10,
     )
@@ -755,22 +1254,22 @@ def wgmma_accumulator_layout(n=32, thread=5, path=None):
                 1,
                 1,
                 LANE_COLORS[t % 4],
-                alpha=0.9 if t == thread else 0.28,
+                alpha=0.9 if t == thread else 0.25,
                 lw=0.3,
                 text=f"T{t}\nd{v}",
-                fontsize=5.5,
+                fontsize=9,
                 tc="white" if t == thread else "black",
             )
     r0 = thread // 4
     for rr in (r0, r0 + 8):
-        bx.add_patch(Rectangle((0, rr), show_n, 1, fill=False, edgecolor="black", lw=2))
+        bx.add_patch(Rectangle((0, rr), show_n, 1, fill=False, edgecolor="black", lw=2.2))
     bx.set_xlim(0, show_n)
     bx.set_ylim(16, 0)
-    bx.set_xticks([c + 0.5 for c in range(show_n)], [str(c) for c in range(show_n)], fontsize=6)
-    bx.set_yticks([r + 0.5 for r in range(16)], [str(r) for r in range(16)], fontsize=7)
+    bx.set_xticks([c + 0.5 for c in range(show_n)], [str(c) for c in range(show_n)], fontsize=9)
+    bx.set_yticks([r + 0.5 for r in range(16)], [str(r) for r in range(16)], fontsize=9)
     bx.set_title(
-        f"warp 0, columns 0-{show_n - 1}: colour = lane % 4 (position in the quad). Rows {r0} and "
-        f"{r0 + 8} (boxed) live in lanes {4 * r0}-{4 * r0 + 3}",
+        f"warp 0, columns 0-{show_n - 1} (cell = thread T / register d; colour = lane % 4).\n"
+        f"Rows {r0} and {r0 + 8} (boxed) live in lanes {4 * r0}-{4 * r0 + 3}: one quad",
         fontsize=10,
     )
     return _finish(fig, path)
@@ -800,11 +1299,11 @@ def quad_reduction(
         ("after shfl xor 2", [f"{x:g}" for x in s1]),
         ("after shfl xor 1", [f"{x:g}" for x in s2]),
     ]
-    fig, ax = plt.subplots(figsize=(11, 3.8))
+    fig, ax = plt.subplots(figsize=(FIG_WIDTH, 3.7))
     w, h = 2.2, 0.7
     for ci, (title, texts) in enumerate(cols):
         x = ci * 3.0
-        ax.text(x + w / 2, -0.7, title, ha="center", fontsize=9)
+        ax.text(x + w / 2, -0.55, title, ha="center", fontsize=10)
         for lane, t in enumerate(texts):
             _box(
                 ax,
@@ -815,7 +1314,7 @@ def quad_reduction(
                 LANE_COLORS[lane],
                 alpha=0.35 if ci < 3 else 0.85,
                 text=f"lane {lane}: {t}",
-                fontsize=8,
+                fontsize=9.5,
             )
     for ci, mask in ((1, 2), (2, 1)):
         x0 = ci * 3.0 + w
@@ -826,42 +1325,42 @@ def quad_reduction(
                     (x0, src + h / 2),
                     (x0 + 0.8, lane + h / 2),
                     arrowstyle="->",
-                    mutation_scale=8,
-                    lw=0.8,
+                    mutation_scale=9,
+                    lw=0.9,
                     color=LANE_COLORS[src],
                 )
             )
     for lane in range(4):
         ax.add_patch(
             FancyArrowPatch(
-                (w, lane + h / 2), (3.0, lane + h / 2), arrowstyle="->", mutation_scale=8, lw=0.8
+                (w, lane + h / 2), (3.0, lane + h / 2), arrowstyle="->", mutation_scale=9, lw=0.9
             )
         )
     ax.set_xlim(-0.2, 3 * 3.0 + w + 0.2)
     ax.set_ylim(4.0, -1.1)
     ax.axis("off")
     ax.set_title(
-        f"row {op} over a quad: 2 shuffles, every lane ends with the same {s2[0]:g}", fontsize=10
+        f"row {op} over a quad: 2 shuffles, every lane ends with the same {s2[0]:g}", fontsize=11
     )
     return _finish(fig, path)
 
 
-def p_register_path(n=64, thread=5, path=None):
+def p_register_path(n=32, thread=5, path=None):
     """Why P never leaves the registers on Hopper: the accumulator fragment of S = Q K^T (m64nNk16,
     fp32) restricted to columns 16 j .. 16 j + 15 puts every thread's values at exactly the
     (row, k) positions the register-sourced A operand of the next wgmma (P @ V, k-block j of 16)
     expects. Converting fp32 -> bf16 and packing pairs into 32-bit registers is all it takes:
     d[8 j + 2 u], d[8 j + 2 u + 1] -> 32-bit register u of k-block j."""
     kb = n // 16
-    fig, axes = plt.subplots(2, 1, figsize=(min(18, 3 + n * 0.22), 7.2))
+    fig, axes = plt.subplots(2, 1, figsize=(FIG_WIDTH, 6.8))
     cmap = plt.get_cmap("tab10")
     c_mine = wgmma_c_coords(thread, n)
     a_mine = wgmma_a_coords(thread)
     for ax, title in zip(
         axes,
         (
-            "S = Q K^T: wgmma accumulator (fp32), warp 0 rows 0-15",
-            "P as the A operand of O += P V: k-blocks of 16 columns (bf16 in registers)",
+            f"S = Q K^T: wgmma accumulator (fp32), warp 0 rows 0-15, columns 0-{n - 1}: thread {thread}'s registers d<v>",
+            f"P as the A operand of O += P V: k-blocks of 16 keys (bf16 in registers): thread {thread}'s values a<v>",
         ),
     ):
         for r in range(16):
@@ -872,13 +1371,13 @@ def p_register_path(n=64, thread=5, path=None):
             ax.text(
                 16 * j + 8,
                 -0.6,
-                f"k-block {j}" if "P" in title[:2] else f"cols {16 * j}-{16 * j + 15}",
+                f"k-block {j}" if title.startswith("P") else f"cols {16 * j}-{16 * j + 15}",
                 ha="center",
-                fontsize=8,
+                fontsize=10,
                 color=cmap(j % 10),
             )
         ax.set_xlim(0, n)
-        ax.set_ylim(16, -1.3)
+        ax.set_ylim(16, -1.4)
         ax.set_aspect("equal")
         ax.set_title(title, fontsize=10)
         ax.set_yticks([])
@@ -894,7 +1393,7 @@ def p_register_path(n=64, thread=5, path=None):
                 cmap((c // 16) % 10),
                 lw=0.3,
                 text=f"d{v}",
-                fontsize=6,
+                fontsize=9,
                 tc="white",
             )
     for j in range(kb):
@@ -909,13 +1408,72 @@ def p_register_path(n=64, thread=5, path=None):
                     cmap(j % 10),
                     lw=0.3,
                     text=f"a{v}",
-                    fontsize=6,
+                    fontsize=9,
                     tc="white",
                 )
     fig.suptitle(
-        f"thread {thread}: identical positions in both fragments, so P = bf16(exp2(...)) is used "
-        f"in place (d[8j..8j+7] -> a0..a7 of k-block j)",
-        fontsize=10,
+        f"thread {thread}: the same positions in both fragments, so P = bf16(exp2(...)) is used in "
+        f"place\n(accumulator d[8j .. 8j+7] -> a0 .. a7 of k-block j)",
+        fontsize=11,
+    )
+    return _finish(fig, path)
+
+
+def vt_operand(keys=8, dims=8, row_bytes=128, path=None):
+    """The B operand of the second GEMM. O = P V: M = query rows, N = D, K = keys, so the B operand
+    is V^T, an (N, K) = (D, keys) matrix. TMA brings a V tile exactly as it brings a K tile - rows
+    = keys, D contiguous (left). sVt is the same bytes viewed with the two modes swapped:
+    element (d, key) of sVt is element (key, d) of sV (right). Along its N mode (d) the bytes are
+    contiguous: wgmma calls that "MN-major" and reads it transposed for free - no copy, no
+    transpose instruction. Cells show the byte offset of each element within the slot's first
+    1 KB swizzle atom (8 rows of 64 bf16 = 128 bytes; before the swizzle, which permutes 16-byte
+    chunks the same way in both views)."""
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(FIG_WIDTH, 5.4))
+
+    def cell(a, x, y, off, col):
+        _box(a, x, y, 1, 1, col, lw=0.4, alpha=0.85, text=f"{off}", fontsize=9)
+
+    cmap = plt.get_cmap("tab10")
+    for key in range(keys):
+        for d in range(dims):
+            off = key * row_bytes + 2 * d
+            cell(ax, d, key, off, cmap(key % 10))
+            cell(bx, key, d, off, cmap(key % 10))
+    for a, (xl, yl, t) in zip(
+        (ax, bx),
+        (
+            (
+                "d (contiguous: +2 bytes)",
+                "key (+ one row)",
+                "sV (as TMA wrote it) = sKV[:, :, slot]: (keys, D), D-major\nthe layout of a K tile: B operand of S = Q K^T, K-major",
+            ),
+            (
+                "key",
+                "d (contiguous: +2 bytes)",
+                "sVt = the same bytes, modes swapped: (D, keys)\nthe B operand (N = D, K = keys) of O = P V: MN-major",
+            ),
+        ),
+    ):
+        a.set_xlim(0, dims if a is ax else keys)
+        a.set_ylim(keys if a is ax else dims, 0)
+        a.set_aspect("equal")
+        a.set_xlabel(xl, fontsize=10)
+        a.set_ylabel(yl, fontsize=10)
+        a.set_xticks(
+            [i + 0.5 for i in range(dims if a is ax else keys)],
+            [str(i) for i in range(dims if a is ax else keys)],
+            fontsize=9,
+        )
+        a.set_yticks(
+            [i + 0.5 for i in range(keys if a is ax else dims)],
+            [str(i) for i in range(keys if a is ax else dims)],
+            fontsize=9,
+        )
+        a.set_title(t, fontsize=10)
+    fig.suptitle(
+        f"Byte offsets of a {keys} x {dims} corner of a V tile (bf16, {row_bytes}-byte rows): the same "
+        "bytes in both views - V^T costs nothing",
+        fontsize=11,
     )
     return _finish(fig, path)
 
@@ -939,7 +1497,7 @@ def tmem_columns(
     columns uses N columns; bf16 P packs two values per column (N/2 columns) and is written over
     S, which it replaces. regions: (name, first column, number of columns, what)."""
     colors = {"S": C["s"], "P": C["p"], "O": C["o"], "C": C["c"], "acc": C["c"]}
-    fig, ax = plt.subplots(figsize=(13, 4.2))
+    fig, ax = plt.subplots(figsize=(FIG_WIDTH, 3.9))
     _box(ax, 0, 0, total_cols, lanes, "#FAFAFA", lw=0.8)
     _box(ax, 0, 0, alloc_cols, lanes, "#F0F0F0", lw=0.8)
     for w in range(4):
@@ -950,7 +1508,7 @@ def tmem_columns(
             f"warp {w}\nlanes {32 * w}-{32 * w + 31}",
             ha="right",
             va="center",
-            fontsize=8,
+            fontsize=9,
         )
     overlays = [(s, s + w) for n, s, w, _ in regions if n == "P"]
     for name, start, width, what in regions:
@@ -982,23 +1540,24 @@ def tmem_columns(
             f"{name}\ncols {start}-{start + width - 1}\n{what}",
             ha="center",
             va="center",
-            fontsize=9,
+            fontsize=9.5,
             color="black",
             fontweight="bold",
         )
     ax.text(
         alloc_cols + (total_cols - alloc_cols) / 2,
         lanes / 2,
-        f"not allocated\n(tcgen05.alloc takes a power of 2 >= 32 columns: {alloc_cols})",
+        f"not allocated\n(tcgen05.alloc takes a power\nof 2 >= 32 columns: {alloc_cols})",
         ha="center",
         va="center",
-        fontsize=8,
-        color="#777777",
+        fontsize=9,
+        color="#555555",
     )
-    ax.set_xlim(-70, total_cols + 5)
+    ax.set_xlim(-80, total_cols + 5)
     ax.set_ylim(lanes + 5, -5)
     ax.set_xticks([0, 64, 128, 192, 256, 320, 384, 448, 512])
-    ax.set_xlabel("TMEM column (32 bits each)")
+    ax.tick_params(labelsize=9)
+    ax.set_xlabel("TMEM column (32 bits each)", fontsize=10)
     ax.set_yticks([])
     ax.set_title(
         title or "Tensor memory (TMEM): 128 lanes x 512 columns x 32 bit = 256 KB per SM",
@@ -1025,7 +1584,7 @@ def blackwell_warp_roles(stage=3, path=None):
     tma = {1: "TMA: A, B tiles\n-> ab_buffers ring"}.get(
         stage, "TMA: Q once,\nK (and V) -> kv_slots ring"
     )
-    fig, ax = plt.subplots(figsize=(13, 4.6))
+    fig, ax = plt.subplots(figsize=(FIG_WIDTH, 4.4))
     _box(
         ax,
         0,
@@ -1034,34 +1593,150 @@ def blackwell_warp_roles(stage=3, path=None):
         3.2,
         "#EDE1F5",
         text=f"warps 0-3 (128 threads,\none row per thread)\n\n{soft}",
-        fontsize=9,
+        fontsize=10,
     )
-    _box(ax, 4.9, 0, 2.5, 1.4, "#F6E3E3", text="TMEM\n(accumulators)", fontsize=9)
-    _box(ax, 4.9, 1.8, 2.5, 1.4, "#E2F0D9", text="shared memory\n(swizzled tiles)", fontsize=9)
-    _box(ax, 8.7, 0, 3.2, 1.4, "#FBE3D6", text=f"warp 4 (one thread issues)\n{mma}", fontsize=9)
-    _box(ax, 8.7, 1.8, 3.2, 1.4, "#DCEAF7", text=f"warp 5 (one thread issues)\n{tma}", fontsize=9)
-
-    def arrow(a, b, text, style="->", dy=-0.12):
-        ax.add_patch(FancyArrowPatch(a, b, arrowstyle=style, mutation_scale=12, lw=1.2))
-        ax.text(
-            (a[0] + b[0]) / 2, (a[1] + b[1]) / 2 + dy, text, fontsize=7.5, ha="center", va="bottom"
-        )
-
-    arrow((8.7, 2.5), (7.4, 2.5), "TMA loads")
-    arrow((7.4, 2.0), (8.7, 1.2), "operands", dy=0.05)
-    arrow((8.7, 0.5), (7.4, 0.5), "MMA writes")
-    arrow((4.9, 0.6), (3.6, 0.6), "tcgen05.ld" + (" / .st" if stage >= 3 else ""), style="<->")
+    _box(ax, 4.9, 0, 2.5, 1.4, "#F6E3E3", text="TMEM\n(accumulators)", fontsize=10)
+    _box(ax, 4.9, 1.8, 2.5, 1.4, "#E2F0D9", text="shared memory\n(swizzled tiles)", fontsize=10)
+    _box(ax, 8.7, 0, 3.3, 1.4, "#FBE3D6", text=f"warp 4 (one thread issues)\n{mma}", fontsize=9.5)
+    _box(ax, 8.7, 1.8, 3.3, 1.4, "#DCEAF7", text=f"warp 5 (one thread issues)\n{tma}", fontsize=9.5)
+    _arrow(ax, (8.7, 2.5), (7.4, 2.5), "TMA loads", dy=-0.22)
+    _arrow(ax, (7.4, 2.0), (8.7, 1.2), "operands", dy=0.0)
+    _arrow(ax, (8.7, 0.5), (7.4, 0.5), "MMA writes", dy=-0.22)
+    _arrow(
+        ax,
+        (4.9, 0.6),
+        (3.6, 0.6),
+        "tcgen05.ld" + (" / .st" if stage >= 3 else ""),
+        style="<->",
+        dy=-0.25,
+    )
     ax.text(
         0.0,
         3.75,
-        "mbarriers order every hand-over: full (TMA -> MMA), empty (MMA -> TMA), accumulator "
+        "mbarriers order every hand-over: full (TMA -> MMA), empty (MMA -> TMA), accumulator\n"
         "ready (MMA -> warps 0-3)" + ("; P ready (warps 0-3 -> MMA)" if stage >= 3 else ""),
-        fontsize=8.5,
+        fontsize=9.5,
+        va="top",
     )
-    ax.set_xlim(-0.2, 12.1)
-    ax.set_ylim(4.1, -0.3)
+    ax.set_xlim(-0.2, 12.2)
+    ax.set_ylim(4.5, -0.3)
     ax.axis("off")
-    ax.set_title("Blackwell CTA: 6 warps, 3 roles (192 threads)", fontsize=10)
+    ax.set_title(f"Blackwell CTA, stage {stage}: 6 warps, 3 roles (192 threads)", fontsize=11)
+    return _finish(fig, path)
+
+
+def o_rescale_handoff(d_slices=4, path=None):
+    """Blackwell stage 5, KV tile j: where the O rescale sits between PV_(j-1) and PV_j, and who
+    waits for whom (a model: durations illustrative).
+
+    MMA warp (one thread): QK_j may start only once PV_(j-1) has completed, because S_j is written
+    over P_(j-1)'s columns; after QK_j it waits for the softmax warps' "P ready" before PV_j.
+    Softmax warps: wait for S_j (tcgen05.commit after QK_j), tcgen05.ld S_j, compute row_max,
+    row_scale = exp2((m_old - m_new) * scale_log2), P_j = exp2(...); acquire "P free" (the
+    commit after PV_(j-1): O now holds sum_(i<j) P_i V_i and P's columns may be overwritten);
+    then, d_slices times, tcgen05.ld 32 columns of O, multiply by row_scale, tcgen05.st them back;
+    tcgen05.st P_j over S; tcgen05.wait::st (both stores have landed); arrive on "P ready".
+    Then PV_j adds P_j V_j to the rescaled O."""
+    fig, ax = plt.subplots(figsize=(FIG_WIDTH, 5.8))
+    names = [
+        "MMA warp\n(tcgen05.mma)",
+        "softmax warps\n0-3",
+        "TMEM: S / P\ncolumns",
+        "TMEM: O\ncolumns",
+    ]
+    ys = [0.0, 1.45, 2.55, 3.6]
+    mma, sm, sp, oc = ys
+    h = 0.62
+    red = "#B22222"
+    pv_prev, qk = (0.0, 1.2), (1.2, 2.4)
+    ld_s, math_ = (2.4, 3.0), (3.0, 4.4)
+    resc = (4.4, 6.4)
+    st_p, wst = (6.4, 7.0), (7.0, 7.45)
+    pv, qk_next = (7.55, 8.75), (8.75, 9.95)
+
+    def bar(span, yy, label, fc, tc="white", **kw):
+        _box(ax, span[0], yy - h / 2, span[1] - span[0], h, fc, text=label, fontsize=9, tc=tc, **kw)
+
+    bar(pv_prev, mma, "PV_(j-1)", C["mma"])
+    bar(qk, mma, "QK_j", C["mma"])
+    bar(
+        (qk[1], pv[0]),
+        mma,
+        "waits for P ready",
+        C["wait"],
+        tc="black",
+        hatch="//",
+        lw=0.3,
+        alpha=0.6,
+    )
+    bar(pv, mma, "PV_j", C["mma"])
+    bar(qk_next, mma, "QK_(j+1)", C["mma"])
+    bar(ld_s, sm, "ld S_j", C["softmax"])
+    bar(math_, sm, "max, exp2\n-> P_j (regs)", C["softmax"])
+    bar(resc, sm, f"O *= a_j: {d_slices} x (tcgen05.ld\n32 columns, mul, tcgen05.st)", "#5E4FA2")
+    sw = (resc[1] - resc[0]) / d_slices
+    for i in range(1, d_slices):
+        ax.plot([resc[0] + i * sw] * 2, [sm - h / 2, sm - h / 2 + 0.12], color="white", lw=1.5)
+    bar(st_p, sm, "st P_j", C["softmax"])
+    bar(wst, sm, "wait\n::st", C["softmax"])
+    bar(pv_prev, sp, "P_(j-1)", C["p"], alpha=0.85)
+    bar((qk[0], ld_s[1]), sp, "S_j (fp32)", C["s"], alpha=0.85)
+    bar((st_p[0], pv[1]), sp, "P_j (bf16, over S)", C["p"], alpha=0.85)
+    bar((pv_prev[0], resc[0]), oc, "O = sum_(i<j) P_i V_i, relative to m_(j-1)", C["o"], alpha=0.8)
+    bar(resc, oc, "being rescaled", C["o"], tc="black", alpha=0.4, hatch="//")
+    bar((resc[1], pv[0]), oc, "a_j O", C["o"], alpha=0.8)
+    bar(pv, oc, "+= P_j V_j", C["o"])
+
+    def sync(p0, p1, text, tx, ty, ha="center"):
+        ax.add_patch(
+            FancyArrowPatch(p0, p1, arrowstyle="-|>", mutation_scale=14, lw=1.7, color=red)
+        )
+        ax.text(tx, ty, text, fontsize=9, color=red, ha=ha, va="center")
+
+    sync(
+        (qk[1], mma + h / 2),
+        (ld_s[0] + 0.08, sm - h / 2),
+        "S full: commit\nafter QK_j",
+        2.25,
+        0.72,
+        ha="right",
+    )
+    sync(
+        (pv_prev[1] - 0.1, mma + h / 2),
+        (resc[0] + 0.05, sm - h / 2),
+        "P free: commit after PV_(j-1)\n(O complete, P's columns free)",
+        4.25,
+        0.62,
+        ha="left",
+    )
+    sync(
+        (wst[1], sm - h / 2),
+        (pv[0] + 0.1, mma + h / 2),
+        "P ready: 128\narrives",
+        7.75,
+        0.78,
+        ha="left",
+    )
+    ax.annotate(
+        "QK_j starts after PV_(j-1) completes: S_j is written over P_(j-1)'s columns",
+        xy=(qk[0], mma - h / 2),
+        xytext=(0.0, -0.78),
+        fontsize=9,
+        color=red,
+        arrowprops=dict(arrowstyle="->", color=red, lw=1.0),
+    )
+    ax.set_yticks(ys, names, fontsize=10)
+    ax.set_ylim(ys[-1] + 0.55, -1.05)
+    ax.set_xlim(-0.1, qk_next[1] + 0.1)
+    ax.set_xticks([])
+    ax.set_xlabel(
+        "time -> (a model of one KV tile j; red: mbarrier hand-offs, who waits for whom)",
+        fontsize=10,
+    )
+    ax.set_title(
+        "Blackwell stage 5: O is rescaled in TMEM by the softmax warps between PV_(j-1) and PV_j",
+        fontsize=11,
+    )
     return _finish(fig, path)
 
 
@@ -1071,9 +1746,10 @@ def blackwell_warp_roles(stage=3, path=None):
 
 
 def online_softmax_trace(scores, tile=4, path=None):
-    """One row of scores processed tile by tile: running max m (steps), the rescale factor
-    alpha = exp(m_old - m_new) applied to l and O whenever a tile raises m, and the running sum l.
-    `scores` are the already scaled logits of the row (a 1-D sequence of floats)."""
+    """One row of scores processed tile by tile (tiles numbered from 0, as in the table of the
+    notebook): running max m (steps), the rescale factor alpha = exp(m_old - m_new) applied to l
+    and O whenever a tile raises m, and the running sum l. `scores` are the already scaled logits
+    of the row (a 1-D sequence of floats)."""
     s = [float(x) for x in scores]
     n = len(s)
     m, l = float("-inf"), 0.0
@@ -1088,29 +1764,30 @@ def online_softmax_trace(scores, tile=4, path=None):
         alphas.append(alpha)
         edges.append((t0, t0 + len(blk)))
         m = m_new
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 3.8))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(FIG_WIDTH, 4.0))
     ax.bar(range(n), s, color=[plt.get_cmap("tab10")(i // tile % 10) for i in range(n)], alpha=0.6)
-    for (a, b), mm, al in zip(edges, ms, alphas):
+    for j, ((a, b), mm, al) in enumerate(zip(edges, ms, alphas)):
         ax.plot([a - 0.4, b - 0.6], [mm, mm], color="black", lw=2)
-        txt = f"m={mm:.2f}\n" + ("first tile" if a == 0 else f"alpha={al:.3f}")
+        txt = f"tile {j}\nm={mm:.2f}\n" + ("alpha=0" if a == 0 else f"alpha={al:.3f}")
         ax.text(
             (a + b - 1) / 2,
             max([mm, 0.0] + s[a:b]) + 0.15,
             txt,
             ha="center",
             va="bottom",
-            fontsize=8,
+            fontsize=9,
         )
-    ax.set_ylim(min(0.0, min(s)) - 0.3, max(s) + 0.25 * (max(s) - min(0.0, min(s))) + 0.5)
-    ax.set_xlabel("column (key)")
-    ax.set_ylabel("score")
-    ax.set_title("running max m after each tile, and alpha = exp(m_old - m_new)", fontsize=10)
-    bx.plot(range(1, len(ls) + 1), ls, marker="o")
+    ax.set_ylim(min(0.0, min(s)) - 0.3, max(s) + 0.45 * (max(s) - min(0.0, min(s))) + 0.6)
+    ax.set_xlabel("column (key)", fontsize=10)
+    ax.set_ylabel("score", fontsize=10)
+    ax.tick_params(labelsize=9)
+    ax.set_title("running max m after each tile, alpha = exp(m_old - m_new)", fontsize=10)
+    bx.plot(range(len(ls)), ls, marker="o")
     for i, v in enumerate(ls):
-        bx.text(i + 1, v, f" {v:.3f}", fontsize=8)
-    bx.set_xticks(range(1, len(ls) + 1))
-    bx.set_xlabel("tiles seen")
-    bx.set_ylabel("l (running sum, relative to the current m)")
+        bx.text(i, v, f" {v:.3f}", fontsize=9)
+    bx.set_xticks(range(len(ls)), [f"after tile {j}" for j in range(len(ls))], fontsize=9)
+    bx.set_ylabel("l (running sum, relative to the current m)", fontsize=10)
+    bx.tick_params(labelsize=9)
     bx.set_title(
         f"final l = {ls[-1]:.4f}; LSE = m + log(l) = {ms[-1] + math.log(ls[-1]):.4f}", fontsize=10
     )
@@ -1123,17 +1800,30 @@ def online_softmax_trace(scores, tile=4, path=None):
 # --------------------------------------------------------------------------------------------
 
 
-def error_heatmap(out, ref, title="|out - ref|", max_side=512, path=None):
-    """|out - ref| over a 2-D tile (the last two dims of the first batch/head), log colour scale,
-    the worst element circled. Large tiles are max-pooled down to max_side x max_side."""
+def error_heatmap(out, ref, title="|out - ref|", max_side=256, path=None):
+    """|out - ref| over one 2-D slice (the last two dims), log colour scale, the worst element
+    circled. For a batched output (B, H, rows, cols) the slice shown is the (b, h) that holds the
+    worst element of the whole tensor, named in the title, so that the circle and the checker's
+    'worst element' are the same element. Large slices are max-pooled down to max_side."""
     import torch
 
     o = out.detach().to("cpu", torch.float64)
     r = ref.detach().to("cpu", torch.float64)
-    while o.dim() > 2:
-        o, r = o[0], r[0]
-    err = (o - r).abs()
-    err = torch.where(torch.isfinite(err), err, torch.full_like(err, float("inf")))
+    full = (o - r).abs()
+    full = torch.where(torch.isfinite(full), full, torch.full_like(full, float("inf")))
+    worst = tuple(
+        int(i) for i in torch.unravel_index(torch.argmax(full.nan_to_num(posinf=1e300)), full.shape)
+    )
+    lead = worst[:-2]
+    where = ""
+    if lead:
+        names = ("b", "h")[: len(lead)] if len(lead) <= 2 else [f"d{i}" for i in range(len(lead))]
+        where = (
+            "slice "
+            + ", ".join(f"{n} = {v}" for n, v in zip(names, lead))
+            + f" of {' x '.join(str(s) for s in full.shape[:-2])} (the one holding the worst element)"
+        )
+    err = full[lead] if lead else full
     rows, cols = err.shape
     f = max(1, -(-max(rows, cols) // max_side))
     if f > 1:
@@ -1142,7 +1832,7 @@ def error_heatmap(out, ref, title="|out - ref|", max_side=512, path=None):
         )[0, 0]
     else:
         pooled = err
-    fig, ax = plt.subplots(figsize=(7.5, min(8.0, max(3.0, 6.5 * rows / max(cols, 1)))))
+    fig, ax = plt.subplots(figsize=(7.5, min(7.5, max(3.6, 6.0 * rows / max(cols, 1)))))
     finite = pooled[torch.isfinite(pooled) & (pooled > 0)]
     hi = float(finite.max()) if finite.numel() else 1.0
     lo = max(float(finite.min()), hi * 1e-4) if finite.numel() else hi * 1e-4
@@ -1154,21 +1844,27 @@ def error_heatmap(out, ref, title="|out - ref|", max_side=512, path=None):
         extent=(0, cols, rows, 0),
         interpolation="nearest",
     )
-    flat = int(torch.argmax(err.nan_to_num(posinf=1e300)))
-    wr, wc = divmod(flat, cols)
+    wr, wc = worst[-2], worst[-1]
     ax.plot(wc + 0.5, wr + 0.5, marker="o", mfc="none", mec="red", ms=14, mew=2)
-    fig.colorbar(im, ax=ax, label="absolute error")
-    ax.set_xlabel("column")
-    ax.set_ylabel("row")
+    cb = fig.colorbar(im, ax=ax)
+    cb.set_label("absolute error", fontsize=10)
+    cb.ax.tick_params(labelsize=9)
+    ax.set_xlabel("column", fontsize=10)
+    ax.set_ylabel("row", fontsize=10)
+    ax.tick_params(labelsize=9)
     pooled_note = f" (max-pooled {f}x{f})" if f > 1 else ""
     ax.set_title(
-        f"{title}{pooled_note}\nworst at ({wr}, {wc}): {float(err[wr, wc]):.3e}", fontsize=10
+        f"{title}{pooled_note}\n"
+        + (where + "\n" if where else "")
+        + f"worst at {worst}: {float(full[worst]):.3e} (circled)",
+        fontsize=10,
     )
     return _finish(fig, path)
 
 
 def bench_bars(results, title, path=None):
-    """results: {shape label: {name: TFLOP/s}} -> grouped bars, the stage's own bar first."""
+    """results: {shape label: {name: TFLOP/s}} -> grouped bars, the stage's own bars first. Every
+    kernel has the colour of KERNEL_COLORS in every notebook; a variant of a stage is hatched."""
     shapes = list(results)
     names = []
     for res in results.values():
@@ -1178,45 +1874,65 @@ def bench_bars(results, title, path=None):
     names = [k for k in names if k.startswith("stage")] + [
         k for k in names if not k.startswith("stage")
     ]
-    fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(shapes) * len(names) / 2 + 2), 4))
+    fig, ax = plt.subplots(
+        figsize=(min(FIG_WIDTH, max(6.5, 1.1 * len(shapes) * len(names) + 2)), 4.3)
+    )
     width = 0.8 / max(1, len(names))
     for i, name in enumerate(names):
         xs = [si + i * width for si in range(len(shapes))]
         ys = [results[s].get(name, 0.0) for s in shapes]
-        bars = ax.bar(xs, ys, width, label=name)
+        variant = name.startswith("stage") and name not in KERNEL_COLORS
+        bars = ax.bar(
+            xs,
+            ys,
+            width,
+            label=name,
+            color=kernel_color(name),
+            hatch="//" if variant else None,
+            edgecolor="white" if variant else None,
+        )
         for x, v in zip(xs, ys):
             if v:
-                ax.text(x, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
+                ax.text(x, v, f"{v:.0f}", ha="center", va="bottom", fontsize=9)
         if name.startswith("stage"):
             for b in bars:
                 b.set_edgecolor("black")
                 b.set_linewidth(1.5)
-    ax.set_xticks([si + 0.4 - width / 2 for si in range(len(shapes))], shapes, fontsize=8)
-    ax.set_ylabel("TFLOP/s")
+    ax.set_xticks([si + 0.4 - width / 2 for si in range(len(shapes))], shapes, fontsize=9)
+    ax.set_ylabel("TFLOP/s", fontsize=10)
+    ax.tick_params(axis="y", labelsize=9)
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.grid(axis="y", alpha=0.3)
     return _finish(fig, path)
 
 
 def plot_attention_bench(curves, title, path=None):
-    """curves: {(D, label): [(S, tflops), ...]} -> one panel per head dim, TFLOP/s against S."""
+    """curves: {(D, label): [(S, tflops), ...]} -> one panel per head dim, TFLOP/s against S, each
+    kernel in its KERNEL_COLORS colour."""
     dims = sorted({d for d, _ in curves})
-    fig, axes = plt.subplots(1, len(dims), figsize=(6 * len(dims), 4), squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(dims), figsize=(min(FIG_WIDTH * 1.2, 6 * len(dims)), 4), squeeze=False
+    )
     for ax, D in zip(axes[0], dims):
         for (d, label), pts in sorted(curves.items(), key=lambda kv: kv[0][1]):
             if d != D:
                 continue
             xs, ys = zip(*pts)
             ax.plot(
-                xs, ys, marker="o", label=label, linewidth=2.5 if label.startswith("stage") else 1.2
+                xs,
+                ys,
+                marker="o",
+                label=label,
+                color=kernel_color(label),
+                linewidth=2.5 if label.startswith("stage") else 1.2,
             )
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("sequence length S")
-        ax.set_ylabel("TFLOP/s")
-        ax.set_title(f"D = {D}")
+        ax.set_xlabel("sequence length S", fontsize=10)
+        ax.set_ylabel("TFLOP/s", fontsize=10)
+        ax.set_title(f"D = {D}", fontsize=11)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=9)
     fig.suptitle(title)
     fig.tight_layout()
     if path:

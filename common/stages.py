@@ -80,6 +80,15 @@ STAGES = (
         (2, 4, 512, 1024, 128),
         (2, 16, 8192, 8192, 128),
     ),
+    Stage(
+        8,
+        "stage8_warp_specialized",
+        "attention",
+        "warp specialisation",
+        "a TMA producer warpgroup (setmaxnreg), two consumer warpgroups taking turns (ping-pong)",
+        (2, 4, 512, 1024, 128),
+        (2, 16, 8192, 8192, 128),
+    ),
 )
 
 BY_NUMBER = {s.number: s for s in STAGES}

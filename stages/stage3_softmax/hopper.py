@@ -32,8 +32,9 @@ Changes from stage 2:
 - Keys beyond Sk (when Sk < 128) read zeros from TMA; their scores are set to -inf before the
   softmax, so they get weight 0.
 - Epilogue: O = (P @ V) / row_sum, rounded to the input dtype, stored through shared memory
-  and TMA like stage 1's C. Registers: S 64 + O 64 (D = 128) + P 32 per thread (ptxas: 124 in
-  all, no spills).
+  and TMA like stage 1's C. Registers: S 64, P 32 and O 64 (D = 128) per thread, never all
+  live at once: S is dead once P is formed, and O is written only by the PV wgmma (ptxas: 124
+  in all, no spills).
 - Speed (make bench, H200, 2026-11-29; see docs/results/h200.md), bf16 (B, H, Sq, Sk, D) =
   (16, 16, 4096, 128, 128): 367 TFLOP/s, SDPA flash 239 and SDPA cuDNN 398 in the same run. With
   a single KV tile nothing overlaps: each CTA waits for its loads, computes, and stores.

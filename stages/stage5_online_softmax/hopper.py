@@ -10,7 +10,8 @@ Changes from stage 4:
   P = exp2(S * scale_log2 - m_new * scale_log2) is used at once, unnormalised: O += P V_j.
 - When a tile raises m, the O accumulated so far was computed against the old max. It is
   rescaled in registers before P V_j is added: O *= row_scale = exp2((m_old - m_new) *
-  scale_log2) (1 when m did not grow, 0 on the first tile, whose "previous" O is not used).
+  scale_log2) (1 when m did not grow, 0 on the first tile, where it multiplies an acc_O that was never
+  initialised; harmless, since the first PV wgmma runs with ACCUMULATE off and overwrites it).
   Cost: one multiply per element of O (64 per thread per tile, D = 128) and one exp2 per row.
 - The division moves to the end: O /= l once (as in stage 3), after the quad-sum of l.
 - LSE (fp32, natural log) per row: ln l + m * scale = (m * scale_log2 + log2 l) * ln 2,
