@@ -589,6 +589,8 @@ def test_sources_are_percent_scripts():
     """Each source parses as Python and starts with a jupytext header and a Markdown title."""
     import ast
 
+    pytest.importorskip("jupytext")  # gen.py imports it (the H200 machine has no jupytext)
+
     for src in _gen().sources():
         with open(src) as f:
             text = f.read()

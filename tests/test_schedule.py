@@ -1,5 +1,5 @@
 """The ring schedule of the Blackwell kernels of stages 2-5, checked from each kernel object's
-own configuration (common/schedule.py), and the check shown to fail on the seed.
+own configuration (common/schedule.py), and the check shown to fail on a faulty ring.
 
 - Each kernel is traced for sm_100a (cute.compile with fake tensors, no GPU): that sets the byte
   counts it derives from its shared-memory layouts. The checker then replays the Q buffer and the
@@ -8,9 +8,11 @@ own configuration (common/schedule.py), and the check shown to fail on the seed.
   the bytes its TMA copy moves, no hang.
 - The same PTX shows the byte counts the kernel declares: every mbarrier.arrive.expect_tx arms
   one of them.
-- A model of the seed draft's configuration (one ring entry per KV tile carrying K and V, a
-  consumer that waits twice per tile, Q + K bytes armed) must be rejected, for each of its
-  defects; so must single mutations of a correct kernel's configuration.
+- A model of the faulty ring that stage 4's docstring describes (one ring entry per KV tile
+  carrying K and V, so that V_j lands in K_j's slot under the same barrier before the QK MMA
+  has read K_j; a consumer that waits twice per tile for one entry produced; Q + K bytes armed
+  on the K/V ring and the Q buffer) must be rejected, for each of its defects; so must single
+  mutations of a correct kernel's configuration.
 """
 
 import copy
@@ -86,27 +88,27 @@ def test_ptx_arms_exactly_the_declared_byte_counts(entry):
     # one expect_tx per load site: Q, then one per operand per sweep (stage 4: K | K, V)
     assert len(armed) == 1 + sum(len(sweep) for sweep in kernel.kv_producer_entries)
     assert set(armed) <= declared, f"armed {armed}, declared {declared}"
-    # the seed's count (Q + K bytes) appears nowhere
+    # the faulty ring's count (Q + K bytes) appears nowhere
     assert kernel.copy_bytes["Q"] + kernel.copy_bytes["K"] not in armed
 
 
-# ---------------------------------------------------------------- the seed fails
+# ---------------------------------------------------------------- the faulty ring fails
 
 
-def seed_rings(kernel):
-    """The seed draft's configuration, as data. Its TMA warp acquired one ring entry per KV tile
-    and issued both the K and the V copy under it (V viewed over K's slot); its MMA warp waited
-    twice per tile (K for QK, then V for PV); both the Q pipeline and the K/V ring were created
-    with tx_count = Q + K bytes. Tile sizes are those of the real kernel (128 x D)."""
+def faulty_rings(kernel):
+    """The faulty ring, as data. Its TMA warp acquires one ring entry per KV tile and issues both
+    the K and the V copy under it (V viewed over K's slot); its MMA warp waits twice per tile (K
+    for QK, then V for PV); both the Q pipeline and the K/V ring are created with tx_count = Q + K
+    bytes. Tile sizes are those of the real kernel (128 x D)."""
     q_bytes, k_bytes, v_bytes = (kernel.copy_bytes[x] for x in ("Q", "K", "V"))
-    seed_tx = q_bytes + k_bytes
+    faulty_tx = q_bytes + k_bytes
     q_ring = schedule.Ring(
         "Q",
         1,
         q_bytes,
         (
             schedule.Sweep(
-                (schedule.Entry((schedule.Load("Q", q_bytes),), seed_tx),),
+                (schedule.Entry((schedule.Load("Q", q_bytes),), faulty_tx),),
                 ("Q",),
                 per_kv_tile=False,
             ),
@@ -120,7 +122,7 @@ def seed_rings(kernel):
             schedule.Sweep(
                 (
                     schedule.Entry(
-                        (schedule.Load("K", k_bytes), schedule.Load("V", v_bytes)), seed_tx
+                        (schedule.Load("K", k_bytes), schedule.Load("V", v_bytes)), faulty_tx
                     ),
                 ),
                 ("K", "V"),
@@ -130,9 +132,9 @@ def seed_rings(kernel):
     return q_ring, kv_ring
 
 
-def test_checker_rejects_the_seed_configuration():
+def test_checker_rejects_the_faulty_ring():
     kernel, _ = traced(4, SHAPES[4])
-    q_ring, kv_ring = seed_rings(kernel)
+    q_ring, kv_ring = faulty_rings(kernel)
     q_violations = schedule.check_ring(q_ring, (1, 3))
     kv_violations = schedule.check_ring(kv_ring, (1, 3))
     report = "\n".join(q_violations + kv_violations)
@@ -155,9 +157,9 @@ def test_checker_rejects_the_seed_configuration():
     assert "Q: hang: the full barrier of slot 0 never completes" in report
 
 
-def test_seed_timeline_shows_the_race_and_the_hang():
+def test_faulty_ring_timeline_shows_the_race_and_the_hang():
     kernel, _ = traced(4, SHAPES[4])
-    _, kv_ring = seed_rings(kernel)
+    _, kv_ring = faulty_rings(kernel)
     lines = schedule.timeline(kv_ring, 2)
     assert lines[0].startswith("TMA  slot 0 <- K_0 (sweep 1) + V_0 (sweep 1)")
     assert any("expects K_0 (sweep 1), finds V_0 (sweep 1)" in ln for ln in lines)

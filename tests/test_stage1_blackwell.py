@@ -2,20 +2,31 @@
 
 - Compile-only tests need no GPU: the sm_100a PTX must hold the instructions the stage teaches
   (tcgen05.alloc/mma/commit/ld/dealloc, TMA loads, mbarrier waits). They run in CI.
+- Compile-only, shapes: M and N that are not multiples of the 128 x 128 tile (the predicated
+  epilogue stores 16-byte vectors only), M = 1 (dynamic layouts), and the layouts gemm()
+  launches with (to_cute of real tensors, here CPU ones: compiling needs no GPU), which must
+  store C in the same 16-byte vectors as the fake tensors do.
+- TMEM is freed only after tcgen05.fence::before_thread_sync and the barrier of the warps that
+  read it (PTX order: the last tcgen05.ld, the fence, the barrier, tcgen05.dealloc).
 - GPU tests (marker gpu_blackwell) compare C with an fp64 reference on one-tile, square, tall,
-  wide, deep-K and K-tail shapes, in bf16 and fp16. The output is poisoned with NaN before the
-  launch (common.checker.empty_output), so an element the kernel never writes fails. As of
-  2026-11-29 no sm_100 GPU was available: these tests have not run yet.
+  wide, deep-K, K-tail shapes and M, N that are not tile multiples (M = 1 among them), in bf16
+  and fp16. The output is poisoned with NaN before the launch (common.checker.empty_output), so
+  an element the kernel never writes fails, and it is allocated inside a larger NaN buffer in
+  one test so that a store beyond M or N fails too. As of 2026-12-01 no sm_100 GPU was
+  available: these tests have not run yet.
 - Bad-input tests: every error names the argument. Those that fail before any CUDA call run on
   CPU tensors, so they run in CI too; the others need a CUDA device (any: they fail in the
   argument checks, before a kernel is compiled or launched).
 """
 
+import re
+
 import pytest
 import torch
 
 from common import checker, inputs, reference
-from common.compile import compile_only
+from common.compile import cached_compile, compile_for_arch, compile_only
+from common.cute_interop import current_stream, cute_dtype, fake_stream, to_cute
 from stages.stage1_gemm import blackwell
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -29,11 +40,32 @@ def shape_id(shape):
     return "x".join(map(str, shape))
 
 
+def global_stores(ptx):
+    """The st.global statements of the PTX, their opcode only (st.global.v4.b32, ...)."""
+    return [ln.split()[0] for ln in ptx.splitlines() if ln.strip().startswith("st.global")]
+
+
+def assert_tmem_freed_after_fence(ptx):
+    """tcgen05.dealloc comes after tcgen05.fence::before_thread_sync and the softmax warps'
+    named barrier (bar.sync 1, 128), and the fence after every tcgen05.ld and tcgen05.st."""
+    lines = ptx.splitlines()
+
+    def where(pattern):
+        return [i for i, ln in enumerate(lines) if re.search(pattern, ln)]
+
+    (fence,) = where(r"tcgen05\.fence::before_thread_sync")
+    (dealloc,) = where(r"tcgen05\.dealloc")
+    assert max(where(r"tcgen05\.(ld|st)\.")) < fence < dealloc
+    assert any(re.search(r"\bbar(rier)?\.sync\s+1,\s*128;", ln) for ln in lines[fence:dealloc])
+
+
 # ---------------------------------------------------------------- compile-only (no GPU)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("shape", [(1024, 1024, 1024), (256, 384, 200)], ids=shape_id)
+@pytest.mark.parametrize(
+    "shape", [(1024, 1024, 1024), (256, 384, 200), (200, 136, 64), (1, 8, 8)], ids=shape_id
+)
 def test_compiles_for_sm100a(dtype, shape):
     report = compile_only(1, "blackwell", dtype=dtype, shape=shape)
     counts, ptx = report.counts, report.ptx
@@ -46,6 +78,7 @@ def test_compiles_for_sm100a(dtype, shape):
     # TMEM: allocated once, freed once, after the allocating warp gave up its permit.
     assert counts["tcgen05.alloc"] == 1 and counts["tcgen05.dealloc"] == 1, report.summary()
     assert "tcgen05.relinquish_alloc_permit" in ptx
+    assert_tmem_freed_after_fence(ptx)
     # tcgen05.commit frees an A/B buffer, and marks S complete.
     assert counts["tcgen05.commit"] == 2, report.summary()
     # Epilogue: 4 loads of 32 fp32 columns per thread, each waited for before its registers are read.
@@ -53,6 +86,9 @@ def test_compiles_for_sm100a(dtype, shape):
         report.summary()
     )
     assert ptx.count("tcgen05.wait::ld") == 4
+    # Each load's 32 values (64 bytes of C) leave in 4 predicated 16-byte stores, none narrower:
+    # 4 loads x 4 = 16, whatever M and N are.
+    assert global_stores(ptx) == ["st.global.v4.b32"] * 16, report.summary()
     # TMA loads of A and B (2D boxes), counted against a 32 KiB transaction per buffer.
     assert counts["cp.async.bulk.tensor (load)"] == 2 and "cp.async.bulk.tensor.2d" in ptx, (
         report.summary()
@@ -71,6 +107,18 @@ def test_compiles_for_sm100a(dtype, shape):
     assert report.seconds < 60, report.summary()
 
 
+@pytest.mark.parametrize("shape", [(200, 136, 64), (1, 264, 200)], ids=shape_id)
+def test_launch_layouts_store_c_in_16_byte_vectors(shape):
+    # gemm() wraps real tensors with to_cute: static layouts, or dynamic ones (M = 1) whose strides
+    # carry no divisibility. CPU tensors have the same layouts, and compiling needs no GPU.
+    M, N, K = shape
+    a, b, c = torch.zeros(M, K), torch.zeros(N, K), torch.zeros(M, N)
+    dynamic = 1 in shape
+    args = [to_cute(t.bfloat16(), dynamic=dynamic) for t in (a, b, c)] + [fake_stream()]
+    ptx, _ = compile_for_arch(blackwell.Sm100Kernel(cute_dtype(torch.bfloat16)), args, "sm_100a")
+    assert global_stores(ptx) == ["st.global.v4.b32"] * 16
+
+
 # ---------------------------------------------------------------- numerics on an sm_100 GPU
 
 
@@ -85,6 +133,11 @@ SHAPES = [
     (384, 512, 200),  # K tail: 200 = 3 x 64 + 8, TMA zero-fills the last 56 columns
     (256, 128, 128),  # 2 k-steps: fewer than ab_buffers
     (128, 256, 8),  # the smallest K allowed: one k-step of 8 real columns
+    (1000, 1000, 1000),  # tails: 1000 = 7 x 128 + 104 rows and columns, 15 x 64 + 40 of K
+    (129, 264, 72),  # one row, 8 columns and 8 of K past a tile
+    (200, 136, 64),  # the last tiles hold 72 rows and 8 columns of C
+    (1, 8, 8),  # the smallest shape allowed (M = 1: compiled with dynamic layouts)
+    (1, 264, 200),  # M = 1 again: the same dynamic-layout kernel serves a second shape
 ]
 
 
@@ -120,6 +173,21 @@ def test_gemm_reads_strided_rows():
     a, b = a_full[:, :120], b_full[:, :120]
     assert not a.is_contiguous() and not b.is_contiguous()
     check_gemm(a, b, run_gemm(a, b))
+
+
+@pytest.mark.gpu_blackwell
+@pytest.mark.parametrize("shape", [(200, 136, 64), (1, 264, 200)], ids=shape_id)
+def test_gemm_writes_nothing_outside_c(shape):
+    # The last tiles stick out of C. Launched on C as the top-left corner of a NaN buffer 128
+    # rows and 8 columns larger (row stride N + 8), the kernel must leave the rest of it NaN.
+    M, N, K = shape
+    a, b = inputs.gemm_inputs(M, N, K, torch.bfloat16, seed=4)
+    big = torch.full((M + 128, N + 8), float("nan"), dtype=a.dtype, device=a.device)
+    args = [to_cute(t, dynamic=1 in shape) for t in (a, b, big[:M, :N])] + [current_stream()]
+    kernel = blackwell.Sm100Kernel(cute_dtype(a.dtype))
+    checker.run_with_deadline(lambda: cached_compile(kernel, *args)(*args), seconds=120)
+    check_gemm(a, b, big[:M, :N])
+    assert torch.isnan(big[M:]).all() and torch.isnan(big[:M, N:]).all()
 
 
 @pytest.mark.gpu_blackwell
@@ -216,15 +284,14 @@ def test_rejects_k_that_breaks_tma_alignment():
 
 
 @needs_cuda
-@pytest.mark.parametrize(
-    "M, N, message",
-    [
-        (200, 128, r"M = a.shape\[0\] = 200 must be a multiple of 128"),
-        (128, 136, r"N = b.shape\[0\] = 136 must be a multiple of 128"),
-        (0, 128, r"M = a.shape\[0\] = 0 must be positive"),
-    ],
-)
-def test_rejects_sizes_that_are_not_whole_tiles(M, N, message):
-    a, b = gpu_pair(M=M, N=N)
-    with pytest.raises(ValueError, match=message):
+def test_rejects_n_that_breaks_16_byte_rows():
+    a, b = gpu_pair(N=12)
+    with pytest.raises(ValueError, match=r"N = b.shape\[0\] = 12 must be a multiple of 8"):
+        blackwell.gemm(a, b)
+
+
+@needs_cuda
+def test_rejects_empty_problem():
+    a, b = gpu_pair(M=0)
+    with pytest.raises(ValueError, match=r"M = a.shape\[0\] = 0 must be positive"):
         blackwell.gemm(a, b)

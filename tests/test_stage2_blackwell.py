@@ -1,15 +1,22 @@
 """Stage 2 (Blackwell): S = scale * Q @ K^T per (batch, head) on sm_100a, Q resident, K streaming.
 
 - Compile-only tests need no GPU: the sm_100a PTX must hold the rank-4 TMA loads, the
-  tcgen05.mma of one S tile (D / 16 of them), TMEM allocation and the tcgen05.ld epilogue.
-  They run in CI.
+  tcgen05.mma of one S tile (D / 16 of them), TMEM allocation and the tcgen05.ld epilogue, its
+  stores 16-byte vectors only (predicated at the edges of S), and tcgen05.dealloc after
+  tcgen05.fence::before_thread_sync and the softmax warps' barrier. Dynamic layouts: Sq and Sk
+  that are not tile multiples compile to the very same PTX, and so do the layouts qk() launches
+  with (to_cute of real tensors, here CPU ones). They run in CI.
 - GPU tests (marker gpu_blackwell) compare S with an fp64 reference for head dims 64 and 128,
-  several (B, H, Sq, Sk), bf16 and fp16, the default and an explicit scale, and Q/K given as
-  transposed views of (B, S, H, D) tensors. S is poisoned with NaN before the launch. As of
-  2026-11-29 no sm_100 GPU was available: these tests have not run yet.
+  several (B, H, Sq, Sk) including Sq and Sk that are not multiples of 128 and Sq = 1, bf16 and
+  fp16, the default and an explicit scale, and Q/K given as transposed views of (B, S, H, D)
+  tensors. S is poisoned with NaN before the launch, and one test launches into the corner of a
+  larger NaN buffer so that a store past Sq or Sk fails. As of 2026-12-01 no sm_100 GPU was
+  available: these tests have not run yet.
 - Bad-input tests: every error names the argument; the CPU-tensor ones run in CI. The cases
   common to stages 2-5 are in tests/attention_cases.py; this file adds its stage's own limits.
 """
+
+import re
 
 import attention_cases
 import pytest
@@ -17,14 +24,37 @@ import torch
 from attention_cases import DTYPES, dtype_id, needs_cuda, shape_id
 
 from common import checker, inputs, reference
-from common.compile import compile_only
+from common.compile import cached_compile, compile_for_arch, compile_only
+from common.cute_interop import current_stream, cute_dtype, fake_stream, to_cute
 from stages.stage2_qk import blackwell
+
+
+def global_stores(ptx):
+    """The st.global statements of the PTX, their opcode only (st.global.v4.b32, ...)."""
+    return [ln.split()[0] for ln in ptx.splitlines() if ln.strip().startswith("st.global")]
+
+
+def assert_tmem_freed_after_fence(ptx):
+    """tcgen05.dealloc comes after tcgen05.fence::before_thread_sync and the softmax warps'
+    named barrier (bar.sync 1, 128), and the fence after every tcgen05.ld and tcgen05.st."""
+    lines = ptx.splitlines()
+
+    def where(pattern):
+        return [i for i, ln in enumerate(lines) if re.search(pattern, ln)]
+
+    (fence,) = where(r"tcgen05\.fence::before_thread_sync")
+    (dealloc,) = where(r"tcgen05\.dealloc")
+    assert max(where(r"tcgen05\.(ld|st)\.")) < fence < dealloc
+    assert any(re.search(r"\bbar(rier)?\.sync\s+1,\s*128;", ln) for ln in lines[fence:dealloc])
+
 
 # ---------------------------------------------------------------- compile-only (no GPU)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("shape", [(2, 4, 512, 512, 128), (2, 4, 512, 384, 64)], ids=shape_id)
+@pytest.mark.parametrize(
+    "shape", [(2, 4, 512, 512, 128), (2, 4, 512, 384, 64), (1, 2, 200, 132, 64)], ids=shape_id
+)
 def test_compiles_for_sm100a(dtype, shape):
     B, H, Sq, Sk, D = shape
     report = compile_only(2, "blackwell", dtype=dtype, shape=shape)
@@ -35,6 +65,7 @@ def test_compiles_for_sm100a(dtype, shape):
     assert "tcgen05.mma.cta_group::1.kind::f16" in ptx
     assert counts["wgmma.mma_async"] == 0
     assert counts["tcgen05.alloc"] == 1 and counts["tcgen05.dealloc"] == 1, report.summary()
+    assert_tmem_freed_after_fence(ptx)
     # tcgen05.commit: S complete and K slot free (per K tile), Q free (once).
     assert counts["tcgen05.commit"] == 3, report.summary()
     # The softmax warps read each S tile in 4 loads of 32 fp32 columns, each waited for.
@@ -42,6 +73,9 @@ def test_compiles_for_sm100a(dtype, shape):
         report.summary()
     )
     assert ptx.count("tcgen05.wait::ld") == 4
+    # Each load's 32 fp32 values (128 bytes of a row of S) leave in 8 predicated 16-byte stores,
+    # none narrower: 4 loads x 8 = 32 in the (not unrolled) loop over K tiles.
+    assert global_stores(ptx) == ["st.global.v4.b32"] * 32, report.summary()
     # Rank-4 TMA over (S, D, H, B): a 128 x D tile is D / 64 boxes of 128-byte rows, for Q
     # (once) and for K (per K tile).
     assert "cp.async.bulk.tensor.4d" in ptx
@@ -58,6 +92,24 @@ def test_compiles_for_sm100a(dtype, shape):
     assert report.seconds < 60, report.summary()
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_every_shape_compiles_to_one_kernel(D):
+    # Dynamic layouts: B, H, Sq, Sk are run-time values, one compile per (dtype, D).
+    whole = compile_only(2, "blackwell", shape=(2, 4, 512, 512, D), resources=False)
+    ragged = compile_only(2, "blackwell", shape=(3, 5, 1, 132, D), resources=False)
+    assert ragged.ptx == whole.ptx
+
+
+def test_launch_layouts_store_s_in_16_byte_vectors():
+    # qk() wraps real tensors with to_cute(dynamic=True), whose strides carry no divisibility;
+    # the kernel states it (rows_of_16_bytes) and must store S as with the fake tensors.
+    q, k, _ = attention_cases.qkv("cpu", B=2, H=3, Sq=200, Sk=132)
+    s = torch.empty(2, 3, 200, 132)
+    args = [to_cute(t, dynamic=True) for t in (q, k, s)] + [0.125, fake_stream()]
+    ptx, _ = compile_for_arch(blackwell.Sm100Kernel(cute_dtype(q.dtype), 64), args, "sm_100a")
+    assert global_stores(ptx) == ["st.global.v4.b32"] * 32
+
+
 # ---------------------------------------------------------------- numerics on an sm_100 GPU
 
 
@@ -69,6 +121,9 @@ SHAPES = [
     (3, 5, 256, 1024, 128),  # 15 heads; 8 K tiles: each of the 2 slots reused 4 times
     (1, 2, 1024, 256, 64),  # 8 Q tiles per head, 2 K tiles
     (4, 8, 128, 384, 64),  # 3 K tiles: an odd number through the 2-slot ring
+    (2, 3, 200, 260, 128),  # tails: Sq = 128 + 72, Sk = 2 x 128 + 4
+    (1, 2, 1, 4, 128),  # one query, four keys
+    (2, 2, 1000, 1000, 64),
 ]
 
 
@@ -117,6 +172,21 @@ def test_qk_reads_transposed_bshd_views():
 
 
 @pytest.mark.gpu_blackwell
+def test_qk_writes_nothing_outside_s():
+    # The last Q tile and the last K tile stick out of S. Launched on S as the corner of a NaN
+    # buffer 128 rows and 4 columns larger per (b, h), the kernel must leave the rest NaN.
+    B, H, Sq, Sk, D = 2, 3, 200, 260, 64
+    q, k, _ = inputs.attention_inputs(B, H, Sq, Sk, D, torch.bfloat16, seed=12)
+    big = torch.full((B, H, Sq + 128, Sk + 4), float("nan"), device=q.device)
+    s = big[:, :, :Sq, :Sk]
+    args = [to_cute(t, dynamic=True) for t in (q, k, s)] + [D**-0.5, current_stream()]
+    kernel = blackwell.Sm100Kernel(cute_dtype(q.dtype), D)
+    checker.run_with_deadline(lambda: cached_compile(kernel, *args)(*args), seconds=120)
+    check_qk(q, k, s)
+    assert torch.isnan(big[:, :, Sq:]).all() and torch.isnan(big[:, :, :Sq, Sk:]).all()
+
+
+@pytest.mark.gpu_blackwell
 def test_stage_package_dispatches_to_blackwell():
     from stages.stage2_qk import qk
 
@@ -133,8 +203,6 @@ def test_rejects_bad_input(case):
 
 
 @needs_cuda
-def test_rejects_lengths_that_are_not_whole_tiles():
-    with pytest.raises(ValueError, match=r"Sq = q.shape\[2\] = 200 must be a multiple of 128"):
-        blackwell.qk(*attention_cases.qkv(Sq=200)[:2])
-    with pytest.raises(ValueError, match=r"Sk = k.shape\[2\] = 136 must be a multiple of 128"):
-        blackwell.qk(*attention_cases.qkv(Sk=136)[:2])
+def test_rejects_sk_that_breaks_16_byte_rows():
+    with pytest.raises(ValueError, match=r"Sk = k.shape\[2\] = 130 must be a multiple of 4"):
+        blackwell.qk(*attention_cases.qkv(Sk=130)[:2])

@@ -4,14 +4,21 @@
   tcgen05.mma (QK with A and B from shared memory, PV with A = P from TMEM:
   `tcgen05.mma... [d_tmem], [a_tmem], b_desc`), TMEM allocation, the tcgen05.ld of S and O, the
   tcgen05.st of P, TMA loads of Q, K and V with their byte counts, and mbarrier waits.
+- Compile-only, shapes and layouts: Sq and Sk that are not multiples of 128 compile to the very
+  same PTX as tile multiples (dynamic layouts, one compile per (dtype, D)), within 200 ptxas
+  registers (checked when ptxas is installed); the layouts attention() launches with (to_cute
+  of real tensors, here CPU ones) store O in the same 16-byte vectors as the fake tensors;
+  tcgen05.dealloc comes after tcgen05.fence::before_thread_sync and the softmax warps' barrier.
 - GPU tests (marker gpu_blackwell) compare O with an fp64 reference for D = 64 and 128, bf16 and
-  fp16, Sk = 128 and partial tiles (masked keys), large logits, an explicit scale and strided
-  views. O is poisoned with NaN before the launch. As of 2026-11-29 no sm_100 GPU was
-  available: these tests have not run yet.
+  fp16, Sk = 128 and partial tiles (masked keys), Sq not a multiple of 128 and Sq = 1, large
+  logits, an explicit scale and strided views. O is poisoned with NaN before the launch, and
+  one test launches into the first Sq rows of a longer NaN buffer so that a store past Sq
+  fails. As of 2026-12-01 no sm_100 GPU was available: these tests have not run yet.
 - Bad-input tests: every error names the argument; the CPU-tensor ones run in CI. The cases
   common to stages 2-5 are in tests/attention_cases.py; this file adds its stage's own limits.
 """
 
+import math
 import re
 
 import attention_cases
@@ -20,7 +27,8 @@ import torch
 from attention_cases import DTYPES, dtype_id, needs_cuda, shape_id
 
 from common import checker, inputs
-from common.compile import compile_only, expect_tx_immediates
+from common.compile import cached_compile, compile_for_arch, compile_only, expect_tx_immediates
+from common.cute_interop import current_stream, cute_dtype, fake_stream, to_cute
 from stages.stage3_softmax import blackwell
 
 # tcgen05.mma with A and B as shared-memory descriptors (QK) / with A in TMEM (PV)
@@ -28,12 +36,33 @@ QK_MMA = re.compile(r"tcgen05\.mma\.cta_group::1\.kind::f16\S*\s+\[%r\d+\],\s*%r
 PV_MMA = re.compile(r"tcgen05\.mma\.cta_group::1\.kind::f16\S*\s+\[%r\d+\],\s*\[%r\d+\],\s*%rd\d+,")
 
 
+def global_stores(ptx):
+    """The st.global statements of the PTX, their opcode only (st.global.v4.b32, ...)."""
+    return [ln.split()[0] for ln in ptx.splitlines() if ln.strip().startswith("st.global")]
+
+
+def assert_tmem_freed_after_fence(ptx):
+    """tcgen05.dealloc comes after tcgen05.fence::before_thread_sync and the softmax warps'
+    named barrier (bar.sync 1, 128), and the fence after every tcgen05.ld and tcgen05.st."""
+    lines = ptx.splitlines()
+
+    def where(pattern):
+        return [i for i, ln in enumerate(lines) if re.search(pattern, ln)]
+
+    (fence,) = where(r"tcgen05\.fence::before_thread_sync")
+    (dealloc,) = where(r"tcgen05\.dealloc")
+    assert max(where(r"tcgen05\.(ld|st)\.")) < fence < dealloc
+    assert any(re.search(r"\bbar(rier)?\.sync\s+1,\s*128;", ln) for ln in lines[fence:dealloc])
+
+
 # ---------------------------------------------------------------- compile-only (no GPU)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize(
-    "shape", [(2, 4, 512, 128, 128), (2, 4, 512, 128, 64), (1, 2, 256, 100, 128)], ids=shape_id
+    "shape",
+    [(2, 4, 512, 128, 128), (2, 4, 512, 128, 64), (1, 2, 256, 100, 128), (1, 2, 200, 100, 64)],
+    ids=shape_id,
 )
 def test_compiles_for_sm100a(dtype, shape):
     B, H, Sq, Sk, D = shape
@@ -47,6 +76,7 @@ def test_compiles_for_sm100a(dtype, shape):
     assert len(PV_MMA.findall(ptx)) == 128 // 16, report.summary()
     assert counts["tcgen05.mma"] == D // 16 + 8, report.summary()
     assert counts["tcgen05.alloc"] == 1 and counts["tcgen05.dealloc"] == 1, report.summary()
+    assert_tmem_freed_after_fence(ptx)
     # tcgen05.ld: S (128 columns) and O (D columns), 32 fp32 columns per load, each waited for.
     assert counts["tcgen05.ld"] == 128 // 32 + D // 32, report.summary()
     assert "tcgen05.ld.sync.aligned.32x32b.x32.b32" in ptx
@@ -69,12 +99,46 @@ def test_compiles_for_sm100a(dtype, shape):
     assert counts["mbarrier.try_wait"] >= 6, report.summary()
     # exp2 of every unmasked score of the row
     assert counts["ex2.approx"] >= Sk, report.summary()
+    # O leaves in predicated 16-byte stores, none narrower: D / 32 loads of 32 values, 4 stores
+    # each (D / 8 in all).
+    assert global_stores(ptx) == ["st.global.v4.b32"] * (D // 8), report.summary()
     # Q + K + V, 128 x D x 2 bytes each, plus 1 KiB for the barriers.
     assert report.shared_memory_bytes == 3 * 128 * D * 2 + 1024, report.summary()
     if report.resources and "spill_stores" in report.resources:
         assert report.resources["spill_stores"] == 0 and report.resources["spill_loads"] == 0, (
             report.summary()
         )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("D", [64, 128])
+def test_every_shape_compiles_to_one_kernel_within_200_registers(dtype, D):
+    # Dynamic layouts: B, H, Sq, Sk are run-time values, so tile multiples and ragged Sq, Sk
+    # compile to the same PTX, one compile per (dtype, D). The keys beyond Sk are masked only in
+    # the KV tile that crosses Sk, behind a run-time branch.
+    whole = compile_only(3, "blackwell", dtype=dtype, shape=(2, 4, 512, 128, D))
+    ragged = compile_only(3, "blackwell", dtype=dtype, shape=(3, 5, 200, 100, D))
+    assert ragged.ptx == whole.ptx
+    if ragged.resources is None:
+        pytest.skip("ptxas is not installed: the register count is not checked")
+    assert "registers" in ragged.resources, ragged.resources
+    # Before (static layouts, one compile per shape, the mask compiled in when Sk % 128 != 0):
+    # 155 (bf16) / 190 (fp16) registers at Sk = 128 and 153 / 153 at Sk = 100; now 157 / 188 for
+    # every Sk (ptxas of CUDA 13.0, 2026-12-01). 200 leaves margin for another ptxas.
+    assert ragged.resources["registers"] <= 200, ragged.summary()
+    assert ragged.resources["spill_stores"] == 0, ragged.summary()
+
+
+def test_launch_layouts_store_o_in_16_byte_vectors():
+    # attention() wraps real tensors with to_cute(dynamic=True), whose strides carry no
+    # divisibility; the kernel states it (rows_of_16_bytes) and must store O as with the fake
+    # tensors. CPU tensors have the same layouts, and compiling needs no GPU.
+    B, H, Sq, Sk, D = 2, 3, 200, 100, 64
+    q, k, v = attention_cases.qkv("cpu", B=B, H=H, Sq=Sq, Sk=Sk, D=D)
+    o = torch.empty_like(q)
+    args = [to_cute(t, dynamic=True) for t in (q, k, v, o)] + [0.18, fake_stream()]
+    ptx, _ = compile_for_arch(blackwell.Sm100Kernel(cute_dtype(q.dtype), D), args, "sm_100a")
+    assert global_stores(ptx) == ["st.global.v4.b32"] * (D // 8)
 
 
 # ---------------------------------------------------------------- numerics on an sm_100 GPU
@@ -88,6 +152,9 @@ SHAPES = [
     (3, 5, 256, 100, 128),  # 28 keys of the tile masked
     (1, 2, 384, 1, 64),  # a single key: P = 1, O = V[0]
     (2, 2, 128, 64, 128),  # half a tile
+    (2, 3, 200, 77, 128),  # Sq tail (200 = 128 + 72) and a partial KV tile (77 keys, 51 masked)
+    (1, 2, 1, 1, 128),  # one query, one key
+    (1, 1, 300, 64, 128),  # 3 Q tiles, the last with 44 rows
 ]
 
 
@@ -141,6 +208,22 @@ def test_attention_reads_transposed_bshd_views():
 
 
 @pytest.mark.gpu_blackwell
+def test_attention_writes_nothing_outside_o():
+    # The last Q tile sticks out of Sq. Launched on O as the first Sq rows of NaN buffers
+    # 128 rows longer per (b, h), the kernel must leave the other rows NaN.
+    B, H, Sq, Sk, D = 2, 3, 200, 77, 128
+    q, k, v = inputs.attention_inputs(B, H, Sq, Sk, D, torch.bfloat16, seed=12)
+    big = torch.full((B, H, Sq + 128, D), float("nan"), dtype=q.dtype, device=q.device)
+    o = big[:, :, :Sq]
+    args = [to_cute(t, dynamic=True) for t in (q, k, v, o)]
+    args += [D**-0.5 * math.log2(math.e), current_stream()]
+    kernel = blackwell.Sm100Kernel(cute_dtype(q.dtype), D)
+    checker.run_with_deadline(lambda: cached_compile(kernel, *args)(*args), seconds=120)
+    checker.check_attention("O", o, q, k, v)
+    assert torch.isnan(big[:, :, Sq:]).all()
+
+
+@pytest.mark.gpu_blackwell
 def test_stage_package_dispatches_to_blackwell():
     from stages.stage3_softmax import attention
 
@@ -162,9 +245,3 @@ def test_rejects_bad_input(case):
 def test_rejects_more_than_one_kv_tile_and_points_to_stage_4():
     with pytest.raises(ValueError, match=r"Sk = k.shape\[2\] = 256 is larger than 128 .*stage 4"):
         blackwell.attention(*attention_cases.qkv(Sk=256))
-
-
-@needs_cuda
-def test_rejects_q_length_that_is_not_whole_tiles():
-    with pytest.raises(ValueError, match=r"Sq = q.shape\[2\] = 200 must be a multiple of 128"):
-        blackwell.attention(*attention_cases.qkv(Sq=200))

@@ -5,8 +5,9 @@ S (B, H, Sq, Sk) is written in fp32; scale defaults to 1/sqrt(D).
 
 Changes from stage 1:
 - Batching over (B, H): each tensor is viewed as (S, D, (H, B)), so one TMA descriptor covers
-  every head of every batch (a rank-4 TMA over S, D, H, B) and blockIdx.y picks the (b, h)
-  slice. Grid (Sq / 128, B * H): one CTA per 128-row Q tile of one head.
+  every head of every batch (a rank-4 TMA over S, D, H, B). The grid is the attention grid:
+  one CTA per (128-row Q tile, head, batch), blockIdx = (Q tile, h, b), as on Hopper; the CTA
+  addresses its own matrices with the coordinates (row, 0, (h, b)).
 - The reduction runs over D only (64 or 128), which fits one tile: the tiler is (bM, bN, bK) =
   (128, 128, D), so one S tile is D / 16 = 4 or 8 `tcgen05.mma` 128 x 128 x 16. Every K tile
   gives a fresh S tile (the first MMA of each tile does not accumulate), and the loop now runs
@@ -18,13 +19,18 @@ Changes from stage 1:
 - S goes through TMEM once per K tile (128 lanes x 128 fp32 columns, s_buffers = 1): the MMA
   warp waits until the softmax warps have read the previous S before overwriting it, and the
   softmax warps `tcgen05.ld` each S tile, multiply it by scale and store it in fp32
-  (128 x 128 x 4 B = 64 KiB of S per K tile).
+  (128 x 128 x 4 B = 64 KiB of S per K tile), in the 16-byte pieces of stage 1 that lie inside
+  S: the last Q tile's rows beyond Sq and the last K tile's keys beyond Sk are skipped.
+- Dynamic layouts: the entry marks B, H, S (shapes and strides) dynamic, one compile per (dtype,
+  D) for every B, H, Sq, Sk, as on Hopper (a static size-1 mode, B = 1 say, would be folded
+  away and change the TMA's rank).
 
-Shapes. Sq and Sk must be multiples of 128 (whole tiles of S, no masking); D is 64 or 128.
+Shapes: B, H, Sq, Sk >= 1, D in {64, 128}, Sk % 4 == 0 (rows of S in fp32 are then whole
+16-byte pieces), as on Hopper. Q and K tiles that stick out of Sq or Sk are zero-filled by TMA.
 
-Verification status (2026-11-29): compile-checked for sm_100a here with fake tensors and no GPU,
+Verification status (2026-12-01): compile-checked for sm_100a here with fake tensors and no GPU,
 through common.compile.compile_only(stage, "blackwell"), which sets CuTe DSL's target arch to
-sm_100a for the compile; not run on Blackwell hardware. The numerical tests run only where an
+sm_100a for the compile; never run on Blackwell hardware. The numerical tests run only where an
 sm_100 GPU is present.
 """
 
@@ -41,13 +47,13 @@ from common import checks
 from common.checker import empty_output
 from common.compile import cached_compile
 from common.cute_interop import current_stream, cute_dtype, fake_stream, fake_tensor, to_cute
+from common.tmem import fence_before_thread_sync, rows_of_16_bytes
 
 
 class Sm100Kernel:
     def __init__(self, dtype, head_dim):
-        self.q_dtype = dtype  # Q and K element type: cutlass.BFloat16 or cutlass.Float16
-        self.c_dtype = Float32  # S is written in fp32
-        self.qk_acc_dtype = Float32
+        self.dtype = dtype  # element type of Q and K: cutlass.BFloat16 or cutlass.Float16
+        self.acc_dtype = Float32  # the accumulator, and S as written
         # (bM, bN, bK) = (Q rows, K rows, D): one S tile; one tcgen05.mma is 128 x 128 x 16.
         self.qk_mma_tiler = (128, 128, head_dim)
         self.cta_group = tcgen05.CtaGroup.ONE  # one CTA per MMA (no 2-CTA pairs)
@@ -78,23 +84,25 @@ class Sm100Kernel:
         self.smem_align = 1024  # the 128-byte swizzle pattern repeats every 8 rows = 1 KiB
 
     @cute.jit
-    def __call__(self, q: cute.Tensor, k: cute.Tensor, c: cute.Tensor, scale: Float32, stream):
+    def __call__(self, q: cute.Tensor, k: cute.Tensor, s: cute.Tensor, scale: Float32, stream):
+        # S's rows start on 16-byte boundaries: each thread stores its row in 16-byte vectors.
+        s = rows_of_16_bytes(s)
         # (B, H, S, D) -> (S, D, (H, B)): the two tile modes first, then (h, b) as one batch mode.
-        q, k, c = [
+        q, k, s = [
             cute.make_tensor(
                 t.iterator, cute.group_modes(cute.select(t.layout, mode=[2, 3, 1, 0]), 2, 4)
             )
-            for t in (q, k, c)
+            for t in (q, k, s)
         ]
 
         # One tcgen05.mma.cta_group::1.kind::f16 per 128 x 128 x 16: A and B from shared memory,
         # both K-major, D (the accumulator) in TMEM.
         qk_mma = utils.sm100.make_trivial_tiled_mma(
-            self.q_dtype,
-            self.q_dtype,
+            self.dtype,
+            self.dtype,
             cute.nvgpu.OperandMajorMode.K,
             cute.nvgpu.OperandMajorMode.K,
-            self.qk_acc_dtype,
+            self.acc_dtype,
             self.cta_group,
             self.qk_mma_tiler[:2],
             tcgen05.OperandSource.SMEM,
@@ -105,10 +113,10 @@ class Sm100Kernel:
 
         # (MMA, MMA_M, MMA_K, q_buffers) and (MMA, MMA_N, MMA_K, kv_slots), 128-byte swizzled
         q_smem_s = utils.sm100.make_smem_layout_a(
-            qk_mma, self.qk_mma_tiler, self.q_dtype, self.q_buffers
+            qk_mma, self.qk_mma_tiler, self.dtype, self.q_buffers
         )
         k_smem_s = utils.sm100.make_smem_layout_b(
-            qk_mma, self.qk_mma_tiler, self.q_dtype, self.kv_slots
+            qk_mma, self.qk_mma_tiler, self.dtype, self.kv_slots
         )
         q_smem_one = cute.select(q_smem_s, mode=[0, 1, 2])
         k_smem_one = cute.select(k_smem_s, mode=[0, 1, 2])
@@ -124,12 +132,12 @@ class Sm100Kernel:
         # Bytes each TMA copy moves (its box), and the bytes each pipeline entry arms its full
         # barrier with: 128 x D x 2 each (16 KiB for D = 64, 32 KiB for D = 128).
         self.copy_bytes = {
-            name: cute.size_in_bytes(self.q_dtype, layout)
+            name: cute.size_in_bytes(self.dtype, layout)
             for name, layout in (("Q", q_smem_one), ("K", k_smem_one))
         }
         self.q_tma_bytes = self.copy_bytes["Q"]
         self.kv_tma_bytes = {"K": self.copy_bytes["K"]}
-        self.kv_slot_bytes = cute.size_in_bytes(self.q_dtype, k_smem_one)
+        self.kv_slot_bytes = cute.size_in_bytes(self.dtype, k_smem_one)
         # TMEM: the 128 x 128 fp32 tile S takes 128 columns (lane = row, column = column).
         s_tmem_shape = qk_mma.partition_shape_C(self.qk_mma_tiler[:2])
         self.num_tmem_alloc_cols = get_num_tmem_alloc_cols(qk_mma.make_fragment_C(s_tmem_shape))
@@ -141,19 +149,23 @@ class Sm100Kernel:
             mma_si_bar: cute.struct.MemRange[Int64, self.s_buffers * 2]
             tmem_holding: Int32
             sQ: cute.struct.Align[
-                cute.struct.MemRange[self.q_dtype, cute.cosize(q_smem_s)], self.smem_align
+                cute.struct.MemRange[self.dtype, cute.cosize(q_smem_s)], self.smem_align
             ]
             sK: cute.struct.Align[
-                cute.struct.MemRange[self.q_dtype, cute.cosize(k_smem_s)], self.smem_align
+                cute.struct.MemRange[self.dtype, cute.cosize(k_smem_s)], self.smem_align
             ]
 
         self.shared_storage = SharedStorage
         self.shared_memory_bytes = SharedStorage.size_in_bytes()
 
-        # One CTA per 128-row Q tile of one (b, h).
-        grid = (cute.size(c, mode=[0]) // self.qk_mma_tiler[0], cute.size(c, mode=[2]), 1)
+        # One CTA per 128-row Q tile of one (head, batch); the last Q tile may stick out of Sq.
+        grid = (
+            cute.ceil_div(cute.size(q, mode=[0]), self.qk_mma_tiler[0]),
+            cute.size(q, mode=[2, 0]),
+            cute.size(q, mode=[2, 1]),
+        )
         self.kernel(
-            qk_mma, tma_q, tma_tq, tma_k, tma_tk, c, scale, cluster_layout_vmnk, q_smem_s, k_smem_s
+            qk_mma, tma_q, tma_tq, tma_k, tma_tk, s, scale, cluster_layout_vmnk, q_smem_s, k_smem_s
         ).launch(grid=grid, block=[self.threads_per_cta, 1, 1], stream=stream)
 
     @cute.kernel
@@ -164,7 +176,7 @@ class Sm100Kernel:
         mQ: cute.Tensor,
         tma_k: cute.CopyAtom,
         mK: cute.Tensor,
-        mC: cute.Tensor,
+        mS: cute.Tensor,
         scale: Float32,
         cluster_layout_vmnk: cute.Layout,
         q_smem_s: cute.ComposedLayout,
@@ -172,7 +184,8 @@ class Sm100Kernel:
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, bidy, _ = cute.arch.block_idx()
+        # blockIdx = (Q tile, head, batch)
+        bidx, head, batch = cute.arch.block_idx()
         tile_coord = (bidx, None, 0)  # (Q tile, every K tile, the one D tile)
 
         # 1. Prepare
@@ -234,13 +247,20 @@ class Sm100Kernel:
         sK = storage.sK.get_tensor(k_smem_s.outer, swizzle=k_smem_s.inner)
 
         # This CTA's (b, h): Q (Sq, D), K (Sk, D) and S (Sq, Sk).
-        mQ, mK, mC = mQ[(None, None, bidy)], mK[(None, None, bidy)], mC[(None, None, bidy)]
+        mQ, mK, mS = (
+            mQ[(None, None, (head, batch))],
+            mK[(None, None, (head, batch))],
+            mS[(None, None, (head, batch))],
+        )
         # (bM, D)
         gQ = cute.local_tile(mQ, self.qk_mma_tiler, tile_coord, proj=(1, None, 1))
         # (bN, D, kv_tiles)
         gK = cute.local_tile(mK, self.qk_mma_tiler, tile_coord, proj=(None, 1, 1))
-        # (bM, bN, kv_tiles)
-        gC = cute.local_tile(mC, self.qk_mma_tiler, tile_coord, proj=(1, 1, None))
+        # (bM, bN, kv_tiles): S's tiles, and the (query, key) coordinates of their elements in S
+        gS = cute.local_tile(mS, self.qk_mma_tiler, tile_coord, proj=(1, 1, None))
+        cS = cute.local_tile(
+            cute.make_identity_tensor(mS.shape), self.qk_mma_tiler, tile_coord, proj=(1, 1, None)
+        )
         kv_tiles = cute.size(gK, mode=[2])
 
         qk_thr = qk_mma.get_slice(0)
@@ -249,7 +269,8 @@ class Sm100Kernel:
         # (MMA, MMA_N, MMA_K, kv_tiles)
         tCgK = qk_thr.partition_B(gK)
         # (MMA, MMA_M, MMA_N, kv_tiles)
-        tCgC = qk_thr.partition_C(gC)
+        tCgS = qk_thr.partition_C(gS)
+        tCcS = qk_thr.partition_C(cS)
         # TMA views, one CTA, no multicast: (TMA, q_buffers) and (TMA); (TMA, kv_slots) and (TMA, kv_tiles)
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3), cute.group_modes(tCgQ, 0, 3)
@@ -268,14 +289,14 @@ class Sm100Kernel:
 
         # 2. Main loop by warp role
         if warp_idx == self.tma_warp_id:
-            # TMA warp: Q once, then K tile kt into the next empty slot of the ring.
+            # TMA warp: Q once, then K tile kv_tile into the next empty slot of the ring.
             q_empty = q_prod.acquire_and_advance()
             cute.copy(tma_q, tQgQ, tQsQ[(None, q_empty.index)], tma_bar_ptr=q_empty.barrier)
-            for kt in cutlass.range(kv_tiles, unroll=1):
+            for kv_tile in cutlass.range(kv_tiles, unroll=1):
                 kv_empty = kv_prod.acquire_and_advance()
                 cute.copy(
                     tma_k,
-                    tKgK[(None, kt)],
+                    tKgK[(None, kv_tile)],
                     tKsK[(None, kv_empty.index)],
                     tma_bar_ptr=kv_empty.barrier,
                 )
@@ -284,19 +305,19 @@ class Sm100Kernel:
             q_prod.tail()
 
         if warp_idx == self.mma_warp_id:
-            # MMA warp: S_kt = Q @ K_kt^T for every K tile, issued by one thread.
+            # MMA warp: S_j = Q @ K_j^T for every K tile j, issued by one thread.
             tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(self.qk_acc_dtype)
+            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
             tStS = cute.make_tensor(tmem_ptr + self.tmem_s_offset, tStS_layout)
             q_full = q_cons.wait_and_advance()
-            for kt in cutlass.range(kv_tiles, unroll=1):
+            for kv_tile in cutlass.range(kv_tiles, unroll=1):
                 kv_full = kv_cons.wait_and_advance()
                 # The softmax warps have read the previous S: it may be overwritten.
                 s_empty = mma_si_prod.acquire_and_advance()
                 # The first MMA of each K tile overwrites S, the others accumulate over D.
                 qk_mma.set(tcgen05.Field.ACCUMULATE, False)
                 for kb in cutlass.range_constexpr(cute.size(tCrQ, mode=[2])):
-                    # S += Q[:, 16 kb : 16 kb + 16] @ K_kt[:, 16 kb : 16 kb + 16]^T  (128 x 128 x 16)
+                    # S += Q[:, 16 kb : 16 kb + 16] @ K_j[:, 16 kb : 16 kb + 16]^T  (128 x 128 x 16)
                     cute.gemm(
                         qk_mma,
                         tStS,
@@ -316,7 +337,7 @@ class Sm100Kernel:
             # Softmax warps: warp 0 allocates TMEM, all four read S.
             tmem.allocate(self.num_tmem_alloc_cols)
             tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(self.qk_acc_dtype)
+            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
             tStS = cute.make_tensor(tmem_ptr + self.tmem_s_offset, tStS_layout)
 
             # 3. Epilogue, once per K tile: TMEM -> registers (tcgen05.ld) -> scale -> S in global memory
@@ -325,67 +346,84 @@ class Sm100Kernel:
             # ((128, 32), 4): S cut into 4 column slices of 32
             tStS_epi = cute.zipped_divide(tStS, epi_tiler)
             tmem_load = tcgen05.make_tmem_copy(
-                cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), self.qk_acc_dtype),
+                cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), self.acc_dtype),
                 tStS_epi[(None, 0)],
             )
             thr_load = tmem_load.get_slice(tidx)
             # (T2R, T2R_M, slices): this thread's 32 TMEM cells per slice
             tTR_tS = thr_load.partition_S(tStS_epi)
 
-            for kt in cutlass.range(kv_tiles, unroll=1):
+            for kv_tile in cutlass.range(kv_tiles, unroll=1):
                 s_full = mma_si_cons.wait_and_advance()
-                # (T2R, T2R_M, slices): where they go in S (global memory) for K tile kt
-                tTR_gC = thr_load.partition_D(
-                    cute.zipped_divide(tCgC[(None, None, None, kt)], epi_tiler)
+                # (T2R, T2R_M, slices): where they go in S for K tile kv_tile, and their coordinates
+                tTR_gS = thr_load.partition_D(
+                    cute.zipped_divide(tCgS[(None, None, None, kv_tile)], epi_tiler)
                 )
-                # (T2R, T2R_M): 32 fp32 registers, and the same values in the output dtype (fp32)
-                tTR_rS = cute.make_rmem_tensor(tTR_gC[(None, None, 0)].shape, self.qk_acc_dtype)
-                tTR_rC = cute.make_rmem_tensor(tTR_gC[(None, None, 0)].shape, self.c_dtype)
+                tTR_cS = thr_load.partition_D(
+                    cute.zipped_divide(tCcS[(None, None, None, kv_tile)], epi_tiler)
+                )
+                # (T2R, T2R_M): 32 fp32 registers
+                tTR_rS = cute.make_rmem_tensor(tTR_gS[(None, None, 0)].shape, self.acc_dtype)
                 for i in cutlass.range_constexpr(cute.size(tTR_tS, mode=[2])):
                     cute.copy(tmem_load, tTR_tS[(None, None, i)], tTR_rS)
                     # tcgen05.ld is asynchronous: tcgen05.wait::ld before the registers are read.
                     cute.arch.fence_view_async_tmem_load()
                     # S = scale * Q @ K^T, in fp32
-                    tTR_rC.store((scale * tTR_rS.load()).to(self.c_dtype))
-                    cute.autovec_copy(tTR_rC, tTR_gC[(None, None, i)])
+                    tTR_rS.store(scale * tTR_rS.load())
+                    self.store_row(
+                        tTR_rS, tTR_gS[(None, None, i)], tTR_cS[(None, None, i)], mS.shape
+                    )
                 # Every tcgen05.ld of this S has completed (wait::ld above): the MMA warp may overwrite it.
                 s_full.release()
 
-            # All four softmax warps are done with TMEM before warp 0 frees it.
+            # All four softmax warps are done with TMEM before warp 0 frees it: each orders its
+            # tcgen05.ld before the barrier (tcgen05.fence::before_thread_sync), then they meet.
             tmem.relinquish_alloc_permit()
+            fence_before_thread_sync()
             epilog_sync_bar.arrive_and_wait()
             tmem.free(tmem_ptr)
 
+    @cute.jit
+    def store_row(self, tTR_rX, tTR_gX, tTR_cX, shape):
+        """Registers -> global memory: one slice of this thread's row of the output tile, in
+        16-byte pieces. tTR_cX holds each element's (row, column) in the output; a piece is
+        stored only if it lies inside shape (rows, columns), so the last tiles skip the rows and
+        columns beyond the output. The output's rows are whole 16-byte pieces, so a piece is
+        either wholly inside or wholly outside: its first element decides."""
+        vec = 128 // tTR_rX.element_type.width  # elements per 16-byte store
+        # (vec, pieces), for the registers, the global memory and the coordinates
+        rX, gX, cX = [
+            cute.zipped_divide(cute.make_tensor(t.iterator, cute.coalesce(t.layout)), (vec,))
+            for t in (tTR_rX, tTR_gX, tTR_cX)
+        ]
+        for j in cutlass.range_constexpr(cute.size(rX, mode=[1])):
+            if cute.elem_less(cX[(0, j)], shape):
+                cute.autovec_copy(rX[(None, j)], gX[(None, j)])
+
 
 def compile_args(dtype, shape, scale=None, **options):
-    """(kernel, args) for cute.compile with fake tensors: shape = (B, H, Sq, Sk, D)."""
+    """(kernel, args) for cute.compile with fake tensors, shape = (B, H, Sq, Sk, D)."""
     checks.check_options(options, allowed=())
     B, H, Sq, Sk, D = shape
-    kernel = Sm100Kernel(cute_dtype(dtype), D)
-    q, k = fake_tensor(dtype, (B, H, Sq, D)), fake_tensor(dtype, (B, H, Sk, D))
-    s = fake_tensor(torch.float32, (B, H, Sq, Sk))
-    return kernel, (q, k, s, checks.check_scale(scale, D), fake_stream())
+    q, k = (fake_tensor(dtype, (B, H, S, D), dynamic=True) for S in (Sq, Sk))
+    s = fake_tensor(torch.float32, (B, H, Sq, Sk), dynamic=True)
+    return Sm100Kernel(cute_dtype(dtype), D), (q, k, s, checks.check_scale(scale, D), fake_stream())
 
 
 def qk(q, k, scale=None):
-    """S = scale * Q @ K^T for Q (B, H, Sq, D) and K (B, H, Sk, D), bf16 or fp16; S (B, H, Sq, Sk) in fp32."""
+    """S = scale * Q @ K^T for Q (B, H, Sq, D) and K (B, H, Sk, D), both bf16 or both fp16, D
+    contiguous, D in {64, 128}; scale defaults to 1/sqrt(D). S (B, H, Sq, Sk) in fp32."""
     B, H, Sq, Sk, D = checks.check_attention_args(q, k)
     scale = checks.check_scale(scale, D)
-    bM, bN, _ = Sm100Kernel(cute_dtype(q.dtype), D).qk_mma_tiler
     checks.check_multiple(
-        "Sq = q.shape[2]", Sq, bM, "each CTA stores whole 128 x 128 tiles of S, unmasked"
+        "Sk = k.shape[2]", Sk, 4, "the epilogue writes rows of S (fp32) in 16-byte pieces"
     )
-    checks.check_multiple(
-        "Sk = k.shape[2]", Sk, bN, "each CTA stores whole 128 x 128 tiles of S, unmasked"
-    )
-    checks.check_max("B * H", B * H, 65535, "one CTA row per (b, h) in the grid's y dimension")
 
     with torch.cuda.device(q.device):
         s = empty_output((B, H, Sq, Sk), torch.float32, q.device)
-        args = (to_cute(q), to_cute(k), to_cute(s))
-        # Static shapes and strides: one compiled kernel per layout (the cache key holds them).
-        compiled = cached_compile(
-            Sm100Kernel(cute_dtype(q.dtype), D), *args, scale, current_stream()
-        )
-        compiled(*args, scale, current_stream())
+        # Dynamic shapes and strides: one compile per (dtype, D) serves every B, H, Sq, Sk. (A
+        # static size-1 mode, B = 1 say, would be folded away and change the rank of the TMA.)
+        args = [to_cute(t, dynamic=True) for t in (q, k, s)]
+        args += [scale, current_stream()]
+        cached_compile(Sm100Kernel(cute_dtype(q.dtype), D), *args)(*args)
     return s

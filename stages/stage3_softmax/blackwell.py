@@ -20,16 +20,22 @@ Changes from stage 2:
   its own slot with its own byte count (kv_tma_bytes), and the MMA warp waits for both.
   With kv_slots = 2 and one KV tile, the ring holds exactly K and V: shared memory is
   Q + K + V = 3 x 128 x D x 2 B = 48 KiB (D = 64) or 96 KiB (D = 128).
-- Epilogue: the softmax warps wait for O, `tcgen05.ld` it, divide by row_sum and store O.
+- Epilogue: the softmax warps wait for O, `tcgen05.ld` it, divide by row_sum and store O in
+  the 16-byte pieces of stage 1 that lie inside O.
 - Keys at or beyond Sk (Sk < 128) are read as zeros by TMA; their scores are set to -inf before
-  the row max, so they get weight exp2(-inf) = 0.
+  the row max, so they get weight exp2(-inf) = 0. The mask (mask_keys: a select per element of
+  the row) runs only when Sk < 128, a run-time branch, since Sk is a run-time value.
+- Registers (ptxas of CUDA 13.0, sm_100a, 2026-12-01): 157 (bf16) and 188 (fp16), at D = 64
+  and D = 128 alike, no spills.
 
-Shapes. Sq must be a multiple of 128 (whole Q tiles, unmasked stores); 1 <= Sk <= 128; D is 64
-or 128. Longer key sequences are stage 4.
+Shapes: B, H, Sq >= 1, 1 <= Sk <= 128, D in {64, 128}, as on Hopper; longer key sequences are
+stage 4. The last Q tile's rows beyond Sq are read as zeros by TMA and not stored (each softmax
+thread owns one row and skips its stores of O when the row is at or beyond Sq). Dynamic
+layouts: one compile per (dtype, D).
 
-Verification status (2026-11-29): compile-checked for sm_100a here with fake tensors and no GPU,
+Verification status (2026-12-01): compile-checked for sm_100a here with fake tensors and no GPU,
 through common.compile.compile_only(stage, "blackwell"), which sets CuTe DSL's target arch to
-sm_100a for the compile; not run on Blackwell hardware. The numerical tests run only where an
+sm_100a for the compile; never run on Blackwell hardware. The numerical tests run only where an
 sm_100 GPU is present.
 """
 
@@ -48,14 +54,13 @@ from common import checks
 from common.checker import empty_output
 from common.compile import cached_compile
 from common.cute_interop import current_stream, cute_dtype, fake_stream, fake_tensor, to_cute
+from common.tmem import fence_before_thread_sync, rows_of_16_bytes
 
 
 class Sm100Kernel:
     def __init__(self, dtype, head_dim):
-        self.q_dtype = dtype  # Q, K and V element type: cutlass.BFloat16 or cutlass.Float16
-        self.c_dtype = dtype  # O is written in the input dtype
-        self.qk_acc_dtype = Float32
-        self.pv_acc_dtype = Float32
+        self.dtype = dtype  # element type of Q, K, V and O: cutlass.BFloat16 or cutlass.Float16
+        self.acc_dtype = Float32
         # (bM, bN, bK) = (Q rows, K rows, D): one S tile; one tcgen05.mma is 128 x 128 x 16.
         self.qk_mma_tiler = (128, 128, head_dim)
         # (bM, bN, bK) = (Q rows, D, K rows): O += P @ V; one tcgen05.mma is 128 x D x 16.
@@ -95,16 +100,18 @@ class Sm100Kernel:
         q: cute.Tensor,
         k: cute.Tensor,
         v: cute.Tensor,
-        c: cute.Tensor,
+        o: cute.Tensor,
         scale_log2: Float32,
         stream,
     ):
+        # O's rows start on 16-byte boundaries: each thread stores its row in 16-byte vectors.
+        o = rows_of_16_bytes(o)
         # (B, H, S, D) -> (S, D, (H, B)): the two tile modes first, then (h, b) as one batch mode.
-        q, k, c = [
+        q, k, o = [
             cute.make_tensor(
                 t.iterator, cute.group_modes(cute.select(t.layout, mode=[2, 3, 1, 0]), 2, 4)
             )
-            for t in (q, k, c)
+            for t in (q, k, o)
         ]
         # V -> (D, Sk, (H, B)): the B operand of P @ V is (N, K) = (D, keys), D contiguous (MN-major).
         v = cute.make_tensor(
@@ -114,11 +121,11 @@ class Sm100Kernel:
         # One tcgen05.mma.cta_group::1.kind::f16 per 128 x 128 x 16: A and B from shared memory,
         # both K-major, D (the accumulator) in TMEM.
         qk_mma = utils.sm100.make_trivial_tiled_mma(
-            self.q_dtype,
-            self.q_dtype,
+            self.dtype,
+            self.dtype,
             cute.nvgpu.OperandMajorMode.K,
             cute.nvgpu.OperandMajorMode.K,
-            self.qk_acc_dtype,
+            self.acc_dtype,
             self.cta_group,
             self.qk_mma_tiler[:2],
             tcgen05.OperandSource.SMEM,
@@ -126,11 +133,11 @@ class Sm100Kernel:
         # O += P @ V per 128 x D x 16: A = P from TMEM (a row of P is a TMEM lane: K-major),
         # B = V from shared memory, MN-major.
         pv_mma = utils.sm100.make_trivial_tiled_mma(
-            self.q_dtype,
-            self.q_dtype,
+            self.dtype,
+            self.dtype,
             cute.nvgpu.OperandMajorMode.K,
             cute.nvgpu.OperandMajorMode.MN,
-            self.pv_acc_dtype,
+            self.acc_dtype,
             self.cta_group,
             self.pv_mma_tiler[:2],
             tcgen05.OperandSource.TMEM,
@@ -141,23 +148,23 @@ class Sm100Kernel:
 
         # (MMA, MMA_M, MMA_K, q_buffers) and (MMA, MMA_N, MMA_K, kv_slots), 128-byte swizzled
         q_smem_s = utils.sm100.make_smem_layout_a(
-            qk_mma, self.qk_mma_tiler, self.q_dtype, self.q_buffers
+            qk_mma, self.qk_mma_tiler, self.dtype, self.q_buffers
         )
         k_smem_s = utils.sm100.make_smem_layout_b(
-            qk_mma, self.qk_mma_tiler, self.q_dtype, self.kv_slots
+            qk_mma, self.qk_mma_tiler, self.dtype, self.kv_slots
         )
         q_smem_one = cute.select(q_smem_s, mode=[0, 1, 2])
         k_smem_one = cute.select(k_smem_s, mode=[0, 1, 2])
         # (MMA, MMA_N=D, MMA_K, kv_slots): a V tile in its own layout, but in K's slots (same slot stride)
         v_smem_one = cute.select(
-            utils.sm100.make_smem_layout_b(pv_mma, self.pv_mma_tiler, self.q_dtype, 1),
+            utils.sm100.make_smem_layout_b(pv_mma, self.pv_mma_tiler, self.dtype, 1),
             mode=[0, 1, 2],
         )
         v_smem_s = cute.append(
             v_smem_one, cute.make_layout(self.kv_slots, stride=cute.cosize(k_smem_one))
         )
         # (MMA, MMA_M, MMA_K, 1): P in TMEM as the A operand of P @ V
-        p_tmem_s = utils.sm100.make_smem_layout_a(pv_mma, self.pv_mma_tiler, self.q_dtype, 1)
+        p_tmem_s = utils.sm100.make_smem_layout_a(pv_mma, self.pv_mma_tiler, self.dtype, 1)
 
         # TMA descriptors over (S, D, (H, B)) and (D, Sk, (H, B)): a 128 x D tile of Q, of K, of V.
         tma_load_op = cpasync.CopyBulkTensorTileG2SOp(self.cta_group)
@@ -173,12 +180,12 @@ class Sm100Kernel:
         # Bytes each TMA copy moves (its box), and the bytes each pipeline entry arms its full
         # barrier with: 128 x D x 2 each (16 KiB for D = 64, 32 KiB for D = 128).
         self.copy_bytes = {
-            name: cute.size_in_bytes(self.q_dtype, layout)
+            name: cute.size_in_bytes(self.dtype, layout)
             for name, layout in (("Q", q_smem_one), ("K", k_smem_one), ("V", v_smem_one))
         }
         self.q_tma_bytes = self.copy_bytes["Q"]
         self.kv_tma_bytes = {"K": self.copy_bytes["K"], "V": self.copy_bytes["V"]}
-        self.kv_slot_bytes = cute.size_in_bytes(self.q_dtype, k_smem_one)
+        self.kv_slot_bytes = cute.size_in_bytes(self.dtype, k_smem_one)
         # TMEM: S (128 columns) and O (D columns); P lives over S.
         s_tmem_shape = qk_mma.partition_shape_C(self.qk_mma_tiler[:2])
         o_tmem_shape = pv_mma.partition_shape_C(self.pv_mma_tiler[:2])
@@ -195,17 +202,21 @@ class Sm100Kernel:
             mma_o_bar: cute.struct.MemRange[Int64, 2]
             tmem_holding: Int32
             sQ: cute.struct.Align[
-                cute.struct.MemRange[self.q_dtype, cute.cosize(q_smem_s)], self.smem_align
+                cute.struct.MemRange[self.dtype, cute.cosize(q_smem_s)], self.smem_align
             ]
             sK: cute.struct.Align[
-                cute.struct.MemRange[self.q_dtype, cute.cosize(k_smem_s)], self.smem_align
+                cute.struct.MemRange[self.dtype, cute.cosize(k_smem_s)], self.smem_align
             ]
 
         self.shared_storage = SharedStorage
         self.shared_memory_bytes = SharedStorage.size_in_bytes()
 
-        # One CTA per 128-row Q tile of one (b, h).
-        grid = (cute.size(c, mode=[0]) // self.qk_mma_tiler[0], cute.size(c, mode=[2]), 1)
+        # One CTA per 128-row Q tile of one (head, batch); the last Q tile may stick out of Sq.
+        grid = (
+            cute.ceil_div(cute.size(q, mode=[0]), self.qk_mma_tiler[0]),
+            cute.size(q, mode=[2, 0]),
+            cute.size(q, mode=[2, 1]),
+        )
         self.kernel(
             qk_mma,
             pv_mma,
@@ -215,7 +226,7 @@ class Sm100Kernel:
             tma_tk,
             tma_v,
             tma_tv,
-            c,
+            o,
             scale_log2,
             cluster_layout_vmnk,
             q_smem_s,
@@ -235,7 +246,7 @@ class Sm100Kernel:
         mK: cute.Tensor,
         tma_v: cute.CopyAtom,
         mV: cute.Tensor,
-        mC: cute.Tensor,
+        mO: cute.Tensor,
         scale_log2: Float32,
         cluster_layout_vmnk: cute.Layout,
         q_smem_s: cute.ComposedLayout,
@@ -245,7 +256,8 @@ class Sm100Kernel:
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, bidy, _ = cute.arch.block_idx()
+        # blockIdx = (Q tile, head, batch)
+        bidx, head, batch = cute.arch.block_idx()
         tile_coord = (bidx, None, 0)  # (Q tile, every K tile, the one D tile)
         pv_tile_coord = (bidx, 0, None)  # (Q tile, the one D tile, every KV tile)
         seqlen_k = mK.shape[0]
@@ -336,11 +348,11 @@ class Sm100Kernel:
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, v_smem_s.inner), v_smem_s.outer)
 
         # This CTA's (b, h): Q (Sq, D), K (Sk, D), V (D, Sk) and O (Sq, D).
-        mQ, mK, mV, mC = (
-            mQ[(None, None, bidy)],
-            mK[(None, None, bidy)],
-            mV[(None, None, bidy)],
-            mC[(None, None, bidy)],
+        mQ, mK, mV, mO = (
+            mQ[(None, None, (head, batch))],
+            mK[(None, None, (head, batch))],
+            mV[(None, None, (head, batch))],
+            mO[(None, None, (head, batch))],
         )
         # (bM, D)
         gQ = cute.local_tile(mQ, self.qk_mma_tiler, tile_coord, proj=(1, None, 1))
@@ -348,8 +360,11 @@ class Sm100Kernel:
         gK = cute.local_tile(mK, self.qk_mma_tiler, tile_coord, proj=(None, 1, 1))
         # (D, bN, kv_tiles)
         gV = cute.local_tile(mV, self.pv_mma_tiler, pv_tile_coord, proj=(None, 1, 1))
-        # (bM, D)
-        gC = cute.local_tile(mC, self.pv_mma_tiler, pv_tile_coord, proj=(1, 1, None))
+        # (bM, D): O's tile, and the (query, d) coordinates of its elements in O
+        gO = cute.local_tile(mO, self.pv_mma_tiler, pv_tile_coord, proj=(1, 1, None))
+        cO = cute.local_tile(
+            cute.make_identity_tensor(mO.shape), self.pv_mma_tiler, pv_tile_coord, proj=(1, 1, None)
+        )
 
         qk_thr = qk_mma.get_slice(0)
         pv_thr = pv_mma.get_slice(0)
@@ -360,7 +375,8 @@ class Sm100Kernel:
         # (MMA, MMA_N, MMA_K, kv_tiles)
         tCgV = pv_thr.partition_B(gV)
         # (MMA, MMA_M, MMA_N)
-        tCgC = pv_thr.partition_C(gC)
+        tCgO = pv_thr.partition_C(gO)
+        tCcO = pv_thr.partition_C(cO)
         # TMA views, one CTA, no multicast: (TMA, q_buffers) and (TMA); (TMA, kv_slots) and (TMA, kv_tiles)
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3), cute.group_modes(tCgQ, 0, 3)
@@ -404,7 +420,7 @@ class Sm100Kernel:
         if warp_idx == self.mma_warp_id:
             # MMA warp: S = Q @ K^T, then O = P @ V, issued by one thread.
             tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(self.qk_acc_dtype)
+            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
             tStS = cute.make_tensor(tmem_ptr + self.tmem_s_offset, tStS_layout)
             tOtO = cute.make_tensor(tmem_ptr + self.tmem_o_offset, tOtO_layout)
             # (MMA, MMA_M, MMA_K): P as 16-bit values in TMEM, over S's columns
@@ -412,7 +428,7 @@ class Sm100Kernel:
                 (None, None, None, 0)
             ]
             tOrP = cute.make_tensor(
-                cute.recast_ptr(tmem_ptr + self.tmem_p_offset, dtype=self.q_dtype), tOrP.layout
+                cute.recast_ptr(tmem_ptr + self.tmem_p_offset, dtype=self.dtype), tOrP.layout
             )
             q_full = q_cons.wait_and_advance()
             kv_full = kv_cons.wait_and_advance()  # ring entry: K
@@ -456,7 +472,7 @@ class Sm100Kernel:
             # Softmax warps: warp 0 allocates TMEM, all four run the softmax and the epilogue.
             tmem.allocate(self.num_tmem_alloc_cols)
             tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(self.qk_acc_dtype)
+            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
             tStS = cute.make_tensor(tmem_ptr + self.tmem_s_offset, tStS_layout)
             tOtO = cute.make_tensor(tmem_ptr + self.tmem_o_offset, tOtO_layout)
 
@@ -465,7 +481,7 @@ class Sm100Kernel:
             # ((128, 32), 4): S cut into 4 column slices of 32
             tStS_epi = cute.zipped_divide(tStS, epi_tiler)
             tmem_load = tcgen05.make_tmem_copy(
-                cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), self.qk_acc_dtype),
+                cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), self.acc_dtype),
                 tStS_epi[(None, 0)],
             )
             thr_load = tmem_load.get_slice(tidx)
@@ -477,9 +493,9 @@ class Sm100Kernel:
                 )
             )
             # (T2R, T2R_M, slices): the whole row, 128 fp32 registers
-            tTR_rS = cute.make_rmem_tensor(tTR_cS.shape, self.qk_acc_dtype)
+            tTR_rS = cute.make_rmem_tensor(tTR_cS.shape, self.acc_dtype)
             # P over S's columns, as 32-bit TMEM cells holding two 16-bit values: (128, 64)
-            p_cells = self.qk_mma_tiler[1] * self.q_dtype.width // 32
+            p_cells = self.qk_mma_tiler[1] * self.dtype.width // 32
             tStP = cute.make_tensor(
                 tStS.iterator + self.tmem_p_offset,
                 cute.composition(
@@ -488,25 +504,27 @@ class Sm100Kernel:
             )
             # tcgen05.st.32x32b.x32: each thread writes 32 cells of its row per store, 2 stores
             tmem_store = tcgen05.make_tmem_copy(
-                cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition.x32), self.qk_acc_dtype),
+                cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition.x32), self.acc_dtype),
                 tStP,
             )
             thr_store = tmem_store.get_slice(tidx)
             # (R2T, R2T_M, stores): this thread's row of P in TMEM, and the 64 registers it comes from
             tRT_tP = thr_store.partition_D(tStP)
-            tRT_rP = cute.make_rmem_tensor(thr_store.partition_S(tStP).shape, self.qk_acc_dtype)
+            tRT_rP = cute.make_rmem_tensor(thr_store.partition_S(tStP).shape, self.acc_dtype)
             # The same 64 registers as 128 16-bit values, in S's column order
             tTR_rP = cute.make_tensor(
-                cute.recast_ptr(tRT_rP.iterator, dtype=self.q_dtype), tTR_rS.layout
+                cute.recast_ptr(tRT_rP.iterator, dtype=self.dtype), tTR_rS.layout
             )
             # O, for the epilogue. ((128, 32), D / 32): O cut into column slices of 32
             tOtO_epi = cute.zipped_divide(tOtO, epi_tiler)
-            # (T2R, T2R_M, slices): this thread's row of O in TMEM and in global memory
+            # (T2R, T2R_M, slices): this thread's row of O in TMEM and in global memory, and its
+            # (query, d) coordinates
             tTR_tO = thr_load.partition_S(tOtO_epi)
-            tTR_gC = thr_load.partition_D(cute.zipped_divide(tCgC, epi_tiler))
-            # (T2R, T2R_M): 32 fp32 registers, and the same values in the output dtype
-            tTR_rO = cute.make_rmem_tensor(tTR_gC[(None, None, 0)].shape, self.pv_acc_dtype)
-            tTR_rC = cute.make_rmem_tensor(tTR_gC[(None, None, 0)].shape, self.c_dtype)
+            tTR_gO = thr_load.partition_D(cute.zipped_divide(tCgO, epi_tiler))
+            tTR_cO = thr_load.partition_D(cute.zipped_divide(tCcO, epi_tiler))
+            # (T2R, T2R_M): 32 fp32 registers, and the same values in the input dtype
+            tTR_rAcc = cute.make_rmem_tensor(tTR_gO[(None, None, 0)].shape, self.acc_dtype)
+            tTR_rO = cute.make_rmem_tensor(tTR_gO[(None, None, 0)].shape, self.dtype)
 
             # Softmax of the one S tile
             s_full = mma_si_cons.wait_and_advance()
@@ -514,18 +532,16 @@ class Sm100Kernel:
             # tcgen05.ld is asynchronous: tcgen05.wait::ld before the registers are read.
             cute.arch.fence_view_async_tmem_load()
             s_full.release()
-            if cutlass.const_expr(seqlen_k % self.qk_mma_tiler[1] != 0):
-                # Keys at or beyond Sk (zeros from TMA) get S = -inf: weight exp2(-inf) = 0.
-                for i in cutlass.range(cute.size(tTR_rS), unroll_full=True):
-                    if tTR_cS[i][1] >= seqlen_k:
-                        tTR_rS[i] = -Float32.inf
+            # Keys at or beyond Sk (zeros from TMA) get S = -inf: weight exp2(-inf) = 0.
+            if seqlen_k < self.qk_mma_tiler[1]:
+                self.mask_keys(tTR_rS, tTR_cS, 0, seqlen_k)
             row_max = tTR_rS.load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
             # P = exp(scale * (S - row_max)) = exp2(S * scale_log2 - row_max * scale_log2)
             row_max_scaled = row_max * scale_log2
             for i in cutlass.range(cute.size(tTR_rS), unroll_full=True):
                 tTR_rS[i] = cute.math.exp2(tTR_rS[i] * scale_log2 - row_max_scaled, fastmath=True)
             row_sum = tTR_rS.load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-            tTR_rP.store(tTR_rS.load().to(self.q_dtype))
+            tTR_rP.store(tTR_rS.load().to(self.dtype))
             # P's columns are free (no PV MMA still reads them): write P, then hand it to the MMA warp.
             p_empty = p_mma_prod.acquire_and_advance()
             cute.copy(tmem_store, tRT_rP, tRT_tP)
@@ -537,31 +553,63 @@ class Sm100Kernel:
             inv_row_sum = cute.arch.rcp_approx(row_sum)
             o_full = mma_o_cons.wait_and_advance()
             for i in cutlass.range_constexpr(cute.size(tTR_tO, mode=[2])):
-                cute.copy(tmem_load, tTR_tO[(None, None, i)], tTR_rO)
+                cute.copy(tmem_load, tTR_tO[(None, None, i)], tTR_rAcc)
                 cute.arch.fence_view_async_tmem_load()
                 # O = (P @ V) / row_sum, in the input dtype
-                tTR_rC.store((inv_row_sum * tTR_rO.load()).to(self.c_dtype))
-                cute.autovec_copy(tTR_rC, tTR_gC[(None, None, i)])
+                tTR_rO.store((inv_row_sum * tTR_rAcc.load()).to(self.dtype))
+                self.store_row(tTR_rO, tTR_gO[(None, None, i)], tTR_cO[(None, None, i)], mO.shape)
             o_full.release()
 
-            # All four softmax warps are done with TMEM before warp 0 frees it.
+            # All four softmax warps are done with TMEM before warp 0 frees it: each orders its
+            # tcgen05.ld and tcgen05.st before the barrier (tcgen05.fence::before_thread_sync),
+            # then they meet.
             tmem.relinquish_alloc_permit()
+            fence_before_thread_sync()
             epilog_sync_bar.arrive_and_wait()
             tmem.free(tmem_ptr)
 
+    @cute.jit
+    def store_row(self, tTR_rX, tTR_gX, tTR_cX, shape):
+        """Registers -> global memory: one slice of this thread's row of the output tile, in
+        16-byte pieces. tTR_cX holds each element's (row, column) in the output; a piece is
+        stored only if it lies inside shape (rows, columns), so the last tiles skip the rows and
+        columns beyond the output. The output's rows are whole 16-byte pieces, so a piece is
+        either wholly inside or wholly outside: its first element decides."""
+        vec = 128 // tTR_rX.element_type.width  # elements per 16-byte store
+        # (vec, pieces), for the registers, the global memory and the coordinates
+        rX, gX, cX = [
+            cute.zipped_divide(cute.make_tensor(t.iterator, cute.coalesce(t.layout)), (vec,))
+            for t in (tTR_rX, tTR_gX, tTR_cX)
+        ]
+        for j in cutlass.range_constexpr(cute.size(rX, mode=[1])):
+            if cute.elem_less(cX[(0, j)], shape):
+                cute.autovec_copy(rX[(None, j)], gX[(None, j)])
+
+    @cute.jit
+    def mask_keys(self, tTR_rS, tTR_cS, kv_tile, seqlen_k):
+        """S = -inf for the keys of KV tile kv_tile at or beyond seqlen_k, in this thread's row
+        (tTR_cS: the (row, key) of each element within the tile). A select per element, not a
+        branch per element: the branches took stage 3 to 253 registers against 157 (ptxas,
+        bf16, 2026-12-01)."""
+        keys_left = seqlen_k - kv_tile * self.qk_mma_tiler[1]
+        for i in cutlass.range(cute.size(tTR_rS), unroll_full=True):
+            tTR_rS[i] = -Float32.inf if tTR_cS[i][1] >= keys_left else tTR_rS[i]
+
 
 def compile_args(dtype, shape, scale=None, **options):
-    """(kernel, args) for cute.compile with fake tensors: shape = (B, H, Sq, Sk, D)."""
+    """(kernel, args) for cute.compile with fake tensors, shape = (B, H, Sq, Sk, D)."""
     checks.check_options(options, allowed=())
     B, H, Sq, Sk, D = shape
-    kernel = Sm100Kernel(cute_dtype(dtype), D)
-    q, k, v = (
-        fake_tensor(dtype, (B, H, Sq, D)),
-        fake_tensor(dtype, (B, H, Sk, D)),
-        fake_tensor(dtype, (B, H, Sk, D)),
+    q, k, v = (fake_tensor(dtype, (B, H, S, D), dynamic=True) for S in (Sq, Sk, Sk))
+    o = fake_tensor(dtype, (B, H, Sq, D), dynamic=True)
+    return Sm100Kernel(cute_dtype(dtype), D), (
+        q,
+        k,
+        v,
+        o,
+        checks.check_scale(scale, D) * math.log2(math.e),
+        fake_stream(),
     )
-    o = fake_tensor(dtype, (B, H, Sq, D))
-    return kernel, (q, k, v, o, checks.check_scale(scale, D) * math.log2(math.e), fake_stream())
 
 
 def attention(q, k, v, scale=None):
@@ -570,26 +618,20 @@ def attention(q, k, v, scale=None):
     in the input dtype."""
     B, H, Sq, Sk, D = checks.check_attention_args(q, k, v)
     scale = checks.check_scale(scale, D)
-    bM, bN, _ = Sm100Kernel(cute_dtype(q.dtype), D).qk_mma_tiler
-    checks.check_multiple(
-        "Sq = q.shape[2]", Sq, bM, "each CTA stores whole 128-row tiles of O, unmasked"
-    )
-    checks.check_max("B * H", B * H, 65535, "one CTA row per (b, h) in the grid's y dimension")
+    # exp(scale * x) = exp2(scale_log2 * x): the kernel takes the folded multiplier.
+    scale_log2 = scale * math.log2(math.e)
     checks.check_max(
         "Sk = k.shape[2]",
         Sk,
-        bN,
+        128,
         "stage 3 computes the softmax of one KV tile of 128 keys; stage 4 (stages.stage4_kv_interleave) takes any Sk",
     )
 
     with torch.cuda.device(q.device):
         o = empty_output((B, H, Sq, D), q.dtype, q.device)
-        args = (to_cute(q), to_cute(k), to_cute(v), to_cute(o))
-        # Static shapes and strides: one compiled kernel per layout (the cache key holds them).
-        # exp(scale * x) = exp2(scale * log2(e) * x): the kernel takes the folded multiplier.
-        scale_log2 = scale * math.log2(math.e)
-        compiled = cached_compile(
-            Sm100Kernel(cute_dtype(q.dtype), D), *args, scale_log2, current_stream()
-        )
-        compiled(*args, scale_log2, current_stream())
+        # Dynamic shapes and strides: one compile per (dtype, D) serves every B, H, Sq, Sk. (A
+        # static size-1 mode, B = 1 say, would be folded away and change the rank of the TMA.)
+        args = [to_cute(t, dynamic=True) for t in (q, k, v, o)]
+        args += [scale_log2, current_stream()]
+        cached_compile(Sm100Kernel(cute_dtype(q.dtype), D), *args)(*args)
     return o

@@ -10,19 +10,26 @@ Changes from stage 3:
   48 KiB at D = 64, whatever Sk is; keeping K and V resident as stage 3 does would need
   Q + 2 x Sk x D x 2 B (544 KiB at Sk = 1024, D = 128), and separate K and V rings of 2
   slots each 160 KiB.
-- Exact softmax in two passes, no rescaling of O. Pass 1 streams K: S_kt = Q K_kt^T, row_max and
+- Exact softmax in two passes, no rescaling of O. Pass 1 streams K: S_j = Q K_j^T, row_max and
   row_sum over all tiles (when the max grows, the sum so far is multiplied by
   exp(scale * (old max - new max)): one multiply per row per tile). Pass 2 streams K and V:
-  S_kt again, P_kt = exp(scale * (S_kt - row_max)) / row_sum in TMEM over S_kt, O += P_kt V_kt.
+  S_j again, P_j = exp(scale * (S_j - row_max)) / row_sum in TMEM over S_j, O += P_j V_j.
   K is read twice: per KV tile 3 tile loads (K, K, V) and 3 tile GEMMs (QK, QK, PV) instead of 2 and 2.
+- The division by row_sum folds into the exponent: P_j = exp2(S_j * scale_log2 - (row_max *
+  scale_log2 + log2(row_sum))), one FFMA and one exp2 per score as in pass 1. (ptxas,
+  2026-12-01: 190 registers, bf16, against 254 with a multiply by 1 / row_sum after the exp2.)
 - Every K or V tile is its own ring entry: the TMA warp produces 1 entry per KV tile in pass 1
   (K) and 2 in pass 2 (K, V); the MMA warp consumes them in the same order
   (kv_producer_entries, kv_consumer_entries). Each entry arms the bytes of its own copy,
   128 x D x 2 B (32 KiB at D = 128).
-- P_(kt-1) sits in S's TMEM columns, so QK_kt (which writes S) waits until PV_(kt-1) has completed:
+- P_(j-1) sits in S's TMEM columns, so QK_j (which writes S) waits until PV_(j-1) has completed:
   PTX keeps two tcgen05.mma in issue order only when they share accumulator and shape.
+- Keys at or beyond Sk: only the last KV tile can hold them, so the mask of stage 3 runs under
+  a run-time branch, (kv_tile + 1) * 128 > Sk, in both passes; every other tile skips it.
 - TMEM unchanged: S at columns 0-127, P over S at 0-63, O at 128-255 (D = 128) or 128-191; 256
   columns. O needs no divide in the epilogue: P was already divided by row_sum.
+- Registers (ptxas of CUDA 13.0, sm_100a, 2026-12-01): 190 (bf16) and 195 (fp16) at D = 128,
+  189 and 195 at D = 64, no spills; one compile serves every Sk.
 
 The hazard, in shared memory (D = 128, bf16, kv_slots = 2; a slot is one 128 x 128 tile, 32 KiB):
 
@@ -32,36 +39,41 @@ The hazard, in shared memory (D = 128, bf16, kv_slots = 2; a slot is one 128 x 1
                 | sK[.., 0]: K tile, K-major  | sK[.., 1]                   |
                 | sV[.., 0]: V tile, MN-major | sV[.., 1]   (the same bytes)|
 
-    seed: 1 entry, 1 barrier per KV tile      this stage: 1 entry per tile of K or V
-      slot s <- TMA K_j                         entry e    slot e % 2 <- TMA K_j (arms K bytes)
-      slot s <- TMA V_j  (same bytes, same         QK_j reads it; tcgen05.commit releases it
-                          barrier)              entry e+1  slot (e+1) % 2 <- TMA V_j, only after
-      QK_j reads slot s: V_j, or half of each              the MMA that read entry e-1 there
-                                                           released it
+    a faulty ring: 1 entry, 1 barrier         this stage: 1 entry per tile of K or V
+    per KV tile                                 entry e    slot e % 2 <- TMA K_j (arms K bytes)
+      slot s <- TMA K_j                                    QK_j reads it; tcgen05.commit releases it
+      slot s <- TMA V_j  (same bytes, same      entry e+1  slot (e+1) % 2 <- TMA V_j, only after
+                          barrier)                         the MMA that read entry e-1 there
+      QK_j reads slot s: V_j, or half of each              released it
 
-The seed. This stage finishes the user's draft (its class FmhaPipelineKernel is the track-wide
-Sm100Kernel here). Kept: warps 0-3 softmax, warp 4 MMA, warp 5 TMA (192 threads); Q loaded
-once; a 2-slot K/V ring with V viewed over K's shared memory through recast_ptr; S, P and O in
-TMEM; qk_mma, pv_mma, tStS, tOtO, tOrP (P as the TMEM A operand of the PV MMA). Fixed:
-1. It loaded V_j into K_j's slot under K_j's barrier, before the QK MMA had read K_j. Now K_j
+How the ring fails when written the obvious way, and what this stage does instead. The class
+keeps what such a first draft gets right: warps 0-3 softmax, warp 4 MMA, warp 5 TMA (192
+threads); Q loaded once; a 2-slot K/V ring with V viewed over K's shared memory through
+recast_ptr; S, P and O in TMEM; P as the TMEM A operand of the PV MMA.
+1. V_j is loaded into K_j's slot under K_j's barrier, before the QK MMA has read K_j: TMA may
+   overwrite K_j while the tensor core reads it, and QK_j finds V_j, or half of each. Here K_j
    and V_j are separate ring entries: V_j lands only in a slot whose previous tile the MMA
    warp has released (tcgen05.commit after the MMA that read it).
-2. Its producer made 1 ring entry per KV tile while its consumer waited for 2. Both now follow
-   kv_producer_entries / kv_consumer_entries: 1 per tile in pass 1 (K), 2 in pass 2 (K, V).
-3. It armed the K/V ring (and the Q buffer) with Q + K bytes. Each entry now arms the bytes of
-   its own copy; Q has its own pipeline and byte count.
-4. It accumulated S across KV tiles (ACCUMULATE = kt != 0 on the QK MMA). Each tile's S now
-   starts afresh: ACCUMULATE is false for the first k-block of every tile.
-5. It launched one CTA. Now one CTA per (128-row Q tile, batch x head).
+2. One ring entry is produced per KV tile against two consumed (K for QK, then V for PV): the
+   MMA warp waits for an entry that never comes. Here both warps follow kv_producer_entries /
+   kv_consumer_entries: 1 per tile in pass 1 (K), 2 in pass 2 (K, V).
+3. The K/V ring (and the Q buffer) is armed with Q + K bytes: a full barrier that expects more
+   bytes than its copies move never completes. Here each entry arms the bytes of its own
+   copy; Q has its own pipeline and byte count.
+4. S accumulates across KV tiles (ACCUMULATE = kv_tile != 0 on the QK MMA). Here each tile's
+   S starts afresh: ACCUMULATE is false for the first k-block of every tile.
 common/schedule.py replays the ring from this class's own attributes for several KV tile
-counts and rejects a model of the seed's configuration (tests/test_schedule.py).
+counts, and rejects a model of the faulty ring (1 entry per tile carrying K and V, 2 waits per
+tile, Q + K bytes armed) for each of 1-3 (tests/test_schedule.py).
 
-Shapes. Sq must be a multiple of 128 (whole Q tiles, unmasked stores); any Sk >= 1 (the keys
-beyond Sk in the last tile are masked); D is 64 or 128.
+Shapes: B, H, Sq, Sk >= 1, D in {64, 128}, as on Hopper. One CTA per (128-row Q tile, head,
+batch); the last Q tile's rows beyond Sq are read as zeros by TMA and not stored (each softmax
+thread owns one row and skips its stores when the row is at or beyond Sq). Dynamic layouts:
+one compile per (dtype, D).
 
-Verification status (2026-11-29): compile-checked for sm_100a here with fake tensors and no GPU,
+Verification status (2026-12-01): compile-checked for sm_100a here with fake tensors and no GPU,
 through common.compile.compile_only(stage, "blackwell"), which sets CuTe DSL's target arch to
-sm_100a for the compile; not run on Blackwell hardware. The numerical tests run only where an
+sm_100a for the compile; never run on Blackwell hardware. The numerical tests run only where an
 sm_100 GPU is present.
 """
 
@@ -80,14 +92,13 @@ from common import checks
 from common.checker import empty_output
 from common.compile import cached_compile
 from common.cute_interop import current_stream, cute_dtype, fake_stream, fake_tensor, to_cute
+from common.tmem import fence_before_thread_sync, rows_of_16_bytes
 
 
 class Sm100Kernel:
     def __init__(self, dtype, head_dim):
-        self.q_dtype = dtype  # Q, K and V element type: cutlass.BFloat16 or cutlass.Float16
-        self.c_dtype = dtype  # O is written in the input dtype
-        self.qk_acc_dtype = Float32
-        self.pv_acc_dtype = Float32
+        self.dtype = dtype  # element type of Q, K, V and O: cutlass.BFloat16 or cutlass.Float16
+        self.acc_dtype = Float32
         # (bM, bN, bK) = (Q rows, K rows, D): one S tile; one tcgen05.mma is 128 x 128 x 16.
         self.qk_mma_tiler = (128, 128, head_dim)
         # (bM, bN, bK) = (Q rows, D, K rows): O += P @ V; one tcgen05.mma is 128 x D x 16.
@@ -128,16 +139,18 @@ class Sm100Kernel:
         q: cute.Tensor,
         k: cute.Tensor,
         v: cute.Tensor,
-        c: cute.Tensor,
+        o: cute.Tensor,
         scale_log2: Float32,
         stream,
     ):
+        # O's rows start on 16-byte boundaries: each thread stores its row in 16-byte vectors.
+        o = rows_of_16_bytes(o)
         # (B, H, S, D) -> (S, D, (H, B)): the two tile modes first, then (h, b) as one batch mode.
-        q, k, c = [
+        q, k, o = [
             cute.make_tensor(
                 t.iterator, cute.group_modes(cute.select(t.layout, mode=[2, 3, 1, 0]), 2, 4)
             )
-            for t in (q, k, c)
+            for t in (q, k, o)
         ]
         # V -> (D, Sk, (H, B)): the B operand of P @ V is (N, K) = (D, keys), D contiguous (MN-major).
         v = cute.make_tensor(
@@ -147,11 +160,11 @@ class Sm100Kernel:
         # One tcgen05.mma.cta_group::1.kind::f16 per 128 x 128 x 16: A and B from shared memory,
         # both K-major, D (the accumulator) in TMEM.
         qk_mma = utils.sm100.make_trivial_tiled_mma(
-            self.q_dtype,
-            self.q_dtype,
+            self.dtype,
+            self.dtype,
             cute.nvgpu.OperandMajorMode.K,
             cute.nvgpu.OperandMajorMode.K,
-            self.qk_acc_dtype,
+            self.acc_dtype,
             self.cta_group,
             self.qk_mma_tiler[:2],
             tcgen05.OperandSource.SMEM,
@@ -159,11 +172,11 @@ class Sm100Kernel:
         # O += P @ V per 128 x D x 16: A = P from TMEM (a row of P is a TMEM lane: K-major),
         # B = V from shared memory, MN-major.
         pv_mma = utils.sm100.make_trivial_tiled_mma(
-            self.q_dtype,
-            self.q_dtype,
+            self.dtype,
+            self.dtype,
             cute.nvgpu.OperandMajorMode.K,
             cute.nvgpu.OperandMajorMode.MN,
-            self.pv_acc_dtype,
+            self.acc_dtype,
             self.cta_group,
             self.pv_mma_tiler[:2],
             tcgen05.OperandSource.TMEM,
@@ -174,23 +187,23 @@ class Sm100Kernel:
 
         # (MMA, MMA_M, MMA_K, q_buffers) and (MMA, MMA_N, MMA_K, kv_slots), 128-byte swizzled
         q_smem_s = utils.sm100.make_smem_layout_a(
-            qk_mma, self.qk_mma_tiler, self.q_dtype, self.q_buffers
+            qk_mma, self.qk_mma_tiler, self.dtype, self.q_buffers
         )
         k_smem_s = utils.sm100.make_smem_layout_b(
-            qk_mma, self.qk_mma_tiler, self.q_dtype, self.kv_slots
+            qk_mma, self.qk_mma_tiler, self.dtype, self.kv_slots
         )
         q_smem_one = cute.select(q_smem_s, mode=[0, 1, 2])
         k_smem_one = cute.select(k_smem_s, mode=[0, 1, 2])
         # (MMA, MMA_N=D, MMA_K, kv_slots): a V tile in its own layout, but in K's slots (same slot stride)
         v_smem_one = cute.select(
-            utils.sm100.make_smem_layout_b(pv_mma, self.pv_mma_tiler, self.q_dtype, 1),
+            utils.sm100.make_smem_layout_b(pv_mma, self.pv_mma_tiler, self.dtype, 1),
             mode=[0, 1, 2],
         )
         v_smem_s = cute.append(
             v_smem_one, cute.make_layout(self.kv_slots, stride=cute.cosize(k_smem_one))
         )
         # (MMA, MMA_M, MMA_K, 1): P in TMEM as the A operand of P @ V
-        p_tmem_s = utils.sm100.make_smem_layout_a(pv_mma, self.pv_mma_tiler, self.q_dtype, 1)
+        p_tmem_s = utils.sm100.make_smem_layout_a(pv_mma, self.pv_mma_tiler, self.dtype, 1)
 
         # TMA descriptors over (S, D, (H, B)) and (D, Sk, (H, B)): a 128 x D tile of Q, of K, of V.
         tma_load_op = cpasync.CopyBulkTensorTileG2SOp(self.cta_group)
@@ -206,12 +219,12 @@ class Sm100Kernel:
         # Bytes each TMA copy moves (its box), and the bytes each pipeline entry arms its full
         # barrier with: 128 x D x 2 each (16 KiB for D = 64, 32 KiB for D = 128).
         self.copy_bytes = {
-            name: cute.size_in_bytes(self.q_dtype, layout)
+            name: cute.size_in_bytes(self.dtype, layout)
             for name, layout in (("Q", q_smem_one), ("K", k_smem_one), ("V", v_smem_one))
         }
         self.q_tma_bytes = self.copy_bytes["Q"]
         self.kv_tma_bytes = {"K": self.copy_bytes["K"], "V": self.copy_bytes["V"]}
-        self.kv_slot_bytes = cute.size_in_bytes(self.q_dtype, k_smem_one)
+        self.kv_slot_bytes = cute.size_in_bytes(self.dtype, k_smem_one)
         # TMEM: S (128 columns) and O (D columns); P lives over S.
         s_tmem_shape = qk_mma.partition_shape_C(self.qk_mma_tiler[:2])
         o_tmem_shape = pv_mma.partition_shape_C(self.pv_mma_tiler[:2])
@@ -228,17 +241,21 @@ class Sm100Kernel:
             mma_o_bar: cute.struct.MemRange[Int64, 2]
             tmem_holding: Int32
             sQ: cute.struct.Align[
-                cute.struct.MemRange[self.q_dtype, cute.cosize(q_smem_s)], self.smem_align
+                cute.struct.MemRange[self.dtype, cute.cosize(q_smem_s)], self.smem_align
             ]
             sK: cute.struct.Align[
-                cute.struct.MemRange[self.q_dtype, cute.cosize(k_smem_s)], self.smem_align
+                cute.struct.MemRange[self.dtype, cute.cosize(k_smem_s)], self.smem_align
             ]
 
         self.shared_storage = SharedStorage
         self.shared_memory_bytes = SharedStorage.size_in_bytes()
 
-        # One CTA per 128-row Q tile of one (b, h).
-        grid = (cute.size(c, mode=[0]) // self.qk_mma_tiler[0], cute.size(c, mode=[2]), 1)
+        # One CTA per 128-row Q tile of one (head, batch); the last Q tile may stick out of Sq.
+        grid = (
+            cute.ceil_div(cute.size(q, mode=[0]), self.qk_mma_tiler[0]),
+            cute.size(q, mode=[2, 0]),
+            cute.size(q, mode=[2, 1]),
+        )
         self.kernel(
             qk_mma,
             pv_mma,
@@ -248,7 +265,7 @@ class Sm100Kernel:
             tma_tk,
             tma_v,
             tma_tv,
-            c,
+            o,
             scale_log2,
             cluster_layout_vmnk,
             q_smem_s,
@@ -268,7 +285,7 @@ class Sm100Kernel:
         mK: cute.Tensor,
         tma_v: cute.CopyAtom,
         mV: cute.Tensor,
-        mC: cute.Tensor,
+        mO: cute.Tensor,
         scale_log2: Float32,
         cluster_layout_vmnk: cute.Layout,
         q_smem_s: cute.ComposedLayout,
@@ -278,7 +295,8 @@ class Sm100Kernel:
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, bidy, _ = cute.arch.block_idx()
+        # blockIdx = (Q tile, head, batch)
+        bidx, head, batch = cute.arch.block_idx()
         tile_coord = (bidx, None, 0)  # (Q tile, every K tile, the one D tile)
         pv_tile_coord = (bidx, 0, None)  # (Q tile, the one D tile, every KV tile)
         seqlen_k = mK.shape[0]
@@ -369,11 +387,11 @@ class Sm100Kernel:
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, v_smem_s.inner), v_smem_s.outer)
 
         # This CTA's (b, h): Q (Sq, D), K (Sk, D), V (D, Sk) and O (Sq, D).
-        mQ, mK, mV, mC = (
-            mQ[(None, None, bidy)],
-            mK[(None, None, bidy)],
-            mV[(None, None, bidy)],
-            mC[(None, None, bidy)],
+        mQ, mK, mV, mO = (
+            mQ[(None, None, (head, batch))],
+            mK[(None, None, (head, batch))],
+            mV[(None, None, (head, batch))],
+            mO[(None, None, (head, batch))],
         )
         # (bM, D)
         gQ = cute.local_tile(mQ, self.qk_mma_tiler, tile_coord, proj=(1, None, 1))
@@ -381,8 +399,11 @@ class Sm100Kernel:
         gK = cute.local_tile(mK, self.qk_mma_tiler, tile_coord, proj=(None, 1, 1))
         # (D, bN, kv_tiles)
         gV = cute.local_tile(mV, self.pv_mma_tiler, pv_tile_coord, proj=(None, 1, 1))
-        # (bM, D)
-        gC = cute.local_tile(mC, self.pv_mma_tiler, pv_tile_coord, proj=(1, 1, None))
+        # (bM, D): O's tile, and the (query, d) coordinates of its elements in O
+        gO = cute.local_tile(mO, self.pv_mma_tiler, pv_tile_coord, proj=(1, 1, None))
+        cO = cute.local_tile(
+            cute.make_identity_tensor(mO.shape), self.pv_mma_tiler, pv_tile_coord, proj=(1, 1, None)
+        )
         kv_tiles = cute.size(gK, mode=[2])
 
         qk_thr = qk_mma.get_slice(0)
@@ -394,7 +415,8 @@ class Sm100Kernel:
         # (MMA, MMA_N, MMA_K, kv_tiles)
         tCgV = pv_thr.partition_B(gV)
         # (MMA, MMA_M, MMA_N)
-        tCgC = pv_thr.partition_C(gC)
+        tCgO = pv_thr.partition_C(gO)
+        tCcO = pv_thr.partition_C(cO)
         # TMA views, one CTA, no multicast: (TMA, q_buffers) and (TMA); (TMA, kv_slots) and (TMA, kv_tiles)
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3), cute.group_modes(tCgQ, 0, 3)
@@ -425,7 +447,7 @@ class Sm100Kernel:
             cute.copy(tma_q, tQgQ, tQsQ[(None, q_empty.index)], tma_bar_ptr=q_empty.barrier)
             kv_loads = {"K": (tma_k, tKgK, tKsK), "V": (tma_v, tVgV, tVsV)}
             for sweep in cutlass.range_constexpr(len(self.kv_producer_entries)):
-                for kt in cutlass.range(kv_tiles, unroll=1):
+                for kv_tile in cutlass.range(kv_tiles, unroll=1):
                     for name in self.kv_producer_entries[sweep]:
                         tma, src, dst = kv_loads[name]
                         # The next slot, once the MMAs that read its previous tile have completed;
@@ -433,7 +455,7 @@ class Sm100Kernel:
                         kv_empty = kv_prod.acquire_and_advance(expected_tx=self.kv_tma_bytes[name])
                         cute.copy(
                             tma,
-                            src[(None, kt)],
+                            src[(None, kv_tile)],
                             dst[(None, kv_empty.index)],
                             tma_bar_ptr=kv_empty.barrier,
                         )
@@ -442,10 +464,10 @@ class Sm100Kernel:
             q_prod.tail()
 
         if warp_idx == self.mma_warp_id:
-            # MMA warp, one thread issues: pass 1 S_kt = Q @ K_kt^T for every K tile; pass 2 S_kt
-            # again, then O += P_kt @ V_kt.
+            # MMA warp, one thread issues: pass 1 S_j = Q @ K_j^T for every K tile; pass 2 S_j
+            # again, then O += P_j @ V_j.
             tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(self.qk_acc_dtype)
+            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
             tStS = cute.make_tensor(tmem_ptr + self.tmem_s_offset, tStS_layout)
             tOtO = cute.make_tensor(tmem_ptr + self.tmem_o_offset, tOtO_layout)
             # (MMA, MMA_M, MMA_K): P as 16-bit values in TMEM, over S's columns
@@ -453,20 +475,20 @@ class Sm100Kernel:
                 (None, None, None, 0)
             ]
             tOrP = cute.make_tensor(
-                cute.recast_ptr(tmem_ptr + self.tmem_p_offset, dtype=self.q_dtype), tOrP.layout
+                cute.recast_ptr(tmem_ptr + self.tmem_p_offset, dtype=self.dtype), tOrP.layout
             )
             # Waits, like the softmax warps, until the PV MMAs of the previous tile have read P
             p_free = p_mma_pipeline.make_producer()
             q_full = q_cons.wait_and_advance()
-            # Pass 1: S_kt for the row statistics
-            for kt in cutlass.range(kv_tiles, unroll=1):
-                kv_full = kv_cons.wait_and_advance()  # ring entry: K_kt
+            # Pass 1: S_j for the row statistics
+            for kv_tile in cutlass.range(kv_tiles, unroll=1):
+                kv_full = kv_cons.wait_and_advance()  # ring entry: K_j
                 # The softmax warps have read the previous S: it may be overwritten.
                 s_empty = mma_si_prod.acquire_and_advance()
                 # The first MMA of each K tile overwrites S, the others accumulate over D.
                 qk_mma.set(tcgen05.Field.ACCUMULATE, False)
                 for kb in cutlass.range_constexpr(cute.size(tCrQ, mode=[2])):
-                    # S += Q[:, 16 kb : 16 kb + 16] @ K_kt[:, 16 kb : 16 kb + 16]^T  (128 x 128 x 16)
+                    # S += Q[:, 16 kb : 16 kb + 16] @ K_j[:, 16 kb : 16 kb + 16]^T  (128 x 128 x 16)
                     cute.gemm(
                         qk_mma,
                         tStS,
@@ -479,20 +501,20 @@ class Sm100Kernel:
                 s_empty.commit()
                 # ... and the K slot is empty once they have read it.
                 kv_full.release()
-            # Pass 2: S_kt again, P_kt from the softmax warps, O += P_kt @ V_kt
+            # Pass 2: S_j again, P_j from the softmax warps, O += P_j @ V_j
             o_empty = mma_o_prod.acquire_and_advance()
-            for kt in cutlass.range(kv_tiles, unroll=1):
-                kv_full = kv_cons.wait_and_advance()  # ring entry: K_kt
+            for kv_tile in cutlass.range(kv_tiles, unroll=1):
+                kv_full = kv_cons.wait_and_advance()  # ring entry: K_j
                 # The softmax warps have read the previous S: it may be overwritten.
                 s_empty = mma_si_prod.acquire_and_advance()
-                # S_kt overwrites P_(kt-1), which sits in S's columns: wait until the PV MMAs of
-                # tile kt-1 have completed (PTX keeps two tcgen05.mma in issue order only when
+                # S_j overwrites P_(j-1), which sits in S's columns: wait until the PV MMAs of
+                # tile j-1 have completed (PTX keeps two tcgen05.mma in issue order only when
                 # they share accumulator and shape; QK writes S, PV writes O).
                 p_free.acquire_and_advance()
                 # The first MMA of each K tile overwrites S, the others accumulate over D.
                 qk_mma.set(tcgen05.Field.ACCUMULATE, False)
                 for kb in cutlass.range_constexpr(cute.size(tCrQ, mode=[2])):
-                    # S += Q[:, 16 kb : 16 kb + 16] @ K_kt[:, 16 kb : 16 kb + 16]^T  (128 x 128 x 16)
+                    # S += Q[:, 16 kb : 16 kb + 16] @ K_j[:, 16 kb : 16 kb + 16]^T  (128 x 128 x 16)
                     cute.gemm(
                         qk_mma,
                         tStS,
@@ -505,13 +527,13 @@ class Sm100Kernel:
                 s_empty.commit()
                 # ... and the K slot is empty once they have read it.
                 kv_full.release()
-                # the softmax warps have written P_kt
+                # the softmax warps have written P_j
                 p_full = p_mma_cons.wait_and_advance()
-                v_full = kv_cons.wait_and_advance()  # ring entry: V_kt
+                v_full = kv_cons.wait_and_advance()  # ring entry: V_j
                 # O starts afresh with the first KV tile, then accumulates over the KV tiles.
-                pv_mma.set(tcgen05.Field.ACCUMULATE, kt != 0)
+                pv_mma.set(tcgen05.Field.ACCUMULATE, kv_tile != 0)
                 for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-                    # O += P_kt[:, 16 kb : 16 kb + 16] @ V_kt[16 kb : 16 kb + 16, :]  (128 x D x 16)
+                    # O += P_j[:, 16 kb : 16 kb + 16] @ V_j[16 kb : 16 kb + 16, :]  (128 x D x 16)
                     cute.gemm(
                         pv_mma,
                         tOtO,
@@ -532,7 +554,7 @@ class Sm100Kernel:
             # Softmax warps: warp 0 allocates TMEM, all four run the softmax and the epilogue.
             tmem.allocate(self.num_tmem_alloc_cols)
             tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(self.qk_acc_dtype)
+            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
             tStS = cute.make_tensor(tmem_ptr + self.tmem_s_offset, tStS_layout)
             tOtO = cute.make_tensor(tmem_ptr + self.tmem_o_offset, tOtO_layout)
 
@@ -541,7 +563,7 @@ class Sm100Kernel:
             # ((128, 32), 4): S cut into 4 column slices of 32
             tStS_epi = cute.zipped_divide(tStS, epi_tiler)
             tmem_load = tcgen05.make_tmem_copy(
-                cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), self.qk_acc_dtype),
+                cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), self.acc_dtype),
                 tStS_epi[(None, 0)],
             )
             thr_load = tmem_load.get_slice(tidx)
@@ -553,9 +575,9 @@ class Sm100Kernel:
                 )
             )
             # (T2R, T2R_M, slices): the whole row, 128 fp32 registers
-            tTR_rS = cute.make_rmem_tensor(tTR_cS.shape, self.qk_acc_dtype)
+            tTR_rS = cute.make_rmem_tensor(tTR_cS.shape, self.acc_dtype)
             # P over S's columns, as 32-bit TMEM cells holding two 16-bit values: (128, 64)
-            p_cells = self.qk_mma_tiler[1] * self.q_dtype.width // 32
+            p_cells = self.qk_mma_tiler[1] * self.dtype.width // 32
             tStP = cute.make_tensor(
                 tStS.iterator + self.tmem_p_offset,
                 cute.composition(
@@ -564,40 +586,41 @@ class Sm100Kernel:
             )
             # tcgen05.st.32x32b.x32: each thread writes 32 cells of its row per store, 2 stores
             tmem_store = tcgen05.make_tmem_copy(
-                cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition.x32), self.qk_acc_dtype),
+                cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition.x32), self.acc_dtype),
                 tStP,
             )
             thr_store = tmem_store.get_slice(tidx)
             # (R2T, R2T_M, stores): this thread's row of P in TMEM, and the 64 registers it comes from
             tRT_tP = thr_store.partition_D(tStP)
-            tRT_rP = cute.make_rmem_tensor(thr_store.partition_S(tStP).shape, self.qk_acc_dtype)
+            tRT_rP = cute.make_rmem_tensor(thr_store.partition_S(tStP).shape, self.acc_dtype)
             # The same 64 registers as 128 16-bit values, in S's column order
             tTR_rP = cute.make_tensor(
-                cute.recast_ptr(tRT_rP.iterator, dtype=self.q_dtype), tTR_rS.layout
+                cute.recast_ptr(tRT_rP.iterator, dtype=self.dtype), tTR_rS.layout
             )
             # O, for the epilogue. ((128, 32), D / 32): O cut into column slices of 32
             tOtO_epi = cute.zipped_divide(tOtO, epi_tiler)
-            # (T2R, T2R_M, slices): this thread's row of O in TMEM and in global memory
+            # (T2R, T2R_M, slices): this thread's row of O in TMEM and in global memory, and its
+            # (query, d) coordinates
             tTR_tO = thr_load.partition_S(tOtO_epi)
-            tTR_gC = thr_load.partition_D(cute.zipped_divide(tCgC, epi_tiler))
-            # (T2R, T2R_M): 32 fp32 registers, and the same values in the output dtype
-            tTR_rO = cute.make_rmem_tensor(tTR_gC[(None, None, 0)].shape, self.pv_acc_dtype)
-            tTR_rC = cute.make_rmem_tensor(tTR_gC[(None, None, 0)].shape, self.c_dtype)
+            tTR_gO = thr_load.partition_D(cute.zipped_divide(tCgO, epi_tiler))
+            tTR_cO = thr_load.partition_D(cute.zipped_divide(tCcO, epi_tiler))
+            # (T2R, T2R_M): 32 fp32 registers, and the same values in the input dtype
+            tTR_rAcc = cute.make_rmem_tensor(tTR_gO[(None, None, 0)].shape, self.acc_dtype)
+            tTR_rO = cute.make_rmem_tensor(tTR_gO[(None, None, 0)].shape, self.dtype)
 
             # Pass 1: row_max and row_sum over every KV tile
             row_max = -Float32.inf
             row_sum = Float32(0.0)
-            for kt in cutlass.range(kv_tiles, unroll=1):
+            for kv_tile in cutlass.range(kv_tiles, unroll=1):
                 s_full = mma_si_cons.wait_and_advance()
                 cute.copy(tmem_load, tTR_tS, tTR_rS)
                 # tcgen05.ld is asynchronous: tcgen05.wait::ld before the registers are read.
                 cute.arch.fence_view_async_tmem_load()
                 s_full.release()
-                if cutlass.const_expr(seqlen_k % self.qk_mma_tiler[1] != 0):
-                    # Keys at or beyond Sk (zeros from TMA) get S = -inf: weight exp2(-inf) = 0.
-                    for i in cutlass.range(cute.size(tTR_rS), unroll_full=True):
-                        if kt * self.qk_mma_tiler[1] + tTR_cS[i][1] >= seqlen_k:
-                            tTR_rS[i] = -Float32.inf
+                # Keys at or beyond Sk (zeros from TMA) get S = -inf: weight exp2(-inf) = 0. Only
+                # the last KV tile can reach beyond Sk.
+                if (kv_tile + 1) * self.qk_mma_tiler[1] > seqlen_k:
+                    self.mask_keys(tTR_rS, tTR_cS, kv_tile, seqlen_k)
                 row_max_new = cute.arch.fmax(
                     row_max, tTR_rS.load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
                 )
@@ -613,25 +636,23 @@ class Sm100Kernel:
                     cute.ReductionOp.ADD, Float32(0.0), 0
                 )
                 row_max = row_max_new
-            # Pass 2: P_kt = exp(scale * (S_kt - row_max)) / row_sum, exact: the final max and sum
-            row_max_scaled = row_max * scale_log2
-            inv_row_sum = cute.arch.rcp_approx(row_sum)
-            for kt in cutlass.range(kv_tiles, unroll=1):
+            # Pass 2: P_j = exp(scale * (S_j - row_max)) / row_sum, exact: the final max and sum.
+            # The division folds into the exponent: P_j = exp2(S_j * scale_log2 - (row_max *
+            # scale_log2 + log2(row_sum))), one FFMA and one exp2 per score, as in pass 1.
+            row_max_scaled = row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)
+            for kv_tile in cutlass.range(kv_tiles, unroll=1):
                 s_full = mma_si_cons.wait_and_advance()
                 cute.copy(tmem_load, tTR_tS, tTR_rS)
                 cute.arch.fence_view_async_tmem_load()
                 s_full.release()
-                if cutlass.const_expr(seqlen_k % self.qk_mma_tiler[1] != 0):
-                    for i in cutlass.range(cute.size(tTR_rS), unroll_full=True):
-                        if kt * self.qk_mma_tiler[1] + tTR_cS[i][1] >= seqlen_k:
-                            tTR_rS[i] = -Float32.inf
+                if (kv_tile + 1) * self.qk_mma_tiler[1] > seqlen_k:
+                    self.mask_keys(tTR_rS, tTR_cS, kv_tile, seqlen_k)
                 for i in cutlass.range(cute.size(tTR_rS), unroll_full=True):
-                    tTR_rS[i] = (
-                        cute.math.exp2(tTR_rS[i] * scale_log2 - row_max_scaled, fastmath=True)
-                        * inv_row_sum
+                    tTR_rS[i] = cute.math.exp2(
+                        tTR_rS[i] * scale_log2 - row_max_scaled, fastmath=True
                     )
-                tTR_rP.store(tTR_rS.load().to(self.q_dtype))
-                # P's columns are free once the PV MMAs of tile kt-1 have completed: write P_kt,
+                tTR_rP.store(tTR_rS.load().to(self.dtype))
+                # P's columns are free once the PV MMAs of tile j-1 have completed: write P_j,
                 # then hand it to the MMA warp.
                 p_empty = p_mma_prod.acquire_and_advance()
                 cute.copy(tmem_store, tRT_rP, tRT_tP)
@@ -642,31 +663,63 @@ class Sm100Kernel:
             # 3. Epilogue: TMEM -> registers (tcgen05.ld) -> O in global memory (already / row_sum)
             o_full = mma_o_cons.wait_and_advance()
             for i in cutlass.range_constexpr(cute.size(tTR_tO, mode=[2])):
-                cute.copy(tmem_load, tTR_tO[(None, None, i)], tTR_rO)
+                cute.copy(tmem_load, tTR_tO[(None, None, i)], tTR_rAcc)
                 cute.arch.fence_view_async_tmem_load()
-                # O = sum over KV tiles of (P_kt / row_sum) @ V_kt, in the input dtype
-                tTR_rC.store(tTR_rO.load().to(self.c_dtype))
-                cute.autovec_copy(tTR_rC, tTR_gC[(None, None, i)])
+                # O = sum over KV tiles of (P_j / row_sum) @ V_j, in the input dtype
+                tTR_rO.store(tTR_rAcc.load().to(self.dtype))
+                self.store_row(tTR_rO, tTR_gO[(None, None, i)], tTR_cO[(None, None, i)], mO.shape)
             o_full.release()
 
-            # All four softmax warps are done with TMEM before warp 0 frees it.
+            # All four softmax warps are done with TMEM before warp 0 frees it: each orders its
+            # tcgen05.ld and tcgen05.st before the barrier (tcgen05.fence::before_thread_sync),
+            # then they meet.
             tmem.relinquish_alloc_permit()
+            fence_before_thread_sync()
             epilog_sync_bar.arrive_and_wait()
             tmem.free(tmem_ptr)
 
+    @cute.jit
+    def store_row(self, tTR_rX, tTR_gX, tTR_cX, shape):
+        """Registers -> global memory: one slice of this thread's row of the output tile, in
+        16-byte pieces. tTR_cX holds each element's (row, column) in the output; a piece is
+        stored only if it lies inside shape (rows, columns), so the last tiles skip the rows and
+        columns beyond the output. The output's rows are whole 16-byte pieces, so a piece is
+        either wholly inside or wholly outside: its first element decides."""
+        vec = 128 // tTR_rX.element_type.width  # elements per 16-byte store
+        # (vec, pieces), for the registers, the global memory and the coordinates
+        rX, gX, cX = [
+            cute.zipped_divide(cute.make_tensor(t.iterator, cute.coalesce(t.layout)), (vec,))
+            for t in (tTR_rX, tTR_gX, tTR_cX)
+        ]
+        for j in cutlass.range_constexpr(cute.size(rX, mode=[1])):
+            if cute.elem_less(cX[(0, j)], shape):
+                cute.autovec_copy(rX[(None, j)], gX[(None, j)])
+
+    @cute.jit
+    def mask_keys(self, tTR_rS, tTR_cS, kv_tile, seqlen_k):
+        """S = -inf for the keys of KV tile kv_tile at or beyond seqlen_k, in this thread's row
+        (tTR_cS: the (row, key) of each element within the tile). A select per element, not a
+        branch per element: the branches took stage 3 to 253 registers against 157 (ptxas,
+        bf16, 2026-12-01)."""
+        keys_left = seqlen_k - kv_tile * self.qk_mma_tiler[1]
+        for i in cutlass.range(cute.size(tTR_rS), unroll_full=True):
+            tTR_rS[i] = -Float32.inf if tTR_cS[i][1] >= keys_left else tTR_rS[i]
+
 
 def compile_args(dtype, shape, scale=None, **options):
-    """(kernel, args) for cute.compile with fake tensors: shape = (B, H, Sq, Sk, D)."""
+    """(kernel, args) for cute.compile with fake tensors, shape = (B, H, Sq, Sk, D)."""
     checks.check_options(options, allowed=())
     B, H, Sq, Sk, D = shape
-    kernel = Sm100Kernel(cute_dtype(dtype), D)
-    q, k, v = (
-        fake_tensor(dtype, (B, H, Sq, D)),
-        fake_tensor(dtype, (B, H, Sk, D)),
-        fake_tensor(dtype, (B, H, Sk, D)),
+    q, k, v = (fake_tensor(dtype, (B, H, S, D), dynamic=True) for S in (Sq, Sk, Sk))
+    o = fake_tensor(dtype, (B, H, Sq, D), dynamic=True)
+    return Sm100Kernel(cute_dtype(dtype), D), (
+        q,
+        k,
+        v,
+        o,
+        checks.check_scale(scale, D) * math.log2(math.e),
+        fake_stream(),
     )
-    o = fake_tensor(dtype, (B, H, Sq, D))
-    return kernel, (q, k, v, o, checks.check_scale(scale, D) * math.log2(math.e), fake_stream())
 
 
 def attention(q, k, v, scale=None):
@@ -675,20 +728,14 @@ def attention(q, k, v, scale=None):
     in the input dtype."""
     B, H, Sq, Sk, D = checks.check_attention_args(q, k, v)
     scale = checks.check_scale(scale, D)
-    bM, _, _ = Sm100Kernel(cute_dtype(q.dtype), D).qk_mma_tiler
-    checks.check_multiple(
-        "Sq = q.shape[2]", Sq, bM, "each CTA stores whole 128-row tiles of O, unmasked"
-    )
-    checks.check_max("B * H", B * H, 65535, "one CTA row per (b, h) in the grid's y dimension")
+    # exp(scale * x) = exp2(scale_log2 * x): the kernel takes the folded multiplier.
+    scale_log2 = scale * math.log2(math.e)
 
     with torch.cuda.device(q.device):
         o = empty_output((B, H, Sq, D), q.dtype, q.device)
-        args = (to_cute(q), to_cute(k), to_cute(v), to_cute(o))
-        # Static shapes and strides: one compiled kernel per layout (the cache key holds them).
-        # exp(scale * x) = exp2(scale * log2(e) * x): the kernel takes the folded multiplier.
-        scale_log2 = scale * math.log2(math.e)
-        compiled = cached_compile(
-            Sm100Kernel(cute_dtype(q.dtype), D), *args, scale_log2, current_stream()
-        )
-        compiled(*args, scale_log2, current_stream())
+        # Dynamic shapes and strides: one compile per (dtype, D) serves every B, H, Sq, Sk. (A
+        # static size-1 mode, B = 1 say, would be folded away and change the rank of the TMA.)
+        args = [to_cute(t, dynamic=True) for t in (q, k, v, o)]
+        args += [scale_log2, current_stream()]
+        cached_compile(Sm100Kernel(cute_dtype(q.dtype), D), *args)(*args)
     return o
