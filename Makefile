@@ -17,7 +17,7 @@ help:
 	@echo "make model      a Llama-style transformers model on the latest stage's kernel: logits vs SDPA, prefill tokens/s vs SDPA and FA4"
 	@echo "make notebooks  execute every notebook (compile-only mode without a GPU)"
 	@echo "make notebooks-source  rewrite notebooks/*.ipynb from notebooks/source/ (their single source)"
-	@echo "make sanitize   compute-sanitizer racecheck + synccheck on stages 4 and 5 (GPU)"
+	@echo "make sanitize   compute-sanitizer racecheck + synccheck on stages 4-8 (GPU)"
 	@echo "make doctor     versions, GPU, driver, arch"
 
 setup:
