@@ -1,0 +1,406 @@
+"""The latest stage's attention entry points as PyTorch custom ops, so that a model can call them
+inside `torch.compile(fullgraph=True)` and PyTorch knows their output shapes without running them.
+
+    torch.ops.flash_tutorial.attention(q, k, v, scale, causal, window_left, window_right)
+        -> (o, lse)    q (B, H, Sq, D), k and v (B, Hkv, Sk, D); o (B, H, Sq, D), lse (B, H, Sq) fp32
+    torch.ops.flash_tutorial.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        max_seqlen_k, scale, causal, window_left, window_right)
+        -> (o, lse)    q (total_q, H, D), k and v (total_k, Hkv, D); o (total_q, H, D), lse (H, total_q)
+
+Which stage runs: the latest one with stage 7's API (`attention(..., causal, window, return_lse)`
+with K/V of Hkv heads, and `attention_varlen`): stage 8 (warp specialisation) now, stage 7
+before it; the environment variable FLASH_TUTORIAL_STAGE=7 or `with use_stage(7):` pins another
+(read at each call, so also inside a compiled graph). The stage's package is imported on the
+first real call, so importing this module needs neither a GPU nor the CuTe DSL. Each op has a
+fake implementation (`register_fake`: shapes, dtypes and devices from the inputs' metadata alone)
+which FakeTensorMode, meta tensors and torch.compile's tracing use instead of the kernel.
+`window_left` / `window_right` are the two sides of the stages' `window=(left, right)` (None:
+unbounded on that side); causal and window follow stage 6 (bottom-right aligned).
+
+Forward only: there is no autograd formula. Calling an op with an input that requires grad while
+grad mode is on raises the kernels' own error (common.checks.check_inference_only), through the
+Python wrappers below before anything is launched, and through the op's autograd registration
+when torch.ops is called directly (after the kernel ran: autograd sees the call only then). Use
+them under torch.no_grad() / torch.inference_mode().
+
+`TutorialAttention` is a GQA self-attention block (projections, the op, the output projection)
+that torch.compile(fullgraph=True) traces without a graph break; `opcheck_all()` runs
+torch.library.opcheck on representative GPU inputs (GQA, causal, window, packed sequences)."""
+
+import contextlib
+import functools
+import importlib
+import os
+
+import torch
+from torch import nn
+
+from common import checks
+
+NAMESPACE = "flash_tutorial"
+STAGE_ENV = "FLASH_TUTORIAL_STAGE"
+FIRST_STAGE = 7  # the first stage with GQA, masks and packed sequences (the ops' API)
+HEAD_DIMS = (64, 128)
+_pinned = []  # use_stage's stack
+
+
+@functools.lru_cache(maxsize=None)
+def _stage_numbers():
+    """Every stage with the ops' API (attention with Hkv heads, attention_varlen), in order."""
+    from common import stages as table
+
+    out = []
+    for st in table.STAGES:
+        if st.number >= FIRST_STAGE:
+            mod = importlib.import_module(f"stages.{st.package}")
+            if hasattr(mod, "attention") and hasattr(mod, "attention_varlen"):
+                out.append(st.number)
+    return tuple(out)
+
+
+def stage_numbers():
+    """Every stage with the ops' API (attention with Hkv heads, attention_varlen), in order."""
+    return list(_stage_numbers())
+
+
+def current_stage():
+    """The stage number the ops run now: use_stage's, else FLASH_TUTORIAL_STAGE, else the latest."""
+    if _pinned:
+        return _pinned[-1]
+    env = os.environ.get(STAGE_ENV)
+    if env:
+        n = int(env)
+        if n not in stage_numbers():
+            raise ValueError(f"{STAGE_ENV}={env}: stages with the ops' API are {stage_numbers()}")
+        return n
+    return stage_numbers()[-1]
+
+
+@contextlib.contextmanager
+def use_stage(n):
+    """Run the ops on stage n inside the block (e.g. to compare stages in one model)."""
+    if n not in stage_numbers():
+        raise ValueError(f"stage {n}: stages with the ops' API are {stage_numbers()}")
+    _pinned.append(n)
+    try:
+        yield
+    finally:
+        _pinned.pop()
+
+
+def stage_module(n=None):
+    """The package stages.<stage n> (default: current_stage()), which dispatches to the track."""
+    from common import stages as table
+
+    return importlib.import_module(f"stages.{table.stage(n or current_stage()).package}")
+
+
+def _stage():
+    return stage_module()
+
+
+def _window(window_left, window_right):
+    return None if window_left is None and window_right is None else (window_left, window_right)
+
+
+# ------------------------------------------------------------------ metadata checks (fake impls)
+
+
+def _check_meta(q, k, v, rank):
+    """What the fake implementations can check without data: ranks, dtypes, one device, the head
+    grouping and the head dim. The real kernels check all of this and more (strides, alignment,
+    CUDA, cu_seqlens); the fake ones keep a trace from accepting a call the kernel refuses."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != rank:
+            raise ValueError(
+                f"argument '{name}': expected a rank-{rank} tensor, got shape {tuple(t.shape)}"
+            )
+        if t.dtype not in checks.HALF_DTYPES:
+            raise TypeError(
+                f"argument '{name}': dtype {str(t.dtype).replace('torch.', '')} is not supported; "
+                "allowed: bfloat16, float16"
+            )
+    checks.check_same_dtype(("q", "k", "v"), (q, k, v))
+    checks.check_same_device(("q", "k", "v"), (q, k, v))
+    # Heads are dimension 1 in both layouts: (B, H, S, D) and (total, H, D).
+    checks.check_head_groups(q.shape[1], k.shape[1])
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(
+            f"arguments 'k' and 'v' must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"head dim: q.shape[-1] = {q.shape[-1]} must equal k.shape[-1] = {k.shape[-1]}"
+        )
+    checks.check_choice(
+        "head dim D", q.shape[-1], HEAD_DIMS, "the tile configuration is specialised per head dim"
+    )
+
+
+def _refuse_grad(ctx, inputs, output):
+    """setup_context of the ops' autograd registration: it runs only when grad mode is on and an
+    input requires grad (inside autograd.Function, where grad mode reads off, hence enable_grad),
+    and raises the kernels' error instead of recording a graph no backward could use."""
+    names = ("q", "k", "v")
+    with torch.enable_grad():
+        checks.check_inference_only(names, inputs[:3], "this attention kernel")
+    raise RuntimeError("flash_tutorial attention ops are forward-only")  # not reached
+
+
+def _no_backward(ctx, *grads):
+    raise RuntimeError(
+        "flash_tutorial attention ops have no autograd formula (the kernels are forward-only)"
+    )
+
+
+# ------------------------------------------------------------------ batch layout
+
+
+@torch.library.custom_op(f"{NAMESPACE}::attention", mutates_args=())
+def attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None,
+    causal: bool,
+    window_left: int | None,
+    window_right: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, LSE) of the current stage's attention: q (B, H, Sq, D), k and v (B, Hkv, Sk, D),
+    H % Hkv == 0, bf16/fp16, D in {64, 128}. O (B, H, Sq, D) contiguous, LSE (B, H, Sq) fp32.
+    Forward only."""
+    return _stage().attention(
+        q,
+        k,
+        v,
+        scale=scale,
+        causal=causal,
+        window=_window(window_left, window_right),
+        return_lse=True,
+    )
+
+
+@attention_op.register_fake
+def _attention_fake(q, k, v, scale, causal, window_left, window_right):
+    _check_meta(q, k, v, rank=4)
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(
+            f"batch: 'q'.shape[0] = {q.shape[0]} must equal 'k'.shape[0] = {k.shape[0]}"
+        )
+    B, H, Sq, D = q.shape
+    # The kernel allocates both outputs contiguous, whatever the strides of q.
+    return q.new_empty((B, H, Sq, D)), q.new_empty((B, H, Sq), dtype=torch.float32)
+
+
+attention_op.register_autograd(_no_backward, setup_context=_refuse_grad)
+
+
+# ------------------------------------------------------------------ packed sequences
+
+
+@torch.library.custom_op(f"{NAMESPACE}::attention_varlen", mutates_args=())
+def attention_varlen_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    scale: float | None,
+    causal: bool,
+    window_left: int | None,
+    window_right: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, LSE) of the current stage's packed-sequence attention: q (total_q, H, D), k and v (total_k, Hkv,
+    D), int32 cu_seqlens of batch + 1 offsets. O (total_q, H, D), LSE (H, total_q) fp32. Forward
+    only. The kernel reads cu_seqlens to the host to check them (one small copy per call)."""
+    return _stage().attention_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        scale=scale,
+        causal=causal,
+        window=_window(window_left, window_right),
+        return_lse=True,
+    )
+
+
+@attention_varlen_op.register_fake
+def _attention_varlen_fake(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    scale,
+    causal,
+    window_left,
+    window_right,
+):
+    _check_meta(q, k, v, rank=3)
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dtype != torch.int32 or cu.dim() != 1:
+            raise TypeError(
+                f"argument '{name}': expected a rank-1 int32 tensor, got "
+                f"{str(cu.dtype).replace('torch.', '')} of shape {tuple(cu.shape)}"
+            )
+    total_q, H, D = q.shape
+    return q.new_empty((total_q, H, D)), q.new_empty((H, total_q), dtype=torch.float32)
+
+
+attention_varlen_op.register_autograd(_no_backward, setup_context=_refuse_grad)
+
+
+# ------------------------------------------------------------------ Python wrappers
+
+
+def _split_window(window):
+    if window is None:
+        return None, None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(
+            f"argument 'window': expected None or a pair (left, right) of ints or None, got "
+            f"{window!r}"
+        )
+    return window[0], window[1]
+
+
+def attention(q, k, v, scale=None, causal=False, window=None, return_lse=False):
+    """The stages' `attention` signature through the custom op (what a model should call). Refuses
+    inputs that require grad under grad mode before launching anything."""
+    checks.check_inference_only(("q", "k", "v"), (q, k, v), "this attention kernel")
+    left, right = _split_window(window)
+    o, lse = attention_op(q, k, v, scale, causal, left, right)
+    return (o, lse) if return_lse else o
+
+
+def attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    scale=None,
+    causal=False,
+    window=None,
+    return_lse=False,
+):
+    """The stages' `attention_varlen` signature through the custom op."""
+    checks.check_inference_only(("q", "k", "v"), (q, k, v), "this attention kernel")
+    left, right = _split_window(window)
+    o, lse = attention_varlen_op(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, left, right
+    )
+    return (o, lse) if return_lse else o
+
+
+# ------------------------------------------------------------------ a module to compile
+
+
+class TutorialAttention(nn.Module):
+    """GQA self-attention, x (B, S, hidden) -> (B, S, hidden): q/k/v projections to H query and
+    Hkv KV heads of head_dim, the tutorial kernel through the custom op (no repeat of K/V), the
+    output projection. `torch.compile(module, fullgraph=True)` traces it in one graph: the op is
+    one opaque node whose output shapes come from its fake implementation."""
+
+    def __init__(self, hidden, heads, kv_heads, head_dim=128, causal=True, window=None):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.causal = causal
+        self.window_left, self.window_right = _split_window(window)
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+
+    def attend(self, q, k, v):
+        """(B, H, S, D) q and (B, Hkv, S, D) k, v -> (B, H, S, D): the op alone."""
+        o, _ = attention_op(q, k, v, None, self.causal, self.window_left, self.window_right)
+        return o
+
+    def forward(self, x):
+        B, S, _ = x.shape
+        # (B, S, H*D) -> (B, H, S, D) views: D contiguous, as the kernel needs.
+        q = self.q_proj(x).view(B, S, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
+        o = self.attend(q, k, v)
+        return self.o_proj(o.transpose(1, 2).reshape(B, S, self.heads * self.head_dim))
+
+
+# ------------------------------------------------------------------ opcheck on the GPU
+
+
+def _randn(shape, dtype, g):
+    return torch.randn(shape, generator=g, device="cuda", dtype=torch.float32).to(dtype)
+
+
+def opcheck_samples(seed=0):
+    """[(label, op, args)]: representative GPU inputs for opcheck: GQA 4:1 and MQA, causal with
+    Sq != Sk, a sliding window, D = 64 fp16, a (B, S, H, D) memory layout seen as (B, H, S, D),
+    and packed sequences (a zero-length and a one-token sequence, lengths not tile multiples)."""
+    g = torch.Generator(device="cuda")
+    g.manual_seed(seed)
+    bf, fp = torch.bfloat16, torch.float16
+    out = []
+
+    def batch(label, B, H, Hkv, Sq, Sk, D, dtype, scale, causal, left, right):
+        q = _randn((B, H, Sq, D), dtype, g)
+        k, v = (_randn((B, Hkv, Sk, D), dtype, g) for _ in range(2))
+        out.append((label, attention_op, (q, k, v, scale, causal, left, right)))
+
+    batch("GQA 8/2 non-causal", 2, 8, 2, 256, 256, 128, bf, None, False, None, None)
+    batch("GQA 8/2 causal Sq<Sk", 2, 8, 2, 200, 333, 128, bf, None, True, None, None)
+    batch("MQA window (64, 16)", 1, 4, 1, 300, 300, 128, bf, 0.1, False, 64, 16)
+    batch("GQA 4/2 causal window left 96, D=64 fp16", 2, 4, 2, 257, 257, 64, fp, None, True, 96, 0)
+    # The layout a model produces: (B, S, H, D) memory, transposed to (B, H, S, D).
+    q = _randn((2, 256, 8, 128), bf, g).transpose(1, 2)
+    k, v = (_randn((2, 256, 2, 128), bf, g).transpose(1, 2) for _ in range(2))
+    out.append(("GQA causal, (B, S, H, D) memory", attention_op, (q, k, v, None, True, None, None)))
+
+    def packed(label, lens_q, lens_k, H, Hkv, D, dtype, causal, left, right):
+        q = _randn((sum(lens_q), H, D), dtype, g)
+        k, v = (_randn((sum(lens_k), Hkv, D), dtype, g) for _ in range(2))
+        cu = lambda lens: torch.tensor(  # noqa: E731
+            [0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda"
+        )
+        args = (q, k, v, cu(lens_q), cu(lens_k), None, None, None, causal, left, right)
+        out.append((label, attention_varlen_op, args))
+
+    packed(
+        "varlen GQA 8/2 causal", [100, 0, 257, 1], [100, 0, 257, 1], 8, 2, 128, bf, True, None, None
+    )
+    packed("varlen GQA 4/1 Sq!=Sk", [64, 130, 7], [200, 130, 300], 4, 1, 128, bf, False, None, None)
+    packed("varlen window D=64 fp16", [150, 90], [150, 90], 4, 2, 64, fp, False, 32, 32)
+    return out
+
+
+def opcheck_all(stages=None, verbose=True):
+    """torch.library.opcheck on every sample of opcheck_samples(), for each stage in `stages`
+    (default: every stage with the ops' API, stage_numbers()); needs a GPU of the Hopper track.
+    Raises on the first failure; returns {(stage, label): opcheck's result dict}."""
+    results = {}
+    for n in stage_numbers() if stages is None else stages:
+        with use_stage(n):
+            for label, op, args in opcheck_samples():
+                if verbose:
+                    print(f"opcheck stage {n}: {label} ...", flush=True)
+                res = torch.library.opcheck(op, args)
+                bad = {k: v for k, v in res.items() if v != "SUCCESS"}
+                if bad:
+                    raise AssertionError(f"opcheck stage {n}, {label}: {bad}")
+                results[(n, label)] = res
+                if verbose:
+                    print(f"  {res}", flush=True)
+    if verbose:
+        print(f"opcheck: all {len(results)} (stage, sample) pairs pass", flush=True)
+    return results

@@ -1,0 +1,377 @@
+"""The custom ops of common/ops.py (torch.ops.flash_tutorial.attention / attention_varlen).
+
+- CPU: importing common.ops loads no stage and no CuTe DSL; which stage the ops run (the latest
+  with stage 7's API; FLASH_TUTORIAL_STAGE and use_stage pin another); the schemas; the fake
+  implementations under FakeTensorMode (CUDA fake tensors: shapes, dtypes, devices, contiguous
+  outputs whatever the input strides) and on meta tensors, and their refusals; an input that
+  requires grad under grad mode raises the kernels' own error, through the wrapper and through
+  torch.ops directly; torch.compile(fullgraph=True) of TutorialAttention traces in one graph with
+  the op as one node (backends that run the graph on meta tensors, so no kernel is needed).
+- GPU (marker gpu_hopper): torch.library.opcheck on every sample of opcheck_samples(), for every
+  stage with the ops' API (7 and 8); the ops give bit-identical results to those stages' plain
+  entries; a torch.compile(fullgraph=True)
+  (inductor) function and module calling the op against eager and against SDPA; the grad
+  refusal on real CUDA tensors.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from common import checks, ops
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BF, FP = torch.bfloat16, torch.float16
+
+
+def grad_message():
+    """The text the kernels raise for an input that requires grad."""
+    t = torch.empty(1, requires_grad=True)
+    with pytest.raises(RuntimeError) as e, torch.enable_grad():
+        checks.check_inference_only(("q",), (t,), "this attention kernel")
+    return str(e.value)
+
+
+# ---------------------------------------------------------------- registration
+
+
+def test_import_loads_no_stage_and_no_cute():
+    code = (
+        "import sys, common.ops, torch; "
+        "assert hasattr(torch.ops.flash_tutorial, 'attention'); "
+        "bad = [m for m in sys.modules if m.startswith(('stages', 'cutlass'))]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_stage_selection(monkeypatch):
+    numbers = ops.stage_numbers()
+    assert numbers[0] == 7 and numbers == sorted(numbers)
+    monkeypatch.delenv(ops.STAGE_ENV, raising=False)
+    assert ops.current_stage() == numbers[-1]
+    with ops.use_stage(7):
+        assert ops.current_stage() == 7
+        assert ops.stage_module().__name__ == "stages.stage7_gqa_varlen"
+    assert ops.current_stage() == numbers[-1]
+    monkeypatch.setenv(ops.STAGE_ENV, "7")
+    assert ops.current_stage() == 7
+    monkeypatch.setenv(ops.STAGE_ENV, "6")  # stage 6 has no GQA / packed entry
+    with pytest.raises(ValueError, match="FLASH_TUTORIAL_STAGE=6"):
+        ops.current_stage()
+    with pytest.raises(ValueError, match="stage 5"):
+        with ops.use_stage(5):
+            pass
+
+
+def test_schemas():
+    a = str(torch.ops.flash_tutorial.attention.default._schema)
+    v = str(torch.ops.flash_tutorial.attention_varlen.default._schema)
+    assert a.startswith("flash_tutorial::attention(Tensor q, Tensor k, Tensor v, float? scale")
+    assert "bool causal" in a and "window_left" in a and a.endswith("-> (Tensor, Tensor)")
+    assert "Tensor cu_seqlens_q, Tensor cu_seqlens_k" in v and v.endswith("-> (Tensor, Tensor)")
+    # mutates_args=(): no argument is written (no "Tensor(a!)" alias annotation).
+    assert "!" not in a and "!" not in v
+
+
+# ---------------------------------------------------------------- fake implementations
+
+
+BATCH_CASES = [
+    # (B, H, Hkv, Sq, Sk, D, dtype)
+    (2, 8, 2, 100, 300, 128, BF),
+    (1, 32, 8, 2048, 2048, 128, BF),
+    (3, 4, 1, 1, 77, 64, FP),
+    (2, 4, 4, 257, 129, 64, BF),
+]
+
+
+@pytest.mark.parametrize("case", BATCH_CASES, ids=lambda c: "x".join(map(str, c[:6])))
+@pytest.mark.parametrize("bshd", [False, True], ids=["bhsd", "bshd-memory"])
+def test_fake_attention_shapes(case, bshd):
+    B, H, Hkv, Sq, Sk, D, dtype = case
+    with FakeTensorMode():
+        if bshd:  # the layout a model produces: (B, S, H, D) memory seen as (B, H, S, D)
+            q = torch.empty(B, Sq, H, D, device="cuda", dtype=dtype).transpose(1, 2)
+            k = torch.empty(B, Sk, Hkv, D, device="cuda", dtype=dtype).transpose(1, 2)
+        else:
+            q = torch.empty(B, H, Sq, D, device="cuda", dtype=dtype)
+            k = torch.empty(B, Hkv, Sk, D, device="cuda", dtype=dtype)
+        v = torch.empty_like(k)
+        for causal, left, right in ((False, None, None), (True, None, None), (False, 64, 8)):
+            o, lse = torch.ops.flash_tutorial.attention(q, k, v, None, causal, left, right)
+            assert o.shape == (B, H, Sq, D) and o.dtype == dtype and o.device == q.device
+            assert o.is_contiguous(), o.stride()  # the kernel allocates O contiguous
+            assert lse.shape == (B, H, Sq) and lse.dtype == torch.float32 and lse.is_contiguous()
+            assert lse.device == q.device
+        o2, lse2 = ops.attention(
+            q, k, v, scale=0.1, causal=True, window=(32, None), return_lse=True
+        )
+        assert o2.shape == o.shape and lse2.shape == lse.shape
+        assert ops.attention(q, k, v).shape == (B, H, Sq, D)
+
+
+@pytest.mark.parametrize(
+    "lens_q,lens_k,H,Hkv,D,dtype",
+    [([100, 0, 257, 1], [100, 0, 257, 1], 8, 2, 128, BF), ([5], [300], 4, 1, 64, FP)],
+)
+def test_fake_varlen_shapes(lens_q, lens_k, H, Hkv, D, dtype):
+    tq, tk = sum(lens_q), sum(lens_k)
+    with FakeTensorMode():
+        q = torch.empty(tq, H, D, device="cuda", dtype=dtype)
+        k = torch.empty(tk, Hkv, D, device="cuda", dtype=dtype)
+        cu_q = torch.empty(len(lens_q) + 1, device="cuda", dtype=torch.int32)
+        cu_k = torch.empty(len(lens_k) + 1, device="cuda", dtype=torch.int32)
+        o, lse = torch.ops.flash_tutorial.attention_varlen(
+            q, k, k.clone(), cu_q, cu_k, None, None, None, True, None, None
+        )
+        assert o.shape == (tq, H, D) and o.dtype == dtype and o.is_contiguous()
+        assert lse.shape == (H, tq) and lse.dtype == torch.float32 and lse.is_contiguous()
+        assert o.device == lse.device == q.device
+        o2 = ops.attention_varlen(q, k, k, cu_q, cu_k, max_seqlen_q=max(lens_q), window=(8, 8))
+        assert o2.shape == (tq, H, D)
+
+
+def test_meta_tensors_run_the_fake_implementation():
+    q = torch.empty(2, 8, 64, 128, device="meta", dtype=BF)
+    k = torch.empty(2, 2, 64, 128, device="meta", dtype=BF)
+    o, lse = torch.ops.flash_tutorial.attention(q, k, k, None, True, None, None)
+    assert o.device.type == "meta" and o.shape == q.shape and lse.shape == (2, 8, 64)
+
+
+def test_opcheck_on_meta_tensors():
+    """opcheck's schema, autograd-registration, fake-tensor and dynamic-shape AOT checks, with
+    meta tensors standing for the GPU (the op then runs its fake implementation: this checks the
+    registration and the fake under dynamic shapes; the GPU test checks it against the kernel)."""
+    q = torch.empty(2, 8, 64, 128, device="meta", dtype=BF)
+    k = torch.empty(2, 2, 96, 128, device="meta", dtype=BF)
+    res = torch.library.opcheck(ops.attention_op, (q, k, k, None, True, 32, None))
+    assert all(v == "SUCCESS" for v in res.values()), res
+    qv = torch.empty(10, 4, 64, device="meta", dtype=FP)
+    kv = torch.empty(14, 2, 64, device="meta", dtype=FP)
+    cu = torch.empty(3, device="meta", dtype=torch.int32)
+    args = (qv, kv, kv, cu, cu, None, None, 0.2, False, None, None)
+    res = torch.library.opcheck(ops.attention_varlen_op, args)
+    assert all(v == "SUCCESS" for v in res.values()), res
+
+
+@pytest.mark.parametrize(
+    "shapes,dtype,error,match",
+    [
+        (((2, 8, 64, 128), (2, 3, 64, 128)), BF, ValueError, "multiple of Hkv"),
+        (((2, 8, 64, 96), (2, 8, 64, 96)), BF, ValueError, "head dim D = 96"),
+        (((2, 8, 64, 128), (2, 8, 64, 128)), torch.float32, TypeError, "float32"),
+        (((2, 8, 64, 128), (3, 8, 64, 128)), BF, ValueError, "batch"),
+        (((2, 8, 64, 128), (2, 8, 64, 64)), BF, ValueError, "head dim"),
+        (((8, 64, 128), (8, 64, 128)), BF, ValueError, "rank-4"),
+    ],
+)
+def test_fake_refuses_what_the_kernel_refuses(shapes, dtype, error, match):
+    with FakeTensorMode():
+        q = torch.empty(shapes[0], device="cuda", dtype=dtype)
+        k = torch.empty(shapes[1], device="cuda", dtype=dtype)
+        with pytest.raises(error, match=match):
+            torch.ops.flash_tutorial.attention(q, k, k, None, False, None, None)
+
+
+def test_fake_varlen_refuses_bad_cu_seqlens():
+    with FakeTensorMode():
+        q = torch.empty(10, 4, 128, device="cuda", dtype=BF)
+        cu = torch.empty(3, device="cuda", dtype=torch.int64)
+        with pytest.raises(TypeError, match="int32"):
+            torch.ops.flash_tutorial.attention_varlen(
+                q, q, q, cu, cu, None, None, None, False, None, None
+            )
+
+
+# ---------------------------------------------------------------- forward only
+
+
+@pytest.mark.parametrize("which", ["op", "wrapper"])
+def test_grad_refused_with_the_kernels_message(which):
+    q = torch.empty(2, 8, 64, 128, device="meta", dtype=BF, requires_grad=True)
+    k = torch.empty(2, 2, 64, 128, device="meta", dtype=BF)
+    call = (
+        (lambda: torch.ops.flash_tutorial.attention(q, k, k, None, True, None, None))
+        if which == "op"
+        else (lambda: ops.attention(q, k, k, causal=True))
+    )
+    with pytest.raises(RuntimeError) as e:
+        call()
+    assert str(e.value) == grad_message()
+    with torch.no_grad():
+        assert call() is not None
+    with torch.inference_mode():
+        assert call() is not None
+
+
+def test_grad_refused_varlen():
+    q = torch.empty(10, 4, 128, device="meta", dtype=BF)
+    k = torch.empty(12, 2, 128, device="meta", dtype=BF, requires_grad=True)
+    cu = torch.empty(3, device="meta", dtype=torch.int32)
+    for call in (
+        lambda: torch.ops.flash_tutorial.attention_varlen(
+            q, k, k, cu, cu, None, None, None, False, None, None
+        ),
+        lambda: ops.attention_varlen(q, k, k, cu, cu),
+    ):
+        with pytest.raises(RuntimeError, match="argument 'k' requires grad"):
+            call()
+
+
+# ---------------------------------------------------------------- torch.compile on the CPU
+
+
+def meta_block(heads=8, kv_heads=2, head_dim=128, hidden=512, **kw):
+    m = ops.TutorialAttention(hidden, heads, kv_heads, head_dim, **kw)
+    return m.to(device="meta", dtype=BF).requires_grad_(False)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_compile_fullgraph_traces_the_op_as_one_node(dynamic):
+    torch._dynamo.reset()
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward  # runs the graph: on meta tensors, the op's fake implementation
+
+    m = meta_block(causal=True, window=(64, None))
+    compiled = torch.compile(m, fullgraph=True, backend=capture, dynamic=dynamic)
+    for S in (64, 200):
+        y = compiled(torch.empty(2, S, 512, device="meta", dtype=BF))
+        assert y.shape == (2, S, 512) and y.dtype == BF
+    ops_called = [
+        n.target for g in graphs for n in g.graph.nodes if "flash_tutorial" in str(n.target)
+    ]
+    assert ops_called and all("flash_tutorial.attention" in str(t) for t in ops_called)
+    assert len(ops_called) == len(graphs)  # one op node per graph, no graph break
+    if dynamic:
+        assert len(graphs) == 1
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compile_fullgraph_backends_on_meta(backend):
+    torch._dynamo.reset()
+    m = meta_block(heads=4, kv_heads=1, head_dim=64, hidden=256, causal=False)
+    y = torch.compile(m, fullgraph=True, backend=backend)(
+        torch.empty(3, 50, 256, device="meta", dtype=BF)
+    )
+    assert y.shape == (3, 50, 256)
+
+
+def test_compile_with_grad_inputs_raises_the_kernels_error():
+    torch._dynamo.reset()
+    m = meta_block()
+    m.requires_grad_(True)  # projections' outputs require grad: the kernels must refuse
+    with pytest.raises(Exception) as e:
+        torch.compile(m, fullgraph=True, backend="aot_eager")(
+            torch.empty(2, 64, 512, device="meta", dtype=BF)
+        )
+    assert "requires grad and autograd is on" in str(e.value)
+
+
+# ---------------------------------------------------------------- GPU
+
+
+def reference(q, k, v, scale, causal, window):
+    """fp32 SDPA with the stage 6 mask (bottom-right aligned), K/V expanded to H heads."""
+    from common import masks
+
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(group, dim=1).float() for t in (k, v))
+    Sq, Sk = q.shape[2], k.shape[2]
+    mask = masks.visible(Sq, Sk, *masks.resolve_window(causal, window, Sq, Sk), q.device)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k, v, attn_mask=mask, scale=scale
+    )
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("stage", ops.stage_numbers())
+def test_opcheck_all(stage):
+    results = ops.opcheck_all(stages=[stage], verbose=False)
+    assert len(results) == len(ops.opcheck_samples())
+    for label, res in results.items():
+        assert all(v == "SUCCESS" for v in res.values()), (label, res)
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("stage", ops.stage_numbers())
+def test_ops_match_the_plain_entries(stage):
+    entry = ops.stage_module(stage)
+    for label, op, args in ops.opcheck_samples(seed=3):
+        if op is ops.attention_op:
+            q, k, v, scale, causal, left, right = args
+            window = None if left is None and right is None else (left, right)
+            want = entry.attention(q, k, v, scale, causal, window, return_lse=True)
+        else:
+            q, k, v, cu_q, cu_k, mq, mk, scale, causal, left, right = args
+            window = None if left is None and right is None else (left, right)
+            want = entry.attention_varlen(
+                q, k, v, cu_q, cu_k, mq, mk, scale, causal, window, return_lse=True
+            )
+        with ops.use_stage(stage):
+            got = op(*args)
+        for g, w, what in zip(got, want, ("O", "LSE")):
+            assert g.shape == w.shape and g.dtype == w.dtype, (label, what)
+            assert torch.equal(g, w), (label, what)
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_compiled_function_matches_eager(dynamic):
+    torch._dynamo.reset()
+
+    def f(q, k, v):
+        o, lse = torch.ops.flash_tutorial.attention(q, k, v, None, True, None, None)
+        return o * 2, lse + 1  # something around the op for inductor to fuse
+
+    cf = torch.compile(f, fullgraph=True, dynamic=dynamic)
+    g = torch.Generator(device="cuda")
+    g.manual_seed(0)
+    for B, H, Hkv, S, D in ((2, 32, 8, 512, 128), (1, 8, 2, 300, 64)):
+        q = torch.randn(B, H, S, D, generator=g, device="cuda").to(BF)
+        k, v = (torch.randn(B, Hkv, S, D, generator=g, device="cuda").to(BF) for _ in range(2))
+        with torch.no_grad():
+            want, got = f(q, k, v), cf(q, k, v)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.gpu_hopper
+def test_compiled_module_matches_eager_and_sdpa():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = ops.TutorialAttention(1024, 8, 2, 128, causal=True).to("cuda", BF).requires_grad_(False)
+    cm = torch.compile(m, fullgraph=True)
+    x = torch.randn(2, 512, 1024, device="cuda").to(BF)
+    with torch.no_grad():
+        eager, compiled = m(x), cm(x)
+        B, S, _ = x.shape
+        q = m.q_proj(x).view(B, S, 8, 128).transpose(1, 2)
+        k = m.k_proj(x).view(B, S, 2, 128).transpose(1, 2)
+        v = m.v_proj(x).view(B, S, 2, 128).transpose(1, 2)
+        o = reference(q, k, v, 128**-0.5, True, None).to(BF)
+        ref = m.o_proj(o.transpose(1, 2).reshape(B, S, 1024)).float()
+    for name, y in (("eager", eager), ("compiled", compiled)):
+        rel = ((y.float() - ref).norm() / ref.norm()).item()
+        assert rel < 2e-2, (name, rel)
+    rel = ((compiled.float() - eager.float()).norm() / eager.float().norm()).item()
+    assert rel < 1e-2, rel
+
+
+@pytest.mark.gpu_hopper
+def test_grad_refused_on_cuda_before_and_after_launch():
+    q = torch.randn(1, 4, 128, 128, device="cuda", dtype=BF, requires_grad=True)
+    k = torch.randn(1, 2, 128, 128, device="cuda", dtype=BF)
+    for call in (
+        lambda: ops.attention(q, k, k),
+        lambda: torch.ops.flash_tutorial.attention(q, k, k, None, False, None, None),
+    ):
+        with pytest.raises(RuntimeError) as e:
+            call()
+        assert str(e.value) == grad_message()
