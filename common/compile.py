@@ -57,18 +57,25 @@ def kernel_config(kernel):
     return (type(kernel), tuple(sorted((k, repr(v)) for k, v in vars(kernel).items())))
 
 
-def _runtime_scalar_params(kernel):
-    """Names of __call__ parameters annotated with a cutlass numeric type: values passed at run
-    time, which the compiled code does not depend on."""
-    try:
-        params = inspect.signature(type(kernel).__call__).parameters
-    except (TypeError, ValueError):
-        return set()
-    return {
-        n
-        for n, p in params.items()
-        if isinstance(p.annotation, type) and issubclass(p.annotation, cutlass.Numeric)
-    }
+_PARAMS = {}
+
+
+def _call_params(kernel):
+    """(parameter names of kernel.__call__ without self, names annotated with a cutlass numeric
+    type: values passed at run time, which the compiled code does not depend on). Read once per
+    class (inspect.signature costs ~40 us, more than a small kernel's launch)."""
+    cls = type(kernel)
+    got = _PARAMS.get(cls)
+    if got is None:
+        params = inspect.signature(cls.__call__).parameters
+        names = [n for n in params if n != "self"]
+        runtime = {
+            n
+            for n, p in params.items()
+            if isinstance(p.annotation, type) and issubclass(p.annotation, cutlass.Numeric)
+        }
+        got = _PARAMS[cls] = (names, runtime)
+    return got
 
 
 def tensor_signature(t):
@@ -82,8 +89,7 @@ def tensor_signature(t):
 def arg_signature(kernel, args):
     """One entry per argument of kernel.__call__: the tensor signature, 'runtime <type>' for
     run-time scalars and the stream, the value itself for anything else (a Python constant)."""
-    names = [n for n in inspect.signature(type(kernel).__call__).parameters if n != "self"]
-    runtime = _runtime_scalar_params(kernel)
+    names, runtime = _call_params(kernel)
     sig = []
     for i, a in enumerate(args):
         name = names[i] if i < len(names) else f"arg{i}"
