@@ -9,7 +9,9 @@ Every copy of an entry lands in that entry's slot: in the K/V ring a slot is one
 as K or as V, so two copies under one entry write the same bytes.
 
 The checker builds this model from a kernel object's own configuration (rings_of) and
-explores every interleaving of the two warps for several KV tile counts. It reports:
+explores every interleaving of the two warps for several KV tile counts, or for KV tile ranges
+[lo, hi) as the masks of stage 6 on give them (a range that starts past tile 0; an empty one, in
+which no K or V tile is loaded at all). It reports:
 - an overwrite: a TMA copy lands in a slot whose tile has not been released by its reader;
 - a wrong read: the consumer finds a different tile than the one it expects (K instead of V,
   tile j instead of j');
@@ -22,6 +24,21 @@ explores every interleaving of the two warps for several KV tile counts. It repo
 Barrier waits follow the hardware's parity rule: a wait for parity P passes when the barrier
 has completed a number of phases whose parity differs from P (producers start at parity 1,
 consumers at 0, both flip when their slot index wraps).
+
+The second half models the whole CTA of the one-pass Blackwell kernels (stages 5-7): every
+hand-off between the three roles (TMA warp, MMA warp, softmax warps) - the Q buffer, the K/V
+ring, S (MMA -> softmax), P (softmax -> MMA), O (MMA -> epilogue) - and the TMEM allocation
+barrier, with each role's barrier operations in the order its code performs them, for one KV
+tile range (cta_schedule, simulate_cta). Since a Q tile's range may be empty, what each role
+does once per CTA and what it does once per KV tile must match on both sides of every
+hand-off for every range; the replay reports:
+- a hang: a reachable state where some role waits forever (a lost arrive: say the MMA warp's
+  commit of O only on a non-empty range, so an empty one leaves the epilogue waiting);
+- an unbalanced hand-off at the end: a phase completed that nobody waited for, or a wait
+  without a matching release (a skipped wait: say the epilogue not waiting for O when the
+  range is empty while the MMA warp still commits it);
+- a release or commit that comes before the role's own wait or acquire of that entry (a role
+  reading what it has not waited for).
 """
 
 import dataclasses
@@ -99,14 +116,33 @@ def rings_of(kernel):
     return [q_ring, kv_ring]
 
 
-def _expand(ring, n_kv_tiles):
+def kv_tiles_of(tiles):
+    """The KV tiles a loop runs over: n (an int) means tiles 0 .. n - 1, a pair (lo, hi) the
+    range [lo, hi) of a mask (empty when hi == lo)."""
+    if isinstance(tiles, int):
+        return range(tiles)
+    lo, hi = tiles
+    return range(lo, max(hi, lo))
+
+
+def tiles_label(tiles):
+    if isinstance(tiles, int):
+        return f"{tiles} KV tiles"
+    lo, hi = tiles
+    return f"KV tiles [{lo}, {hi})"
+
+
+def _expand(ring, tiles, consumer_tiles=None):
     """Producer steps [(Entry, [(tag, nbytes)...])] and consumer steps [tag], where a tag
-    (operand, sweep, tile) names one tile of one operand in one sweep."""
+    (operand, sweep, tile) names one tile of one operand in one sweep. tiles: the producer's KV
+    tiles (see kv_tiles_of); consumer_tiles: the consumer's, if it runs over others (a fault)."""
+    consumer_tiles = tiles if consumer_tiles is None else consumer_tiles
     producer, consumer = [], []
     for s, sweep in enumerate(ring.sweeps):
-        for t in range(n_kv_tiles if sweep.per_kv_tile else 1):
+        for t in kv_tiles_of(tiles) if sweep.per_kv_tile else (0,):
             for entry in sweep.producer:
                 producer.append((entry, [((ld.operand, s, t), ld.nbytes) for ld in entry.loads]))
+        for t in kv_tiles_of(consumer_tiles) if sweep.per_kv_tile else (0,):
             for op in sweep.consumer:
                 consumer.append((op, s, t))
     return producer, consumer
@@ -187,11 +223,12 @@ def _parity(step, initial, S):
     return initial ^ ((step // S) & 1)
 
 
-def simulate(ring, n_kv_tiles):
-    """Explore every interleaving of producer and consumer for n_kv_tiles; return the list of
-    violations (empty when the ring is safe). The state is (p, c): producer entries issued,
-    consumer waits completed; barriers and slot contents follow from it."""
-    producer, consumer = _expand(ring, n_kv_tiles)
+def simulate(ring, tiles, consumer_tiles=None):
+    """Explore every interleaving of producer and consumer over the KV tiles `tiles` (a count or
+    a range, see kv_tiles_of); return the list of violations (empty when the ring is safe). The
+    state is (p, c): producer entries issued, consumer waits completed; barriers and slot
+    contents follow from it. consumer_tiles: a consumer that runs over other tiles (a fault)."""
+    producer, consumer = _expand(ring, tiles, consumer_tiles)
     P, C, S = len(producer), len(consumer), ring.slots
     contents, full_done, writes_of = _producer_effects(ring, producer)
     violations = []
@@ -251,26 +288,26 @@ def simulate(ring, n_kv_tiles):
 
 
 def check_ring(ring, kv_tile_counts=(1, 2, 3, 4, 7)):
-    """Static checks plus simulation for each KV tile count; violations with the count."""
+    """Static checks plus simulation for each KV tile count or range; violations with it."""
     out = list(static_violations(ring))
     for n in kv_tile_counts:
         for v in simulate(ring, n):
-            out.append(f"[{n} KV tiles] {v}")
+            out.append(f"[{tiles_label(n)}] {v}")
     return out
 
 
 def check_kernel(kernel, kv_tile_counts=(1, 2, 3, 4, 7)):
-    """All violations of a kernel's rings (empty list: safe for these tile counts)."""
+    """All violations of a kernel's rings (empty list: safe for these tile counts or ranges)."""
     out = []
     for ring in rings_of(kernel):
         out += check_ring(ring, kv_tile_counts)
     return out
 
 
-def timeline(ring, n_kv_tiles):
+def timeline(ring, tiles):
     """One interleaving as text, the producer running ahead as far as the barriers let it:
     which tile lands in which slot, what the consumer finds there, and where it stops."""
-    producer, consumer = _expand(ring, n_kv_tiles)
+    producer, consumer = _expand(ring, tiles)
     P, C, S = len(producer), len(consumer), ring.slots
     contents, full_done, _ = _producer_effects(ring, producer)
     lines, p, c = [], 0, 0
@@ -300,3 +337,276 @@ def timeline(ring, n_kv_tiles):
             lines.append(f"HANG: {prod}, consumer blocked at wait {c + 1} of {C}")
             break
     return lines
+
+
+# ---------------------------------------------------------------- every hand-off of the CTA
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipe:
+    """One hand-off: `stages` entries, each with a full barrier (arrived on by the producer's
+    commit: TMA bytes landed, tcgen05.commit, or the 128 softmax threads' arrive, taken as one)
+    and an empty barrier (arrived on by the consumer's release)."""
+
+    name: str
+    stages: int
+    producer: str
+    consumer: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One barrier operation of a role on a pipe. acquire: wait on the empty barrier of the
+    next entry (the producer's PipelineState); commit: arrive on that entry's full barrier;
+    wait: wait on the full barrier of the next entry (the consumer's state); release: arrive on
+    its empty barrier; peek_empty: wait on the empty barrier with a state of its own and no
+    arrive (the MMA warp's wait until the PV MMAs have freed P's columns)."""
+
+    pipe: str
+    action: str
+    what: str = ""
+
+    def __str__(self):
+        return f"{self.pipe}.{self.action}" + (f" ({self.what})" if self.what else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class PerTile:
+    """Operations repeated once per KV tile of the role's range, in order."""
+
+    ops: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class IfNonEmpty:
+    """Operations that run only when the range holds a KV tile (no kernel does this on a
+    once-per-CTA hand-off; the tests use it to model the faults an empty range exposes)."""
+
+    ops: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Tail:
+    """The producer's tail(): one acquire of every entry of the pipe, so that it exits only
+    once the consumer has released all it was given."""
+
+    pipe: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Sync:
+    """A named barrier (bar.sync) all `roles` meet at."""
+
+    name: str
+    roles: tuple
+
+
+ROLES = ("TMA", "MMA", "softmax")
+
+
+def cta_schedule(kernel):
+    """(pipes, programs) of a one-pass Blackwell kernel (stages 5-7): its hand-offs, with the
+    depths from the kernel's own attributes (q_buffers, kv_slots, s_buffers; P and O have one
+    entry each in these kernels), and each role's barrier operations in the order its code
+    performs them. The TMA warp's K/V entries per tile come from kv_producer_entries; the MMA
+    warp waits for them in the order of kv_consumer_entries, which must be one sweep of (K, V)."""
+    if (
+        tuple(map(tuple, kernel.kv_consumer_entries)) != (("K", "V"),)
+        or len(kernel.kv_producer_entries) != 1
+    ):
+        raise ValueError(
+            f"{type(kernel).__name__}: the CTA model is the one-pass schedule of stages 5-7 "
+            f"(one sweep of K, V per tile), got {kernel.kv_consumer_entries}"
+        )
+    pipes = (
+        Pipe("Q", kernel.q_buffers, "TMA", "MMA"),
+        Pipe("K/V", kernel.kv_slots, "TMA", "MMA"),
+        Pipe("S", kernel.s_buffers, "MMA", "softmax"),
+        Pipe("P", 1, "softmax", "MMA"),
+        Pipe("O", 1, "MMA", "softmax"),
+    )
+    tmem = Sync("TMEM allocated", ("MMA", "softmax"))
+    loads = tuple(
+        op
+        for name in kernel.kv_producer_entries[0]
+        for op in (Op("K/V", "acquire", name), Op("K/V", "commit", name))
+    )
+    programs = {
+        # Q once; K_j and V_j per tile, each its own ring entry; then wait for every release.
+        "TMA": (
+            Op("Q", "acquire"),
+            Op("Q", "commit", "Q"),
+            PerTile(loads),
+            Tail("K/V"),
+            Tail("Q"),
+        ),
+        # S_j = Q K_j^T once S and P's columns are free; O += P_j V_j once P_j is written.
+        "MMA": (
+            tmem,
+            Op("Q", "wait"),
+            Op("O", "acquire"),
+            PerTile(
+                (
+                    Op("K/V", "wait", "K"),
+                    Op("S", "acquire"),
+                    Op("P", "peek_empty", "P's columns free"),
+                    Op("S", "commit"),
+                    Op("K/V", "release", "K"),
+                    Op("P", "wait"),
+                    Op("K/V", "wait", "V"),
+                    Op("P", "release"),
+                    Op("K/V", "release", "V"),
+                )
+            ),
+            Op("Q", "release"),
+            Op("O", "commit"),
+        ),
+        # read S_j, write P_j (and rescale O); then the epilogue reads O.
+        "softmax": (
+            tmem,
+            PerTile((Op("S", "wait"), Op("S", "release"), Op("P", "acquire"), Op("P", "commit"))),
+            Op("O", "wait"),
+            Op("O", "release"),
+        ),
+    }
+    return pipes, programs
+
+
+def _flatten(program, tiles, pipes):
+    """The role's operations for its KV tiles, in order: [(Op or Sync, tile or None)]."""
+    stages = {p.name: p.stages for p in pipes}
+    out = []
+    for item in program:
+        if isinstance(item, PerTile):
+            for t in kv_tiles_of(tiles):
+                out += [(op, t) for op in item.ops]
+        elif isinstance(item, IfNonEmpty):
+            if len(kv_tiles_of(tiles)):
+                out += _flatten(item.ops, tiles, pipes)
+        elif isinstance(item, Tail):
+            out += [(Op(item.pipe, "acquire", "tail"), None)] * stages[item.pipe]
+        else:
+            out.append((item, None))
+    return out
+
+
+_WAITS = {"acquire": ("empty", 1), "peek_empty": ("empty", 1), "wait": ("full", 0)}
+_ARRIVES = {"commit": ("full", "acquire"), "release": ("empty", "wait")}
+_ROLE_NAMES = {"TMA": "the TMA warp", "MMA": "the MMA warp", "softmax": "the softmax warps"}
+
+
+def simulate_cta(pipes, programs, tiles, role_tiles=None):
+    """Replay the roles' programs over the KV tiles `tiles` (a count or a range, see
+    kv_tiles_of) in every interleaving; role_tiles maps a role to other tiles (a fault). Returns
+    the violations (empty: every role reaches its end, every hand-off balanced)."""
+    role_tiles = role_tiles or {}
+    roles = list(programs)
+    pipe_of = {p.name: p for p in pipes}
+    flat = {r: _flatten(programs[r], role_tiles.get(r, tiles), pipes) for r in roles}
+    violations = []
+
+    def report(msg):
+        if msg not in violations:
+            violations.append(msg)
+
+    # Per role and position: how many operations of each (pipe, action) came before it.
+    counts = {}
+    for r in roles:
+        acc, seq = {}, [{}]
+        for op, _ in flat[r]:
+            if isinstance(op, Op):
+                acc[(op.pipe, op.action)] = acc.get((op.pipe, op.action), 0) + 1
+            seq.append(dict(acc))
+        counts[r] = seq
+        # A role arrives only on entries it holds: no commit before its acquire, no release
+        # before its wait.
+        for i, (op, t) in enumerate(flat[r]):
+            if isinstance(op, Op) and op.action in _ARRIVES:
+                held = counts[r][i].get((op.pipe, _ARRIVES[op.action][1]), 0)
+                done = counts[r][i].get((op.pipe, op.action), 0)
+                if done >= held:
+                    before = "acquire" if op.action == "commit" else "wait"
+                    report(
+                        f"{_ROLE_NAMES.get(r, r)}: the {op.action} of {op.pipe} entry {done + 1}"
+                        + (f" (KV tile {t})" if t is not None else "")
+                        + f" comes before its {before} of that entry"
+                    )
+    syncs = {r: [i for i, (op, _) in enumerate(flat[r]) if isinstance(op, Sync)] for r in roles}
+
+    def completed(pcs, pipe, barrier):
+        """Phases each slot's `barrier` has completed: the arrivals so far, in slot order."""
+        S = pipe_of[pipe].stages
+        done = [0] * S
+        action = "commit" if barrier == "full" else "release"
+        for r in roles:
+            n = counts[r][pcs[r]].get((pipe, action), 0)
+            for s in range(S):
+                done[s] += n // S + (1 if s < n % S else 0)
+        return done
+
+    def can_move(pcs, r):
+        op, _ = flat[r][pcs[r]]
+        if isinstance(op, Sync):
+            k = syncs[r].index(pcs[r])
+            return all(len(syncs[o]) > k and pcs[o] >= syncs[o][k] for o in op.roles if o in roles)
+        if op.action in _WAITS:
+            barrier, initial = _WAITS[op.action]
+            k = counts[r][pcs[r]].get((op.pipe, op.action), 0)
+            S = pipe_of[op.pipe].stages
+            parity = initial ^ ((k // S) & 1)
+            return completed(pcs, op.pipe, barrier)[k % S] % 2 != parity
+        return True
+
+    start = tuple(0 for _ in roles)
+    end = tuple(len(flat[r]) for r in roles)
+    seen, queue = {start}, deque([start])
+    while queue:
+        state = queue.popleft()
+        pcs = dict(zip(roles, state))
+        moved = False
+        for i, r in enumerate(roles):
+            if pcs[r] < len(flat[r]) and can_move(pcs, r):
+                moved = True
+                nxt = state[:i] + (state[i] + 1,) + state[i + 1 :]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    queue.append(nxt)
+        if not moved and state != end:
+            where = []
+            for r in roles:
+                if pcs[r] == len(flat[r]):
+                    where.append(f"{_ROLE_NAMES.get(r, r)} done")
+                else:
+                    op, t = flat[r][pcs[r]]
+                    at = f" of KV tile {t}" if t is not None else ""
+                    where.append(f"{_ROLE_NAMES.get(r, r)} waiting at {op}{at}")
+            report("hang: " + ", ".join(where))
+    if end in seen:
+        final = dict(zip(roles, end))
+        for p in pipes:
+            n = {
+                a: sum(counts[r][final[r]].get((p.name, a), 0) for r in roles)
+                for a in ("acquire", "commit", "wait", "release")
+            }
+            tails = sum(
+                1 for r in roles for op, _ in flat[r] if op == Op(p.name, "acquire", "tail")
+            )
+            made, used = n["commit"], n["wait"]
+            if made != used or n["release"] != used or n["acquire"] - tails != made:
+                report(
+                    f"{p.name}: unbalanced hand-off: {made} commit(s), {used} wait(s), "
+                    f"{n['release']} release(s), {n['acquire'] - tails} acquire(s) (besides the "
+                    f"tail) - a phase nobody waits for, or a wait nobody matches"
+                )
+    return violations
+
+
+def check_cta(kernel, ranges=((0, 1), (0, 3), (2, 5), (0, 0), (3, 3)), programs=None):
+    """simulate_cta for each KV tile range (or count) of `ranges`; violations with the range.
+    programs: the roles' programs to replay instead of the kernel's (a faulty variant)."""
+    pipes, own = cta_schedule(kernel)
+    out = []
+    for tiles in ranges:
+        for v in simulate_cta(pipes, programs or own, tiles):
+            out.append(f"[{tiles_label(tiles)}] {v}")
+    return out

@@ -1,4 +1,4 @@
-"""The ring schedule of the Blackwell kernels of stages 2-5, checked from each kernel object's
+"""The ring schedule of the Blackwell kernels of stages 2-7, checked from each kernel object's
 own configuration (common/schedule.py), and the check shown to fail on a faulty ring.
 
 - Each kernel is traced for sm_100a (cute.compile with fake tensors, no GPU): that sets the byte
@@ -8,6 +8,15 @@ own configuration (common/schedule.py), and the check shown to fail on a faulty 
   the bytes its TMA copy moves, no hang.
 - The same PTX shows the byte counts the kernel declares: every mbarrier.arrive.expect_tx arms
   one of them.
+- Stages 6 and 7 run each Q tile over a KV tile range [kv_tile_lo, kv_tile_hi) of its mask: the
+  ring is replayed for ranges that start past tile 0 and for empty ones (taken from
+  common.masks.kv_tile_range for real masks, and explicit ones), and so is the whole CTA of the
+  one-pass kernels (stages 5-7): Q, K/V, S, P and O hand-offs and the TMEM barrier, each role's
+  operations in its code's order; the model's operations are the PTX's barrier sites
+  (tcgen05.commit for the MMA warp's arrives, mbarrier.arrive for the others', one
+  mbarrier.try_wait per wait). Faults an empty range or a shifted range exposes - the MMA
+  warp committing O or releasing Q only when it ran an MMA, the epilogue skipping O's wait, a
+  role starting its loop at tile 0 - must each be reported.
 - A model of the faulty ring that stage 4's docstring describes (one ring entry per KV tile
   carrying K and V, so that V_j lands in K_j's slot under the same barrier before the QK MMA
   has read K_j; a consumer that waits twice per tile for one entry produced; Q + K bytes armed
@@ -20,16 +29,22 @@ import copy
 import pytest
 import torch
 
-from common import schedule, stages
-from common.compile import compile_for_arch, expect_tx_immediates
+from common import masks, schedule, stages
+from common.compile import compile_for_arch, count_ptx, expect_tx_immediates
 
-# (stage, compile shape, KV tile counts the stage runs): stage 3 takes exactly one KV tile.
+# KV tile ranges [lo, hi) of stages 6 and 7: starting past tile 0, and empty (no K or V at all).
+RANGES = ((2, 5), (1, 2), (5, 12), (0, 0), (3, 3))
+# (stage, compile shape, KV tile counts or ranges the stage runs): stage 3 takes exactly one
+# KV tile.
 KERNELS = [
     (2, (1, 2, 256, 512, 128), (1, 2, 3, 4, 7)),
     (3, (1, 2, 256, 128, 128), (1,)),
     (4, (1, 2, 256, 512, 128), (1, 2, 3, 4, 7)),
     (5, (1, 2, 256, 512, 128), (1, 2, 3, 4, 7)),
+    (6, (1, 2, 256, 512, 128), (1, 2, 3, 4, 7, *RANGES)),
+    (7, (1, 2, 256, 512, 128), (1, 2, 3, 4, 7, *RANGES)),
 ]
+ONE_PASS = [entry for entry in KERNELS if entry[0] >= 5]
 SHAPES = {stage: shape for stage, shape, _ in KERNELS}
 _TRACED = {}
 
@@ -86,7 +101,7 @@ def test_ptx_arms_exactly_the_declared_byte_counts(entry):
     assert None not in armed, f"an expect_tx count is not an immediate in the PTX: {armed}"
     declared = {kernel.q_tma_bytes, *kernel.kv_tma_bytes.values()}
     # one expect_tx per load site: Q, then one per operand per sweep (stage 4: K | K, V)
-    assert len(armed) == 1 + sum(len(sweep) for sweep in kernel.kv_producer_entries)
+    assert len(armed) == 1 + sum(len(sweep) for sweep in kernel.kv_producer_entries), armed
     assert set(armed) <= declared, f"armed {armed}, declared {declared}"
     # the faulty ring's count (Q + K bytes) appears nowhere
     assert kernel.copy_bytes["Q"] + kernel.copy_bytes["K"] not in armed
@@ -222,3 +237,174 @@ def test_checker_needs_a_traced_kernel():
     kernel, _ = stages.track_module(4, "blackwell").compile_args(torch.bfloat16, SHAPES[4])
     with pytest.raises(ValueError, match="compile it first"):
         schedule.rings_of(kernel)
+
+
+# ---------------------------------------------------------------- KV tile ranges (stages 6, 7)
+
+
+def mask_ranges():
+    """The distinct KV tile ranges of every Q tile under a few masks (common.masks, the host twin
+    of the kernels' kv_tile_range): causal with Sq > Sk (Q tiles that see no key), sliding
+    windows (ranges that start past tile 0), causal with Sq = Sk."""
+    cases = [
+        (1024, 1024, True, None),
+        (1024, 1024, False, (200, 0)),
+        (512, 128, True, None),
+        (1000, 300, True, None),
+        (128, 1024, True, (200, None)),
+        (1024, 256, False, (10, 10)),
+    ]
+    ranges = set()
+    for Sq, Sk, causal, window in cases:
+        left, right = masks.resolve_window(causal, window, Sq, Sk)
+        for q_tile in range(-(-Sq // 128)):
+            ranges.add(masks.kv_tile_range(q_tile, Sq, Sk, left, right))
+    return sorted(ranges)
+
+
+def test_mask_ranges_start_past_zero_and_can_be_empty():
+    ranges = mask_ranges()
+    assert any(lo > 0 and hi > lo for lo, hi in ranges), ranges
+    assert any(hi == lo for lo, hi in ranges), ranges
+
+
+@pytest.mark.parametrize("stage", [6, 7])
+def test_ring_schedule_is_safe_over_mask_ranges(stage):
+    kernel, _ = traced(stage, SHAPES[stage])
+    violations = schedule.check_kernel(kernel, mask_ranges())
+    assert violations == [], "\n".join(violations)
+
+
+def test_ring_timeline_of_a_range_names_its_tiles():
+    kernel, _ = traced(6, SHAPES[6])
+    kv_ring = schedule.rings_of(kernel)[1]
+    lines = schedule.timeline(kv_ring, (2, 4))
+    assert lines[0].startswith("TMA  slot 0 <- K_2 (sweep 1)")
+    assert sum(ln.startswith("TMA") for ln in lines) == 4  # K_2, V_2, K_3, V_3
+    assert not any("finds" in ln or "HANG" in ln for ln in lines)
+    assert schedule.timeline(kv_ring, (3, 3)) == []
+
+
+def test_ring_checker_rejects_a_producer_that_starts_at_tile_0():
+    # The TMA warp loads [0, hi) while the MMA warp consumes [lo, hi): it reads the wrong tiles,
+    # then waits for entries that never come.
+    kernel, _ = traced(6, SHAPES[6])
+    kv_ring = schedule.rings_of(kernel)[1]
+    report = "\n".join(schedule.simulate(kv_ring, (0, 5), consumer_tiles=(2, 5)))
+    assert "expects K_2 (sweep 1) in slot 0 but finds K_0 (sweep 1)" in report
+    assert "hang: the producer's entry" in report
+
+
+# ---------------------------------------------------------------- the whole CTA (stages 5-7)
+
+
+@pytest.mark.parametrize("kv_slots", [None, 1, 3], ids=lambda s: f"kv_slots={s or 'default'}")
+@pytest.mark.parametrize("entry", ONE_PASS, ids=stage_id)
+def test_cta_schedule_is_safe(entry, kv_slots):
+    stage, shape, tile_counts = entry
+    kernel, _ = traced(stage, shape, kv_slots)
+    ranges = tile_counts if stage == 5 else (*tile_counts, *mask_ranges())
+    violations = schedule.check_cta(kernel, ranges)
+    assert violations == [], "\n".join(violations)
+
+
+@pytest.mark.parametrize("entry", ONE_PASS, ids=stage_id)
+def test_cta_model_has_the_barrier_sites_of_the_ptx(entry):
+    # Each operation of the model is one site in the code, whatever the trip count. Arrives: the
+    # MMA warp's are tcgen05.commit (S full, K free, P free, V free; Q free; O full), the TMA
+    # warp's the expect_tx arrives of its copies (Q, K, V), the softmax warps' plain mbarrier
+    # arrives (S read, P written, O read). Waits: one mbarrier.try_wait each, a tail one per
+    # entry of its pipe (TMA 1 + 2 + 2 + 1, MMA 7, softmax 3: 16 at kv_slots = 2).
+    stage, shape, _ = entry
+    kernel, ptx = traced(stage, shape)
+    pipes, programs = schedule.cta_schedule(kernel)
+    stages_of = {p.name: p.stages for p in pipes}
+
+    def sites(role, actions):
+        ops = []
+        for item in programs[role]:
+            if isinstance(item, schedule.PerTile):
+                ops += list(item.ops)
+            elif isinstance(item, schedule.Tail):
+                ops += [schedule.Op(item.pipe, "acquire", "tail")] * stages_of[item.pipe]
+            else:
+                ops.append(item)
+        return [op for op in ops if isinstance(op, schedule.Op) and op.action in actions]
+
+    arrives, waits = ("commit", "release"), ("acquire", "peek_empty", "wait")
+    counts = count_ptx(ptx)
+    assert len(sites("MMA", arrives)) == counts["tcgen05.commit"], counts
+    assert len(sites("TMA", arrives)) + len(sites("softmax", arrives)) == counts["mbarrier.arrive"]
+    assert sum(len(sites(r, waits)) for r in schedule.ROLES) == counts["mbarrier.try_wait"]
+
+
+def faulty(kernel, role, change):
+    """The kernel's programs with one role's program changed by change(list of items)."""
+    _, programs = schedule.cta_schedule(kernel)
+    items = list(programs[role])
+    change(items)
+    return {**programs, role: tuple(items)}
+
+
+def _only_if_nonempty(index):
+    def change(items):
+        items[index] = schedule.IfNonEmpty((items[index],))
+
+    return change
+
+
+def test_cta_checker_catches_o_committed_only_after_an_mma():
+    # tcgen05.commit of O placed inside the loop (after the last PV MMA): an empty range never
+    # commits it, and the epilogue waits forever.
+    kernel, _ = traced(6, SHAPES[6])
+    programs = faulty(kernel, "MMA", _only_if_nonempty(-1))
+    assert schedule.check_cta(kernel, ((2, 5),), programs) == []
+    report = "\n".join(schedule.check_cta(kernel, ((3, 3),), programs))
+    assert "[KV tiles [3, 3)] hang:" in report
+    assert "the softmax warps waiting at O.wait" in report
+
+
+def test_cta_checker_catches_q_released_only_after_an_mma():
+    # Q's buffer released only by the commit after the last QK MMA: with no KV tile the TMA
+    # warp's tail waits for it forever.
+    kernel, _ = traced(6, SHAPES[6])
+    report = "\n".join(
+        schedule.check_cta(kernel, ((0, 0),), faulty(kernel, "MMA", _only_if_nonempty(-2)))
+    )
+    assert "the TMA warp waiting at Q.acquire (tail)" in report
+
+
+def test_cta_checker_catches_an_epilogue_that_skips_o_when_empty():
+    # The epilogue neither waits for nor releases O on an empty range (nothing to read), yet
+    # the MMA warp commits it: a phase nobody waits for.
+    kernel, _ = traced(7, SHAPES[7])
+
+    def skip_o(items):
+        items[-2:] = [schedule.IfNonEmpty(tuple(items[-2:]))]
+
+    report = "\n".join(schedule.check_cta(kernel, ((3, 3),), faulty(kernel, "softmax", skip_o)))
+    assert "O: unbalanced hand-off: 1 commit(s), 0 wait(s)" in report
+
+
+def test_cta_checker_catches_a_release_without_its_wait():
+    # The epilogue skips only the wait for O when the range is empty, but still releases it.
+    kernel, _ = traced(7, SHAPES[7])
+    report = "\n".join(
+        schedule.check_cta(kernel, ((0, 0),), faulty(kernel, "softmax", _only_if_nonempty(-2)))
+    )
+    assert "the softmax warps: the release of O entry 1 comes before its wait" in report
+
+
+@pytest.mark.parametrize("role", schedule.ROLES)
+def test_cta_checker_catches_a_role_that_starts_at_tile_0(role):
+    # One role runs over [0, hi) instead of [lo, hi): two more tiles than the others.
+    kernel, _ = traced(6, SHAPES[6])
+    pipes, programs = schedule.cta_schedule(kernel)
+    report = "\n".join(schedule.simulate_cta(pipes, programs, (2, 5), role_tiles={role: (0, 5)}))
+    assert "hang:" in report or "unbalanced" in report, report
+
+
+def test_cta_schedule_is_the_one_pass_schedule():
+    kernel, _ = traced(4, SHAPES[4])
+    with pytest.raises(ValueError, match="one-pass schedule"):
+        schedule.cta_schedule(kernel)

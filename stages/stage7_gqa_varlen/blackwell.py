@@ -1,0 +1,927 @@
+"""Stage 7 - real-model shapes: GQA / MQA and packed variable-length sequences (Blackwell), sm_100a.
+
+attention(q, k, v, ...): Q (B, H, Sq, D), K and V (B, Hkv, Sk, D) with H % Hkv == 0 (Hkv = 1 is
+MQA); query head h reads KV head h // (H // Hkv), as SDPA's enable_gqa. attention_varlen(q, k,
+v, cu_seqlens_q, cu_seqlens_k, ...): FlashAttention's packed layout, q (total_q, H, D), k and v
+(total_k, Hkv, D), sequence b in rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1. Both keep stage 6's
+masks (bottom-right aligned per sequence), LSE, bf16/fp16, D = 64 or 128.
+
+Changes from stage 6:
+- The head mapping: the CTA of query head `head` reads K and V of kv_head = head // (H / Hkv),
+  a TMA coordinate - no K or V is copied or expanded. The Hkv query heads of a group read the
+  same K/V tiles, which L2 then serves (32 query / 8 KV heads: each K/V byte is read by 4 CTAs).
+- One per-sequence method, seq_info(), gives (offset_q, seqlen_q, offset_k, seqlen_k) to every
+  role of the kernel, before the warps split (as kv_tile_range() does). Batch mode: (0, Sq, 0,
+  Sk) and the tensors' batch coordinate. Packed: offsets from cu_seqlens, the tensors seen as
+  B = 1 and S = total tokens, each sequence a domain_offset view of its rows; the grid has
+  ceil(max_seqlen_q / 128) Q tiles per sequence and the CTAs past a shorter sequence's end
+  find an empty tile range (stage 6's path: no K or V read, no MMA) and store nothing.
+- Sequence boundaries. TMA clips at a tensor's bounds, which for packed sequences is the total
+  token count, not the sequence's end:
+  * loads: a Q or K tile that runs past seqlen reads the next sequence's rows. Q rows past
+    seqlen_q only feed their own TMEM lanes and are never stored; K columns past seqlen_k are
+    masked to -inf (the stage 6 mask: a select, so NaN there is replaced too). But P = 0 there
+    multiplies V's rows, and 0 x NaN = NaN: in packed mode the MMA warp zeroes the keys past
+    seqlen_k of the last V tile in shared memory (zero_keys, 32 lanes, at most 127 x D
+    elements, only in a sequence's last KV tile) between its wait for V and its PV MMAs.
+    tcgen05.mma reads shared memory through the async proxy, so each lane's generic-proxy
+    stores are followed by fence.proxy.async.shared::cta, then __syncwarp, before the elected
+    lane issues the MMAs; the tcgen05.commit that frees the slot comes after them, so the TMA
+    refill of the slot is ordered after the zeroing too.
+  * the store: O was already stored by threads with a per-row predicate (store_row); its bound
+    is now the sequence's (seqlen_q), not the packed tensor's, and so is LSE's.
+- Registers (ptxas of CUDA 13.0, sm_100a, 2026-12-01): batch mode 168 (bf16) and 212 (fp16),
+  packed 168 and 208 (D = 64) / 210 (D = 128), no spills (stage 6: 168 and 209); shared memory
+  and TMEM as in stage 6.
+- Not done: packing the query heads of a group into one Q tile for short Sq (FlashAttention's
+  pack-GQA), which pays for decode-like shapes (Sq = 1: one row of a 128-row tile is used).
+
+Shapes: B, H, Hkv, Sq, Sk >= 1 (packed: any lengths >= 0), D in {64, 128}.
+
+Verification status (2026-12-01): compile-checked for sm_100a here with fake tensors and no GPU,
+through common.compile.compile_only(stage, "blackwell"), which sets CuTe DSL's target arch to
+sm_100a for the compile; never run on Blackwell hardware. The numerical tests run only where an
+sm_100 GPU is present; GQA and packed speed have not been measured.
+"""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import torch
+from cutlass import Float32, Int32, Int64
+from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.memory import SmemAllocator, TmemAllocator, get_num_tmem_alloc_cols
+
+from common import checks, masks
+from common.checker import empty_output
+from common.compile import cached_compile
+from common.cute_interop import current_stream, cute_dtype, fake_stream, fake_tensor, to_cute
+from common.tmem import fence_before_thread_sync, rows_of_16_bytes
+
+
+class Sm100Kernel:
+    def __init__(self, dtype, head_dim):
+        self.dtype = dtype  # element type of Q, K, V and O: cutlass.BFloat16 or cutlass.Float16
+        self.acc_dtype = Float32
+        # (bM, bN, bK) = (Q rows, K rows, D): one S tile; one tcgen05.mma is 128 x 128 x 16.
+        self.qk_mma_tiler = (128, 128, head_dim)
+        # (bM, bN, bK) = (Q rows, D, K rows): O += P @ V; one tcgen05.mma is 128 x D x 16.
+        self.pv_mma_tiler = (128, head_dim, 128)
+        self.cta_group = tcgen05.CtaGroup.ONE  # one CTA per MMA (no 2-CTA pairs)
+        self.cluster_shape_mn = (1, 1)
+        # Warp roles: 0-3 softmax (and epilogue), 4 MMA, 5 TMA.
+        self.softmax_warp_ids = (0, 1, 2, 3)
+        self.mma_warp_id = 4
+        self.tma_warp_id = 5
+        self.threads_per_cta = 32 * len(
+            (*self.softmax_warp_ids, self.mma_warp_id, self.tma_warp_id)
+        )
+        # Named barriers (0 is __syncthreads): the softmax warps among themselves, and the TMEM
+        # allocation handshake between the softmax warps and the MMA warp.
+        self.epilog_sync_bar_id = 1
+        self.tmem_alloc_bar_id = 2
+        # Pipeline depths: Q loaded once; a ring of 2 K/V slots; one S tile in TMEM.
+        self.q_buffers = 1
+        self.kv_slots = 2
+        self.s_buffers = 1
+        # Ring entries per KV tile, in order, one tuple per sweep over the KV tiles: what the TMA
+        # warp loads and what the MMA warp waits for. One pass: K (QK), then V (PV).
+        self.kv_producer_entries = (("K", "V"),)
+        self.kv_consumer_entries = (("K", "V"),)
+        # TMEM columns (32-bit cells; lane = row of the tile): S, P over S, O after S.
+        self.tmem_s_offset = 0
+        self.tmem_p_offset = 0
+        self.tmem_o_offset = self.qk_mma_tiler[1]
+        # tcgen05.ld.32x32b.x32: each softmax thread reads 32 fp32 columns of its row per load.
+        self.tmem_load_cols = 32
+        self.smem_align = 1024  # the 128-byte swizzle pattern repeats every 8 rows = 1 KiB
+
+    @cute.jit
+    def __call__(
+        self,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        v: cute.Tensor,
+        o: cute.Tensor,
+        lse: cute.Tensor,
+        cu_seqlens_q: cute.Tensor | None,
+        cu_seqlens_k: cute.Tensor | None,
+        max_seqlen_q: Int32,
+        scale_log2: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        stream,
+    ):
+        # O's rows start on 16-byte boundaries: each thread stores its row in 16-byte vectors.
+        o = rows_of_16_bytes(o)
+        # (B, H, S, D) -> (S, D, (H, B)): the two tile modes first, then (h, b) as one batch mode;
+        # K and V have Hkv heads. Packed sequences arrive as B = 1 and S = total tokens.
+        q, k, o = [
+            cute.make_tensor(
+                t.iterator, cute.group_modes(cute.select(t.layout, mode=[2, 3, 1, 0]), 2, 4)
+            )
+            for t in (q, k, o)
+        ]
+        # V -> (D, Sk, (H, B)): the B operand of P @ V is (N, K) = (D, keys), D contiguous (MN-major).
+        v = cute.make_tensor(
+            v.iterator, cute.group_modes(cute.select(v.layout, mode=[3, 2, 1, 0]), 2, 4)
+        )
+        # LSE (B, H, Sq) -> (Sq, (H, B))
+        lse = cute.make_tensor(
+            lse.iterator, cute.group_modes(cute.select(lse.layout, mode=[2, 1, 0]), 1, 3)
+        )
+
+        # One tcgen05.mma.cta_group::1.kind::f16 per 128 x 128 x 16: A and B from shared memory,
+        # both K-major, D (the accumulator) in TMEM.
+        qk_mma = utils.sm100.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K,
+            self.acc_dtype,
+            self.cta_group,
+            self.qk_mma_tiler[:2],
+            tcgen05.OperandSource.SMEM,
+        )
+        # O += P @ V per 128 x D x 16: A = P from TMEM (a row of P is a TMEM lane: K-major),
+        # B = V from shared memory, MN-major.
+        pv_mma = utils.sm100.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.MN,
+            self.acc_dtype,
+            self.cta_group,
+            self.pv_mma_tiler[:2],
+            tcgen05.OperandSource.TMEM,
+        )
+        cluster_layout_vmnk = cute.tiled_divide(
+            cute.make_layout((*self.cluster_shape_mn, 1)), (qk_mma.thr_id.shape,)
+        )
+
+        # (MMA, MMA_M, MMA_K, q_buffers) and (MMA, MMA_N, MMA_K, kv_slots), 128-byte swizzled
+        q_smem_s = utils.sm100.make_smem_layout_a(
+            qk_mma, self.qk_mma_tiler, self.dtype, self.q_buffers
+        )
+        k_smem_s = utils.sm100.make_smem_layout_b(
+            qk_mma, self.qk_mma_tiler, self.dtype, self.kv_slots
+        )
+        q_smem_one = cute.select(q_smem_s, mode=[0, 1, 2])
+        k_smem_one = cute.select(k_smem_s, mode=[0, 1, 2])
+        # (MMA, MMA_N=D, MMA_K, kv_slots): a V tile in its own layout, but in K's slots (same slot stride)
+        v_smem_one = cute.select(
+            utils.sm100.make_smem_layout_b(pv_mma, self.pv_mma_tiler, self.dtype, 1),
+            mode=[0, 1, 2],
+        )
+        v_smem_s = cute.append(
+            v_smem_one, cute.make_layout(self.kv_slots, stride=cute.cosize(k_smem_one))
+        )
+        # (MMA, MMA_M, MMA_K, 1): P in TMEM as the A operand of P @ V
+        p_tmem_s = utils.sm100.make_smem_layout_a(pv_mma, self.pv_mma_tiler, self.dtype, 1)
+
+        # TMA descriptors over (S, D, (H, B)) and (D, Sk, (H, B)): a 128 x D tile of Q, of K, of V.
+        tma_load_op = cpasync.CopyBulkTensorTileG2SOp(self.cta_group)
+        tma_q, tma_tq = cute.nvgpu.make_tiled_tma_atom_A(
+            tma_load_op, q, q_smem_one, self.qk_mma_tiler, qk_mma, cluster_layout_vmnk.shape
+        )
+        tma_k, tma_tk = cute.nvgpu.make_tiled_tma_atom_B(
+            tma_load_op, k, k_smem_one, self.qk_mma_tiler, qk_mma, cluster_layout_vmnk.shape
+        )
+        tma_v, tma_tv = cute.nvgpu.make_tiled_tma_atom_B(
+            tma_load_op, v, v_smem_one, self.pv_mma_tiler, pv_mma, cluster_layout_vmnk.shape
+        )
+        # Bytes each TMA copy moves (its box), and the bytes each pipeline entry arms its full
+        # barrier with: 128 x D x 2 each (16 KiB for D = 64, 32 KiB for D = 128).
+        self.copy_bytes = {
+            name: cute.size_in_bytes(self.dtype, layout)
+            for name, layout in (("Q", q_smem_one), ("K", k_smem_one), ("V", v_smem_one))
+        }
+        self.q_tma_bytes = self.copy_bytes["Q"]
+        self.kv_tma_bytes = {"K": self.copy_bytes["K"], "V": self.copy_bytes["V"]}
+        self.kv_slot_bytes = cute.size_in_bytes(self.dtype, k_smem_one)
+        # TMEM: S (128 columns) and O (D columns); P lives over S.
+        s_tmem_shape = qk_mma.partition_shape_C(self.qk_mma_tiler[:2])
+        o_tmem_shape = pv_mma.partition_shape_C(self.pv_mma_tiler[:2])
+        self.num_tmem_alloc_cols = get_num_tmem_alloc_cols(
+            [qk_mma.make_fragment_C(s_tmem_shape), pv_mma.make_fragment_C(o_tmem_shape)]
+        )
+
+        @cute.struct
+        class SharedStorage:
+            q_bar: cute.struct.MemRange[Int64, self.q_buffers * 2]
+            kv_bar: cute.struct.MemRange[Int64, self.kv_slots * 2]
+            mma_si_bar: cute.struct.MemRange[Int64, self.s_buffers * 2]
+            p_mma_bar: cute.struct.MemRange[Int64, 2]
+            mma_o_bar: cute.struct.MemRange[Int64, 2]
+            tmem_holding: Int32
+            sQ: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(q_smem_s)], self.smem_align
+            ]
+            sK: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(k_smem_s)], self.smem_align
+            ]
+
+        self.shared_storage = SharedStorage
+        self.shared_memory_bytes = SharedStorage.size_in_bytes()
+
+        # One CTA per 128-row Q tile of one (head, sequence): as many Q tiles as the longest
+        # sequence has; the CTAs past a shorter sequence's end find nothing to do.
+        sequences = (
+            cute.size(q, mode=[2, 1])
+            if cutlass.const_expr(cu_seqlens_q is None)
+            else cu_seqlens_q.shape[0] - 1
+        )
+        grid = (
+            cute.ceil_div(max_seqlen_q, self.qk_mma_tiler[0]),
+            cute.size(q, mode=[2, 0]),
+            sequences,
+        )
+        self.kernel(
+            qk_mma,
+            pv_mma,
+            tma_q,
+            tma_tq,
+            tma_k,
+            tma_tk,
+            tma_v,
+            tma_tv,
+            o,
+            lse,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            scale_log2,
+            window_left,
+            window_right,
+            cluster_layout_vmnk,
+            q_smem_s,
+            k_smem_s,
+            v_smem_s,
+            p_tmem_s,
+        ).launch(grid=grid, block=[self.threads_per_cta, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        qk_mma: cute.TiledMma,
+        pv_mma: cute.TiledMma,
+        tma_q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        scale_log2: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        cluster_layout_vmnk: cute.Layout,
+        q_smem_s: cute.ComposedLayout,
+        k_smem_s: cute.ComposedLayout,
+        v_smem_s: cute.ComposedLayout,
+        p_tmem_s: cute.ComposedLayout,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        # blockIdx = (Q tile, head, sequence). Query head `head` reads KV head head // group.
+        bidx, head, batch = cute.arch.block_idx()
+        kv_head = head // (cute.size(mQ, mode=[2, 0]) // cute.size(mK, mode=[2, 0]))
+        tile_coord = (bidx, None, 0)  # (Q tile, every K tile, the one D tile)
+        pv_tile_coord = (bidx, 0, None)  # (Q tile, the one D tile, every KV tile)
+        # Where this sequence starts in Q and K, and how long it is (batch mode: 0, Sq, 0, Sk),
+        # for every role, before the warps split.
+        offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
+            batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
+        )
+        # The KV tiles holding a key that some row of this Q tile sees: [kv_tile_lo, kv_tile_hi),
+        # computed once, before the warps split: the one range the TMA warp loads, the MMA warp
+        # multiplies and the softmax warps fold (empty: no K or V is read, no MMA is issued).
+        kv_tile_lo, kv_tile_hi = self.kv_tile_range(
+            bidx, seqlen_q, seqlen_k, window_left, window_right
+        )
+
+        # 1. Prepare
+        if warp_idx == self.tma_warp_id:
+            cpasync.prefetch_descriptor(tma_q)
+            cpasync.prefetch_descriptor(tma_k)
+            cpasync.prefetch_descriptor(tma_v)
+
+        storage = SmemAllocator().allocate(self.shared_storage)
+        # Q buffer and K/V ring: the TMA warp fills (full = the tile's bytes landed), the MMA
+        # warp's tcgen05.commit empties (one arrive). Each has its own barriers and byte count;
+        # a ring entry holds one K or one V tile and arms kv_tma_bytes of it (below).
+        q_prod, q_cons = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.q_bar.data_ptr(),
+            num_stages=self.q_buffers,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            tx_count=self.q_tma_bytes,
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        ).make_participants()
+        kv_prod, kv_cons = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.kv_bar.data_ptr(),
+            num_stages=self.kv_slots,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            tx_count=self.kv_tma_bytes["K"],
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        ).make_participants()
+        # S hand-off, MMA -> softmax warps: tcgen05.commit marks S complete (full); the 128
+        # softmax threads each arrive once they have read it (empty).
+        mma_si_prod, mma_si_cons = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.mma_si_bar.data_ptr(),
+            num_stages=self.s_buffers,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, 32 * len(self.softmax_warp_ids)
+            ),
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        ).make_participants()
+        # P hand-off, softmax warps -> MMA: the 128 threads arrive once P is in TMEM (full);
+        # tcgen05.commit after the PV MMAs marks P's columns free again (empty).
+        p_mma_pipeline = pipeline.PipelineAsyncUmma.create(
+            barrier_storage=storage.p_mma_bar.data_ptr(),
+            num_stages=1,
+            producer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, 32 * len(self.softmax_warp_ids)
+            ),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        )
+        p_mma_prod, p_mma_cons = p_mma_pipeline.make_participants()
+        # O hand-off, MMA -> epilogue: tcgen05.commit after the last PV MMA (full).
+        mma_o_prod, mma_o_cons = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.mma_o_bar.data_ptr(),
+            num_stages=1,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, 32 * len(self.softmax_warp_ids)
+            ),
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        ).make_participants()
+        epilog_sync_bar = pipeline.NamedBarrier(
+            barrier_id=self.epilog_sync_bar_id, num_threads=32 * len(self.softmax_warp_ids)
+        )
+        tmem_alloc_bar = pipeline.NamedBarrier(
+            barrier_id=self.tmem_alloc_bar_id,
+            num_threads=32 * len((self.mma_warp_id, *self.softmax_warp_ids)),
+        )
+        tmem = TmemAllocator(
+            storage.tmem_holding.ptr,
+            barrier_for_retrieve=tmem_alloc_bar,
+            allocator_warp_id=self.softmax_warp_ids[0],
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
+
+        # (MMA, MMA_M, MMA_K, q_buffers)
+        sQ = storage.sQ.get_tensor(q_smem_s.outer, swizzle=q_smem_s.inner)
+        # (MMA, MMA_N, MMA_K, kv_slots)
+        sK = storage.sK.get_tensor(k_smem_s.outer, swizzle=k_smem_s.inner)
+        # (MMA, MMA_N=D, MMA_K, kv_slots): the same slots viewed as V tiles (V's own swizzle)
+        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, v_smem_s.inner), v_smem_s.outer)
+
+        # This CTA's sequence and head, from the sequence's first row: Q (Sq, D), K (Sk, D),
+        # V (D, Sk), O (Sq, D) and LSE (Sq); K and V of head kv_head.
+        mQ, mK, mV, mO = (
+            cute.domain_offset((offset_q, 0), mQ[(None, None, (head, batch))]),
+            cute.domain_offset((offset_k, 0), mK[(None, None, (kv_head, batch))]),
+            cute.domain_offset((0, offset_k), mV[(None, None, (kv_head, batch))]),
+            cute.domain_offset((offset_q, 0), mO[(None, None, (head, batch))]),
+        )
+        mLSE = cute.domain_offset((offset_q,), mLSE[(None, (head, batch))])
+        # (bM, D)
+        gQ = cute.local_tile(mQ, self.qk_mma_tiler, tile_coord, proj=(1, None, 1))
+        # (bN, D, kv_tiles)
+        gK = cute.local_tile(mK, self.qk_mma_tiler, tile_coord, proj=(None, 1, 1))
+        # (D, bN, kv_tiles)
+        gV = cute.local_tile(mV, self.pv_mma_tiler, pv_tile_coord, proj=(None, 1, 1))
+        # (bM, D): O's tile, and the (query, d) coordinates of its elements in O
+        gO = cute.local_tile(mO, self.pv_mma_tiler, pv_tile_coord, proj=(1, 1, None))
+        cO = cute.local_tile(
+            cute.make_identity_tensor(mO.shape), self.pv_mma_tiler, pv_tile_coord, proj=(1, 1, None)
+        )
+
+        qk_thr = qk_mma.get_slice(0)
+        pv_thr = pv_mma.get_slice(0)
+        # (MMA, MMA_M, MMA_K)
+        tCgQ = qk_thr.partition_A(gQ)
+        # (MMA, MMA_N, MMA_K, kv_tiles)
+        tCgK = qk_thr.partition_B(gK)
+        # (MMA, MMA_N, MMA_K, kv_tiles)
+        tCgV = pv_thr.partition_B(gV)
+        # (MMA, MMA_M, MMA_N)
+        tCgO = pv_thr.partition_C(gO)
+        tCcO = pv_thr.partition_C(cO)
+        # TMA views, one CTA, no multicast: (TMA, q_buffers) and (TMA); (TMA, kv_slots) and (TMA, kv_tiles)
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3), cute.group_modes(tCgQ, 0, 3)
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3), cute.group_modes(tCgK, 0, 3)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 3), cute.group_modes(tCgV, 0, 3)
+        )
+        # MMA operands, as shared-memory descriptors. (MMA, MMA_M, MMA_K, q_buffers)
+        tCrQ = qk_mma.make_fragment_A(sQ)
+        # (MMA, MMA_N, MMA_K, kv_slots)
+        tCrK = qk_mma.make_fragment_B(sK)
+        # (MMA, MMA_N=D, MMA_K, kv_slots)
+        tCrV = pv_mma.make_fragment_B(sV)
+        # S and O in TMEM; the base address is known once TMEM is allocated. (MMA, MMA_M, MMA_N)
+        tStS_layout = qk_mma.make_fragment_C(qk_thr.partition_shape_C(self.qk_mma_tiler[:2])).layout
+        tOtO_layout = pv_mma.make_fragment_C(pv_thr.partition_shape_C(self.pv_mma_tiler[:2])).layout
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=cluster_layout_vmnk)
+
+        # 2. Main loop by warp role
+        if warp_idx == self.tma_warp_id:
+            # TMA warp: Q once, then every K and V tile, each tile its own ring entry.
+            q_empty = q_prod.acquire_and_advance()
+            cute.copy(tma_q, tQgQ, tQsQ[(None, q_empty.index)], tma_bar_ptr=q_empty.barrier)
+            kv_loads = {"K": (tma_k, tKgK, tKsK), "V": (tma_v, tVgV, tVsV)}
+            for sweep in cutlass.range_constexpr(len(self.kv_producer_entries)):
+                for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
+                    for name in self.kv_producer_entries[sweep]:
+                        tma, src, dst = kv_loads[name]
+                        # The next slot, once the MMAs that read its previous tile have completed;
+                        # its full barrier expects exactly this tile's bytes.
+                        kv_empty = kv_prod.acquire_and_advance(expected_tx=self.kv_tma_bytes[name])
+                        cute.copy(
+                            tma,
+                            src[(None, kv_tile)],
+                            dst[(None, kv_empty.index)],
+                            tma_bar_ptr=kv_empty.barrier,
+                        )
+            # Every buffer released by the MMA warp before this warp exits.
+            kv_prod.tail()
+            q_prod.tail()
+
+        if warp_idx == self.mma_warp_id:
+            # MMA warp, one thread issues: S_j = Q @ K_j^T, then O += P_j @ V_j, per KV tile.
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
+            tStS = cute.make_tensor(tmem_ptr + self.tmem_s_offset, tStS_layout)
+            tOtO = cute.make_tensor(tmem_ptr + self.tmem_o_offset, tOtO_layout)
+            # (MMA, MMA_M, MMA_K): P as 16-bit values in TMEM, over S's columns
+            tOrP = pv_mma.make_fragment_A(cute.make_tensor(tmem_ptr, p_tmem_s.outer))[
+                (None, None, None, 0)
+            ]
+            tOrP = cute.make_tensor(
+                cute.recast_ptr(tmem_ptr + self.tmem_p_offset, dtype=self.dtype), tOrP.layout
+            )
+            # Waits, like the softmax warps, until the PV MMAs of the previous tile have read P
+            p_free = p_mma_pipeline.make_producer()
+            q_full = q_cons.wait_and_advance()
+            o_empty = mma_o_prod.acquire_and_advance()
+            for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
+                kv_full = kv_cons.wait_and_advance()  # ring entry: K_j
+                # The softmax warps have read the previous S: it may be overwritten.
+                s_empty = mma_si_prod.acquire_and_advance()
+                # S_j overwrites P_(j-1), which sits in S's columns: wait until the PV MMAs of
+                # tile j-1 have completed (PTX keeps two tcgen05.mma in issue order only when
+                # they share accumulator and shape; QK writes S, PV writes O).
+                p_free.acquire_and_advance()
+                # The first MMA of each K tile overwrites S, the others accumulate over D.
+                qk_mma.set(tcgen05.Field.ACCUMULATE, False)
+                for kb in cutlass.range_constexpr(cute.size(tCrQ, mode=[2])):
+                    # S += Q[:, 16 kb : 16 kb + 16] @ K_j[:, 16 kb : 16 kb + 16]^T  (128 x 128 x 16)
+                    cute.gemm(
+                        qk_mma,
+                        tStS,
+                        tCrQ[(None, None, kb, q_full.index)],
+                        tCrK[(None, None, kb, kv_full.index)],
+                        tStS,
+                    )
+                    qk_mma.set(tcgen05.Field.ACCUMULATE, True)
+                # tcgen05.commit: S is full once these MMAs have completed ...
+                s_empty.commit()
+                # ... and the K slot is empty once they have read it.
+                kv_full.release()
+                # the softmax warps have written P_j and rescaled O
+                p_full = p_mma_cons.wait_and_advance()
+                v_full = kv_cons.wait_and_advance()  # ring entry: V_j
+                # Packed sequences: the last tile's keys past seqlen_k are the next sequence's V.
+                # P is 0 there, but 0 x NaN = NaN: zero those rows of V before P @ V reads them.
+                if cutlass.const_expr(mCuSeqlensK is not None):
+                    if (kv_tile + 1) * self.qk_mma_tiler[1] > seqlen_k:
+                        self.zero_keys(sV, v_full.index, seqlen_k - kv_tile * self.qk_mma_tiler[1])
+                # O starts afresh with the first KV tile of the range, then accumulates.
+                pv_mma.set(tcgen05.Field.ACCUMULATE, kv_tile != kv_tile_lo)
+                for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                    # O += P_j[:, 16 kb : 16 kb + 16] @ V_j[16 kb : 16 kb + 16, :]  (128 x D x 16)
+                    cute.gemm(
+                        pv_mma,
+                        tOtO,
+                        tOrP[(None, None, kb)],
+                        tCrV[(None, None, kb, v_full.index)],
+                        tOtO,
+                    )
+                    pv_mma.set(tcgen05.Field.ACCUMULATE, True)
+                # P's columns and the V slot are free once these MMAs have completed.
+                p_full.release()
+                v_full.release()
+            # Q stays resident until the last MMA; then its buffer is released too.
+            q_full.release()
+            # O is complete once every MMA above has completed.
+            o_empty.commit()
+
+        if warp_idx < self.mma_warp_id:
+            # Softmax warps: warp 0 allocates TMEM, all four run the softmax and the epilogue.
+            tmem.allocate(self.num_tmem_alloc_cols)
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
+            tStS = cute.make_tensor(tmem_ptr + self.tmem_s_offset, tStS_layout)
+            tOtO = cute.make_tensor(tmem_ptr + self.tmem_o_offset, tOtO_layout)
+
+            # Thread t of warp w owns row 32 w + t (a warp may only read its own 32 TMEM lanes).
+            epi_tiler = ((cute.size(tStS, mode=[0, 0]), self.tmem_load_cols),)
+            # ((128, 32), 4): S cut into 4 column slices of 32
+            tStS_epi = cute.zipped_divide(tStS, epi_tiler)
+            tmem_load = tcgen05.make_tmem_copy(
+                cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), self.acc_dtype),
+                tStS_epi[(None, 0)],
+            )
+            thr_load = tmem_load.get_slice(tidx)
+            # (T2R, T2R_M, slices): this thread's row of S in TMEM, and its (row, column) coordinates
+            tTR_tS = thr_load.partition_S(tStS_epi)
+            tTR_cS = thr_load.partition_D(
+                cute.zipped_divide(
+                    qk_thr.partition_C(cute.make_identity_tensor(self.qk_mma_tiler[:2])), epi_tiler
+                )
+            )
+            # (T2R, T2R_M, slices): the whole row, 128 fp32 registers
+            tTR_rS = cute.make_rmem_tensor(tTR_cS.shape, self.acc_dtype)
+            # P over S's columns, as 32-bit TMEM cells holding two 16-bit values: (128, 64)
+            p_cells = self.qk_mma_tiler[1] * self.dtype.width // 32
+            tStP = cute.make_tensor(
+                tStS.iterator + self.tmem_p_offset,
+                cute.composition(
+                    tStS.layout, cute.make_layout((cute.size(tStS, mode=[0, 0]), p_cells))
+                ),
+            )
+            # tcgen05.st.32x32b.x32: each thread writes 32 cells of its row per store, 2 stores
+            tmem_store = tcgen05.make_tmem_copy(
+                cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition.x32), self.acc_dtype),
+                tStP,
+            )
+            thr_store = tmem_store.get_slice(tidx)
+            # (R2T, R2T_M, stores): this thread's row of P in TMEM, and the 64 registers it comes from
+            tRT_tP = thr_store.partition_D(tStP)
+            tRT_rP = cute.make_rmem_tensor(thr_store.partition_S(tStP).shape, self.acc_dtype)
+            # The same 64 registers as 128 16-bit values, in S's column order
+            tTR_rP = cute.make_tensor(
+                cute.recast_ptr(tRT_rP.iterator, dtype=self.dtype), tTR_rS.layout
+            )
+            # O, for the rescale and the epilogue. ((128, 32), D / 32): O cut into column slices of 32
+            tOtO_epi = cute.zipped_divide(tOtO, epi_tiler)
+            # (T2R, T2R_M, slices): this thread's row of O in TMEM and in global memory, and its
+            # (query, d) coordinates
+            tTR_tO = thr_load.partition_S(tOtO_epi)
+            tTR_gO = thr_load.partition_D(cute.zipped_divide(tCgO, epi_tiler))
+            tTR_cO = thr_load.partition_D(cute.zipped_divide(tCcO, epi_tiler))
+            # (T2R, T2R_M): 32 fp32 registers, and the same values in the input dtype
+            tTR_rAcc = cute.make_rmem_tensor(tTR_gO[(None, None, 0)].shape, self.acc_dtype)
+            tTR_rO = cute.make_rmem_tensor(tTR_gO[(None, None, 0)].shape, self.dtype)
+            # tcgen05.st.32x32b.x32: the rescaled O back into the same 32 columns
+            tmem_store_o = tcgen05.make_tmem_copy(
+                cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition.x32), self.acc_dtype),
+                tOtO_epi[(None, 0)],
+            )
+            tRT_tO = tmem_store_o.get_slice(tidx).partition_D(tOtO_epi)
+
+            # One pass: row_max and row_sum run over the KV tiles; O is rescaled when row_max grows.
+            row_max = -Float32.inf
+            row_sum = Float32(0.0)
+            for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
+                s_full = mma_si_cons.wait_and_advance()
+                cute.copy(tmem_load, tTR_tS, tTR_rS)
+                # tcgen05.ld is asynchronous: tcgen05.wait::ld before the registers are read.
+                cute.arch.fence_view_async_tmem_load()
+                s_full.release()
+                # Only a tile that crosses an edge (Sk, or the band of the window: the diagonal
+                # when causal) is masked element by element: S = -inf where row i must not see
+                # key j (zeros from TMA beyond Sk among them): weight exp2(-inf) = 0.
+                if self.crosses_mask_edge(
+                    bidx, kv_tile, seqlen_q, seqlen_k, window_left, window_right
+                ):
+                    self.mask_keys(
+                        tTR_rS, tTR_cS, bidx, kv_tile, seqlen_q, seqlen_k, window_left, window_right
+                    )
+                row_max_new = cute.arch.fmax(
+                    row_max, tTR_rS.load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+                )
+                # A row that has seen no key yet (new max -inf) subtracts 0 instead: P = exp2(-inf)
+                # = 0 and row_scale = 0 rather than exp2(-inf + inf) = NaN.
+                row_max_safe = row_max_new if row_max_new != -Float32.inf else 0.0
+                # row_scale = exp(scale * (old max - new max)): what the sum and O so far are multiplied by
+                row_scale = cute.math.exp2((row_max - row_max_safe) * scale_log2, fastmath=True)
+                # P_j = exp(scale * (S_j - new max))
+                row_max_scaled = row_max_safe * scale_log2
+                for i in cutlass.range(cute.size(tTR_rS), unroll_full=True):
+                    tTR_rS[i] = cute.math.exp2(
+                        tTR_rS[i] * scale_log2 - row_max_scaled, fastmath=True
+                    )
+                row_sum = row_sum * row_scale + tTR_rS.load().reduce(
+                    cute.ReductionOp.ADD, Float32(0.0), 0
+                )
+                row_max = row_max_new
+                tTR_rP.store(tTR_rS.load().to(self.dtype))
+                # The PV MMAs of tile j-1 have completed: P's columns are free, and O holds
+                # sum_(i < j) P_i @ V_i, relative to the old max.
+                p_empty = p_mma_prod.acquire_and_advance()
+                if kv_tile > kv_tile_lo:
+                    # O *= row_scale, in TMEM: tcgen05.ld, multiply, tcgen05.st, 32 columns at a time
+                    for i in cutlass.range_constexpr(cute.size(tTR_tO, mode=[2])):
+                        cute.copy(tmem_load, tTR_tO[(None, None, i)], tTR_rAcc)
+                        cute.arch.fence_view_async_tmem_load()
+                        tTR_rAcc.store(row_scale * tTR_rAcc.load())
+                        cute.copy(tmem_store_o, tTR_rAcc, tRT_tO[(None, None, i)])
+                cute.copy(tmem_store, tRT_rP, tRT_tP)
+                # tcgen05.st is asynchronous: tcgen05.wait::st (P and O) before the MMA warp is told.
+                cute.arch.fence_view_async_tmem_store()
+                p_empty.commit()
+
+            # 3. Epilogue: TMEM -> registers (tcgen05.ld) -> O / row_sum -> O in global memory; LSE
+            # A row that saw no key (row_sum = 0) keeps O = 0.
+            inv_row_sum = cute.arch.rcp_approx(row_sum) if row_sum > 0.0 else 0.0
+            o_full = mma_o_cons.wait_and_advance()
+            for i in cutlass.range_constexpr(cute.size(tTR_tO, mode=[2])):
+                if kv_tile_hi > kv_tile_lo:
+                    cute.copy(tmem_load, tTR_tO[(None, None, i)], tTR_rAcc)
+                    cute.arch.fence_view_async_tmem_load()
+                else:
+                    # An empty range: no MMA has written O's columns, O = 0.
+                    tTR_rAcc.fill(0.0)
+                # O = (sum_j P_j @ V_j) / row_sum, in the input dtype
+                tTR_rO.store((inv_row_sum * tTR_rAcc.load()).to(self.dtype))
+                self.store_row(
+                    tTR_rO,
+                    tTR_gO[(None, None, i)],
+                    tTR_cO[(None, None, i)],
+                    (seqlen_q, mO.shape[1]),
+                )
+            # LSE = log(sum_j exp(scale * S_j)) = scale * row_max + log(row_sum), natural log, fp32,
+            # for this thread's row (query) if it lies inside the sequence
+            row = tTR_cO[0][0]
+            if row < seqlen_q:
+                lse_log2 = row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)
+                # A row that saw no key: LSE = log(0) = -inf.
+                if row_sum == 0.0:
+                    lse_log2 = -Float32.inf
+                mLSE[row] = lse_log2 * math.log(2.0)
+            o_full.release()
+
+            # All four softmax warps are done with TMEM before warp 0 frees it: each orders its
+            # tcgen05.ld and tcgen05.st before the barrier (tcgen05.fence::before_thread_sync),
+            # then they meet.
+            tmem.relinquish_alloc_permit()
+            fence_before_thread_sync()
+            epilog_sync_bar.arrive_and_wait()
+            tmem.free(tmem_ptr)
+
+    @cute.jit
+    def store_row(self, tTR_rX, tTR_gX, tTR_cX, shape):
+        """Registers -> global memory: one slice of this thread's row of the output tile, in
+        16-byte pieces. tTR_cX holds each element's (row, column) in the output; a piece is
+        stored only if it lies inside shape (rows, columns), so the last tiles skip the rows and
+        columns beyond the output. The output's rows are whole 16-byte pieces, so a piece is
+        either wholly inside or wholly outside: its first element decides."""
+        vec = 128 // tTR_rX.element_type.width  # elements per 16-byte store
+        # (vec, pieces), for the registers, the global memory and the coordinates
+        rX, gX, cX = [
+            cute.zipped_divide(cute.make_tensor(t.iterator, cute.coalesce(t.layout)), (vec,))
+            for t in (tTR_rX, tTR_gX, tTR_cX)
+        ]
+        for j in cutlass.range_constexpr(cute.size(rX, mode=[1])):
+            if cute.elem_less(cX[(0, j)], shape):
+                cute.autovec_copy(rX[(None, j)], gX[(None, j)])
+
+    @cute.jit
+    def seq_info(self, batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK):
+        """(offset_q, seqlen_q, offset_k, seqlen_k, batch coordinate) of sequence `batch`, the
+        one place every role of the kernel takes them from. Batch mode (no cu_seqlens): the
+        sequences are the batch mode of the tensors. Packed: rows cu_seqlens[b] ..
+        cu_seqlens[b + 1] - 1 of the single batch entry 0."""
+        if cutlass.const_expr(mCuSeqlensQ is None):
+            return 0, mQ.shape[0], 0, mK.shape[0], batch
+        offset_q, offset_k = mCuSeqlensQ[batch], mCuSeqlensK[batch]
+        seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
+        seqlen_k = mCuSeqlensK[batch + 1] - offset_k
+        return offset_q, seqlen_q, offset_k, seqlen_k, 0
+
+    @cute.jit
+    def zero_keys(self, sV, slot, first_key):
+        """V = 0 for keys first_key .. bN - 1 of ring slot `slot`, by the 32 lanes of the MMA
+        warp, 8 elements (16 bytes) of a key's row of V per lane and step. Then each lane makes
+        its stores visible to the async proxy, through which tcgen05.mma reads shared memory
+        (fence.proxy.async.shared::cta), and the warp meets (__syncwarp) before its elected
+        lane issues the PV MMAs."""
+        D, bN = self.pv_mma_tiler[1], self.pv_mma_tiler[2]
+        # (D, bN): the slot's (MMA, MMA_N, MMA_K) = ((D, 16), 1, bN / 16) holds (d, key) at
+        # index d + D * key
+        v_slot = sV[(None, None, None, slot)]
+        sV_dk = cute.make_tensor(
+            v_slot.iterator,
+            cute.composition(v_slot.layout, cute.make_layout((D, bN), stride=(1, D))),
+        )
+        per_key = D // 8  # 16-byte pieces per key
+        for piece in cutlass.range(cute.arch.lane_idx(), (bN - first_key) * per_key, 32, unroll=1):
+            key, d = first_key + piece // per_key, (piece % per_key) * 8
+            for e in cutlass.range_constexpr(8):
+                sV_dk[d + e, key] = self.dtype(0.0)
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_warp()
+
+    @cute.jit
+    def kv_tile_range(self, q_tile, seqlen_q, seqlen_k, window_left, window_right):
+        """[lo, hi): the KV tiles holding a key that some row of Q tile q_tile sees. Row i sees key
+        j when band_lo <= j - i <= band_hi, band_lo = Sk - Sq - left, band_hi = Sk - Sq + right.
+        The rows run from first_row = q_tile * bM to last_row = min(first_row + bM, Sq) - 1, so
+        the keys seen run from first_row + band_lo to last_row + band_hi, clipped to [0, Sk).
+        (common.masks.kv_tile_range is the same on the host.)"""
+        bM, bN = self.qk_mma_tiler[:2]
+        band_lo, band_hi = seqlen_k - seqlen_q - window_left, seqlen_k - seqlen_q + window_right
+        first_row = q_tile * bM
+        last_row = cutlass.min(first_row + bM, seqlen_q) - 1
+        first_key = cutlass.max(first_row + band_lo, 0)
+        end_key = cutlass.max(cutlass.min(last_row + band_hi + 1, seqlen_k), 0)
+        lo = first_key // bN
+        hi = cutlass.max((end_key + bN - 1) // bN, lo)
+        # A Q tile past the end of its (shorter) sequence sees nothing.
+        if first_row >= seqlen_q:
+            hi = lo
+        return lo, hi
+
+    @cute.jit
+    def crosses_mask_edge(self, q_tile, kv_tile, seqlen_q, seqlen_k, window_left, window_right):
+        """Whether tile (q_tile, kv_tile) holds a (row, key) pair that must not be seen: a key at
+        or beyond Sk, right of the band (j - i > band_hi for the tile's first row) or left of
+        it (j - i < band_lo for its last row). Every other tile of the range is seen whole."""
+        bM, bN = self.qk_mma_tiler[:2]
+        band_lo, band_hi = seqlen_k - seqlen_q - window_left, seqlen_k - seqlen_q + window_right
+        first_row = q_tile * bM
+        last_row = cutlass.min(first_row + bM, seqlen_q) - 1
+        first_key, last_key = kv_tile * bN, kv_tile * bN + bN - 1
+        crosses = last_key >= seqlen_k
+        crosses = crosses or last_key - first_row > band_hi
+        crosses = crosses or first_key - last_row < band_lo
+        return crosses
+
+    @cute.jit
+    def mask_keys(
+        self, tTR_rS, tTR_cS, q_tile, kv_tile, seqlen_q, seqlen_k, window_left, window_right
+    ):
+        """S = -inf where this thread's row i of Q tile q_tile must not see key j of KV tile
+        kv_tile: j >= Sk, or j - i outside [band_lo, band_hi] (tTR_cS: the (row, key) of each
+        element within the tile). The thread owns the row, so the keys it sees are one interval
+        of the tile's columns, [keys_first, keys_end). A select per element, not a branch per
+        element: the branches took stage 3 to 253 registers against 157 (ptxas, bf16,
+        2026-12-01)."""
+        bM, bN = self.qk_mma_tiler[:2]
+        band_lo, band_hi = seqlen_k - seqlen_q - window_left, seqlen_k - seqlen_q + window_right
+        row = q_tile * bM + tTR_cS[0][0]
+        keys_first = row + band_lo - kv_tile * bN
+        keys_end = cutlass.min(row + band_hi + 1, seqlen_k) - kv_tile * bN
+        for i in cutlass.range(cute.size(tTR_rS), unroll_full=True):
+            key = tTR_cS[i][1]
+            tTR_rS[i] = -Float32.inf if key < keys_first or key >= keys_end else tTR_rS[i]
+
+
+def compile_args(dtype, shape, scale=None, **options):
+    """(kernel, args) for cute.compile with fake tensors, shape = (B, H, Sq, Sk, D); options
+    causal, window, kv_heads (Hkv, default H) and varlen (True: packed sequences, B of them,
+    through cu_seqlens; the tensors are then (1, H, B * S, D) views)."""
+    checks.check_options(options, allowed=("causal", "window", "kv_heads", "varlen"))
+    B, H, Sq, Sk, D = shape
+    Hkv = options.get("kv_heads", H)
+    varlen = options.get("varlen", False)
+    window_left, window_right = masks.resolve_window(
+        options.get("causal", False), options.get("window"), Sq, Sk
+    )
+    q, o = (fake_tensor(dtype, (B, H, Sq, D), dynamic=True) for _ in range(2))
+    k, v = (fake_tensor(dtype, (B, Hkv, Sk, D), dynamic=True) for _ in range(2))
+    lse = fake_tensor(torch.float32, (B, H, Sq), dynamic=True)
+    cu_q = cu_k = None
+    if varlen:
+        cu_q, cu_k = (fake_tensor(torch.int32, (B + 1,), dynamic=True) for _ in range(2))
+    return Sm100Kernel(cute_dtype(dtype), D), (
+        q,
+        k,
+        v,
+        o,
+        lse,
+        cu_q,
+        cu_k,
+        Sq,
+        checks.check_scale(scale, D) * math.log2(math.e),
+        window_left,
+        window_right,
+        fake_stream(),
+    )
+
+
+def _launch(
+    q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, causal, window, max_seqlen_k
+):
+    """Both entries: (B, H, S, D)-shaped views (packed sequences as B = 1), launch."""
+    D = q.shape[3]
+    window_left, window_right = masks.resolve_window(causal, window, max_seqlen_q, max_seqlen_k)
+    # exp(scale * x) = exp2(scale_log2 * x): the kernel takes the folded multiplier.
+    scale_log2 = scale * math.log2(math.e)
+    with torch.cuda.device(q.device):
+        # Dynamic shapes and strides: one compile per (dtype, D, batch or packed) serves every
+        # shape and head count.
+        args = [to_cute(t, dynamic=True) for t in (q, k, v, o)]
+        args += [to_cute(lse, dynamic=True)]
+        args += [
+            None if t is None else to_cute(t, dynamic=True) for t in (cu_seqlens_q, cu_seqlens_k)
+        ]
+        args += [max_seqlen_q, scale_log2, window_left, window_right, current_stream()]
+        cached_compile(Sm100Kernel(cute_dtype(q.dtype), D), *args)(*args)
+
+
+def attention(q, k, v, scale=None, causal=False, window=None, return_lse=False):
+    """O = softmax(scale * Q @ K^T + mask) @ V for Q (B, H, Sq, D) and K, V (B, Hkv, Sk, D) with
+    H % Hkv == 0 (Hkv = 1: MQA): query head h reads KV head h // (H // Hkv), as SDPA's
+    enable_gqa. All bf16 or all fp16, D contiguous, D in {64, 128}; scale defaults to
+    1/sqrt(D); causal and window as in stage 6 (bottom-right aligned). O (B, H, Sq, D); with
+    return_lse also LSE (B, H, Sq) in fp32. A row that sees no key gets O = 0, LSE = -inf."""
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"argument 'return_lse': expected a bool, got {type(return_lse).__name__}")
+    masks.check_mask_args(causal, window)
+    B, H, Sq, Sk, D = checks.check_attention_args(q, k, v, kv_heads=True)
+    scale = checks.check_scale(scale, D)
+    o = empty_output((B, H, Sq, D), q.dtype, q.device)
+    lse = empty_output((B, H, Sq), torch.float32, q.device)
+    _launch(q, k, v, o, lse, None, None, Sq, scale, causal, window, Sk)
+    return (o, lse) if return_lse else o
+
+
+def attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    scale=None,
+    causal=False,
+    window=None,
+    return_lse=False,
+):
+    """Packed sequences, FlashAttention's flash_attn_varlen_func layout: q (total_q, H, D), k and
+    v (total_k, Hkv, D); sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q and
+    cu_seqlens_k[b] .. cu_seqlens_k[b + 1] - 1 of k and v (int32 CUDA tensors of batch + 1
+    non-decreasing offsets from 0; zero-length sequences allowed). Masks per sequence, causal
+    bottom-right aligned in each. O (total_q, H, D); with return_lse also LSE (H, total_q).
+
+    Checking cu_seqlens (starts at 0, non-decreasing, ends at the total, max_seqlen not below a
+    real length) reads them to the host: one small device-to-host copy and a synchronisation per
+    call, acceptable for a tutorial that refuses wrong input rather than reading out of bounds;
+    a serving engine would validate once per batch instead. max_seqlen_q (default: computed)
+    sets the grid."""
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"argument 'return_lse': expected a bool, got {type(return_lse).__name__}")
+    masks.check_mask_args(causal, window)
+    total_q, H, D = checks.check_varlen_args(q, k, v)
+    max_seqlen_q, max_seqlen_k = checks.check_cu_seqlens(
+        q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+    )
+    scale = checks.check_scale(scale, D)
+    o = empty_output((total_q, H, D), q.dtype, q.device)
+    lse = empty_output((H, total_q), torch.float32, q.device)
+    if total_q == 0 or k.shape[0] == 0:
+        # No query, or no key for any query (TMA cannot describe an empty tensor): every row
+        # sees nothing.
+        o.zero_()
+        lse.fill_(float("-inf"))
+        return (o, lse) if return_lse else o
+    # (total, H, D) -> (1, H, total, D): the kernel's (B, H, S, D) with one packed batch entry.
+    as_bhsd = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731
+    _launch(
+        as_bhsd(q),
+        as_bhsd(k),
+        as_bhsd(v),
+        as_bhsd(o),
+        lse.unsqueeze(0),
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        scale,
+        causal,
+        window,
+        max_seqlen_k,
+    )
+    return (o, lse) if return_lse else o
