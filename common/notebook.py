@@ -756,7 +756,7 @@ CONCEPTS = (
     ("accumulator -> registers", r"make_tiled_copy_C\(", r"Ld32x32bOp", 1),
     (
         "output stored",
-        r"cute\.copy\(\s*tma_atom_\w+,\s*t\w+s\w+,",
+        r"cute\.copy\(\s*tma_atom_\w+,\s*t\w+s\w+,|self\.store_rows\(",
         r"autovec_copy\(|cute\.copy\(\s*tma\w*,\s*t\w+s\w+,",
         1,
     ),
@@ -775,6 +775,17 @@ CONCEPTS = (
         5,
     ),
     ("LSE written", r"LSE\w*\[[^\]]*\]\s*=", r"LSE\w*\[[^\]]*\]\s*=", 5),
+    ("KV-tile range, one for every role", r"self\.kv_tile_range\(", r"self\.kv_tile_range\(", 6),
+    (
+        "element mask only on edge tiles",
+        r"self\.crosses_mask_edge\(",
+        r"self\.crosses_mask_edge\(",
+        6,
+    ),
+    ("safe max for a row with no key", r"m_safe = ", r"row_max_safe = ", 6),
+    ("KV head of a query head (GQA)", r"kv_head = ", r"kv_head = ", 7),
+    ("per-sequence offsets and lengths", r"self\.seq_info\(", r"self\.seq_info\(", 7),
+    ("V rows past seqlen_k zeroed (packed)", r"self\.zero_rows\(", r"self\.zero_keys\(", 7),
 )
 
 
@@ -860,9 +871,11 @@ def _settings_key(settings):
     return tuple(sorted((k, repr(v)) for k, v in (settings or {}).items()))
 
 
-def compile_report(stage, track, shape=None, settings=None):
-    """common.compile.compile_only, cached per (stage, track, shape, settings, kernel class) for
-    this process; None (and a note) when the file is missing or does not compile."""
+def compile_report(stage, track, shape=None, settings=None, options=None):
+    """common.compile.compile_only, cached per (stage, track, shape, settings, options, kernel
+    class) for this process; None (and a note) when the file is missing or does not compile.
+    `options`: the compile_args options of the stage file (stage 6 on: causal, window; stage 7
+    on: kv_heads, varlen), e.g. options=dict(varlen=True) for stage 7's packed kernel."""
     if not available(stage, track):
         return None
     key = (
@@ -871,13 +884,14 @@ def compile_report(stage, track, shape=None, settings=None):
         tuple(shape) if shape else None,
         _settings_key(settings),
         id(_kernel_class(stage, track)),
+        _settings_key(options),
     )
     if key not in _REPORTS:
         from .compile import compile_only
 
         try:
             with kernel_settings(stage, track, **(settings or {})):
-                _REPORTS[key] = compile_only(stage, track, shape=shape)
+                _REPORTS[key] = compile_only(stage, track, shape=shape, **(options or {}))
         except Exception as e:
             msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             note(f"stage {stage} ({track}) does not compile: {msg}")
@@ -1006,14 +1020,15 @@ def ptxas_problem(res, arch_name, ptx=None):
 
 
 def compile_summary(
-    stage, track="hopper", shape=None, patterns=None, excerpt_lines=3, settings=None
+    stage, track="hopper", shape=None, patterns=None, excerpt_lines=3, settings=None, options=None
 ):
     """Compile stage `stage` of `track` for its arch with fake tensors (no GPU) and show: compile
     time, registers and spills, dynamic shared memory, the byte counts the full barriers expect
     (expect_tx), how many of each instruction family the PTX holds, and a few PTX lines of the
     families the stage is about. `settings`: kernel settings to override (kernel_settings), to
-    see what a change costs without editing the file."""
-    r = compile_report(stage, track, shape, settings)
+    see what a change costs without editing the file. `options`: compile_args options (stage 7's
+    packed kernel: options=dict(varlen=True))."""
+    r = compile_report(stage, track, shape, settings, options)
     if r is None:
         return None
     from .compile import expect_tx_immediates, ptx_lines
@@ -1022,6 +1037,8 @@ def compile_summary(
     rows = [("target", f"{r.arch} ({track})")]
     if settings:
         rows.append(("settings changed", ", ".join(f"{k}={v!r}" for k, v in settings.items())))
+    if options:
+        rows.append(("compile options", ", ".join(f"{k}={v!r}" for k, v in options.items())))
     rows += [
         ("shape", str(r.shape)),
         ("dtype", r.dtype),
@@ -1235,12 +1252,13 @@ def error_picture(stage, result=None, standin=None):
     )
 
 
-def measure(stage, shapes, baselines=None, also_stages=(), variants=None):
+def measure(stage, shapes, baselines=None, also_stages=(), variants=None, with_fa4=False):
     """GPU mode: time stage `stage` and its baselines (cuBLAS or SDPA, all in the same run, inputs
     rotated past L2; common.benchmarks.measure) at each shape, the stages in `also_stages`
     (same entry signature) on the same shapes, and each variant {label: settings} of the stage's
     own kernel (kernel_settings: the modified kernel is compiled anew and timed in the same run);
     print a table naming the GPU and date, draw a bar chart, return {shape: {name: TFLOP/s}}.
+    with_fa4=True adds FA4 (flash_attn.cute) to the baselines where it imports.
     Compile-only mode: skipped."""
     if MODE != "gpu":
         _skip("Measure", stage)
@@ -1256,7 +1274,7 @@ def measure(stage, shapes, baselines=None, also_stages=(), variants=None):
     gpu, date = gpu_and_date()
     results, rows = {}, []
     for shape in shapes:
-        case = make_case(stage, track, tuple(shape), seed=1)
+        case = make_case(stage, track, tuple(shape), seed=1, with_fa4=with_fa4)
         res = bench_measure(case, names=baselines)
         for label, settings in (variants or {}).items():
             with kernel_settings(stage, track, **settings):
@@ -1279,6 +1297,467 @@ def measure(stage, shapes, baselines=None, also_stages=(), variants=None):
     LOG["measured"].append((stage, track))
     plots.bench_bars(results, f"stage {stage} ({track}) on {gpu}, {date}")
     return results
+
+
+# --------------------------------------------------------------------------------------------
+# Stages 6-8: masks, GQA and packed sequences (host twins shown; kernels run, checked and timed)
+# --------------------------------------------------------------------------------------------
+
+# Where the GPU cells of stages 6-8 put their inputs (tests run these helpers with CPU stand-ins).
+DEVICE = "cuda"
+
+# (label, (B, H, Sq, Sk, D), options) run by run_and_verify_cases by default: the masks of stage 6
+# with the edge cases its tests cover. Options are those of the stage's attention(); kv_heads
+# (Hkv, stage 7 on) gives K and V that many heads.
+MASK_CASES = (
+    ("causal, Sq = Sk", (1, 4, 300, 300, 128), dict(causal=True)),
+    ("causal, Sq < Sk", (1, 4, 200, 520, 128), dict(causal=True)),
+    ("causal, Sq > Sk: rows with no key", (1, 4, 520, 200, 128), dict(causal=True)),
+    ("window (100, 0): edge inside a tile", (1, 4, 400, 400, 128), dict(window=(100, 0))),
+    ("window (128, 128), D = 64", (1, 4, 512, 512, 64), dict(window=(128, 128))),
+    ("causal, Sq = 1 (decode)", (2, 4, 1, 700, 128), dict(causal=True)),
+)
+
+
+def table(header, rows):
+    """A table: Markdown in Jupyter, aligned text elsewhere (the helpers' own tables)."""
+    _table(header, rows)
+
+
+def show_function(fn):
+    """Display a host-side function of common/ (a stage's pure-Python twin, e.g.
+    common.masks.kv_tile_range) the way show_source displays the stage files."""
+    rel = os.path.relpath(inspect.getsourcefile(fn), ROOT)
+    _markdown(f"`{rel}`: `{fn.__name__}`", f"--- {rel}: {fn.__name__} ---")
+    _code(textwrap.dedent(inspect.getsource(fn)))
+
+
+def varlen_lengths(count=16, low=64, high=2048, seed=2026):
+    """The packed batch of `make bench`'s stage 7 rows (common/benchmarks.py): `count` lengths
+    drawn uniformly from [low, high) with a fixed seed by the CPU generator, the same on every
+    machine."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high, (count,), generator=g).tolist()
+
+
+def _gqa_expand(q, k, v):
+    """K and V repeated to Q's head count (query head h reads KV head h // group): for the fp64
+    reference only; the kernels read the shared heads through their TMA coordinates."""
+    group = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+
+def _check_row(label, shape, hkv, mask, o_chk, lse_chk):
+    empty = int((~mask.any(-1)).sum())
+    return (
+        label,
+        str(tuple(shape)) + ("" if hkv is None else f", Hkv = {hkv}"),
+        str(empty),
+        "-" if o_chk is None else f"{o_chk.rel_err:.2e} / {o_chk.bound:.2e}",
+        "-" if lse_chk is None else f"{lse_chk.rel_err:.2e}",
+        "pass",
+    )
+
+
+_CHECK_HEADER = (
+    "case",
+    "(B, H, Sq, Sk, D)",
+    "rows with no key",
+    "O: rel. error / bound",
+    "LSE: rel. error",
+    "verdict",
+)
+
+
+def run_and_verify_cases(stage, cases=MASK_CASES, seed=0):
+    """GPU mode: run the stage's attention() on each (label, shape, options) case (bf16, outputs
+    poisoned with NaN), with return_lse, and check O and LSE against the fp64 reference with the
+    explicit boolean mask (common.masks.visible; never SDPA's is_causal): O within 3x PyTorch's
+    own bf16 error, LSE within 1e-4, and every row that sees no key exactly O = 0, LSE = -inf
+    (common.checker.check_attention). Raises AssertionError on a failure. Compile-only mode:
+    skipped."""
+    if MODE != "gpu":
+        _skip("Run and verify", stage)
+        return None
+    track = arch.track()
+    if not available(stage, track):
+        return None
+    from . import inputs, masks
+    from .checker import check_attention, run_with_deadline
+
+    entry = getattr(stages.track_module(stage, track), "attention")
+    rows = []
+    for i, (label, shape, options) in enumerate(cases):
+        opts = dict(options)
+        B, H, Sq, Sk, D = shape
+        hkv = opts.pop("kv_heads", None)
+        q, k, v = inputs.attention_inputs(B, H, Sq, Sk, D, torch.bfloat16, seed + i, DEVICE)
+        if hkv is not None:
+            _, k, v = inputs.attention_inputs(
+                B, hkv, Sq, Sk, D, torch.bfloat16, seed + 100 + i, DEVICE
+            )
+        o, lse = run_with_deadline(
+            lambda: entry(q, k, v, return_lse=True, **opts), 60, f"stage {stage} ({label})"
+        )
+        left, right = masks.resolve_window(opts.get("causal", False), opts.get("window"), Sq, Sk)
+        mask = masks.visible(Sq, Sk, left, right, q.device)
+        kf, vf = _gqa_expand(q, k, v)
+        try:
+            o_chk, lse_chk = check_attention(label, o, q, kf, vf, lse=lse, mask=mask)
+        except AssertionError as e:
+            LOG["errors"].append(f"stage {stage} {label}: {e}")
+            raise
+        rows.append(_check_row(label, shape, hkv, mask, o_chk, lse_chk))
+        LOG["verified"].append((stage, track, tuple(shape)))
+    _table(_CHECK_HEADER, rows)
+    print(
+        f"stage {stage} ({track}) on {arch.gpu_description()}: every case against the fp64 "
+        "reference with the explicit mask; rows with no key must be O = 0 and LSE = -inf exactly"
+    )
+    return rows
+
+
+def run_and_verify_varlen(
+    stage,
+    lens_q,
+    lens_k=None,
+    heads=4,
+    kv_heads=2,
+    head_dim=128,
+    causal=False,
+    window=None,
+    seed=0,
+    plant_nan=True,
+):
+    """GPU mode: attention_varlen on packed sequences (lens_q / lens_k tokens, GQA heads / kv_heads),
+    each sequence checked against the fp64 reference of that sequence alone (its own mask,
+    bottom-right per sequence). plant_nan=True then runs once more per sequence b with every row
+    of Q, K and V outside b set to NaN: b's O and LSE must still pass (a tile read or written
+    across a sequence boundary would carry the NaN in), and the table says whether they are
+    bit for bit those of the first run. Compile-only mode: skipped."""
+    if MODE != "gpu":
+        _skip("Run and verify", stage)
+        return None
+    track = arch.track()
+    if not available(stage, track):
+        return None
+    from . import masks
+    from .checker import check_attention, run_with_deadline
+
+    lens_k = list(lens_q) if lens_k is None else list(lens_k)
+    mod = stages.track_module(stage, track)
+    g = torch.Generator(device=DEVICE)
+    g.manual_seed(seed)
+    q = torch.randn(sum(lens_q), heads, head_dim, generator=g, device=DEVICE).to(torch.bfloat16)
+    k, v = (
+        torch.randn(sum(lens_k), kv_heads, head_dim, generator=g, device=DEVICE).to(torch.bfloat16)
+        for _ in range(2)
+    )
+    cq, ck = [0], [0]
+    for a, b in zip(lens_q, lens_k):
+        cq.append(cq[-1] + a)
+        ck.append(ck[-1] + b)
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32, device=DEVICE) for c in (cq, ck))
+
+    def run(q, k, v):
+        return run_with_deadline(
+            lambda: mod.attention_varlen(
+                q, k, v, cu_q, cu_k, causal=causal, window=window, return_lse=True
+            ),
+            60,
+            f"stage {stage} attention_varlen",
+        )
+
+    def check(b, o, lse, label):
+        q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        if q1 == q0:
+            return None, None, None
+        as_bhsd = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731
+        qb, ob, lb = as_bhsd(q[q0:q1]), as_bhsd(o[q0:q1]), lse[:, q0:q1].unsqueeze(0)
+        if k1 == k0:
+            if not ((ob == 0).all() and (lb == float("-inf")).all()):
+                raise AssertionError(f"{label}: no key at all, yet O != 0 or LSE != -inf")
+            return torch.zeros(q1 - q0, 0, dtype=torch.bool), None, None
+        kb, vb = _gqa_expand(qb, as_bhsd(k[k0:k1]), as_bhsd(v[k0:k1]))
+        left, right = masks.resolve_window(causal, window, q1 - q0, k1 - k0)
+        mask = masks.visible(q1 - q0, k1 - k0, left, right, q.device)
+        o_chk, lse_chk = check_attention(label, ob, qb, kb, vb, lse=lb, mask=mask)
+        return mask, o_chk, lse_chk
+
+    header = _CHECK_HEADER[:-1] + ("NaN outside it: verdict, bits", "verdict")
+    rows = []
+    try:
+        o, lse = run(q, k, v)
+        for b in range(len(lens_q)):
+            label = f"sequence {b}"
+            mask, o_chk, lse_chk = check(b, o, lse, label)
+            if mask is None:
+                rows.append((label, f"Sq = 0, Sk = {lens_k[b]}", "-", "-", "-", "-", "no rows"))
+                continue
+            planted = "-"
+            if plant_nan:
+                qn, kn, vn = q.clone(), k.clone(), v.clone()
+                for t, c in ((qn, cq), (kn, ck), (vn, ck)):
+                    t[: c[b]] = float("nan")
+                    t[c[b + 1] :] = float("nan")
+                on, lsen = run(qn, kn, vn)
+                check(b, on, lsen, f"{label}, NaN planted outside it")
+                same = torch.equal(on[cq[b] : cq[b + 1]], o[cq[b] : cq[b + 1]]) and torch.equal(
+                    lsen[:, cq[b] : cq[b + 1]], lse[:, cq[b] : cq[b + 1]]
+                )
+                planted = "pass, " + ("identical" if same else "differ")
+            row = _check_row(
+                label, (1, heads, lens_q[b], lens_k[b], head_dim), kv_heads, mask, o_chk, lse_chk
+            )
+            rows.append(row[:-1] + (planted, "pass"))
+    except AssertionError as e:
+        LOG["errors"].append(f"stage {stage} attention_varlen: {e}")
+        raise
+    _table(header, rows)
+    mask_txt = "causal" if causal else f"window {window}" if window else "no mask"
+    print(
+        f"stage {stage} ({track}) attention_varlen on {arch.gpu_description()}: {len(lens_q)} "
+        f"packed sequences, H = {heads}, Hkv = {kv_heads}, D = {head_dim}, {mask_txt}"
+    )
+    LOG["verified"].append((stage, track, ("varlen", tuple(lens_q), tuple(lens_k))))
+    return rows
+
+
+def measure_masks(stage, shapes, mask_options=None, with_fa4=False):
+    """GPU mode: time the stage with each mask of `mask_options` ({label: attention() options},
+    default causal) and without a mask, at each (B, H, Sq, Sk, D), all in the same run (inputs
+    rotated past L2); causal also against SDPA flash and cuDNN causal (and FA4 with with_fa4).
+    FLOPs: causal as the FlashAttention papers count it (half the full count), other masks the
+    visible (query, key) pairs x 4 D. Next to each time: its ratio to the no-mask time and the
+    share of tile pairs the kernel computes (common.masks.tile_counts), the ideal of that ratio.
+    Compile-only mode: skipped."""
+    if MODE != "gpu":
+        _skip("Measure", stage)
+        return None
+    track = arch.track()
+    if not available(stage, track):
+        return None
+    from . import masks, plots
+    from .bench import gpu_and_date
+    from .benchmarks import measure as bench_measure
+    from .cases import make_case
+
+    mask_options = mask_options or {"causal": dict(causal=True)}
+    bM, bN = kernel_config(stage, track).get("cta_tile", (128, 128))[:2]
+    entry = getattr(stages.track_module(stage, track), "attention")
+    gpu, date = gpu_and_date()
+    me = f"stage {stage}"
+    results, rows = {}, []
+    for shape in shapes:
+        B, H, Sq, Sk, D = shape
+        full_case = make_case(stage, track, tuple(shape), seed=1)
+        ms_full, tf_full = bench_measure(full_case, names=())[me]
+        res = {f"{me} (no mask)": tf_full}
+        rows.append(
+            (str(tuple(shape)), me, "none", f"{ms_full:.3f}", f"{tf_full:.0f}", "1.00", "1.00")
+        )
+        for label, opts in mask_options.items():
+            left, right = masks.resolve_window(
+                opts.get("causal", False), opts.get("window"), Sq, Sk
+            )
+            counts = masks.tile_counts(Sq, Sk, left, right, bM, bN)
+            share = (counts["partial"] + counts["full"]) / counts["all"]
+            if opts == {"causal": True}:
+                case = make_case(stage, track, tuple(shape), seed=1, with_fa4=with_fa4, causal=True)
+                timed = bench_measure(case)
+            else:
+                case = dataclasses.replace(
+                    full_case,
+                    fn=lambda q, k, v, o=dict(opts): entry(q, k, v, **o),
+                    flops=4 * B * H * D * masks.visible_pairs(Sq, Sk, left, right),
+                    baselines={},
+                )
+                timed = bench_measure(case, names=())
+            for name, (ms, tf) in timed.items():
+                mine = name == me
+                res[f"{name} ({label})"] = tf
+                rows.append(
+                    (
+                        str(tuple(shape)),
+                        name,
+                        label,
+                        f"{ms:.3f}",
+                        f"{tf:.0f}",
+                        f"{ms / ms_full:.2f}" if mine else "-",
+                        f"{share:.3f}" if mine else "-",
+                    )
+                )
+        results[str(tuple(shape))] = res
+        torch.cuda.empty_cache()
+    _table(
+        (
+            "shape",
+            "kernel",
+            "mask",
+            "ms",
+            "TFLOP/s",
+            f"time / {me} no-mask time",
+            "tile pairs computed / all",
+        ),
+        rows,
+    )
+    print(
+        f"measured on {gpu}, {date}; medians of CUDA-event timings after warm-up, all in this run. "
+        "The last two columns side by side: the time the mask saves against the tiles it skips."
+    )
+    LOG["measured"].append((stage, track))
+    plots.bench_bars(results, f"stage {stage} ({track}) with masks on {gpu}, {date}")
+    return results
+
+
+def measure_varlen(stage, lens=None, heads=16, head_dim=128, causal=(False, True), with_fa4=False):
+    """GPU mode: packed sequences (lens tokens each; default varlen_lengths(), make bench's batch)
+    through the stage's attention_varlen, against the same batch padded to the longest sequence
+    through the stage's own attention() (B = len(lens): the work padding costs) and through SDPA
+    cuDNN with a key-padding mask (where cuDNN refuses the mask: without it, the same padded
+    work, as make bench does), and FA4's varlen with with_fa4, all in the same run. Useful
+    TFLOP/s count the real tokens' FLOPs only. The padded runs are timed, not checked (the
+    stage's padded run has no key-padding mask; its time is that of the padded work).
+    Compile-only mode: skipped."""
+    if MODE != "gpu":
+        _skip("Measure", stage)
+        return None
+    track = arch.track()
+    if not available(stage, track):
+        return None
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from . import bench, plots, reference
+    from .bench import gpu_and_date
+    from .checker import no_poison
+
+    lens = list(lens or varlen_lengths())
+    mod = stages.track_module(stage, track)
+    gpu, date = gpu_and_date()
+    H, D, n_seq = heads, head_dim, len(lens)
+    total, longest = sum(lens), max(lens)
+    offsets = [0]
+    for n in lens:
+        offsets.append(offsets[-1] + n)
+    cu = torch.tensor(offsets, dtype=torch.int32, device=DEVICE)
+    q, k, v = (torch.randn(total, H, D, device=DEVICE).to(torch.bfloat16) for _ in range(3))
+    padded = [torch.zeros(n_seq, H, longest, D, device=DEVICE, dtype=q.dtype) for _ in range(3)]
+    keep = torch.zeros(n_seq, longest, dtype=torch.bool, device=DEVICE)
+    for b, n in enumerate(lens):
+        for t, src in zip(padded, (q, k, v)):
+            t[b, :, :n] = src[offsets[b] : offsets[b] + n].transpose(0, 1)
+        keep[b, :n] = True
+    fa4 = None
+    if with_fa4:
+        try:
+            from flash_attn.cute import flash_attn_varlen_func as fa4
+        except Exception:
+            note("FA4 (flash_attn.cute) does not import here: its varlen row is left out.")
+    me = f"stage {stage}"
+    results, rows = {}, []
+    with no_poison():
+        for c in causal:
+            flops = sum(reference.attention_flops(1, H, n, n, D, c) for n in lens)
+            runs = {
+                f"{me} packed": lambda c=c: mod.attention_varlen(
+                    q, k, v, cu, cu, longest, longest, causal=c
+                ),
+                f"{me} padded batch": lambda c=c: mod.attention(*padded, causal=c),
+            }
+            qi = torch.arange(longest, device=DEVICE)
+            sdpa_mask = keep[:, None, None, :]
+            if c:
+                sdpa_mask = sdpa_mask & (qi[None, :] <= qi[:, None])[None, None]
+
+            def cudnn(m=sdpa_mask):
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return torch.nn.functional.scaled_dot_product_attention(*padded, attn_mask=m)
+
+            def cudnn_unmasked(c=c):
+                # Where cuDNN takes no boolean mask: the same padded work (the padding's results
+                # are discarded), as make bench falls back to.
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return torch.nn.functional.scaled_dot_product_attention(*padded, is_causal=c)
+
+            runs["SDPA cuDNN padded (key mask)"] = cudnn
+            runs["SDPA cuDNN padded (no mask, same work)"] = cudnn_unmasked
+            if fa4 is not None:
+                runs["FA4 varlen"] = lambda c=c: fa4(
+                    q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=c
+                )
+            timed = {}
+            for name, fn in runs.items():
+                if name.startswith("SDPA cuDNN padded (no mask") and any(
+                    n.startswith("SDPA cuDNN") for n in timed
+                ):
+                    continue  # the masked run worked: no fallback needed
+                try:
+                    fn()
+                    timed[name] = bench.time_ms(fn, [()])
+                except Exception as e:  # a backend that cannot run this is reported, not fatal
+                    print(f"{name}: not available ({type(e).__name__}: {str(e)[:80]})")
+            mine = timed.get(f"{me} packed")
+            label = "causal" if c else "no mask"
+            res = {}
+            for name, ms in timed.items():
+                tf = bench.tflops(flops, ms)
+                res[name] = tf
+                pairs = total if "packed" in name or "varlen" in name else n_seq * longest
+                rows.append(
+                    (
+                        label,
+                        name,
+                        f"{pairs} x {H}",
+                        f"{ms:.3f}",
+                        f"{tf:.0f}",
+                        "-" if name == f"{me} packed" or mine is None else f"{ms / mine:.2f}x",
+                    )
+                )
+            results[label] = res
+    _table(
+        ("mask", "kernel", "query rows x heads", "ms", "useful TFLOP/s", "packed speed-up"),
+        rows,
+    )
+    print(
+        f"measured on {gpu}, {date}: {n_seq} sequences of {min(lens)}-{longest} tokens "
+        f"({total} in all; padded: {n_seq} x {longest} = {n_seq * longest}), H = {H}, D = {D}; "
+        "useful TFLOP/s count the real tokens' FLOPs only"
+    )
+    LOG["measured"].append((stage, track))
+    plots.bench_bars(results, f"stage {stage} ({track}) packed vs padded on {gpu}, {date}")
+    return results
+
+
+def measure_calls(stage, calls, title=None):
+    """GPU mode: time each of `calls` ({label: (fn, flops)}, fn() launching the work on inputs it
+    holds) in the same run (medians of CUDA-event timings after warm-up, inputs not rotated: use
+    inputs larger than L2), print ms and TFLOP/s next to the first call's, draw the bars, return
+    {label: TFLOP/s}. For comparisons the other helpers do not make (GQA against MHA, say).
+    Compile-only mode: skipped."""
+    if MODE != "gpu":
+        _skip("Measure", stage)
+        return None
+    track = arch.track()
+    if not available(stage, track):
+        return None
+    from . import bench, plots
+    from .checker import no_poison
+
+    gpu, date = bench.gpu_and_date()
+    rows, res, first = [], {}, None
+    with no_poison():
+        for label, (fn, flops) in calls.items():
+            fn()
+            ms = bench.time_ms(lambda: fn(), [()])
+            tf = bench.tflops(flops, ms)
+            first = first if first is not None else tf
+            res[label] = tf
+            rows.append((label, f"{ms:.3f}", f"{tf:.0f}", f"{tf / first:.2f}"))
+    _table(("call", "ms", "TFLOP/s", f"TFLOP/s / {next(iter(calls))}'s"), rows)
+    print(f"measured on {gpu}, {date}; all in this run")
+    LOG["measured"].append((stage, track))
+    plots.bench_bars({title or f"stage {stage}": res}, f"stage {stage} ({track}) on {gpu}, {date}")
+    return res
 
 
 # --------------------------------------------------------------------------------------------

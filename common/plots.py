@@ -57,6 +57,9 @@ KERNEL_COLORS = {
     "stage 3": "#17BECF",
     "stage 4": "#9467BD",
     "stage 5": "#D62728",
+    "stage 6": "#B07AA1",
+    "stage 7": "#EDC948",
+    "stage 8": "#17344F",
     "cuBLAS (torch.matmul)": "#7F7F7F",
     "SDPA flash": "#1F77B4",
     "SDPA cuDNN": "#2CA02C",
@@ -1938,3 +1941,764 @@ def plot_attention_bench(curves, title, path=None):
     if path:
         fig.savefig(path, dpi=120)
     return fig
+
+
+# --------------------------------------------------------------------------------------------
+# Stage 6: masks over (query tile, key tile)
+# --------------------------------------------------------------------------------------------
+
+# The three classes of common.masks.tile_map, one colour each in every picture.
+TILE_CLASS_COLORS = {0: "#F2F2F2", 1: "#F2C14E", 2: "#4C72B0"}
+TILE_CLASS_NAMES = {
+    0: "skipped: neither loaded nor multiplied",
+    1: "partial: loaded, element mask applied",
+    2: "full: stage 5's loop body, no mask",
+}
+
+
+def mask_tile_maps(cases, bM=128, bN=128, path=None):
+    """One panel per case (title, Sq, Sk, causal, window): the (Q tile, KV tile) grid as the
+    kernel classifies it (common.masks.tile_map: skipped, partial, full), tiles numbered from 0,
+    with the band's two edges drawn in element coordinates (dashed: the first key a row sees,
+    j = i + band_lo; solid: one past the last, j = i + band_hi + 1) and the end of the keys
+    (dotted, where Sk is not a tile multiple)."""
+    from . import masks
+
+    tallest = max(-(-Sq // bM) / -(-Sk // bN) for _, Sq, Sk, _, _ in cases)
+    height = min(8.0, FIG_WIDTH / len(cases) * 0.62 * max(1.0, tallest) + 2.4)
+    fig, axes = plt.subplots(1, len(cases), figsize=(FIG_WIDTH, height), squeeze=False)
+    for ax, (title, Sq, Sk, causal, window) in zip(axes[0], cases):
+        left, right = masks.resolve_window(causal, window, Sq, Sk)
+        tiles = masks.tile_map(Sq, Sk, left, right, bM, bN)
+        counts = masks.tile_counts(Sq, Sk, left, right, bM, bN)
+        q_tiles, kv_tiles = tiles.shape
+        for m in range(q_tiles):
+            for n in range(kv_tiles):
+                _box(ax, n, m, 1, 1, TILE_CLASS_COLORS[int(tiles[m, n])], lw=0.5)
+        band_lo, band_hi = Sk - Sq - left, Sk - Sq + right
+        for d, style in ((band_lo, "--"), (band_hi + 1, "-")):
+            ax.plot([d / bN, (Sq + d) / bN], [0, Sq / bM], color="black", lw=1.4, ls=style)
+        if Sk % bN:
+            ax.plot([Sk / bN] * 2, [0, q_tiles], color="black", lw=1.2, ls=":")
+        if Sq % bM:
+            ax.plot([0, kv_tiles], [Sq / bM] * 2, color="black", lw=1.2, ls=":")
+        ax.set_xlim(0, kv_tiles)
+        ax.set_ylim(q_tiles, 0)
+        ax.set_aspect("equal")
+        step = max(1, kv_tiles // 8)
+        ax.set_xticks(
+            [n + 0.5 for n in range(0, kv_tiles, step)], [str(n) for n in range(0, kv_tiles, step)]
+        )
+        step = max(1, q_tiles // 8)
+        ax.set_yticks(
+            [m + 0.5 for m in range(0, q_tiles, step)], [str(m) for m in range(0, q_tiles, step)]
+        )
+        ax.tick_params(labelsize=9)
+        ax.set_xlabel(f"KV tile ({bN} keys)", fontsize=9)
+        ax.set_ylabel(f"Q tile ({bM} rows)", fontsize=9)
+        ax.set_title(
+            f"{title}\nSq = {Sq}, Sk = {Sk}\n{counts['full']} full, {counts['partial']} partial, "
+            f"{counts['skipped']} skipped",
+            fontsize=9.5,
+        )
+    handles = [
+        Patch(facecolor=TILE_CLASS_COLORS[c], edgecolor="black", label=TILE_CLASS_NAMES[c])
+        for c in (2, 1, 0)
+    ]
+    handles += [
+        Line2D([], [], color="black", ls="--", label="first key a row sees (j = i + band_lo)"),
+        Line2D([], [], color="black", ls="-", label="last key a row sees (j = i + band_hi)"),
+    ]
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=9, frameon=False)
+    return _finish(fig, path, rect=(0, 0.65 / height, 1, 1))
+
+
+def mask_alignment(shapes=((4, 7), (7, 4)), path=None):
+    """The two causal conventions element by element, for each (Sq, Sk) in `shapes`: top-left
+    (SDPA's is_causal: row i sees keys j <= i) and bottom-right (FlashAttention's and this
+    tutorial's: j <= i + Sk - Sq, so the last row sees every key). Rows that see no key are
+    hatched: their O is 0 and their LSE -inf in the kernels."""
+    fig, axes = plt.subplots(
+        len(shapes),
+        2,
+        figsize=(min(FIG_WIDTH, 9.5), 0.42 * sum(sq for sq, _ in shapes) + 1.6 * len(shapes)),
+        squeeze=False,
+    )
+    for r, (Sq, Sk) in enumerate(shapes):
+        rules = (
+            ("top-left (SDPA is_causal=True)", lambda i, j: j <= i, "j <= i"),
+            (
+                "bottom-right (FlashAttention, this tutorial)",
+                lambda i, j: j <= i + Sk - Sq,
+                f"j <= i + {Sk - Sq}" if Sk >= Sq else f"j <= i - {Sq - Sk}",
+            ),
+        )
+        for c, (name, sees, rule) in enumerate(rules):
+            ax = axes[r, c]
+            for i in range(Sq):
+                none = not any(sees(i, j) for j in range(Sk))
+                for j in range(Sk):
+                    _box(
+                        ax,
+                        j,
+                        i,
+                        1,
+                        1,
+                        C["q"] if sees(i, j) else C["free"],
+                        lw=0.6,
+                        hatch="//" if none else None,
+                        ec=C["race"] if none else "black",
+                    )
+                if none:
+                    ax.text(Sk + 0.15, i + 0.5, "no key", fontsize=9, va="center", color=C["race"])
+            ax.set_xlim(0, Sk + 1.6)
+            ax.set_ylim(Sq, 0)
+            ax.set_aspect("equal")
+            ax.set_xticks([j + 0.5 for j in range(Sk)], [str(j) for j in range(Sk)])
+            ax.set_yticks([i + 0.5 for i in range(Sq)], [str(i) for i in range(Sq)])
+            ax.tick_params(labelsize=9, length=0)
+            for side in ("top", "right", "bottom", "left"):
+                ax.spines[side].set_visible(False)
+            ax.set_xlabel("key j", fontsize=9)
+            ax.set_ylabel("query row i", fontsize=9)
+            ax.set_title(f"{name}\nSq = {Sq}, Sk = {Sk}: {rule}", fontsize=9.5)
+    return _finish(fig, path)
+
+
+# --------------------------------------------------------------------------------------------
+# Stage 7: GQA heads, packed sequences, the CTA grid of a ragged batch
+# --------------------------------------------------------------------------------------------
+
+
+def gqa_head_map(H=32, Hkv=8, path=None):
+    """Which KV head each query head reads: h // (H / Hkv), as SDPA's enable_gqa. The group of
+    H / Hkv query heads that share a KV head has one colour; their CTAs read the same K and V
+    tiles (TMA coordinates, no copy), which L2 serves after the first read."""
+    if H % Hkv:
+        raise ValueError(f"H = {H} is not a multiple of Hkv = {Hkv}")
+    group = H // Hkv
+    fig, ax = plt.subplots(figsize=(FIG_WIDTH, 3.2))
+    colors = ("#DCEAF7", "#FBE3D6", "#E2F0D9", "#EDE1F5")
+    for h in range(H):
+        _box(ax, h + 0.05, 0, 0.9, 0.8, colors[(h // group) % 4], lw=0.6, text=str(h), fontsize=9)
+    for g in range(Hkv):
+        x0 = g * group + 0.1
+        _box(
+            ax,
+            x0,
+            2.2,
+            group - 0.2,
+            0.8,
+            colors[g % 4],
+            lw=0.9,
+            text=f"KV head {g}" if group >= 2 else str(g),
+            fontsize=9,
+        )
+        for h in range(g * group, (g + 1) * group):
+            ax.plot([h + 0.5, x0 + (group - 0.2) / 2], [0.8, 2.2], color=C["grid"], lw=0.7)
+    ax.text(-0.3, 0.4, "query\nheads", ha="right", va="center", fontsize=9)
+    ax.text(-0.3, 2.6, "K / V\nheads", ha="right", va="center", fontsize=9)
+    ax.set_xlim(-2.2, H + 0.2)
+    ax.set_ylim(3.4, -0.9)
+    ax.axis("off")
+    ax.set_title(
+        f"GQA with H = {H} query heads and Hkv = {Hkv} KV heads: query head h reads KV head "
+        f"h // {group}\n({'MQA: ' if Hkv == 1 else ''}each K/V tile is read by {group} CTAs, one "
+        "per query head of its group; nothing is copied or expanded)",
+        fontsize=10,
+    )
+    return _finish(fig, path)
+
+
+def varlen_cta_map(
+    lens_q, lens_k=None, heads=2, bM=128, bN=128, causal=False, window=None, path=None
+):
+    """The CTA grid of a packed batch: one CTA per (Q tile, head, sequence), as many Q tiles per
+    sequence as the longest has (grid = (ceil(max_seqlen_q / bM), H, sequences)). Each cell gives
+    the number of KV tiles that CTA computes (its kv_tile_range, per-sequence lengths and mask);
+    hatched cells start past their sequence's end: an empty range, no K or V loaded, nothing
+    stored (the CTA still loads its Q tile). Dotted
+    cells are a sequence's last Q tile, whose rows past the end are not stored. `heads` of the
+    H heads are drawn (every head has the same picture)."""
+    from . import masks
+
+    lens_k = list(lens_q) if lens_k is None else list(lens_k)
+    n_seq = len(lens_q)
+    q_tiles = max(1, -(-max(lens_q) // bM))
+    rows = [(b, h) for b in range(n_seq) for h in range(heads)]
+    fig, ax = plt.subplots(figsize=(min(FIG_WIDTH, 4.2 + 0.9 * q_tiles), 1.9 + 0.34 * len(rows)))
+    cmap = plt.get_cmap("Blues")
+    most = 1
+    work = {}
+    for b in range(n_seq):
+        Sq, Sk = lens_q[b], lens_k[b]
+        for m in range(q_tiles):
+            if m * bM >= Sq:
+                work[b, m] = None
+                continue
+            left, right = masks.resolve_window(causal, window, Sq, Sk)
+            lo, hi = masks.kv_tile_range(m, Sq, Sk, left, right, bM, bN)
+            work[b, m] = hi - lo
+            most = max(most, hi - lo)
+    busy = 0
+    for y, (b, h) in enumerate(rows):
+        for m in range(q_tiles):
+            w = work[b, m]
+            if w is None:
+                _box(ax, m, y, 1, 1, "#EEEEEE", lw=0.5, hatch="//", text="-", fontsize=9)
+                continue
+            busy += 1
+            last = (m + 1) * bM > lens_q[b]
+            shade = 0.15 + 0.6 * w / most
+            _box(
+                ax,
+                m,
+                y,
+                1,
+                1,
+                cmap(shade),
+                lw=1.4 if last else 0.5,
+                ls=":" if last else "-",
+                text=str(w),
+                fontsize=9,
+                tc="white" if shade > 0.5 else "black",
+            )
+    ax.set_xlim(0, q_tiles)
+    ax.set_ylim(len(rows), 0)
+    ax.set_xticks([m + 0.5 for m in range(q_tiles)], [str(m) for m in range(q_tiles)])
+    ax.set_yticks(
+        [y + 0.5 for y in range(len(rows))],
+        [f"seq {b} (Sq={lens_q[b]}, Sk={lens_k[b]}) h{h}" for b, h in rows],
+    )
+    ax.tick_params(labelsize=9)
+    ax.set_xlabel(f"Q tile ({bM} rows): blockIdx.x", fontsize=9)
+    mask = "causal" if causal else ("window " + str(window) if window else "no mask")
+    ax.set_title(
+        f"grid = ({q_tiles}, H, {n_seq}); {mask}. Drawn: {heads} head(s) per sequence.\n"
+        f"{busy} of {len(rows) * q_tiles} CTAs have work (number: KV tiles computed); "
+        "hatched: empty range, no K/V, nothing stored",
+        fontsize=9.5,
+    )
+    handles = [
+        Patch(facecolor="#EEEEEE", hatch="//", edgecolor="black", label="past the sequence's end"),
+        Patch(
+            facecolor=cmap(0.4),
+            edgecolor="black",
+            ls=":",
+            lw=1.4,
+            label="last Q tile: rows past the end not stored",
+        ),
+    ]
+    fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=9, frameon=False)
+    fig_h = fig.get_size_inches()[1]
+    return _finish(fig, path, rect=(0, 0.45 / fig_h, 1, 1))
+
+
+def packed_rows(lens, bM=128, path=None):
+    """Packed sequences (FlashAttention's varlen layout) along the token axis, and the Q tiles of
+    each sequence under it: tile m of sequence b covers packed rows cu_seqlens[b] + bM m onwards.
+    TMA clips a tile only at the packed tensor's end (total rows), so the part of a last tile
+    past its sequence reads the next sequence's rows (hatched): those Q rows are computed and
+    never stored, those keys are masked to -inf and those V rows zeroed in shared memory."""
+    lens = list(lens)
+    offs = [0]
+    for n in lens:
+        offs.append(offs[-1] + n)
+    total = offs[-1]
+    n_seq = len(lens)
+    fig, ax = plt.subplots(figsize=(FIG_WIDTH, 2.0 + 0.55 * n_seq))
+    unit = max(total, 1) / 10.0
+    colors = ("#DCEAF7", "#FBE3D6", "#E2F0D9", "#EDE1F5")
+    for b, n in enumerate(lens):
+        if n:
+            _box(
+                ax,
+                offs[b],
+                0,
+                n,
+                0.8,
+                colors[b % 4],
+                lw=0.8,
+                text=f"seq {b}: {n}" if n > 0.6 * unit else str(b),
+                fontsize=9,
+            )
+    ax.text(-0.02 * total, 0.4, "packed\nrows", ha="right", va="center", fontsize=9)
+    for b, n in enumerate(lens):
+        y = 1.3 + 0.65 * b
+        tiles = -(-n // bM)
+        for m in range(tiles):
+            a = offs[b] + m * bM
+            inside = min(a + bM, offs[b + 1]) - a
+            _box(
+                ax,
+                a,
+                y,
+                inside,
+                0.5,
+                colors[b % 4],
+                lw=0.6,
+                text=f"tile {m}" if inside > 0.5 * unit else None,
+                fontsize=9,
+            )
+            beyond = min(a + bM, total) - (a + inside)
+            if beyond > 0:
+                _box(ax, a + inside, y, beyond, 0.5, "#FFFFFF", ec=C["race"], lw=1.0, hatch="//")
+            if a + bM > total:
+                _box(
+                    ax,
+                    min(a + inside + beyond, total),
+                    y,
+                    a + bM - max(total, a + inside),
+                    0.5,
+                    "none",
+                    ec=C["grid"],
+                    lw=0.8,
+                    ls=":",
+                )
+        ax.text(-0.02 * total, y + 0.25, f"seq {b}", ha="right", va="center", fontsize=9)
+    ax.set_xlim(-0.16 * total, total + bM + 0.02 * total)
+    ax.set_ylim(1.3 + 0.65 * n_seq + 0.1, -0.3)
+    ax.set_yticks([])
+    ticks = [0]
+    for o in offs[1:]:
+        if o - ticks[-1] < 0.04 * max(total, 1) and o == total and len(ticks) > 1:
+            ticks.pop()
+        if o - ticks[-1] >= 0.04 * max(total, 1) or o == total:
+            ticks.append(o)
+    ax.set_xticks(ticks, [str(o) for o in ticks])
+    ax.tick_params(labelsize=9)
+    ax.set_xlabel("packed row (cu_seqlens marked)", fontsize=9)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    ax.set_title(
+        f"{n_seq} packed sequences, {total} rows, Q tiles of {bM}: TMA clips only at row {total}",
+        fontsize=10,
+    )
+    handles = [
+        Patch(
+            facecolor="white",
+            edgecolor=C["race"],
+            hatch="//",
+            label="read by TMA, belongs to the next sequence",
+        ),
+        Patch(
+            facecolor="none",
+            edgecolor=C["grid"],
+            ls=":",
+            label="past the tensor: clipped by TMA (zeros)",
+        ),
+    ]
+    fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=9, frameon=False)
+    fig_h = fig.get_size_inches()[1]
+    return _finish(fig, path, rect=(0, 0.4 / fig_h, 1, 1))
+
+
+# --------------------------------------------------------------------------------------------
+# Stage 8: warp roles and the ping-pong schedule (Hopper)
+# --------------------------------------------------------------------------------------------
+
+
+def warp_specialized_roles(
+    threads=384,
+    load_registers=24,
+    mma_registers=240,
+    kv_slots=6,
+    mma_warpgroups=2,
+    cta_tile=(128, 128, 128),
+    register_file=65536,
+    path=None,
+):
+    """Stage 8's CTA (the arguments are the kernel's own settings, nb.kernel_config(8)):
+    warpgroup 0 the TMA producer (its warp 0 issues every load; setmaxnreg.dec to
+    load_registers), warpgroups 1 and 2 the consumers (64 query rows each; setmaxnreg.inc to
+    mma_registers); the K/V ring of kv_slots slots, ring entry 2 t = K of step t, 2 t + 1 its V,
+    entry e in slot e % kv_slots; the register file split below."""
+    bM, bN, D = cta_tile
+    rows = bM // mma_warpgroups
+    at_entry = register_file // threads // 8 * 8
+    fig, ax = plt.subplots(figsize=(FIG_WIDTH, 6.2))
+    _box(
+        ax,
+        0,
+        0,
+        3.4,
+        1.5,
+        "#DCEAF7",
+        text=f"warpgroup 0: producer (warps 0-3)\nwarp 0, one thread: TMA loads\nwarps 1-3: no work\nsetmaxnreg.dec -> {load_registers} registers",
+        fontsize=9.5,
+    )
+    for w in range(mma_warpgroups):
+        _box(
+            ax,
+            0,
+            2.0 + 1.7 * w,
+            3.4,
+            1.4,
+            "#EDE1F5",
+            text=f"warpgroup {w + 1}: consumer (warps {4 * (w + 1)}-{4 * (w + 1) + 3})\n"
+            f"query rows {rows * w}-{rows * (w + 1) - 1}: QK^T, softmax, PV\n"
+            f"setmaxnreg.inc -> {mma_registers} registers",
+            fontsize=9.5,
+        )
+    # shared memory: Q and the ring
+    x0 = 4.5
+    _box(ax, x0, 0, 1.2, 1.5, C["q"], text=f"Q\n{bM} x {D}", tc="white", fontsize=9.5)
+    width = (11.0 - x0 - 1.35) / kv_slots
+    for s in range(kv_slots):
+        entries = [e for e in range(s, 2 * kv_slots + s, kv_slots)][:2]
+        label = "\n".join(("K" if e % 2 == 0 else "V") + str(e // 2) for e in entries)
+        _box(
+            ax,
+            x0 + 1.35 + s * width,
+            0,
+            width - 0.08,
+            1.5,
+            # an odd slot count lets a slot hold K and V tiles in turn
+            C["k"]
+            if s % 2 == 0 and kv_slots % 2 == 0
+            else C["v"]
+            if kv_slots % 2 == 0
+            else "#E8D9C0",
+            alpha=0.8,
+            text=f"{'slot ' if kv_slots <= 8 else ''}{s}\n{label}",
+            fontsize=9,
+        )
+    ax.text(
+        x0,
+        -0.25,
+        f"shared memory: Q + {kv_slots} slots of {bN} x {D} (K or V); ring entry e -> slot "
+        f"e % {kv_slots}",
+        fontsize=9.5,
+    )
+    _arrow(ax, (3.4, 0.55), (x0, 0.55), "TMA: Q, K_j, V_j", dy=-0.22)
+    _arrow(ax, (x0 + 3.0, 1.5), (3.4, 2.6), "full: data landed", dy=0.0)
+    _arrow(
+        ax,
+        (3.4, 3.0),
+        (x0 + 4.0, 1.5),
+        "empty: 8 consumer warps released",
+        dy=0.25,
+        color=C["grid"],
+    )
+    ax.text(
+        3.6,
+        4.05,
+        "named barriers 2, 3: the tensor-core turn\n(PV_j + QK_(j+1) of one warpgroup at a time)",
+        fontsize=9.5,
+        va="center",
+    )
+    _arrow(ax, (1.7, 3.4), (1.7, 3.7), style="<->", lw=1.6)
+    # the register file
+    y = 5.6
+    total = register_file
+    parts = [
+        (128 * load_registers, "#DCEAF7", f"producer 128 x {load_registers}"),
+        (
+            128 * mma_warpgroups * mma_registers,
+            "#EDE1F5",
+            f"consumers {128 * mma_warpgroups} x {mma_registers}",
+        ),
+    ]
+    used = sum(p for p, _, _ in parts)
+    parts.append((total - used, "#FFFFFF", "unused"))
+    x = 0.0
+    scale = 11.0 / total
+    for i, (n, col, lab) in enumerate(parts):
+        _box(ax, x, y, n * scale, 0.55, col, lw=0.8)
+        where, ha = [(x, "left"), (x + n * scale / 2, "center"), (x + n * scale, "right")][i]
+        ax.text(where, y + 0.85, f"{lab} = {n:,}" if n else "", ha=ha, fontsize=9)
+        x += n * scale
+    ax.text(
+        0,
+        y - 0.3,
+        f"register file of the SM: {total:,} x 32 bit; at entry {threads} threads x {at_entry} = "
+        f"{threads * at_entry:,}; after setmaxnreg {used:,}",
+        fontsize=9.5,
+    )
+    ax.set_xlim(-0.2, 11.2)
+    ax.set_ylim(6.9, -0.6)
+    ax.axis("off")
+    ax.set_title(
+        f"Stage 8 CTA: {threads} threads in {threads // 128} warpgroups, one producer and "
+        f"{mma_warpgroups} consumers",
+        fontsize=11,
+    )
+    return _finish(fig, path)
+
+
+def hopper_unit_times(head_dim=128, block_n=128, rows=64, tc_tflops=989.0, exp_tflops=3.9, sms=132):
+    """(QK^T, softmax, PV) time in ns of one consumer warpgroup's `rows` query rows against one
+    KV tile of block_n keys on one SM, from the FlashAttention-3 paper's H100 SXM5 throughputs:
+    989 TFLOP/s of bf16/fp16 matrix multiply and 3.9 TFLOP/s of special functions (exp2), over
+    132 SMs. The softmax time counts only the exponentials (one per score); the other softmax
+    instructions (max, sum, scale, conversion, O rescale) are left out."""
+    per_sm_tc = tc_tflops * 1e12 / sms
+    per_sm_exp = exp_tflops * 1e12 / sms
+    gemm = 2 * rows * block_n * head_dim / per_sm_tc * 1e9
+    softmax = rows * block_n / per_sm_exp * 1e9
+    return gemm, softmax, gemm
+
+
+def attention_schedule(
+    pingpong,
+    steps=3,
+    qk_time=1.0,
+    softmax_time=1.0,
+    pv_time=1.0,
+    qk_instr=8,
+    pv_instr=8,
+    dt=None,
+    final_pass=True,
+):
+    """A model of the two consumer warpgroups' loop over `steps` KV tiles (durations illustrative
+    unless taken from hopper_unit_times). Shared units: the tensor cores serve wgmma instructions
+    in the order they were issued (two warpgroups issuing at the same moment interleave theirs),
+    and the exp units are shared equally between the warpgroups running a softmax.
+
+    pingpong=False is stage 7: the two warpgroups issue QK_j together, run their softmax together
+    and issue PV_j together (they meet at V_j, which the producer loads once both have released
+    K_j). pingpong=True is stage 8: the turn of the tensor cores (named barriers 2 and 3) is PV_j
+    with QK_(j+1); a warpgroup waits for its turn before PV_j (warpgroup 2 also before QK_0) and
+    passes it right after issuing QK_(j+1) (warpgroup 1 also after its last PV).
+
+    Returns {"tc": [(start, end, wg, label)], "softmax": {wg: [(start, end, label, shared)]},
+    "waits": {wg: [(start, end, reason)]}, "end": t, "tc_busy": fraction, "turns": {barrier:
+    completions}, "pending": {barrier: arrives never waited for}}. final_pass=False drops
+    warpgroup 1's pass after its last PV (a lost arrive): the model then raises Deadlock, as the
+    kernel would hang."""
+    if dt is None:
+        dt = min(qk_time, softmax_time, pv_time) / 60.0
+    progs = {}
+    for w in (1, 2):
+        ops = []
+        for j in range(steps):
+            if pingpong:
+                if j == 0 and w == 2:
+                    ops.append(("wait_turn",))
+                ops += [("issue", f"QK{j}", qk_instr, qk_time), ("pass_turn",), ("wait", "QK")]
+                ops += [("softmax", f"softmax {j}", softmax_time), ("wait_turn",)]
+                ops += [("issue", f"PV{j}", pv_instr, pv_time), ("wait", "PV")]
+            else:
+                ops += [("sync", f"K{j}"), ("issue", f"QK{j}", qk_instr, qk_time), ("wait", "QK")]
+                ops += [("softmax", f"softmax {j}", softmax_time), ("sync", f"V{j}")]
+                ops += [("issue", f"PV{j}", pv_instr, pv_time), ("wait", "PV")]
+        if pingpong and steps > 0 and w == 1 and final_pass:
+            ops.append(("pass_turn",))
+        progs[w] = ops
+    pc = {1: 0, 2: 0}
+    queue = []  # [wg, label, remaining] in the tensor cores' order
+    outstanding = {1: 0, 2: 0}
+    active = {}  # wg -> [label, remaining work]
+    tokens = {1: 0, 2: 0}  # turns passed to warpgroup w and not yet taken
+    turns = {2: 0, 3: 0}  # completions of named barrier 1 + w
+    at_sync = {}
+    tc, soft, waits = [], {1: [], 2: []}, {1: [], 2: []}
+    t = 0.0
+    limit = 100000 * max(1, steps)
+    for _ in range(limit):
+        before = dict(pc)
+        issued = {1: [], 2: []}
+        passed = {1: 0, 2: 0}
+        blocked = {}
+        for w in (1, 2):
+            while pc[w] < len(progs[w]):
+                op = progs[w][pc[w]]
+                kind = op[0]
+                if kind == "issue":
+                    _, label, n, work = op
+                    issued[w] += [[w, label, work / n] for _ in range(n)]
+                    outstanding[w] += n
+                    pc[w] += 1
+                elif kind == "pass_turn":
+                    passed[3 - w] += 1
+                    pc[w] += 1
+                elif kind == "wait_turn":
+                    if tokens[w] == 0:
+                        blocked[w] = "waits for its turn"
+                        break
+                    tokens[w] -= 1
+                    turns[1 + w] += 1
+                    pc[w] += 1
+                elif kind == "wait":
+                    if outstanding[w]:
+                        blocked[w] = f"waits for its {op[1]} wgmmas"
+                        break
+                    pc[w] += 1
+                elif kind == "sync":
+                    at_sync[w] = op[1]
+                    if at_sync.get(3 - w) == op[1]:
+                        # both arrived: both go on at the next moment, together
+                        pc[1] += 1
+                        pc[2] += 1
+                        at_sync.clear()
+                    else:
+                        blocked[w] = "waits for the other warpgroup" + (
+                            " (V_j)" if op[1].startswith("V") else ""
+                        )
+                    break
+                elif kind == "softmax":
+                    if w not in active:
+                        active[w] = [op[1], op[2]]
+                    break
+        # instructions issued at the same moment by both warpgroups interleave
+        for i in range(max(len(issued[1]), len(issued[2]))):
+            for w in (1, 2):
+                if i < len(issued[w]):
+                    queue.append(issued[w][i])
+        if pc[1] >= len(progs[1]) and pc[2] >= len(progs[2]) and not queue and not active:
+            break
+        if pc == before and not queue and not active and not any(passed.values()):
+            raise Deadlock(
+                f"deadlock at t = {t:.0f}: "
+                + "; ".join(f"warpgroup {w} {why}" for w, why in sorted(blocked.items()))
+            )
+        # the tensor cores: first come, first served
+        budget = dt
+        while budget > 1e-15 and queue:
+            head = queue[0]
+            use = min(budget, head[2])
+            start = t + dt - budget
+            if (
+                tc
+                and tc[-1][2] == head[0]
+                and tc[-1][3] == head[1]
+                and abs(tc[-1][1] - start) < 1e-9
+            ):
+                tc[-1] = (tc[-1][0], start + use, head[0], head[1])
+            else:
+                tc.append((start, start + use, head[0], head[1]))
+            head[2] -= use
+            budget -= use
+            if head[2] <= 1e-12:
+                queue.pop(0)
+                outstanding[head[0]] -= 1
+        # the exp units: shared equally
+        for w in list(active):
+            label, left = active[w]
+            shared = len(active) > 1
+            done = dt / len(active)
+            runs = soft[w]
+            if runs and runs[-1][2] == label and abs(runs[-1][1] - t) < 1e-9:
+                runs[-1] = (runs[-1][0], t + dt, label, runs[-1][3] or shared)
+            else:
+                runs.append((t, t + dt, label, shared))
+            active[w][1] = left - done
+            if active[w][1] <= 1e-12:
+                del active[w]
+                pc[w] += 1
+        for w, why in blocked.items():
+            runs = waits[w]
+            if runs and runs[-1][2] == why and abs(runs[-1][1] - t) < 1e-9:
+                runs[-1] = (runs[-1][0], t + dt, why)
+            else:
+                runs.append((t, t + dt, why))
+        for w in (1, 2):
+            tokens[w] += passed[w]
+        t += dt
+    else:
+        raise Deadlock(f"the schedule did not finish: pc = {pc}, tokens = {tokens}")
+    busy = sum(e - s for s, e, _, _ in tc)
+    return {
+        "tc": tc,
+        "softmax": soft,
+        "waits": waits,
+        "end": t,
+        "tc_busy": busy / t if t else 0.0,
+        "turns": turns,
+        "pending": {1 + w: tokens[w] for w in (1, 2)},
+    }
+
+
+WG_COLORS = {1: "#4C72B0", 2: "#DD8452"}
+
+
+def pingpong_timelines(head_dim=128, block_n=128, rows=64, steps=3, path=None, **rates):
+    """Stage 7 (top: both consumer warpgroups in lock-step) and stage 8 (bottom: ping-pong) on
+    one time axis, from attention_schedule with the durations of hopper_unit_times for this
+    head_dim, block_n and rows per warpgroup (the kernel's configuration): which warpgroup's
+    wgmma the tensor cores run, and when each warpgroup runs its softmax or waits. Loads are
+    assumed to arrive in time (the model leaves memory out)."""
+    qk, sm, pv = hopper_unit_times(head_dim, block_n, rows, **rates)
+    runs = [
+        (
+            attention_schedule(False, steps, qk, sm, pv, head_dim // 16, block_n // 16),
+            "stage 7: the two consumer warpgroups in lock-step",
+        ),
+        (
+            attention_schedule(True, steps, qk, sm, pv, head_dim // 16, block_n // 16),
+            "stage 8: ping-pong (named barriers hand over the tensor cores)",
+        ),
+    ]
+    t_max = max(r["end"] for r, _ in runs)
+    fig, axes = plt.subplots(2, 1, figsize=(FIG_WIDTH, 6.4), sharex=True)
+    lanes = ("tensor cores\n(wg 1 | wg 2)", "warpgroup 1", "warpgroup 2")
+    h = 0.7
+    for ax, (r, title) in zip(axes, runs):
+        # The tensor-core lane in two halves, one per warpgroup: a GEMM is drawn from its first
+        # instruction to its last; two GEMMs side by side in time share the tensor cores.
+        spans = {}
+        for s, e, w, label in r["tc"]:
+            a, b = spans.get((w, label), (s, e))
+            spans[w, label] = (min(a, s), max(b, e))
+        for (w, label), (s, e) in spans.items():
+            other = [
+                (a, b)
+                for (w2, _), (a, b) in spans.items()
+                if w2 != w and a < e - 1e-6 and b > s + 1e-6
+            ]
+            _box(
+                ax,
+                s,
+                -h / 2 + (w - 1) * h / 2,
+                e - s,
+                h / 2,
+                WG_COLORS[w],
+                lw=0.5,
+                hatch="xx" if other else None,
+                tc="white",
+                text=label if e - s > 0.04 * t_max else None,
+                fontsize=9,
+            )
+        for w in (1, 2):
+            for s, e, why in r["waits"][w]:
+                _box(ax, s, w - h / 2, e - s, h, C["wait"], lw=0.2, hatch="//", alpha=0.6)
+            for s, e, label, shared in r["softmax"][w]:
+                _box(
+                    ax,
+                    s,
+                    w - h / 2,
+                    e - s,
+                    h,
+                    C["softmax"],
+                    lw=0.5,
+                    hatch=".." if shared else None,
+                    tc="white",
+                    text=label.replace("softmax ", "S") if e - s > 0.04 * t_max else None,
+                    fontsize=9,
+                )
+        per_tile = r["end"] / steps
+        ax.set_yticks(range(3), lanes, fontsize=10)
+        ax.set_ylim(2.6, -0.6)
+        ax.set_xlim(0, t_max * 1.01)
+        ax.grid(axis="x", alpha=0.25)
+        ax.tick_params(axis="x", labelsize=9)
+        ax.set_title(
+            f"{title}: done at {r['end']:.0f} ns ({per_tile:.0f} ns per KV tile), tensor cores "
+            f"busy {100 * r['tc_busy']:.0f}%",
+            fontsize=10,
+        )
+    axes[-1].set_xlabel(
+        f"model time in ns on one SM, D = {head_dim}, {block_n}-key tiles, {rows} rows per "
+        f"warpgroup (one GEMM {qk:.0f} ns, one softmax {sm:.0f} ns)",
+        fontsize=9,
+    )
+    handles = [
+        Patch(facecolor=WG_COLORS[1], label="wgmma of warpgroup 1 (QK_j, PV_j)"),
+        Patch(facecolor=WG_COLORS[2], label="wgmma of warpgroup 2"),
+        Patch(facecolor="#999999", hatch="xx", label="both warpgroups' wgmma interleaved"),
+        Patch(facecolor=C["softmax"], label="softmax (exp2 of a 64 x 128 S tile)"),
+        Patch(facecolor=C["softmax"], hatch="..", label="softmax sharing the exp units"),
+        Patch(facecolor=C["wait"], hatch="//", label="waiting (MMA, turn, V_j)"),
+    ]
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=9, frameon=False)
+    return _finish(fig, path, rect=(0, 0.1, 1, 1))
