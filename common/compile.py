@@ -200,9 +200,16 @@ def ptxas_resources(ptx, arch):
         )
     text = p.stdout + p.stderr
     if p.returncode != 0:
-        return {
-            "error": text.strip().splitlines()[-1] if text.strip() else f"ptxas exit {p.returncode}"
-        }
+        lines = text.strip().splitlines()
+        too_old = next((ln for ln in lines if "Unsupported .version" in ln), None)
+        if too_old:
+            # A ptxas older than the PTX ISA the DSL writes (the H200 machine's CUDA 13.0 ptxas
+            # and the DSL's cu13 build): not an error of the kernel.
+            return {
+                "error": f"{exe} cannot assemble this PTX ({too_old.split(':', 2)[-1].strip()})",
+                "ptxas_too_old": True,
+            }
+        return {"error": lines[-1] if lines else f"ptxas exit {p.returncode}"}
     res = {}
     m = re.search(r"Used (\d+) registers", text)
     if m:

@@ -121,6 +121,8 @@ def test_every_shape_compiles_to_one_kernel_within_200_registers(dtype, D):
     assert ragged.ptx == whole.ptx
     if ragged.resources is None:
         pytest.skip("ptxas is not installed: the register count is not checked")
+    if ragged.resources.get("ptxas_too_old"):
+        pytest.skip(ragged.resources["error"])
     assert "registers" in ragged.resources, ragged.resources
     # Before (static layouts, one compile per shape, the mask compiled in when Sk % 128 != 0):
     # 155 (bf16) / 190 (fp16) registers at Sk = 128 and 153 / 153 at Sk = 100; now 157 / 188 for

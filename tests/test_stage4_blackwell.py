@@ -125,6 +125,8 @@ def test_every_shape_compiles_to_one_kernel_within_200_registers(dtype, D):
     assert ragged.ptx == whole.ptx
     if ragged.resources is None:
         pytest.skip("ptxas is not installed: the register count is not checked")
+    if ragged.resources.get("ptxas_too_old"):
+        pytest.skip(ragged.resources["error"])
     assert "registers" in ragged.resources, ragged.resources
     # Before (static layouts, one compile per shape, the mask compiled into every KV tile when
     # Sk % 128 != 0): 167 registers; now 189-190 (bf16) / 195 (fp16) for every Sk, the mask

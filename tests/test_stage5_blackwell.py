@@ -139,6 +139,8 @@ def test_every_shape_compiles_to_one_kernel_within_200_registers(dtype, D):
     assert ragged.ptx == whole.ptx
     if ragged.resources is None:
         pytest.skip("ptxas is not installed: the register count is not checked")
+    if ragged.resources.get("ptxas_too_old"):
+        pytest.skip(ragged.resources["error"])
     assert "registers" in ragged.resources, ragged.resources
     # Before (static layouts, one compile per shape, the mask compiled into every KV tile when
     # Sk % 128 != 0): at D = 64, 237 (bf16) / 255 (fp16) registers with Sk = 300 against 161 /
