@@ -4,9 +4,9 @@ tests here; each tests/test_stageN_<track>.py runs these against its own entry).
 - Bad input: every entry starts with common.checks.check_attention_args and check_scale, so the
   same bad arguments must raise the same error, naming the argument, in every stage. Each case
   builds its bad arguments from valid small inputs (B, H, Sq, Sk, D) = (1, 2, 128, 128, 64),
-  valid for every stage of both tracks (Hopper stage 3: Sk <= 128; Hopper stage 2: Sk % 4 == 0;
-  Blackwell: Sq, Sk multiples of 128), so that only the broken argument can fail. "cpu" cases
-  fail before any CUDA call and run in CI; "cuda" cases need a CUDA device (any: they fail in the
+  valid for every stage of both tracks (stage 3: Sk <= 128; stage 2: Sk % 4 == 0; the two
+  tracks take the same shapes), so that only the broken argument can fail. "cpu" cases fail
+  before any CUDA call and run in CI; "cuda" cases need a CUDA device (any: they fail in the
   argument checks, before a kernel is compiled or launched).
 - Adversarial numerics: builders of inputs that stress the softmax. Each asserts the property its
   test relies on (the row max where it should be, the fp64 reference equal to the closed-form
