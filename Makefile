@@ -4,20 +4,20 @@ PYTHON ?= python3
 TRACK ?= hopper
 PYTEST = $(PYTHON) -m pytest
 
-.PHONY: help setup lint format test tour bench model notebooks notebooks-source sanitize doctor stage-1 stage-2 stage-3 stage-4 stage-5 stage-6 stage-7 stage-8 diff-2 diff-3 diff-4 diff-5 diff-6 diff-7 diff-8
+.PHONY: help setup lint format test tour bench model notebooks notebooks-source sanitize doctor stage-1 stage-2 stage-3 stage-4 stage-5 stage-6 stage-7 stage-8 stage-9 diff-2 diff-3 diff-4 diff-5 diff-6 diff-7 diff-8 diff-9
 
 help:
 	@echo "make setup      install requirements only if something does not import"
 	@echo "make tour       every stage on this machine's track: compile, instructions, correctness, TFLOP/s"
 	@echo "make lint       ruff format --check and ruff check (what CI runs; make format rewrites)"
 	@echo "make test       all tests (GPU tests skip with a reason when the GPU is absent)"
-	@echo "make stage-N    the tests of stage N (1..8)"
+	@echo "make stage-N    the tests of stage N (1..9)"
 	@echo "make diff-N     what stage N changes over stage N-1 (TRACK=hopper|blackwell)"
 	@echo "make bench      benchmarks against cuBLAS / torch SDPA / FA4, timed in the same run"
 	@echo "make model      a Llama-style transformers model on the latest stage's kernel: logits vs SDPA, prefill tokens/s vs SDPA and FA4"
 	@echo "make notebooks  execute every notebook (compile-only mode without a GPU)"
 	@echo "make notebooks-source  rewrite notebooks/*.ipynb from notebooks/source/ (their single source)"
-	@echo "make sanitize   compute-sanitizer racecheck + synccheck on stages 4-8 (GPU)"
+	@echo "make sanitize   compute-sanitizer racecheck + synccheck on stages 4-9 (GPU)"
 	@echo "make doctor     versions, GPU, driver, arch"
 
 setup:
@@ -57,10 +57,10 @@ sanitize: setup
 doctor:
 	@$(PYTHON) -m common.doctor
 
-$(addprefix stage-,1 2 3 4 5 6 7 8): stage-%: setup
+$(addprefix stage-,1 2 3 4 5 6 7 8 9): stage-%: setup
 	$(PYTEST) -q tests/test_stage$*_*.py
 
-$(addprefix diff-,2 3 4 5 6 7 8): diff-%:
+$(addprefix diff-,2 3 4 5 6 7 8 9): diff-%:
 	@n=$*; p=$$((n-1)); \
 	a=$$(ls -d stages/stage$${p}_*); b=$$(ls -d stages/stage$${n}_*); \
 	git --no-pager diff --no-index --stat $$a/$(TRACK).py $$b/$(TRACK).py; \

@@ -9,6 +9,8 @@ Stage 6: the same shapes causal (FLOPs halved) against the same baselines run ca
 stage 6 and stage 5 without a mask.
 Stage 7: GQA 32/8 against its own MHA, FA4 and cuDNN; packed sequences against FA4's varlen and a
 padded SDPA batch.
+Stage 9: the ablation stage 5 -> 8 -> 9 at the paper shapes, causal and not, against FA4 and cuDNN
+(--dtype fp16 for the fp16 rows).
 Writes docs/results/bench_<gpu>_<date>.{md,json} and attention_<gpu>_<date>.png."""
 
 import argparse
@@ -213,6 +215,45 @@ def stage7_rows(track, dtype, record):
     return lines
 
 
+def ablation_rows(track, dtype, headdims, seqlens, record):
+    """The FlashAttention-3 paper's ablation on this tutorial's stages: stage 5 (one warpgroup
+    pair, no specialisation) -> stage 8 (producer warpgroup, ping-pong) -> stage 9 (+ overlap
+    inside the warpgroup), non-causal and causal, with FA4 and SDPA cuDNN timed next to them."""
+    lines = [
+        "## Stages 5 -> 8 -> 9: the ablation (paper shapes, B*S = 16k, H*D = 2048), TFLOP/s",
+        "",
+        "Causal rows: stages 8 and 9 and the baselines causal (FLOPs halved); stage 5 has no "
+        "mask, so it is left out there. `9 / FA4` and `9 / cuDNN` are stage 9 over the "
+        "baseline in the same row (goals: >= 1.0 FA4 at D = 128 from 2k, >= 0.95 at D = 64; "
+        ">= 1.0 cuDNN from 1k; stage 8 >= 0.88 FA4).",
+        "",
+        "| D | causal | S | stage 5 | stage 8 | stage 9 | FA4 | SDPA cuDNN | 8 / FA4 | 9 / FA4 | 9 / cuDNN |",
+        "|" + " --- |" * 11,
+    ]
+    for D in headdims:
+        for causal in (False, True):
+            for S in seqlens:
+                shape = paper_shape(S, D)
+                print(f"ablation: {shape} causal={causal} ...", flush=True)
+                row = measure(make_case(9, track, shape, dtype, with_fa4=True, causal=causal))
+                row.pop("SDPA flash", None)
+                row.update(measure(make_case(8, track, shape, dtype, causal=causal), names=()))
+                if not causal:
+                    row.update(measure(make_case(5, track, shape, dtype), names=()))
+                record("ablation", (*shape, causal), row)
+                tf = {k: v[1] for k, v in row.items()}
+                g = lambda k: f"{tf[k]:.0f}" if k in tf else "-"  # noqa: E731
+                r = lambda a, b: f"{tf[a] / tf[b]:.2f}" if a in tf and b in tf else "-"  # noqa: E731
+                lines.append(
+                    f"| {D} | {causal} | {S} | {g('stage 5')} | {g('stage 8')} | {g('stage 9')} "
+                    f"| {g('FA4')} | {g('SDPA cuDNN')} | {r('stage 8', 'FA4')} "
+                    f"| {r('stage 9', 'FA4')} | {r('stage 9', 'SDPA cuDNN')} |"
+                )
+                print("  " + lines[-1], flush=True)
+    lines.append("")
+    return lines
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -309,7 +350,7 @@ def main(argv=None):
                     f"| {shape} | {g('stage 3')} | {g('SDPA flash')} | {g('SDPA cuDNN')} |"
                 )
             lines.append("")
-    attn = [n for n in want if n in (4, 5, 8) and stages.available(n, track)]
+    attn = [n for n in want if n in (4, 5, 8, 9) and stages.available(n, track)]
     curves = {}
     if attn:
         lines += [
@@ -394,6 +435,8 @@ def main(argv=None):
             lines.append("")
     if 7 in want and stages.available(7, track):
         lines += stage7_rows(track, dtype, record)
+    if 9 in want and stages.available(9, track):
+        lines += ablation_rows(track, dtype, headdims, seqlens, record)
     os.makedirs(args.out, exist_ok=True)
     tag = f"{gpu.replace('NVIDIA ', '').replace(' ', '_').lower()}_{date}" + (
         "" if args.dtype == "bf16" else f"_{args.dtype}"

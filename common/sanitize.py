@@ -1,5 +1,5 @@
-"""`make sanitize`: compute-sanitizer racecheck and synccheck on the pipelined stages (4-8) at
-small shapes that reuse every ring slot; stages 6-8 run causal, so the tile range starts past 0
+"""`make sanitize`: compute-sanitizer racecheck and synccheck on the pipelined stages (4-9) at
+small shapes that reuse every ring slot; stages 6-9 run causal, so the tile range starts past 0
 for some Q tiles. Each (tool, stage) runs in its own process under the sanitizer; any reported
 hazard fails. `python -m common.sanitize --stages 6,8` picks stages."""
 
@@ -8,10 +8,11 @@ import shutil
 import subprocess
 import sys
 
-SHAPES = {n: (1, 2, 256, 768, 64) for n in (6, 7, 8)}
+SHAPES = {n: (1, 2, 256, 768, 64) for n in (6, 7, 8, 9)}
 SHAPES.update({4: (1, 2, 128, 512, 64), 5: (1, 2, 128, 512, 64)})
-# Stage 8's ring has 13 slots at D = 64: 768 keys give 12 K and V entries, so use more keys there.
-SHAPES[8] = (1, 2, 256, 2048, 64)
+# Stages 8 and 9 have a ring of 13 slots at D = 64: 768 keys give 12 K and V entries, so use more
+# keys there.
+SHAPES[8] = SHAPES[9] = (1, 2, 256, 2048, 64)
 
 
 def target(n):
@@ -34,7 +35,7 @@ def main(argv=None):
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--stages", default="4,5,6,7,8")
+    ap.add_argument("--stages", default="4,5,6,7,8,9")
     args = ap.parse_args(argv)
     wanted = [int(x) for x in args.stages.split(",")]
     exe = shutil.which("compute-sanitizer")

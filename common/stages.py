@@ -89,6 +89,15 @@ STAGES = (
         (2, 4, 512, 1024, 128),
         (2, 16, 8192, 8192, 128),
     ),
+    Stage(
+        9,
+        "stage9_overlap",
+        "attention",
+        "overlap inside the loop",
+        "QK^T of the next tile and PV of the last issued together, softmax under the PV",
+        (2, 4, 512, 1024, 128),
+        (2, 16, 8192, 8192, 128),
+    ),
 )
 
 BY_NUMBER = {s.number: s for s in STAGES}

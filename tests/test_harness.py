@@ -185,9 +185,9 @@ def test_ptx_counter_counts_statements_and_ignores_comments():
 
 
 def test_stage_table_is_consistent():
-    assert [s.number for s in stages.STAGES] == [1, 2, 3, 4, 5, 6, 7, 8]
-    with pytest.raises(ValueError, match="stage 9 does not exist"):
-        stages.stage(9)
+    assert [s.number for s in stages.STAGES] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    with pytest.raises(ValueError, match="stage 10 does not exist"):
+        stages.stage(10)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (any)")
@@ -205,3 +205,39 @@ def test_deadline_turns_a_kernel_that_never_finishes_into_an_error():
     torch.cuda.synchronize()  # drain the spinning kernel before the next test
     out = checker.run_with_deadline(lambda: torch.ones(4, device="cuda") * 2, seconds=10.0)
     assert out.sum().item() == 8
+
+
+# ---------------------------------------------------------------- cu_seqlens validation cache
+
+
+def test_cu_seqlens_validated_once_per_pair_and_again_after_a_write(monkeypatch):
+    from common import checks
+
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or tolist(t))
+    q, k = torch.empty(30, 2, 64), torch.empty(50, 2, 64)
+    cu_q = torch.tensor([0, 10, 30], dtype=torch.int32)
+    cu_k = torch.tensor([0, 20, 50], dtype=torch.int32)
+    assert checks.check_cu_seqlens(q, k, cu_q, cu_k, None, None) == (20, 30)
+    assert len(reads) == 2
+    # The same two tensors, unchanged: no read, the same answer, max_seqlen still checked.
+    assert checks.check_cu_seqlens(q, k, cu_q, cu_k, 25, None) == (25, 30)
+    assert len(reads) == 2
+    with pytest.raises(ValueError, match="'max_seqlen_k' = 29 is smaller than the longest"):
+        checks.check_cu_seqlens(q, k, cu_q, cu_k, None, 29)
+    # Written in place (through a view, too): read and refused again.
+    cu_q[1:2].fill_(31)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        checks.check_cu_seqlens(q, k, cu_q, cu_k, None, None)
+    cu_q[1] = 10
+    assert checks.check_cu_seqlens(q, k, cu_q, cu_k, None, None) == (20, 30)
+    # Other token counts than the ones checked against: read again.
+    n = len(reads)
+    with pytest.raises(ValueError, match="must equal the number of tokens 31"):
+        checks.check_cu_seqlens(torch.empty(31, 2, 64), k, cu_q, cu_k, None, None)
+    assert len(reads) > n
+    # Equal values in new tensor objects are read (another pair, nothing known about it).
+    n = len(reads)
+    checks.check_cu_seqlens(q, k, cu_q.clone(), cu_k.clone(), None, None)
+    assert len(reads) == n + 2

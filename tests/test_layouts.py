@@ -23,7 +23,11 @@ ENTRIES = {
     5: ("stage5_online_softmax", "attention"),
     6: ("stage6_masks", "attention"),
     7: ("stage7_gqa_varlen", "attention"),
+    8: ("stage8_warp_specialized", "attention"),
+    9: ("stage9_overlap", "attention"),
 }
+# Stages 8 and 9 exist on the Hopper track only.
+TRACKS = {n: ("hopper", "blackwell") if n <= 7 else ("hopper",) for n in ENTRIES}
 # Stage 6 cycles through these masks along the sequence, so that a kernel is also never reused
 # across masks it was not compiled for: (causal, window).
 MASKS = [(True, None), (False, (64, 0)), (False, None), (True, (100, None)), (False, (30, 30))]
@@ -122,7 +126,7 @@ def attention_sequence(max_sk=None, sk_multiple=1):
 
 # What each stage accepts (the same on both tracks): stage 3 is a single KV tile (Sk <= 128),
 # stage 2 writes fp32 rows of S that TMA stores from 16-byte boundaries (Sk % 4 == 0).
-LIMITS = {2: {"sk_multiple": 4}, 3: {"max_sk": 128}, 4: {}, 5: {}, 6: {}, 7: {}}
+LIMITS = {2: {"sk_multiple": 4}, 3: {"max_sk": 128}, 4: {}, 5: {}, 6: {}, 7: {}, 8: {}, 9: {}}
 
 
 def check_output(stage, out, q, k, v, label, mask=None):
@@ -143,8 +147,8 @@ def check_output(stage, out, q, k, v, label, mask=None):
     "stage, track",
     [
         pytest.param(s, t, marks=TRACK_MARK[t], id=f"stage{s}-{t}")
-        for t in ("hopper", "blackwell")
-        for s in (2, 3, 4, 5, 6, 7)
+        for s in (2, 3, 4, 5, 6, 7, 8, 9)
+        for t in TRACKS[s]
     ],
 )
 def test_attention_entry_alternating_layouts(stage, track):
@@ -178,8 +182,8 @@ def test_attention_entry_alternating_layouts(stage, track):
     "stage, track",
     [
         pytest.param(s, t, marks=TRACK_MARK[t], id=f"stage{s}-{t}")
-        for t in ("hopper", "blackwell")
-        for s in (2, 3, 4, 5, 6, 7)
+        for s in (2, 3, 4, 5, 6, 7, 8, 9)
+        for t in TRACKS[s]
     ],
 )
 def test_attention_entry_refuses_then_recovers(stage, track):
@@ -343,14 +347,19 @@ def _check_packed(label, o, lse, q, k, v, cu_q, cu_k, causal, window):
 
 
 @pytest.mark.parametrize(
-    "track", [pytest.param(t, marks=TRACK_MARK[t]) for t in ("hopper", "blackwell")]
+    "stage, track",
+    [
+        pytest.param(s, t, marks=TRACK_MARK[t], id=f"stage{s}-{t}")
+        for s in (7, 8, 9)
+        for t in TRACKS[s]
+    ],
 )
-def test_stage7_alternating_entries_heads_and_packing(track):
+def test_stage7_alternating_entries_heads_and_packing(stage, track):
     # attention (batch mode) and attention_varlen (packed) share one kernel class; their compiled
     # forms differ (cu_seqlens or none), as do GQA groups only by run-time values.
     from common import masks
 
-    mod = importlib.import_module(f"stages.stage7_gqa_varlen.{track}")
+    mod = importlib.import_module(f"stages.{ENTRIES[stage][0]}.{track}")
     steps = [
         ("batch, GQA 8/2, causal", "batch", (2, 8, 2, 300, 300, 64, BF16), (True, None)),
         (
@@ -398,4 +407,4 @@ def test_stage7_alternating_entries_heads_and_packing(track):
         group = H // k.shape[1]
         kf, vf = (t.repeat_interleave(group, 1) for t in (k, v))
         mask = masks.visible(Sq, Sk, *masks.resolve_window(causal, window, Sq, Sk), "cuda")
-        checker.check_attention(f"stage 7 [{label}]", o, q, kf, vf, lse=lse, mask=mask)
+        checker.check_attention(f"stage {stage} [{label}]", o, q, kf, vf, lse=lse, mask=mask)

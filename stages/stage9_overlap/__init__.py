@@ -1,0 +1,46 @@
+"""Stage 9 - overlap inside the loop: QK^T of tile j+1 issued before the softmax of tile j.
+`attention(q, k, v, scale=None, causal=False, window=None, return_lse=False)` with k, v of Hkv
+heads, and `attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)` run the kernel of this
+machine's track: hopper.py on sm_90 (H100, H200), blackwell.py on sm_100/sm_103. A track's file
+is imported on first use, so neither track needs the other's file."""
+
+import importlib
+
+from common.arch import track
+
+
+def attention(q, k, v, scale=None, causal=False, window=None, return_lse=False):
+    """O = softmax(scale * Q @ K^T + mask) @ V with K, V of Hkv heads (H % Hkv == 0); see
+    hopper.py / blackwell.py."""
+    return importlib.import_module(f"{__name__}.{track()}").attention(
+        q, k, v, scale=scale, causal=causal, window=window, return_lse=return_lse
+    )
+
+
+def attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    scale=None,
+    causal=False,
+    window=None,
+    return_lse=False,
+):
+    """Packed sequences (flash_attn_varlen_func's layout); see hopper.py / blackwell.py."""
+    return importlib.import_module(f"{__name__}.{track()}").attention_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        scale=scale,
+        causal=causal,
+        window=window,
+        return_lse=return_lse,
+    )

@@ -1,0 +1,294 @@
+"""Stage 9 (Hopper): overlap inside each consumer warpgroup - QK_j and PV_{j-1} issued as one
+turn, softmax_j running while PV_{j-1} is on the tensor cores; stage 8's producer, ring and
+ping-pong otherwise.
+
+- Compile-only (no GPU), bf16 and fp16, D = 64 and 128, batch and packed: stage 8's setmaxnreg
+  split (24 / 240); the loop body issues two GEMM groups and waits for them one at a time
+  (wait_group 1, then 0), in this program order; the QK^T and PV wgmma are emitted twice (the
+  prologue's QK, the loop's pair, the last PV) and so are the exponentials; no spills.
+- CPU: the turn protocol of stage 9 (turns of (QK_j, PV_{j-1})) for 0-6 KV tiles under every
+  interleaving of the two warpgroups: no deadlock, balanced barriers, the tensor cores see
+  1: QK0, 2: QK0, 1: QK1 PV0, 2: QK1 PV0, ... ; and the model fails its near misses.
+- GPU tests (marker gpu_hopper), each launch under a 120 s deadline: stage 7's numerical tests
+  (GQA / MQA, masks, packed sequences, NaN planted outside a sequence, empty sequences) on stage
+  9; O and LSE equal to stage 8's bit for bit (the same operations on O in the same order),
+  including shapes that wrap the ring many times and ranges of 1 and 2 tiles.
+"""
+
+import re
+
+import attention_cases
+import pytest
+import torch
+from attention_cases import DTYPES, dtype_id
+from test_stage7_hopper import (
+    BAD_PACKED,
+    PACKS,
+    SHARED,
+    _packed,
+    check_packed,
+    gqa_reference_check,
+    packed_inputs,
+)
+from test_stage8_hopper import SAME_AS_STAGE7, explore, ptxas_log, statements
+
+from common import checker, inputs
+from stages.stage8_warp_specialized import hopper as stage8
+from stages.stage9_overlap import hopper
+
+# ---------------------------------------------------------------- compile-only
+
+
+def compile_stage9(dtype, D, **options):
+    from common.compile import compile_for_arch, count_ptx, ptxas_resources
+
+    kernel, args = hopper.compile_args(dtype, (2, 8, 512, 1024, D), **options)
+    ptx, _ = compile_for_arch(kernel, args, "sm_90a")
+    return kernel, ptx, count_ptx(ptx), ptxas_resources(ptx, "sm_90a")
+
+
+SCHEDULE_LETTERS = [
+    (r"(bar|barrier)\.sync\s+0;", "0"),  # the CTA-wide sync after the barriers' initialisation
+    (r"setmaxnreg\.dec", "d"),
+    (r"setmaxnreg\.inc", "i"),
+    (r"cp\.async\.bulk\.tensor", "L"),  # a TMA load
+    (r"bar\.sync\s+(%r\d+|3), 256;", "T"),  # wait_turn (3: warpgroup 2's turn 0, a constant)
+    (r"bar\.arrive\s+(%r\d+|2), 256;", "P"),  # pass_turn (2: warpgroup 1's last pass)
+    (r"bar\.sync\s+1, 256;", "B"),  # the consumers' own barrier
+    (r"wgmma\.mma_async", "G"),
+    (r"wgmma\.commit_group", "C"),
+    (r"wgmma\.wait_group\.sync\.aligned\s+1;", "w"),
+    (r"wgmma\.wait_group\.sync\.aligned\s+0;", "W"),
+]
+
+
+def schedule_string(ptx):
+    out = []
+    for line in ptx.splitlines():
+        stmt = re.sub(r"^@!?%p\d+\s+", "", line.strip())
+        out += [c for pat, c in SCHEDULE_LETTERS if re.match(pat, stmt)]
+    return re.sub("G+", "G", "".join(out))
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["batch", "packed"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_compiles_overlapped(dtype, D, varlen):
+    kernel, ptx, counts, res = compile_stage9(dtype, D, kv_heads=2, varlen=varlen, causal=True)
+    # Stage 8's warp roles and register split.
+    assert ".reqntid 384, 1, 1" in ptx and ".minnctapersm 1" in ptx
+    assert statements(ptx, r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;") != []
+    assert statements(ptx, r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;") != []
+    log = ptxas_log(ptx)
+    if log is not None:
+        assert "C7508" not in log and "setmaxnreg' ignored" not in log, log
+    # QK^T in the prologue and in the loop, PV in the loop and after it: each GEMM's wgmma
+    # twice (D / 16 for QK^T, 128 / 16 = 8 for PV); the softmax (64 exponentials of P and 2 of
+    # row_scale per thread) in the prologue and in the loop.
+    assert counts["wgmma.mma_async"] == 2 * (D // 16 + 8)
+    assert counts["ex2.approx"] == 2 * (64 + 2)
+    assert counts["cp.async.bulk.tensor (load)"] == (3 if D == 64 else 6)
+    assert counts["cp.async.bulk.tensor (store)"] == 0
+    # Program order. Producer: setmaxnreg.dec, the loads. Consumers: setmaxnreg.inc; the
+    # prologue (turn 0: warpgroup 2 waits, QK issued, passed, waited); the loop (turn wait, QK
+    # and PV issued as two groups, passed, wait_group 1 = QK done, wait_group 0 = PV done);
+    # zero_rows when packed; the last PV (turn wait, issued, warpgroup 1's pass, waited); the
+    # epilogue's two barriers.
+    expected = r"0dL+iTGCPW" + r"TGCGCPwW" + ("B" if varlen else "") + r"TGCPWBB"
+    assert re.fullmatch(expected, schedule_string(ptx)), schedule_string(ptx)
+    assert kernel.kv_slots == {64: 13, 128: 6}[D]
+    assert kernel.shared_memory_bytes == 230400
+    if res and "spill_stores" in res:
+        assert res["spill_stores"] == 0 and res["spill_loads"] == 0, res
+
+
+# ---------------------------------------------------------------- the turn protocol (CPU)
+
+
+def consumer_program(wg, steps, zero_rows):
+    """Stage 9's consumer warpgroup wg (1 or 2): ('sync', id), ('arrive', id), ('gemm', name),
+    in the kernel's order."""
+    ops = []
+    if steps > 0:
+        if wg == 2:
+            ops.append(("sync", 1 + wg))  # warpgroup 2's turn 0
+        ops += [("gemm", f"{wg}: QK0"), ("arrive", 4 - wg)]
+        for t in range(1, steps):
+            ops += [("sync", 1 + wg), ("gemm", f"{wg}: QK{t}"), ("gemm", f"{wg}: PV{t - 1}")]
+            ops.append(("arrive", 4 - wg))
+        if zero_rows:
+            ops.append(("sync", 1))  # zero_rows of the last V tile, between turns
+        ops += [("sync", 1 + wg), ("gemm", f"{wg}: PV{steps - 1}")]
+        if wg == 1:
+            ops.append(("arrive", 4 - wg))  # warpgroup 1's last turn
+    return ops + [("sync", 1), ("sync", 1)]  # the epilogue
+
+
+def expected_tensor_core_order(steps):
+    order = []
+    for t in range(steps + 1 if steps else 0):
+        for wg in (1, 2):
+            order += [f"{wg}: QK{t}"] if t < steps else []
+            order += [f"{wg}: PV{t - 1}"] if t > 0 else []
+    return order
+
+
+@pytest.mark.parametrize("zero_rows", [False, True], ids=["batch", "packed"])
+@pytest.mark.parametrize("steps", range(7))
+def test_turn_protocol_has_no_deadlock_and_alternates(steps, zero_rows):
+    programs = [consumer_program(wg, steps, zero_rows) for wg in (1, 2)]
+    assert explore(programs, expected_tensor_core_order(steps)) == set()
+
+
+@pytest.mark.parametrize("wg", [1, 2])
+@pytest.mark.parametrize("change", ["extra_wait", "extra_pass", "lost_pass", "pv_before_qk"])
+def test_turn_protocol_model_catches_near_misses(wg, change):
+    programs = [consumer_program(w, 3, False) for w in (1, 2)]
+    ops = programs[wg - 1]
+    if change == "extra_wait":
+        ops.insert(0, ("sync", 1 + wg))
+    elif change == "extra_pass":
+        ops.insert(len(ops) - 2, ("arrive", 4 - wg))
+    elif change == "lost_pass":
+        ops.remove(next(op for op in ops if op[0] == "arrive"))
+    else:  # the loop's pair issued PV first: the tensor-core order is not the intended one
+        i = ops.index(("gemm", f"{wg}: QK1"))
+        ops[i], ops[i + 1] = ops[i + 1], ops[i]
+    assert explore(programs, expected_tensor_core_order(3)) != set()
+
+
+# ---------------------------------------------------------------- GPU: numerics
+
+
+def run(fn):
+    return checker.run_with_deadline(fn, seconds=120, what="stage 9 hopper")
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("H, Hkv", [(8, 8), (8, 2), (8, 1)], ids=["mha", "g4", "mqa"])
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (False, (100, 0))])
+def test_gqa_matches_fp64_reference(H, Hkv, D, dtype, causal, window):
+    q, _, _ = inputs.attention_inputs(2, H, 300, 300, D, dtype, seed=H + Hkv + D)
+    _, k, v = inputs.attention_inputs(2, Hkv, 300, 700, D, dtype, seed=H * Hkv + D)
+    o, lse = run(lambda: hopper.attention(q, k, v, causal=causal, window=window, return_lse=True))
+    gqa_reference_check("O", o, lse, q, k, v, causal, window)
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("Sk", [1, 128, 129, 256, 4000])
+def test_short_and_decode_like_ranges(Sk):
+    # Ranges of 1 tile (the prologue and the last PV only), 2 tiles (one loop step) and many;
+    # Sq = 1: warpgroup 2's rows all lie past the sequence, yet it takes every turn.
+    q, _, _ = inputs.attention_inputs(4, 32, 1, 1, 64, seed=3)
+    _, k, v = inputs.attention_inputs(4, 8, 1, Sk, 64, seed=Sk)
+    o, lse = run(lambda: hopper.attention(q, k, v, causal=True, return_lse=True))
+    gqa_reference_check("O", o, lse, q, k, v, True, None)
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("pack", list(PACKS))
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, (77, None))])
+def test_packed_sequences_match_per_sequence_reference(pack, D, dtype, causal, window):
+    lens_q, lens_k = PACKS[pack]
+    q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, 4, 2, D, dtype, seed=len(pack) + D)
+    o, lse = run(
+        lambda: hopper.attention_varlen(
+            q, k, v, cu_q, cu_k, causal=causal, window=window, return_lse=True
+        )
+    )
+    assert o.shape == q.shape and lse.shape == (4, q.shape[0])
+    check_packed(o, lse, q, k, v, cu_q, cu_k, causal, window)
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("D", [64, 128])
+def test_nan_outside_a_sequence_never_reaches_it(D):
+    # Every row of Q, K and V outside sequence b is NaN: sequence b's O and LSE must be exactly
+    # what they are alone (zero_rows runs before the last PV, between turns).
+    lens_q, lens_k = [200, 77, 300, 1], [130, 190, 129, 260]
+    q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, 4, 2, D, torch.bfloat16, seed=9)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(lens_q)):
+        qn, kn, vn = q.clone(), k.clone(), v.clone()
+        for t, c in ((qn, cq), (kn, ck), (vn, ck)):
+            t[: c[b]] = float("nan")
+            t[c[b + 1] :] = float("nan")
+        o, lse = run(lambda: hopper.attention_varlen(qn, kn, vn, cu_q, cu_k, return_lse=True))
+        check_packed(o, lse, q, k, v, cu_q, cu_k, False, None, only=b)
+
+
+# Stage 8's cases, and ranges of 1 and 2 KV tiles (no loop step; one).
+SAME_AS_STAGE8 = SAME_AS_STAGE7 + [
+    (2, 4, 2, 100, 100, 64, torch.bfloat16, False, None),
+    (2, 4, 4, 200, 200, 128, torch.float16, True, None),
+]
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("case", SAME_AS_STAGE8, ids=lambda c: "x".join(map(str, c[:6])))
+def test_equals_stage8_bit_for_bit(case):
+    B, H, Hkv, Sq, Sk, D, dtype, causal, window = case
+    q, _, _ = inputs.attention_inputs(B, H, Sq, Sq, D, dtype, seed=Sq + D)
+    _, k, v = inputs.attention_inputs(B, Hkv, Sq, Sk, D, dtype, seed=Sk + D)
+    kw = dict(causal=causal, window=window, return_lse=True)
+    o9, lse9 = run(lambda: hopper.attention(q, k, v, **kw))
+    o8, lse8 = run(lambda: stage8.attention(q, k, v, **kw))
+    assert torch.equal(o9, o8), f"max |O9 - O8| = {(o9.float() - o8.float()).abs().max()}"
+    assert torch.equal(lse9, lse8), f"max |LSE9 - LSE8| = {(lse9 - lse8).abs().max()}"
+
+
+@pytest.mark.gpu_hopper
+def test_packed_equals_stage8_bit_for_bit():
+    lens_q, lens_k = PACKS["long-and-short"]
+    q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, 4, 2, 128, torch.bfloat16, seed=21)
+    kw = dict(causal=True, return_lse=True)
+    o9, lse9 = run(lambda: hopper.attention_varlen(q, k, v, cu_q, cu_k, **kw))
+    o8, lse8 = run(lambda: stage8.attention_varlen(q, k, v, cu_q, cu_k, **kw))
+    assert torch.equal(o9, o8) and torch.equal(lse9, lse8)
+
+
+@pytest.mark.gpu_hopper
+def test_stage_package_dispatches_to_hopper():
+    from stages.stage9_overlap import attention, attention_varlen
+
+    q, k, v = inputs.attention_inputs(1, 4, 200, 200, 64, seed=8)
+    o = run(lambda: attention(q, k[:, :2], v[:, :2], causal=True))
+    gqa_reference_check("O", o, None, q, k[:, :2], v[:, :2], True, None)
+    q, k, v, cu_q, cu_k = packed_inputs([10, 20], [10, 20], 4, 2, 64, torch.bfloat16, seed=3)
+    o, lse = run(lambda: attention_varlen(q, k, v, cu_q, cu_k, return_lse=True))
+    check_packed(o, lse, q, k, v, cu_q, cu_k, False, None)
+
+
+@pytest.mark.gpu_hopper
+def test_all_empty_and_given_max_seqlen():
+    q, k, v, cu_q, cu_k = packed_inputs([0, 0], [5, 0], 4, 4, 64, torch.bfloat16, seed=1)
+    o, lse = run(lambda: hopper.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True))
+    assert o.shape == (0, 4, 64) and lse.shape == (4, 0)
+    q, k, v, cu_q, cu_k = packed_inputs([100, 30], [40, 260], 4, 4, 64, torch.bfloat16, seed=2)
+    o, lse = run(
+        lambda: hopper.attention_varlen(
+            q, k, v, cu_q, cu_k, max_seqlen_q=512, max_seqlen_k=300, return_lse=True
+        )
+    )
+    check_packed(o, lse, q, k, v, cu_q, cu_k, False, None)
+
+
+# ---------------------------------------------------------------- bad input (stage 7's cases)
+
+
+@pytest.mark.parametrize("case", SHARED)
+def test_rejects_bad_input(case):
+    case.check(hopper.attention)
+
+
+@attention_cases.needs_cuda
+@pytest.mark.parametrize("name, change, error, match", BAD_PACKED, ids=[c[0] for c in BAD_PACKED])
+def test_rejects_bad_packed_input(name, change, error, match):
+    q, k, v, cu_q, cu_k = _packed()
+    args = change(dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))
+    with pytest.raises(error, match=match):
+        hopper.attention_varlen(**args)
