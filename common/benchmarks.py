@@ -211,7 +211,62 @@ def stage7_rows(track, dtype, record):
                 f"| {causal} | {gg('stage 7')} | {gg('FA4')} | {gg('padded')} | {ratio:.2f} |"
             )
             print("  " + lines[-1], flush=True)
+    lines += decode_rows(mod, fa4, dtype, record)
     lines.append("")
+    return lines
+
+
+def decode_rows(mod, fa4, dtype, record):
+    """Decode-like shapes (B = 32, 32 query / 8 KV heads, Sk = 8192, D = 128, Sq = 1, 16, 128):
+    stage 7 with pack-GQA (its default there) and without, FA4 and SDPA, in microseconds and in
+    TB/s of K and V read (the memory bound of a decode step)."""
+    from . import inputs
+
+    lines = [
+        "",
+        "## Stage 7: decode-like shapes (B = 32, H = 32, Hkv = 8, Sk = 8192, D = 128), us",
+        "",
+        "`packed` = stage 7 with pack-GQA (4 query heads per Q tile, what it picks here), "
+        "`unpacked` = pack_gqa=False; TB/s = bytes of K and V (1.07 GB) / time.",
+        "",
+        "| Sq | stage 7 packed | stage 7 unpacked | FA4 | SDPA | packed TB/s | packed / unpacked |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    B, H, Hkv, Sk, D = 32, 32, 8, 8192, 128
+    _, k, v = inputs.attention_inputs(B, Hkv, 1, Sk, D, dtype, seed=7)
+    kv_bytes = 2 * k.numel() * k.element_size()
+    kt, vt = (t.transpose(1, 2).contiguous() for t in (k, v))
+    with no_poison():
+        for Sq in (1, 16, 128):
+            q, _, _ = inputs.attention_inputs(B, H, Sq, 1, D, dtype, seed=Sq)
+            row = {}
+            row["packed"] = _time(lambda q: mod.attention(q, k, v, causal=True), [(q,)])
+            row["unpacked"] = _time(
+                lambda q: mod.attention(q, k, v, causal=True, pack_gqa=False), [(q,)]
+            )
+            if fa4 is not None:
+                qt = q.transpose(1, 2).contiguous()
+                row["FA4"] = _time(lambda q: fa4.flash_attn_func(q, kt, vt, causal=True), [(qt,)])
+            # SDPA's is_causal is top-left aligned; a decode step is bottom-right (every key
+            # visible when Sq = 1). Time SDPA without a mask at Sq = 1 and with the
+            # bottom-right mask otherwise.
+            from . import masks
+
+            visible = masks.visible(Sq, Sk, *masks.resolve_window(True, None, Sq, Sk), "cuda")
+            row["SDPA"] = _time(
+                lambda q: torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=None if Sq == 1 else visible, enable_gqa=True
+                ),
+                [(q,)],
+            )
+            record("7 decode", (B, H, Hkv, Sq, Sk, D), {n: (ms, 0.0) for n, ms in row.items()})
+            us = lambda n: f"{row[n] * 1e3:.0f}" if n in row else "-"  # noqa: E731
+            lines.append(
+                f"| {Sq} | {us('packed')} | {us('unpacked')} | {us('FA4')} | {us('SDPA')} "
+                f"| {kv_bytes / (row['packed'] * 1e-3) / 1e12:.2f} "
+                f"| {row['unpacked'] / row['packed']:.2f}x faster |"
+            )
+            print("  " + lines[-1], flush=True)
     return lines
 
 
@@ -452,6 +507,14 @@ def main(argv=None):
             curves,
             f"Attention forward on {gpu}, {date} ({args.dtype}, non-causal)",
             os.path.join(args.out, f"attention_{tag}.png"),
+        )
+    if any(str(r["stage"]).startswith("7 ") for r in results["rows"]):
+        from .plots import plot_stage7_bench
+
+        plot_stage7_bench(
+            results["rows"],
+            f"Stage 7 on {gpu}, {date} ({args.dtype})",
+            os.path.join(args.out, f"stage7_{tag}.png"),
         )
     if causal_curves:
         from .plots import plot_attention_bench

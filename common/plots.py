@@ -60,6 +60,11 @@ KERNEL_COLORS = {
     "stage 6": "#B07AA1",
     "stage 7": "#EDC948",
     "stage 8": "#17344F",
+    "stage 9": "#8C1D40",
+    "stage 7 MHA": "#F5DE8A",
+    "stage 7 unpacked": "#F5DE8A",
+    "padded SDPA cuDNN": "#98DF8A",
+    "SDPA": "#2CA02C",
     "cuBLAS (torch.matmul)": "#7F7F7F",
     "SDPA flash": "#1F77B4",
     "SDPA cuDNN": "#2CA02C",
@@ -2702,3 +2707,61 @@ def pingpong_timelines(head_dim=128, block_n=128, rows=64, steps=3, path=None, *
     ]
     fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=9, frameon=False)
     return _finish(fig, path, rect=(0, 0.1, 1, 1))
+
+
+def plot_stage7_bench(rows, title, path=None):
+    """Stage 7's rows of a `make bench` run (the json's "rows"): GQA against MHA and the
+    baselines (TFLOP/s), packed sequences against FA4's varlen and the padded batch (useful
+    TFLOP/s), decode-like steps with and without pack-GQA (microseconds). One panel each."""
+    gqa = [r for r in rows if r["stage"] == "7 gqa"]
+    var = [r for r in rows if r["stage"] == "7 varlen"]
+    dec = [r for r in rows if r["stage"] == "7 decode"]
+    panels = [p for p in (gqa, var, dec) if p]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
+
+    def bars(ax, groups, labels, values, ylabel, title_):
+        width = 0.8 / len(labels)
+        for i, lab in enumerate(labels):
+            ys = [v.get(lab, 0.0) for v in values]
+            xs = [g + (i - (len(labels) - 1) / 2) * width for g in range(len(groups))]
+            ax.bar(xs, ys, width, label=lab, color=kernel_color(lab))
+        ax.set_xticks(range(len(groups)), groups, fontsize=9)
+        ax.set_ylabel(ylabel, fontsize=10)
+        ax.set_title(title_, fontsize=11)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
+
+    it = iter(axes[0])
+    if gqa:
+        groups = [f"S={r['shape'][3]}" + (" causal" if r["shape"][5] else "") for r in gqa]
+        labels = [
+            n for n in ("stage 7 GQA", "stage 7 MHA", "FA4", "SDPA cuDNN") if n in gqa[0]["tflops"]
+        ]
+        bars(next(it), groups, labels, [r["tflops"] for r in gqa], "TFLOP/s", "GQA 32/8, D = 128")
+    if var:
+        groups = ["causal" if r["shape"][4] else "non-causal" for r in var]
+        names = {"stage 7": "stage 7 varlen", "FA4": "FA4 varlen", "padded": "padded SDPA cuDNN"}
+        vals = [{names[k]: v for k, v in r["tflops"].items() if k in names} for r in var]
+        bars(next(it), groups, list(names.values()), vals, "useful TFLOP/s", "16 packed sequences")
+    if dec:
+        groups = [f"Sq={r['shape'][3]}" for r in dec]
+        names = {
+            "packed": "stage 7 pack-GQA",
+            "unpacked": "stage 7 unpacked",
+            "FA4": "FA4",
+            "SDPA": "SDPA",
+        }
+        vals = [{names[k]: v * 1e3 for k, v in r["ms"].items() if k in names} for r in dec]
+        bars(
+            next(it),
+            groups,
+            list(names.values()),
+            vals,
+            "microseconds (lower is better)",
+            "decode-like, Sk = 8192",
+        )
+    fig.suptitle(title)
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=120)
+    return fig

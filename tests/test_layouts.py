@@ -378,6 +378,10 @@ def test_stage7_alternating_entries_heads_and_packing(stage, track):
             (True, (50, None)),
         ),
         ("batch fp16 D = 128, GQA 4/2", "batch", (2, 4, 2, 128, 384, 128, FP16), (False, None)),
+        # Sq = 1 with 32/8 heads: packed by the pack-GQA rule (4 heads per tile), a kernel
+        # compiled for G = 4; then the same D and dtype unpacked (Sq = 300).
+        ("batch decode, GQA 32/8, packed", "batch", (2, 32, 8, 1, 500, 64, BF16), (True, None)),
+        ("batch, GQA 32/8, unpacked", "batch", (1, 32, 8, 300, 300, 64, BF16), (True, None)),
         (
             "packed again, GQA 8/2",
             "packed",

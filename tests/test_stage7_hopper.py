@@ -8,7 +8,11 @@
   Sq != Sk per sequence, both dtypes, D = 64 and 128, LSE. NaN planted in every row outside one
   sequence must not reach that sequence's output (no tile is read or written across a sequence
   boundary). Outputs are poisoned with NaN before each launch.
-- Bad input: every check of the packed entry, and the head-count rule.
+- Pack-GQA (the G query heads of a KV head in one Q tile's rows): compile checks; on the GPU,
+  decode-like and short shapes (G = 2 ... 32, causal and window, ragged row counts) against the
+  fp64 reference and equal to the unpacked kernel bit for bit; packed sequences with NaN
+  planted around each; the choice rule on the CPU. The same checks run on stages 8 and 9.
+- Bad input: every check of the packed entry, the head-count rule, pack_gqa's values.
 """
 
 import attention_cases
@@ -16,7 +20,7 @@ import pytest
 import torch
 from attention_cases import DTYPES, dtype_id
 
-from common import checker, inputs, masks, reference
+from common import checker, inputs, masks, pack_gqa, reference
 from stages.stage7_gqa_varlen import hopper
 
 
@@ -334,3 +338,118 @@ def test_reference_helpers_are_exact_on_cpu():
         1,
     )
     torch.testing.assert_close(o, o2)
+
+
+# ---------------------------------------------------------------- pack-GQA
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["batch", "packed"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_compiles_with_pack_gqa(varlen, D):
+    counts, res = compile_stage7(
+        torch.bfloat16, D, kv_heads=2, varlen=varlen, causal=True, pack_gqa=True
+    )
+    # The loop body is the same; only Q's and O's addressing and the row -> position map change.
+    assert counts["wgmma.mma_async"] == D // 16 + 8
+    assert counts["ex2.approx"] == 64 + 2
+    if res and "spill_stores" in res:
+        assert res["spill_stores"] == 0 and res["spill_loads"] == 0, res
+
+
+def test_pack_gqa_choice():
+    # Packed when a head's rows fill a 128-row tile much worse than the group's rows do.
+    assert pack_gqa.choose_pack(32, 8, 1) == 4  # decode: 1 of 128 rows, packed 4 of 128
+    assert pack_gqa.choose_pack(32, 8, 16) == 4
+    assert pack_gqa.choose_pack(32, 8, 40) == 4  # 40/128 < 0.9 * 160/256
+    assert pack_gqa.choose_pack(32, 8, 100) == 1  # 100/128 = 400/512: nothing gained
+    assert pack_gqa.choose_pack(32, 8, 128) == 1  # a full tile already
+    assert pack_gqa.choose_pack(32, 8, 2048) == 1
+    assert pack_gqa.choose_pack(32, 32, 1) == 1  # MHA: nothing to pack
+    assert pack_gqa.choose_pack(6, 2, 1) == 1  # G = 3 does not divide 128 rows
+    assert pack_gqa.choose_pack(32, 1, 1) == 32  # MQA
+    assert pack_gqa.choose_pack(32, 8, 2048, pack_gqa=True) == 4
+    assert pack_gqa.choose_pack(32, 8, 1, pack_gqa=False) == 1
+
+
+@pytest.mark.parametrize(
+    "H, Hkv, value, error, match",
+    [
+        (8, 2, "yes", TypeError, "argument 'pack_gqa': expected a bool or None, got str"),
+        (8, 8, True, ValueError, "argument 'pack_gqa': packing needs H / Hkv > 1"),
+        (6, 2, True, ValueError, "H / Hkv = 6 / 2"),
+    ],
+)
+def test_rejects_bad_pack_gqa(H, Hkv, value, error, match):
+    with pytest.raises(error, match=match):
+        pack_gqa.choose_pack(H, Hkv, 1, pack_gqa=value)
+
+
+# (B, H, Hkv, Sq, Sk, D, dtype, causal, window): decode steps, speculative-decoding widths, and
+# row counts that leave the last packed tile ragged.
+PACK_GQA_CASES = [
+    (4, 32, 8, 1, 1000, 128, torch.bfloat16, True, None),
+    (2, 32, 8, 16, 777, 64, torch.float16, True, None),
+    (2, 8, 2, 100, 300, 128, torch.bfloat16, False, (50, 0)),
+    (1, 32, 1, 3, 129, 64, torch.bfloat16, True, None),
+    (2, 16, 2, 37, 37, 128, torch.float16, True, None),
+    (3, 4, 2, 70, 200, 64, torch.bfloat16, False, (None, 5)),
+]
+
+
+def pack_case_id(c):
+    return "x".join(map(str, c[:6])) + ("-causal" if c[7] else "") + ("-window" if c[8] else "")
+
+
+def check_pack_gqa(mod, case):
+    """mod.attention with pack_gqa forced on: the fp64 reference, and the unpacked kernel's O
+    and LSE bit for bit (each row's arithmetic is the same; a tile's extra, fully masked KV
+    tiles add exact zeros)."""
+    B, H, Hkv, Sq, Sk, D, dtype, causal, window = case
+    q, _, _ = inputs.attention_inputs(B, H, Sq, Sq, D, dtype, seed=Sq + H)
+    _, k, v = inputs.attention_inputs(B, Hkv, Sk, Sk, D, dtype, seed=Sk + Hkv)
+    kw = dict(causal=causal, window=window, return_lse=True)
+    o, lse = run(lambda: mod.attention(q, k, v, pack_gqa=True, **kw))
+    gqa_reference_check("O packed", o, lse, q, k, v, causal, window)
+    o1, lse1 = run(lambda: mod.attention(q, k, v, pack_gqa=False, **kw))
+    assert torch.equal(o, o1), f"max |O packed - O| = {(o.float() - o1.float()).abs().max()}"
+    assert torch.equal(lse, lse1), f"max |LSE packed - LSE| = {(lse - lse1).abs().max()}"
+
+
+def check_pack_gqa_varlen(mod, D):
+    """Packed sequences with pack_gqa forced on, NaN planted in every row outside sequence b:
+    sequence b's O and LSE as alone (the packed rows of a tile end inside the neighbours)."""
+    lens_q, lens_k = [3, 0, 40, 1, 17], [130, 5, 100, 260, 17]
+    q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, 8, 2, D, torch.bfloat16, seed=D)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(lens_q)):
+        qn, kn, vn = q.clone(), k.clone(), v.clone()
+        for t, c in ((qn, cq), (kn, ck), (vn, ck)):
+            t[: c[b]] = float("nan")
+            t[c[b + 1] :] = float("nan")
+        o, lse = run(
+            lambda: mod.attention_varlen(
+                qn, kn, vn, cu_q, cu_k, causal=True, return_lse=True, pack_gqa=True
+            )
+        )
+        check_packed(o, lse, q, k, v, cu_q, cu_k, True, None, only=b)
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("case", PACK_GQA_CASES, ids=pack_case_id)
+def test_pack_gqa_matches_reference_and_unpacked(case):
+    check_pack_gqa(hopper, case)
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("D", [64, 128])
+def test_pack_gqa_packed_sequences_with_nan_around(D):
+    check_pack_gqa_varlen(hopper, D)
+
+
+@pytest.mark.gpu_hopper
+def test_decode_like_unpacked_still_right():
+    # The heuristic packs Sq = 1; the unpacked kernel on it must stay right too.
+    q, _, _ = inputs.attention_inputs(2, 32, 1, 1, 128, seed=5)
+    _, k, v = inputs.attention_inputs(2, 8, 1, 900, 128, seed=6)
+    o, lse = run(lambda: hopper.attention(q, k, v, return_lse=True, pack_gqa=False))
+    gqa_reference_check("O", o, lse, q, k, v, False, None)

@@ -23,11 +23,15 @@ import torch
 from attention_cases import DTYPES, dtype_id
 from test_stage7_hopper import (
     BAD_PACKED,
+    PACK_GQA_CASES,
     PACKS,
     SHARED,
     _packed,
+    check_pack_gqa,
+    check_pack_gqa_varlen,
     check_packed,
     gqa_reference_check,
+    pack_case_id,
     packed_inputs,
 )
 from test_stage8_hopper import SAME_AS_STAGE7, explore, ptxas_log, statements
@@ -292,3 +296,18 @@ def test_rejects_bad_packed_input(name, change, error, match):
     args = change(dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))
     with pytest.raises(error, match=match):
         hopper.attention_varlen(**args)
+
+
+# ---------------------------------------------------------------- pack-GQA (stage 7's checks)
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("case", PACK_GQA_CASES, ids=pack_case_id)
+def test_pack_gqa_matches_reference_and_unpacked(case):
+    check_pack_gqa(hopper, case)
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("D", [64, 128])
+def test_pack_gqa_packed_sequences_with_nan_around(D):
+    check_pack_gqa_varlen(hopper, D)

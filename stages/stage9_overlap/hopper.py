@@ -42,15 +42,18 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from common import checks, masks
+from common import checks, masks, pack_gqa
 from common.checker import empty_output
 from common.compile import cached_compile
 from common.cute_interop import current_stream, cute_dtype, fake_stream, fake_tensor, to_cute
 
 
 class Sm90Kernel:
-    def __init__(self, dtype, head_dim):
+    def __init__(self, dtype, head_dim, pack_gqa=1):
         self.dtype = dtype  # element type of Q, K, V and O: cutlass.BFloat16 or cutlass.Float16
+        # Query heads per Q tile (pack-GQA, common/pack_gqa.py): 1, or G = H / Hkv when the
+        # G heads of a group share the tile's rows (row r: position r // G, head r % G).
+        self.pack_gqa = pack_gqa
         self.acc_dtype = cutlass.Float32
         self.cta_tile = (128, 128, head_dim)  # (bM, bN, bK): query rows, keys per KV tile, head dim
         self.mma_warpgroups = 2  # consumer w = 1, 2 computes query rows [64 (w - 1), 64 w)
@@ -103,6 +106,10 @@ class Sm90Kernel:
                 ),
             ),
         )
+        # Pack-GQA: (S, D, H, B) -> ((G, S), D, Hkv, B), the packed row (g, s) as mode 0; LSE
+        # (S, H, B) -> ((G, S), Hkv, B). The grid's head index is then the KV head.
+        q, o = (pack_gqa.pack_heads(t, self.pack_gqa, 2) for t in (q, o))
+        lse = pack_gqa.pack_heads(lse, self.pack_gqa, 1)
 
         # S = Q @ K^T: two m64n128k16 wgmma atoms stacked along M, one per warpgroup.
         qk_mma = sm90_utils.make_trivial_tiled_mma(
@@ -140,8 +147,14 @@ class Sm90Kernel:
         o_smem_layout = sm90_utils.make_smem_layout_epi(self.dtype, row_major, (bM, bK), 1)
 
         # TMA descriptors: Q's (bM, bK) box, a (bN, bK) box of K or V per KV tile, O's tile.
+        # Packed, Q's box is (G heads, bM / G positions, bK).
+        q_box = (
+            (bM, bK)
+            if cutlass.const_expr(self.pack_gqa == 1)
+            else ((self.pack_gqa, bM // self.pack_gqa), bK)
+        )
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), q, cute.select(q_smem_layout, mode=[0, 1]), (bM, bK)
+            cpasync.CopyBulkTensorTileG2SOp(), q, cute.select(q_smem_layout, mode=[0, 1]), q_box
         )
         tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), k, cute.select(kv_smem_layout, mode=[0, 1]), (bN, bK)
@@ -166,11 +179,12 @@ class Sm90Kernel:
         self.shared_memory_bytes = SharedStorage.size_in_bytes()
 
         # One CTA per 128-row Q tile of one (head, sequence): as many Q tiles as the longest
-        # sequence has; the CTAs past a shorter sequence's end find nothing to do.
+        # sequence has (packed: G rows per position); the CTAs past a shorter sequence's end
+        # find nothing to do.
         sequences = (
             q.shape[3] if cutlass.const_expr(cu_seqlens_q is None) else cu_seqlens_q.shape[0] - 1
         )
-        grid = (cute.ceil_div(max_seqlen_q, bM), q.shape[2], sequences)
+        grid = (cute.ceil_div(max_seqlen_q * self.pack_gqa, bM), q.shape[2], sequences)
         self.kernel(
             qk_mma,
             pv_mma,
@@ -230,6 +244,7 @@ class Sm90Kernel:
             cpasync.prefetch_descriptor(tma_atom_v)
 
         # blockIdx = (Q tile, head, sequence). Query head `head` reads KV head head // group.
+        # (Packed, mQ has Hkv heads, the group is 1 and `head` is the KV head.)
         pid_m, head, batch = cute.arch.block_idx()
         kv_head = head // (mQ.shape[2] // mK.shape[2])
         # Where this sequence starts in Q and K, and how long it is (batch mode: 0, Sq, 0, Sk).
@@ -276,10 +291,11 @@ class Sm90Kernel:
         )
 
         # This sequence's rows of one head, starting at its offset: (S, D)
-        mQ_seq = cute.domain_offset((offset_q, 0), mQ[None, None, head, batch])
+        q_offset = offset_q if cutlass.const_expr(self.pack_gqa == 1) else (0, offset_q)
+        mQ_seq = cute.domain_offset((q_offset, 0), mQ[None, None, head, batch])
         mK_seq = cute.domain_offset((offset_k, 0), mK[None, None, kv_head, batch])
         mV_seq = cute.domain_offset((offset_k, 0), mV[None, None, kv_head, batch])
-        mO_seq = cute.domain_offset((offset_q, 0), mO[None, None, head, batch])
+        mO_seq = cute.domain_offset((q_offset, 0), mO[None, None, head, batch])
         # (bM, bK)
         gQ = cute.local_tile(mQ_seq, self.cta_tile, (pid_m, None, 0), proj=(1, None, 1))
         # (bN, bK, kv_tiles)
@@ -517,15 +533,20 @@ class Sm90Kernel:
             tScS_mn = self.rows_view(tScS)
             if tidx % 4 == 0:
                 for r in cutlass.range_constexpr(cute.size(row_sum)):
-                    row = pid_m * bM + tScS_mn[r, 0][0]
-                    if row < seqlen_q:
+                    row = pid_m * bM + tScS_mn[r, 0][0]  # packed: G rows per position
+                    if row < seqlen_q * self.pack_gqa:
                         lse_log2 = row_max[r] * scale_log2 + cute.math.log2(
                             row_sum[r], fastmath=True
                         )
                         # A row that saw no key: LSE = log(0) = -inf.
                         if row_sum[r] == 0.0:
                             lse_log2 = -cutlass.Float32.inf
-                        mLSE[offset_q + row, head, batch] = lse_log2 * math.log(2.0)
+                        lse_ln = lse_log2 * math.log(2.0)
+                        if cutlass.const_expr(self.pack_gqa == 1):
+                            mLSE[offset_q + row, head, batch] = lse_ln
+                        else:  # row = (head in the group, position)
+                            g, pos = row % self.pack_gqa, row // self.pack_gqa
+                            mLSE[(g, offset_q + pos), head, batch] = lse_ln
 
             # Both warpgroups have finished reading sQ, which sO overwrites. (Named barrier 1:
             # the 256 consumer threads; the producer takes no part.)
@@ -551,7 +572,7 @@ class Sm90Kernel:
             # Shared memory -> global memory, 16 bytes per thread and copy, only the rows inside the
             # sequence: TMA would clip at the packed tensor's end, not the sequence's, and write
             # the tile's last rows into the next sequence's O.
-            self.store_rows(sO, gO, seqlen_q - pid_m * bM, mma_tidx)
+            self.store_rows(sO, gO, seqlen_q * self.pack_gqa - pid_m * bM, mma_tidx)
 
     @cute.jit
     def wait_turn(self, warpgroup_idx):
@@ -621,7 +642,8 @@ class Sm90Kernel:
         sequences are the batch mode of the tensors. Packed: rows cu_seqlens[b] ..
         cu_seqlens[b + 1] - 1 of the single batch entry 0."""
         if cutlass.const_expr(mCuSeqlensQ is None):
-            return 0, mQ.shape[0], 0, mK.shape[0], batch
+            seqlen_q = mQ.shape[0] if cutlass.const_expr(self.pack_gqa == 1) else mQ.shape[0][1]
+            return 0, seqlen_q, 0, mK.shape[0], batch
         offset_q, offset_k = mCuSeqlensQ[batch], mCuSeqlensK[batch]
         seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
         seqlen_k = mCuSeqlensK[batch + 1] - offset_k
@@ -704,16 +726,24 @@ class Sm90Kernel:
         return cute.make_tensor(acc.iterator, operand_a)
 
     @cute.jit
+    def q_positions(self, pid_m, seqlen_q):
+        """The first and last query position of Q tile pid_m inside the sequence: rows pid_m * bM
+        .. pid_m * bM + bM - 1, G rows per position when packed (G = 1 otherwise)."""
+        bM = self.cta_tile[0]
+        first_row = pid_m * bM
+        last_row = cutlass.min(first_row + bM, seqlen_q * self.pack_gqa) - 1
+        return first_row // self.pack_gqa, last_row // self.pack_gqa
+
+    @cute.jit
     def kv_tile_range(self, pid_m, seqlen_q, seqlen_k, window_left, window_right):
         """[lo, hi): the KV tiles holding a key that some row of Q tile pid_m sees. Row i sees key
         j when band_lo <= j - i <= band_hi, band_lo = Sk - Sq - left, band_hi = Sk - Sq + right.
-        The rows run from first_row = pid_m * bM to last_row = min(first_row + bM, Sq) - 1, so
-        the keys seen run from first_row + band_lo to last_row + band_hi, clipped to [0, Sk).
+        The tile's positions run from first_row to last_row (q_positions), so the keys seen run
+        from first_row + band_lo to last_row + band_hi, clipped to [0, Sk).
         (common.masks.kv_tile_range is the same on the host.)"""
         bM, bN, _ = self.cta_tile
         band_lo, band_hi = seqlen_k - seqlen_q - window_left, seqlen_k - seqlen_q + window_right
-        first_row = pid_m * bM
-        last_row = cutlass.min(first_row + bM, seqlen_q) - 1
+        first_row, last_row = self.q_positions(pid_m, seqlen_q)
         first_key = cutlass.max(first_row + band_lo, 0)
         end_key = cutlass.max(cutlass.min(last_row + band_hi + 1, seqlen_k), 0)
         lo = first_key // bN
@@ -730,8 +760,7 @@ class Sm90Kernel:
         it (j - i < band_lo for its last row). Every other tile of the range is seen whole."""
         bM, bN, _ = self.cta_tile
         band_lo, band_hi = seqlen_k - seqlen_q - window_left, seqlen_k - seqlen_q + window_right
-        first_row = pid_m * bM
-        last_row = cutlass.min(first_row + bM, seqlen_q) - 1
+        first_row, last_row = self.q_positions(pid_m, seqlen_q)
         first_key, last_key = kv_tile * bN, kv_tile * bN + bN - 1
         crosses = last_key >= seqlen_k
         crosses = crosses or last_key - first_row > band_hi
@@ -747,7 +776,7 @@ class Sm90Kernel:
         acc_S_mn, tScS_mn = self.rows_view(acc_S), self.rows_view(tScS)
         for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                row = pid_m * bM + tScS_mn[r, c][0]
+                row = (pid_m * bM + tScS_mn[r, c][0]) // self.pack_gqa  # its position
                 key = kv_tile * bN + tScS_mn[r, c][1]
                 if key >= seqlen_k or key - row > band_hi or key - row < band_lo:
                     acc_S_mn[r, c] = -cutlass.Float32.inf
@@ -781,9 +810,10 @@ class Sm90Kernel:
 
 def compile_args(dtype, shape, scale=None, **options):
     """(kernel, args) for cute.compile with fake tensors, shape = (B, H, Sq, Sk, D); options
-    causal, window, kv_heads (Hkv, default H) and varlen (True: packed sequences, B of them,
-    through cu_seqlens; the tensors are then (1, H, B * S, D) views)."""
-    checks.check_options(options, allowed=("causal", "window", "kv_heads", "varlen"))
+    causal, window, kv_heads (Hkv, default H), varlen (True: packed sequences, B of them,
+    through cu_seqlens; the tensors are then (1, H, B * S, D) views) and pack_gqa (None, True,
+    False: as attention's)."""
+    checks.check_options(options, allowed=("causal", "window", "kv_heads", "varlen", "pack_gqa"))
     B, H, Sq, Sk, D = shape
     Hkv = options.get("kv_heads", H)
     varlen = options.get("varlen", False)
@@ -796,7 +826,8 @@ def compile_args(dtype, shape, scale=None, **options):
     cu_q = cu_k = None
     if varlen:
         cu_q, cu_k = (fake_tensor(torch.int32, (B + 1,), dynamic=True) for _ in range(2))
-    return Sm90Kernel(cute_dtype(dtype), D), (
+    pack = pack_gqa.choose_pack(H, Hkv, Sq, pack_gqa=options.get("pack_gqa"))
+    return Sm90Kernel(cute_dtype(dtype), D, pack), (
         q,
         k,
         v,
@@ -813,10 +844,23 @@ def compile_args(dtype, shape, scale=None, **options):
 
 
 def _launch(
-    q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, causal, window, max_seqlen_k
+    q,
+    k,
+    v,
+    o,
+    lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    scale,
+    causal,
+    window,
+    max_seqlen_k,
+    pack=None,
 ):
     """Both entries: (B, H, S, D)-shaped views (packed sequences as B = 1), launch."""
     D = q.shape[3]
+    pack = pack_gqa.choose_pack(q.shape[1], k.shape[1], max_seqlen_q, pack_gqa=pack)
     window_left, window_right = masks.resolve_window(causal, window, max_seqlen_q, max_seqlen_k)
     # exp(scale * x) = exp2(scale_log2 * x): the kernel takes the folded multiplier.
     scale_log2 = scale * math.log2(math.e)
@@ -829,15 +873,21 @@ def _launch(
             None if t is None else to_cute(t, dynamic=True) for t in (cu_seqlens_q, cu_seqlens_k)
         ]
         args += [max_seqlen_q, scale_log2, window_left, window_right, current_stream()]
-        cached_compile(Sm90Kernel(cute_dtype(q.dtype), D), *args)(*args)
+        cached_compile(Sm90Kernel(cute_dtype(q.dtype), D, pack), *args)(*args)
 
 
-def attention(q, k, v, scale=None, causal=False, window=None, return_lse=False):
+def attention(q, k, v, scale=None, causal=False, window=None, return_lse=False, pack_gqa=None):
     """O = softmax(scale * Q @ K^T + mask) @ V for Q (B, H, Sq, D) and K, V (B, Hkv, Sk, D) with
     H % Hkv == 0 (Hkv = 1: MQA): query head h reads KV head h // (H // Hkv), as SDPA's
     enable_gqa. All bf16 or all fp16, D contiguous, D in {64, 128}; scale defaults to
     1/sqrt(D); causal and window as in stage 6 (bottom-right aligned). O (B, H, Sq, D); with
-    return_lse also LSE (B, H, Sq) in fp32. A row that sees no key gets O = 0, LSE = -inf."""
+    return_lse also LSE (B, H, Sq) in fp32. A row that sees no key gets O = 0, LSE = -inf.
+
+    pack_gqa: the G = H / Hkv query heads of a KV head share one Q tile (common/pack_gqa.py).
+    None (default) packs where a tile would otherwise be mostly empty, Sq short against the
+    128-row tile (decode-like shapes: Sq = 1 uses 1 of 128 rows unpacked, G packed); True /
+    False force it. The same answer either way (the same arithmetic per row); the speed is in
+    docs/results/."""
     if not isinstance(return_lse, bool):
         raise TypeError(f"argument 'return_lse': expected a bool, got {type(return_lse).__name__}")
     masks.check_mask_args(causal, window)
@@ -845,7 +895,7 @@ def attention(q, k, v, scale=None, causal=False, window=None, return_lse=False):
     scale = checks.check_scale(scale, D)
     o = empty_output((B, H, Sq, D), q.dtype, q.device)
     lse = empty_output((B, H, Sq), torch.float32, q.device)
-    _launch(q, k, v, o, lse, None, None, Sq, scale, causal, window, Sk)
+    _launch(q, k, v, o, lse, None, None, Sq, scale, causal, window, Sk, pack_gqa)
     return (o, lse) if return_lse else o
 
 
@@ -861,6 +911,7 @@ def attention_varlen(
     causal=False,
     window=None,
     return_lse=False,
+    pack_gqa=None,
 ):
     """Packed sequences, FlashAttention's flash_attn_varlen_func layout: q (total_q, H, D), k and
     v (total_k, Hkv, D); sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q and
@@ -872,7 +923,7 @@ def attention_varlen(
     real length) reads them to the host: one small device-to-host copy and a synchronisation per
     call, acceptable for a tutorial that refuses wrong input rather than reading out of bounds;
     a serving engine would validate once per batch instead. max_seqlen_q (default: computed)
-    sets the grid."""
+    sets the grid. pack_gqa as in attention(), decided on max_seqlen_q."""
     if not isinstance(return_lse, bool):
         raise TypeError(f"argument 'return_lse': expected a bool, got {type(return_lse).__name__}")
     masks.check_mask_args(causal, window)
@@ -904,5 +955,6 @@ def attention_varlen(
         causal,
         window,
         max_seqlen_k,
+        pack_gqa,
     )
     return (o, lse) if return_lse else o
