@@ -36,10 +36,14 @@ from test_stage6_blackwell import (
 )
 from test_stage7_hopper import (
     BAD_PACKED,
+    PACK_GQA_CASES,
     PACKS,
     _packed,
+    check_pack_gqa,
+    check_pack_gqa_varlen,
     check_packed,
     gqa_reference_check,
+    pack_case_id,
     packed_inputs,
 )
 
@@ -129,7 +133,7 @@ def test_one_kernel_for_every_head_count_and_packing():
 
 def test_compile_args_rejects_unknown_options():
     with pytest.raises(TypeError, match="unknown option"):
-        blackwell.compile_args(torch.bfloat16, (1, 1, 128, 128, 64), pack_gqa=True)
+        blackwell.compile_args(torch.bfloat16, (1, 1, 128, 128, 64), split_kv=2)
 
 
 # ---------------------------------------------------------------- numerics on an sm_100 GPU
@@ -270,3 +274,39 @@ def test_rejects_bad_packed_input(name, change, error, match):
     args = change(dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))
     with pytest.raises(error, match=match):
         blackwell.attention_varlen(**args)
+
+
+# ---------------------------------------------------------------- pack-GQA
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("varlen", [False, True], ids=["batch", "packed"])
+def test_compiles_with_pack_gqa(varlen, D):
+    # 4 query heads per Q tile: the loop body and the stores are the unpacked kernel's; only Q's,
+    # O's and LSE's addressing and the row -> position map of the masks change.
+    report = compile_stage7(
+        torch.bfloat16, D, kv_heads=2, varlen=varlen, causal=True, pack_gqa=True
+    )
+    plain = compile_stage7(
+        torch.bfloat16, D, resources=False, kv_heads=2, varlen=varlen, causal=True
+    )
+    assert report.ptx != plain.ptx
+    for family in LOOP_FAMILIES:
+        assert report.counts[family] == plain.counts[family], family
+    assert len(QK_MMA.findall(report.ptx)) == D // 16 and len(PV_MMA.findall(report.ptx)) == 8
+    assert global_stores(report.ptx) == ["st.global.v4.b32"] * (D // 8) + ["st.global.b32"]
+    assert_tmem_freed_after_fence(report.ptx)
+    if report.resources and "registers" in report.resources:
+        assert report.resources["spill_stores"] == 0, report.summary()
+
+
+@pytest.mark.gpu_blackwell
+@pytest.mark.parametrize("case", PACK_GQA_CASES, ids=pack_case_id)
+def test_pack_gqa_matches_reference_and_unpacked(case):
+    check_pack_gqa(blackwell, case)
+
+
+@pytest.mark.gpu_blackwell
+@pytest.mark.parametrize("D", [64, 128])
+def test_pack_gqa_packed_sequences_with_nan_around(D):
+    check_pack_gqa_varlen(blackwell, D)

@@ -33,8 +33,12 @@ Changes from stage 6:
 - Registers (ptxas of CUDA 13.0, sm_100a, 2026-12-01): batch mode 168 (bf16) and 212 (fp16),
   packed 168 and 208 (D = 64) / 210 (D = 128), no spills (stage 6: 168 and 209); shared memory
   and TMEM as in stage 6.
-- Not done: packing the query heads of a group into one Q tile for short Sq (FlashAttention's
-  pack-GQA), which pays for decode-like shapes (Sq = 1: one row of a 128-row tile is used).
+- Pack-GQA for short Sq, as on Hopper (common/pack_gqa.py): the G = H / Hkv query heads of a KV
+  head share a Q tile's rows (row r: position r // G of head r % G) where a head's rows alone
+  would leave the tile mostly empty (Sq = 1: 1 of 128 rows). Q, O and LSE get (G, S) as their
+  row mode, the grid runs over KV heads, the masks take position r // G, and the per-row
+  store and LSE take the row's (g, position) coordinate. Compile-checked only; the Hopper
+  kernel measured 2.3x on decode steps (docs/results/).
 
 Shapes: B, H, Hkv, Sq, Sk >= 1 (packed: any lengths >= 0), D in {64, 128}.
 
@@ -55,7 +59,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.memory import SmemAllocator, TmemAllocator, get_num_tmem_alloc_cols
 
-from common import checks, masks
+from common import checks, masks, pack_gqa
 from common.checker import empty_output
 from common.compile import cached_compile
 from common.cute_interop import current_stream, cute_dtype, fake_stream, fake_tensor, to_cute
@@ -63,8 +67,11 @@ from common.tmem import fence_before_thread_sync, rows_of_16_bytes
 
 
 class Sm100Kernel:
-    def __init__(self, dtype, head_dim):
+    def __init__(self, dtype, head_dim, pack_gqa=1):
         self.dtype = dtype  # element type of Q, K, V and O: cutlass.BFloat16 or cutlass.Float16
+        # Query heads per Q tile (pack-GQA, common/pack_gqa.py): 1, or G = H / Hkv when the
+        # G heads of a group share the tile's rows (row r: position r // G, head r % G).
+        self.pack_gqa = pack_gqa
         self.acc_dtype = Float32
         # (bM, bN, bK) = (Q rows, K rows, D): one S tile; one tcgen05.mma is 128 x 128 x 16.
         self.qk_mma_tiler = (128, 128, head_dim)
@@ -119,20 +126,27 @@ class Sm100Kernel:
         o = rows_of_16_bytes(o)
         # (B, H, S, D) -> (S, D, (H, B)): the two tile modes first, then (h, b) as one batch mode;
         # K and V have Hkv heads. Packed sequences arrive as B = 1 and S = total tokens.
+        # Pack-GQA: Q and O (S, D, H, B) -> ((G, S), D, Hkv, B) first, the packed row (g, s) as
+        # mode 0; the grid's head index is then the KV head.
         q, k, o = [
-            cute.make_tensor(
-                t.iterator, cute.group_modes(cute.select(t.layout, mode=[2, 3, 1, 0]), 2, 4)
-            )
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
             for t in (q, k, o)
+        ]
+        q, o = (pack_gqa.pack_heads(t, self.pack_gqa, 2) for t in (q, o))
+        q, k, o = [
+            cute.make_tensor(t.iterator, cute.group_modes(t.layout, 2, 4)) for t in (q, k, o)
         ]
         # V -> (D, Sk, (H, B)): the B operand of P @ V is (N, K) = (D, keys), D contiguous (MN-major).
         v = cute.make_tensor(
             v.iterator, cute.group_modes(cute.select(v.layout, mode=[3, 2, 1, 0]), 2, 4)
         )
-        # LSE (B, H, Sq) -> (Sq, (H, B))
-        lse = cute.make_tensor(
-            lse.iterator, cute.group_modes(cute.select(lse.layout, mode=[2, 1, 0]), 1, 3)
+        # LSE (B, H, Sq) -> (Sq, (H, B)); packed ((G, Sq), (Hkv, B))
+        lse = pack_gqa.pack_heads(
+            cute.make_tensor(lse.iterator, cute.select(lse.layout, mode=[2, 1, 0])),
+            self.pack_gqa,
+            1,
         )
+        lse = cute.make_tensor(lse.iterator, cute.group_modes(lse.layout, 1, 3))
 
         # One tcgen05.mma.cta_group::1.kind::f16 per 128 x 128 x 16: A and B from shared memory,
         # both K-major, D (the accumulator) in TMEM.
@@ -228,14 +242,15 @@ class Sm100Kernel:
         self.shared_memory_bytes = SharedStorage.size_in_bytes()
 
         # One CTA per 128-row Q tile of one (head, sequence): as many Q tiles as the longest
-        # sequence has; the CTAs past a shorter sequence's end find nothing to do.
+        # sequence has (packed: G rows per position); the CTAs past a shorter sequence's end
+        # find nothing to do.
         sequences = (
             cute.size(q, mode=[2, 1])
             if cutlass.const_expr(cu_seqlens_q is None)
             else cu_seqlens_q.shape[0] - 1
         )
         grid = (
-            cute.ceil_div(max_seqlen_q, self.qk_mma_tiler[0]),
+            cute.ceil_div(max_seqlen_q * self.pack_gqa, self.qk_mma_tiler[0]),
             cute.size(q, mode=[2, 0]),
             sequences,
         )
@@ -289,6 +304,7 @@ class Sm100Kernel:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         # blockIdx = (Q tile, head, sequence). Query head `head` reads KV head head // group.
+        # (Packed, mQ has Hkv heads, the group is 1 and `head` is the KV head.)
         bidx, head, batch = cute.arch.block_idx()
         kv_head = head // (cute.size(mQ, mode=[2, 0]) // cute.size(mK, mode=[2, 0]))
         tile_coord = (bidx, None, 0)  # (Q tile, every K tile, the one D tile)
@@ -392,13 +408,15 @@ class Sm100Kernel:
 
         # This CTA's sequence and head, from the sequence's first row: Q (Sq, D), K (Sk, D),
         # V (D, Sk), O (Sq, D) and LSE (Sq); K and V of head kv_head.
+        # (Packed, a row is (g, position): the sequence starts at (0, offset_q).)
+        q_offset = offset_q if cutlass.const_expr(self.pack_gqa == 1) else (0, offset_q)
         mQ, mK, mV, mO = (
-            cute.domain_offset((offset_q, 0), mQ[(None, None, (head, batch))]),
+            cute.domain_offset((q_offset, 0), mQ[(None, None, (head, batch))]),
             cute.domain_offset((offset_k, 0), mK[(None, None, (kv_head, batch))]),
             cute.domain_offset((0, offset_k), mV[(None, None, (kv_head, batch))]),
-            cute.domain_offset((offset_q, 0), mO[(None, None, (head, batch))]),
+            cute.domain_offset((q_offset, 0), mO[(None, None, (head, batch))]),
         )
-        mLSE = cute.domain_offset((offset_q,), mLSE[(None, (head, batch))])
+        mLSE = cute.domain_offset((q_offset,), mLSE[(None, (head, batch))])
         # (bM, D)
         gQ = cute.local_tile(mQ, self.qk_mma_tiler, tile_coord, proj=(1, None, 1))
         # (bN, D, kv_tiles)
@@ -653,6 +671,11 @@ class Sm100Kernel:
                 p_empty.commit()
 
             # 3. Epilogue: TMEM -> registers (tcgen05.ld) -> O / row_sum -> O in global memory; LSE
+            # The rows inside the sequence: (G heads, seqlen_q positions) when packed (each
+            # element's coordinate in O is then ((g, position), d)).
+            q_rows = (
+                seqlen_q if cutlass.const_expr(self.pack_gqa == 1) else (self.pack_gqa, seqlen_q)
+            )
             # A row that saw no key (row_sum = 0) keeps O = 0.
             inv_row_sum = cute.arch.rcp_approx(row_sum) if row_sum > 0.0 else 0.0
             o_full = mma_o_cons.wait_and_advance()
@@ -669,17 +692,17 @@ class Sm100Kernel:
                     tTR_rO,
                     tTR_gO[(None, None, i)],
                     tTR_cO[(None, None, i)],
-                    (seqlen_q, mO.shape[1]),
+                    (q_rows, mO.shape[1]),
                 )
             # LSE = log(sum_j exp(scale * S_j)) = scale * row_max + log(row_sum), natural log, fp32,
             # for this thread's row (query) if it lies inside the sequence
-            row = tTR_cO[0][0]
-            if row < seqlen_q:
+            row = tTR_cO[0][0]  # packed: (g, position)
+            if cute.elem_less(row, q_rows):
                 lse_log2 = row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)
                 # A row that saw no key: LSE = log(0) = -inf.
                 if row_sum == 0.0:
                     lse_log2 = -Float32.inf
-                mLSE[row] = lse_log2 * math.log(2.0)
+                mLSE[(row,)] = lse_log2 * math.log(2.0)
             o_full.release()
 
             # All four softmax warps are done with TMEM before warp 0 frees it: each orders its
@@ -714,7 +737,8 @@ class Sm100Kernel:
         sequences are the batch mode of the tensors. Packed: rows cu_seqlens[b] ..
         cu_seqlens[b + 1] - 1 of the single batch entry 0."""
         if cutlass.const_expr(mCuSeqlensQ is None):
-            return 0, mQ.shape[0], 0, mK.shape[0], batch
+            seqlen_q = mQ.shape[0] if cutlass.const_expr(self.pack_gqa == 1) else mQ.shape[0][1]
+            return 0, seqlen_q, 0, mK.shape[0], batch
         offset_q, offset_k = mCuSeqlensQ[batch], mCuSeqlensK[batch]
         seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
         seqlen_k = mCuSeqlensK[batch + 1] - offset_k
@@ -744,16 +768,24 @@ class Sm100Kernel:
         cute.arch.sync_warp()
 
     @cute.jit
+    def q_positions(self, q_tile, seqlen_q):
+        """The first and last query position of Q tile q_tile inside the sequence: rows q_tile *
+        bM .. q_tile * bM + bM - 1, G rows per position when packed (G = 1 otherwise)."""
+        bM = self.qk_mma_tiler[0]
+        first_row = q_tile * bM
+        last_row = cutlass.min(first_row + bM, seqlen_q * self.pack_gqa) - 1
+        return first_row // self.pack_gqa, last_row // self.pack_gqa
+
+    @cute.jit
     def kv_tile_range(self, q_tile, seqlen_q, seqlen_k, window_left, window_right):
         """[lo, hi): the KV tiles holding a key that some row of Q tile q_tile sees. Row i sees key
         j when band_lo <= j - i <= band_hi, band_lo = Sk - Sq - left, band_hi = Sk - Sq + right.
-        The rows run from first_row = q_tile * bM to last_row = min(first_row + bM, Sq) - 1, so
-        the keys seen run from first_row + band_lo to last_row + band_hi, clipped to [0, Sk).
+        The tile's positions run from first_row to last_row (q_positions), so the keys seen run
+        from first_row + band_lo to last_row + band_hi, clipped to [0, Sk).
         (common.masks.kv_tile_range is the same on the host.)"""
         bM, bN = self.qk_mma_tiler[:2]
         band_lo, band_hi = seqlen_k - seqlen_q - window_left, seqlen_k - seqlen_q + window_right
-        first_row = q_tile * bM
-        last_row = cutlass.min(first_row + bM, seqlen_q) - 1
+        first_row, last_row = self.q_positions(q_tile, seqlen_q)
         first_key = cutlass.max(first_row + band_lo, 0)
         end_key = cutlass.max(cutlass.min(last_row + band_hi + 1, seqlen_k), 0)
         lo = first_key // bN
@@ -770,8 +802,7 @@ class Sm100Kernel:
         it (j - i < band_lo for its last row). Every other tile of the range is seen whole."""
         bM, bN = self.qk_mma_tiler[:2]
         band_lo, band_hi = seqlen_k - seqlen_q - window_left, seqlen_k - seqlen_q + window_right
-        first_row = q_tile * bM
-        last_row = cutlass.min(first_row + bM, seqlen_q) - 1
+        first_row, last_row = self.q_positions(q_tile, seqlen_q)
         first_key, last_key = kv_tile * bN, kv_tile * bN + bN - 1
         crosses = last_key >= seqlen_k
         crosses = crosses or last_key - first_row > band_hi
@@ -790,7 +821,7 @@ class Sm100Kernel:
         2026-12-01)."""
         bM, bN = self.qk_mma_tiler[:2]
         band_lo, band_hi = seqlen_k - seqlen_q - window_left, seqlen_k - seqlen_q + window_right
-        row = q_tile * bM + tTR_cS[0][0]
+        row = (q_tile * bM + tTR_cS[0][0]) // self.pack_gqa  # its position
         keys_first = row + band_lo - kv_tile * bN
         keys_end = cutlass.min(row + band_hi + 1, seqlen_k) - kv_tile * bN
         for i in cutlass.range(cute.size(tTR_rS), unroll_full=True):
@@ -800,9 +831,10 @@ class Sm100Kernel:
 
 def compile_args(dtype, shape, scale=None, **options):
     """(kernel, args) for cute.compile with fake tensors, shape = (B, H, Sq, Sk, D); options
-    causal, window, kv_heads (Hkv, default H) and varlen (True: packed sequences, B of them,
-    through cu_seqlens; the tensors are then (1, H, B * S, D) views)."""
-    checks.check_options(options, allowed=("causal", "window", "kv_heads", "varlen"))
+    causal, window, kv_heads (Hkv, default H), varlen (True: packed sequences, B of them,
+    through cu_seqlens; the tensors are then (1, H, B * S, D) views) and pack_gqa (None, True,
+    False: as attention's)."""
+    checks.check_options(options, allowed=("causal", "window", "kv_heads", "varlen", "pack_gqa"))
     B, H, Sq, Sk, D = shape
     Hkv = options.get("kv_heads", H)
     varlen = options.get("varlen", False)
@@ -815,7 +847,8 @@ def compile_args(dtype, shape, scale=None, **options):
     cu_q = cu_k = None
     if varlen:
         cu_q, cu_k = (fake_tensor(torch.int32, (B + 1,), dynamic=True) for _ in range(2))
-    return Sm100Kernel(cute_dtype(dtype), D), (
+    pack = pack_gqa.choose_pack(H, Hkv, Sq, pack_gqa=options.get("pack_gqa"))
+    return Sm100Kernel(cute_dtype(dtype), D, pack), (
         q,
         k,
         v,
@@ -832,10 +865,23 @@ def compile_args(dtype, shape, scale=None, **options):
 
 
 def _launch(
-    q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, causal, window, max_seqlen_k
+    q,
+    k,
+    v,
+    o,
+    lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    scale,
+    causal,
+    window,
+    max_seqlen_k,
+    pack=None,
 ):
     """Both entries: (B, H, S, D)-shaped views (packed sequences as B = 1), launch."""
     D = q.shape[3]
+    pack = pack_gqa.choose_pack(q.shape[1], k.shape[1], max_seqlen_q, pack_gqa=pack)
     window_left, window_right = masks.resolve_window(causal, window, max_seqlen_q, max_seqlen_k)
     # exp(scale * x) = exp2(scale_log2 * x): the kernel takes the folded multiplier.
     scale_log2 = scale * math.log2(math.e)
@@ -848,15 +894,21 @@ def _launch(
             None if t is None else to_cute(t, dynamic=True) for t in (cu_seqlens_q, cu_seqlens_k)
         ]
         args += [max_seqlen_q, scale_log2, window_left, window_right, current_stream()]
-        cached_compile(Sm100Kernel(cute_dtype(q.dtype), D), *args)(*args)
+        cached_compile(Sm100Kernel(cute_dtype(q.dtype), D, pack), *args)(*args)
 
 
-def attention(q, k, v, scale=None, causal=False, window=None, return_lse=False):
+def attention(q, k, v, scale=None, causal=False, window=None, return_lse=False, pack_gqa=None):
     """O = softmax(scale * Q @ K^T + mask) @ V for Q (B, H, Sq, D) and K, V (B, Hkv, Sk, D) with
     H % Hkv == 0 (Hkv = 1: MQA): query head h reads KV head h // (H // Hkv), as SDPA's
     enable_gqa. All bf16 or all fp16, D contiguous, D in {64, 128}; scale defaults to
     1/sqrt(D); causal and window as in stage 6 (bottom-right aligned). O (B, H, Sq, D); with
-    return_lse also LSE (B, H, Sq) in fp32. A row that sees no key gets O = 0, LSE = -inf."""
+    return_lse also LSE (B, H, Sq) in fp32. A row that sees no key gets O = 0, LSE = -inf.
+
+    pack_gqa: the G = H / Hkv query heads of a KV head share one Q tile (common/pack_gqa.py).
+    None (default) packs where a tile would otherwise be mostly empty, Sq short against the
+    128-row tile (decode-like shapes: Sq = 1 uses 1 of 128 rows unpacked, G packed); True /
+    False force it. The same answer either way (the same arithmetic per row; on this track
+    compile-checked only: no Blackwell GPU has run it)."""
     if not isinstance(return_lse, bool):
         raise TypeError(f"argument 'return_lse': expected a bool, got {type(return_lse).__name__}")
     masks.check_mask_args(causal, window)
@@ -864,7 +916,7 @@ def attention(q, k, v, scale=None, causal=False, window=None, return_lse=False):
     scale = checks.check_scale(scale, D)
     o = empty_output((B, H, Sq, D), q.dtype, q.device)
     lse = empty_output((B, H, Sq), torch.float32, q.device)
-    _launch(q, k, v, o, lse, None, None, Sq, scale, causal, window, Sk)
+    _launch(q, k, v, o, lse, None, None, Sq, scale, causal, window, Sk, pack_gqa)
     return (o, lse) if return_lse else o
 
 
@@ -880,6 +932,7 @@ def attention_varlen(
     causal=False,
     window=None,
     return_lse=False,
+    pack_gqa=None,
 ):
     """Packed sequences, FlashAttention's flash_attn_varlen_func layout: q (total_q, H, D), k and
     v (total_k, Hkv, D); sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q and
@@ -891,7 +944,7 @@ def attention_varlen(
     real length) reads them to the host: one small device-to-host copy and a synchronisation per
     call, acceptable for a tutorial that refuses wrong input rather than reading out of bounds;
     a serving engine would validate once per batch instead. max_seqlen_q (default: computed)
-    sets the grid."""
+    sets the grid. pack_gqa as in attention(), decided on max_seqlen_q."""
     if not isinstance(return_lse, bool):
         raise TypeError(f"argument 'return_lse': expected a bool, got {type(return_lse).__name__}")
     masks.check_mask_args(causal, window)
@@ -923,5 +976,6 @@ def attention_varlen(
         causal,
         window,
         max_seqlen_k,
+        pack_gqa,
     )
     return (o, lse) if return_lse else o

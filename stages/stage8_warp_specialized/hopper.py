@@ -37,7 +37,7 @@ Changes from stage 7:
 
 attention(q, k, v, ...) and attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...) as in
 stage 7: GQA / MQA, packed sequences, causal and window masks (bottom-right aligned per
-sequence), LSE, bf16/fp16, D = 64 or 128.
+sequence), LSE, bf16/fp16, D = 64 or 128, and stage 7's pack-GQA for short Sq.
 
 Shapes: B, H, Hkv, Sq, Sk >= 1 (packed: any lengths >= 0), D in {64, 128}.
 """
