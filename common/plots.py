@@ -62,9 +62,9 @@ KERNEL_COLORS = {
     "stage 8": "#17344F",
     "stage 9": "#8C1D40",
     "stage 7 MHA": "#F5DE8A",
-    "stage 7 unpacked": "#F5DE8A",
+    "stage 7 unpacked": "#C9A227",
     "padded SDPA cuDNN": "#98DF8A",
-    "SDPA": "#2CA02C",
+    "SDPA": "#66C2A5",
     "cuBLAS (torch.matmul)": "#7F7F7F",
     "SDPA flash": "#1F77B4",
     "SDPA cuDNN": "#2CA02C",
@@ -2454,6 +2454,7 @@ def attention_schedule(
     pv_instr=8,
     dt=None,
     final_pass=True,
+    overlap=False,
 ):
     """A model of the two consumer warpgroups' loop over `steps` KV tiles (durations illustrative
     unless taken from hopper_unit_times). Shared units: the tensor cores serve wgmma instructions
@@ -2464,7 +2465,10 @@ def attention_schedule(
     and issue PV_j together (they meet at V_j, which the producer loads once both have released
     K_j). pingpong=True is stage 8: the turn of the tensor cores (named barriers 2 and 3) is PV_j
     with QK_(j+1); a warpgroup waits for its turn before PV_j (warpgroup 2 also before QK_0) and
-    passes it right after issuing QK_(j+1) (warpgroup 1 also after its last PV).
+    passes it right after issuing QK_(j+1) (warpgroup 1 also after its last PV). overlap=True
+    (with pingpong) is stage 9: a turn is QK_j with PV_(j-1), issued together; the warpgroup
+    waits for QK_j only (wait_group 1), runs softmax_j while PV_(j-1) is on the tensor cores, then
+    waits for PV_(j-1).
 
     Returns {"tc": [(start, end, wg, label)], "softmax": {wg: [(start, end, label, shared)]},
     "waits": {wg: [(start, end, reason)]}, "end": t, "tc_busy": fraction, "turns": {barrier:
@@ -2476,7 +2480,7 @@ def attention_schedule(
     progs = {}
     for w in (1, 2):
         ops = []
-        for j in range(steps):
+        for j in range(steps if not overlap else 0):
             if pingpong:
                 if j == 0 and w == 2:
                     ops.append(("wait_turn",))
@@ -2487,8 +2491,21 @@ def attention_schedule(
                 ops += [("sync", f"K{j}"), ("issue", f"QK{j}", qk_instr, qk_time), ("wait", "QK")]
                 ops += [("softmax", f"softmax {j}", softmax_time), ("sync", f"V{j}")]
                 ops += [("issue", f"PV{j}", pv_instr, pv_time), ("wait", "PV")]
+        if overlap and steps > 0:
+            if w == 2:
+                ops.append(("wait_turn",))
+            ops += [("issue", "QK0", qk_instr, qk_time), ("pass_turn",), ("wait", "QK")]
+            ops.append(("softmax", "softmax 0", softmax_time))
+            for j in range(1, steps):
+                ops += [("wait_turn",), ("issue", f"QK{j}", qk_instr, qk_time)]
+                ops += [("issue", f"PV{j - 1}", pv_instr, pv_time), ("pass_turn",)]
+                ops += [("wait_for", f"QK{j}"), ("softmax", f"softmax {j}", softmax_time)]
+                ops.append(("wait", "PV"))
+            ops += [("wait_turn",), ("issue", f"PV{steps - 1}", pv_instr, pv_time)]
         if pingpong and steps > 0 and w == 1 and final_pass:
             ops.append(("pass_turn",))
+        if overlap and steps > 0:
+            ops.append(("wait", "PV"))
         progs[w] = ops
     pc = {1: 0, 2: 0}
     queue = []  # [wg, label, remaining] in the tensor cores' order
@@ -2527,6 +2544,11 @@ def attention_schedule(
                 elif kind == "wait":
                     if outstanding[w]:
                         blocked[w] = f"waits for its {op[1]} wgmmas"
+                        break
+                    pc[w] += 1
+                elif kind == "wait_for":  # wait_group 1: the group named, not the later one
+                    if any(q[0] == w and q[1] == op[1] for q in queue + issued[w]):
+                        blocked[w] = f"waits for its {op[1][:2]} wgmmas"
                         break
                     pc[w] += 1
                 elif kind == "sync":
@@ -2617,23 +2639,36 @@ def attention_schedule(
 WG_COLORS = {1: "#4C72B0", 2: "#DD8452"}
 
 
-def pingpong_timelines(head_dim=128, block_n=128, rows=64, steps=3, path=None, **rates):
+def pingpong_timelines(
+    head_dim=128, block_n=128, rows=64, steps=3, path=None, compare="stage 8", **rates
+):
     """Stage 7 (top: both consumer warpgroups in lock-step) and stage 8 (bottom: ping-pong) on
     one time axis, from attention_schedule with the durations of hopper_unit_times for this
     head_dim, block_n and rows per warpgroup (the kernel's configuration): which warpgroup's
     wgmma the tensor cores run, and when each warpgroup runs its softmax or waits. Loads are
     assumed to arrive in time (the model leaves memory out)."""
     qk, sm, pv = hopper_unit_times(head_dim, block_n, rows, **rates)
-    runs = [
-        (
-            attention_schedule(False, steps, qk, sm, pv, head_dim // 16, block_n // 16),
-            "stage 7: the two consumer warpgroups in lock-step",
-        ),
-        (
-            attention_schedule(True, steps, qk, sm, pv, head_dim // 16, block_n // 16),
-            "stage 8: ping-pong (named barriers hand over the tensor cores)",
-        ),
-    ]
+    n_qk, n_pv = head_dim // 16, block_n // 16
+    stage8 = (
+        attention_schedule(True, steps, qk, sm, pv, n_qk, n_pv),
+        "stage 8: ping-pong (named barriers hand over the tensor cores)",
+    )
+    if compare == "stage 9":  # stage 8 against stage 9 (compare="stage 9")
+        runs = [
+            stage8,
+            (
+                attention_schedule(True, steps, qk, sm, pv, n_qk, n_pv, overlap=True),
+                "stage 9: + QK_j with PV_(j-1), softmax under the PV",
+            ),
+        ]
+    else:
+        runs = [
+            (
+                attention_schedule(False, steps, qk, sm, pv, n_qk, n_pv),
+                "stage 7: the two consumer warpgroups in lock-step",
+            ),
+            stage8,
+        ]
     t_max = max(r["end"] for r, _ in runs)
     fig, axes = plt.subplots(2, 1, figsize=(FIG_WIDTH, 6.4), sharex=True)
     lanes = ("tensor cores\n(wg 1 | wg 2)", "warpgroup 1", "warpgroup 2")

@@ -35,6 +35,7 @@ NOTEBOOKS = {
     6: "stage6_masks.ipynb",
     7: "stage7_gqa_varlen.ipynb",
     8: "stage8_warp_specialized.ipynb",
+    9: "stage9_overlap.ipynb",
 }
 # STYLE.md rule 7: the fixed order of the sections (level-2 headings).
 SECTIONS = (

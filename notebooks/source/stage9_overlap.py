@@ -1,0 +1,405 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,source//py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+
+# %% [markdown]
+# # Stage 9 - overlap inside the loop: the next QK^T and the last PV issued together
+#
+# This notebook walks through `stages/stage9_overlap/hopper.py`: stage 8's kernel (producer
+# warpgroup, two consumer warpgroups in ping-pong, every feature of stage 7) with
+# FlashAttention-3's second speed technique, the *intra-warpgroup overlap*: each consumer
+# warpgroup issues $QK_j$ and $PV_{j-1}$ together and runs the softmax of tile $j$ while $PV_{j-1}$
+# is still on the tensor cores. The notebook imports the stage file and displays it; it never
+# pastes kernel code.
+#
+# **How to run.** As stage 1: in Jupyter from `notebooks/`, or `make notebooks`. Without an
+# H100/H200 the cells of *Run and verify* and *Measure* say they are skipped; everything else (the
+# pictures, the schedule model, the compile summaries) runs in both modes. Source:
+# `notebooks/source/stage9_overlap.py`.
+
+# %%
+import os
+import sys
+
+import torch
+
+# The repository root (it holds `common` and `stages`): the first folder upwards that has `common`.
+ROOT = os.getcwd()
+while not os.path.isdir(os.path.join(ROOT, "common")) and os.path.dirname(ROOT) != ROOT:
+    ROOT = os.path.dirname(ROOT)
+sys.path.insert(0, ROOT)
+
+from common import notebook as nb  # noqa: E402
+from common import plots, stages  # noqa: E402
+from common.compile import ptx_lines  # noqa: E402
+
+nb.start(9)
+
+# %% [markdown]
+# ## 1. Objectives
+#
+# After this notebook you can:
+#
+# - write the software-pipelined loop of one consumer warpgroup: a prologue ($QK_{lo}$, softmax),
+#   steps that issue $QK_j$ and $PV_{j-1}$ together and wait for them one at a time
+#   (`wait_group 1`, then `wait_group 0`), and a last $PV$;
+# - say which registers are live across the GEMMs now (S of tile $j$ being written, P of tile
+#   $j-1$ being read, O) and why stage 8's 240-register budget is what makes it possible;
+# - check that the ping-pong turns still balance when a turn is the pair ($QK_j$, $PV_{j-1}$);
+# - read the timeline model before and after, and say what it predicts and why the measurement
+#   disagrees with it;
+# - put the measured step next to the FlashAttention-3 paper's ablation (582 -> 661 TFLOP/s).
+#
+# ## 2. Previous stage recap
+#
+# Stage 8 splits the CTA into a TMA producer warpgroup (24 registers per thread after
+# `setmaxnreg.dec`) and two consumer warpgroups (240 registers), each owning 64 rows of the
+# 128-row Q tile. The two consumers take turns on the tensor cores through named barriers 2 and 3:
+# a turn is $PV_j$ with $QK_{j+1}$, so one warpgroup's softmax runs while the other's GEMMs hold the
+# tensor cores. Inside one warpgroup, though, everything is serial: $QK_j$, wait, softmax$_j$,
+# $PV_j$, wait. Its exponentials never overlap its own GEMMs.
+#
+# ## 3. The math
+#
+# The loop computes, per KV tile $j$, $S_j = Q K_j^{\top}$, the online softmax
+# $m_j = \max(m_{j-1}, \operatorname{rowmax} S_j)$, $P_j = \exp(s\,(S_j - m_j))$,
+# $\ell_j = \ell_{j-1} e^{s(m_{j-1}-m_j)} + \operatorname{rowsum} P_j$, and
+# $O_j = O_{j-1}\, e^{s(m_{j-1}-m_j)} + P_j V_j$. The dependencies are
+# $S_j \to P_j \to O_j$, and $O_j$ needs $O_{j-1}$; but $S_{j+1}$ needs only $Q$ and $K_{j+1}$.
+# So $QK_{j+1}$ can start before $P_j V_j$ has finished - or, shifted by one, step $j$ may issue
+# $QK_j$ and then $PV_{j-1}$:
+#
+# $$\underbrace{QK_j,\ PV_{j-1}}_{\text{one turn}} \;\to\; \text{wait } QK_j \;\to\;
+# \operatorname{softmax}_j \;\to\; \text{wait } PV_{j-1} \;\to\; O \mathrel{*}= e^{s(m_{j-1}-m_j)},\
+# P_j = \operatorname{bf16}(\ldots).$$
+#
+# The operations on O keep their order (rescale by $e^{s(m_{j-1}-m_j)}$, then add $P_j V_j$), so the
+# result is stage 8's bit for bit. The price is registers: while the two GEMMs run, $S_j$ (64 fp32
+# per thread for a 64 x 128 tile), $P_{j-1}$ (64 bf16 = 32 registers) and $O$ ($D/2$ fp32) are all
+# live, about 160 registers at D = 128 before addresses and statistics.
+
+# %%
+cfg = nb.show_config(9, "hopper")
+bM, bN, D = cfg.get("cta_tile", (128, 128, 128))
+rows_per_wg = bM // cfg.get("mma_warpgroups", 2)
+for D_ in (64, 128):
+    s_regs, p_regs, o_regs = rows_per_wg * bN // 128, rows_per_wg * bN // 2 // 128, D_ // 2
+    print(
+        f"D = {D_}: S {s_regs} + P {p_regs} + O {o_regs} = {s_regs + p_regs + o_regs} registers "
+        f"per thread live across the GEMMs, of the {cfg.get('mma_registers', 240)} a consumer has"
+    )
+
+# %% [markdown]
+# ## 4. What changes
+#
+# The docstring gives the changes with their numbers; then the kernel against stage 8
+# (`make diff-9 TRACK=hopper` shows the whole files). The consumer branch's loop is restructured
+# into a prologue, the pipelined steps and a last PV; the GEMM issues and the softmax move into
+# three small methods (`issue_qk`, `issue_pv`, `softmax_step`) because each is now called from two
+# places. The producer, the ring, the epilogue and the turn barriers are stage 8's.
+
+# %%
+nb.show_docstring(9, "hopper")
+
+# %%
+nb.show_diff(9, "hopper")
+
+# %% [markdown]
+# ## 5. Walkthrough
+#
+# ### 5.1 The pipelined loop
+#
+# Three pieces: the prologue computes $S_{lo}$ alone (turn 0) and converts it to $P_{lo}$; each
+# step issues $QK_j$ into `acc_S` (free again: $S_{j-1}$ already lives on as $P_{j-1}$ in `tOrP`) and
+# $PV_{j-1}$ behind it as a second wgmma group, passes the turn, waits for the first group only
+# (`wait_group(1)`: groups complete in order, so one pending group means $QK_j$ is done), runs the
+# softmax, then waits for $PV_{j-1}$ (`wait_group(0)`) before rescaling O and overwriting `tOrP`.
+# The last PV runs after the loop; `zero_rows` (packed sequences) stands before its turn, as in
+# stage 8.
+
+# %%
+nb.show_source(9, "hopper", names=["Sm90Kernel.issue_qk", "Sm90Kernel.issue_pv"])
+
+# %%
+nb.show_source(9, "hopper", section="# 2.")
+
+# %% [markdown]
+# ### 5.2 The turns still balance
+#
+# A turn is now ($QK_j$, $PV_{j-1}$); turn 0 is $QK_{lo}$ alone and the last turn $PV_{hi-1}$
+# alone, so each warpgroup still takes `steps + 1` turns and barriers 2 and 3 complete `steps` and
+# `steps + 1` times, as in stage 8. The schedule model replays the kernel's sequence of waits,
+# passes and issues and counts (the tests also explore every interleaving of the two warpgroups):
+
+# %%
+for steps in (0, 1, 2, 5):
+    r = plots.attention_schedule(True, steps, overlap=True)
+    print(f"steps = {steps}: completions {r['turns']}, arrives left over {r['pending']}")
+
+# %% [markdown]
+# ### 5.3 Before and after, in the model
+#
+# The model of stage 8 with the durations of the FlashAttention-3 paper's H100 throughputs (989
+# TFLOP/s of matrix multiply, 3.9 T exponentials/s) for this kernel's tile, counting only the
+# exponentials of the softmax. Top: stage 8; bottom: stage 9.
+
+# %%
+fig = plots.pingpong_timelines(head_dim=D, block_n=bN, rows=rows_per_wg, steps=3, compare="stage 9")
+
+# %% [markdown]
+# In this model ping-pong alone already keeps the tensor cores busy: the tensor cores and the
+# exponential units are its only shared resources, and a softmax of exponentials is about as long
+# as one GEMM at D = 128, so the overlap gains about 1%. Making the softmax longer in the model
+# (`exp_tflops` lower) does not change that much, because the exponential units, shared by the
+# two warpgroups, then become the bound for both stages (exercise 4). The H200 measured +11% at
+# S = 8k (section 7): the gain comes from what the model leaves out - the latency between issuing
+# a wgmma and its results (stage 8's warpgroup waits for $PV_j$ and $QK_{j+1}$ before its softmax,
+# stage 9's only for $QK_j$), the FMA and ALU work of the softmax next to the exponentials (ncu on
+# the H200, 2026-12-01, stage 9 at D = 128: XU pipe 39% busy, FMA 16%, ALU 18%), the barriers.
+# Which of them carries the gain was not measured separately.
+
+# %% [markdown]
+# ### 5.4 What the compiler produced
+#
+# The Hopper kernel for sm_90a (both modes): stage 8's `.reqntid 384` and `setmaxnreg`, twice
+# the wgmma and `ex2.approx` of stage 8 (the prologue and the loop each hold a softmax and a
+# QK^T; the loop and the last step each hold a PV), and `wgmma.wait_group 1` in the loop. The
+# register count ptxas reports is the 168 of the kernel's entry; nvdisasm's count of the consumer
+# code (H200 machine, 2026-12-01, bf16) is 184 registers in batch mode and 185 packed at D = 128,
+# 158 and 165 at D = 64, against stage 8's 155, 170, 127 and 137: the second live S-sized set.
+
+# %%
+report = nb.compile_summary(9, "hopper")
+
+# %%
+if report is not None:
+    for pattern in (r"wgmma\.wait_group", r"setmaxnreg"):
+        print("\n".join(ptx_lines(report.ptx, pattern, limit=4)))
+
+# %% [markdown]
+# ### 5.5 The same stage on Blackwell
+#
+# On Blackwell, stage 9 is planned as FA4's loop: the MMA warp issues $QK_{j+1}$ without waiting
+# for $P_j$ (S double-buffered in tensor memory), and O is rescaled only when the row max grew by
+# more than a threshold. Where `stages/stage9_overlap/blackwell.py` has landed, the cells below
+# show its docstring, its diff and its compile summary; until then they say the file does not
+# exist yet.
+#
+# **Blackwell kernels are compile-checked here, not run on hardware.** This project has an H200;
+# the Blackwell files are compiled for sm_100a with fake tensors and their PTX is checked for the
+# `tcgen05` instructions. Their numerics are tested only where an sm_100 GPU exists.
+
+# %%
+nb.show_docstring(9, "blackwell")
+nb.show_diff(9, "blackwell")
+
+# %%
+rows = nb.cross_track_table(9)
+report_bw = nb.compile_summary(9, "blackwell")
+
+# %% [markdown]
+# ## 6. Run and verify
+#
+# **Expected:** the checks of stages 7 and 8, unchanged (a few $10^{-3}$ relative, within 3x
+# PyTorch's own bf16 error; rows with no key O = 0 and LSE = -inf; NaN planted around packed
+# sequences never leaks in), and O and LSE equal to stage 8's bit for bit.
+
+# %%
+result = nb.run_and_verify(9, (2, 4, 512, 1024, 128))
+checks = nb.run_and_verify_cases(
+    9,
+    list(nb.MASK_CASES)
+    + [
+        ("GQA 8 / 2, causal", (2, 8, 300, 700, 128), dict(kv_heads=2, causal=True)),
+        ("MQA 8 / 1, D = 64", (1, 8, 520, 520, 64), dict(kv_heads=1)),
+    ],
+)
+packed_checks = nb.run_and_verify_varlen(
+    9, [200, 77, 0, 300, 1], [130, 190, 5, 129, 260], heads=4, kv_heads=2, causal=True
+)
+
+# %%
+if nb.MODE == "gpu" and nb.available(8, nb.TRACK) and nb.available(9, nb.TRACK):
+    from common import inputs
+
+    q, k, v = inputs.attention_inputs(2, 8, 1000, 1000, 128, seed=5)
+    o8, lse8 = stages.track_module(8, nb.TRACK).attention(q, k, v, causal=True, return_lse=True)
+    o9, lse9 = stages.track_module(9, nb.TRACK).attention(q, k, v, causal=True, return_lse=True)
+    torch.cuda.synchronize()
+    print(f"stage 9 == stage 8 bit for bit: O {torch.equal(o8, o9)}, LSE {torch.equal(lse8, lse9)}")
+else:
+    print("the bit-for-bit comparison with stage 8 needs GPU mode")
+
+# %%
+fig = nb.error_picture(9, result)
+
+# %% [markdown]
+# ## 7. Measure
+#
+# Stage 9 against stages 5 and 8 and the baselines, FA4 included, at the paper shapes, all timed
+# in one run.
+#
+# **Expected**, from one run of the ablation benchmark on the H200 (2026-12-01, bf16, B·S = 16k,
+# H·D = 2048, non-causal), in TFLOP/s:
+#
+# | D | S | stage 5 | stage 8 | stage 9 | FA4 | SDPA cuDNN |
+# | --- | --- | --- | --- | --- | --- | --- |
+# | 128 | 2k | 506 | 607 | 610 | 629 | 636 |
+# | 128 | 8k | 541 | 602 | 666 | 677 | 666 |
+# | 64 | 2k | 500 | 407 | 344 | 489 | 461 |
+# | 64 | 8k | 492 | 436 | 446 | 546 | 467 |
+#
+# At D = 128, S = 8k the step is +11% (602 -> 666, 0.98x FA4); the FlashAttention-3 paper's
+# ablation on an H100 at head dimension 128 measured +14% for the same step (582 -> 661). At S = 2k
+# the gain is nil in this run. **At D = 64 stages 8 and 9 stay below stage 5.** Nsight Compute on
+# the H200 (2026-12-01) says why: stage 5 at D = 64 fits two CTAs per SM (ncu's block limit by
+# registers: 2, theoretical occupancy 25%), so four warpgroups compute on each SM; stages 8 and 9
+# have one CTA of three warpgroups, two of which compute (18.75%). At D = 64 the exponentials
+# are the bottleneck (the XU pipe 58% busy in stage 5 against 50% in stages 8 and 9), and fewer
+# computing warpgroups issue fewer of them. FlashAttention-3 uses three consumer warpgroups at
+# D = 64 (a 192-row Q tile, 160 registers each); that is the next step for this tutorial, not taken
+# here.
+
+# %%
+bench = nb.measure(
+    9,
+    [
+        (8, 16, 2048, 2048, 128),
+        (2, 16, 8192, 8192, 128),
+        (8, 32, 2048, 2048, 64),
+        (2, 32, 8192, 8192, 64),
+    ],
+    also_stages=(5, 8),
+    with_fa4=True,
+)
+
+# %%
+# The step next to the paper's ablation: this run's ratios where there is a run, else the H200's.
+quoted = {
+    "(8, 16, 2048, 2048, 128)": {"stage 5": 506, "stage 8": 607, "stage 9": 610, "FA4": 629},
+    "(2, 16, 8192, 8192, 128)": {"stage 5": 541, "stage 8": 602, "stage 9": 666, "FA4": 677},
+    "(8, 32, 2048, 2048, 64)": {"stage 5": 500, "stage 8": 407, "stage 9": 344, "FA4": 489},
+    "(2, 32, 8192, 8192, 64)": {"stage 5": 492, "stage 8": 436, "stage 9": 446, "FA4": 546},
+}
+source = "this run" if bench else "H200, 2026-12-01 (make bench)"
+rows = [("FlashAttention-3 paper, H100, head dim 128, 8k", "582", "661", "-", "1.14", "paper")]
+for shape, res in (bench or quoted).items():
+    s8, s9, fa4 = res.get("stage 8"), res.get("stage 9"), res.get("FA4")
+    rows.append(
+        (
+            shape,
+            f"{s8:.0f}" if s8 else "-",
+            f"{s9:.0f}",
+            f"{fa4:.0f}" if fa4 else "-",
+            f"{s9 / s8:.2f}" if s8 else "-",
+            source,
+        )
+    )
+nb.table(
+    (
+        "shape (B, H, S, S, D)",
+        "warp specialised (stage 8)",
+        "+ overlap (stage 9)",
+        "FA4",
+        "step",
+        "measured",
+    ),
+    rows,
+)
+
+# %% [markdown]
+# ## 8. Exercises
+#
+# The answers and checks are collected at the end of the notebook. Every exercise can be done
+# without a GPU; where a GPU adds a measurement, the exercise says which call makes it.
+#
+# 1. **Why `wait_group(1)`.** After issuing $QK_j$ and $PV_{j-1}$ as two commit groups, the
+#    warpgroup waits with `wait_group(1)` before the softmax. What would `wait_group(0)` there
+#    cost, and what would go wrong if the two GEMMs were issued in the other order ($PV_{j-1}$
+#    first) with the same wait?
+# 2. **The register count.** From section 3, how many registers does the second S-sized set add,
+#    and how does that compare with nvdisasm's counts of stages 8 and 9 in 5.4? Could stage 7's
+#    kernel (no `setmaxnreg`, 256 threads) afford the overlap at D = 128?
+# 3. **A lost pass.** Drop warpgroup 1's pass after its last PV in the model:
+#    `plots.attention_schedule(True, 3, overlap=True, final_pass=False)`. What happens?
+# 4. **The model and the measurement.** The model gives stage 9 about 1% over stage 8 at D = 128;
+#    the H200 measured +11% at S = 8k. Stretch the softmax in the model (`exp_tflops` of
+#    `plots.hopper_unit_times` lower) and watch the gain and the tensor cores' busy share. Why
+#    does a longer softmax not make the overlap pay in this model, and what would the model need
+#    to show the measured gain?
+#
+# 5. **Bit for bit.** Stage 9's first PV accumulates into `acc_O = 0` instead of overwriting it as
+#    stage 8's does. Why does that not change a single bit of O?
+#
+# ### Answers and checks
+#
+# <details><summary>1. Why wait_group(1)</summary>
+#
+# `wait_group(0)` waits for $PV_{j-1}$ as well, so the softmax would start only after both GEMMs:
+# the loop would be serial again, stage 8's. Issued in the other order, the group still pending
+# after `wait_group(1)` would be $QK_j$: the softmax would read `acc_S` while the tensor cores
+# still write it - a race that gives wrong numbers, not a hang. The PTX check in the tests pins the
+# order (QK group, PV group, pass, `wait_group 1`, `wait_group 0`).
+# </details>
+#
+# <details><summary>2. The register count</summary>
+#
+# 64 (S) + 32 (P) + 64 (O at D = 128) = 160 live across the GEMMs against 128 in stage 8, which
+# converts S to P before the PV and frees S. nvdisasm counted 155 -> 184 registers (batch, D =
+# 128): +29. Stage 7's 256-thread kernel has at most 255 registers per thread but ran at 164 with
+# one CTA per SM; the overlap would fit there too, but without the producer warpgroup the loads
+# would stay on the consumers' path. The cell below prints the arithmetic.
+# </details>
+#
+# <details><summary>3. A lost pass</summary>
+#
+# Warpgroup 2 waits before its last PV for a turn nobody passes: the model raises `Deadlock`, as
+# the kernel would hang until the test's deadline. The cell below catches it.
+# </details>
+#
+# <details><summary>4. The model and the measurement</summary>
+#
+# The cell below scans the softmax length: the gain stays at 1-3% and the tensor cores' busy share
+# falls, because in the model the stretched softmax is all exponentials, and the exponential units
+# are shared by the two warpgroups - both stages become bound by them. To show the measured gain
+# the model would need what it leaves out: wgmma latency (issue to result), softmax work on
+# per-warpgroup FP32 and ALU pipes that is not the shared exponential unit, and the cost of the
+# barriers. A model is a tool for reasoning about one effect; the measurement decides.
+# </details>
+#
+# <details><summary>5. Bit for bit</summary>
+#
+# $0 + x = x$ exactly in floating point, so accumulating the first $PV$ into zeros gives the same
+# bits as overwriting (the only difference would be the sign of an exact zero, $-0 + 0 = +0$,
+# which `torch.equal` treats as equal). Every other operation on O is the same, in the same order.
+# </details>
+
+# %%
+# Exercise 2: registers live across the GEMMs, stage 8 and stage 9.
+print("stage 8 (S or P, O):", 64 + 64, " stage 9 (S, P, O):", 64 + 32 + 64)
+
+# Exercise 3: the lost pass in the model.
+try:
+    plots.attention_schedule(True, 3, overlap=True, final_pass=False)
+except plots.Deadlock as e:
+    print("Deadlock:", e)
+
+# Exercise 4: the model's gain of stage 9 over stage 8 against the softmax's length.
+for stretch in (1.0, 1.6, 2.5, 4.0):
+    t = plots.hopper_unit_times(head_dim=D, block_n=bN, rows=rows_per_wg, exp_tflops=3.9 / stretch)
+    s8 = plots.attention_schedule(True, 8, *t, D // 16, bN // 16)
+    s9 = plots.attention_schedule(True, 8, *t, D // 16, bN // 16, overlap=True)
+    print(
+        f"softmax {stretch:.1f}x its exponentials: stage 9 {s8['end'] / s9['end']:.3f}x stage 8, "
+        f"tensor cores busy {100 * s8['tc_busy']:.0f}% -> {100 * s9['tc_busy']:.0f}%"
+    )
