@@ -14,15 +14,28 @@ Changes from stage 8:
 - Registers: two S-sized sets are live across the GEMMs, acc_S (S_j, 64 fp32 per thread) and
   tOrP (P_{j-1}, 32 registers of bf16 pairs), next to acc_O (D / 2 fp32). The 240 registers the
   producer's setmaxnreg gives each consumer thread hold them; stage 8 did not need that
-  headroom, stage 9 does. The K/V ring, the slots (6 at D = 128, 13 at D = 64, 225 KB) and the
-  warp roles are stage 8's.
+  headroom, stage 9 does: nvdisasm counts 184 registers in the consumer code (batch, D = 128;
+  packed 185; D = 64 158 and 165) against stage 8's 155 (170, 127, 137), no spills (H200 machine,
+  2026-12-01, bf16). The K/V ring, the slots (6 at D = 128, 13 at D = 64, 225 KB) and the warp
+  roles are stage 8's.
 - The turns of the ping-pong are now (QK_j, PV_{j-1}) pairs: turn 0 is QK_lo alone, the last
   is PV_{hi-1} alone; steps + 1 turns per warpgroup as before, so barriers 2 and 3 complete
   the same number of times (the CPU model in the tests checks every interleaving).
 - The same operations on O in the same order (O *= row_scale_j, then O += P_j V_j), so O and
   LSE are stage 8's bit for bit (tested). Every PV accumulates into acc_O, which starts at 0.
-- Not done here: persistent CTAs and a longest-first order for causal (see docs/results/).
-- Speed: see docs/results/ (make bench, the stage 5 -> 8 -> 9 ablation).
+- Speed (H200, 2026-12-01, bf16, paper shapes, make bench's ablation; runs differ by up to 8%):
+  D = 128, S = 8k non-causal: stage 9 639 TFLOP/s against stage 8 590 and FA4 663 (0.96x); three
+  more runs of that shape: 611-617 against 586-590 and 650-662 (0.93x). Causal 8k: 565 against
+  529 and 661 (0.86x). The FlashAttention-3 paper's step was 582 -> 661 (+14%); here +4-11%.
+  D = 64: 431 against 406 and 533 (0.81x), below stage 5 (463): stage 5 fits two CTAs per SM at
+  D = 64 (ncu: block limit by registers 2, 4 computing warpgroups per SM) against one CTA with
+  two computing warpgroups here, and D = 64 is bound by the exponentials (ncu: XU pipe 58% busy
+  in stage 5, 50% in stages 8 and 9). FlashAttention-3's answer, three consumer warpgroups on a
+  192-row tile at D = 64, is not taken here. fp16 runs 3% below bf16 in stage 9 (649 vs 670 at
+  D = 128, 8k) where stage 5 runs 19% below (479 vs 589): whatever fp16 costs more sits on the
+  softmax side, which the overlap hides.
+- Not done here: persistent CTAs and a longest-first order for causal (the causal S = 1k row,
+  about 0.7x FA4, is where they would pay), three consumer warpgroups at D = 64.
 
 attention(q, k, v, ...) and attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...) as in
 stage 7: GQA / MQA, packed sequences, causal and window masks (bottom-right aligned per
