@@ -23,7 +23,8 @@ Changes from stage 8:
   the same number of times (the CPU model in the tests checks every interleaving).
 - The same operations on O in the same order (O *= row_scale_j, then O += P_j V_j), so O and
   LSE are stage 8's bit for bit (tested). Every PV accumulates into acc_O, which starts at 0.
-- Speed (H200, 2026-12-01, bf16, paper shapes, make bench's ablation; runs differ by up to 8%):
+- Speed (H200, 2026-12-01, bf16, paper shapes, make bench's ablation, measured before the
+  longest-first order below; runs differ by up to 8%):
   D = 128, S = 8k non-causal: stage 9 639 TFLOP/s against stage 8 590 and FA4 663 (0.96x); three
   more runs of that shape: 611-617 against 586-590 and 650-662 (0.93x). Causal 8k: 565 against
   529 and 661 (0.86x). The FlashAttention-3 paper's step was 582 -> 661 (+14%); here +4-11%.
@@ -34,8 +35,18 @@ Changes from stage 8:
   192-row tile at D = 64, is not taken here. fp16 runs 3% below bf16 in stage 9 (649 vs 670 at
   D = 128, 8k) where stage 5 runs 19% below (479 vs 589): whatever fp16 costs more sits on the
   softmax side, which the overlap hides.
-- Not done here: persistent CTAs and a longest-first order for causal (the causal S = 1k row,
-  about 0.7x FA4, is where they would pay), three consumer warpgroups at D = 64.
+- Longest first: the Q tiles of a (head, sequence) run in reverse order (blockIdx.x = 0 takes
+  the last tile), so that under a causal mask the CTAs with the most KV tiles start first and
+  the short ones fill the end of the grid. Measured (H200, 2026-12-01, causal paper shapes, two
+  repetitions, reversed / in order): D = 128: S = 1k 279 / 147 and 268 / 154, 2k 321 / 297,
+  4k 582 / 557, 8k 577 / 560, 16k 626 / 586; D = 64: 1k 263 / 256 ... 16k 460 / 432 - never
+  slower, 2-7% from 2k, more at 1k where one wave of short tiles was the tail. Persistent CTAs
+  (a grid of one CTA per SM looping over tiles) are not written: the longest-first order takes
+  the tail part of their gain without a tile scheduler.
+- Tried and not kept: three consumer warpgroups at D = 64 (FlashAttention-3's 192-row tile, 512
+  threads, 160 registers each): ptxas spilled 592 bytes at the 128-register entry cap, and it ran
+  at 104-107 TFLOP/s (250-280 with 144-152 registers) against stage 8's 406-432 (H200,
+  2026-12-01). What stays open at D = 64 is above.
 
 attention(q, k, v, ...) and attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...) as in
 stage 7: GQA / MQA, packed sequences, causal and window masks (bottom-right aligned per
@@ -80,6 +91,7 @@ class Sm90Kernel:
         tile_bytes = self.cta_tile[1] * head_dim * dtype.width // 8
         self.kv_slots = (227 * 1024 - 1024 - q_bytes) // tile_bytes
         self.smem_align = 1024  # the 128-byte swizzle repeats every 8 rows of 128 B
+        self.longest_first = True  # Q tiles in reverse order: see kernel()
 
     @cute.jit
     def __call__(
@@ -259,6 +271,11 @@ class Sm90Kernel:
         # blockIdx = (Q tile, head, sequence). Query head `head` reads KV head head // group.
         # (Packed, mQ has Hkv heads, the group is 1 and `head` is the KV head.)
         pid_m, head, batch = cute.arch.block_idx()
+        # Longest first: the CTAs of a (head, sequence) start with its last Q tile, which under a
+        # causal mask has the most KV tiles; the short ones fill the gaps at the end of the grid.
+        # (The same work per tile without a mask: nothing changes there.)
+        if cutlass.const_expr(self.longest_first):
+            pid_m = cute.arch.grid_dim()[0] - 1 - pid_m
         kv_head = head // (mQ.shape[2] // mK.shape[2])
         # Where this sequence starts in Q and K, and how long it is (batch mode: 0, Sq, 0, Sk).
         offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
