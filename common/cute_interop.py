@@ -1,6 +1,7 @@
 """torch <-> CuTe: wrapping real tensors for a launch, and fake tensors for compile-only."""
 
 import cutlass
+import cutlass.cute as cute
 import torch
 from cutlass.cute.runtime import (
     from_dlpack,
@@ -80,3 +81,16 @@ def current_stream():
     import cuda.bindings.driver as cuda
 
     return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+@cute.jit
+def rows_of_16_bytes(t: cute.Tensor):
+    """t with every stride but the last (contiguous) one declared a multiple of 16 bytes.
+
+    The entries allocate their outputs (C, S, O) contiguous with rows of 16-byte multiples (N % 8,
+    Sk % 4, D in {64, 128}), but a dynamic stride carries no divisibility: without this, the
+    compiler cannot prove a row's address 16-byte aligned and splits each thread's store of its
+    row into 2- or 4-byte pieces. A static stride is checked here instead (cute.assume raises)."""
+    n = 128 // t.element_type.width
+    stride = (*(cute.assume(s, divby=n) for s in t.stride[:-1]), t.stride[-1])
+    return cute.make_tensor(t.iterator, cute.make_layout(t.shape, stride=stride))

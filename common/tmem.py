@@ -1,7 +1,7 @@
-"""Device helpers shared by the Blackwell stages: freeing tensor memory safely, and the layout fact
-the epilogue needs to store a row of TMEM in 16-byte vectors."""
+"""Device helpers shared by the Blackwell stages: freeing tensor memory safely. (The layout fact the
+epilogues need to store rows in 16-byte vectors, rows_of_16_bytes, is in common/cute_interop.py:
+both tracks use it.)"""
 
-import cutlass.cute as cute
 from cutlass import dsl_user_op
 from cutlass._mlir.dialects import nvvm
 
@@ -19,16 +19,3 @@ def fence_before_thread_sync(*, loc=None, ip=None):
     only then does the allocating warp run tcgen05.dealloc (the order CUTLASS's tcgen05 examples
     use: fence, barrier, dealloc)."""
     nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC, loc=loc, ip=ip)
-
-
-@cute.jit
-def rows_of_16_bytes(t: cute.Tensor):
-    """t with every stride but the last (contiguous) one declared a multiple of 16 bytes.
-
-    The entries allocate their outputs (C, S, O) contiguous with rows of 16-byte multiples (N % 8,
-    Sk % 4, D in {64, 128}), but a dynamic stride carries no divisibility: without this, the
-    compiler cannot prove a row's address 16-byte aligned and splits each thread's store of its
-    row into 2- or 4-byte pieces. A static stride is checked here instead (cute.assume raises)."""
-    n = 128 // t.element_type.width
-    stride = (*(cute.assume(s, divby=n) for s in t.stride[:-1]), t.stride[-1])
-    return cute.make_tensor(t.iterator, cute.make_layout(t.shape, stride=stride))

@@ -53,7 +53,14 @@ from cutlass.tensor_utils import LayoutEnum
 from common import checks, masks, pack_gqa
 from common.checker import empty_output
 from common.compile import cached_compile
-from common.cute_interop import current_stream, cute_dtype, fake_stream, fake_tensor, to_cute
+from common.cute_interop import (
+    current_stream,
+    cute_dtype,
+    fake_stream,
+    fake_tensor,
+    rows_of_16_bytes,
+    to_cute,
+)
 
 
 class Sm90Kernel:
@@ -87,6 +94,9 @@ class Sm90Kernel:
     ):
         bM, bN, bK = self.cta_tile
         row_major = LayoutEnum.ROW_MAJOR  # Q, K, V, O: D contiguous
+        # O is stored by threads in 16-byte chunks: tell the compiler what check_tensor makes
+        # sure of at run time, that every stride of O but D's is a multiple of 16 bytes.
+        o = rows_of_16_bytes(o)
         # (B, H, S, D) -> (S, D, H, B): one matrix per (h, b); K and V have Hkv heads. Packed
         # sequences arrive as B = 1 and S = total tokens, cut into sequences by cu_seqlens.
         q, k, v, o = [
@@ -95,18 +105,6 @@ class Sm90Kernel:
         ]
         # (B, H, Sq) -> (Sq, H, B)
         lse = cute.make_tensor(lse.iterator, cute.select(lse.layout, mode=[2, 1, 0]))
-        # O is stored by threads in 16-byte chunks: tell the compiler what check_tensor makes
-        # sure of at run time, that every stride of O is a multiple of 16 bytes.
-        o = cute.make_tensor(
-            o.iterator,
-            cute.make_layout(
-                o.shape,
-                stride=tuple(
-                    d if cute.is_static(d) else cute.assume(d, divby=128 // self.dtype.width)
-                    for d in o.stride
-                ),
-            ),
-        )
         # Pack-GQA: (S, D, H, B) -> ((G, S), D, Hkv, B), the packed row (g, s) as mode 0; LSE
         # (S, H, B) -> ((G, S), Hkv, B). The grid's head index is then the KV head.
         q, o = (pack_gqa.pack_heads(t, self.pack_gqa, 2) for t in (q, o))
