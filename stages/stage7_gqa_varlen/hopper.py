@@ -45,22 +45,12 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-import torch
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from common import checks, masks, pack_gqa
-from common.checker import empty_output
-from common.compile import cached_compile
-from common.cute_interop import (
-    current_stream,
-    cute_dtype,
-    fake_stream,
-    fake_tensor,
-    rows_of_16_bytes,
-    to_cute,
-)
+from common import attention_host, pack_gqa
+from common.cute_interop import rows_of_16_bytes
 
 
 class Sm90Kernel:
@@ -684,69 +674,9 @@ class Sm90Kernel:
 def compile_args(dtype, shape, scale=None, **options):
     """(kernel, args) for cute.compile with fake tensors, shape = (B, H, Sq, Sk, D); options
     causal, window, kv_heads (Hkv, default H), varlen (True: packed sequences, B of them,
-    through cu_seqlens; the tensors are then (1, H, B * S, D) views) and pack_gqa (None, True,
-    False: as attention's)."""
-    checks.check_options(options, allowed=("causal", "window", "kv_heads", "varlen", "pack_gqa"))
-    B, H, Sq, Sk, D = shape
-    Hkv = options.get("kv_heads", H)
-    varlen = options.get("varlen", False)
-    window_left, window_right = masks.resolve_window(
-        options.get("causal", False), options.get("window"), Sq, Sk
-    )
-    q, o = (fake_tensor(dtype, (B, H, Sq, D), dynamic=True) for _ in range(2))
-    k, v = (fake_tensor(dtype, (B, Hkv, Sk, D), dynamic=True) for _ in range(2))
-    lse = fake_tensor(torch.float32, (B, H, Sq), dynamic=True)
-    cu_q = cu_k = None
-    if varlen:
-        cu_q, cu_k = (fake_tensor(torch.int32, (B + 1,), dynamic=True) for _ in range(2))
-    pack = pack_gqa.choose_pack(H, Hkv, Sq, pack_gqa=options.get("pack_gqa"))
-    return Sm90Kernel(cute_dtype(dtype), D, pack), (
-        q,
-        k,
-        v,
-        o,
-        lse,
-        cu_q,
-        cu_k,
-        Sq,
-        checks.check_scale(scale, D) * math.log2(math.e),
-        window_left,
-        window_right,
-        fake_stream(),
-    )
-
-
-def _launch(
-    q,
-    k,
-    v,
-    o,
-    lse,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    scale,
-    causal,
-    window,
-    max_seqlen_k,
-    pack=None,
-):
-    """Both entries: (B, H, S, D)-shaped views (packed sequences as B = 1), launch."""
-    D = q.shape[3]
-    pack = pack_gqa.choose_pack(q.shape[1], k.shape[1], max_seqlen_q, pack_gqa=pack)
-    window_left, window_right = masks.resolve_window(causal, window, max_seqlen_q, max_seqlen_k)
-    # exp(scale * x) = exp2(scale_log2 * x): the kernel takes the folded multiplier.
-    scale_log2 = scale * math.log2(math.e)
-    with torch.cuda.device(q.device):
-        # Dynamic shapes and strides: one compile per (dtype, D, batch or packed) serves every
-        # shape and head count.
-        args = [to_cute(t, dynamic=True) for t in (q, k, v, o)]
-        args += [to_cute(lse, dynamic=True)]
-        args += [
-            None if t is None else to_cute(t, dynamic=True) for t in (cu_seqlens_q, cu_seqlens_k)
-        ]
-        args += [max_seqlen_q, scale_log2, window_left, window_right, current_stream()]
-        cached_compile(Sm90Kernel(cute_dtype(q.dtype), D, pack), *args)(*args)
+    through cu_seqlens) and pack_gqa (None, True, False: as attention's). The host side of
+    stages 7-9 is one copy, common/attention_host.py."""
+    return attention_host.compile_args(Sm90Kernel, dtype, shape, scale, **options)
 
 
 def attention(q, k, v, scale=None, causal=False, window=None, return_lse=False, pack_gqa=None):
@@ -761,15 +691,9 @@ def attention(q, k, v, scale=None, causal=False, window=None, return_lse=False, 
     128-row tile (decode-like shapes: Sq = 1 uses 1 of 128 rows unpacked, G packed); True /
     False force it. The same answer either way (the same arithmetic per row); the speed is in
     docs/results/."""
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"argument 'return_lse': expected a bool, got {type(return_lse).__name__}")
-    masks.check_mask_args(causal, window)
-    B, H, Sq, Sk, D = checks.check_attention_args(q, k, v, kv_heads=True)
-    scale = checks.check_scale(scale, D)
-    o = empty_output((B, H, Sq, D), q.dtype, q.device)
-    lse = empty_output((B, H, Sq), torch.float32, q.device)
-    _launch(q, k, v, o, lse, None, None, Sq, scale, causal, window, Sk, pack_gqa)
-    return (o, lse) if return_lse else o
+    return attention_host.attention(
+        Sm90Kernel, q, k, v, scale, causal, window, return_lse, pack_gqa
+    )
 
 
 def attention_varlen(
@@ -793,41 +717,23 @@ def attention_varlen(
     bottom-right aligned in each. O (total_q, H, D); with return_lse also LSE (H, total_q).
 
     Checking cu_seqlens (starts at 0, non-decreasing, ends at the total, max_seqlen not below a
-    real length) reads them to the host: one small device-to-host copy and a synchronisation per
-    call, acceptable for a tutorial that refuses wrong input rather than reading out of bounds;
-    a serving engine would validate once per batch instead. max_seqlen_q (default: computed)
-    sets the grid. pack_gqa as in attention(), decided on max_seqlen_q."""
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"argument 'return_lse': expected a bool, got {type(return_lse).__name__}")
-    masks.check_mask_args(causal, window)
-    total_q, H, D = checks.check_varlen_args(q, k, v)
-    max_seqlen_q, max_seqlen_k = checks.check_cu_seqlens(
-        q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
-    )
-    scale = checks.check_scale(scale, D)
-    o = empty_output((total_q, H, D), q.dtype, q.device)
-    lse = empty_output((H, total_q), torch.float32, q.device)
-    if total_q == 0 or k.shape[0] == 0:
-        # No query, or no key for any query (TMA cannot describe an empty tensor): every row
-        # sees nothing.
-        o.zero_()
-        lse.fill_(float("-inf"))
-        return (o, lse) if return_lse else o
-    # (total, H, D) -> (1, H, total, D): the kernel's (B, H, S, D) with one packed batch entry.
-    as_bhsd = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731
-    _launch(
-        as_bhsd(q),
-        as_bhsd(k),
-        as_bhsd(v),
-        as_bhsd(o),
-        lse.unsqueeze(0),
+    real length) reads them to the host: a small device-to-host copy and a synchronisation, the
+    price of refusing wrong input rather than reading out of bounds. It is paid once per pair of
+    cu_seqlens tensors: a later call with the same two tensors, not written since, skips it
+    (common/checks.py), so a model pays it once per batch, not per layer. max_seqlen_q
+    (default: computed) sets the grid. pack_gqa as in attention(), decided on max_seqlen_q."""
+    return attention_host.attention_varlen(
+        Sm90Kernel,
+        q,
+        k,
+        v,
         cu_seqlens_q,
         cu_seqlens_k,
         max_seqlen_q,
+        max_seqlen_k,
         scale,
         causal,
         window,
-        max_seqlen_k,
+        return_lse,
         pack_gqa,
     )
-    return (o, lse) if return_lse else o

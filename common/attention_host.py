@@ -1,0 +1,153 @@
+"""The host side of stages 7, 8 and 9 on both tracks: one copy of the argument checks, the views
+that give packed sequences the kernels' (B, H, S, D) shape, the pack-GQA choice, the compile cache
+and the launch. Each stage file keeps its kernel class and its documented entry points, which pass
+the class here: `attention(Sm90Kernel, q, k, v, ...)`. The kernel class is built as
+kernel_class(cutlass dtype, D, pack) and called with (q, k, v, o, lse, cu_seqlens_q,
+cu_seqlens_k, max_seqlen_q, scale_log2, window_left, window_right, stream)."""
+
+import math
+
+import torch
+
+from common import checks, masks, pack_gqa
+from common.checker import empty_output
+from common.compile import cached_compile
+from common.cute_interop import current_stream, cute_dtype, fake_stream, fake_tensor, to_cute
+
+
+def compile_args(kernel_class, dtype, shape, scale=None, **options):
+    """(kernel, args) for cute.compile with fake tensors, shape = (B, H, Sq, Sk, D); options
+    causal, window, kv_heads (Hkv, default H), varlen (True: packed sequences, B of them,
+    through cu_seqlens; the tensors are then (1, H, B * S, D) views) and pack_gqa (None, True,
+    False: as attention's)."""
+    checks.check_options(options, allowed=("causal", "window", "kv_heads", "varlen", "pack_gqa"))
+    B, H, Sq, Sk, D = shape
+    Hkv = options.get("kv_heads", H)
+    varlen = options.get("varlen", False)
+    window_left, window_right = masks.resolve_window(
+        options.get("causal", False), options.get("window"), Sq, Sk
+    )
+    q, o = (fake_tensor(dtype, (B, H, Sq, D), dynamic=True) for _ in range(2))
+    k, v = (fake_tensor(dtype, (B, Hkv, Sk, D), dynamic=True) for _ in range(2))
+    lse = fake_tensor(torch.float32, (B, H, Sq), dynamic=True)
+    cu_q = cu_k = None
+    if varlen:
+        cu_q, cu_k = (fake_tensor(torch.int32, (B + 1,), dynamic=True) for _ in range(2))
+    pack = pack_gqa.choose_pack(H, Hkv, Sq, pack_gqa=options.get("pack_gqa"))
+    return kernel_class(cute_dtype(dtype), D, pack), (
+        q,
+        k,
+        v,
+        o,
+        lse,
+        cu_q,
+        cu_k,
+        Sq,
+        checks.check_scale(scale, D) * math.log2(math.e),
+        window_left,
+        window_right,
+        fake_stream(),
+    )
+
+
+def launch(
+    kernel_class,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    scale,
+    causal,
+    window,
+    max_seqlen_k,
+    pack=None,
+):
+    """Both entries: (B, H, S, D)-shaped views (packed sequences as B = 1), launch."""
+    D = q.shape[3]
+    pack = pack_gqa.choose_pack(q.shape[1], k.shape[1], max_seqlen_q, pack_gqa=pack)
+    window_left, window_right = masks.resolve_window(causal, window, max_seqlen_q, max_seqlen_k)
+    # exp(scale * x) = exp2(scale_log2 * x): the kernel takes the folded multiplier.
+    scale_log2 = scale * math.log2(math.e)
+    with torch.cuda.device(q.device):
+        # Dynamic shapes and strides: one compile per (dtype, D, batch or packed) serves every
+        # shape and head count.
+        args = [to_cute(t, dynamic=True) for t in (q, k, v, o)]
+        args += [to_cute(lse, dynamic=True)]
+        args += [
+            None if t is None else to_cute(t, dynamic=True) for t in (cu_seqlens_q, cu_seqlens_k)
+        ]
+        args += [max_seqlen_q, scale_log2, window_left, window_right, current_stream()]
+        cached_compile(kernel_class(cute_dtype(q.dtype), D, pack), *args)(*args)
+
+
+def attention(
+    kernel_class, q, k, v, scale=None, causal=False, window=None, return_lse=False, pack_gqa=None
+):
+    """Batch mode (stage 7's attention): checks, outputs (poisoned under test), launch."""
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"argument 'return_lse': expected a bool, got {type(return_lse).__name__}")
+    masks.check_mask_args(causal, window)
+    B, H, Sq, Sk, D = checks.check_attention_args(q, k, v, kv_heads=True)
+    scale = checks.check_scale(scale, D)
+    o = empty_output((B, H, Sq, D), q.dtype, q.device)
+    lse = empty_output((B, H, Sq), torch.float32, q.device)
+    launch(kernel_class, q, k, v, o, lse, None, None, Sq, scale, causal, window, Sk, pack_gqa)
+    return (o, lse) if return_lse else o
+
+
+def attention_varlen(
+    kernel_class,
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    scale=None,
+    causal=False,
+    window=None,
+    return_lse=False,
+    pack_gqa=None,
+):
+    """Packed sequences (stage 7's attention_varlen): checks (cu_seqlens read to the host once
+    per pair, common/checks.py), outputs, the (1, H, total, D) views, launch."""
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"argument 'return_lse': expected a bool, got {type(return_lse).__name__}")
+    masks.check_mask_args(causal, window)
+    total_q, H, D = checks.check_varlen_args(q, k, v)
+    max_seqlen_q, max_seqlen_k = checks.check_cu_seqlens(
+        q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+    )
+    scale = checks.check_scale(scale, D)
+    o = empty_output((total_q, H, D), q.dtype, q.device)
+    lse = empty_output((H, total_q), torch.float32, q.device)
+    if total_q == 0 or k.shape[0] == 0:
+        # No query, or no key for any query (TMA cannot describe an empty tensor): every row
+        # sees nothing.
+        o.zero_()
+        lse.fill_(float("-inf"))
+        return (o, lse) if return_lse else o
+    # (total, H, D) -> (1, H, total, D): the kernel's (B, H, S, D) with one packed batch entry.
+    as_bhsd = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731
+    launch(
+        kernel_class,
+        as_bhsd(q),
+        as_bhsd(k),
+        as_bhsd(v),
+        as_bhsd(o),
+        lse.unsqueeze(0),
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        scale,
+        causal,
+        window,
+        max_seqlen_k,
+        pack_gqa,
+    )
+    return (o, lse) if return_lse else o
