@@ -19,7 +19,7 @@ from typing import Callable
 import pytest
 import torch
 
-from common import inputs, reference
+from common import checker, inputs, masks, reference
 
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -267,3 +267,49 @@ def growing_logits(B, H, Sq, Sk, D, dtype, *, seed, logit_scale):
     q, k, v = inputs.attention_inputs(B, H, Sq, Sk, D, dtype, seed=seed, logit_scale=logit_scale)
     k = (k.float() * torch.linspace(0.1, 2.0, Sk, device=k.device)[:, None]).to(k.dtype)
     return q, k, v
+
+
+# ---------------------------------------------------------------- GQA and packed sequences (stages 7-9)
+
+
+def gqa_reference_check(name, o, lse, q, k, v, causal, window):
+    """Expand K and V to H heads (query head h reads KV head h // group) for the fp64 reference."""
+    group = q.shape[1] // k.shape[1]
+    k_full, v_full = (t.repeat_interleave(group, dim=1) for t in (k, v))
+    Sq, Sk = q.shape[2], k.shape[2]
+    mask = masks.visible(Sq, Sk, *masks.resolve_window(causal, window, Sq, Sk), q.device)
+    checker.check_attention(name, o, q, k_full, v_full, lse=lse, mask=mask)
+
+
+def packed_inputs(lens_q, lens_k, H, Hkv, D, dtype, seed):
+    g = torch.Generator(device="cuda")
+    g.manual_seed(seed)
+    tq, tk = sum(lens_q), sum(lens_k)
+    q = torch.randn(tq, H, D, generator=g, device="cuda").to(dtype)
+    k = torch.randn(tk, Hkv, D, generator=g, device="cuda").to(dtype)
+    v = torch.randn(tk, Hkv, D, generator=g, device="cuda").to(dtype)
+
+    def cu(lens):
+        return torch.tensor(
+            [0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda"
+        )
+
+    return q, k, v, cu(lens_q), cu(lens_k)
+
+
+def check_packed(o, lse, q, k, v, cu_q, cu_k, causal, window, only=None, label=""):
+    """Sequence by sequence against the batch-mode reference of that sequence alone (a sequence
+    without keys: O = 0, LSE = -inf). label prefixes the name in failure messages."""
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(cq) - 1) if only is None else [only]:
+        q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        if q1 == q0:
+            continue
+        qb = q[q0:q1].transpose(0, 1).unsqueeze(0)
+        ob = o[q0:q1].transpose(0, 1).unsqueeze(0)
+        lb = lse[:, q0:q1].unsqueeze(0)
+        if k1 == k0:  # no key at all: every row sees nothing
+            assert (ob == 0).all() and (lb == float("-inf")).all(), f"{label}sequence {b}"
+            continue
+        kb, vb = (t[k0:k1].transpose(0, 1).unsqueeze(0) for t in (k, v))
+        gqa_reference_check(f"{label}sequence {b}", ob, lb, qb, kb, vb, causal, window)

@@ -12,6 +12,7 @@ import importlib
 
 import pytest
 import torch
+from attention_cases import check_packed, packed_inputs
 
 from common import checker, inputs, reference
 
@@ -309,43 +310,6 @@ def test_reported_sequences_in_fresh_processes(kinds):
 # ---------------------------------------------------------------- stage 7: both entry points
 
 
-def _packed(lens_q, lens_k, H, Hkv, D, dtype, seed):
-    g = torch.Generator(device="cuda")
-    g.manual_seed(seed)
-    q = torch.randn(sum(lens_q), H, D, generator=g, device="cuda").to(dtype)
-    k = torch.randn(sum(lens_k), Hkv, D, generator=g, device="cuda").to(dtype)
-    v = torch.randn(sum(lens_k), Hkv, D, generator=g, device="cuda").to(dtype)
-    cu = lambda lens: torch.tensor(
-        [0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda"
-    )  # noqa: E731
-    return q, k, v, cu(lens_q), cu(lens_k)
-
-
-def _check_packed(label, o, lse, q, k, v, cu_q, cu_k, causal, window):
-    from common import masks
-
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    group = q.shape[1] // k.shape[1]
-    for b in range(len(cq) - 1):
-        q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
-        if q1 == q0 or k1 == k0:
-            continue
-        to4 = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731
-        qb, ob = to4(q[q0:q1]), to4(o[q0:q1])
-        kb, vb = (to4(t[k0:k1]).repeat_interleave(group, 1) for t in (k, v))
-        Sq, Sk = q1 - q0, k1 - k0
-        mask = masks.visible(Sq, Sk, *masks.resolve_window(causal, window, Sq, Sk), "cuda")
-        checker.check_attention(
-            f"stage 7 [{label}] sequence {b}",
-            ob,
-            qb,
-            kb,
-            vb,
-            lse=lse[:, q0:q1].unsqueeze(0),
-            mask=mask,
-        )
-
-
 @pytest.mark.parametrize(
     "stage, track",
     [
@@ -391,14 +355,16 @@ def test_stage7_alternating_entries_heads_and_packing(stage, track):
     ]
     for i, (label, kind, shape, (causal, window)) in enumerate(steps):
         if kind == "packed":
-            q, k, v, cu_q, cu_k = _packed(*shape, seed=300 + i)
+            q, k, v, cu_q, cu_k = packed_inputs(*shape, seed=300 + i)
             o, lse = deadline(
                 lambda: mod.attention_varlen(
                     q, k, v, cu_q, cu_k, causal=causal, window=window, return_lse=True
                 ),
                 label,
             )
-            _check_packed(label, o, lse, q, k, v, cu_q, cu_k, causal, window)
+            check_packed(
+                o, lse, q, k, v, cu_q, cu_k, causal, window, label=f"stage {stage} [{label}] "
+            )
             continue
         B, H, Hkv, Sq, Sk, D, dtype = shape
         q, _, _ = inputs.attention_inputs(B, H, Sq, Sq, D, dtype, seed=400 + i)

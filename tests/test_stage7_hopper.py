@@ -18,9 +18,9 @@
 import attention_cases
 import pytest
 import torch
-from attention_cases import DTYPES, dtype_id
+from attention_cases import DTYPES, check_packed, dtype_id, gqa_reference_check, packed_inputs
 
-from common import checker, inputs, masks, pack_gqa, reference
+from common import checker, inputs, pack_gqa, reference
 from stages.stage7_gqa_varlen import hopper
 
 
@@ -46,48 +46,6 @@ def test_compiles_with_stage6_loop_body(varlen, D):
 
 
 # ---------------------------------------------------------------- references
-
-
-def gqa_reference_check(name, o, lse, q, k, v, causal, window):
-    """Expand K and V to H heads (query head h reads KV head h // group) for the fp64 reference."""
-    group = q.shape[1] // k.shape[1]
-    k_full, v_full = (t.repeat_interleave(group, dim=1) for t in (k, v))
-    Sq, Sk = q.shape[2], k.shape[2]
-    mask = masks.visible(Sq, Sk, *masks.resolve_window(causal, window, Sq, Sk), q.device)
-    checker.check_attention(name, o, q, k_full, v_full, lse=lse, mask=mask)
-
-
-def packed_inputs(lens_q, lens_k, H, Hkv, D, dtype, seed):
-    g = torch.Generator(device="cuda")
-    g.manual_seed(seed)
-    tq, tk = sum(lens_q), sum(lens_k)
-    q = torch.randn(tq, H, D, generator=g, device="cuda").to(dtype)
-    k = torch.randn(tk, Hkv, D, generator=g, device="cuda").to(dtype)
-    v = torch.randn(tk, Hkv, D, generator=g, device="cuda").to(dtype)
-
-    def cu(lens):
-        return torch.tensor(
-            [0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda"
-        )
-
-    return q, k, v, cu(lens_q), cu(lens_k)
-
-
-def check_packed(o, lse, q, k, v, cu_q, cu_k, causal, window, only=None):
-    """Sequence by sequence against the batch-mode reference of that sequence alone."""
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    for b in range(len(cq) - 1) if only is None else [only]:
-        q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
-        if q1 == q0:
-            continue
-        qb = q[q0:q1].transpose(0, 1).unsqueeze(0)
-        ob = o[q0:q1].transpose(0, 1).unsqueeze(0)
-        lb = lse[:, q0:q1].unsqueeze(0)
-        if k1 == k0:  # no key at all: every row sees nothing
-            assert (ob == 0).all() and (lb == float("-inf")).all(), f"sequence {b}"
-            continue
-        kb, vb = (t[k0:k1].transpose(0, 1).unsqueeze(0) for t in (k, v))
-        gqa_reference_check(f"sequence {b}", ob, lb, qb, kb, vb, causal, window)
 
 
 def run(fn):
