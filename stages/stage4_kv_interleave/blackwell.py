@@ -91,8 +91,15 @@ from cutlass.memory import SmemAllocator, TmemAllocator, get_num_tmem_alloc_cols
 from common import checks
 from common.checker import empty_output
 from common.compile import cached_compile
-from common.cute_interop import current_stream, cute_dtype, fake_stream, fake_tensor, to_cute
-from common.tmem import fence_before_thread_sync, rows_of_16_bytes
+from common.cute_interop import (
+    current_stream,
+    cute_dtype,
+    fake_stream,
+    fake_tensor,
+    rows_of_16_bytes,
+    to_cute,
+)
+from common.tmem import fence_before_thread_sync
 
 
 class Sm100Kernel:
