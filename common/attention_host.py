@@ -9,10 +9,11 @@ import math
 
 import torch
 
-from common import checks, masks, pack_gqa
+from common import checks, masks
 from common.checker import empty_output
 from common.compile import cached_compile
 from common.cute_interop import current_stream, cute_dtype, fake_stream, fake_tensor, to_cute
+from common.pack_gqa import choose_pack
 
 
 def compile_args(kernel_class, dtype, shape, scale=None, **options):
@@ -33,7 +34,7 @@ def compile_args(kernel_class, dtype, shape, scale=None, **options):
     cu_q = cu_k = None
     if varlen:
         cu_q, cu_k = (fake_tensor(torch.int32, (B + 1,), dynamic=True) for _ in range(2))
-    pack = pack_gqa.choose_pack(H, Hkv, Sq, pack_gqa=options.get("pack_gqa"))
+    pack = choose_pack(H, Hkv, Sq, pack_gqa=options.get("pack_gqa"))
     return kernel_class(cute_dtype(dtype), D, pack), (
         q,
         k,
@@ -68,7 +69,7 @@ def launch(
 ):
     """Both entries: (B, H, S, D)-shaped views (packed sequences as B = 1), launch."""
     D = q.shape[3]
-    pack = pack_gqa.choose_pack(q.shape[1], k.shape[1], max_seqlen_q, pack_gqa=pack)
+    pack = choose_pack(q.shape[1], k.shape[1], max_seqlen_q, pack_gqa=pack)
     window_left, window_right = masks.resolve_window(causal, window, max_seqlen_q, max_seqlen_k)
     # exp(scale * x) = exp2(scale_log2 * x): the kernel takes the folded multiplier.
     scale_log2 = scale * math.log2(math.e)
@@ -120,6 +121,7 @@ def attention_varlen(
         raise TypeError(f"argument 'return_lse': expected a bool, got {type(return_lse).__name__}")
     masks.check_mask_args(causal, window)
     total_q, H, D = checks.check_varlen_args(q, k, v)
+    choose_pack(H, k.shape[1], 1, pack_gqa=pack_gqa)  # its value, also when empty
     max_seqlen_q, max_seqlen_k = checks.check_cu_seqlens(
         q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     )

@@ -219,11 +219,19 @@ _CU_SEQLENS_SEEN = {}
 _CU_SEQLENS_KEEP = 8
 
 
+def _untracked(*tensors):
+    """Tensors made under torch.inference_mode() carry no version counter (reading _version
+    raises): an in-place write to them could not be seen, so they are validated every call."""
+    return any(torch.is_inference(t) for t in tensors)
+
+
 def _cu_seqlens_lookup(cu_q, cu_k, totals):
     """The longest lengths of a pair validated before, or None. The same pair means the same two
     tensor objects, still alive (weak references: a freed tensor's id and address can come back
     with other contents), unmodified since (torch bumps a tensor's _version on every in-place
     write through it or a view of it) and checked against the same token counts."""
+    if _untracked(cu_q, cu_k):
+        return None
     hit = _CU_SEQLENS_SEEN.get((id(cu_q), id(cu_k)))
     if hit is None:
         return None
@@ -245,7 +253,9 @@ def check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     time a pair of tensors is seen; a later call with the same two tensor objects, not written
     in place since (their _version), skips the copy. So a model that passes one pair to every
     layer pays it once per batch. (A write that bypasses torch's version counter - through
-    .data, or by a kernel given the raw pointer - is not seen: pass new tensors after one.)"""
+    .data, or by a kernel given the raw pointer - is not seen: pass new tensors after one.
+    Tensors made under torch.inference_mode() have no version counter: they are read every
+    call.)"""
     totals = (q.shape[0], k.shape[0])
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor):
@@ -272,7 +282,8 @@ def check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             f"sequences, got {cu_seqlens_q.shape[0] - 1} and {cu_seqlens_k.shape[0] - 1}"
         )
     longest = _cu_seqlens_lookup(cu_seqlens_q, cu_seqlens_k, totals)
-    if longest is None:
+    read = longest is None
+    if read:
         longest = []
         for name, cu, total in (
             ("cu_seqlens_q", cu_seqlens_q, totals[0]),
@@ -295,6 +306,7 @@ def check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
                 )
             longest.append(max(steps))
         longest = tuple(longest)
+    if read and not _untracked(cu_seqlens_q, cu_seqlens_k):
         if len(_CU_SEQLENS_SEEN) >= _CU_SEQLENS_KEEP:
             _CU_SEQLENS_SEEN.pop(next(iter(_CU_SEQLENS_SEEN)))
         _CU_SEQLENS_SEEN[(id(cu_seqlens_q), id(cu_seqlens_k))] = (

@@ -28,8 +28,9 @@ def pack_heads(t, pack, head_mode):
 def choose_pack(H, Hkv, max_seqlen_q, tile_rows=128, pack_gqa=None):
     """How many query heads share a Q tile: G = H / Hkv or 1. pack_gqa=None decides by tile use
     (FlashAttention-3's rule): pack when the unpacked tiles' share of real rows,
-    Sq / round_up(Sq, bM), is below 0.9 of the packed tiles', G Sq / round_up(G Sq, bM) - that is,
-    when Sq is short against a tile (decode-like shapes). True / False force it; packing needs
+    Sq / round_up(Sq, bM), is below 0.9 of the packed tiles', G Sq / round_up(G Sq, bM): always
+    for Sq short against a tile (decode steps), and for longer Sq whose last tile is mostly empty
+    (G = 4: Sq = 1-96, 129-224, 257-320, ...), never when Sq fills whole tiles. True / False force it; packing needs
     G to divide the tile's rows."""
     group = H // Hkv
     fits = group > 1 and tile_rows % group == 0

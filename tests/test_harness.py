@@ -241,3 +241,22 @@ def test_cu_seqlens_validated_once_per_pair_and_again_after_a_write(monkeypatch)
     n = len(reads)
     checks.check_cu_seqlens(q, k, cu_q.clone(), cu_k.clone(), None, None)
     assert len(reads) == n + 2
+
+
+def test_cu_seqlens_made_in_inference_mode_are_read_every_call(monkeypatch):
+    # Inference tensors have no version counter (reading _version raises): never cached.
+    from common import checks
+
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or tolist(t))
+    with torch.inference_mode():
+        q, k = torch.empty(30, 2, 64), torch.empty(50, 2, 64)
+        cu_q = torch.tensor([0, 10, 30], dtype=torch.int32)
+        cu_k = torch.tensor([0, 20, 50], dtype=torch.int32)
+        for _ in range(2):
+            assert checks.check_cu_seqlens(q, k, cu_q, cu_k, None, None) == (20, 30)
+        cu_q[1] = 31
+        with pytest.raises(ValueError, match="non-decreasing"):
+            checks.check_cu_seqlens(q, k, cu_q, cu_k, None, None)
+    assert len(reads) == 2 + 2 + 1  # the third call stops at cu_seqlens_q

@@ -14,7 +14,7 @@ import pytest
 import torch
 from attention_cases import check_packed, packed_inputs
 
-from common import checker, inputs, reference
+from common import checker, inputs, pack_gqa, reference
 
 ENTRIES = {
     1: ("stage1_gemm", "gemm"),
@@ -353,6 +353,8 @@ def test_stage7_alternating_entries_heads_and_packing(stage, track):
             (True, None),
         ),
     ]
+    # The decode step is packed (a kernel compiled for 4 heads per tile), the next one is not.
+    assert pack_gqa.choose_pack(32, 8, 1) == 4 and pack_gqa.choose_pack(32, 8, 300) == 1
     for i, (label, kind, shape, (causal, window)) in enumerate(steps):
         if kind == "packed":
             q, k, v, cu_q, cu_k = packed_inputs(*shape, seed=300 + i)

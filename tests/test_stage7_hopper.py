@@ -304,9 +304,20 @@ def test_reference_helpers_are_exact_on_cpu():
 @pytest.mark.parametrize("varlen", [False, True], ids=["batch", "packed"])
 @pytest.mark.parametrize("D", [64, 128])
 def test_compiles_with_pack_gqa(varlen, D):
+    from common.compile import compile_for_arch
+
     counts, res = compile_stage7(
         torch.bfloat16, D, kv_heads=2, varlen=varlen, causal=True, pack_gqa=True
     )
+    # A kernel of its own (4 query heads per tile), not the unpacked one under another name.
+    ptx = {}
+    for pack in (True, False):
+        kernel, args = hopper.compile_args(
+            torch.bfloat16, (2, 8, 512, 1024, D), kv_heads=2, varlen=varlen, pack_gqa=pack
+        )
+        assert kernel.pack_gqa == (4 if pack else 1)
+        ptx[pack] = compile_for_arch(kernel, args, "sm_90a")[0].split("\n", 30)[-1]
+    assert ptx[True] != ptx[False]
     # The loop body is the same; only Q's and O's addressing and the row -> position map change.
     assert counts["wgmma.mma_async"] == D // 16 + 8
     assert counts["ex2.approx"] == 64 + 2
@@ -366,9 +377,14 @@ def check_pack_gqa(mod, case):
     q, _, _ = inputs.attention_inputs(B, H, Sq, Sq, D, dtype, seed=Sq + H)
     _, k, v = inputs.attention_inputs(B, Hkv, Sk, Sk, D, dtype, seed=Sk + Hkv)
     kw = dict(causal=causal, window=window, return_lse=True)
-    o, lse = run(lambda: mod.attention(q, k, v, pack_gqa=True, **kw))
+    what = f"{mod.__name__} pack-GQA"
+    o, lse = checker.run_with_deadline(
+        lambda: mod.attention(q, k, v, pack_gqa=True, **kw), seconds=120, what=what
+    )
     gqa_reference_check("O packed", o, lse, q, k, v, causal, window)
-    o1, lse1 = run(lambda: mod.attention(q, k, v, pack_gqa=False, **kw))
+    o1, lse1 = checker.run_with_deadline(
+        lambda: mod.attention(q, k, v, pack_gqa=False, **kw), seconds=120, what=what
+    )
     assert torch.equal(o, o1), f"max |O packed - O| = {(o.float() - o1.float()).abs().max()}"
     assert torch.equal(lse, lse1), f"max |LSE packed - LSE| = {(lse - lse1).abs().max()}"
 

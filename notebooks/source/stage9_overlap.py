@@ -249,8 +249,10 @@ fig = nb.error_picture(9, result)
 # Stage 9 against stages 5 and 8 and the baselines, FA4 included, at the paper shapes, all timed
 # in one run.
 #
-# **Expected**, from one run of the ablation benchmark on the H200 (2026-12-01, bf16, B·S = 16k,
-# H·D = 2048, non-causal), in TFLOP/s:
+# **Expected**, from the first of the day's ablation runs on the H200 (2026-12-01, bf16, B·S = 16k,
+# H·D = 2048, non-causal, before the longest-first order), in TFLOP/s; the full ablation of a later
+# run, causal rows included, is in `docs/results/h200.md` (there: 590 -> 639 at D = 128, 8k, FA4
+# 663):
 #
 # | D | S | stage 5 | stage 8 | stage 9 | FA4 | SDPA cuDNN |
 # | --- | --- | --- | --- | --- | --- | --- |
@@ -259,16 +261,18 @@ fig = nb.error_picture(9, result)
 # | 64 | 2k | 500 | 407 | 344 | 489 | 461 |
 # | 64 | 8k | 492 | 436 | 446 | 546 | 467 |
 #
-# At D = 128, S = 8k the step is +11% (602 -> 666, 0.98x FA4); the FlashAttention-3 paper's
-# ablation on an H100 at head dimension 128 measured +14% for the same step (582 -> 661). At S = 2k
-# the gain is nil in this run. **At D = 64 stages 8 and 9 stay below stage 5.** Nsight Compute on
+# At D = 128, S = 8k the step is +11% (602 -> 666, 0.98x FA4; +8% in the later run); the
+# FlashAttention-3 paper's ablation on an H100 at head dimension 128 measured +14% for the same step
+# (582 -> 661). At S = 2k the gain is nil in this run (+14% in the later one). **At D = 64 stages 8 and 9 stay below stage 5.** Nsight Compute on
 # the H200 (2026-12-01) says why: stage 5 at D = 64 fits two CTAs per SM (ncu's block limit by
 # registers: 2, theoretical occupancy 25%), so four warpgroups compute on each SM; stages 8 and 9
 # have one CTA of three warpgroups, two of which compute (18.75%). At D = 64 the exponentials
 # are the bottleneck (the XU pipe 58% busy in stage 5 against 50% in stages 8 and 9), and fewer
 # computing warpgroups issue fewer of them. FlashAttention-3 uses three consumer warpgroups at
-# D = 64 (a 192-row Q tile, 160 registers each); that is the next step for this tutorial, not taken
-# here.
+# D = 64 (a 192-row Q tile, 160 registers each). Tried on this kernel the same day, it did not
+# pay: with 512 threads ptxas must fit the kernel's entry into 128 registers and spilled 592
+# bytes, and the kernel ran at 104-280 TFLOP/s against stage 8's 406-432. Making that
+# configuration fit is an open exercise, not a result of this stage.
 
 # %%
 bench = nb.measure(

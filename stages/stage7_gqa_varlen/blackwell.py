@@ -779,7 +779,7 @@ class Sm100Kernel:
         j when band_lo <= j - i <= band_hi, band_lo = Sk - Sq - left, band_hi = Sk - Sq + right.
         The tile's positions run from first_row to last_row (q_positions), so the keys seen run
         from first_row + band_lo to last_row + band_hi, clipped to [0, Sk).
-        (common.masks.kv_tile_range is the same on the host.)"""
+        (common.masks.kv_tile_range is the same on the host for G = 1.)"""
         bM, bN = self.qk_mma_tiler[:2]
         band_lo, band_hi = seqlen_k - seqlen_q - window_left, seqlen_k - seqlen_q + window_right
         first_row, last_row = self.q_positions(q_tile, seqlen_q)

@@ -27,9 +27,9 @@ Changes from stage 6:
 - Registers (ptxas, 2026-12-01, bf16): batch mode 164 (D = 128) and 133 (D = 64), packed 188
   and 128, no spills; shared memory as in stage 6.
 - Pack-GQA (FlashAttention's pack_gqa) for short Sq: with Sq = 1 a 128-row Q tile holds one
-  real row. When a head's rows fill the tile much worse than its group's would (the rule in
-  common/pack_gqa.py: Sq = 1 ... ~60 for 4 heads per KV head; never from Sq = 128), the G = H /
-  Hkv query heads of a KV head share the tile: row r is position r // G of head r % G. Only the
+  real row. When a head's rows fill its tiles much worse than its group's would (the rule in
+  common/pack_gqa.py; for 4 heads per KV head it packs Sq = 1-96, 129-224, 257-320, ..., never
+  a Sq that fills whole tiles), the G = H / Hkv query heads of a KV head share the tile: row r is position r // G of head r % G. Only the
   layouts of Q, O and LSE change ((G, S) as their row mode, Hkv heads in the grid) and the
   masks take position r // G. Measured (H200, 2026-12-01, B = 32, 32/8 heads, Sk = 8192,
   D = 128, causal): Sq = 1 474 us packed against 1091 unpacked, Sq = 16 468 against 1098 (2.3x;
@@ -603,7 +603,7 @@ class Sm90Kernel:
         j when band_lo <= j - i <= band_hi, band_lo = Sk - Sq - left, band_hi = Sk - Sq + right.
         The tile's positions run from first_row to last_row (q_positions), so the keys seen run
         from first_row + band_lo to last_row + band_hi, clipped to [0, Sk).
-        (common.masks.kv_tile_range is the same on the host.)"""
+        (common.masks.kv_tile_range is the same on the host for G = 1.)"""
         bM, bN, _ = self.cta_tile
         band_lo, band_hi = seqlen_k - seqlen_q - window_left, seqlen_k - seqlen_q + window_right
         first_row, last_row = self.q_positions(pid_m, seqlen_q)

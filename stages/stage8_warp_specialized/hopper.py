@@ -672,7 +672,7 @@ class Sm90Kernel:
         j when band_lo <= j - i <= band_hi, band_lo = Sk - Sq - left, band_hi = Sk - Sq + right.
         The tile's positions run from first_row to last_row (q_positions), so the keys seen run
         from first_row + band_lo to last_row + band_hi, clipped to [0, Sk).
-        (common.masks.kv_tile_range is the same on the host.)"""
+        (common.masks.kv_tile_range is the same on the host for G = 1.)"""
         bM, bN, _ = self.cta_tile
         band_lo, band_hi = seqlen_k - seqlen_q - window_left, seqlen_k - seqlen_q + window_right
         first_row, last_row = self.q_positions(pid_m, seqlen_q)

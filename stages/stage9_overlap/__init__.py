@@ -1,19 +1,27 @@
 """Stage 9 - overlap inside the loop: QK^T of tile j+1 issued before the softmax of tile j.
-`attention(q, k, v, scale=None, causal=False, window=None, return_lse=False)` with k, v of Hkv
+`attention(q, k, v, scale=None, causal=False, window=None, return_lse=False, pack_gqa=None)` with k, v of Hkv
 heads, and `attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)` run the kernel of this
-machine's track: hopper.py on sm_90 (H100, H200), blackwell.py on sm_100/sm_103. A track's file
-is imported on first use, so neither track needs the other's file."""
+machine's track: hopper.py on sm_90 (H100, H200). There is no blackwell.py yet: on sm_100/sm_103
+the entries raise NotImplementedError saying so."""
 
 import importlib
+import importlib.util
 
 from common.arch import track
 
 
-def attention(q, k, v, scale=None, causal=False, window=None, return_lse=False):
+def attention(q, k, v, scale=None, causal=False, window=None, return_lse=False, pack_gqa=None):
     """O = softmax(scale * Q @ K^T + mask) @ V with K, V of Hkv heads (H % Hkv == 0); see
     hopper.py / blackwell.py."""
-    return importlib.import_module(f"{__name__}.{track()}").attention(
-        q, k, v, scale=scale, causal=causal, window=window, return_lse=return_lse
+    return _track_module().attention(
+        q,
+        k,
+        v,
+        scale=scale,
+        causal=causal,
+        window=window,
+        return_lse=return_lse,
+        pack_gqa=pack_gqa,
     )
 
 
@@ -29,9 +37,10 @@ def attention_varlen(
     causal=False,
     window=None,
     return_lse=False,
+    pack_gqa=None,
 ):
     """Packed sequences (flash_attn_varlen_func's layout); see hopper.py / blackwell.py."""
-    return importlib.import_module(f"{__name__}.{track()}").attention_varlen(
+    return _track_module().attention_varlen(
         q,
         k,
         v,
@@ -43,4 +52,15 @@ def attention_varlen(
         causal=causal,
         window=window,
         return_lse=return_lse,
+        pack_gqa=pack_gqa,
     )
+
+
+def _track_module():
+    """This machine's track file; stage 9 exists on the Hopper track only (so far)."""
+    t = track()
+    if importlib.util.find_spec(f"{__name__}.{t}") is None:
+        raise NotImplementedError(
+            f"stage 9 has no {t} kernel yet (Hopper only); stage 7 runs on both tracks"
+        )
+    return importlib.import_module(f"{__name__}.{t}")

@@ -40,7 +40,7 @@ Changes from stage 8:
   the short ones fill the end of the grid. Measured (H200, 2026-12-01, causal paper shapes, two
   repetitions, reversed / in order): D = 128: S = 1k 279 / 147 and 268 / 154, 2k 321 / 297,
   4k 582 / 557, 8k 577 / 560, 16k 626 / 586; D = 64: 1k 263 / 256 ... 16k 460 / 432 - never
-  slower, 2-7% from 2k, more at 1k where one wave of short tiles was the tail. Persistent CTAs
+  slower, +2-15% from 2k, 1.8x at 1k (D = 128) where the long tiles started last were the tail. Persistent CTAs
   (a grid of one CTA per SM looping over tiles) are not written: the longest-first order takes
   the tail part of their gain without a tile scheduler.
 - Tried and not kept: three consumer warpgroups at D = 64 (FlashAttention-3's 192-row tile, 512
@@ -758,7 +758,7 @@ class Sm90Kernel:
         j when band_lo <= j - i <= band_hi, band_lo = Sk - Sq - left, band_hi = Sk - Sq + right.
         The tile's positions run from first_row to last_row (q_positions), so the keys seen run
         from first_row + band_lo to last_row + band_hi, clipped to [0, Sk).
-        (common.masks.kv_tile_range is the same on the host.)"""
+        (common.masks.kv_tile_range is the same on the host for G = 1.)"""
         bM, bN, _ = self.cta_tile
         band_lo, band_hi = seqlen_k - seqlen_q - window_left, seqlen_k - seqlen_q + window_right
         first_row, last_row = self.q_positions(pid_m, seqlen_q)
