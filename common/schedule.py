@@ -379,8 +379,17 @@ class PerTile:
 
 @dataclasses.dataclass(frozen=True)
 class IfNonEmpty:
-    """Operations that run only when the range holds a KV tile (no kernel does this on a
-    once-per-CTA hand-off; the tests use it to model the faults an empty range exposes)."""
+    """Operations that run only when the range holds a KV tile (stage 8's correction warpgroup
+    waits for the last O only then; in stages 5-7 the tests use it to model the faults an empty
+    range exposes)."""
+
+    ops: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class NotFirst:
+    """Inside PerTile: operations for every KV tile of the range but its first (stage 8's
+    correction warpgroup rescales O from the second tile on)."""
 
     ops: tuple
 
@@ -405,6 +414,14 @@ ROLES = ("TMA", "MMA", "softmax")
 
 
 def cta_schedule(kernel):
+    """(pipes, programs) of a Blackwell kernel: cta_schedule_two_tiles for stage 8's two Q tiles
+    (kernel.q_tiles == 2), cta_schedule_one_tile for the one-pass kernels of stages 5-7."""
+    if getattr(kernel, "q_tiles", 1) == 2:
+        return cta_schedule_two_tiles(kernel)
+    return cta_schedule_one_tile(kernel)
+
+
+def cta_schedule_one_tile(kernel):
     """(pipes, programs) of a one-pass Blackwell kernel (stages 5-7): its hand-offs, with the
     depths from the kernel's own attributes (q_buffers, kv_slots, s_buffers; P and O have one
     entry each in these kernels), and each role's barrier operations in the order its code
@@ -472,14 +489,139 @@ def cta_schedule(kernel):
     return pipes, programs
 
 
+def cta_schedule_two_tiles(kernel):
+    """(pipes, programs) of stage 8 on Blackwell: two Q tiles per CTA, five roles. Per Q tile s
+    (0, 1) the hand-offs S_s (MMA -> softmax warpgroup s), P_s (softmax s -> MMA), O_s (MMA ->
+    correction: O_s holds a tile; the correction warpgroup releases it rescaled, or read at the
+    end) and stats_s (softmax s -> correction: the row factor per KV tile, then the final row
+    sum and max), one entry each; Q has q_buffers entries, K/V kv_slots. Each role's barrier
+    operations in the order its code performs them."""
+    if (
+        tuple(map(tuple, kernel.kv_consumer_entries)) != (("K", "V"),)
+        or len(kernel.kv_producer_entries) != 1
+    ):
+        raise ValueError(
+            f"{type(kernel).__name__}: the two-tile model takes one sweep of K, V per tile, "
+            f"got {kernel.kv_consumer_entries}"
+        )
+    tiles = range(kernel.q_tiles)
+    pipes = (
+        Pipe("Q", kernel.q_buffers, "TMA", "MMA"),
+        Pipe("K/V", kernel.kv_slots, "TMA", "MMA"),
+        *(Pipe(f"S{s}", kernel.s_buffers, "MMA", f"softmax{s}") for s in tiles),
+        *(Pipe(f"P{s}", 1, f"softmax{s}", "MMA") for s in tiles),
+        *(Pipe(f"O{s}", 1, "MMA", "correction") for s in tiles),
+        *(Pipe(f"stats{s}", 1, f"softmax{s}", "correction") for s in tiles),
+    )
+    softmax_roles = tuple(f"softmax{s}" for s in tiles)
+    tmem = Sync("TMEM allocated", ("MMA", *softmax_roles, "correction"))
+    tmem_free = Sync("TMEM freed", (*softmax_roles, "correction"))
+    loads = tuple(
+        op
+        for name in kernel.kv_producer_entries[0]
+        for op in (Op("K/V", "acquire", name), Op("K/V", "commit", name))
+    )
+    qk = tuple(
+        op
+        for s in tiles
+        for op in (
+            Op(f"S{s}", "acquire"),
+            Op(f"P{s}", "peek_empty", f"P{s}'s columns free"),
+            Op(f"S{s}", "commit"),
+        )
+    )
+    pv = tuple(
+        op
+        for s in tiles
+        for op in (
+            Op(f"O{s}", "acquire"),
+            Op(f"P{s}", "wait"),
+            Op(f"P{s}", "release"),
+            Op(f"O{s}", "commit"),
+        )
+    )
+    programs = {
+        # Q_0 and Q_1 once; K_j and V_j per tile; then wait for every release.
+        "TMA": (
+            *(op for s in tiles for op in (Op("Q", "acquire"), Op("Q", "commit", f"Q{s}"))),
+            PerTile(loads),
+            Tail("K/V"),
+            Tail("Q"),
+        ),
+        # Per KV tile: S_0 and S_1 (K_j), then O_0 and O_1 += P V_j.
+        "MMA": (
+            tmem,
+            *(Op("Q", "wait") for s in tiles),
+            PerTile(
+                (
+                    Op("K/V", "wait", "K"),
+                    *qk,
+                    Op("K/V", "release", "K"),
+                    Op("K/V", "wait", "V"),
+                    *pv,
+                    Op("K/V", "release", "V"),
+                )
+            ),
+            *(Op("Q", "release") for s in tiles),
+        ),
+        "correction": (
+            tmem,
+            PerTile(
+                tuple(
+                    op
+                    for s in tiles
+                    for op in (
+                        Op(f"stats{s}", "wait", "row factor"),
+                        Op(f"stats{s}", "release"),
+                        NotFirst((Op(f"O{s}", "wait"), Op(f"O{s}", "release", "rescaled"))),
+                    )
+                )
+            ),
+            *(
+                op
+                for s in tiles
+                for op in (
+                    Op(f"stats{s}", "wait", "row sum and max"),
+                    Op(f"stats{s}", "release"),
+                    IfNonEmpty((Op(f"O{s}", "wait", "last tile"), Op(f"O{s}", "release"))),
+                )
+            ),
+            tmem_free,
+        ),
+    }
+    for s in tiles:
+        # read S_j, hand over the row factor, write P_j; after the loop the row sum and max.
+        programs[f"softmax{s}"] = (
+            tmem,
+            PerTile(
+                (
+                    Op(f"S{s}", "wait"),
+                    Op(f"S{s}", "release"),
+                    Op(f"stats{s}", "acquire"),
+                    Op(f"stats{s}", "commit", "row factor"),
+                    Op(f"P{s}", "acquire"),
+                    Op(f"P{s}", "commit"),
+                )
+            ),
+            Op(f"stats{s}", "acquire"),
+            Op(f"stats{s}", "commit", "row sum and max"),
+            tmem_free,
+        )
+    return pipes, programs
+
+
 def _flatten(program, tiles, pipes):
     """The role's operations for its KV tiles, in order: [(Op or Sync, tile or None)]."""
     stages = {p.name: p.stages for p in pipes}
     out = []
     for item in program:
         if isinstance(item, PerTile):
-            for t in kv_tiles_of(tiles):
-                out += [(op, t) for op in item.ops]
+            for i, t in enumerate(kv_tiles_of(tiles)):
+                for op in item.ops:
+                    if isinstance(op, NotFirst):
+                        out += [(o, t) for o in op.ops] if i > 0 else []
+                    else:
+                        out.append((op, t))
         elif isinstance(item, IfNonEmpty):
             if len(kv_tiles_of(tiles)):
                 out += _flatten(item.ops, tiles, pipes)
@@ -492,7 +634,14 @@ def _flatten(program, tiles, pipes):
 
 _WAITS = {"acquire": ("empty", 1), "peek_empty": ("empty", 1), "wait": ("full", 0)}
 _ARRIVES = {"commit": ("full", "acquire"), "release": ("empty", "wait")}
-_ROLE_NAMES = {"TMA": "the TMA warp", "MMA": "the MMA warp", "softmax": "the softmax warps"}
+_ROLE_NAMES = {
+    "TMA": "the TMA warp",
+    "MMA": "the MMA warp",
+    "softmax": "the softmax warps",
+    "softmax0": "softmax warpgroup 0",
+    "softmax1": "softmax warpgroup 1",
+    "correction": "the correction warpgroup",
+}
 
 
 def simulate_cta(pipes, programs, tiles, role_tiles=None):
