@@ -9,12 +9,18 @@ Jupyter (the H200 machine) and in CI (compile-only mode, no GPU).
 ids, same sources), each code cell with the outputs it produced here - stdout and stderr as text,
 the helpers' tables and code listings as Markdown, matplotlib figures as PNG at --dpi (80) - and
 a first Markdown cell naming the GPU, the mode and the date of the run. The copies are valid
-nbformat 4.5 notebooks, written with the json module alone (no Jupyter needed)."""
+nbformat 4.5 notebooks, written with the json module alone (no Jupyter needed), and slim (see
+slim_outputs: palette PNGs, no long text/plain twin of a Markdown output). To slim copies
+written before, in place:
+
+    python -c "from common import nbrun; nbrun.slim_notebooks('docs/notebooks/*.ipynb')"
+"""
 
 import argparse
 import base64
 import contextlib
 import datetime
+import glob
 import io
 import json
 import os
@@ -44,18 +50,81 @@ def _lines(text):
     return text.splitlines(keepends=True)
 
 
-def _small_png(buf):
-    """The PNG re-encoded with a 256-colour palette (the pictures are flat colours and text):
-    about a third of the bytes, no visible change at notebook size. Unchanged without Pillow."""
+# text/plain of a rich output, where the rich form is what every notebook viewer shows.
+PLAIN_PLACEHOLDERS = {
+    "text/markdown": "<Markdown: see the rendered output>",
+    "text/html": "<HTML: see the rendered output>",
+}
+LONG_PLAIN = 200  # characters: a text/plain twin longer than this is replaced
+
+
+def palette_png(png):
+    """PNG bytes re-encoded as a 256-colour palette PNG of the same pixel size (the figures are
+    flat colours and text; Pillow's fast octree kept every channel of the tutorial's figures
+    within 15 of 255 levels), then losslessly recompressed by oxipng where it is installed.
+    Returns `png` itself where that is not smaller, where Pillow is missing, and for pictures
+    with transparent pixels."""
     try:
         from PIL import Image
     except ImportError:
-        return buf
-    buf.seek(0)
-    img = Image.open(buf).convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT)
+        return png
+    with Image.open(io.BytesIO(png)) as img:
+        rgba = img.convert("RGBA")
+    if rgba.getextrema()[3][0] < 255:
+        return png
+    pal = rgba.convert("RGB").quantize(colors=256, method=Image.Quantize.FASTOCTREE)
     out = io.BytesIO()
-    img.save(out, format="PNG", optimize=True)
-    return out if out.tell() < buf.getbuffer().nbytes else buf
+    pal.save(out, format="PNG", optimize=True)
+    best = out.getvalue()
+    try:
+        import oxipng  # optional (pip install pyoxipng): some 10 % more, lossless
+    except ImportError:
+        pass
+    else:
+        best = min(best, oxipng.optimize_from_memory(best, level=4), key=len)
+    return best if len(best) < len(png) else png
+
+
+def slim_outputs(nb):
+    """Shrink the outputs of the notebook `nb` (an nbformat dict) in place: every image/png
+    re-encoded by palette_png, and every text/plain over LONG_PLAIN characters that sits next
+    to a text/markdown or text/html replaced by a one-line placeholder (viewers show the rich
+    form; the plain twin doubled the size of the tables and listings). Returns the characters
+    saved."""
+    saved = 0
+    for cell in nb["cells"]:
+        for out in cell.get("outputs", []):
+            data = out.get("data")
+            if not data:
+                continue
+            png = data.get("image/png")
+            if png is not None:
+                b64 = "".join(png) if isinstance(png, list) else png
+                small = base64.b64encode(palette_png(base64.b64decode(b64))).decode("ascii")
+                if len(small) < len(b64):
+                    saved += len(b64) - len(small)
+                    data["image/png"] = small
+            plain = data.get("text/plain")
+            rich = next((PLAIN_PLACEHOLDERS[k] for k in PLAIN_PLACEHOLDERS if k in data), None)
+            if plain is not None and rich is not None:
+                text = "".join(plain) if isinstance(plain, list) else plain
+                if len(text) > LONG_PLAIN:
+                    saved += len(text) - len(rich)
+                    data["text/plain"] = _lines(rich) if isinstance(plain, list) else rich
+    return saved
+
+
+def slim_notebooks(*patterns):
+    """slim_outputs on executed notebook files (paths or glob patterns), rewritten in place in
+    write_notebook's format. Returns {path: (bytes before, bytes after)}."""
+    sizes = {}
+    for path in sorted({p for pat in patterns for p in glob.glob(pat)}):
+        before = os.path.getsize(path)
+        nb = load_notebook(path)
+        if slim_outputs(nb):
+            write_notebook(nb, path)
+        sizes[path] = (before, os.path.getsize(path))
+    return sizes
 
 
 class _Outputs:
@@ -102,10 +171,10 @@ class _Outputs:
             fig = plt.figure(num)
             buf = io.BytesIO()
             fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
-            buf = _small_png(buf)
             w, h = fig.get_size_inches()
             self.display(
                 {
+                    # full colour here: slim_outputs makes it a palette PNG, once
                     "image/png": base64.b64encode(buf.getvalue()).decode("ascii"),
                     "text/plain": f"<Figure size {w * 100:.0f}x{h * 100:.0f} with {len(fig.axes)} Axes>",
                 }
@@ -266,7 +335,9 @@ def main(argv=None):
             _, recorded = run_notebook(p, record=True, dpi=args.dpi)
             os.makedirs(args.execute_to, exist_ok=True)
             dest = os.path.join(args.execute_to, os.path.basename(p))
-            write_notebook(executed_copy(p, recorded), dest)
+            nb = executed_copy(p, recorded)
+            slim_outputs(nb)
+            write_notebook(nb, dest)
             sizes.append((dest, os.path.getsize(dest)))
             print(f"wrote {dest} ({sizes[-1][1] / 1024:.0f} KiB)", flush=True)
         else:

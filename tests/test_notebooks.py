@@ -290,6 +290,88 @@ def test_executed_copies_are_written(tmp_path):
     )
 
 
+def test_slim_outputs_shrinks_figures_and_keeps_markdown():
+    """common.nbrun.slim_outputs (run on every executed copy): a figure becomes a smaller palette
+    PNG of the same pixel size and nearly the same colours; a long text/plain twin of a Markdown
+    output becomes a placeholder while the Markdown stays as it was; other outputs are kept."""
+    import base64
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from common import nbrun
+
+    Image = pytest.importorskip("PIL.Image")
+    fig, ax = plt.subplots(figsize=(4, 3))
+    ax.plot(np.sin(np.linspace(0, 6, 200)), label="sin")
+    ax.imshow(np.random.default_rng(0).random((32, 32)), extent=(0, 200, -1, 1), aspect="auto")
+    ax.set_title("a title")
+    ax.legend()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
+    plt.close(fig)
+    png = buf.getvalue()
+    table = "| a | b |\n|---|---|\n" + "".join(f"| {i} | {i * i} |\n" for i in range(40))
+    outputs = [
+        {"output_type": "stream", "name": "stdout", "text": ["hello\n"]},
+        {
+            "output_type": "display_data",
+            "metadata": {},
+            "data": {"text/markdown": nbrun._lines(table), "text/plain": nbrun._lines(table)},
+        },
+        {
+            "output_type": "display_data",
+            "metadata": {},
+            "data": {"text/markdown": ["**short**"], "text/plain": ["short"]},
+        },
+        {
+            "output_type": "display_data",
+            "metadata": {},
+            "data": {
+                "image/png": base64.b64encode(png).decode("ascii"),
+                "text/plain": ["<Figure size 400x300 with 1 Axes>"],
+            },
+        },
+    ]
+    nb = {
+        "cells": [
+            {
+                "cell_type": "code",
+                "execution_count": 1,
+                "id": "c1",
+                "metadata": {},
+                "outputs": outputs,
+                "source": ["print('hello')"],
+            }
+        ],
+        "metadata": {},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
+    assert nbrun.slim_outputs(nb) > len(table)
+    stream, md, short, figure = nb["cells"][0]["outputs"]
+    assert stream["text"] == ["hello\n"]
+    assert "".join(md["data"]["text/markdown"]) == table
+    assert md["data"]["text/plain"] == [nbrun.PLAIN_PLACEHOLDERS["text/markdown"]]
+    assert short["data"] == {"text/markdown": ["**short**"], "text/plain": ["short"]}
+    assert figure["data"]["text/plain"] == ["<Figure size 400x300 with 1 Axes>"]
+    small = base64.b64decode(figure["data"]["image/png"])
+    assert len(small) < len(png)
+    before, after = Image.open(io.BytesIO(png)), Image.open(io.BytesIO(small))
+    assert after.mode == "P" and after.size == before.size
+    diff = np.abs(
+        np.asarray(after.convert("RGB"), dtype=int) - np.asarray(before.convert("RGB"), dtype=int)
+    )
+    assert diff.max() <= 32 and diff.mean() < 4, (diff.max(), diff.mean())
+    assert nbrun.slim_outputs(nb) == 0, "slimming twice must change nothing more"
+    nbformat = pytest.importorskip("nbformat")
+    nbformat.validate(nbformat.reads(json.dumps(nb), as_version=4))
+
+
 def _check_executed_copy(name, executed):
     source = load(name)
     header = executed.cells[0]
