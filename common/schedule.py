@@ -505,6 +505,9 @@ def cta_schedule_two_tiles(kernel):
             f"got {kernel.kv_consumer_entries}"
         )
     tiles = range(kernel.q_tiles)
+    # With P over S, the QK that writes S_s overwrites P_s: its commit says so ("over P<s>"),
+    # and simulate_cta checks that a wait for the last P_s @ V's completion came before it.
+    p_over_s = tuple(kernel.tmem_p_offset) == tuple(kernel.tmem_s_offset)
     pipes = (
         Pipe("Q", kernel.q_buffers, "TMA", "MMA"),
         Pipe("K/V", kernel.kv_slots, "TMA", "MMA"),
@@ -521,37 +524,47 @@ def cta_schedule_two_tiles(kernel):
         for name in kernel.kv_producer_entries[0]
         for op in (Op("K/V", "acquire", name), Op("K/V", "commit", name))
     )
-    qk = tuple(
-        op
-        for s in tiles
-        for op in (
+
+    def qk_of(s, peek=p_over_s):
+        return (
             Op(f"S{s}", "acquire"),
-            Op(f"P{s}", "peek_empty", f"P{s}'s columns free"),
-            Op(f"S{s}", "commit"),
+            *((Op(f"P{s}", "peek_empty", f"P{s}'s columns free"),) if peek else ()),
+            Op(f"S{s}", "commit", f"over P{s}" if p_over_s else ""),
         )
-    )
-    pv = tuple(
-        op
-        for s in tiles
-        for op in (
+
+    def pv_of(s):
+        return (
             Op(f"O{s}", "acquire"),
             Op(f"P{s}", "wait"),
             Op(f"P{s}", "release"),
             Op(f"O{s}", "commit"),
         )
-    )
-    programs = {
-        # Q_0 and Q_1 once; K_j and V_j per tile; then wait for every release.
-        "TMA": (
-            *(op for s in tiles for op in (Op("Q", "acquire"), Op("Q", "commit", f"Q{s}"))),
-            PerTile(loads),
-            Tail("K/V"),
-            Tail("Q"),
-        ),
-        # Per KV tile: S_0 and S_1 (K_j), then O_0 and O_1 += P V_j.
-        "MMA": (
-            tmem,
-            *(Op("Q", "wait") for s in tiles),
+
+    qk = tuple(op for s in tiles for op in qk_of(s))
+    pv = tuple(op for s in tiles for op in pv_of(s))
+    if getattr(kernel, "qk_behind_pv", False):
+        # Stage 9: S_0, S_1 of the first tile; then per later tile j, for each Q tile, P_s,j-1
+        # V_j-1 and S_s,j; then the last tile's PVs.
+        mma_loop = (
+            IfNonEmpty((Op("K/V", "wait", "K"), *qk, Op("K/V", "release", "K"))),
+            PerTile(
+                (
+                    NotFirst(
+                        (
+                            Op("K/V", "wait", "V"),
+                            Op("K/V", "wait", "K"),
+                            *(op for s in tiles for op in (*pv_of(s), *qk_of(s))),
+                            Op("K/V", "release", "V"),
+                            Op("K/V", "release", "K"),
+                        )
+                    ),
+                )
+            ),
+            IfNonEmpty((Op("K/V", "wait", "V"), *pv, Op("K/V", "release", "V"))),
+        )
+    else:
+        # Stage 8, per KV tile: S_0 and S_1 (K_j), then O_0 and O_1 += P V_j.
+        mma_loop = (
             PerTile(
                 (
                     Op("K/V", "wait", "K"),
@@ -562,6 +575,19 @@ def cta_schedule_two_tiles(kernel):
                     Op("K/V", "release", "V"),
                 )
             ),
+        )
+    programs = {
+        # Q_0 and Q_1 once; K_j and V_j per tile; then wait for every release.
+        "TMA": (
+            *(op for s in tiles for op in (Op("Q", "acquire"), Op("Q", "commit", f"Q{s}"))),
+            PerTile(loads),
+            Tail("K/V"),
+            Tail("Q"),
+        ),
+        "MMA": (
+            tmem,
+            *(Op("Q", "wait") for s in tiles),
+            *mma_loop,
             *(Op("Q", "release") for s in tiles),
         ),
         "correction": (
@@ -679,6 +705,23 @@ def simulate_cta(pipes, programs, tiles, role_tiles=None):
                         f"{_ROLE_NAMES.get(r, r)}: the {op.action} of {op.pipe} entry {done + 1}"
                         + (f" (KV tile {t})" if t is not None else "")
                         + f" comes before its {before} of that entry"
+                    )
+        # A commit that says it overwrites P ("over P<s>": a QK writing S over P's columns)
+        # must come after a wait that covers the completion of every P @ V issued so far: the
+        # k-th wait on P's empty barrier (0-based) passes once k - stages + 1 of its releases
+        # (tcgen05.commits after the PV MMAs) have completed, so n waits cover n - stages.
+        for i, (op, t) in enumerate(flat[r]):
+            if isinstance(op, Op) and op.action == "commit" and op.what.startswith("over "):
+                p = op.what[len("over ") :]
+                peeks = counts[r][i].get((p, "peek_empty"), 0)
+                released = counts[r][i].get((p, "release"), 0)
+                covered = max(peeks - pipe_of[p].stages, 0)  # releases the waits covered
+                if covered < released:
+                    report(
+                        f"{_ROLE_NAMES.get(r, r)}: {op.pipe}"
+                        + (f" of KV tile {t}" if t is not None else "")
+                        + f" overwrites {p} while a {p} @ V issued before may still read it "
+                        f"(no wait for its completion)"
                     )
     syncs = {r: [i for i, (op, _) in enumerate(flat[r]) if isinstance(op, Sync)] for r in roles}
 

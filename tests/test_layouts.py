@@ -28,7 +28,7 @@ ENTRIES = {
     9: ("stage9_overlap", "attention"),
 }
 # Stages 8 and 9 exist on the Hopper track only.
-TRACKS = {n: ("hopper", "blackwell") if n <= 8 else ("hopper",) for n in ENTRIES}
+TRACKS = {n: ("hopper", "blackwell") for n in ENTRIES}
 # Stage 6 cycles through these masks along the sequence, so that a kernel is also never reused
 # across masks it was not compiled for: (causal, window).
 MASKS = [(True, None), (False, (64, 0)), (False, None), (True, (100, None)), (False, (30, 30))]

@@ -1,8 +1,10 @@
-"""Stage 9 - overlap inside the loop: QK^T of tile j+1 issued before the softmax of tile j.
-`attention(q, k, v, scale=None, causal=False, window=None, return_lse=False, pack_gqa=None)` with k, v of Hkv
-heads, and `attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)` run the kernel of this
-machine's track: hopper.py on sm_90 (H100, H200). There is no blackwell.py yet: on sm_100/sm_103
-the entries raise NotImplementedError saying so."""
+"""Stage 9 - overlap inside the loop. Hopper: QK^T of tile j+1 issued before the softmax of tile j.
+Blackwell: the MMA warp issues QK of the next KV tile right behind the PV of the last one, and O is
+rescaled only when a row's max grows by more than 2^8. `attention(q, k, v, scale=None,
+causal=False, window=None, return_lse=False, pack_gqa=None)` with k, v of Hkv heads, and
+`attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)` run the kernel of this machine's
+track: hopper.py on sm_90 (H100, H200), blackwell.py on sm_100/sm_103 (compile-checked only: no
+Blackwell GPU has run it)."""
 
 import importlib
 import importlib.util
@@ -57,7 +59,7 @@ def attention_varlen(
 
 
 def _track_module():
-    """This machine's track file; stage 9 exists on the Hopper track only (so far)."""
+    """This machine's track file (hopper.py or blackwell.py)."""
     t = track()
     if importlib.util.find_spec(f"{__name__}.{t}") is None:
         raise NotImplementedError(
