@@ -577,18 +577,21 @@ def cta_schedule_two_tiles(kernel):
             ),
         )
     programs = {
-        # Q_0 and Q_1 once; K_j and V_j per tile; then wait for every release.
+        # Q_0 and Q_1 once (not for an empty range); K_j and V_j per tile; then wait for every
+        # release.
         "TMA": (
-            *(op for s in tiles for op in (Op("Q", "acquire"), Op("Q", "commit", f"Q{s}"))),
+            IfNonEmpty(
+                tuple(op for s in tiles for op in (Op("Q", "acquire"), Op("Q", "commit", f"Q{s}")))
+            ),
             PerTile(loads),
             Tail("K/V"),
             Tail("Q"),
         ),
         "MMA": (
             tmem,
-            *(Op("Q", "wait") for s in tiles),
+            IfNonEmpty(tuple(Op("Q", "wait") for s in tiles)),
             *mma_loop,
-            *(Op("Q", "release") for s in tiles),
+            IfNonEmpty(tuple(Op("Q", "release") for s in tiles)),
         ),
         "correction": (
             tmem,

@@ -219,6 +219,17 @@ def test_model_catches_the_near_misses():
     final = schedule.Op("stats1", "commit", "row sum and max")
     lost = _replace(programs["softmax1"], final, None)
     assert any("hang" in v for v in violations("softmax1", lost))
+    # The TMA warp loads Q even for an empty range (stage 8 once did; O's staging in Q's
+    # buffers then raced that load): nobody waits for it or releases it there, and the TMA
+    # warp's tail hangs.
+    q_loads = next(i for i in programs["TMA"] if isinstance(i, schedule.IfNonEmpty))
+    always_q = _flat_replace(programs["TMA"], schedule.IfNonEmpty, lambda item: item.ops)
+    assert q_loads.ops and always_q != programs["TMA"]
+    found = violations("TMA", always_q)
+    assert any(
+        "[KV tiles [0, 0)] hang: the TMA warp waiting at Q.acquire (tail)" in v for v in found
+    )
+    assert not any("[0, 3)" in v for v in found), found
     # The MMA warp does not wait for the rescale of O_0 before P_0 V_j: O_0's hand-off is
     # unbalanced (commits nobody acquired).
     no_wait = _replace(programs["MMA"], schedule.Op("O0", "acquire"), None)
@@ -308,6 +319,16 @@ def test_equals_stage7_bit_for_bit(case):
     o7, lse7 = run(lambda: stage7.attention(q, k, v, **kw))
     assert torch.equal(o8, o7), f"max |O8 - O7| = {(o8.float() - o7.float()).abs().max()}"
     assert torch.equal(lse8, lse7), f"max |LSE8 - LSE7| = {(lse8 - lse7).abs().max()}"
+
+
+@pytest.mark.gpu_blackwell
+def test_ctas_with_an_empty_range_store_zeros():
+    # causal, Sq - Sk = 896: the CTAs of rows 0-767 see no key and stage O = 0 in Q's buffers
+    # (batch mode: the TMA store); no Q is loaded for them (it would race the staging)
+    q, k, v = inputs.attention_inputs(1, 2, 1024, 128, 128, seed=41)
+    o, lse = run(lambda: blackwell.attention(q, k, v, causal=True, return_lse=True))
+    gqa_reference_check("O", o, lse, q, k, v, True, None)
+    assert (o[:, :, :768] == 0).all() and torch.isinf(lse[:, :, :768]).all()
 
 
 @pytest.mark.gpu_blackwell

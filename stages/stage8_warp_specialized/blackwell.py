@@ -27,13 +27,16 @@ gives each CTA two Q tiles (2 x 128 rows) and one more warpgroup per job, as FA4
   clips at Sq); for packed sequences and pack-GQA by stage 7's predicated per-row stores, since
   a TMA box would write the rows past a sequence, which are the next sequence's.
 - Warp 12 is the MMA warp, warp 13 the TMA warp, both the seed's; warps 14-15 only complete the
-  fourth warpgroup. setmaxnreg applies to whole warpgroups: the softmax warpgroups take 192
-  registers per thread, the correction warpgroup 80, the MMA/TMA warpgroup 48
-  ((2 x 192 + 80 + 48) x 128 threads = 65536, the register file; at launch each thread gets
-  65536 / 512 = 128).
-- The K/V ring runs ahead over as many slots as fit in shared memory after Q (2 tiles) and the
-  O staging (2 tiles): 128 x D x 2 bytes each, 227 KiB in all. D = 128: 64 KiB Q, 64 KiB O, 3
-  slots of 32 KiB; D = 64: 32 + 32 KiB, 8 slots of 16 KiB (capped at 8).
+  fourth warpgroup. setmaxnreg applies to whole warpgroups: the softmax warpgroups take 168
+  registers per thread, the correction warpgroup 80, the MMA/TMA warpgroup 96
+  ((2 x 168 + 80 + 96) x 128 threads = 65536, the register file; at launch each thread gets
+  65536 / 512 = 128). FA4's 192 / 80 / 48 made ptxas (CUDA 13.0) spill 384 bytes at D = 128;
+  with 168 / 80 / 96 it still reports 8-236 bytes of spill stores across dtypes, D and modes
+  (100 at bf16, D = 128, batch), which follow the MMA/TMA warpgroup's count - not resolved.
+- The K/V ring runs ahead over as many slots as fit in shared memory after Q (2 tiles of
+  128 x D x 2 bytes; O is staged for its TMA store in Q's buffers, see the kernel), 227 KiB in
+  all: D = 128, 64 KiB Q and 4 slots of 32 KiB (199,680 bytes with barriers and the row
+  statistics); D = 64, 32 KiB Q and 8 slots of 16 KiB (capped at 8; 166,912 bytes).
 - A CTA covers 256 rows: its KV tile range is the union of its two tiles' ranges (the causal
   diagonal costs up to one more KV tile for tile 0, masked to -inf element by element).
 - The per-tile hand-offs stay serialised as in stage 7 (S_s,j+1 waits for P_s,j @ V_j to
@@ -241,6 +244,8 @@ class Sm100Kernel:
         o_smem_s = utils.sm100.make_smem_layout_epi(
             self.dtype, LayoutEnum.ROW_MAJOR, self.pv_mma_tiler[:2], self.q_tiles
         )
+        # O's staging reuses Q's buffers: it must fit in them.
+        assert cute.cosize(o_smem_s) <= cute.cosize(q_smem_s), (o_smem_s, q_smem_s)
         tma_o, tma_to = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(),
             o_tma,
@@ -318,8 +323,8 @@ class Sm100Kernel:
         ).launch(
             grid=grid,
             block=[self.threads_per_cta, 1, 1],
-            # One CTA per SM, stated, so that ptxas allocates by setmaxnreg's counts (2 x 192 +
-            # 80 + 48 per thread of a warpgroup) instead of capping everything at 128.
+            # One CTA per SM, stated, so that ptxas allocates by setmaxnreg's counts (168, 80
+            # and 96 per thread of a warpgroup) instead of capping everything at 128.
             min_blocks_per_mp=1,
             stream=stream,
         )
@@ -492,7 +497,8 @@ class Sm100Kernel:
         # (bM, D, q_tiles): O staged for the TMA store, row-major, swizzled, in Q's buffers (the
         # same bytes: 2 x 128 x D x 2). The correction warpgroup writes O_s there only after the
         # last PV MMA of tile s has completed, and a tcgen05.commit tracks every MMA the MMA
-        # thread issued before it: all QK MMAs, the only readers of Q, are done by then.
+        # thread issued before it: all QK MMAs, the only readers of Q, are done by then (and
+        # the MMA warp waited for Q's loads before its first MMA). An empty range loads no Q.
         sO = cute.make_tensor(
             cute.recast_ptr(sQ.iterator, o_smem_s.inner, dtype=self.dtype), o_smem_s.outer
         )
@@ -561,14 +567,17 @@ class Sm100Kernel:
         if warp_idx == self.tma_warp_id:
             cute.arch.setmaxregister_decrease(self.other_registers)
             # TMA warp: Q_0 and Q_1 once, then every K and V tile, each tile its own ring entry.
-            for s in cutlass.range_constexpr(self.q_tiles):
-                q_empty = q_prod.acquire_and_advance()
-                cute.copy(
-                    tma_q,
-                    tQgQ[(None, q_tile0 + s)],
-                    tQsQ[(None, q_empty.index)],
-                    tma_bar_ptr=q_empty.barrier,
-                )
+            # An empty range loads no Q either: nothing reads it, and the correction warpgroup
+            # stages O (zeros) in Q's buffers without waiting for any MMA.
+            if kv_tile_hi > kv_tile_lo:
+                for s in cutlass.range_constexpr(self.q_tiles):
+                    q_empty = q_prod.acquire_and_advance()
+                    cute.copy(
+                        tma_q,
+                        tQgQ[(None, q_tile0 + s)],
+                        tQsQ[(None, q_empty.index)],
+                        tma_bar_ptr=q_empty.barrier,
+                    )
             kv_loads = {"K": (tma_k, tKgK, tKsK), "V": (tma_v, tVgV, tVsV)}
             for sweep in cutlass.range_constexpr(len(self.kv_producer_entries)):
                 for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
@@ -617,50 +626,58 @@ class Sm100Kernel:
             o_prod0, o_prod1 = (p.make_producer() for p in o_pipes)
             # Waits, like the softmax warps, until P_s,j-1 @ V_j-1 has completed
             p_free0, p_free1 = (p.make_producer() for p in p_pipes)
-            q_full0 = q_cons.wait_and_advance()
-            q_full1 = q_cons.wait_and_advance()
-            for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
-                kv_full = kv_cons.wait_and_advance()  # ring entry: K_j
-                # Q tile 0, then Q tile 1: softmax warpgroup s has read S_s,j-1, and S_s,j may
-                # overwrite P_s,j-1 once P_s,j-1 @ V_j-1 has completed (two tcgen05.mma are kept
-                # in issue order only when they share accumulator and shape; QK writes S, PV O).
-                s_empty0 = s_prod0.acquire_and_advance()
-                p_free0.acquire_and_advance()
-                qk_mma = self.issue_qk(qk_mma, tStS[0], tCrQ, q_full0.index, tCrK, kv_full.index)
-                # tcgen05.commit: S_0 is full once these MMAs have completed
-                s_empty0.commit()
-                s_empty1 = s_prod1.acquire_and_advance()
-                p_free1.acquire_and_advance()
-                qk_mma = self.issue_qk(qk_mma, tStS[1], tCrQ, q_full1.index, tCrK, kv_full.index)
-                s_empty1.commit()
-                # The K slot is empty once both tiles' MMAs have read it.
-                kv_full.release()
-                v_full = kv_cons.wait_and_advance()  # ring entry: V_j
-                # Packed sequences: the last tile's keys past seqlen_k are the next sequence's V.
-                # P is 0 there, but 0 x NaN = NaN: zero those rows of V before P @ V reads them.
-                if cutlass.const_expr(mCuSeqlensK is not None):
-                    if (kv_tile + 1) * self.qk_mma_tiler[1] > seqlen_k:
-                        self.zero_keys(sV, v_full.index, seqlen_k - kv_tile * self.qk_mma_tiler[1])
-                # O_s starts afresh with the first KV tile of the range, then accumulates.
-                accumulate = kv_tile != kv_tile_lo
-                # Q tile 0, then 1: the correction warpgroup is done with O_s (has rescaled it
-                # for tile j) and softmax warpgroup s has written P_s,j.
-                o_empty0 = o_prod0.acquire_and_advance()
-                p_full0 = p_cons0.wait_and_advance()
-                pv_mma = self.issue_pv(pv_mma, tOtO[0], tOrP[0], tCrV, v_full.index, accumulate)
-                # P_0's columns are free, and O_0 holds tile j, once these MMAs have completed.
-                p_full0.release()
-                o_empty0.commit()
-                o_empty1 = o_prod1.acquire_and_advance()
-                p_full1 = p_cons1.wait_and_advance()
-                pv_mma = self.issue_pv(pv_mma, tOtO[1], tOrP[1], tCrV, v_full.index, accumulate)
-                p_full1.release()
-                o_empty1.commit()
-                # The V slot is empty once both tiles' PV MMAs have read it.
-                v_full.release()
-            # Q stays resident until the last MMA; then its buffers are released too.
-            q_full0.release()
-            q_full1.release()
+            # An empty range: no Q was loaded, no MMA is issued.
+            if kv_tile_hi > kv_tile_lo:
+                q_full0 = q_cons.wait_and_advance()
+                q_full1 = q_cons.wait_and_advance()
+                for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
+                    kv_full = kv_cons.wait_and_advance()  # ring entry: K_j
+                    # Q tile 0, then Q tile 1: softmax warpgroup s has read S_s,j-1, and S_s,j may
+                    # overwrite P_s,j-1 once P_s,j-1 @ V_j-1 has completed (two tcgen05.mma are kept
+                    # in issue order only when they share accumulator and shape; QK writes S, PV O).
+                    s_empty0 = s_prod0.acquire_and_advance()
+                    p_free0.acquire_and_advance()
+                    qk_mma = self.issue_qk(
+                        qk_mma, tStS[0], tCrQ, q_full0.index, tCrK, kv_full.index
+                    )
+                    # tcgen05.commit: S_0 is full once these MMAs have completed
+                    s_empty0.commit()
+                    s_empty1 = s_prod1.acquire_and_advance()
+                    p_free1.acquire_and_advance()
+                    qk_mma = self.issue_qk(
+                        qk_mma, tStS[1], tCrQ, q_full1.index, tCrK, kv_full.index
+                    )
+                    s_empty1.commit()
+                    # The K slot is empty once both tiles' MMAs have read it.
+                    kv_full.release()
+                    v_full = kv_cons.wait_and_advance()  # ring entry: V_j
+                    # Packed sequences: the last tile's keys past seqlen_k are the next sequence's V.
+                    # P is 0 there, but 0 x NaN = NaN: zero those rows of V before P @ V reads them.
+                    if cutlass.const_expr(mCuSeqlensK is not None):
+                        if (kv_tile + 1) * self.qk_mma_tiler[1] > seqlen_k:
+                            self.zero_keys(
+                                sV, v_full.index, seqlen_k - kv_tile * self.qk_mma_tiler[1]
+                            )
+                    # O_s starts afresh with the first KV tile of the range, then accumulates.
+                    accumulate = kv_tile != kv_tile_lo
+                    # Q tile 0, then 1: the correction warpgroup is done with O_s (has rescaled it
+                    # for tile j) and softmax warpgroup s has written P_s,j.
+                    o_empty0 = o_prod0.acquire_and_advance()
+                    p_full0 = p_cons0.wait_and_advance()
+                    pv_mma = self.issue_pv(pv_mma, tOtO[0], tOrP[0], tCrV, v_full.index, accumulate)
+                    # P_0's columns are free, and O_0 holds tile j, once these MMAs have completed.
+                    p_full0.release()
+                    o_empty0.commit()
+                    o_empty1 = o_prod1.acquire_and_advance()
+                    p_full1 = p_cons1.wait_and_advance()
+                    pv_mma = self.issue_pv(pv_mma, tOtO[1], tOrP[1], tCrV, v_full.index, accumulate)
+                    p_full1.release()
+                    o_empty1.commit()
+                    # The V slot is empty once both tiles' PV MMAs have read it.
+                    v_full.release()
+                # Q stays resident until the last MMA; then its buffers are released too.
+                q_full0.release()
+                q_full1.release()
 
         for s in cutlass.range_constexpr(self.q_tiles):
             if warp_idx // 4 == s:

@@ -252,6 +252,8 @@ class Sm100Kernel:
         o_smem_s = utils.sm100.make_smem_layout_epi(
             self.dtype, LayoutEnum.ROW_MAJOR, self.pv_mma_tiler[:2], self.q_tiles
         )
+        # O's staging reuses Q's buffers: it must fit in them.
+        assert cute.cosize(o_smem_s) <= cute.cosize(q_smem_s), (o_smem_s, q_smem_s)
         tma_o, tma_to = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(),
             o_tma,
@@ -329,8 +331,8 @@ class Sm100Kernel:
         ).launch(
             grid=grid,
             block=[self.threads_per_cta, 1, 1],
-            # One CTA per SM, stated, so that ptxas allocates by setmaxnreg's counts (2 x 192 +
-            # 80 + 48 per thread of a warpgroup) instead of capping everything at 128.
+            # One CTA per SM, stated, so that ptxas allocates by setmaxnreg's counts (168, 80
+            # and 96 per thread of a warpgroup) instead of capping everything at 128.
             min_blocks_per_mp=1,
             stream=stream,
         )
@@ -503,7 +505,8 @@ class Sm100Kernel:
         # (bM, D, q_tiles): O staged for the TMA store, row-major, swizzled, in Q's buffers (the
         # same bytes: 2 x 128 x D x 2). The correction warpgroup writes O_s there only after the
         # last PV MMA of tile s has completed, and a tcgen05.commit tracks every MMA the MMA
-        # thread issued before it: all QK MMAs, the only readers of Q, are done by then.
+        # thread issued before it: all QK MMAs, the only readers of Q, are done by then (and
+        # the MMA warp waited for Q's loads before its first MMA). An empty range loads no Q.
         sO = cute.make_tensor(
             cute.recast_ptr(sQ.iterator, o_smem_s.inner, dtype=self.dtype), o_smem_s.outer
         )
@@ -572,14 +575,17 @@ class Sm100Kernel:
         if warp_idx == self.tma_warp_id:
             cute.arch.setmaxregister_decrease(self.other_registers)
             # TMA warp: Q_0 and Q_1 once, then every K and V tile, each tile its own ring entry.
-            for s in cutlass.range_constexpr(self.q_tiles):
-                q_empty = q_prod.acquire_and_advance()
-                cute.copy(
-                    tma_q,
-                    tQgQ[(None, q_tile0 + s)],
-                    tQsQ[(None, q_empty.index)],
-                    tma_bar_ptr=q_empty.barrier,
-                )
+            # An empty range loads no Q either: nothing reads it, and the correction warpgroup
+            # stages O (zeros) in Q's buffers without waiting for any MMA.
+            if kv_tile_hi > kv_tile_lo:
+                for s in cutlass.range_constexpr(self.q_tiles):
+                    q_empty = q_prod.acquire_and_advance()
+                    cute.copy(
+                        tma_q,
+                        tQgQ[(None, q_tile0 + s)],
+                        tQsQ[(None, q_empty.index)],
+                        tma_bar_ptr=q_empty.barrier,
+                    )
             kv_loads = {"K": (tma_k, tKgK, tKsK), "V": (tma_v, tVgV, tVsV)}
             for sweep in cutlass.range_constexpr(len(self.kv_producer_entries)):
                 for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
@@ -628,9 +634,10 @@ class Sm100Kernel:
             o_prod0, o_prod1 = (p.make_producer() for p in o_pipes)
             # Waits, like the softmax warps, until P_s,j-1 @ V_j-1 has completed
             p_free0, p_free1 = (p.make_producer() for p in p_pipes)
-            q_full0 = q_cons.wait_and_advance()
-            q_full1 = q_cons.wait_and_advance()
+            # An empty range: no Q was loaded, no MMA is issued.
             if kv_tile_hi > kv_tile_lo:
+                q_full0 = q_cons.wait_and_advance()
+                q_full1 = q_cons.wait_and_advance()
                 # Prologue: S_0 and S_1 of the range's first KV tile.
                 kv_full = kv_cons.wait_and_advance()  # ring entry: K_lo
                 s_empty0 = s_prod0.acquire_and_advance()
@@ -646,42 +653,41 @@ class Sm100Kernel:
                 qk_mma = self.issue_qk(qk_mma, tStS[1], tCrQ, q_full1.index, tCrK, kv_full.index)
                 s_empty1.commit()
                 kv_full.release()
-            for kv_tile in cutlass.range(kv_tile_lo + 1, kv_tile_hi, unroll=1):
-                # Tile j = kv_tile: P_s,j-1 @ V_j-1, then S_s,j = Q_s K_j^T, for s = 0, 1.
-                v_full = kv_cons.wait_and_advance()  # ring entry: V_j-1
-                k_full = kv_cons.wait_and_advance()  # ring entry: K_j
-                # O_s started afresh with the first KV tile of the range, then accumulates.
-                accumulate = kv_tile - 1 != kv_tile_lo
-                # Q tile 0: the correction warpgroup is done with O_0 (rescaled it for tile j-1)
-                # and softmax warpgroup 0 has written P_0,j-1.
-                o_empty0 = o_prod0.acquire_and_advance()
-                p_full0 = p_cons0.wait_and_advance()
-                pv_mma = self.issue_pv(pv_mma, tOtO[0], tOrP[0], tCrV, v_full.index, accumulate)
-                # P_0's columns are free, and O_0 holds tile j-1, once these MMAs have completed.
-                p_full0.release()
-                o_empty0.commit()
-                # S_0,j: softmax warpgroup 0 has read S_0,j-1 (it had, before it wrote P_0,j-1).
-                s_empty0 = s_prod0.acquire_and_advance()
-                if cutlass.const_expr(not self.p_own_columns):
-                    # P_0 sits in S_0's columns: wait until P_0,j-1 @ V_j-1 has completed.
-                    p_free0.acquire_and_advance()
-                qk_mma = self.issue_qk(qk_mma, tStS[0], tCrQ, q_full0.index, tCrK, k_full.index)
-                s_empty0.commit()
-                # Q tile 1, the same
-                o_empty1 = o_prod1.acquire_and_advance()
-                p_full1 = p_cons1.wait_and_advance()
-                pv_mma = self.issue_pv(pv_mma, tOtO[1], tOrP[1], tCrV, v_full.index, accumulate)
-                p_full1.release()
-                o_empty1.commit()
-                s_empty1 = s_prod1.acquire_and_advance()
-                if cutlass.const_expr(not self.p_own_columns):
-                    p_free1.acquire_and_advance()
-                qk_mma = self.issue_qk(qk_mma, tStS[1], tCrQ, q_full1.index, tCrK, k_full.index)
-                s_empty1.commit()
-                # The slots of V_j-1 and K_j are empty once both tiles' MMAs have read them.
-                v_full.release()
-                k_full.release()
-            if kv_tile_hi > kv_tile_lo:
+                for kv_tile in cutlass.range(kv_tile_lo + 1, kv_tile_hi, unroll=1):
+                    # Tile j = kv_tile: P_s,j-1 @ V_j-1, then S_s,j = Q_s K_j^T, for s = 0, 1.
+                    v_full = kv_cons.wait_and_advance()  # ring entry: V_j-1
+                    k_full = kv_cons.wait_and_advance()  # ring entry: K_j
+                    # O_s started afresh with the first KV tile of the range, then accumulates.
+                    accumulate = kv_tile - 1 != kv_tile_lo
+                    # Q tile 0: the correction warpgroup is done with O_0 (rescaled it for tile j-1)
+                    # and softmax warpgroup 0 has written P_0,j-1.
+                    o_empty0 = o_prod0.acquire_and_advance()
+                    p_full0 = p_cons0.wait_and_advance()
+                    pv_mma = self.issue_pv(pv_mma, tOtO[0], tOrP[0], tCrV, v_full.index, accumulate)
+                    # P_0's columns are free, and O_0 holds tile j-1, once these MMAs have completed.
+                    p_full0.release()
+                    o_empty0.commit()
+                    # S_0,j: softmax warpgroup 0 has read S_0,j-1 (it had, before it wrote P_0,j-1).
+                    s_empty0 = s_prod0.acquire_and_advance()
+                    if cutlass.const_expr(not self.p_own_columns):
+                        # P_0 sits in S_0's columns: wait until P_0,j-1 @ V_j-1 has completed.
+                        p_free0.acquire_and_advance()
+                    qk_mma = self.issue_qk(qk_mma, tStS[0], tCrQ, q_full0.index, tCrK, k_full.index)
+                    s_empty0.commit()
+                    # Q tile 1, the same
+                    o_empty1 = o_prod1.acquire_and_advance()
+                    p_full1 = p_cons1.wait_and_advance()
+                    pv_mma = self.issue_pv(pv_mma, tOtO[1], tOrP[1], tCrV, v_full.index, accumulate)
+                    p_full1.release()
+                    o_empty1.commit()
+                    s_empty1 = s_prod1.acquire_and_advance()
+                    if cutlass.const_expr(not self.p_own_columns):
+                        p_free1.acquire_and_advance()
+                    qk_mma = self.issue_qk(qk_mma, tStS[1], tCrQ, q_full1.index, tCrK, k_full.index)
+                    s_empty1.commit()
+                    # The slots of V_j-1 and K_j are empty once both tiles' MMAs have read them.
+                    v_full.release()
+                    k_full.release()
                 # Epilogue: the last tile's P_s @ V.
                 v_full = kv_cons.wait_and_advance()  # ring entry: V_hi-1
                 # Packed sequences: the last tile's keys past seqlen_k are the next sequence's V.
@@ -703,9 +709,9 @@ class Sm100Kernel:
                 p_full1.release()
                 o_empty1.commit()
                 v_full.release()
-            # Q stays resident until the last MMA; then its buffers are released too.
-            q_full0.release()
-            q_full1.release()
+                # Q stays resident until the last MMA; then its buffers are released too.
+                q_full0.release()
+                q_full1.release()
 
         for s in cutlass.range_constexpr(self.q_tiles):
             if warp_idx // 4 == s:
