@@ -516,6 +516,14 @@ def main(argv=None):
             f"Stage 7 on {gpu}, {date} ({args.dtype})",
             os.path.join(args.out, f"stage7_{tag}.png"),
         )
+    if any(r["stage"] == "ablation" for r in results["rows"]):
+        from .plots import plot_ablation
+
+        plot_ablation(
+            results["rows"],
+            f"Stages 5 -> 8 -> 9 on {gpu}, {date} ({args.dtype}, paper shapes)",
+            os.path.join(args.out, f"ablation_{tag}.png"),
+        )
     if causal_curves:
         from .plots import plot_attention_bench
 

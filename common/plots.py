@@ -1948,6 +1948,47 @@ def plot_attention_bench(curves, title, path=None):
     return fig
 
 
+def plot_ablation(rows, title, path=None):
+    """The stage 5 -> 8 -> 9 ablation of `make bench` (rows of stage "ablation": shape (B, H, S,
+    S, D, causal) and TFLOP/s per kernel): one panel per (D, causal), TFLOP/s against S, the
+    stages thick and the baselines (FA4, SDPA cuDNN) thin."""
+    rows = [r for r in rows if r["stage"] == "ablation"]
+    panels = sorted({(r["shape"][4], bool(r["shape"][5])) for r in rows})
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(min(FIG_WIDTH * 1.4, 4.2 * len(panels)), 3.8), squeeze=False
+    )
+    names = ("stage 5", "stage 8", "stage 9", "FA4", "SDPA cuDNN")
+    for ax, (D, causal) in zip(axes[0], panels):
+        mine = sorted(
+            (r for r in rows if (r["shape"][4], bool(r["shape"][5])) == (D, causal)),
+            key=lambda r: r["shape"][2],
+        )
+        for name in names:
+            pts = [(r["shape"][2], r["tflops"][name]) for r in mine if name in r["tflops"]]
+            if not pts:
+                continue
+            xs, ys = zip(*pts)
+            ax.plot(
+                xs,
+                ys,
+                marker="o",
+                label=name,
+                color=kernel_color(name),
+                linewidth=2.5 if name.startswith("stage") else 1.2,
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length S", fontsize=10)
+        ax.set_ylabel("TFLOP/s", fontsize=10)
+        ax.set_title(f"D = {D}, {'causal' if causal else 'non-causal'}", fontsize=11)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=110)
+    return fig
+
+
 # --------------------------------------------------------------------------------------------
 # Stage 6: masks over (query tile, key tile)
 # --------------------------------------------------------------------------------------------
