@@ -181,6 +181,27 @@ def ptx_lines(ptx, pattern, limit=8):
     return [ln.strip() for ln in ptx.splitlines() if rx.search(ln)][:limit]
 
 
+# A tcgen05.mma with A from shared memory (a descriptor: QK) or from TMEM (an address: PV).
+TCGEN05_QK = re.compile(
+    r"tcgen05\.mma\.cta_group::1\.kind::f16\S*\s+\[%r\d+\],\s*%rd\d+,\s*%rd\d+,"
+)
+TCGEN05_PV = re.compile(
+    r"tcgen05\.mma\.cta_group::1\.kind::f16\S*\s+\[%r\d+\],\s*\[%r\d+\],\s*%rd\d+,"
+)
+
+
+def tcgen05_mma_order(ptx):
+    """The tcgen05.mma of a Blackwell attention kernel in program order: "Q" for an instruction
+    of S = Q K^T (A from shared memory), "P" for one of O += P V (A = P from TMEM)."""
+    out = []
+    for ln in ptx.splitlines():
+        if TCGEN05_QK.search(ln):
+            out.append("Q")
+        elif TCGEN05_PV.search(ln):
+            out.append("P")
+    return "".join(out)
+
+
 def ptxas_resources(ptx, arch):
     """Registers, spills and static shared memory per kernel from `ptxas -v`, or None when ptxas
     is not installed. Dynamic shared memory (what the CuTe kernels use) is reported separately

@@ -1633,6 +1633,191 @@ def blackwell_warp_roles(stage=3, path=None):
     return _finish(fig, path)
 
 
+def tmem_two_tiles(cfg, title=None, path=None):
+    """TMEM of Blackwell stages 8-9 from the kernel's own offsets (cfg: nb.kernel_config or the
+    kernel's attributes): S_0, S_1, O_0, O_1 and P_0, P_1, either over S_s (hatched) or in
+    columns of their own. Every region spans all 128 lanes: lane r is row r of both Q tiles."""
+    D = cfg["pv_mma_tiler"][1]
+    bN = cfg["qk_mma_tiler"][1]
+    p_cells = bN // 2  # 16-bit P: two values per 32-bit cell
+    regions = []
+    for s in range(cfg["q_tiles"]):
+        regions.append((f"S{s}", cfg["tmem_s_offset"][s], bN, "fp32", C["s"], False))
+    for s in range(cfg["q_tiles"]):
+        regions.append((f"O{s}", cfg["tmem_o_offset"][s], D, "fp32", C["o"], False))
+    for s in range(cfg["q_tiles"]):
+        over = cfg["tmem_p_offset"][s] == cfg["tmem_s_offset"][s]
+        regions.append((f"P{s}", cfg["tmem_p_offset"][s], p_cells, "16-bit x2", C["p"], over))
+    total = cfg.get("num_tmem_alloc_cols", 512)
+    fig, ax = plt.subplots(figsize=(FIG_WIDTH, 3.2))
+    _box(ax, 0, 0, total, 128, "#FAFAFA", lw=0.8)
+    for name, start, width, what, color, over in regions:
+        _box(
+            ax,
+            start,
+            0,
+            width,
+            128,
+            color,
+            alpha=0.45 if over else 0.75,
+            hatch="///" if over else None,
+            lw=1.5 if over else 0.8,
+        )
+        ax.text(
+            start + width / 2,
+            128 * (0.28 if over else 0.62),
+            f"{name}\n{start}-{start + width - 1}\n{what}",
+            ha="center",
+            va="center",
+            fontsize=9,
+            fontweight="bold",
+        )
+    ax.set_xlim(-5, 517)
+    ax.set_ylim(133, -5)
+    ax.set_xticks(range(0, 513, 64))
+    ax.set_yticks([0, 32, 64, 96, 128])
+    ax.set_ylabel("lane (row)", fontsize=10)
+    ax.set_xlabel("TMEM column (32 bits each)", fontsize=10)
+    ax.set_title(
+        title or f"TMEM of a CTA with two Q tiles, D = {D}: {total} columns allocated", fontsize=10
+    )
+    return _finish(fig, path)
+
+
+def blackwell_two_tile_roles(cfg, title=None, path=None):
+    """The 512-thread CTA of Blackwell stages 8-9 from the kernel's settings (cfg: warp ids,
+    registers per warpgroup): which warps do what, and the hand-offs between them."""
+    sm0, sm1 = cfg["softmax_warp_ids"]
+    corr = cfg["correction_warp_ids"]
+    fig, ax = plt.subplots(figsize=(FIG_WIDTH, 4.6))
+
+    def warps(ids):
+        return f"warps {ids[0]}-{ids[-1]}"
+
+    reg = cfg.get("softmax_registers"), cfg.get("correction_registers"), cfg.get("other_registers")
+    _box(
+        ax,
+        0,
+        0,
+        3.3,
+        1.5,
+        WARP_COLORS[3],
+        text=f"softmax 0: {warps(sm0)}\nrows of Q tile 0\n{reg[0]} registers",
+        fontsize=9.5,
+    )
+    _box(
+        ax,
+        0,
+        1.9,
+        3.3,
+        1.5,
+        WARP_COLORS[3],
+        text=f"softmax 1: {warps(sm1)}\nrows of Q tile 1\n{reg[0]} registers",
+        fontsize=9.5,
+    )
+    _box(
+        ax,
+        4.6,
+        0.75,
+        2.6,
+        1.9,
+        "#F6E3E3",
+        text="TMEM\nS0 S1 (P over S\nor its own)\nO0 O1",
+        fontsize=9.5,
+    )
+    _box(
+        ax,
+        8.6,
+        0,
+        3.4,
+        1.5,
+        WARP_COLORS[0],
+        text=f"MMA: warp {cfg['mma_warp_id']} (one thread)\nQK0 QK1 PV0 PV1 ...\n"
+        f"{reg[2]} registers (warpgroup 3)",
+        fontsize=9.5,
+    )
+    _box(
+        ax,
+        8.6,
+        1.9,
+        3.4,
+        1.5,
+        WARP_COLORS[1],
+        text=f"TMA: warp {cfg['tma_warp_id']}\nQ0, Q1 once; K, V ring\n({cfg['kv_slots']} slots)",
+        fontsize=9.5,
+    )
+    _box(
+        ax,
+        4.3,
+        3.0,
+        3.2,
+        1.3,
+        WARP_COLORS[2],
+        text=f"correction: {warps(corr)}\nrescale O_s, normalise,\nstore O (TMA), LSE; "
+        f"{reg[1]} regs",
+        fontsize=9.2,
+    )
+    _arrow(ax, (8.6, 0.75), (7.2, 1.2), "S_s ready", dy=-0.2)
+    _arrow(ax, (4.6, 1.2), (3.3, 0.75), "tcgen05.ld S0", dy=-0.2)
+    _arrow(ax, (3.3, 2.65), (4.6, 2.2), "tcgen05.st P1", dy=0.2)
+    _arrow(ax, (3.3, 3.3), (4.3, 3.6), "row factor,\nsum, max (smem)", dy=0.0)
+    _arrow(ax, (7.2, 2.3), (8.6, 0.9), "P_s ready", dy=0.15)
+    _arrow(ax, (5.9, 3.0), (5.9, 2.65), None, style="<->")
+    ax.text(6.05, 2.82, "O_s", fontsize=9)
+    ax.text(
+        0,
+        4.55,
+        f"idle warps {cfg['idle_warp_ids'][0]}-{cfg['idle_warp_ids'][-1]} only complete "
+        "warpgroup 3: setmaxnreg acts on whole warpgroups",
+        fontsize=9,
+        va="top",
+    )
+    ax.set_xlim(-0.2, 12.2)
+    ax.set_ylim(4.8, -0.3)
+    ax.axis("off")
+    ax.set_title(title or "Blackwell CTA with two Q tiles: 16 warps, 5 roles", fontsize=11)
+    return _finish(fig, path)
+
+
+def mma_issue_orders(orders, steps, notes=None, title=None, path=None):
+    """The MMA warp's tcgen05.mma in program order, read from each stage's PTX (orders: [(label,
+    string of Q / P per instruction: a QK step, a PV step)], as tests' mma_order gives them):
+    one strip per stage, one box per GEMM (steps: instructions per GEMM, {"Q": D / 16, "P": 8}),
+    QK in S's colour, PV in P's. notes: a line under each strip (which boxes are a loop body)."""
+    fig, ax = plt.subplots(figsize=(FIG_WIDTH, 0.9 + 0.95 * len(orders)))
+    width = 0
+    for row, (label, seq) in enumerate(orders):
+        gemms, i = [], 0
+        while i < len(seq):
+            ch = seq[i]
+            gemms.append(ch)
+            i += steps[ch]
+        for x, ch in enumerate(gemms):
+            _box(
+                ax,
+                x,
+                row,
+                0.92,
+                0.6,
+                C["s"] if ch == "Q" else C["p"],
+                alpha=0.85,
+                text="QK" if ch == "Q" else "PV",
+                fontsize=9.5,
+                tc="white",
+            )
+        width = max(width, len(gemms))
+        ax.text(-0.2, row + 0.3, label, ha="right", va="center", fontsize=10)
+        if notes and notes[row]:
+            ax.text(0, row + 0.78, notes[row], ha="left", va="center", fontsize=9, color="#444444")
+    ax.set_xlim(-2.2, max(width, 8) + 0.2)
+    ax.set_ylim(len(orders) + 0.1, -0.3)
+    ax.axis("off")
+    ax.set_title(
+        title or "The MMA warp's GEMMs in program order (read from each stage's PTX)", fontsize=10
+    )
+    return _finish(fig, path)
+
+
 def o_rescale_handoff(d_slices=4, path=None):
     """Blackwell stage 5, KV tile j: where the O rescale sits between PV_(j-1) and PV_j, and who
     waits for whom (a model: durations illustrative).

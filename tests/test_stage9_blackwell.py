@@ -24,7 +24,6 @@ import attention_cases
 import pytest
 import torch
 from attention_cases import DTYPES, dtype_id
-from test_stage5_blackwell import PV_MMA, QK_MMA
 from test_stage7_hopper import (
     PACK_GQA_CASES,
     PACKS,
@@ -36,7 +35,7 @@ from test_stage7_hopper import (
 )
 
 from common import checker, inputs, schedule
-from common.compile import compile_for_arch, compile_only
+from common.compile import compile_for_arch, compile_only, tcgen05_mma_order
 from stages.stage9_overlap import blackwell
 
 SHAPE = (2, 8, 512, 1024, 128)
@@ -53,14 +52,7 @@ def statements(ptx, pattern):
 
 
 def mma_order(ptx):
-    """The tcgen05.mma of the PTX in program order: Q for a QK step, P for a PV step."""
-    out = []
-    for ln in ptx.splitlines():
-        if QK_MMA.search(ln):
-            out.append("Q")
-        elif PV_MMA.search(ln):
-            out.append("P")
-    return "".join(out)
+    return tcgen05_mma_order(ptx)
 
 
 # ---------------------------------------------------------------- compile-only (no GPU)

@@ -258,24 +258,46 @@ if report is not None:
 # %% [markdown]
 # ### 5.5 The same stage on Blackwell
 #
-# On Blackwell, stage 8 is planned as FA4's schedule: two Q tiles per CTA (2 x 128 rows) with S, P
-# and O of each in tensor memory, two softmax warpgroups taking turns on the tensor core, a
-# correction warpgroup that rescales O and writes the epilogue, and the MMA and TMA warps of the
-# earlier stages. Where `stages/stage8_warp_specialized/blackwell.py` has landed, the cells below
-# show its docstring, its diff against Blackwell stage 7, the concept table and its compile
-# summary; until then they say the file does not exist yet.
+# On Blackwell the tensor core is fed by one thread and its accumulators live in tensor memory
+# (TMEM), so warp specialisation looks different: stage 8 is FA4's CTA. It takes **two Q tiles**
+# (2 x 128 rows) with S, P and O of each in TMEM, gives each its own **softmax warpgroup**, and
+# moves the O rescale and the epilogue to a **correction warpgroup**; the MMA and TMA warps are
+# those of the earlier stages. Per KV tile the MMA warp issues $S_0 = Q_0 K_j^T$, $S_1 = Q_1
+# K_j^T$, then $O_0 \mathrel{+}= P_0 V_j$, $O_1 \mathrel{+}= P_1 V_j$: while softmax warpgroup 0
+# computes $P_0$ the tensor core computes $S_1$, and the two warpgroups take turns. The
+# pictures below are drawn from the kernel's own settings and PTX.
 #
 # **Blackwell kernels are compile-checked here, not run on hardware.** This project has an H200;
-# the Blackwell files are compiled for sm_100a with fake tensors and their PTX is checked for the
-# `tcgen05` instructions. Their numerics are tested only where an sm_100 GPU exists.
+# the Blackwell files are compiled for sm_100a with fake tensors, their PTX is checked and the
+# hand-offs between the five roles are replayed on the CPU by the schedule checker. Their
+# numerics are tested only where an sm_100 GPU exists.
 
 # %%
 nb.show_docstring(8, "blackwell")
 nb.show_diff(8, "blackwell")
 
 # %%
+cfg_bw = nb.show_config(8, "blackwell")
+if cfg_bw:
+    fig = plots.blackwell_two_tile_roles(cfg_bw)
+    fig = plots.tmem_two_tiles(cfg_bw)
+
+# %%
 rows = nb.cross_track_table(8)
 report_bw = nb.compile_summary(8, "blackwell")
+if report_bw is not None:
+    from common.compile import tcgen05_mma_order  # noqa: E402
+
+    D_bw = cfg_bw["pv_mma_tiler"][1]
+    orders = [(f"stage {n}", nb.compile_report(n, "blackwell").ptx) for n in (7, 8)]
+    fig = plots.mma_issue_orders(
+        [(label, tcgen05_mma_order(ptx)) for label, ptx in orders],
+        {"Q": D_bw // 16, "P": 8},
+        notes=["per KV tile: QK, PV (one Q tile)", "per KV tile: QK0, QK1, then PV0, PV1"],
+    )
+    for pattern in (r"setmaxnreg", r"cp\.async\.bulk\.tensor.*global\.shared", r"\.reqntid"):
+        print("\n".join(ptx_lines(report_bw.ptx, pattern, limit=4)))
+
 
 # %% [markdown]
 # ## 6. Run and verify
