@@ -1782,16 +1782,18 @@ def blackwell_two_tile_roles(cfg, title=None, path=None):
 def mma_issue_orders(orders, steps, notes=None, title=None, path=None):
     """The MMA warp's tcgen05.mma in program order, read from each stage's PTX (orders: [(label,
     string of Q / P per instruction: a QK step, a PV step)], as tests' mma_order gives them):
-    one strip per stage, one box per GEMM (steps: instructions per GEMM, {"Q": D / 16, "P": 8}),
+    one strip per stage, one box per GEMM (steps: instructions per GEMM, {"Q": D / 16, "P": 8},
+    or one such dict per strip),
     QK in S's colour, PV in P's. notes: a line under each strip (which boxes are a loop body)."""
     fig, ax = plt.subplots(figsize=(FIG_WIDTH, 0.9 + 0.95 * len(orders)))
     width = 0
     for row, (label, seq) in enumerate(orders):
+        per = steps[row] if isinstance(steps, (list, tuple)) else steps
         gemms, i = [], 0
         while i < len(seq):
             ch = seq[i]
             gemms.append(ch)
-            i += steps[ch]
+            i += per[ch]
         for x, ch in enumerate(gemms):
             _box(
                 ax,

@@ -193,10 +193,12 @@ if report is not None:
 # V_{j-1}$ and right behind it $S_j = Q K_j^T$, the QK of the next tile without waiting for the
 # softmax of this one, so that each softmax warpgroup finds its next S ready after two GEMMs
 # while the other tile's two GEMMs keep the tensor core busy. The new S must not land on a P that
-# a PV may still read: at D = 64 P gets TMEM columns of its own (the map below), at D = 128
-# (all 512 columns taken by S and O) the MMA warp waits for the PV's commit first - FA4 skips
-# that wait, trusting the tensor core to run one thread's MMAs in order, which PTX promises only
-# for MMAs into the same accumulator. And O is rescaled only when a row max has grown by more
+# a PV may still read: at D = 64 P gets TMEM columns of its own (the map below) and FA4's order
+# needs no wait. At D = 128 all 512 columns are taken by S and O, P lies over S, and a QK must
+# wait for the last PV's commit; right behind that PV the wait would leave the tensor core
+# idle, so at D = 128 the stage keeps stage 8's order, whose waits have the other tile's GEMM
+# queued. FA4 runs its order without the wait, trusting the tensor core to run one thread's
+# MMAs in order, which PTX promises only for MMAs into the same accumulator. And O is rescaled only when a row max has grown by more
 # than $2^8$ (FA4's conditional rescale): $P$ then lies in $(0, 2^8]$, which costs no precision
 # (rounding to 16 bits is relative) and cannot overflow fp16.
 #
@@ -215,13 +217,18 @@ report_bw = nb.compile_summary(9, "blackwell")
 if report_bw is not None:
     from common.compile import tcgen05_mma_order  # noqa: E402
 
-    orders = [(f"stage {n}", nb.compile_report(n, "blackwell").ptx) for n in (8, 9)]
+    # the order at D = 64 (FA4's) and D = 128 (stage 8's), read from the PTX
+    orders = [
+        (f"stage {n}, D = {d}", nb.compile_report(n, "blackwell", shape=(2, 4, 512, 1024, d)).ptx)
+        for n, d in ((8, 64), (9, 64), (9, 128))
+    ]
     fig = plots.mma_issue_orders(
         [(label, tcgen05_mma_order(ptx)) for label, ptx in orders],
-        {"Q": 128 // 16, "P": 8},
+        [{"Q": 4, "P": 8}, {"Q": 4, "P": 8}, {"Q": 8, "P": 8}],
         notes=[
             "per KV tile: QK0, QK1, then PV0, PV1",
             "QK0 QK1 once | per later tile: PV0 QK0 PV1 QK1 | PV0 PV1 once",
+            "P over S: stage 8's order",
         ],
     )
     # TMEM at D = 64 (P in columns of its own) and D = 128 (P over S), from the kernel objects

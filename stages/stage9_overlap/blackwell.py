@@ -1,6 +1,6 @@
 """Stage 9 - overlap inside the loop (Blackwell), sm_100a: the MMA warp issues QK of the next KV
-tile right behind the PV of the last one, and O is rescaled only when a row's max has grown by
-more than 2^8.
+tile right behind the PV of the last one (D = 64), and O is rescaled only when a row's max has
+grown by more than 2^8.
 
 Same entries and features as stages 7-8 (GQA / MQA, packed sequences, causal and window masks,
 LSE, pack-GQA, bf16 / fp16, D = 64 or 128).
@@ -20,19 +20,24 @@ Changes from stage 8, and why:
   assume the PV has read P before the QK overwrites it:
   * D = 64: TMEM has room for P of its own (S_0, S_1 128 columns each, O_0, O_1 64 each, P_0,
     P_1 64 each: 512), and S_s,j is issued without waiting for P_s,j-1 @ V_j-1.
-  * D = 128: S and O fill all 512 columns, P stays over S_s, and the MMA warp waits for
-    P_s,j-1 @ V_j-1 to complete (its tcgen05.commit) before it issues S_s,j into those
-    columns. FA4 issues it without that wait, trusting the tensor core to run one thread's
-    MMAs in order; this tutorial keeps to what PTX promises.
+  * D = 128: S and O fill all 512 columns, P stays over S_s, and S_s,j may be issued only
+    once P_s,j-1 @ V_j-1 has completed (its tcgen05.commit). Right behind that PV the wait
+    would leave the tensor core with nothing queued, twice per KV tile, so at D = 128 this
+    stage keeps stage 8's order (QK_0, QK_1, PV_0, PV_1), in which each such wait has the other
+    tile's GEMM queued. FA4 issues FA4's order without the wait, trusting the tensor core to
+    run one thread's MMAs in order; this tutorial keeps to what PTX promises. The way to FA4's
+    order at D = 128 within it: split S_s,j into two N = 64 halves, issue the half whose
+    columns P does not use (keys 64-127) right behind the PV, and wait only before the other.
 - Conditional rescale (FA4's). The softmax subtracts a reference max m_ref from S, not the
   running max m: m_ref moves to m only when (m - m_ref) * scale * log2(e) > 8, that is when
   the row max has grown by more than a factor 2^8 in exp2 units. Otherwise the row factor is
   exactly 1 and a correction warp whose 32 rows all have factor 1 skips its TMEM round trip of
-  O (vote.any). Error bound: every P = exp2(scale (S - m_ref)) then lies in (0, 2^8], so
-  bf16's relative rounding of P (2^-8) and fp16's (2^-11) are unchanged (floating point: the
-  factor moves the exponent, not the mantissa), nothing overflows (fp16's largest finite
-  value is 65504 > 2^8), and the row sum (fp32, at most 2^8 x Sk) and O (fp32) keep their
-  relative precision; O and LSE are computed against the same m_ref, so the answer is
+  O (vote.any). Error bound: every P = exp2(scale (S - m_ref)) then lies in [0, 2^8] (0 where
+  masked), so the relative rounding of P to bf16 (2^-8) or fp16 (2^-11) is bounded as before
+  for normal values (a floating-point format's relative step does not depend on the
+  magnitude; with a lower reference P is larger, so fp16 has fewer subnormals, not more),
+  nothing overflows (fp16's largest finite value is 65504 > 2^8), and the row sum (fp32, at
+  most 2^8 x Sk) and O (fp32) keep their relative precision; O and LSE are computed against the same m_ref, so the answer is
   softmax(S) V up to those roundings. tests/test_stage9_blackwell.py checks this on a model
   of the per-row arithmetic (P never above 2^8, error as with threshold 0, also when the max
   creeps up by just under 8 units per tile for hundreds of tiles).
@@ -103,7 +108,7 @@ class Sm100Kernel:
         self.correction_bar_id = 2
         self.tmem_free_bar_id = 3
         # Pipeline depths: the two Q tiles loaded once; a ring of K/V slots; per Q tile one S
-        # (and P over it), one O, one row-statistics hand-off.
+        # (and P, over it or in columns of its own), one O, one row-statistics hand-off.
         self.q_buffers = self.q_tiles
         tile_bytes = 128 * head_dim * dtype.width // 8
         # The sm_100 opt-in limit (227 KiB), less the barriers, the row statistics (2 KiB) and
@@ -135,8 +140,10 @@ class Sm100Kernel:
         # Conditional rescale: the reference max moves only when the row max has grown by more
         # than this many log2 units (P stays within (0, 2^8]).
         self.rescale_threshold = 8.0
-        # The MMA warp issues P_s,j-1 @ V_j-1 and then S_s,j (the schedule checker's cue).
-        self.qk_behind_pv = True
+        # The MMA warp issues P_s,j-1 @ V_j-1 and then S_s,j (FA4's order) where P has columns
+        # of its own; with P over S it keeps stage 8's order (the file's docstring says why).
+        # Also the schedule checker's cue.
+        self.qk_behind_pv = self.p_own_columns
         # tcgen05.ld.32x32b.x32: each thread reads 32 fp32 columns of its row per load.
         self.tmem_load_cols = 32
         self.smem_align = 1024  # the 128-byte swizzle pattern repeats every 8 rows = 1 KiB
@@ -606,7 +613,8 @@ class Sm100Kernel:
 
         if warp_idx == self.mma_warp_id:
             cute.arch.setmaxregister_decrease(self.other_registers)
-            # MMA warp, one thread issues, per KV tile j: S_0,j = Q_0 K_j^T and S_1,j = Q_1 K_j^T,
+            # MMA warp, one thread issues S_s,j = Q_s K_j^T and O_s += P_s,j V_j for both Q tiles,
+            # in FA4's order (D = 64) or stage 8's (D = 128), below.
             # then O_0 += P_0,j V_j and O_1 += P_1,j V_j.
             # MMA operands, as shared-memory descriptors (made here, where they are used).
             # (MMA, MMA_M, MMA_K, q_buffers)
@@ -619,7 +627,7 @@ class Sm100Kernel:
             tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
             tStS = [cute.make_tensor(tmem_ptr + c, tStS_layout) for c in self.tmem_s_offset]
             tOtO = [cute.make_tensor(tmem_ptr + c, tOtO_layout) for c in self.tmem_o_offset]
-            # (MMA, MMA_M, MMA_K): P_s as 16-bit values in TMEM, over S_s's columns
+            # (MMA, MMA_M, MMA_K): P_s as 16-bit values in TMEM, in its own columns or over S_s's
             tOrP_layout = pv_mma.make_fragment_A(cute.make_tensor(tmem_ptr, p_tmem_s.outer))[
                 (None, None, None, 0)
             ].layout
@@ -638,77 +646,136 @@ class Sm100Kernel:
             if kv_tile_hi > kv_tile_lo:
                 q_full0 = q_cons.wait_and_advance()
                 q_full1 = q_cons.wait_and_advance()
-                # Prologue: S_0 and S_1 of the range's first KV tile.
-                kv_full = kv_cons.wait_and_advance()  # ring entry: K_lo
-                s_empty0 = s_prod0.acquire_and_advance()
-                if cutlass.const_expr(not self.p_own_columns):
-                    # P's columns are free at the start (passes at once); after this, the n-th
-                    # wait is for the tcgen05.commit of the (n-1)-th P @ V.
-                    p_free0.acquire_and_advance()
-                qk_mma = self.issue_qk(qk_mma, tStS[0], tCrQ, q_full0.index, tCrK, kv_full.index)
-                s_empty0.commit()  # tcgen05.commit: S_0 is full once these MMAs have completed
-                s_empty1 = s_prod1.acquire_and_advance()
-                if cutlass.const_expr(not self.p_own_columns):
-                    p_free1.acquire_and_advance()
-                qk_mma = self.issue_qk(qk_mma, tStS[1], tCrQ, q_full1.index, tCrK, kv_full.index)
-                s_empty1.commit()
-                kv_full.release()
-                for kv_tile in cutlass.range(kv_tile_lo + 1, kv_tile_hi, unroll=1):
-                    # Tile j = kv_tile: P_s,j-1 @ V_j-1, then S_s,j = Q_s K_j^T, for s = 0, 1.
-                    v_full = kv_cons.wait_and_advance()  # ring entry: V_j-1
-                    k_full = kv_cons.wait_and_advance()  # ring entry: K_j
-                    # O_s started afresh with the first KV tile of the range, then accumulates.
-                    accumulate = kv_tile - 1 != kv_tile_lo
-                    # Q tile 0: the correction warpgroup is done with O_0 (rescaled it for tile j-1)
-                    # and softmax warpgroup 0 has written P_0,j-1.
+                if cutlass.const_expr(self.qk_behind_pv):
+                    # FA4's order (D = 64: P has TMEM columns of its own).
+                    # Prologue: S_0 and S_1 of the range's first KV tile.
+                    kv_full = kv_cons.wait_and_advance()  # ring entry: K_lo
+                    s_empty0 = s_prod0.acquire_and_advance()
+                    qk_mma = self.issue_qk(
+                        qk_mma, tStS[0], tCrQ, q_full0.index, tCrK, kv_full.index
+                    )
+                    s_empty0.commit()  # tcgen05.commit: S_0 is full once these MMAs have completed
+                    s_empty1 = s_prod1.acquire_and_advance()
+                    qk_mma = self.issue_qk(
+                        qk_mma, tStS[1], tCrQ, q_full1.index, tCrK, kv_full.index
+                    )
+                    s_empty1.commit()
+                    kv_full.release()
+                    for kv_tile in cutlass.range(kv_tile_lo + 1, kv_tile_hi, unroll=1):
+                        # Tile j = kv_tile: P_s,j-1 @ V_j-1, then S_s,j = Q_s K_j^T, for s = 0, 1.
+                        v_full = kv_cons.wait_and_advance()  # ring entry: V_j-1
+                        # O_s started afresh with the first KV tile of the range, then accumulates.
+                        accumulate = kv_tile - 1 != kv_tile_lo
+                        # Q tile 0: the correction warpgroup is done with O_0 (rescaled it for tile j-1)
+                        # and softmax warpgroup 0 has written P_0,j-1.
+                        o_empty0 = o_prod0.acquire_and_advance()
+                        p_full0 = p_cons0.wait_and_advance()
+                        pv_mma = self.issue_pv(
+                            pv_mma, tOtO[0], tOrP[0], tCrV, v_full.index, accumulate
+                        )
+                        # P_0's columns are free, and O_0 holds tile j-1, once these MMAs have completed.
+                        p_full0.release()
+                        o_empty0.commit()
+                        # K_j only now: P_0,j-1 @ V_j-1 did not need it (the ring order stays V_j-1,
+                        # K_j).
+                        k_full = kv_cons.wait_and_advance()  # ring entry: K_j
+                        # S_0,j: softmax warpgroup 0 has read S_0,j-1 (it had, before it wrote P_0,j-1),
+                        # and P_0 has columns of its own: no wait for P_0,j-1 @ V_j-1.
+                        s_empty0 = s_prod0.acquire_and_advance()
+                        qk_mma = self.issue_qk(
+                            qk_mma, tStS[0], tCrQ, q_full0.index, tCrK, k_full.index
+                        )
+                        s_empty0.commit()
+                        # Q tile 1, the same
+                        o_empty1 = o_prod1.acquire_and_advance()
+                        p_full1 = p_cons1.wait_and_advance()
+                        pv_mma = self.issue_pv(
+                            pv_mma, tOtO[1], tOrP[1], tCrV, v_full.index, accumulate
+                        )
+                        p_full1.release()
+                        o_empty1.commit()
+                        s_empty1 = s_prod1.acquire_and_advance()
+                        qk_mma = self.issue_qk(
+                            qk_mma, tStS[1], tCrQ, q_full1.index, tCrK, k_full.index
+                        )
+                        s_empty1.commit()
+                        # The slots of V_j-1 and K_j are empty once both tiles' MMAs have read them.
+                        v_full.release()
+                        k_full.release()
+                    # Epilogue: the last tile's P_s @ V.
+                    v_full = kv_cons.wait_and_advance()  # ring entry: V_hi-1
+                    # Packed sequences: the last tile's keys past seqlen_k are the next sequence's V.
+                    # P is 0 there, but 0 x NaN = NaN: zero those rows of V before P @ V reads them.
+                    if cutlass.const_expr(mCuSeqlensK is not None):
+                        if kv_tile_hi * self.qk_mma_tiler[1] > seqlen_k:
+                            self.zero_keys(
+                                sV, v_full.index, seqlen_k - (kv_tile_hi - 1) * self.qk_mma_tiler[1]
+                            )
+                    accumulate = kv_tile_hi - 1 != kv_tile_lo
                     o_empty0 = o_prod0.acquire_and_advance()
                     p_full0 = p_cons0.wait_and_advance()
                     pv_mma = self.issue_pv(pv_mma, tOtO[0], tOrP[0], tCrV, v_full.index, accumulate)
-                    # P_0's columns are free, and O_0 holds tile j-1, once these MMAs have completed.
                     p_full0.release()
                     o_empty0.commit()
-                    # S_0,j: softmax warpgroup 0 has read S_0,j-1 (it had, before it wrote P_0,j-1).
-                    s_empty0 = s_prod0.acquire_and_advance()
-                    if cutlass.const_expr(not self.p_own_columns):
-                        # P_0 sits in S_0's columns: wait until P_0,j-1 @ V_j-1 has completed.
-                        p_free0.acquire_and_advance()
-                    qk_mma = self.issue_qk(qk_mma, tStS[0], tCrQ, q_full0.index, tCrK, k_full.index)
-                    s_empty0.commit()
-                    # Q tile 1, the same
                     o_empty1 = o_prod1.acquire_and_advance()
                     p_full1 = p_cons1.wait_and_advance()
                     pv_mma = self.issue_pv(pv_mma, tOtO[1], tOrP[1], tCrV, v_full.index, accumulate)
                     p_full1.release()
                     o_empty1.commit()
-                    s_empty1 = s_prod1.acquire_and_advance()
-                    if cutlass.const_expr(not self.p_own_columns):
-                        p_free1.acquire_and_advance()
-                    qk_mma = self.issue_qk(qk_mma, tStS[1], tCrQ, q_full1.index, tCrK, k_full.index)
-                    s_empty1.commit()
-                    # The slots of V_j-1 and K_j are empty once both tiles' MMAs have read them.
                     v_full.release()
-                    k_full.release()
-                # Epilogue: the last tile's P_s @ V.
-                v_full = kv_cons.wait_and_advance()  # ring entry: V_hi-1
-                # Packed sequences: the last tile's keys past seqlen_k are the next sequence's V.
-                # P is 0 there, but 0 x NaN = NaN: zero those rows of V before P @ V reads them.
-                if cutlass.const_expr(mCuSeqlensK is not None):
-                    if kv_tile_hi * self.qk_mma_tiler[1] > seqlen_k:
-                        self.zero_keys(
-                            sV, v_full.index, seqlen_k - (kv_tile_hi - 1) * self.qk_mma_tiler[1]
+                else:
+                    # D = 128: P sits over S_s, and S_s,j must wait for P_s,j-1 @ V_j-1 to
+                    # complete. Right behind PV_s,j-1 that wait would leave the tensor core with
+                    # nothing queued, twice per tile; stage 8's order keeps work queued across it.
+                    for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
+                        kv_full = kv_cons.wait_and_advance()  # ring entry: K_j
+                        # Q tile 0, then Q tile 1: softmax warpgroup s has read S_s,j-1, and S_s,j may
+                        # overwrite P_s,j-1 once P_s,j-1 @ V_j-1 has completed (two tcgen05.mma are kept
+                        # in issue order only when they share accumulator and shape; QK writes S, PV O).
+                        s_empty0 = s_prod0.acquire_and_advance()
+                        p_free0.acquire_and_advance()
+                        qk_mma = self.issue_qk(
+                            qk_mma, tStS[0], tCrQ, q_full0.index, tCrK, kv_full.index
                         )
-                accumulate = kv_tile_hi - 1 != kv_tile_lo
-                o_empty0 = o_prod0.acquire_and_advance()
-                p_full0 = p_cons0.wait_and_advance()
-                pv_mma = self.issue_pv(pv_mma, tOtO[0], tOrP[0], tCrV, v_full.index, accumulate)
-                p_full0.release()
-                o_empty0.commit()
-                o_empty1 = o_prod1.acquire_and_advance()
-                p_full1 = p_cons1.wait_and_advance()
-                pv_mma = self.issue_pv(pv_mma, tOtO[1], tOrP[1], tCrV, v_full.index, accumulate)
-                p_full1.release()
-                o_empty1.commit()
-                v_full.release()
+                        # tcgen05.commit: S_0 is full once these MMAs have completed
+                        s_empty0.commit()
+                        s_empty1 = s_prod1.acquire_and_advance()
+                        p_free1.acquire_and_advance()
+                        qk_mma = self.issue_qk(
+                            qk_mma, tStS[1], tCrQ, q_full1.index, tCrK, kv_full.index
+                        )
+                        s_empty1.commit()
+                        # The K slot is empty once both tiles' MMAs have read it.
+                        kv_full.release()
+                        v_full = kv_cons.wait_and_advance()  # ring entry: V_j
+                        # Packed sequences: the last tile's keys past seqlen_k are the next sequence's V.
+                        # P is 0 there, but 0 x NaN = NaN: zero those rows of V before P @ V reads them.
+                        if cutlass.const_expr(mCuSeqlensK is not None):
+                            if (kv_tile + 1) * self.qk_mma_tiler[1] > seqlen_k:
+                                self.zero_keys(
+                                    sV, v_full.index, seqlen_k - kv_tile * self.qk_mma_tiler[1]
+                                )
+                        # O_s starts afresh with the first KV tile of the range, then accumulates.
+                        accumulate = kv_tile != kv_tile_lo
+                        # Q tile 0, then 1: the correction warpgroup is done with O_s (has rescaled it
+                        # for tile j) and softmax warpgroup s has written P_s,j.
+                        o_empty0 = o_prod0.acquire_and_advance()
+                        p_full0 = p_cons0.wait_and_advance()
+                        pv_mma = self.issue_pv(
+                            pv_mma, tOtO[0], tOrP[0], tCrV, v_full.index, accumulate
+                        )
+                        # P_0's columns are free, and O_0 holds tile j, once these MMAs have completed.
+                        p_full0.release()
+                        o_empty0.commit()
+                        o_empty1 = o_prod1.acquire_and_advance()
+                        p_full1 = p_cons1.wait_and_advance()
+                        pv_mma = self.issue_pv(
+                            pv_mma, tOtO[1], tOrP[1], tCrV, v_full.index, accumulate
+                        )
+                        p_full1.release()
+                        o_empty1.commit()
+                        # The V slot is empty once both tiles' PV MMAs have read it.
+                        v_full.release()
                 # Q stays resident until the last MMA; then its buffers are released too.
                 q_full0.release()
                 q_full1.release()
@@ -1041,7 +1108,8 @@ class Sm100Kernel:
             if (row_max_new - row_max) * scale_log2 <= self.rescale_threshold:
                 row_max_new = row_max
             # A row that has seen no key yet (max -inf) subtracts 0 instead: P = exp2(-inf)
-            # = 0 and row_scale = 0 rather than exp2(-inf + inf) = NaN.
+            # = 0 (and its factor stays 1: nothing to rescale); at its first finite max the
+            # factor is exp2(-inf) = 0, not exp2(-inf + inf) = NaN.
             row_max_safe = row_max_new if row_max_new != -Float32.inf else 0.0
             # row_scale = exp(scale * (old max - new max)): what the sum and O so far are
             # multiplied by (1.0 when the reference stayed: exp2(0))
