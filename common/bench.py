@@ -31,6 +31,25 @@ def time_ms(fn, arg_sets, warmup=5, reps=30):
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
+def gpu_ms(fn, arg_sets, reps=10):
+    """Milliseconds of GPU work per call of fn(*args): the durations of every CUDA kernel the calls
+    launched, as CUPTI records them (torch.profiler), summed and divided by reps. Unlike
+    time_ms it leaves out the host work between kernels, so the two differ where a call's host
+    work (checks, views, the launch) is longer than its kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(*arg_sets[0])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(reps):
+            fn(*arg_sets[i % len(arg_sets)])
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not kernels:
+        return float("nan")
+    return sum(e.device_time for e in kernels) / reps / 1e3  # device_time is in us
+
+
 def tflops(flops, ms):
     return flops / (ms * 1e-3) / 1e12
 

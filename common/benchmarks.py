@@ -32,8 +32,10 @@ def paper_shape(S, D):
     return (16384 // S, 2048 // D, S, S, D)
 
 
-def measure(case, names=None):
-    """{label: (ms, TFLOP/s)} for the kernel and each baseline, all on the same inputs."""
+def measure(case, names=None, gpu=None):
+    """{label: (ms, TFLOP/s)} for the kernel and each baseline, all on the same inputs, timed
+    between CUDA events. gpu: a dict to fill with {label: (ms, TFLOP/s)} of GPU time alone
+    (bench.gpu_ms: the kernels' durations, without the host work between them)."""
     n_sets = bench.rotation_count(sum(t.numel() * t.element_size() for t in case.args))
     sets = [case.args] + [tuple(t.clone() for t in case.args) for _ in range(n_sets - 1)]
     out = {}
@@ -44,6 +46,9 @@ def measure(case, names=None):
         entry(*case.args)  # compile outside the timed region
         ms = bench.time_ms(entry, sets)
         out[f"stage {case.stage}"] = (ms, bench.tflops(case.flops, ms))
+        if gpu is not None:
+            g = bench.gpu_ms(entry, sets)
+            gpu[f"stage {case.stage}"] = (g, bench.tflops(case.flops, g))
         for name, fn in case.baselines.items():
             if names is not None and name not in names:
                 continue
@@ -54,6 +59,9 @@ def measure(case, names=None):
                 fn(*bargs[0])
                 bms = bench.time_ms(fn, bargs)
                 out[name] = (bms, bench.tflops(case.flops, bms))
+                if gpu is not None:
+                    g = bench.gpu_ms(fn, bargs)
+                    gpu[name] = (g, bench.tflops(case.flops, g))
             except Exception as e:  # a backend that cannot run this shape is reported, not fatal
                 print(
                     f"    {name}: not available for this shape ({type(e).__name__}: {str(e)[:80]})",
@@ -280,29 +288,39 @@ def ablation_rows(track, dtype, headdims, seqlens, record):
         "Causal rows: stages 8 and 9 and the baselines causal (FLOPs halved); stage 5 has no "
         "mask, so it is left out there. `9 / FA4` and `9 / cuDNN` are stage 9 over the "
         "baseline in the same row (goals: >= 1.0 FA4 at D = 128 from 2k, >= 0.95 at D = 64; "
-        ">= 1.0 cuDNN from 1k; stage 8 >= 0.88 FA4).",
+        ">= 1.0 cuDNN from 1k; stage 8 >= 0.88 FA4). The TFLOP/s are event-timed per call "
+        "(host work included where it is longer than the kernel); the `GPU` columns are the "
+        "same ratios from GPU time alone (CUPTI kernel durations, bench.gpu_ms).",
         "",
-        "| D | causal | S | stage 5 | stage 8 | stage 9 | FA4 | SDPA cuDNN | 8 / FA4 | 9 / FA4 | 9 / cuDNN |",
-        "|" + " --- |" * 11,
+        "| D | causal | S | stage 5 | stage 8 | stage 9 | FA4 | SDPA cuDNN | 8 / FA4 | 9 / FA4 | 9 / cuDNN "
+        "| 9 / FA4 GPU | 9 / cuDNN GPU |",
+        "|" + " --- |" * 13,
     ]
     for D in headdims:
         for causal in (False, True):
             for S in seqlens:
                 shape = paper_shape(S, D)
                 print(f"ablation: {shape} causal={causal} ...", flush=True)
-                row = measure(make_case(9, track, shape, dtype, with_fa4=True, causal=causal))
+                gpu = {}
+                row = measure(
+                    make_case(9, track, shape, dtype, with_fa4=True, causal=causal), gpu=gpu
+                )
                 row.pop("SDPA flash", None)
                 row.update(measure(make_case(8, track, shape, dtype, causal=causal), names=()))
                 if not causal:
                     row.update(measure(make_case(5, track, shape, dtype), names=()))
                 record("ablation", (*shape, causal), row)
+                record("ablation GPU time", (*shape, causal), gpu)
+                tg = {k: v[1] for k, v in gpu.items()}
+                rg = lambda a, b: f"{tg[a] / tg[b]:.2f}" if a in tg and b in tg else "-"  # noqa: E731
                 tf = {k: v[1] for k, v in row.items()}
                 g = lambda k: f"{tf[k]:.0f}" if k in tf else "-"  # noqa: E731
                 r = lambda a, b: f"{tf[a] / tf[b]:.2f}" if a in tf and b in tf else "-"  # noqa: E731
                 lines.append(
                     f"| {D} | {causal} | {S} | {g('stage 5')} | {g('stage 8')} | {g('stage 9')} "
                     f"| {g('FA4')} | {g('SDPA cuDNN')} | {r('stage 8', 'FA4')} "
-                    f"| {r('stage 9', 'FA4')} | {r('stage 9', 'SDPA cuDNN')} |"
+                    f"| {r('stage 9', 'FA4')} | {r('stage 9', 'SDPA cuDNN')} "
+                    f"| {rg('stage 9', 'FA4')} | {rg('stage 9', 'SDPA cuDNN')} |"
                 )
                 print("  " + lines[-1], flush=True)
     lines.append("")
