@@ -42,7 +42,10 @@ Changes from stage 8:
   4k 582 / 557, 8k 577 / 560, 16k 626 / 586; D = 64: 1k 263 / 256 ... 16k 460 / 432 - never
   slower, +2-15% from 2k, 1.8x at 1k (D = 128) where the long tiles started last were the tail. Persistent CTAs
   (a grid of one CTA per SM looping over tiles) are not written: the longest-first order takes
-  the tail part of their gain without a tile scheduler.
+  the tail part of their gain without a tile scheduler, and the short sequences, where their
+  saved per-CTA set-up would show, are host-bound instead: a call's host work is about 0.4 ms,
+  and in GPU time alone (CUPTI) stage 9 runs 0.86-0.98x FA4 at S = 512-1k against 0.37-0.87x
+  event-timed (H200, 2026-12-01, docs/results/h200.md).
 - Tried and not kept: three consumer warpgroups at D = 64 (FlashAttention-3's 192-row tile, 512
   threads, 160 registers each): ptxas spilled 592 bytes at the 128-register entry cap, and it ran
   at 104-107 TFLOP/s (250-280 with 144-152 registers) against stage 8's 406-432 (H200,
