@@ -40,7 +40,8 @@ gives each CTA two Q tiles (2 x 128 rows) and one more warpgroup per job, as FA4
 - A CTA covers 256 rows: its KV tile range is the union of its two tiles' ranges (the causal
   diagonal costs up to one more KV tile for tile 0, masked to -inf element by element).
 - The per-tile hand-offs stay serialised as in stage 7 (S_s,j+1 waits for P_s,j @ V_j to
-  complete before it overwrites P_s): what stage 9 changes.
+  complete before it overwrites P_s): what stage 9 changes where TMEM has room for P of its
+  own (D = 64).
 
 What is not measured: no Blackwell GPU has run this file. FA4's two-tile schedule reaches about
 1.2-1.3 PFLOP/s on B200 (its authors' figures, not ours); how much of that this stage gets is
