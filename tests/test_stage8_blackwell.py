@@ -16,7 +16,9 @@ O through shared memory and a TMA store, on sm_100a.
   1-5 KV tiles, ranges that start past tile 0 and empty ranges, and catches the near misses:
   the correction warpgroup waiting for O at the first tile, waiting for the last O on an
   empty range, a softmax warpgroup not handing over its final row sum, the MMA warp not
-  waiting for the rescale.
+  waiting for the rescale. Every operation of that model is one barrier site of the PTX
+  (tcgen05.commit, mbarrier.arrive and mbarrier.try_wait counted), stages 8 and 9, D = 64 and
+  128, batch and packed.
 - GPU tests (marker gpu_blackwell) mirror stage 7's: GQA / MQA with masks against the fp64
   reference, packed sequences per sequence, NaN planted outside a sequence, empty sequences,
   pack-GQA; O and LSE equal to stage 7's bit for bit (each row's arithmetic is stage 7's:
@@ -25,6 +27,7 @@ O through shared memory and a TMA store, on sm_100a.
   was available: these tests have not run.
 """
 
+import importlib
 import re
 
 import attention_cases
@@ -46,7 +49,7 @@ from test_stage7_hopper import (
 )
 
 from common import checker, inputs, schedule
-from common.compile import compile_for_arch, compile_only
+from common.compile import compile_for_arch, compile_only, count_ptx
 from stages.stage7_gqa_varlen import blackwell as stage7
 from stages.stage8_warp_specialized import blackwell
 
@@ -169,6 +172,46 @@ def test_five_roles_have_no_hang_and_balanced_hand_offs(D):
     pipes, programs = schedule.cta_schedule(kernel)
     assert set(programs) == {"TMA", "MMA", "softmax0", "softmax1", "correction"}
     assert len(pipes) == 2 + 4 * kernel.q_tiles
+
+
+def _sites(programs, stages_of, role, actions):
+    """The operations of `role` with one of `actions`, each site in the code once, whatever the
+    trip count (the bodies of PerTile, NotFirst and IfNonEmpty once; a tail one per entry)."""
+    ops = []
+
+    def walk(items):
+        for item in items:
+            if isinstance(item, (schedule.PerTile, schedule.NotFirst, schedule.IfNonEmpty)):
+                walk(item.ops)
+            elif isinstance(item, schedule.Tail):
+                ops.extend([schedule.Op(item.pipe, "acquire", "tail")] * stages_of[item.pipe])
+            else:
+                ops.append(item)
+
+    walk(programs[role])
+    return [op for op in ops if isinstance(op, schedule.Op) and op.action in actions]
+
+
+@pytest.mark.parametrize("stage", [8, 9])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("varlen", [False, True], ids=["batch", "packed"])
+def test_model_has_the_barrier_sites_of_the_ptx(stage, D, varlen):
+    # Every operation of the five roles' model is one barrier site in the kernel's PTX: the MMA
+    # warp's arrives are tcgen05.commit, every other role's an mbarrier.arrive (the TMA warp's
+    # with expect_tx), every wait one mbarrier.try_wait. A hand-off in the code that the model
+    # lacks, or one the model has that the code dropped, changes a count.
+    mod = blackwell if stage == 8 else importlib.import_module("stages.stage9_overlap.blackwell")
+    kernel, args = mod.compile_args(torch.bfloat16, (1, 2, 512, 1024, D), varlen=varlen)
+    ptx, _ = compile_for_arch(kernel, args, "sm_100a")
+    pipes, programs = schedule.cta_schedule(kernel)
+    stages_of = {p.name: p.stages for p in pipes}
+    arrives, waits = ("commit", "release"), ("acquire", "peek_empty", "wait")
+    counts = count_ptx(ptx)
+    assert len(_sites(programs, stages_of, "MMA", arrives)) == counts["tcgen05.commit"], counts
+    others = sum(len(_sites(programs, stages_of, r, arrives)) for r in programs if r != "MMA")
+    assert others == counts["mbarrier.arrive"], counts
+    all_waits = sum(len(_sites(programs, stages_of, r, waits)) for r in programs)
+    assert all_waits == counts["mbarrier.try_wait"], counts
 
 
 def _replace(program, old, new):
