@@ -38,7 +38,15 @@ hand-off for every range; the replay reports:
   without a matching release (a skipped wait: say the epilogue not waiting for O when the
   range is empty while the MMA warp still commits it);
 - a release or commit that comes before the role's own wait or acquire of that entry (a role
-  reading what it has not waited for).
+  reading what it has not waited for);
+- an S written over P's TMEM columns (its commit marked "over P") before the MMA warp has
+  waited for the completion of every P @ V issued before it: no hang and no imbalance, a race
+  on TMEM that only this count shows (PTX orders two tcgen05.mma only when they share the
+  accumulator).
+
+The two-tile kernels of stages 8-9 (Blackwell) have their own model, cta_schedule_two_tiles:
+five roles (TMA, MMA, two softmax warpgroups, the correction warpgroup) and eleven hand-offs,
+replayed the same way.
 """
 
 import dataclasses
@@ -467,7 +475,7 @@ def cta_schedule_one_tile(kernel):
                     Op("K/V", "wait", "K"),
                     Op("S", "acquire"),
                     Op("P", "peek_empty", "P's columns free"),
-                    Op("S", "commit"),
+                    Op("S", "commit", "over P"),
                     Op("K/V", "release", "K"),
                     Op("P", "wait"),
                     Op("K/V", "wait", "V"),

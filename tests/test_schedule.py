@@ -395,6 +395,24 @@ def test_cta_checker_catches_a_release_without_its_wait():
     assert "the softmax warps: the release of O entry 1 comes before its wait" in report
 
 
+def test_cta_checker_catches_s_written_over_p_without_waiting_for_pv():
+    # S_j is written over P_(j-1)'s columns: without the MMA warp's wait for the commit after
+    # P_(j-1) @ V (peek_empty), the QK may overwrite P while the PV still reads it - no hang,
+    # no unbalanced barrier, only this check sees it, from the second tile on.
+    kernel, _ = traced(7, SHAPES[7])
+    _, programs = schedule.cta_schedule(kernel)
+
+    def drop_peek(items):
+        i = next(n for n, x in enumerate(items) if isinstance(x, schedule.PerTile))
+        items[i] = schedule.PerTile(tuple(o for o in items[i].ops if o.action != "peek_empty"))
+
+    report = "\n".join(
+        schedule.check_cta(kernel, ((0, 1), (0, 3)), faulty(kernel, "MMA", drop_peek))
+    )
+    assert "S of KV tile 1 overwrites P while a P @ V issued before may still read it" in report
+    assert "[KV tiles [0, 1)]" not in report, report
+
+
 @pytest.mark.parametrize("role", schedule.ROLES)
 def test_cta_checker_catches_a_role_that_starts_at_tile_0(role):
     # One role runs over [0, hi) instead of [lo, hi): two more tiles than the others.
