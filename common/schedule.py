@@ -647,6 +647,27 @@ def cta_schedule_two_tiles(kernel):
     return pipes, programs
 
 
+def barrier_sites(pipes, programs, role, actions):
+    """The operations of `role` with one of `actions`, each site in the code once, whatever the
+    trip count: the bodies of PerTile, NotFirst and IfNonEmpty once, a Tail one acquire per
+    entry of its pipe. The tests compare these counts with the kernel's PTX (tcgen05.commit,
+    mbarrier.arrive, mbarrier.try_wait)."""
+    stages = {p.name: p.stages for p in pipes}
+    ops = []
+
+    def walk(items):
+        for item in items:
+            if isinstance(item, (PerTile, NotFirst, IfNonEmpty)):
+                walk(item.ops)
+            elif isinstance(item, Tail):
+                ops.extend([Op(item.pipe, "acquire", "tail")] * stages[item.pipe])
+            else:
+                ops.append(item)
+
+    walk(programs[role])
+    return [op for op in ops if isinstance(op, Op) and op.action in actions]
+
+
 def _flatten(program, tiles, pipes):
     """The role's operations for its KV tiles, in order: [(Op or Sync, tile or None)]."""
     stages = {p.name: p.stages for p in pipes}

@@ -318,18 +318,9 @@ def test_cta_model_has_the_barrier_sites_of_the_ptx(entry):
     stage, shape, _ = entry
     kernel, ptx = traced(stage, shape)
     pipes, programs = schedule.cta_schedule(kernel)
-    stages_of = {p.name: p.stages for p in pipes}
 
     def sites(role, actions):
-        ops = []
-        for item in programs[role]:
-            if isinstance(item, schedule.PerTile):
-                ops += list(item.ops)
-            elif isinstance(item, schedule.Tail):
-                ops += [schedule.Op(item.pipe, "acquire", "tail")] * stages_of[item.pipe]
-            else:
-                ops.append(item)
-        return [op for op in ops if isinstance(op, schedule.Op) and op.action in actions]
+        return schedule.barrier_sites(pipes, programs, role, actions)
 
     arrives, waits = ("commit", "release"), ("acquire", "peek_empty", "wait")
     counts = count_ptx(ptx)

@@ -174,24 +174,6 @@ def test_five_roles_have_no_hang_and_balanced_hand_offs(D):
     assert len(pipes) == 2 + 4 * kernel.q_tiles
 
 
-def _sites(programs, stages_of, role, actions):
-    """The operations of `role` with one of `actions`, each site in the code once, whatever the
-    trip count (the bodies of PerTile, NotFirst and IfNonEmpty once; a tail one per entry)."""
-    ops = []
-
-    def walk(items):
-        for item in items:
-            if isinstance(item, (schedule.PerTile, schedule.NotFirst, schedule.IfNonEmpty)):
-                walk(item.ops)
-            elif isinstance(item, schedule.Tail):
-                ops.extend([schedule.Op(item.pipe, "acquire", "tail")] * stages_of[item.pipe])
-            else:
-                ops.append(item)
-
-    walk(programs[role])
-    return [op for op in ops if isinstance(op, schedule.Op) and op.action in actions]
-
-
 @pytest.mark.parametrize("stage", [8, 9])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("varlen", [False, True], ids=["batch", "packed"])
@@ -204,13 +186,16 @@ def test_model_has_the_barrier_sites_of_the_ptx(stage, D, varlen):
     kernel, args = mod.compile_args(torch.bfloat16, (1, 2, 512, 1024, D), varlen=varlen)
     ptx, _ = compile_for_arch(kernel, args, "sm_100a")
     pipes, programs = schedule.cta_schedule(kernel)
-    stages_of = {p.name: p.stages for p in pipes}
     arrives, waits = ("commit", "release"), ("acquire", "peek_empty", "wait")
     counts = count_ptx(ptx)
-    assert len(_sites(programs, stages_of, "MMA", arrives)) == counts["tcgen05.commit"], counts
-    others = sum(len(_sites(programs, stages_of, r, arrives)) for r in programs if r != "MMA")
+    assert (
+        len(schedule.barrier_sites(pipes, programs, "MMA", arrives)) == counts["tcgen05.commit"]
+    ), counts
+    others = sum(
+        len(schedule.barrier_sites(pipes, programs, r, arrives)) for r in programs if r != "MMA"
+    )
     assert others == counts["mbarrier.arrive"], counts
-    all_waits = sum(len(_sites(programs, stages_of, r, waits)) for r in programs)
+    all_waits = sum(len(schedule.barrier_sites(pipes, programs, r, waits)) for r in programs)
     assert all_waits == counts["mbarrier.try_wait"], counts
 
 

@@ -82,7 +82,7 @@ def test_compiles_in_fa4_order(varlen, D, dtype):
     assert len(statements(ptx, r"vote\.sync\.any\.pred")) == 2
     # the threshold: (m_new - m_ref) * scale_log2 <= 8.0 in each softmax warpgroup
     assert len(re.findall(r"setp\.le\.f32\s+%p\d+,\s*%\w+,\s*0f41000000;", ptx)) >= 2
-    assert report.counts["ex2.approx"] == eight.counts["ex2.approx"] + 0
+    assert report.counts["ex2.approx"] == eight.counts["ex2.approx"]
     if not varlen:
         assert len(statements(ptx, r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta")) == (
             2 * D // 64
@@ -231,7 +231,6 @@ def test_conditional_rescale_error_bound(kind, p_dtype):
 
 def test_threshold_leaves_fp16_headroom():
     # P <= 2^8: fp16's largest finite value (65504) is 2^15.99; 16 would be the limit.
-    assert blackwell.Sm100Kernel.__init__.__code__ is not None
     kernel, _ = blackwell.compile_args(torch.float16, (1, 1, 128, 128, 64))
     assert 2.0**kernel.rescale_threshold < torch.finfo(torch.float16).max
 

@@ -43,9 +43,8 @@ gives each CTA two Q tiles (2 x 128 rows) and one more warpgroup per job, as FA4
   complete before it overwrites P_s): what stage 9 changes where TMEM has room for P of its
   own (D = 64).
 
-What is not measured: no Blackwell GPU has run this file. FA4's two-tile schedule reaches about
-1.2-1.3 PFLOP/s on B200 (its authors' figures, not ours); how much of that this stage gets is
-open.
+What is not measured: no Blackwell GPU has run this file, so neither its speed nor what the two
+Q tiles gain over stage 7 is known.
 
 Verification status (2026-12-01): compile-checked for sm_100a here with fake tensors and no GPU
 (common.compile.compile_only(8, "blackwell")); PTX checks and a CPU model of every hand-off
