@@ -16,7 +16,10 @@ SHAPES[8] = SHAPES[9] = (1, 2, 256, 2048, 64)
 
 
 def target(n):
-    """What runs under the sanitizer: one launch of stage n on a small shape, checked."""
+    """What runs under the sanitizer: one launch of stage n on a small shape, checked. On Hopper
+    stage 9 also runs non-causal with its persistent grid capped at 2 CTAs, so that each CTA
+    walks 2 tiles and hands Q and the ring's slots from one to the next (causal keeps one CTA
+    per tile)."""
     import torch
 
     from .arch import track
@@ -29,6 +32,19 @@ def target(n):
     r = check_close(f"stage {n}", out, c.ref(), rtol=c.rtol)
     torch.cuda.synchronize()
     print(f"stage {n} under the sanitizer: {r}")
+    if n == 9 and track() == "hopper":
+        from stages.stage9_overlap import hopper
+
+        from . import attention_host
+
+        c = make_case(n, "hopper", SHAPES[n])  # 2 Q tiles x 2 heads = 4 tiles
+        q, k, v = c.args
+        capped = lambda dtype, d, pack: hopper.Sm90Kernel(dtype, d, pack, sm_count=2)  # noqa: E731
+        run = lambda: attention_host.attention(capped, q, k, v, None, False, None, False, None)  # noqa: E731
+        out = run_with_deadline(run, 600, "stage 9, persistent")
+        r = check_close("stage 9, persistent", out, c.ref(), rtol=c.rtol)
+        torch.cuda.synchronize()
+        print(f"stage 9 (persistent, 2 CTAs x 2 tiles) under the sanitizer: {r}")
 
 
 def main(argv=None):

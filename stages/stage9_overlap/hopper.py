@@ -14,10 +14,11 @@ Changes from stage 8:
 - Registers: two S-sized sets are live across the GEMMs, acc_S (S_j, 64 fp32 per thread) and
   tOrP (P_{j-1}, 32 registers of bf16 pairs), next to acc_O (D / 2 fp32). The 240 registers the
   producer's setmaxnreg gives each consumer thread hold them; stage 8 did not need that
-  headroom, stage 9 does: nvdisasm counts 184 registers in the consumer code (batch, D = 128;
-  packed 185; D = 64 158 and 165) against stage 8's 155 (170, 127, 137), no spills (H200 machine,
-  2026-12-01, bf16). The K/V ring, the slots (6 at D = 128, 13 at D = 64, 225 KB) and the warp
-  roles are stage 8's.
+  headroom, stage 9 does: nvdisasm counts 207 registers in the consumer code (batch, D = 128;
+  packed 201; D = 64 206 and 213) against stage 8's 155 (170, 127, 137), no spills (bf16,
+  2026-12-01; 184, 185, 158 and 165 before the tile loop below, which keeps more values live
+  across tiles). The K/V ring and the warp roles are stage 8's;
+  O now has its own buffer, one slot less (5 at D = 128, 12 at D = 64; 225 KB as before).
 - The turns of the ping-pong are now (QK_j, PV_{j-1}) pairs: turn 0 is QK_lo alone, the last
   is PV_{hi-1} alone; steps + 1 turns per warpgroup as before, so barriers 2 and 3 complete
   the same number of times (the CPU model in the tests checks every interleaving).
@@ -40,12 +41,27 @@ Changes from stage 8:
   the short ones fill the end of the grid. Measured (H200, 2026-12-01, causal paper shapes, two
   repetitions, reversed / in order): D = 128: S = 1k 279 / 147 and 268 / 154, 2k 321 / 297,
   4k 582 / 557, 8k 577 / 560, 16k 626 / 586; D = 64: 1k 263 / 256 ... 16k 460 / 432 - never
-  slower, +2-15% from 2k, 1.8x at 1k (D = 128) where the long tiles started last were the tail. Persistent CTAs
-  (a grid of one CTA per SM looping over tiles) are not written: the longest-first order takes
-  the tail part of their gain without a tile scheduler, and the short sequences, where their
-  saved per-CTA set-up would show, are host-bound instead: a call's host work is about 0.4 ms,
-  and in GPU time alone (CUPTI) stage 9 runs 0.86-0.98x FA4 at S = 512-1k against 0.37-0.87x
-  event-timed (H200, 2026-12-01, docs/results/h200.md).
+  slower, +2-15% from 2k, 1.8x at 1k (D = 128) where the long tiles started last were the tail.
+- Persistent CTAs: the kernel walks work tiles in a loop (tile c, c + gridDim.x, ...), and
+  where every tile has the same work (no causal or window cut, batch mode) the grid is capped
+  at one CTA per SM, so that a CTA's set-up (barriers, descriptors, the first loads) is paid
+  once per SM, not per tile, and the next tile's K and V stream in during this tile's last
+  GEMMs. Two barriers hand Q from tile to tile: q_full (TMA landed) and q_empty (the 256
+  consumer threads are done with Q); O gets its own 32 KB buffer (D = 128) so that q_empty
+  can be released before the epilogue rather than after it, and the next Q lands while O is
+  stored. The ring's position carries over: entry e (2 per KV tile, counted across tiles)
+  takes slot e % kv_slots, parity (e / kv_slots) % 2. Measured (H200, 2026-12-01, bf16, paper
+  shapes, GPU time, TFLOP/s, stage 9 without / with the loop, FA4 in the same run): D = 128
+  non-causal S = 1k 489 / 530 (+8%), 2k 584 / 613 (+5%), 4k 646 / 664 (+3%), 8k 677 / 686
+  (+1%), 16k 689 / 690; FA4 590, 670, 716, 740, 733. D = 64: 1k +8%, 2k +3%, 4k 0, 8k-16k -2%
+  (within run-to-run spread). The gain shrinks as 1 / S, as a per-CTA cost should. O over Q
+  instead of its own buffer kept about a third of the gain at 1k-2k (500 and 592 at D = 128).
+  Unequal tiles keep one CTA per tile: a fixed share of tiles per CTA (tile c + k x 132)
+  cannot match the hardware handing out longest-first tiles as SMs free up; forced on, causal
+  ran 1-5% slower at 1k-8k and 36% slower at 16k (441 against 685, D = 128; not analysed
+  further). FlashAttention-3's causal kernel gets this from a dynamic scheduler (an atomic
+  tile counter), not written here; FA4 on Hopper (flash_attn.cute, 4.0.0b36) launches one CTA
+  per tile.
 - Tried and not kept: three consumer warpgroups at D = 64 (FlashAttention-3's 192-row tile, 512
   threads, 160 registers each): ptxas spilled 592 bytes at the 128-register entry cap, and it ran
   at 104-107 TFLOP/s (250-280 with 144-152 registers) against stage 8's 406-432 (H200,
@@ -64,6 +80,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
+import torch
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
@@ -72,8 +89,16 @@ from common import attention_host, pack_gqa
 from common.cute_interop import rows_of_16_bytes
 
 
+def device_sm_count():
+    """The SMs of the current CUDA device (132 on an H100 SXM or H200), the cap on a persistent
+    grid; 132 without a GPU (compile-only)."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return 132
+
+
 class Sm90Kernel:
-    def __init__(self, dtype, head_dim, pack_gqa=1):
+    def __init__(self, dtype, head_dim, pack_gqa=1, persistent=True, o_buffer=True, sm_count=None):
         self.dtype = dtype  # element type of Q, K, V and O: cutlass.BFloat16 or cutlass.Float16
         # Query heads per Q tile (pack-GQA, common/pack_gqa.py): 1, or G = H / Hkv when the
         # G heads of a group share the tile's rows (row r: position r // G, head r % G).
@@ -89,7 +114,16 @@ class Sm90Kernel:
         # (D = 128) or 13 x 16 KB (D = 64); both 225 KB in all.
         q_bytes = self.cta_tile[0] * head_dim * dtype.width // 8
         tile_bytes = self.cta_tile[1] * head_dim * dtype.width // 8
-        self.kv_slots = (227 * 1024 - 1024 - q_bytes) // tile_bytes
+        # Persistent CTAs: a grid of at most one CTA per SM (1 fits: 225 KB of shared memory),
+        # each walking the work tiles blockIdx.x, blockIdx.x + gridDim.x, ... (see kernel()).
+        # Off: one CTA per tile, the same loop run once. o_buffer: O staged in its own buffer
+        # instead of over Q, so that the next tile's Q can land during this tile's epilogue (one
+        # K/V slot less).
+        self.persistent = persistent
+        self.o_buffer = o_buffer
+        self.sm_count = sm_count if sm_count is not None else device_sm_count()
+        o_bytes = q_bytes if o_buffer else 0
+        self.kv_slots = (227 * 1024 - 1024 - q_bytes - o_bytes) // tile_bytes
         self.smem_align = 1024  # the 128-byte swizzle repeats every 8 rows of 128 B
         self.longest_first = True  # Q tiles in reverse order: see kernel()
 
@@ -182,6 +216,7 @@ class Sm90Kernel:
         @cute.struct
         class SharedStorage:
             q_full: cute.struct.MemRange[cutlass.Int64, 1]
+            q_empty: cute.struct.MemRange[cutlass.Int64, 1]
             kv_full: cute.struct.MemRange[cutlass.Int64, self.kv_slots]
             kv_empty: cute.struct.MemRange[cutlass.Int64, self.kv_slots]
             sQ: cute.struct.Align[
@@ -190,17 +225,33 @@ class Sm90Kernel:
             sKV: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(kv_smem_layout)], self.smem_align
             ]
+            sO: cute.struct.Align[
+                cute.struct.MemRange[
+                    self.dtype, cute.cosize(o_smem_layout) if self.o_buffer else 0
+                ],
+                self.smem_align,
+            ]
 
         self.shared_storage = SharedStorage
         self.shared_memory_bytes = SharedStorage.size_in_bytes()
 
-        # One CTA per 128-row Q tile of one (head, sequence): as many Q tiles as the longest
-        # sequence has (packed: G rows per position); the CTAs past a shorter sequence's end
-        # find nothing to do.
+        # The work tiles: one per 128-row Q tile of one (head, sequence), as many Q tiles as the
+        # longest sequence has (packed: G rows per position); the tiles past a shorter
+        # sequence's end find nothing to do. Persistent: min(tiles, SMs) CTAs share them out;
+        # otherwise one CTA per tile.
         sequences = (
             q.shape[3] if cutlass.const_expr(cu_seqlens_q is None) else cu_seqlens_q.shape[0] - 1
         )
-        grid = (cute.ceil_div(max_seqlen_q * self.pack_gqa, bM), q.shape[2], sequences)
+        tiles_m = cute.ceil_div(max_seqlen_q * self.pack_gqa, bM)
+        tiles = tiles_m * q.shape[2] * sequences
+        grid = (tiles, 1, 1)
+        if cutlass.const_expr(self.persistent and cu_seqlens_q is None):
+            # Only where every tile has the same work: no causal or window cut (left >= Sk,
+            # right >= Sq), batch mode. Unequal tiles (causal, windows, packed sequences) keep
+            # one CTA per tile, longest first, and the hardware hands them out as SMs free up,
+            # which a fixed share of tiles per CTA cannot match (measured: see the docstring).
+            if window_left >= k.shape[0] and window_right >= max_seqlen_q:
+                grid = (cutlass.min(tiles, self.sm_count), 1, 1)
         self.kernel(
             qk_mma,
             pv_mma,
@@ -218,6 +269,7 @@ class Sm90Kernel:
             kv_smem_layout,
             vt_smem_layout,
             o_smem_layout,
+            tiles_m,
             scale_log2,
             window_left,
             window_right,
@@ -242,6 +294,7 @@ class Sm90Kernel:
         kv_smem_layout: cute.ComposedLayout,
         vt_smem_layout: cute.ComposedLayout,
         o_smem_layout: cute.ComposedLayout,
+        tiles_m: cutlass.Int32,
         scale_log2: cutlass.Float32,
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
@@ -259,20 +312,6 @@ class Sm90Kernel:
             cpasync.prefetch_descriptor(tma_atom_k)
             cpasync.prefetch_descriptor(tma_atom_v)
 
-        # blockIdx = (Q tile, head, sequence). Query head `head` reads KV head head // group.
-        # (Packed, mQ has Hkv heads, the group is 1 and `head` is the KV head.)
-        pid_m, head, batch = cute.arch.block_idx()
-        # Longest first: the CTAs of a (head, sequence) start with its last Q tile, which under a
-        # causal mask has the most KV tiles; the short ones fill the gaps at the end of the grid.
-        # (The same work per tile without a mask: nothing changes there.)
-        if cutlass.const_expr(self.longest_first):
-            pid_m = cute.arch.grid_dim()[0] - 1 - pid_m
-        kv_head = head // (mQ.shape[2] // mK.shape[2])
-        # Where this sequence starts in Q and K, and how long it is (batch mode: 0, Sq, 0, Sk).
-        offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
-            batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
-        )
-
         smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         # (bM, bK, 1)
@@ -283,23 +322,28 @@ class Sm90Kernel:
         sVt = cute.make_tensor(
             cute.recast_ptr(sKV.iterator, vt_smem_layout.inner), vt_smem_layout.outer
         )
-        # (bM, bK): over sQ's bytes, used only after the last wgmma reading Q
+        # (bM, bK): O's own buffer, or over sQ's bytes, used only after the last wgmma reading Q
+        o_bytes_at = storage.sO.data_ptr() if cutlass.const_expr(self.o_buffer) else sQ.iterator
         sO = cute.make_tensor(
-            cute.recast_ptr(sQ.iterator, o_smem_layout.inner, dtype=self.dtype),
+            cute.recast_ptr(o_bytes_at, o_smem_layout.inner, dtype=self.dtype),
             cute.select(o_smem_layout.outer, mode=[0, 1]),
         )
 
-        # q_full: 1 arrive (the producer's expect_tx of Q's bytes) + the TMA writes of Q.
+        # q_full: 1 arrive (the producer's expect_tx of Q's bytes) + the TMA writes of Q, once
+        # per work tile. q_empty: 1 arrive from each of the 256 consumer threads once they are
+        # done with the tile's Q (and with sO, when it lies over Q), once per work tile.
         q_full = storage.q_full.data_ptr()
+        q_empty = storage.q_empty.data_ptr()
         q_bytes = cute.size_in_bytes(
             self.dtype, cute.select(q_smem_layout, mode=[0, 1])
         )  # 32 KB (D = 128)
         if warp_idx == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(q_full, 1)
+                cute.arch.mbarrier_init(q_empty, self.mma_threads)
         # kv_full[i]: 1 arrive (the producer's expect_tx of one tile) + the TMA writes of the tile.
         # kv_empty[i]: 1 arrive from each of the 8 consumer warps. (Creating the pipeline fences
-        # and syncs the CTA, which also publishes q_full's initialisation.)
+        # and syncs the CTA, which also publishes the initialisation of q_full and q_empty.)
         kv_bytes = cute.size_in_bytes(
             self.dtype, cute.select(kv_smem_layout, mode=[0, 1])
         )  # 32 KB (D = 128)
@@ -309,51 +353,6 @@ class Sm90Kernel:
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32),
             tx_count=kv_bytes,
             barrier_storage=storage.kv_full.data_ptr(),
-        )
-
-        # This sequence's rows of one head, starting at its offset: (S, D)
-        q_offset = offset_q if cutlass.const_expr(self.pack_gqa == 1) else (0, offset_q)
-        mQ_seq = cute.domain_offset((q_offset, 0), mQ[None, None, head, batch])
-        mK_seq = cute.domain_offset((offset_k, 0), mK[None, None, kv_head, batch])
-        mV_seq = cute.domain_offset((offset_k, 0), mV[None, None, kv_head, batch])
-        mO_seq = cute.domain_offset((q_offset, 0), mO[None, None, head, batch])
-        # (bM, bK)
-        gQ = cute.local_tile(mQ_seq, self.cta_tile, (pid_m, None, 0), proj=(1, None, 1))
-        # (bN, bK, kv_tiles)
-        gK = cute.local_tile(mK_seq, self.cta_tile, (None, None, 0), proj=(None, 1, 1))
-        # (bN, bK, kv_tiles)
-        gV = cute.local_tile(mV_seq, self.cta_tile, (None, None, 0), proj=(None, 1, 1))
-        # (bM, bK)
-        gO = cute.local_tile(mO_seq, self.cta_tile, (pid_m, None, 0), proj=(1, None, 1))
-        # The KV tiles holding a key that some row of this Q tile sees: [kv_tile_lo, kv_tile_hi),
-        # the one range the producer loads and the consumers compute (empty: no K or V is read).
-        kv_tile_lo, kv_tile_hi = self.kv_tile_range(
-            pid_m, seqlen_q, seqlen_k, window_left, window_right
-        )
-
-        # TMA views, one CTA (no multicast): (TMA, 1) and (TMA)
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_q,
-            0,
-            cute.make_layout(1),
-            cute.group_modes(sQ, 0, 2),
-            cute.group_modes(gQ, 0, 2),
-        )
-        # (TMA, kv_slots) and (TMA, kv_tiles)
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_atom_k,
-            0,
-            cute.make_layout(1),
-            cute.group_modes(sKV, 0, 2),
-            cute.group_modes(gK, 0, 2),
-        )
-        # (TMA, kv_slots) and (TMA, kv_tiles)
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_atom_v,
-            0,
-            cute.make_layout(1),
-            cute.group_modes(sKV, 0, 2),
-            cute.group_modes(gV, 0, 2),
         )
 
         # wgmma views of this thread's consumer warpgroup: shared-memory descriptors for Q, K, V^T.
@@ -377,223 +376,292 @@ class Sm90Kernel:
         row_max = cute.make_rmem_tensor(cute.size(self.rows_view(acc_S), mode=[0]), self.acc_dtype)
         row_sum = cute.make_rmem_tensor_like(row_max)
 
-        # 2. Main loop
+        # 2. The work tiles. Tile t is (Q tile, head, sequence) = (t % tiles_m, t / tiles_m % H,
+        # t / (tiles_m H)); CTA c takes tiles c, c + gridDim.x, ... (one, when not persistent).
+        # Producer and consumers walk the same tiles and count what they have walked: `tiles_done`
+        # gives the phase of q_full and q_empty, `entries` (2 per KV tile) the ring position.
         # The ring: entry 2 t holds K of step t (KV tile kv_tile_lo + t), entry 2 t + 1 its V;
-        # entry e takes slot e % kv_slots. Producer and consumers walk the entries in order with
-        # a PipelineState each: index = the slot, phase = the parity its barrier is waited for,
-        # flipped each time the index wraps (the producer starts at 1, which a fresh empty
-        # barrier passes; the consumers at 0). Both consumer warpgroups read every entry: its
-        # slot is free again once all 8 consumer warps have released it.
-        steps = kv_tile_hi - kv_tile_lo
+        # entry e takes slot e % kv_slots, and its barriers are waited for the parity
+        # (e / kv_slots) % 2 (consumers) or its flip (the producer: 1 passes a fresh empty
+        # barrier), from one tile to the next as within one. Both consumer warpgroups read every
+        # entry: its slot is free again once all 8 consumer warps have released it.
+        heads = mQ.shape[2]
+        total_tiles = tiles_m * heads * self.sequences(mQ, mCuSeqlensQ)
+        tiles_done = cutlass.Int32(0)
+        entries = cutlass.Int32(0)
         if warpgroup_idx == 0:
             # The producer warpgroup needs few registers to issue TMA: it gives them up (all 4
             # warps, setmaxnreg is per warpgroup), then warp 0 issues every load and warps 1-3
             # are done.
             cute.arch.setmaxregister_decrease(self.load_registers)
             if warp_idx == 0:
-                # Q once, then K_j and V_j of every tile of the range, each into the next entry:
-                # the wait in load_tiles is for the release of the entry kv_slots before.
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(q_full, q_bytes)
-                cute.copy(tma_atom_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_full)
-                producer_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, self.kv_slots
-                )
-                for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
-                    self.load_tiles(kv_pipeline, producer_state, kv_tile, tma_atom_k, tKgK, tKsK)
-                    producer_state.advance()
-                    self.load_tiles(kv_pipeline, producer_state, kv_tile, tma_atom_v, tVgV, tVsV)
-                    producer_state.advance()
+                for tile in cutlass.range(
+                    cute.arch.block_idx()[0], total_tiles, cute.arch.grid_dim()[0], unroll=1
+                ):
+                    pid_m, head, batch = self.tile_coords(tile, tiles_m, heads)
+                    kv_head = head // (mQ.shape[2] // mK.shape[2])
+                    offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
+                        batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
+                    )
+                    kv_tile_lo, kv_tile_hi = self.kv_tile_range(
+                        pid_m, seqlen_q, seqlen_k, window_left, window_right
+                    )
+                    # TMA views of the tile: (TMA, 1) and (TMA) for Q, (TMA, kv_slots) and
+                    # (TMA, kv_tiles) for K and V
+                    tQsQ, tQgQ, tKsK, tKgK, tVsV, tVgV = self.tma_views(
+                        (tma_atom_q, tma_atom_k, tma_atom_v),
+                        (mQ, mK, mV),
+                        (sQ, sKV),
+                        pid_m,
+                        (head, kv_head, batch),
+                        offset_q,
+                        offset_k,
+                    )
+                    # Q, once the consumers are done with the previous tile's (parity 1 passes
+                    # the fresh barrier), then K_j and V_j of every tile of the range, each into
+                    # the next entry: the wait in load_tiles is for the release of the entry
+                    # kv_slots before, possibly one of the previous tile's.
+                    cute.arch.mbarrier_wait(q_empty, (tiles_done + 1) % 2)
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(q_full, q_bytes)
+                    cute.copy(tma_atom_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_full)
+                    producer_state = self.ring_state(entries, pipeline.PipelineUserType.Producer)
+                    for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
+                        self.load_tiles(
+                            kv_pipeline, producer_state, kv_tile, tma_atom_k, tKgK, tKsK
+                        )
+                        producer_state.advance()
+                        self.load_tiles(
+                            kv_pipeline, producer_state, kv_tile, tma_atom_v, tVgV, tVsV
+                        )
+                        producer_state.advance()
+                    entries += 2 * (kv_tile_hi - kv_tile_lo)
+                    tiles_done += 1
                 # Exit only after the consumers have released the last kv_slots entries (waits
                 # on the empty barriers of the next kv_slots entries): no arrive on the ring is
                 # outstanding then. The consumers' waits alone already keep shared memory alive
                 # until every load has landed; with a cluster, the tail would also keep a CTA
                 # from exiting while a peer still signals its barriers.
-                kv_pipeline.producer_tail(producer_state)
+                kv_pipeline.producer_tail(
+                    self.ring_state(entries, pipeline.PipelineUserType.Producer)
+                )
         else:
             # The consumer warpgroups take the registers the producer gave up (168 -> 240).
             cute.arch.setmaxregister_increase(self.mma_registers)
-            consumer_state = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Consumer, self.kv_slots
-            )
-
-            # Q has landed (the one and only phase of q_full).
-            cute.arch.mbarrier_wait(q_full, 0)
-            row_max.fill(-cutlass.Float32.inf)
-            row_sum.fill(0.0)
-            # A row that sees no key keeps O = 0 (and so does a Q tile with no KV tile at all).
-            acc_O.fill(0.0)
-
-            # One pass, software-pipelined inside each warpgroup: the QK^T of a tile is issued
-            # before the softmax of the tile before it is done with. Step j issues QK_j and then
-            # PV_{j-1} (P_{j-1} is already in registers), and runs softmax_j while PV_{j-1} still
-            # holds the tensor cores. Two S-sized register sets are live across the GEMMs:
-            # acc_S (S_j, being written) and tOrP (P_{j-1}, being read). Per warpgroup:
-            #   step lo (prologue)  : QK_lo              | wait all | softmax_lo, P_lo
-            #   step j (lo < j < hi): QK_j, PV_{j-1}     | wait QK  | softmax_j | wait PV,
-            #                                                           O *= row_scale_j, P_j
-            #   after the loop      : PV_{hi-1}          | wait all
-            # O gets the same operations in the same order as in stage 8 (O *= row_scale_j, then
-            # O += P_j V_j), so O and LSE are stage 8's bit for bit (tested).
-            # Ping-pong as in stage 8, but a turn is now the pair issued together, QK_j and
-            # PV_{j-1} (turn 0: QK_lo; the last: PV_{hi-1}); steps + 1 turns per warpgroup, the
-            # same counts on barriers 2 and 3. With steps = 3:
-            #   tensor cores | 1: QK0 | 2: QK0 | 1: QK1 PV0 | 2: QK1 PV0 | 1: QK2 PV1 | ...
-            #   warpgroup 1  |        | sm0    |            | sm1        |            |
-            #   warpgroup 2  |        |        | sm0        |            | sm1        |
-            # where sm_j (softmax_j) also runs under the warpgroup's own PV_{j-1}.
-            # Every PV accumulates into acc_O, which starts at 0 (stage 8's first PV overwrote
-            # it instead: the same values, since x + 0 = x).
-            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-            if steps > 0:
-                # The prologue: S_lo = Q @ K_lo^T alone (turn 0), then its softmax and P_lo.
-                k_state = consumer_state.clone()
-                consumer_state.advance()
-                v_state = consumer_state.clone()  # V_lo, read by the next step's PV
-                consumer_state.advance()
-                kv_pipeline.consumer_wait(k_state)
-                # Warpgroup 2's turn 0 waits for warpgroup 1's.
-                if warpgroup_idx == 2:
-                    self.wait_turn(warpgroup_idx)
-                self.issue_qk(qk_mma, acc_S, tSrQ, tSrK, k_state.index)
-                self.pass_turn(warpgroup_idx)
-                warpgroup.wait_group(0)
-                kv_pipeline.consumer_release(k_state)
-                # O = 0 so far: the first row_scale has nothing to rescale.
-                self.softmax_step(
-                    acc_S,
-                    tScS,
-                    row_max,
-                    row_sum,
-                    scale_log2,
-                    pid_m,
-                    kv_tile_lo,
-                    seqlen_q,
-                    seqlen_k,
-                    window_left,
-                    window_right,
+            for tile in cutlass.range(
+                cute.arch.block_idx()[0], total_tiles, cute.arch.grid_dim()[0], unroll=1
+            ):
+                pid_m, head, batch = self.tile_coords(tile, tiles_m, heads)
+                offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
+                    batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
                 )
-                tOrP.store(self.acc_as_operand_a(acc_S).load().to(self.dtype))
+                kv_tile_lo, kv_tile_hi = self.kv_tile_range(
+                    pid_m, seqlen_q, seqlen_k, window_left, window_right
+                )
+                steps = kv_tile_hi - kv_tile_lo
+                consumer_state = self.ring_state(entries, pipeline.PipelineUserType.Consumer)
 
-                for kv_tile in cutlass.range(kv_tile_lo + 1, kv_tile_hi, unroll=1):
+                # This tile's Q has landed.
+                cute.arch.mbarrier_wait(q_full, tiles_done % 2)
+                row_max.fill(-cutlass.Float32.inf)
+                row_sum.fill(0.0)
+                # A row that sees no key keeps O = 0 (and so does a Q tile with no KV tile at all).
+                acc_O.fill(0.0)
+                # The tile's first QK^T overwrites acc_S (ACCUMULATE off), but wgmma's inline
+                # assembly reads its accumulator registers all the same: without this fill the
+                # previous tile's last P would stay live through that tile's epilogue, 64
+                # registers more, and ptxas serialises the wgmma (warning C7512) at D = 128.
+                acc_S.fill(0.0)
+                # One pass, software-pipelined inside each warpgroup: the QK^T of a tile is issued
+                # before the softmax of the tile before it is done with. Step j issues QK_j and then
+                # PV_{j-1} (P_{j-1} is already in registers), and runs softmax_j while PV_{j-1} still
+                # holds the tensor cores. Two S-sized register sets are live across the GEMMs:
+                # acc_S (S_j, being written) and tOrP (P_{j-1}, being read). Per warpgroup:
+                #   step lo (prologue)  : QK_lo              | wait all | softmax_lo, P_lo
+                #   step j (lo < j < hi): QK_j, PV_{j-1}     | wait QK  | softmax_j | wait PV,
+                #                                                           O *= row_scale_j, P_j
+                #   after the loop      : PV_{hi-1}          | wait all
+                # O gets the same operations in the same order as in stage 8 (O *= row_scale_j, then
+                # O += P_j V_j), so O and LSE are stage 8's bit for bit (tested).
+                # Ping-pong as in stage 8, but a turn is now the pair issued together, QK_j and
+                # PV_{j-1} (turn 0: QK_lo; the last: PV_{hi-1}); steps + 1 turns per warpgroup, the
+                # same counts on barriers 2 and 3. With steps = 3:
+                #   tensor cores | 1: QK0 | 2: QK0 | 1: QK1 PV0 | 2: QK1 PV0 | 1: QK2 PV1 | ...
+                #   warpgroup 1  |        | sm0    |            | sm1        |            |
+                #   warpgroup 2  |        |        | sm0        |            | sm1        |
+                # where sm_j (softmax_j) also runs under the warpgroup's own PV_{j-1}.
+                # Every PV accumulates into acc_O, which starts at 0 (stage 8's first PV overwrote
+                # it instead: the same values, since x + 0 = x).
+                pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+                if steps > 0:
+                    # The prologue: S_lo = Q @ K_lo^T alone (turn 0), then its softmax and P_lo.
                     k_state = consumer_state.clone()
                     consumer_state.advance()
-                    # Wait until TMA has written K_j; then this warpgroup's turn.
+                    v_state = consumer_state.clone()  # V_lo, read by the next step's PV
+                    consumer_state.advance()
                     kv_pipeline.consumer_wait(k_state)
-                    self.wait_turn(warpgroup_idx)
-                    # S = Q @ K_j^T into acc_S (S_{j-1} has become P_{j-1} in tOrP) ...
+                    # Warpgroup 2's turn 0 waits for warpgroup 1's.
+                    if warpgroup_idx == 2:
+                        self.wait_turn(warpgroup_idx)
                     self.issue_qk(qk_mma, acc_S, tSrQ, tSrK, k_state.index)
-                    # ... and O += P_{j-1} @ V_{j-1} behind it, in the same turn.
-                    kv_pipeline.consumer_wait(v_state)
-                    self.issue_pv(pv_mma, acc_O, tOrP, tOrVt, v_state.index)
                     self.pass_turn(warpgroup_idx)
-
-                    # wgmma groups complete in order: one still pending (PV_{j-1}) means S_j
-                    # is complete. K_j is read: release its slot.
-                    warpgroup.wait_group(1)
+                    warpgroup.wait_group(0)
                     kv_pipeline.consumer_release(k_state)
-                    # softmax_j, under PV_{j-1}: it reads acc_S, never acc_O or tOrP.
-                    row_scale = self.softmax_step(
+                    # O = 0 so far: the first row_scale has nothing to rescale.
+                    self.softmax_step(
                         acc_S,
                         tScS,
                         row_max,
                         row_sum,
                         scale_log2,
                         pid_m,
-                        kv_tile,
+                        kv_tile_lo,
                         seqlen_q,
                         seqlen_k,
                         window_left,
                         window_right,
                     )
-                    # PV_{j-1} complete: V_{j-1} is read, and acc_O and tOrP are free.
+                    tOrP.store(self.acc_as_operand_a(acc_S).load().to(self.dtype))
+
+                    for kv_tile in cutlass.range(kv_tile_lo + 1, kv_tile_hi, unroll=1):
+                        k_state = consumer_state.clone()
+                        consumer_state.advance()
+                        # Wait until TMA has written K_j; then this warpgroup's turn.
+                        kv_pipeline.consumer_wait(k_state)
+                        self.wait_turn(warpgroup_idx)
+                        # S = Q @ K_j^T into acc_S (S_{j-1} has become P_{j-1} in tOrP) ...
+                        self.issue_qk(qk_mma, acc_S, tSrQ, tSrK, k_state.index)
+                        # ... and O += P_{j-1} @ V_{j-1} behind it, in the same turn.
+                        kv_pipeline.consumer_wait(v_state)
+                        self.issue_pv(pv_mma, acc_O, tOrP, tOrVt, v_state.index)
+                        self.pass_turn(warpgroup_idx)
+
+                        # wgmma groups complete in order: one still pending (PV_{j-1}) means S_j
+                        # is complete. K_j is read: release its slot.
+                        warpgroup.wait_group(1)
+                        kv_pipeline.consumer_release(k_state)
+                        # softmax_j, under PV_{j-1}: it reads acc_S, never acc_O or tOrP.
+                        row_scale = self.softmax_step(
+                            acc_S,
+                            tScS,
+                            row_max,
+                            row_sum,
+                            scale_log2,
+                            pid_m,
+                            kv_tile,
+                            seqlen_q,
+                            seqlen_k,
+                            window_left,
+                            window_right,
+                        )
+                        # PV_{j-1} complete: V_{j-1} is read, and acc_O and tOrP are free.
+                        warpgroup.wait_group(0)
+                        kv_pipeline.consumer_release(v_state)
+                        # O *= row_scale: O holds P_0 V_0 + ... + P_{j-1} V_{j-1}, weighted against
+                        # the previous row_max.
+                        acc_O_mn = self.rows_view(acc_O)
+                        for r in cutlass.range_constexpr(cute.size(row_scale)):
+                            acc_O_mn[r, None].store(acc_O_mn[r, None].load() * row_scale[r])
+                        # P_j rounded to the input dtype, in the register layout of wgmma's A operand.
+                        tOrP.store(self.acc_as_operand_a(acc_S).load().to(self.dtype))
+                        v_state = consumer_state.clone()  # V_j, read by the next step's PV
+                        consumer_state.advance()
+
+                    # The last PV: O += P_{hi-1} @ V_{hi-1}, this warpgroup's last turn.
+                    kv_pipeline.consumer_wait(v_state)
+                    # Packed sequences: the last tile's rows past seqlen_k are the next sequence's V.
+                    # P is 0 there, but 0 x NaN = NaN: zero those rows before P @ V reads them. Only
+                    # the range's last tile can reach past seqlen_k. (Its barrier joins both
+                    # warpgroups, so it stands between turns, as in stage 8.)
+                    if cutlass.const_expr(mCuSeqlensK is not None):
+                        if kv_tile_hi * bN > seqlen_k:
+                            self.zero_rows(
+                                sKV, v_state.index, seqlen_k - (kv_tile_hi - 1) * bN, mma_tidx
+                            )
+                    self.wait_turn(warpgroup_idx)
+                    self.issue_pv(pv_mma, acc_O, tOrP, tOrVt, v_state.index)
+                    # Warpgroup 1's last turn hands over to warpgroup 2's last.
+                    if warpgroup_idx == 1:
+                        self.pass_turn(warpgroup_idx)
                     warpgroup.wait_group(0)
                     kv_pipeline.consumer_release(v_state)
-                    # O *= row_scale: O holds P_0 V_0 + ... + P_{j-1} V_{j-1}, weighted against
-                    # the previous row_max.
-                    acc_O_mn = self.rows_view(acc_O)
-                    for r in cutlass.range_constexpr(cute.size(row_scale)):
-                        acc_O_mn[r, None].store(acc_O_mn[r, None].load() * row_scale[r])
-                    # P_j rounded to the input dtype, in the register layout of wgmma's A operand.
-                    tOrP.store(self.acc_as_operand_a(acc_S).load().to(self.dtype))
-                    v_state = consumer_state.clone()  # V_j, read by the next step's PV
-                    consumer_state.advance()
 
-                # The last PV: O += P_{hi-1} @ V_{hi-1}, this warpgroup's last turn.
-                kv_pipeline.consumer_wait(v_state)
-                # Packed sequences: the last tile's rows past seqlen_k are the next sequence's V.
-                # P is 0 there, but 0 x NaN = NaN: zero those rows before P @ V reads them. Only
-                # the range's last tile can reach past seqlen_k. (Its barrier joins both
-                # warpgroups, so it stands between turns, as in stage 8.)
-                if cutlass.const_expr(mCuSeqlensK is not None):
-                    if kv_tile_hi * bN > seqlen_k:
-                        self.zero_rows(
-                            sKV, v_state.index, seqlen_k - (kv_tile_hi - 1) * bN, mma_tidx
-                        )
-                self.wait_turn(warpgroup_idx)
-                self.issue_pv(pv_mma, acc_O, tOrP, tOrVt, v_state.index)
-                # Warpgroup 1's last turn hands over to warpgroup 2's last.
-                if warpgroup_idx == 1:
-                    self.pass_turn(warpgroup_idx)
-                warpgroup.wait_group(0)
-                kv_pipeline.consumer_release(v_state)
-
-            # 3. Epilogue
-            # Each thread's row_sum covers its 32 columns of every tile: add up the 4 of the quad.
-            for r in cutlass.range_constexpr(cute.size(row_sum)):
-                row_sum[r] = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
-
-            # O = O / row_sum, row by row; a row that saw no key (row_sum = 0) keeps O = 0.
-            acc_O_mn = self.rows_view(acc_O)
-            for r in cutlass.range_constexpr(cute.size(row_sum)):
-                inv_row_sum = cute.arch.rcp_approx(row_sum[r]) if row_sum[r] > 0.0 else 0.0
-                acc_O_mn[r, None].store(acc_O_mn[r, None].load() * inv_row_sum)
-
-            # LSE = ln(row_sum) + row_max * scale = (row_max * scale_log2 + log2(row_sum)) * ln(2),
-            # written by the first thread of each quad for the rows inside Sq.
-            tScS_mn = self.rows_view(tScS)
-            if tidx % 4 == 0:
+                # 3. Epilogue
+                # O has its own buffer: every wgmma reading this tile's Q is complete, so the
+                # next tile's Q may land while the epilogue runs (this thread's arrive on q_empty).
+                if cutlass.const_expr(self.o_buffer):
+                    cute.arch.mbarrier_arrive(q_empty)
+                # Each thread's row_sum covers its 32 columns of every tile: add up the 4 of the quad.
                 for r in cutlass.range_constexpr(cute.size(row_sum)):
-                    row = pid_m * bM + tScS_mn[r, 0][0]  # packed: G rows per position
-                    if row < seqlen_q * self.pack_gqa:
-                        lse_log2 = row_max[r] * scale_log2 + cute.math.log2(
-                            row_sum[r], fastmath=True
-                        )
-                        # A row that saw no key: LSE = log(0) = -inf.
-                        if row_sum[r] == 0.0:
-                            lse_log2 = -cutlass.Float32.inf
-                        lse_ln = lse_log2 * math.log(2.0)
-                        if cutlass.const_expr(self.pack_gqa == 1):
-                            mLSE[offset_q + row, head, batch] = lse_ln
-                        else:  # row = (head in the group, position)
-                            g, pos = row % self.pack_gqa, row // self.pack_gqa
-                            mLSE[(g, offset_q + pos), head, batch] = lse_ln
+                    row_sum[r] = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
 
-            # Both warpgroups have finished reading sQ, which sO overwrites. (Named barrier 1:
-            # the 256 consumer threads; the producer takes no part.)
-            cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
+                # O = O / row_sum, row by row; a row that saw no key (row_sum = 0) keeps O = 0.
+                acc_O_mn = self.rows_view(acc_O)
+                for r in cutlass.range_constexpr(cute.size(row_sum)):
+                    inv_row_sum = cute.arch.rcp_approx(row_sum[r]) if row_sum[r] > 0.0 else 0.0
+                    acc_O_mn[r, None].store(acc_O_mn[r, None].load() * inv_row_sum)
 
-            # O rounded to the input dtype, written to shared memory by stmatrix.
-            r2s_copy = cute.make_tiled_copy_C(
-                sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, self.acc_dtype),
-                pv_mma,
-            )
-            thr_r2s = r2s_copy.get_slice(mma_tidx)
-            # (R2S, R2S_M, R2S_N)
-            tRS_acc = r2s_copy.retile(acc_O)
-            # (R2S, R2S_M, R2S_N)
-            tRS_rO = cute.make_rmem_tensor_like(tRS_acc, self.dtype)
-            tRS_rO.store(tRS_acc.load().to(self.dtype))
-            # (R2S, R2S_M, R2S_N)
-            tRS_sO = thr_r2s.partition_D(sO)
-            cute.copy(r2s_copy, tRS_rO, tRS_sO)
+                # LSE = ln(row_sum) + row_max * scale = (row_max * scale_log2 + log2(row_sum)) * ln(2),
+                # written by the first thread of each quad for the rows inside Sq.
+                tScS_mn = self.rows_view(tScS)
+                if tidx % 4 == 0:
+                    for r in cutlass.range_constexpr(cute.size(row_sum)):
+                        row = pid_m * bM + tScS_mn[r, 0][0]  # packed: G rows per position
+                        if row < seqlen_q * self.pack_gqa:
+                            lse_log2 = row_max[r] * scale_log2 + cute.math.log2(
+                                row_sum[r], fastmath=True
+                            )
+                            # A row that saw no key: LSE = log(0) = -inf.
+                            if row_sum[r] == 0.0:
+                                lse_log2 = -cutlass.Float32.inf
+                            lse_ln = lse_log2 * math.log(2.0)
+                            if cutlass.const_expr(self.pack_gqa == 1):
+                                mLSE[offset_q + row, head, batch] = lse_ln
+                            else:  # row = (head in the group, position)
+                                g, pos = row % self.pack_gqa, row // self.pack_gqa
+                                mLSE[(g, offset_q + pos), head, batch] = lse_ln
 
-            cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
+                # Both warpgroups are done with the previous tile's sO (store_rows) and, when sO
+                # lies over Q, with this tile's sQ. (Named barrier 1: the 256 consumer threads;
+                # the producer takes no part.)
+                cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
 
-            # Shared memory -> global memory, 16 bytes per thread and copy, only the rows inside the
-            # sequence: TMA would clip at the packed tensor's end, not the sequence's, and write
-            # the tile's last rows into the next sequence's O.
-            self.store_rows(sO, gO, seqlen_q * self.pack_gqa - pid_m * bM, mma_tidx)
+                # O rounded to the input dtype, written to shared memory by stmatrix.
+                r2s_copy = cute.make_tiled_copy_C(
+                    sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, self.acc_dtype),
+                    pv_mma,
+                )
+                thr_r2s = r2s_copy.get_slice(mma_tidx)
+                # (R2S, R2S_M, R2S_N)
+                tRS_acc = r2s_copy.retile(acc_O)
+                # (R2S, R2S_M, R2S_N)
+                tRS_rO = cute.make_rmem_tensor_like(tRS_acc, self.dtype)
+                tRS_rO.store(tRS_acc.load().to(self.dtype))
+                # (R2S, R2S_M, R2S_N)
+                tRS_sO = thr_r2s.partition_D(sO)
+                cute.copy(r2s_copy, tRS_rO, tRS_sO)
+
+                cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
+
+                # This tile's rows of O: (bM, bK)
+                q_offset = offset_q if cutlass.const_expr(self.pack_gqa == 1) else (0, offset_q)
+                mO_seq = cute.domain_offset((q_offset, 0), mO[None, None, head, batch])
+                gO = cute.local_tile(mO_seq, self.cta_tile, (pid_m, None, 0), proj=(1, None, 1))
+                # Shared memory -> global memory, 16 bytes per thread and copy, only the rows
+                # inside the sequence: TMA would clip at the packed tensor's end, not the
+                # sequence's, and write the tile's last rows into the next sequence's O. Then
+                # this thread is done with the tile's Q and sO: its arrive on q_empty, after a
+                # proxy fence (the next Q is written by TMA, the async proxy, over bytes this
+                # thread accessed with ordinary loads and stores).
+                self.store_rows(
+                    sO,
+                    gO,
+                    seqlen_q * self.pack_gqa - pid_m * bM,
+                    mma_tidx,
+                    None if cutlass.const_expr(self.o_buffer) else q_empty,
+                )
+                entries += 2 * steps
+                tiles_done += 1
 
     @cute.jit
     def wait_turn(self, warpgroup_idx):
@@ -657,6 +725,64 @@ class Sm90Kernel:
         return self.online_softmax(acc_S, row_max, row_sum, scale_log2)
 
     @cute.jit
+    def tile_coords(self, tile, tiles_m, heads):
+        """(Q tile, head, sequence) of work tile `tile`: the Q tile varies fastest, so the CTAs
+        running at one time share the K and V of few heads (in L2). Longest first: the tiles of
+        a (head, sequence) start with its last Q tile, which under a causal mask has the most KV
+        tiles; the short ones fill the gaps at the end. (Without a mask every tile has the same
+        work: nothing changes there.)"""
+        pid_m = tile % tiles_m
+        if cutlass.const_expr(self.longest_first):
+            pid_m = tiles_m - 1 - pid_m
+        return pid_m, (tile // tiles_m) % heads, tile // (tiles_m * heads)
+
+    @staticmethod
+    def sequences(mQ, mCuSeqlensQ):
+        """The number of sequences: the batch mode of Q (batch mode) or of cu_seqlens - 1."""
+        if cutlass.const_expr(mCuSeqlensQ is None):
+            return mQ.shape[3]
+        return mCuSeqlensQ.shape[0] - 1
+
+    def ring_state(self, entries, user):
+        """The ring position after `entries` entries: slot entries % kv_slots, phase parity
+        (entries / kv_slots) % 2 for the consumers, flipped for the producer (whose fresh empty
+        barriers pass parity 1)."""
+        wraps = entries // self.kv_slots
+        phase = wraps % 2 if user == pipeline.PipelineUserType.Consumer else (wraps + 1) % 2
+        return pipeline.PipelineState(self.kv_slots, entries, entries % self.kv_slots, phase)
+
+    @cute.jit
+    def tma_views(self, atoms, tensors, smem, pid_m, heads, offset_q, offset_k):
+        """The TMA partitions of one work tile, one CTA (no multicast): Q's (TMA, 1) and
+        (TMA), K's and V's (TMA, kv_slots) and (TMA, kv_tiles). Query head `head` reads KV head
+        kv_head; packed sequences start at offset_q, offset_k of the single batch entry."""
+        tma_atom_q, tma_atom_k, tma_atom_v = atoms
+        mQ, mK, mV = tensors
+        sQ, sKV = smem
+        head, kv_head, batch = heads
+        # This sequence's rows of one head, starting at its offset: (S, D)
+        q_offset = offset_q if cutlass.const_expr(self.pack_gqa == 1) else (0, offset_q)
+        mQ_seq = cute.domain_offset((q_offset, 0), mQ[None, None, head, batch])
+        mK_seq = cute.domain_offset((offset_k, 0), mK[None, None, kv_head, batch])
+        mV_seq = cute.domain_offset((offset_k, 0), mV[None, None, kv_head, batch])
+        # (bM, bK)
+        gQ = cute.local_tile(mQ_seq, self.cta_tile, (pid_m, None, 0), proj=(1, None, 1))
+        # (bN, bK, kv_tiles)
+        gK = cute.local_tile(mK_seq, self.cta_tile, (None, None, 0), proj=(None, 1, 1))
+        gV = cute.local_tile(mV_seq, self.cta_tile, (None, None, 0), proj=(None, 1, 1))
+        one = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_k, 0, one, cute.group_modes(sKV, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_v, 0, one, cute.group_modes(sKV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+        return tQsQ, tQgQ, tKsK, tKgK, tVsV, tVgV
+
+    @cute.jit
     def seq_info(self, batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK):
         """(offset_q, seqlen_q, offset_k, seqlen_k, batch coordinate) of sequence `batch`, the
         one place every part of the kernel takes them from. Batch mode (no cu_seqlens): the
@@ -687,9 +813,10 @@ class Sm90Kernel:
         cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
 
     @cute.jit
-    def store_rows(self, sO, gO, valid_rows, tidx):
+    def store_rows(self, sO, gO, valid_rows, tidx, q_empty):
         """gO[r, :] = sO[r, :] for the rows r < valid_rows of the tile, 8 elements (16 bytes)
-        per consumer thread and copy: bK / 8 threads per row, 256 / (bK / 8) rows per pass."""
+        per consumer thread and copy: bK / 8 threads per row, 256 / (bK / 8) rows per pass.
+        q_empty (sO over Q) gets this thread's arrive once its reads of sO are done."""
         bM, _, bK = self.cta_tile
         copy_atom = cute.make_copy_atom(
             cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128
@@ -704,6 +831,9 @@ class Sm90Kernel:
         tOcO = thr_s2g.partition_D(cute.make_identity_tensor((bM, bK)))
         tOrO = cute.make_rmem_tensor_like(tOsO)
         cute.copy(s2g, tOsO, tOrO)
+        if cutlass.const_expr(q_empty is not None):
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.mbarrier_arrive(q_empty)
         for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
             if tOcO[0, m, 0][0] < valid_rows:
                 cute.copy(s2g, tOrO[None, m, None], tOgO[None, m, None])
