@@ -80,9 +80,9 @@ def main(argv=None):
             summary = [
                 ln
                 for ln in text.splitlines()
-                if re.search(r"ERROR SUMMARY|RACECHECK SUMMARY|hazard", ln)
+                if re.search(r"ERROR SUMMARY|RACECHECK SUMMARY|hazard|under the sanitizer", ln)
             ]
-            print("\n".join(summary[-5:]) or text[-2000:], flush=True)
+            print("\n".join(summary[-6:]) or text[-2000:], flush=True)
             if p.returncode != 0:
                 print(text[-4000:])
                 failed.append((tool, n))
