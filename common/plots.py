@@ -2176,6 +2176,46 @@ def plot_ablation(rows, title, path=None):
     return fig
 
 
+def persistent_ctas(rows, title=None, path=None):
+    """Stage 9's persistent CTAs as measured (rows of docs/results/
+    bench_h200_2026-12-01_persistent.json: D, S, causal and TFLOP/s per variant): one panel per
+    (D, causal), TFLOP/s against S for the kernel before the tile loop ("before"), with it
+    ("persistent": capped grid where tiles have equal work), the capped grid forced on causal
+    ("forced persistent") and FA4."""
+    panels = sorted({(r["D"], bool(r["causal"])) for r in rows}, key=lambda p: (-p[0], p[1]))
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(min(FIG_WIDTH * 1.4, 4.2 * len(panels)), 3.6), squeeze=False
+    )
+    styles = {
+        "before": ("one CTA per tile (before the loop)", "#8C8C8C", 2.0),
+        "persistent": ("stage 9 now", kernel_color("stage 9"), 2.5),
+        "forced persistent": ("capped grid forced on", "#C44E52", 1.5),
+        "FA4": ("FA4", kernel_color("FA4"), 1.2),
+    }
+    for ax, (D, causal) in zip(axes[0], panels):
+        mine = sorted(
+            (r for r in rows if (r["D"], bool(r["causal"])) == (D, causal)), key=lambda r: r["S"]
+        )
+        for name, (label, color, width) in styles.items():
+            pts = [(r["S"], r[name]) for r in mine if name in r]
+            if not pts:
+                continue
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, marker="o", label=label, color=color, linewidth=width)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length S (B x S = 16k)", fontsize=10)
+        ax.set_ylabel("TFLOP/s (GPU time)", fontsize=10)
+        grid = "grid capped" if not causal else "one CTA per tile"
+        ax.set_title(f"D = {D}, {'causal' if causal else 'non-causal'} ({grid})", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title or "Stage 9 with and without persistent CTAs")
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=110)
+    return fig
+
+
 # --------------------------------------------------------------------------------------------
 # Stage 6: masks over (query tile, key tile)
 # --------------------------------------------------------------------------------------------

@@ -12,7 +12,10 @@ ping-pong otherwise.
 - GPU tests (marker gpu_hopper), each launch under a 120 s deadline: stage 7's numerical tests
   (GQA / MQA, masks, packed sequences, NaN planted outside a sequence, empty sequences) on stage
   9; O and LSE equal to stage 8's bit for bit (the same operations on O in the same order),
-  including shapes that wrap the ring many times and ranges of 1 and 2 tiles.
+  including shapes that wrap the ring many times and ranges of 1 and 2 tiles; the persistent
+  grid capped at 7 CTAs (each walks 9-10 tiles), calls with and without the cap in a row, each
+  launch's grid read back from the profiler.
+- Compile-only also: no wgmma serialised for want of registers (ptxas C7512).
 """
 
 import re

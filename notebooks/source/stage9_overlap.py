@@ -28,6 +28,7 @@
 # `notebooks/source/stage9_overlap.py`.
 
 # %%
+import json
 import os
 import sys
 
@@ -351,6 +352,43 @@ nb.table(
         "measured",
     ),
     rows,
+)
+
+# %% [markdown]
+# ### 7.1 Persistent CTAs
+#
+# Each CTA now walks work tiles in a loop (`tile_coords`: tile c, c + gridDim.x, ...). Where
+# every tile has the same work (no causal or window cut, batch mode) `__call__` caps the grid at
+# one CTA per SM, so a CTA's set-up and its first loads are paid once per SM rather than once per
+# 128-row tile, and the next tile's K and V stream in under this tile's last GEMMs. Q passes from
+# tile to tile through two barriers (`q_full`, `q_empty`) with one phase per tile, and the ring's
+# position carries over: entry e, counted across tiles, takes slot e % kv_slots (`ring_state`).
+# O got its own buffer so that Q is released before the epilogue rather than after it.
+#
+# **Measured** (H200, 2026-12-01, bf16, paper shapes, GPU time from CUPTI, FA4 in the same run;
+# `docs/results/bench_h200_2026-12-01_persistent.json`): at D = 128 non-causal +8% at S = 1k,
+# +5% at 2k, +3% at 4k, +1% at 8k, nothing at 16k - a per-CTA cost shrinks as 1 / S. Forced onto
+# causal shapes the capped grid loses (right panel's red line, 36% at 16k): a fixed share of tiles
+# per CTA cannot follow the unequal tiles as the hardware's dispatch of one CTA per tile does,
+# and the CTAs end up spread over many heads at once, so K and V are likely re-read from HBM
+# (the arithmetic: 16 heads x 8 MB of K and V at 16k against 50 MB of L2; not profiled).
+
+# %%
+with open(os.path.join(nb.ROOT, "docs/results/bench_h200_2026-12-01_persistent.json")) as f:
+    persistent_rows = json.load(f)
+fig = plots.persistent_ctas(
+    [r for r in persistent_rows if r["D"] == 128 or not r["causal"]],
+    title="Stage 9 with and without persistent CTAs (H200, 2026-12-01, bf16, GPU time)",
+)
+
+# %%
+# On a GPU: the same comparison in this run (event-timed), the capped grid against one CTA per
+# tile (kernel_settings turns the cap off; the rest of the kernel is the same).
+bench_persistent = nb.measure(
+    9,
+    [(16, 16, 1024, 1024, 128), (8, 16, 2048, 2048, 128), (2, 16, 8192, 8192, 128)],
+    baselines=(),
+    variants={"one CTA per tile": dict(persistent=False)},
 )
 
 # %% [markdown]
