@@ -1,7 +1,8 @@
 """The host side of stages 7, 8 and 9 on both tracks: one copy of the argument checks, the views
 that give packed sequences the kernels' (B, H, S, D) shape, the pack-GQA choice, the compile cache
 and the launch. Each stage file keeps its kernel class and its documented entry points, which pass
-the class here: `attention(Sm90Kernel, q, k, v, ...)`. The kernel class is built as
+the class here: `attention(Sm90Kernel, q, k, v, ...)`. The launch goes through TVM-FFI (the torch
+tensors passed as they are; common/compile.py, cached_compile_ffi). The kernel class is built as
 kernel_class(cutlass dtype, D, pack) and called with (q, k, v, o, lse, cu_seqlens_q,
 cu_seqlens_k, max_seqlen_q, scale_log2, window_left, window_right, stream)."""
 
@@ -11,8 +12,8 @@ import torch
 
 from common import checks, masks
 from common.checker import empty_output
-from common.compile import cached_compile
-from common.cute_interop import current_stream, cute_dtype, fake_stream, fake_tensor, to_cute
+from common.compile import cached_compile_ffi
+from common.cute_interop import canonical_strides, cute_dtype, fake_stream, fake_tensor
 from common.pack_gqa import choose_pack
 
 
@@ -75,14 +76,11 @@ def launch(
     scale_log2 = scale * math.log2(math.e)
     with torch.cuda.device(q.device):
         # Dynamic shapes and strides: one compile per (dtype, D, batch or packed) serves every
-        # shape and head count.
-        args = [to_cute(t, dynamic=True) for t in (q, k, v, o)]
-        args += [to_cute(lse, dynamic=True)]
-        args += [
-            None if t is None else to_cute(t, dynamic=True) for t in (cu_seqlens_q, cu_seqlens_k)
-        ]
-        args += [max_seqlen_q, scale_log2, window_left, window_right, current_stream()]
-        cached_compile(kernel_class(cute_dtype(q.dtype), D, pack), *args)(*args)
+        # shape and head count. The torch tensors go to the compiled function as they are
+        # (TVM-FFI, common/compile.py), on the current stream; size-1 modes get canonical strides.
+        args = [canonical_strides(t.detach()) for t in (q, k, v, o, lse)]
+        args += [cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale_log2, window_left, window_right]
+        cached_compile_ffi(kernel_class(cute_dtype(q.dtype), D, pack), *args)(*args)
 
 
 def attention(

@@ -119,6 +119,61 @@ def cached_compile(kernel, *args):
     return fn
 
 
+# The TVM-FFI launch (stages 7-9). cute.compile(..., options="--enable-tvm-ffi") against fake
+# tensors gives a function that takes the torch tensors themselves and launches on the caller's
+# current stream: no CuTe views, no argument conversion in Python at each call (about 0.4 ms of
+# host work per call on the H200 with views, common/attention_host.py). The key is the same as
+# compile_key's for the views the old path built (to_cute(t, dynamic=True) of canonical_strides(t)):
+# the element type, the rank and the static parts of the layout, which for a dynamic layout are
+# exactly its strides of 0 and its last stride (tests/test_compile_cache.py compares the two keys
+# on a set of layouts). The alignment assumed is 16 bytes, as check_tensor makes sure.
+
+
+def ffi_tensor_signature(t):
+    """What a dynamic-layout kernel compiled through TVM-FFI assumes of torch tensor t: element
+    type, rank, and its strides with every non-zero one but the last a run-time value."""
+    strides = tuple(0 if s == 0 else "?" for s in t.stride()[:-1]) + (t.stride(-1),)
+    return (str(t.dtype), t.dim(), strides)
+
+
+def ffi_compile_key(kernel, args):
+    """cached_compile_ffi's key: the kernel's configuration, one entry per argument (tensor
+    signature, 'runtime <type>', or a constant's value) and the device."""
+    names, runtime = _call_params(kernel)
+    sig = []
+    for name, a in zip(names, args):
+        if isinstance(a, torch.Tensor):
+            sig.append((name, "tensor", *ffi_tensor_signature(a)))
+        elif name in runtime:
+            sig.append((name, "runtime", type(a).__name__))
+        else:
+            sig.append((name, "constant", type(a).__name__, repr(a)))
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    return ("tvm-ffi", kernel_config(kernel), tuple(sig), device)
+
+
+def cached_compile_ffi(kernel, *args):
+    """cute.compile(kernel, ...) through TVM-FFI, once per key: `args` are kernel.__call__'s
+    arguments without the stream, torch tensors (canonical strides, common.cute_interop), None,
+    run-time scalars and constants; the returned function is called with the same `args`."""
+    from .cute_interop import fake_like, fake_stream
+
+    key = ffi_compile_key(kernel, args)
+    fn = _CACHE.get(key)
+    if fn is None:
+        fakes = [fake_like(a) if isinstance(a, torch.Tensor) else a for a in args]
+        try:
+            import tvm_ffi  # noqa: F401
+        except ImportError:
+            raise ImportError(
+                "stages 7-9 launch through TVM-FFI: pip install apache-tvm-ffi "
+                "(requirements.txt lists it)"
+            ) from None
+        fn = cute.compile(kernel, *fakes, fake_stream(env=True), options="--enable-tvm-ffi")
+        _CACHE[key] = fn
+    return fn
+
+
 def clear_cache():
     """Forget every compiled kernel (the next launch of each compiles again)."""
     _CACHE.clear()

@@ -73,8 +73,21 @@ def fake_tensor(torch_dtype, shape, assumed_align=16, dynamic=False):
     )
 
 
-def fake_stream():
-    return make_fake_stream()
+def fake_like(t, assumed_align=16):
+    """The fake tensor that `to_cute(t, dynamic=True)` would stand for, built from a torch tensor's
+    layout without touching its memory: every extent and every stride run-time values, except a
+    stride of 0 (a static 0) and the last stride (a static 1). What the TVM-FFI launch compiles
+    against (common.compile.cached_compile_ffi); the real tensor is passed at each call."""
+    n = t.dim()
+    extents = tuple(sym_int() for _ in range(n))
+    strides = tuple(0 if s == 0 else sym_int(64) for s in t.stride()[:-1]) + (1,)
+    return make_fake_tensor(cute_dtype(t.dtype), extents, strides, assumed_align=assumed_align)
+
+
+def fake_stream(env=False):
+    """A stream placeholder for cute.compile. env=True (TVM-FFI): the compiled function takes no
+    stream argument and launches on the caller's current stream (torch.cuda.current_stream())."""
+    return make_fake_stream(use_tvm_ffi_env_stream=env)
 
 
 def current_stream():

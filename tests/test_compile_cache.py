@@ -184,3 +184,58 @@ class _FakeCuda(torch.Tensor):
     @property
     def is_cuda(self):
         return True
+
+
+def test_tvm_ffi_key_partitions_layouts_as_the_view_key_does():
+    """Stages 7-9 launch through TVM-FFI with the torch tensors themselves, keyed on their torch
+    layout (common.compile.ffi_compile_key). For every pair of argument sets below, the two keys
+    must agree on whether one compiled kernel serves both: the same partition into kernels as the
+    CuTe-view key (compile_key), case by case."""
+    from common.compile import ffi_compile_key
+    from stages.stage9_overlap import hopper as s9_hopper
+
+    def tensors(q, k, v):
+        B, H, Sq, D = q.shape
+        o = torch.empty(B, H, Sq, D, dtype=q.dtype)
+        lse = torch.empty(B, H, Sq)
+        return [canonical_strides(t) for t in (q, k, v, o, lse)]
+
+    cases = {
+        "base": (bhsd(2, 8, 384, 64), bhsd(2, 8, 384, 64), bhsd(2, 8, 384, 64)),
+        "other shape": (bhsd(3, 5, 1000, 64), bhsd(3, 5, 77, 64), bhsd(3, 5, 77, 64)),
+        "(B, S, H, D) views": tuple(bshd_view(2, 8, 384, 64) for _ in range(3)),
+        "B = 1": tuple(bhsd(1, 8, 384, 64) for _ in range(3)),
+        "H = 1, Sq = 1": (bhsd(2, 1, 1, 64), bhsd(2, 1, 384, 64), bhsd(2, 1, 384, 64)),
+        "B = 1 from a slice": tuple(bhsd(3, 8, 384, 64)[1:2] for _ in range(3)),
+        "expanded K, V over heads": (bhsd(2, 8, 384, 64), *[expanded(2, 8, 384, 64)] * 2),
+        "expanded K only": (bhsd(2, 8, 384, 64), expanded(2, 8, 384, 64), bhsd(2, 8, 384, 64)),
+        "expanded over batch and heads": (
+            bhsd(2, 8, 384, 64),
+            *[torch.randn(1, 1, 384, 64).bfloat16().expand(2, 8, 384, 64)] * 2,
+        ),
+        "fp16": tuple(bhsd(2, 8, 384, 64, torch.float16) for _ in range(3)),
+        "D = 128": tuple(bhsd(2, 8, 384, 128) for _ in range(3)),
+        "GQA 8/2": (bhsd(2, 8, 384, 64), bhsd(2, 2, 384, 64), bhsd(2, 2, 384, 64)),
+    }
+    kernels = {
+        D: s9_hopper.Sm90Kernel(cute_dtype(dt), D, 1)
+        for D, dt in ((64, torch.bfloat16), (128, torch.bfloat16))
+    }
+    kernels_fp16 = s9_hopper.Sm90Kernel(cute_dtype(torch.float16), 64, 1)
+    old, new = {}, {}
+    for name, (q, k, v) in cases.items():
+        kernel = kernels_fp16 if q.dtype == torch.float16 else kernels[q.shape[-1]]
+        ts = tensors(q, k, v)
+        scalars = [q.shape[2], 0.125 * math.log2(math.e), k.shape[2], q.shape[2]]
+        views = [to_cute(t, dynamic=True) for t in ts]
+        old[name] = compile_key(kernel, views + [None, None] + scalars + [None])
+        new[name] = ffi_compile_key(kernel, ts + [None, None] + scalars)
+    names = list(cases)
+    for a in names:
+        for b in names:
+            assert (old[a] == old[b]) == (new[a] == new[b]), (
+                f"{a} / {b}: the CuTe-view key says {'same' if old[a] == old[b] else 'different'}"
+                f" kernels, the TVM-FFI key does not"
+            )
+    # Not a key that cannot fail: the cases fall into several kernels.
+    assert 4 <= len(set(new.values())) < len(names)

@@ -39,7 +39,7 @@ from test_stage7_hopper import (
 )
 from test_stage8_hopper import SAME_AS_STAGE7, explore, ptxas_log, statements
 
-from common import attention_host, checker, inputs
+from common import attention_host, checker, inputs, stages
 from stages.stage8_warp_specialized import hopper as stage8
 from stages.stage9_overlap import hopper
 
@@ -303,6 +303,31 @@ def test_persistent_ctas_walk_many_tiles(D):
         )
         assert torch.equal(o9, o8), (causal, window, (o9.float() - o8.float()).abs().max())
         assert torch.equal(lse9, lse8), (causal, window)
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("stage", [7, 8, 9])
+def test_launches_on_the_current_stream(stage):
+    """Stages 7-9 launch through TVM-FFI, which takes the stream from the caller's context. On a
+    side stream: a 50 ms sleep, then the inputs are written (they are NaN before), then the call;
+    a kernel launched on any other stream would run before the inputs exist and read NaN."""
+    mod = stages.track_module(stage, "hopper")
+    B, H, S, D = 2, 4, 512, 128
+    q_ref, k_ref, v_ref = inputs.attention_inputs(B, H, S, S, D, torch.bfloat16, seed=3)
+    q, k, v = (torch.full_like(t, float("nan")) for t in (q_ref, k_ref, v_ref))
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # about 50 ms of GPU cycles at ~1 GHz
+        for t, ref in ((q, q_ref), (k, k_ref), (v, v_ref)):
+            t.copy_(ref)
+        o = mod.attention(q, k, v)
+    side.synchronize()
+    o_ref = stage8.attention(q_ref, k_ref, v_ref)
+    torch.cuda.synchronize()
+    assert not o.isnan().any(), "the kernel read its inputs before the side stream wrote them"
+    # Stages 7, 8 and 9 give the same O bit for bit (their own tests).
+    assert torch.equal(o, o_ref), (o.float() - o_ref.float()).abs().max()
 
 
 @pytest.mark.gpu_hopper
