@@ -10,6 +10,7 @@ NEEDED = {  # import name -> what pip installs it as
     "cutlass": "nvidia-cutlass-dsl==4.8.1",
     "torch": "torch",
     "cuda.bindings": "cuda-python",
+    "tvm_ffi": "apache-tvm-ffi",
     "matplotlib": "matplotlib",
     "pytest": "pytest",
     "pytest_timeout": "pytest-timeout",

@@ -59,7 +59,9 @@ nb.start(9)
 # - check that the ping-pong turns still balance when a turn is the pair ($QK_j$, $PV_{j-1}$);
 # - read the timeline model before and after, and say what it predicts and why the measurement
 #   disagrees with it;
-# - put the measured step next to the FlashAttention-3 paper's ablation (582 -> 661 TFLOP/s).
+# - put the measured step next to the FlashAttention-3 paper's ablation (582 -> 661 TFLOP/s);
+# - say when persistent CTAs pay (equal tiles, short sequences) and why a causal grid keeps one
+#   CTA per tile.
 #
 # ## 2. Previous stage recap
 #
@@ -107,7 +109,11 @@ for D_ in (64, 128):
 # (`make diff-9 TRACK=hopper` shows the whole files). The consumer branch's loop is restructured
 # into a prologue, the pipelined steps and a last PV; the GEMM issues and the softmax move into
 # three small methods (`issue_qk`, `issue_pv`, `softmax_step`) because each is now called from two
-# places. The producer, the ring, the epilogue and the turn barriers are stage 8's.
+# places. The second change wraps both roles in a loop over work tiles (persistent CTAs, section
+# 7.1): the tile's coordinates come from `tile_coords`, Q passes from tile to tile through
+# `q_full` and `q_empty`, the ring's position carries over (`ring_state`), and O is staged in its
+# own shared-memory buffer, one K/V slot less. The turn barriers and the softmax are stage 8's.
+# (The diff is long because the consumer code moved one indentation level into that loop.)
 
 # %%
 nb.show_docstring(9, "hopper")
