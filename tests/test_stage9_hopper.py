@@ -111,6 +111,36 @@ def test_compiles_overlapped(dtype, D, varlen):
         assert res["spill_stores"] == 0 and res["spill_loads"] == 0, res
 
 
+# ---------------------------------------------------------------- the tile loop (CPU)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_ring_position_carries_across_work_tiles(D):
+    """The persistent loop rebuilds each role's ring position from the entries walked so far
+    (ring_state). It must be where one entry at a time would have brought it - make_pipeline_
+    state's start (producer parity 1, consumers 0), the index + 1 per entry, the parity flipped
+    at each wrap - for every sequence of work tiles, empty ones (no KV tile) included."""
+    from cutlass.pipeline import PipelineUserType
+
+    kernel = hopper.compile_args(torch.bfloat16, (1, 1, 128, 128, D))[0]
+    S = kernel.kv_slots
+    for steps_per_tile in ([3, 0, 1, 5], [S, S, 0, 2 * S + 1], [1] * (4 * S + 3), [7, 0, 0, 9]):
+        for user, parity in ((PipelineUserType.Producer, 1), (PipelineUserType.Consumer, 0)):
+            index, entries = 0, 0
+            for steps in steps_per_tile:
+                state = kernel.ring_state(entries, user)
+                assert (state.index, state.phase, state.count) == (index, parity, entries), (
+                    user,
+                    steps_per_tile,
+                    entries,
+                )
+                for _ in range(2 * steps):  # K and V of each KV tile, one entry each
+                    index += 1
+                    if index == S:
+                        index, parity = 0, parity ^ 1
+                entries += 2 * steps
+
+
 # ---------------------------------------------------------------- the turn protocol (CPU)
 
 
