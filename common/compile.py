@@ -174,6 +174,19 @@ def cached_compile_ffi(kernel, *args):
     return fn
 
 
+def compile_ffi_for_arch(kernel, args, arch):
+    """What cached_compile_ffi compiles, for `arch` and without a GPU (args: CPU torch tensors
+    with the layouts of a launch, None and scalars): the TVM-FFI function object. The compile-only
+    check of the launch path on both tracks (tests/test_compile_cache.py)."""
+    from .cute_interop import fake_like, fake_stream
+
+    fakes = [fake_like(a) if isinstance(a, torch.Tensor) else a for a in args]
+    with _ArchOverride(arch):
+        return cute.compile(
+            kernel, *fakes, fake_stream(env=True), options=f"--enable-tvm-ffi --gpu-arch {arch}"
+        )
+
+
 def clear_cache():
     """Forget every compiled kernel (the next launch of each compiles again)."""
     _CACHE.clear()

@@ -239,3 +239,52 @@ def test_tvm_ffi_key_partitions_layouts_as_the_view_key_does():
             )
     # Not a key that cannot fail: the cases fall into several kernels.
     assert 4 <= len(set(new.values())) < len(names)
+
+
+@pytest.mark.parametrize(
+    "stage, track, varlen",
+    [
+        (7, "hopper", False),
+        (8, "hopper", False),
+        (9, "hopper", False),
+        (9, "hopper", True),
+        (7, "blackwell", False),
+        (8, "blackwell", False),
+        (9, "blackwell", False),
+        (9, "blackwell", True),
+    ],
+    ids=lambda x: str(x),
+)
+def test_tvm_ffi_launch_compiles_on_both_tracks(stage, track, varlen):
+    """Stages 7-9 launch through TVM-FFI (common/attention_host.py); on the CPU the launch's
+    compile is checked for both tracks, with the argument layouts a launch builds (the Blackwell
+    kernels are never run here: this is what shows their launch path builds)."""
+    tvm_ffi = pytest.importorskip("tvm_ffi")
+    from common import stages
+    from common.arch import ARCH_OF_TRACK
+    from common.compile import compile_ffi_for_arch
+
+    del tvm_ffi
+    mod = stages.track_module(stage, track)
+    kernel_class = type(mod.compile_args(torch.bfloat16, (1, 1, 128, 128, 128))[0])
+    H, Hkv, D = 8, 2, 128
+    if varlen:
+        total = 700
+        q, o = (torch.randn(total, H, D).bfloat16() for _ in range(2))
+        k, v = (torch.randn(total, Hkv, D).bfloat16() for _ in range(2))
+        as_bhsd = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731
+        q, k, v, o = map(as_bhsd, (q, k, v, o))
+        lse = torch.empty(1, H, total)
+        cu = torch.tensor([0, 300, 700], dtype=torch.int32)
+        cu_q = cu_k = cu
+    else:
+        q, o = (torch.randn(2, H, 384, D).bfloat16() for _ in range(2))
+        k, v = (torch.randn(2, Hkv, 512, D).bfloat16() for _ in range(2))
+        lse = torch.empty(2, H, 384)
+        cu_q = cu_k = None
+    tensors = [canonical_strides(t) for t in (q, k, v, o, lse)]
+    args = tensors + [cu_q, cu_k, 384, 0.125 * math.log2(math.e), 512, 0]
+    fn = compile_ffi_for_arch(
+        kernel_class(cute_dtype(torch.bfloat16), D, 1), args, ARCH_OF_TRACK[track]
+    )
+    assert "TVMFFI" in type(fn).__name__, type(fn)
