@@ -17,6 +17,13 @@ from common.cute_interop import canonical_strides, cute_dtype, fake_stream, fake
 from common.pack_gqa import choose_pack
 
 
+def tile_rows(kernel_class, dtype, D):
+    """Query rows per Q tile of a kernel class at head dim D: its kernel object's `tile_rows`
+    (Hopper stage 9: 192 at D = 64), 128 where it has none. Pack-GQA needs G to divide them.
+    (Building the object compiles nothing.)"""
+    return getattr(kernel_class(cute_dtype(dtype), D, 1), "tile_rows", 128)
+
+
 def compile_args(kernel_class, dtype, shape, scale=None, **options):
     """(kernel, args) for cute.compile with fake tensors, shape = (B, H, Sq, Sk, D); options
     causal, window, kv_heads (Hkv, default H), varlen (True: packed sequences, B of them,
@@ -35,7 +42,7 @@ def compile_args(kernel_class, dtype, shape, scale=None, **options):
     cu_q = cu_k = None
     if varlen:
         cu_q, cu_k = (fake_tensor(torch.int32, (B + 1,), dynamic=True) for _ in range(2))
-    pack = choose_pack(H, Hkv, Sq, pack_gqa=options.get("pack_gqa"))
+    pack = choose_pack(H, Hkv, Sq, tile_rows(kernel_class, dtype, D), options.get("pack_gqa"))
     return kernel_class(cute_dtype(dtype), D, pack), (
         q,
         k,
@@ -70,7 +77,9 @@ def launch(
 ):
     """Both entries: (B, H, S, D)-shaped views (packed sequences as B = 1), launch."""
     D = q.shape[3]
-    pack = choose_pack(q.shape[1], k.shape[1], max_seqlen_q, pack_gqa=pack)
+    pack = choose_pack(
+        q.shape[1], k.shape[1], max_seqlen_q, tile_rows(kernel_class, q.dtype, D), pack
+    )
     window_left, window_right = masks.resolve_window(causal, window, max_seqlen_q, max_seqlen_k)
     # exp(scale * x) = exp2(scale_log2 * x): the kernel takes the folded multiplier.
     scale_log2 = scale * math.log2(math.e)
@@ -119,7 +128,9 @@ def attention_varlen(
         raise TypeError(f"argument 'return_lse': expected a bool, got {type(return_lse).__name__}")
     masks.check_mask_args(causal, window)
     total_q, H, D = checks.check_varlen_args(q, k, v)
-    choose_pack(H, k.shape[1], 1, pack_gqa=pack_gqa)  # its value, also when empty
+    choose_pack(
+        H, k.shape[1], 1, tile_rows(kernel_class, q.dtype, D), pack_gqa
+    )  # checked, also when empty
     max_seqlen_q, max_seqlen_k = checks.check_cu_seqlens(
         q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     )

@@ -778,7 +778,7 @@ CONCEPTS = (
     ("KV-tile range, one for every role", r"self\.kv_tile_range\(", r"self\.kv_tile_range\(", 6),
     (
         "element mask only on edge tiles",
-        r"self\.crosses_mask_edge\(",
+        r"self\.crosses_mask_edge\(|self\.mask_edges\(",
         r"self\.crosses_mask_edge\(",
         6,
     ),

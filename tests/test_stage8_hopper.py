@@ -186,15 +186,18 @@ def expected_tensor_core_order(steps):
     return order
 
 
-def explore(programs, expected):
-    """Every interleaving of the programs under named-barrier rules (each barrier completes when
-    2 warpgroups have arrived - 256 threads - and releases those waiting in it). Returns the
-    problems found: a deadlock, a barrier left with arrivals, a warpgroup arriving twice in one
-    phase (the hardware would complete the barrier without its partner), a GEMM out of turn."""
+def explore(programs, expected, sizes=None):
+    """Every interleaving of the programs (one per consumer warpgroup) under named-barrier rules:
+    a barrier completes when sizes.get(barrier, 2) warpgroups have arrived (2: 256 threads, a
+    turn barrier; barrier 1 counts every consumer warpgroup) and releases those waiting in it.
+    Returns the problems found: a deadlock, a barrier left with arrivals, a warpgroup arriving
+    twice in one phase (the hardware would complete the barrier without its partner), a GEMM out
+    of turn."""
+    sizes = {1: len(programs)} if sizes is None else sizes
     problems = set()
     # program counters, (barrier, warpgroup) arrivals of the open phases, warpgroup -> the
     # barrier it is blocked in
-    start = ((0, 0), (), frozenset())
+    start = (tuple(0 for _ in programs), (), frozenset())
     seen, todo = {start}, [start]
     while todo:
         pcs, arrivals, blocked = todo.pop()
@@ -220,7 +223,7 @@ def explore(programs, expected):
                 continue
             arr = arrivals + ((arg, w),)
             blk = blocked | {(w, arg)} if kind == "sync" else blocked
-            if sum(b == arg for b, _ in arr) == 2:  # the barrier completes
+            if sum(b == arg for b, _ in arr) == sizes.get(arg, 2):  # the barrier completes
                 blk = frozenset(x for x in blk if x[1] != arg)
                 arr = tuple(a for a in arr if a[0] != arg)
             moves.append((nxt_pcs, tuple(sorted(arr)), frozenset(blk)))

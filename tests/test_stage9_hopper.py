@@ -21,6 +21,7 @@ ping-pong otherwise.
 import re
 
 import attention_cases
+import cutlass
 import pytest
 import torch
 from attention_cases import DTYPES, dtype_id
@@ -61,7 +62,7 @@ SCHEDULE_LETTERS = [
     (r"cp\.async\.bulk\.tensor", "L"),  # a TMA load
     (r"bar\.sync\s+(%r\d+|3), 256;", "T"),  # wait_turn (3: warpgroup 2's turn 0, a constant)
     (r"bar\.arrive\s+(%r\d+|2), 256;", "P"),  # pass_turn (2: warpgroup 1's last pass)
-    (r"bar\.sync\s+1, 256;", "B"),  # the consumers' own barrier
+    (r"bar\.sync\s+1, (256|384);", "B"),  # the consumers' own barrier (all their threads)
     (r"wgmma\.mma_async", "G"),
     (r"wgmma\.commit_group", "C"),
     (r"wgmma\.wait_group\.sync\.aligned\s+1;", "w"),
@@ -82,10 +83,14 @@ def schedule_string(ptx):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_compiles_overlapped(dtype, D, varlen):
     kernel, ptx, counts, res = compile_stage9(dtype, D, kv_heads=2, varlen=varlen, causal=True)
-    # Stage 8's warp roles and register split.
-    assert ".reqntid 384, 1, 1" in ptx and ".minnctapersm 1" in ptx
+    # Stage 8's warp roles and register split at D = 128 (a producer and two consumer
+    # warpgroups, 24 / 240 registers); at D = 64 three consumer warpgroups (24 / 160).
+    wgs, regs = {64: (3, 160), 128: (2, 240)}[D]
+    assert (kernel.mma_warpgroups, kernel.cta_tile) == (wgs, (64 * wgs, 128, D))
+    assert f".reqntid {128 * (1 + wgs)}, 1, 1" in ptx and ".minnctapersm 1" in ptx
+    assert 128 * 24 + 128 * wgs * regs <= 65536
     assert statements(ptx, r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;") != []
-    assert statements(ptx, r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;") != []
+    assert statements(ptx, rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{regs};") != []
     log = ptxas_log(ptx)
     if log is not None:
         assert "C7508" not in log and "setmaxnreg' ignored" not in log, log
@@ -105,7 +110,11 @@ def test_compiles_overlapped(dtype, D, varlen):
     # epilogue's two barriers.
     expected = r"0dL+iTGCPW" + r"TGCGCPwW" + ("B" if varlen else "") + r"TGCPWBB"
     assert re.fullmatch(expected, schedule_string(ptx)), schedule_string(ptx)
-    assert kernel.kv_slots == {64: 12, 128: 5}[D]
+    # Q and O (bM x D each) and the ring in 227 KB: 2 x 24 KB + 11 x 16 KB at D = 64 (192-row
+    # tile), 2 x 32 KB + 5 x 32 KB at D = 128; 225 KB with the barriers either way.
+    assert kernel.kv_slots == {64: 11, 128: 5}[D]
+    tile_bytes = 128 * D * 2
+    assert kernel.shared_memory_bytes == 1024 + 2 * 64 * wgs * D * 2 + kernel.kv_slots * tile_bytes
     assert kernel.shared_memory_bytes == 230400
     if res and "spill_stores" in res:
         assert res["spill_stores"] == 0 and res["spill_loads"] == 0, res
@@ -144,56 +153,64 @@ def test_ring_position_carries_across_work_tiles(D):
 # ---------------------------------------------------------------- the turn protocol (CPU)
 
 
-def consumer_program(wg, steps, zero_rows):
-    """Stage 9's consumer warpgroup wg (1 or 2): ('sync', id), ('arrive', id), ('gemm', name),
-    in the kernel's order."""
-    ops = []
+def consumer_program(wg, steps, zero_rows, n=2):
+    """Stage 9's consumer warpgroup wg (1 .. n, n consumer warpgroups): ('sync', id),
+    ('arrive', id), ('gemm', name), in the kernel's order (wait_turn: sync on 1 + wg; pass_turn:
+    arrive on 1 + the next warpgroup's number)."""
+    ops, pass_to = [], ("arrive", 1 + wg % n + 1)
     if steps > 0:
-        if wg == 2:
-            ops.append(("sync", 1 + wg))  # warpgroup 2's turn 0
-        ops += [("gemm", f"{wg}: QK0"), ("arrive", 4 - wg)]
+        if wg > 1:
+            ops.append(("sync", 1 + wg))  # turn 0 comes round from warpgroup 1
+        ops += [("gemm", f"{wg}: QK0"), pass_to]
         for t in range(1, steps):
             ops += [("sync", 1 + wg), ("gemm", f"{wg}: QK{t}"), ("gemm", f"{wg}: PV{t - 1}")]
-            ops.append(("arrive", 4 - wg))
+            ops.append(pass_to)
         if zero_rows:
             ops.append(("sync", 1))  # zero_rows of the last V tile, between turns
         ops += [("sync", 1 + wg), ("gemm", f"{wg}: PV{steps - 1}")]
-        if wg == 1:
-            ops.append(("arrive", 4 - wg))  # warpgroup 1's last turn
+        if wg < n:
+            ops.append(pass_to)  # the last turn goes round, the last warpgroup's to nobody
     return ops + [("sync", 1), ("sync", 1)]  # the epilogue
 
 
-def expected_tensor_core_order(steps):
+def expected_tensor_core_order(steps, n=2):
     order = []
     for t in range(steps + 1 if steps else 0):
-        for wg in (1, 2):
+        for wg in range(1, n + 1):
             order += [f"{wg}: QK{t}"] if t < steps else []
             order += [f"{wg}: PV{t - 1}"] if t > 0 else []
     return order
 
 
+@pytest.mark.parametrize("n", [2, 3], ids=["2wg", "3wg"])
 @pytest.mark.parametrize("zero_rows", [False, True], ids=["batch", "packed"])
 @pytest.mark.parametrize("steps", range(7))
-def test_turn_protocol_has_no_deadlock_and_alternates(steps, zero_rows):
-    programs = [consumer_program(wg, steps, zero_rows) for wg in (1, 2)]
-    assert explore(programs, expected_tensor_core_order(steps)) == set()
+def test_turn_protocol_has_no_deadlock_and_alternates(steps, zero_rows, n):
+    programs = [consumer_program(wg, steps, zero_rows, n) for wg in range(1, n + 1)]
+    assert explore(programs, expected_tensor_core_order(steps, n)) == set()
 
 
-@pytest.mark.parametrize("wg", [1, 2])
+def test_turn_protocol_matches_the_kernel_configurations():
+    # The CPU model's warpgroup counts are the kernel's: 2 at D = 128, 3 at D = 64.
+    for D, n in ((64, 3), (128, 2)):
+        assert hopper.Sm90Kernel(cutlass.BFloat16, D).mma_warpgroups == n
+
+
+@pytest.mark.parametrize("n,wg", [(2, 1), (2, 2), (3, 1), (3, 2), (3, 3)])
 @pytest.mark.parametrize("change", ["extra_wait", "extra_pass", "lost_pass", "pv_before_qk"])
-def test_turn_protocol_model_catches_near_misses(wg, change):
-    programs = [consumer_program(w, 3, False) for w in (1, 2)]
+def test_turn_protocol_model_catches_near_misses(wg, change, n):
+    programs = [consumer_program(w, 3, False, n) for w in range(1, n + 1)]
     ops = programs[wg - 1]
     if change == "extra_wait":
         ops.insert(0, ("sync", 1 + wg))
     elif change == "extra_pass":
-        ops.insert(len(ops) - 2, ("arrive", 4 - wg))
+        ops.insert(len(ops) - 2, ("arrive", 1 + wg % n + 1))
     elif change == "lost_pass":
         ops.remove(next(op for op in ops if op[0] == "arrive"))
     else:  # the loop's pair issued PV first: the tensor-core order is not the intended one
         i = ops.index(("gemm", f"{wg}: QK1"))
         ops[i], ops[i + 1] = ops[i + 1], ops[i]
-    assert explore(programs, expected_tensor_core_order(3)) != set()
+    assert explore(programs, expected_tensor_core_order(3, n)) != set()
 
 
 # ---------------------------------------------------------------- GPU: numerics
@@ -306,18 +323,25 @@ def launched_grids(fn):
 @pytest.mark.gpu_hopper
 @pytest.mark.parametrize("D", [64, 128])
 def test_persistent_ctas_walk_many_tiles(D):
-    """A persistent grid capped at 7 CTAs (not the SM count), so that each CTA walks 9-10 tiles
+    """A persistent grid capped at 7 CTAs (not the SM count), so that each CTA walks 6-10 tiles
     and carries the ring's slots and phases and Q's two barriers from one tile to the next
-    (Sk = 1000: 16 ring entries per tile, not a multiple of the 5 or 12 slots). One compiled
+    (Sk = 1000: 16 ring entries per tile, not a multiple of the 5 or 11 slots). One compiled
     kernel, calls in a row: non-causal (capped grid), causal and a window (one CTA per tile,
     the rule in __call__), non-causal again; each bit for bit against stage 8."""
-    kernel_class = lambda dtype, d, pack: hopper.Sm90Kernel(dtype, d, pack, sm_count=7)  # noqa: E731
-    B, H, Sq, Sk = 2, 4, 1000, 1000  # 8 Q tiles x 4 heads x 2 = 64 tiles
+
+    class kernel_class(hopper.Sm90Kernel):  # the grid capped at 7 CTAs
+        def __init__(self, dtype, d, pack):
+            super().__init__(dtype, d, pack, sm_count=7)
+
+    B, H, Sq, Sk = 2, 4, 1000, 1000
+    # 8 Q tiles of 128 rows (D = 128) or 6 of 192 (D = 64) x 4 heads x 2: 64 or 48 tiles
+    tiles = -(-Sq // hopper.Sm90Kernel(cutlass.BFloat16, D).tile_rows) * H * B
+    assert tiles == {64: 48, 128: 64}[D]
     q, k, v = inputs.attention_inputs(B, H, Sq, Sk, D, torch.bfloat16, seed=D + 7)
     for causal, window, grid in [
         (False, None, (7, 1, 1)),
-        (True, None, (64, 1, 1)),
-        (False, (200, 0), (64, 1, 1)),
+        (True, None, (tiles, 1, 1)),
+        (False, (200, 0), (tiles, 1, 1)),
         (False, None, (7, 1, 1)),
     ]:
         (o9, lse9), grids = launched_grids(

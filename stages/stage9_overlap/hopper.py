@@ -17,8 +17,9 @@ Changes from stage 8:
   headroom, stage 9 does: nvdisasm counts 207 registers in the consumer code (batch, D = 128;
   packed 201; D = 64 206 and 213) against stage 8's 155 (170, 127, 137), no spills (bf16,
   2026-12-01; 184, 185, 158 and 165 before the tile loop below, which keeps more values live
-  across tiles). The K/V ring and the warp roles are stage 8's;
-  O now has its own buffer, one slot less (5 at D = 128, 12 at D = 64; 225 KB as before).
+  across tiles). The K/V ring and the warp roles are stage 8's at D = 128 (three consumer
+  warpgroups at D = 64: below); O now has its own buffer, one slot less (5 at D = 128; 11 at
+  D = 64 next to 24 KB each of Q and O; 225 KB as before).
 - The turns of the ping-pong are now (QK_j, PV_{j-1}) pairs: turn 0 is QK_lo alone, the last
   is PV_{hi-1} alone; steps + 1 turns per warpgroup as before, so barriers 2 and 3 complete
   the same number of times (the CPU model in the tests checks every interleaving).
@@ -32,8 +33,8 @@ Changes from stage 8:
   D = 64: 431 against 406 and 533 (0.81x), below stage 5 (463): stage 5 fits two CTAs per SM at
   D = 64 (ncu: block limit by registers 2, 4 computing warpgroups per SM) against one CTA with
   two computing warpgroups here, and D = 64 is bound by the exponentials (ncu: XU pipe 58% busy
-  in stage 5, 50% in stages 8 and 9). FlashAttention-3's answer, three consumer warpgroups on a
-  192-row tile at D = 64, is not taken here. fp16 runs 3% below bf16 in stage 9 (649 vs 670 at
+  in stage 5, 50% in stages 8 and 9); these D = 64 numbers are with two consumer warpgroups,
+  FlashAttention-3's answer (three, on a 192-row tile) is taken below. fp16 runs 3% below bf16 in stage 9 (649 vs 670 at
   D = 128, 8k) where stage 5 runs 19% below (479 vs 589): whatever fp16 costs more sits on the
   softmax side, which the overlap hides.
 - Longest first: the Q tiles of a (head, sequence) run in reverse order (blockIdx.x = 0 takes
@@ -62,10 +63,32 @@ Changes from stage 8:
   further). FlashAttention-3's causal kernel gets this from a dynamic scheduler (an atomic
   tile counter), not written here; FA4 on Hopper (flash_attn.cute, 4.0.0b36) launches one CTA
   per tile.
-- Tried and not kept: three consumer warpgroups at D = 64 (FlashAttention-3's 192-row tile, 512
-  threads, 160 registers each): ptxas spilled 592 bytes at the 128-register entry cap, and it ran
-  at 104-107 TFLOP/s (250-280 with 144-152 registers) against stage 8's 406-432 (H200,
-  2026-12-01). What stays open at D = 64 is above.
+- Three consumer warpgroups at D = 64 (FlashAttention-3's configuration): a 192-row Q tile,
+  consumer w computing rows [64 (w - 1), 64 w), 512 threads, setmaxnreg 24 / 160 (128 x 24 +
+  384 x 160 = 64,512). D = 64 is bound by the exponentials, not the tensor cores (ncu: XU pipe
+  58% busy in stage 5), and with two consumer warpgroups stage 9 had two computing
+  warpgroups per SM against stage 5's four (two CTAs per SM); a third adds one, and each K/V
+  tile loaded serves 192 rows instead of 128. The turns go round 1 -> 2 -> 3 -> 1 (wait_turn,
+  pass_turn: barrier 1 + w, arrived on by warpgroup w - 1; the CPU model checks 2 and 3
+  warpgroups). nvdisasm counts 155-157 registers in the consumer code (of 160), no spills; an
+  earlier attempt, before the fill of acc_S at each tile's start (see the kernel), spilled
+  and ran at 104-107 TFLOP/s.
+  Measured (H200, 2026-12-01, bf16, paper shapes, GPU time, three / two consumer warpgroups,
+  FA4 in the same run): non-causal S = 512 326 / 313 (FA4 326), 1k 393 / 369 (409), 2k 476 /
+  407 (504), 4k 510 / 432 (543), 8k 553 / 445 (581), 16k 559 / 438 (589): +4-28%, 0.94-1.0x
+  FA4; causal from 2k +4-16% (8k 468 / 407, FA4 541), but 10-11% slower at 512 and 1k (122 / 136,
+  203 / 226): a 192-row tile does more of the causal triangle's masked work and makes fewer
+  CTAs. fp16 8k 530 / 470 (FA4 568). Pack-GQA then needs G to divide 192 (G = 3 packs now,
+  G = 128 no longer), and O is stored 48 rows per pass (32 where G = 32 or 64: store_rows).
+- The mask of a tile that crosses an edge is one interval of columns per row, [col_lo, col_hi)
+  counted from the thread's first key, compared against each element's column offset, a
+  constant of the layout (mask_keys): two compares per element where stage 8 computed the key
+  and compared three times. The same elements are masked (bit for bit against stage 8,
+  tested). Measured in two runs of the same day (H200, GPU time): D = 64 causal +1-4%, D = 128
+  within the runs' spread; leaving the mask out entirely (wrong values, timing only) would gain
+  another 4-12% at D = 64 and 1-4% at D = 128 (FA4 peels the diagonal tiles into a loop of
+  their own; not done here). A variant with a second, right-edge-only mask (one compare)
+  spilled at D = 64 and was dropped.
 
 attention(q, k, v, ...) and attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...) as in
 stage 7: GQA / MQA, packed sequences, causal and window masks (bottom-right aligned per
@@ -98,20 +121,36 @@ def device_sm_count():
 
 
 class Sm90Kernel:
-    def __init__(self, dtype, head_dim, pack_gqa=1, persistent=True, o_buffer=True, sm_count=None):
+    def __init__(
+        self,
+        dtype,
+        head_dim,
+        pack_gqa=1,
+        persistent=True,
+        o_buffer=True,
+        sm_count=None,
+        mma_warpgroups=None,
+    ):
         self.dtype = dtype  # element type of Q, K, V and O: cutlass.BFloat16 or cutlass.Float16
         # Query heads per Q tile (pack-GQA, common/pack_gqa.py): 1, or G = H / Hkv when the
         # G heads of a group share the tile's rows (row r: position r // G, head r % G).
         self.pack_gqa = pack_gqa
         self.acc_dtype = cutlass.Float32
-        self.cta_tile = (128, 128, head_dim)  # (bM, bN, bK): query rows, keys per KV tile, head dim
-        self.mma_warpgroups = 2  # consumer w = 1, 2 computes query rows [64 (w - 1), 64 w)
+        # Consumer warpgroup w = 1 .. mma_warpgroups computes query rows [64 (w - 1), 64 w) of
+        # the tile: two at D = 128 (a 128-row Q tile), three at D = 64 (192 rows,
+        # FlashAttention-3's configuration: see the docstring); mma_warpgroups overrides it.
+        self.mma_warpgroups = mma_warpgroups or self.warpgroups_for(head_dim)
+        # (bM, bN, bK): query rows, keys per KV tile, head dim
+        self.cta_tile = (64 * self.mma_warpgroups, 128, head_dim)
+        self.tile_rows = self.cta_tile[0]  # what pack-GQA's G must divide (common/pack_gqa.py)
         self.mma_threads = 128 * self.mma_warpgroups
         self.threads = 128 + self.mma_threads  # warpgroup 0: the TMA producer
-        # setmaxnreg: 128 x 24 + 256 x 240 = 64,512 of the SM's 65,536 registers
-        self.load_registers, self.mma_registers = 24, 240
-        # As many K or V tiles as fit in 227 KB next to Q and 1 KB of barriers: 6 x 32 KB
-        # (D = 128) or 13 x 16 KB (D = 64); both 225 KB in all.
+        # setmaxnreg: 128 x 24 + 256 x 240 = 64,512 of the SM's 65,536 registers (two consumer
+        # warpgroups), 128 x 24 + 384 x 160 = 64,512 (three).
+        self.load_registers = 24
+        self.mma_registers = {2: 240, 3: 160}[self.mma_warpgroups]
+        # As many K or V tiles as fit in 227 KB next to Q, O and 1 KB of barriers: 5 x 32 KB
+        # next to 2 x 32 KB (D = 128), 11 x 16 KB next to 2 x 24 KB (D = 64, 192 rows).
         q_bytes = self.cta_tile[0] * head_dim * dtype.width // 8
         tile_bytes = self.cta_tile[1] * head_dim * dtype.width // 8
         # Persistent CTAs: a grid of at most one CTA per SM (1 fits: 225 KB of shared memory),
@@ -126,6 +165,11 @@ class Sm90Kernel:
         self.kv_slots = (227 * 1024 - 1024 - q_bytes - o_bytes) // tile_bytes
         self.smem_align = 1024  # the 128-byte swizzle repeats every 8 rows of 128 B
         self.longest_first = True  # Q tiles in reverse order: see kernel()
+
+    @staticmethod
+    def warpgroups_for(head_dim):
+        """Consumer warpgroups at head dim D: 3 at D = 64 (192-row Q tile), 2 at D = 128."""
+        return 3 if head_dim == 64 else 2
 
     @cute.jit
     def __call__(
@@ -330,7 +374,7 @@ class Sm90Kernel:
         )
 
         # q_full: 1 arrive (the producer's expect_tx of Q's bytes) + the TMA writes of Q, once
-        # per work tile. q_empty: 1 arrive from each of the 256 consumer threads once they are
+        # per work tile. q_empty: 1 arrive from each of the 256 (384) consumer threads once they are
         # done with the tile's Q (and with sO, when it lies over Q), once per work tile.
         q_full = storage.q_full.data_ptr()
         q_empty = storage.q_empty.data_ptr()
@@ -342,7 +386,7 @@ class Sm90Kernel:
                 cute.arch.mbarrier_init(q_full, 1)
                 cute.arch.mbarrier_init(q_empty, self.mma_threads)
         # kv_full[i]: 1 arrive (the producer's expect_tx of one tile) + the TMA writes of the tile.
-        # kv_empty[i]: 1 arrive from each of the 8 consumer warps. (Creating the pipeline fences
+        # kv_empty[i]: 1 arrive from each of the 8 (12) consumer warps. (Creating the pipeline fences
         # and syncs the CTA, which also publishes the initialisation of q_full and q_empty.)
         kv_bytes = cute.size_in_bytes(
             self.dtype, cute.select(kv_smem_layout, mode=[0, 1])
@@ -368,6 +412,10 @@ class Sm90Kernel:
         acc_S = cute.make_rmem_tensor(qk_thr.partition_shape_C(self.cta_tile[:2]), self.acc_dtype)
         # (MMA, MMA_M, MMA_N): (query row, key) within the tile of this thread's elements of acc_S
         tScS = qk_mma.get_slice(mma_tidx).partition_C(cute.make_identity_tensor((bM, bN)))
+        # The same for thread 0, whose first element is (0, 0): every thread's elements sit at
+        # the same offsets from its first one, so these are those offsets, constants of the
+        # layout (Python ints), which the mask compares against (mask_keys).
+        tScS_offsets = qk_mma.get_slice(0).partition_C(cute.make_identity_tensor((bM, bN)))
         # (MMA, MMA_M, MMA_K): P in the input dtype, 32 registers per thread
         tOrP = cute.make_rmem_tensor(pv_thr.partition_shape_A((bM, bN)), self.dtype)
         # (MMA, MMA_M, MMA_N): bK / 2 fp32 per thread
@@ -383,8 +431,9 @@ class Sm90Kernel:
         # The ring: entry 2 t holds K of step t (KV tile kv_tile_lo + t), entry 2 t + 1 its V;
         # entry e takes slot e % kv_slots, and its barriers are waited for the parity
         # (e / kv_slots) % 2 (consumers) or its flip (the producer: 1 passes a fresh empty
-        # barrier), from one tile to the next as within one. Both consumer warpgroups read every
-        # entry: its slot is free again once all 8 consumer warps have released it.
+        # barrier), from one tile to the next as within one. Every consumer warpgroup reads every
+        # entry: its slot is free again once all 8 (three warpgroups: 12) consumer warps have
+        # released it.
         heads = mQ.shape[2]
         total_tiles = tiles_m * heads * self.sequences(mQ, mCuSeqlensQ)
         tiles_done = cutlass.Int32(0)
@@ -446,7 +495,8 @@ class Sm90Kernel:
                     self.ring_state(entries, pipeline.PipelineUserType.Producer)
                 )
         else:
-            # The consumer warpgroups take the registers the producer gave up (168 -> 240).
+            # The consumer warpgroups take the registers the producer gave up (168 -> 240; with
+            # three consumer warpgroups, 128 -> 160).
             cute.arch.setmaxregister_increase(self.mma_registers)
             for tile in cutlass.range(
                 cute.arch.block_idx()[0], total_tiles, cute.arch.grid_dim()[0], unroll=1
@@ -489,7 +539,8 @@ class Sm90Kernel:
                 #   tensor cores | 1: QK0 | 2: QK0 | 1: QK1 PV0 | 2: QK1 PV0 | 1: QK2 PV1 | ...
                 #   warpgroup 1  |        | sm0    |            | sm1        |            |
                 #   warpgroup 2  |        |        | sm0        |            | sm1        |
-                # where sm_j (softmax_j) also runs under the warpgroup's own PV_{j-1}.
+                # where sm_j (softmax_j) also runs under the warpgroup's own PV_{j-1}. With three
+                # warpgroups (D = 64) the turns go round 1, 2, 3, 1, ... on barriers 2, 3 and 4.
                 # Every PV accumulates into acc_O, which starts at 0 (stage 8's first PV overwrote
                 # it instead: the same values, since x + 0 = x).
                 pv_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -500,8 +551,8 @@ class Sm90Kernel:
                     v_state = consumer_state.clone()  # V_lo, read by the next step's PV
                     consumer_state.advance()
                     kv_pipeline.consumer_wait(k_state)
-                    # Warpgroup 2's turn 0 waits for warpgroup 1's.
-                    if warpgroup_idx == 2:
+                    # Turn 0 goes round from warpgroup 1: every other warpgroup waits for it.
+                    if warpgroup_idx > 1:
                         self.wait_turn(warpgroup_idx)
                     self.issue_qk(qk_mma, acc_S, tSrQ, tSrK, k_state.index)
                     self.pass_turn(warpgroup_idx)
@@ -510,7 +561,7 @@ class Sm90Kernel:
                     # O = 0 so far: the first row_scale has nothing to rescale.
                     self.softmax_step(
                         acc_S,
-                        tScS,
+                        (tScS, tScS_offsets),
                         row_max,
                         row_sum,
                         scale_log2,
@@ -543,7 +594,7 @@ class Sm90Kernel:
                         # softmax_j, under PV_{j-1}: it reads acc_S, never acc_O or tOrP.
                         row_scale = self.softmax_step(
                             acc_S,
-                            tScS,
+                            (tScS, tScS_offsets),
                             row_max,
                             row_sum,
                             scale_log2,
@@ -580,8 +631,8 @@ class Sm90Kernel:
                             )
                     self.wait_turn(warpgroup_idx)
                     self.issue_pv(pv_mma, acc_O, tOrP, tOrVt, v_state.index)
-                    # Warpgroup 1's last turn hands over to warpgroup 2's last.
-                    if warpgroup_idx == 1:
+                    # The last turn goes round too; the last warpgroup's hands over to nobody.
+                    if warpgroup_idx < self.mma_warpgroups:
                         self.pass_turn(warpgroup_idx)
                     warpgroup.wait_group(0)
                     kv_pipeline.consumer_release(v_state)
@@ -621,9 +672,9 @@ class Sm90Kernel:
                                 g, pos = row % self.pack_gqa, row // self.pack_gqa
                                 mLSE[(g, offset_q + pos), head, batch] = lse_ln
 
-                # Both warpgroups are done with the previous tile's sO (store_rows) and, when sO
-                # lies over Q, with this tile's sQ. (Named barrier 1: the 256 consumer threads;
-                # the producer takes no part.)
+                # All consumer warpgroups are done with the previous tile's sO (store_rows) and,
+                # when sO lies over Q, with this tile's sQ. (Named barrier 1: the 256 or 384
+                # consumer threads; the producer takes no part.)
                 cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
 
                 # O rounded to the input dtype, written to shared memory by stmatrix.
@@ -665,17 +716,19 @@ class Sm90Kernel:
 
     @cute.jit
     def wait_turn(self, warpgroup_idx):
-        """Ping-pong: block consumer warpgroup w (1 or 2) until the other has passed it the
-        tensor cores. Named barrier 1 + w counts 256 threads: this warpgroup's 128 (bar.sync,
-        here) and the other's 128 (bar.arrive, in pass_turn); each completion is one turn. The
-        two warpgroups strictly alternate, so no barrier sees two passes before a wait."""
+        """Ping-pong: block consumer warpgroup w until the one before it (w - 1, warpgroup 1's:
+        the last) has passed it the tensor cores. Named barrier 1 + w counts 256 threads: this
+        warpgroup's 128 (bar.sync, here) and the previous one's 128 (bar.arrive, in pass_turn);
+        each completion is one turn. The turns go strictly round (1, 2, 1, 2, ... or 1, 2, 3,
+        1, ...), so no barrier sees two passes before a wait."""
         cute.arch.barrier(barrier_id=1 + warpgroup_idx, number_of_threads=2 * 128)
 
     @cute.jit
     def pass_turn(self, warpgroup_idx):
-        """Ping-pong: consumer warpgroup w (1 or 2) hands the tensor cores to the other, 3 - w:
-        an arrive, without waiting, on that warpgroup's named barrier 1 + (3 - w)."""
-        cute.arch.barrier_arrive(barrier_id=4 - warpgroup_idx, number_of_threads=2 * 128)
+        """Ping-pong: consumer warpgroup w hands the tensor cores to the next one, w % N + 1 of
+        N: an arrive, without waiting, on that warpgroup's named barrier 1 + (w % N + 1)."""
+        next_warpgroup = warpgroup_idx % self.mma_warpgroups + 1
+        cute.arch.barrier_arrive(barrier_id=1 + next_warpgroup, number_of_threads=2 * 128)
 
     @cute.jit
     def issue_qk(self, qk_mma, acc_S, tSrQ, tSrK, slot):
@@ -717,11 +770,14 @@ class Sm90Kernel:
     ):
         """Stage 8's softmax of one tile: the element mask on a tile that crosses an edge (Sk, or
         the band of the window: the diagonal when causal), then the fold into row_max and
-        row_sum, P = exp(scale * (S - row_max)) in place of S. Returns row_scale."""
-        if self.crosses_mask_edge(pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right):
-            self.mask_keys(
-                acc_S, tScS, pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right
-            )
+        row_sum, P = exp(scale * (S - row_max)) in place of S. Returns row_scale. The mask
+        tests only the edges the tile crosses: a causal diagonal tile (or the last tile before
+        Sk) only the right one, one compare per element. tScS: (this thread's coordinates,
+        thread 0's: the offsets)."""
+        right, left = self.mask_edges(pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right)
+        args = (acc_S, tScS, pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right)
+        if left or right:
+            self.mask_keys(*args, left_edge=True)
         return self.online_softmax(acc_S, row_max, row_sum, scale_log2)
 
     @cute.jit
@@ -800,13 +856,14 @@ class Sm90Kernel:
     def zero_rows(self, sKV, slot, first_row, tidx):
         """Zero rows first_row .. bN - 1 of slot `slot` of the K/V ring (all consumer threads,
         tidx counted among them), then make the writes visible to the wgmma that reads the slot
-        (the async proxy) and wait for all consumer threads: both warpgroups read every row of V."""
+        (the async proxy) and wait for all consumer threads: every warpgroup reads every row of V."""
         _, bN, bK = self.cta_tile
         per_row = bK // 8  # 16-byte chunks per row
-        for i in cutlass.range_constexpr(bN * per_row // self.mma_threads):
+        chunks = bN * per_row  # 1,024 (D = 64) or 2,048: 8 or 16 per thread of 128
+        for i in cutlass.range_constexpr(-(-chunks // self.mma_threads)):
             chunk = i * self.mma_threads + tidx
             row, col = chunk // per_row, (chunk % per_row) * 8
-            if row >= first_row:
+            if row >= first_row and row < bN:
                 for e in cutlass.range_constexpr(8):
                     sKV[row, col + e, slot] = self.dtype(0.0)
         cute.arch.fence_proxy("async.shared", space="cta")
@@ -815,28 +872,42 @@ class Sm90Kernel:
     @cute.jit
     def store_rows(self, sO, gO, valid_rows, tidx, q_empty):
         """gO[r, :] = sO[r, :] for the rows r < valid_rows of the tile, 8 elements (16 bytes)
-        per consumer thread and copy: bK / 8 threads per row, 256 / (bK / 8) rows per pass.
+        per thread and copy: bK / 8 threads per row, store_rows_per_pass() rows per pass.
         q_empty (sO over Q) gets this thread's arrive once its reads of sO are done."""
         bM, _, bK = self.cta_tile
         copy_atom = cute.make_copy_atom(
             cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128
         )
         per_row = bK // 8
-        thr_layout = cute.make_layout((self.mma_threads // per_row, per_row), stride=(per_row, 1))
+        rows = self.store_rows_per_pass()
+        thr_layout = cute.make_layout((rows, per_row), stride=(per_row, 1))
         s2g = cute.make_tiled_copy_tv(copy_atom, thr_layout, cute.make_layout((1, 8)))
-        thr_s2g = s2g.get_slice(tidx)
-        # (CPY, CPY_M, CPY_K): this thread's chunks of the tile, and their (row, column)
-        tOsO = thr_s2g.partition_S(sO)
-        tOgO = thr_s2g.partition_D(gO)
-        tOcO = thr_s2g.partition_D(cute.make_identity_tensor((bM, bK)))
-        tOrO = cute.make_rmem_tensor_like(tOsO)
-        cute.copy(s2g, tOsO, tOrO)
+        if tidx < rows * per_row:  # all consumer threads, or the first 256 (see below)
+            thr_s2g = s2g.get_slice(tidx)
+            # (CPY, CPY_M, CPY_K): this thread's chunks of the tile, and their (row, column)
+            tOsO = thr_s2g.partition_S(sO)
+            tOgO = thr_s2g.partition_D(gO)
+            tOcO = thr_s2g.partition_D(cute.make_identity_tensor((bM, bK)))
+            tOrO = cute.make_rmem_tensor_like(tOsO)
+            cute.copy(s2g, tOsO, tOrO)
+            for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
+                if tOcO[0, m, 0][0] < valid_rows:
+                    cute.copy(s2g, tOrO[None, m, None], tOgO[None, m, None])
         if cutlass.const_expr(q_empty is not None):
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.mbarrier_arrive(q_empty)
-        for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
-            if tOcO[0, m, 0][0] < valid_rows:
-                cute.copy(s2g, tOrO[None, m, None], tOgO[None, m, None])
+
+    def store_rows_per_pass(self):
+        """Rows of O one pass of store_rows covers: every consumer thread takes one 16-byte chunk,
+        mma_threads / (bK / 8) rows (32 or 16 with two consumer warpgroups, 48 or 24 with three).
+        Packed GQA views a tile's rows as (G heads, bM / G positions), and a pass must cut that
+        mode evenly (rows a multiple of G, or G of rows): where 48 or 24 does not (G = 32 or
+        64), a pass takes the largest power of two below it (32 or 16 rows, 256 threads)."""
+        rows = self.mma_threads // (self.cta_tile[2] // 8)
+        g = self.pack_gqa
+        if rows % g != 0 and g % rows != 0:
+            rows = 1 << (rows.bit_length() - 1)
+        return rows
 
     @cute.jit
     def load_tiles(self, kv_pipeline, producer_state, kv_tile, tma_atom, tXgX, tXsX):
@@ -905,32 +976,56 @@ class Sm90Kernel:
         return lo, hi
 
     @cute.jit
-    def crosses_mask_edge(self, pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right):
-        """Whether tile (pid_m, kv_tile) holds a (row, key) pair that must not be seen: a key at
-        or beyond Sk, right of the band (j - i > band_hi for the tile's first row) or left of
-        it (j - i < band_lo for its last row). Every other tile of the range is seen whole."""
+    def mask_edges(self, pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right):
+        """Which edges tile (pid_m, kv_tile) crosses, (right, left): right when it holds a key at
+        or beyond Sk or right of the band (j - i > band_hi for the tile's first row), left when
+        it holds a key left of the band (j - i < band_lo for its last row). A tile crossing
+        neither is seen whole (stage 8's crosses_mask_edge is right or left)."""
         bM, bN, _ = self.cta_tile
         band_lo, band_hi = seqlen_k - seqlen_q - window_left, seqlen_k - seqlen_q + window_right
         first_row, last_row = self.q_positions(pid_m, seqlen_q)
         first_key, last_key = kv_tile * bN, kv_tile * bN + bN - 1
-        crosses = last_key >= seqlen_k
-        crosses = crosses or last_key - first_row > band_hi
-        crosses = crosses or first_key - last_row < band_lo
-        return crosses
+        right = last_key >= seqlen_k or last_key - first_row > band_hi
+        left = first_key - last_row < band_lo
+        return right, left
 
     @cute.jit
-    def mask_keys(self, acc_S, tScS, pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right):
+    def mask_keys(
+        self,
+        acc_S,
+        tScS,
+        pid_m,
+        kv_tile,
+        seqlen_q,
+        seqlen_k,
+        window_left,
+        window_right,
+        left_edge: cutlass.Constexpr,
+    ):
         """S = -inf where row i of Q tile pid_m must not see key j of KV tile kv_tile: j >= Sk,
-        or j - i outside [band_lo, band_hi]."""
+        or j - i outside [band_lo, band_hi] (stage 8's mask, the same elements). Per row, the
+        keys seen are one interval, j in [i + band_lo, min(i + band_hi + 1, Sk)); counted from
+        this thread's first key it is [col_lo, col_hi), and element c of the row is masked
+        when its column offset (a constant: tScS_offsets) lies outside - one compare where the
+        tile crosses only the right edge (left_edge False), two where it crosses the left."""
         bM, bN, _ = self.cta_tile
         band_lo, band_hi = seqlen_k - seqlen_q - window_left, seqlen_k - seqlen_q + window_right
-        acc_S_mn, tScS_mn = self.rows_view(acc_S), self.rows_view(tScS)
+        tScS, tScS_offsets = tScS
+        acc_S_mn, offsets = self.rows_view(acc_S), self.rows_view(tScS_offsets)
+        first_row, first_key = self.rows_view(tScS)[0, 0]  # this thread's first element
+        first_key = kv_tile * bN + first_key
         for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+            row = (pid_m * bM + first_row + offsets[r, 0][0]) // self.pack_gqa  # its position
+            col_hi = cutlass.min(row + band_hi + 1, seqlen_k) - first_key
+            col_lo = row + band_lo - first_key
             for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                row = (pid_m * bM + tScS_mn[r, c][0]) // self.pack_gqa  # its position
-                key = kv_tile * bN + tScS_mn[r, c][1]
-                if key >= seqlen_k or key - row > band_hi or key - row < band_lo:
-                    acc_S_mn[r, c] = -cutlass.Float32.inf
+                col = offsets[r, c][1]
+                if cutlass.const_expr(left_edge):
+                    if col >= col_hi or col < col_lo:
+                        acc_S_mn[r, c] = -cutlass.Float32.inf
+                else:
+                    if col >= col_hi:
+                        acc_S_mn[r, c] = -cutlass.Float32.inf
 
     @cute.jit
     def online_softmax(self, acc_S, row_max, row_sum, scale_log2):
