@@ -2216,6 +2216,42 @@ def persistent_ctas(rows, title=None, path=None):
     return fig
 
 
+def consumer_warpgroups(rows, title=None, path=None):
+    """Stage 9 at D = 64 with three consumer warpgroups (192-row Q tile) and two (128 rows), as
+    measured (rows of docs/results/bench_h200_2026-12-01_3wg.json: D, S, causal, dtype and
+    TFLOP/s per kernel, "3wg", "2wg", "stage8", "FA4"): one panel per causal setting, bf16 and
+    D = 64 only, TFLOP/s against S."""
+    mine = [r for r in rows if r["D"] == 64 and r.get("dtype", "bfloat16") == "bfloat16"]
+    panels = sorted({bool(r["causal"]) for r in mine})
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(min(FIG_WIDTH * 1.4, 4.6 * len(panels)), 3.6), squeeze=False
+    )
+    styles = {
+        "3wg": ("stage 9, three consumer warpgroups (192 rows)", kernel_color("stage 9"), 2.5),
+        "2wg": ("stage 9, two (128 rows)", "#8C8C8C", 2.0),
+        "stage8": ("stage 8", kernel_color("stage 8"), 1.2),
+        "FA4": ("FA4", kernel_color("FA4"), 1.2),
+    }
+    for ax, causal in zip(axes[0], panels):
+        pts_rows = sorted((r for r in mine if bool(r["causal"]) == causal), key=lambda r: r["S"])
+        for name, (label, color, width) in styles.items():
+            pts = [(r["S"], r[name]) for r in pts_rows if name in r]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, marker="o", label=label, color=color, linewidth=width)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length S (B x S = 16k)", fontsize=10)
+        ax.set_ylabel("TFLOP/s (GPU time)", fontsize=10)
+        ax.set_title(f"D = 64, {'causal' if causal else 'non-causal'}", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle(title or "Stage 9 at D = 64: three consumer warpgroups against two")
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=110)
+    return fig
+
+
 # --------------------------------------------------------------------------------------------
 # Stage 6: masks over (query tile, key tile)
 # --------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import json
 import os
 import sys
 
+import cutlass
 import torch
 
 # The repository root (it holds `common` and `stages`): the first folder upwards that has `common`.
@@ -61,7 +62,9 @@ nb.start(9)
 #   disagrees with it;
 # - put the measured step next to the FlashAttention-3 paper's ablation (582 -> 661 TFLOP/s);
 # - say when persistent CTAs pay (equal tiles, short sequences) and why a causal grid keeps one
-#   CTA per tile.
+#   CTA per tile;
+# - say why D = 64 takes a third consumer warpgroup (a 192-row Q tile, 160 registers each) and
+#   how the ping-pong's turns go round three warpgroups.
 #
 # ## 2. Previous stage recap
 #
@@ -95,11 +98,15 @@ nb.start(9)
 cfg = nb.show_config(9, "hopper")
 bM, bN, D = cfg.get("cta_tile", (128, 128, 128))
 rows_per_wg = bM // cfg.get("mma_warpgroups", 2)
+kernel_class = stages.track_module(9, "hopper").Sm90Kernel
 for D_ in (64, 128):
-    s_regs, p_regs, o_regs = rows_per_wg * bN // 128, rows_per_wg * bN // 2 // 128, D_ // 2
+    k_ = kernel_class(cutlass.BFloat16, D_)  # the kernel object at this D (compiles nothing)
+    rows_, keys_ = k_.cta_tile[0] // k_.mma_warpgroups, k_.cta_tile[1]
+    s_regs, p_regs, o_regs = rows_ * keys_ // 128, rows_ * keys_ // 2 // 128, D_ // 2
     print(
         f"D = {D_}: S {s_regs} + P {p_regs} + O {o_regs} = {s_regs + p_regs + o_regs} registers "
-        f"per thread live across the GEMMs, of the {cfg.get('mma_registers', 240)} a consumer has"
+        f"per thread live across the GEMMs, of the {k_.mma_registers} a consumer has "
+        f"({k_.mma_warpgroups} consumer warpgroups)"
     )
 
 # %% [markdown]
@@ -112,8 +119,12 @@ for D_ in (64, 128):
 # places. The second change wraps both roles in a loop over work tiles (persistent CTAs, section
 # 7.1): the tile's coordinates come from `tile_coords`, Q passes from tile to tile through
 # `q_full` and `q_empty`, the ring's position carries over (`ring_state`), and O is staged in its
-# own shared-memory buffer, one K/V slot less. The turn barriers and the softmax are stage 8's.
-# (The diff is long because the consumer code moved one indentation level into that loop.)
+# own shared-memory buffer, one K/V slot less. Third, at D = 64 the CTA has three consumer
+# warpgroups on a 192-row Q tile (section 7.2), so `wait_turn` and `pass_turn` hand the turn
+# round instead of back and forth. Fourth, the mask of an edge tile compares each element's
+# column offset, a constant, against one interval per row (`mask_edges`, `mask_keys`; the same
+# elements as stage 8). (The diff is long because the consumer code moved one indentation level
+# into the tile loop.)
 
 # %%
 nb.show_docstring(9, "hopper")
@@ -178,12 +189,16 @@ fig = plots.pingpong_timelines(head_dim=D, block_n=bN, rows=rows_per_wg, steps=3
 # %% [markdown]
 # ### 5.4 What the compiler produced
 #
-# The Hopper kernel for sm_90a (both modes): stage 8's `.reqntid 384` and `setmaxnreg`, twice
+# The Hopper kernel for sm_90a (both modes): stage 8's `.reqntid 384` and `setmaxnreg` at
+# D = 128 (`.reqntid 512`, 24 / 160 at D = 64), twice
 # the wgmma and `ex2.approx` of stage 8 (the prologue and the loop each hold a softmax and a
 # QK^T; the loop and the last step each hold a PV), and `wgmma.wait_group 1` in the loop. The
 # register count ptxas reports is the 168 of the kernel's entry; nvdisasm's count of the consumer
 # code (H200 machine, 2026-12-01, bf16) is 184 registers in batch mode and 185 packed at D = 128,
 # 158 and 165 at D = 64, against stage 8's 155, 170, 127 and 137: the second live S-sized set.
+# (These counts predate the tile loop of 7.1 and the three warpgroups of 7.2; the stage file's
+# docstring has the current ones: at D = 64, 156-157 of the 160 registers three consumer
+# warpgroups get, no spills.)
 
 # %%
 report = nb.compile_summary(9, "hopper")
@@ -288,30 +303,25 @@ fig = nb.error_picture(9, result)
 # Stage 9 against stages 5 and 8 and the baselines, FA4 included, at the paper shapes, all timed
 # in one run.
 #
-# **Expected**, from the first of the day's ablation runs on the H200 (2026-12-01, bf16, B·S = 16k,
-# H·D = 2048, non-causal, before the longest-first order), in TFLOP/s; the full ablation of a later
-# run, causal rows included, is in `docs/results/h200.md` (there: 590 -> 639 at D = 128, 8k, FA4
-# 663):
+# **Expected**, from the fifth session's ablation run on the H200 (2026-12-01, bf16, B·S = 16k,
+# H·D = 2048, non-causal; `docs/results/bench_h200_2026-12-01_ablation_3wg.md`, causal rows
+# included), in TFLOP/s, all timed in that one run:
 #
 # | D | S | stage 5 | stage 8 | stage 9 | FA4 | SDPA cuDNN |
 # | --- | --- | --- | --- | --- | --- | --- |
-# | 128 | 2k | 506 | 607 | 610 | 629 | 636 |
-# | 128 | 8k | 541 | 602 | 666 | 677 | 666 |
-# | 64 | 2k | 500 | 407 | 344 | 489 | 461 |
-# | 64 | 8k | 492 | 436 | 446 | 546 | 467 |
+# | 128 | 2k | 492 | 588 | 649 | 663 | 646 |
+# | 128 | 8k | 530 | 607 | 678 | 644 | 606 |
+# | 64 | 2k | 500 | 408 | 497 | 506 | 463 |
+# | 64 | 8k | 467 | 428 | 506 | 513 | 442 |
 #
-# At D = 128, S = 8k the step is +11% (602 -> 666, 0.98x FA4; +8% in the later run); the
-# FlashAttention-3 paper's ablation on an H100 at head dimension 128 measured +14% for the same step
-# (582 -> 661). At S = 2k the gain is nil in this run (+14% in the later one). **At D = 64 stages 8 and 9 stay below stage 5.** Nsight Compute on
-# the H200 (2026-12-01) says why: stage 5 at D = 64 fits two CTAs per SM (ncu's block limit by
-# registers: 2, theoretical occupancy 25%), so four warpgroups compute on each SM; stages 8 and 9
-# have one CTA of three warpgroups, two of which compute (18.75%). At D = 64 the exponentials
-# are the bottleneck (the XU pipe 58% busy in stage 5 against 50% in stages 8 and 9), and fewer
-# computing warpgroups issue fewer of them. FlashAttention-3 uses three consumer warpgroups at
-# D = 64 (a 192-row Q tile, 160 registers each). Tried on this kernel the same day, it did not
-# pay: with 512 threads ptxas must fit the kernel's entry into 128 registers and spilled 592
-# bytes, and the kernel ran at 104-280 TFLOP/s against stage 8's 406-432. Making that
-# configuration fit is an open exercise, not a result of this stage.
+# At D = 128, S = 8k the step is +12% (607 -> 678; earlier runs of the day +8-11%); the
+# FlashAttention-3 paper's ablation on an H100 at head dimension 128 measured +14% for the same
+# step (582 -> 661). At D = 64 the step is larger (+18-22%) because stage 9 also changes the
+# shape of the CTA there: three consumer warpgroups on a 192-row Q tile instead of two on 128
+# rows (section 7.2). With two, stages 8 and 9 stayed below stage 5 at D = 64: Nsight Compute on
+# the H200 (2026-12-01) showed stage 5 fitting two CTAs per SM there (block limit by registers 2),
+# so four warpgroups compute on each SM against two, and D = 64 is bound by the exponentials (the
+# XU pipe 58% busy in stage 5 against 50% in stages 8 and 9).
 
 # %%
 bench = nb.measure(
@@ -329,10 +339,10 @@ bench = nb.measure(
 # %%
 # The step next to the paper's ablation: this run's ratios where there is a run, else the H200's.
 quoted = {
-    "(8, 16, 2048, 2048, 128)": {"stage 5": 506, "stage 8": 607, "stage 9": 610, "FA4": 629},
-    "(2, 16, 8192, 8192, 128)": {"stage 5": 541, "stage 8": 602, "stage 9": 666, "FA4": 677},
-    "(8, 32, 2048, 2048, 64)": {"stage 5": 500, "stage 8": 407, "stage 9": 344, "FA4": 489},
-    "(2, 32, 8192, 8192, 64)": {"stage 5": 492, "stage 8": 436, "stage 9": 446, "FA4": 546},
+    "(8, 16, 2048, 2048, 128)": {"stage 5": 492, "stage 8": 588, "stage 9": 649, "FA4": 663},
+    "(2, 16, 8192, 8192, 128)": {"stage 5": 530, "stage 8": 607, "stage 9": 678, "FA4": 644},
+    "(8, 32, 2048, 2048, 64)": {"stage 5": 500, "stage 8": 408, "stage 9": 497, "FA4": 506},
+    "(2, 32, 8192, 8192, 64)": {"stage 5": 467, "stage 8": 428, "stage 9": 506, "FA4": 513},
 }
 source = "this run" if bench else "H200, 2026-12-01 (make bench)"
 rows = [("FlashAttention-3 paper, H100, head dim 128, 8k", "582", "661", "-", "1.14", "paper")]
@@ -395,6 +405,53 @@ bench_persistent = nb.measure(
     [(16, 16, 1024, 1024, 128), (8, 16, 2048, 2048, 128), (2, 16, 8192, 8192, 128)],
     baselines=(),
     variants={"one CTA per tile": dict(persistent=False)},
+)
+
+# %% [markdown]
+# ### 7.2 Three consumer warpgroups at D = 64
+#
+# At D = 64 stage 9 builds a different CTA: `mma_warpgroups` is 3 (`Sm90Kernel.warpgroups_for`),
+# so the Q tile has 192 rows, 64 per consumer warpgroup, and the CTA 512 threads. The register
+# split follows: 128 x 24 for the producer and 384 x 160 for the consumers, 64,512 of the SM's
+# 65,536. At D = 64 the S, P and O sets of section 3 take 64 + 32 + 32 = 128 of the 160. The
+# ping-pong's turns go round: warpgroup w waits on named barrier 1 + w, which warpgroup w - 1
+# arrives on (warpgroup 1's: warpgroup 3), so the tensor cores see 1: QK0, 2: QK0, 3: QK0, 1: QK1
+# PV0, ... The tests explore every interleaving of the three programs on the CPU, as for two. The
+# rest of the kernel only needed its counts generalised: the zeroing of V rows (`zero_rows`, 1,024
+# chunks over 384 threads) and the store of O (`store_rows`, 48 rows per pass, or 32 where a
+# pack-GQA group of 32 or 64 heads would not split evenly). Pack-GQA now needs G to divide 192.
+#
+# Why it pays: D = 64 is bound by the exponentials, not the tensor cores (7, above), and a
+# third computing warpgroup puts one more softmax in flight on each SM; each K/V tile loaded also
+# serves 192 rows instead of 128. **Measured** (H200, 2026-12-01, bf16, paper shapes, GPU time,
+# one run; `docs/results/bench_h200_2026-12-01_3wg.json`): non-causal +4% at S = 512 rising to
+# +28% at 16k (8k: 445 -> 553, FA4 581); causal +4-16% from 2k but 10-11% slower at 512-1k, where
+# more of a 192-row tile falls in partly masked KV tiles and there are fewer CTAs.
+
+# %%
+for d in (64, 128):
+    k_ = kernel_class(cutlass.BFloat16, d)
+    print(
+        f"D = {d}: {k_.mma_warpgroups} consumer warpgroups, Q tile {k_.cta_tile[0]} rows, "
+        f"{k_.threads} threads, setmaxnreg {k_.load_registers} / {k_.mma_registers} "
+        f"({128 * k_.load_registers + k_.mma_threads * k_.mma_registers:,} of 65,536 registers), "
+        f"{k_.kv_slots} K/V slots"
+    )
+with open(os.path.join(nb.ROOT, "docs/results/bench_h200_2026-12-01_3wg.json")) as f:
+    wg3_rows = json.load(f)
+fig = plots.consumer_warpgroups(
+    wg3_rows,
+    title="Stage 9 at D = 64: three consumer warpgroups against two (H200, 2026-12-01, bf16, GPU time)",
+)
+
+# %%
+# On a GPU: the same comparison in this run (event-timed): two consumer warpgroups at D = 64
+# (kernel_settings; a 128-row tile) against the stage as it is.
+bench_wg = nb.measure(
+    9,
+    [(8, 32, 2048, 2048, 64), (2, 32, 8192, 8192, 64)],
+    baselines=(),
+    variants={"two consumer warpgroups": dict(mma_warpgroups=2)},
 )
 
 # %% [markdown]
