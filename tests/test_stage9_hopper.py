@@ -3,12 +3,14 @@ turn, softmax_j running while PV_{j-1} is on the tensor cores; stage 8's produce
 ping-pong otherwise.
 
 - Compile-only (no GPU), bf16 and fp16, D = 64 and 128, batch and packed: stage 8's setmaxnreg
-  split (24 / 240); the loop body issues two GEMM groups and waits for them one at a time
+  split (24 / 240) at D = 128, three consumer warpgroups at D = 64 (512 threads, 24 / 160, a
+  192-row tile; shared memory and slots to the byte); the loop body issues two GEMM groups and waits for them one at a time
   (wait_group 1, then 0), in this program order; the QK^T and PV wgmma are emitted twice (the
   prologue's QK, the loop's pair, the last PV) and so are the exponentials; no spills.
 - CPU: the turn protocol of stage 9 (turns of (QK_j, PV_{j-1})) for 0-6 KV tiles under every
-  interleaving of the two warpgroups: no deadlock, balanced barriers, the tensor cores see
-  1: QK0, 2: QK0, 1: QK1 PV0, 2: QK1 PV0, ... ; and the model fails its near misses.
+  interleaving of two and of three warpgroups: no deadlock, balanced barriers, the tensor cores
+  see 1: QK0, 2: QK0, (3: QK0,) 1: QK1 PV0, ... ; and the model fails its near misses. Pack-GQA's
+  group sizes against the tile rows (192 at D = 64) and the rows per pass of the O store.
 - GPU tests (marker gpu_hopper), each launch under a 120 s deadline: stage 7's numerical tests
   (GQA / MQA, masks, packed sequences, NaN planted outside a sequence, empty sequences) on stage
   9; O and LSE equal to stage 8's bit for bit (the same operations on O in the same order),
@@ -440,10 +442,40 @@ def test_rejects_bad_packed_input(name, change, error, match):
 # ---------------------------------------------------------------- pack-GQA (stage 7's checks)
 
 
+# Groups that only the 192-row tile of D = 64 packs (G = 3, 6, 12: 128 % G != 0) or whose store
+# takes 32-row passes instead of 48 (G = 64; G = 32 is in stage 7's cases), and a G = 3 group
+# of 2 KV heads with a window.
+PACK_GQA_192_CASES = [
+    (2, 12, 4, 5, 700, 64, torch.bfloat16, True, None),
+    (1, 6, 1, 50, 333, 64, torch.float16, True, None),
+    (2, 24, 2, 1, 257, 64, torch.bfloat16, True, None),
+    (1, 64, 1, 2, 200, 64, torch.bfloat16, False, None),
+    (2, 6, 2, 40, 300, 64, torch.bfloat16, False, (60, 0)),
+]
+
+
 @pytest.mark.gpu_hopper
-@pytest.mark.parametrize("case", PACK_GQA_CASES, ids=pack_case_id)
+@pytest.mark.parametrize("case", PACK_GQA_CASES + PACK_GQA_192_CASES, ids=pack_case_id)
 def test_pack_gqa_matches_reference_and_unpacked(case):
     check_pack_gqa(hopper, case)
+
+
+def test_pack_gqa_groups_follow_the_tile_rows():
+    """Pack-GQA needs G to divide the Q tile's rows: 192 at D = 64 (G = 3 packs, G = 128 does
+    not), 128 at D = 128 (G = 3 does not). attention() takes the rows from the kernel object."""
+    from common.pack_gqa import choose_pack
+
+    rows = {d: attention_host.tile_rows(hopper.Sm90Kernel, torch.bfloat16, d) for d in (64, 128)}
+    assert rows == {64: 192, 128: 128}
+    assert choose_pack(12, 4, 1, rows[64]) == 3 and choose_pack(12, 4, 1, rows[128]) == 1
+    assert choose_pack(128, 1, 1, rows[64]) == 1 and choose_pack(128, 1, 1, rows[128]) == 128
+    for G in (3, 6, 12, 24, 32, 48, 64, 96):
+        kernel = hopper.Sm90Kernel(cutlass.BFloat16, 64, G)
+        r = kernel.store_rows_per_pass()
+        assert 192 % r == 0 and (r % G == 0 or G % r == 0), (G, r)
+        assert r * 8 <= kernel.mma_threads
+    with pytest.raises(ValueError, match="pack_gqa"):
+        choose_pack(12, 4, 1, rows[128], pack_gqa=True)
 
 
 @pytest.mark.gpu_hopper
