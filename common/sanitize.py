@@ -10,8 +10,8 @@ import sys
 
 SHAPES = {n: (1, 2, 256, 768, 64) for n in (6, 7, 8, 9)}
 SHAPES.update({4: (1, 2, 128, 512, 64), 5: (1, 2, 128, 512, 64)})
-# Stages 8 and 9 have a ring of 13 slots at D = 64: 768 keys give 12 K and V entries, so use more
-# keys there.
+# Stages 8 and 9 have rings of 13 and 11 slots at D = 64: 768 keys give 12 K and V entries, so
+# use more keys there (2048: 32 entries, every slot used more than once).
 SHAPES[8] = SHAPES[9] = (1, 2, 256, 2048, 64)
 
 

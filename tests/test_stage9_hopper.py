@@ -62,7 +62,7 @@ SCHEDULE_LETTERS = [
     (r"setmaxnreg\.dec", "d"),
     (r"setmaxnreg\.inc", "i"),
     (r"cp\.async\.bulk\.tensor", "L"),  # a TMA load
-    (r"bar\.sync\s+(%r\d+|3), 256;", "T"),  # wait_turn (3: warpgroup 2's turn 0, a constant)
+    (r"bar\.sync\s+(%r\d+|3), 256;", "T"),  # wait_turn (3: two warpgroups, 2's turn 0, a constant)
     (r"bar\.arrive\s+(%r\d+|2), 256;", "P"),  # pass_turn (2: warpgroup 1's last pass)
     (r"bar\.sync\s+1, (256|384);", "B"),  # the consumers' own barrier (all their threads)
     (r"wgmma\.mma_async", "G"),
@@ -90,7 +90,7 @@ def test_compiles_overlapped(dtype, D, varlen):
     wgs, regs = {64: (3, 160), 128: (2, 240)}[D]
     assert (kernel.mma_warpgroups, kernel.cta_tile) == (wgs, (64 * wgs, 128, D))
     assert f".reqntid {128 * (1 + wgs)}, 1, 1" in ptx and ".minnctapersm 1" in ptx
-    assert 128 * 24 + 128 * wgs * regs <= 65536
+    assert 128 * kernel.load_registers + kernel.mma_threads * kernel.mma_registers <= 65536
     assert statements(ptx, r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;") != []
     assert statements(ptx, rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{regs};") != []
     log = ptxas_log(ptx)
@@ -155,21 +155,29 @@ def test_ring_position_carries_across_work_tiles(D):
 # ---------------------------------------------------------------- the turn protocol (CPU)
 
 
+def turn_kernel(n):
+    """The stage 9 kernel object with n consumer warpgroups (its turn_barrier, next_warpgroup)."""
+    return hopper.Sm90Kernel(cutlass.BFloat16, {2: 128, 3: 64}[n])
+
+
 def consumer_program(wg, steps, zero_rows, n=2):
     """Stage 9's consumer warpgroup wg (1 .. n, n consumer warpgroups): ('sync', id),
-    ('arrive', id), ('gemm', name), in the kernel's order (wait_turn: sync on 1 + wg; pass_turn:
-    arrive on 1 + the next warpgroup's number)."""
-    ops, pass_to = [], ("arrive", 1 + wg % n + 1)
+    ('arrive', id), ('gemm', name), in the kernel's order, with the kernel's own barrier numbers
+    (wait_turn: sync on turn_barrier(wg); pass_turn: arrive on the next warpgroup's)."""
+    kernel = turn_kernel(n)
+    assert kernel.mma_warpgroups == n
+    wait = ("sync", kernel.turn_barrier(wg))
+    ops, pass_to = [], ("arrive", kernel.turn_barrier(kernel.next_warpgroup(wg)))
     if steps > 0:
         if wg > 1:
-            ops.append(("sync", 1 + wg))  # turn 0 comes round from warpgroup 1
+            ops.append(wait)  # turn 0 comes round from warpgroup 1
         ops += [("gemm", f"{wg}: QK0"), pass_to]
         for t in range(1, steps):
-            ops += [("sync", 1 + wg), ("gemm", f"{wg}: QK{t}"), ("gemm", f"{wg}: PV{t - 1}")]
+            ops += [wait, ("gemm", f"{wg}: QK{t}"), ("gemm", f"{wg}: PV{t - 1}")]
             ops.append(pass_to)
         if zero_rows:
             ops.append(("sync", 1))  # zero_rows of the last V tile, between turns
-        ops += [("sync", 1 + wg), ("gemm", f"{wg}: PV{steps - 1}")]
+        ops += [wait, ("gemm", f"{wg}: PV{steps - 1}")]
         if wg < n:
             ops.append(pass_to)  # the last turn goes round, the last warpgroup's to nobody
     return ops + [("sync", 1), ("sync", 1)]  # the epilogue
@@ -192,10 +200,18 @@ def test_turn_protocol_has_no_deadlock_and_alternates(steps, zero_rows, n):
     assert explore(programs, expected_tensor_core_order(steps, n)) == set()
 
 
-def test_turn_protocol_matches_the_kernel_configurations():
-    # The CPU model's warpgroup counts are the kernel's: 2 at D = 128, 3 at D = 64.
-    for D, n in ((64, 3), (128, 2)):
-        assert hopper.Sm90Kernel(cutlass.BFloat16, D).mma_warpgroups == n
+def test_turn_barriers_are_distinct_and_go_round():
+    # The kernel's turn barriers: one per consumer warpgroup, none of them barrier 1 (all
+    # consumers') or 0 (the CTA's), and next_warpgroup a single cycle through all of them.
+    for n in (2, 3):
+        kernel = turn_kernel(n)
+        barriers = [kernel.turn_barrier(w) for w in range(1, n + 1)]
+        assert len(set(barriers)) == n and not {0, 1} & set(barriers) and max(barriers) < 16
+        w, seen = 1, []
+        for _ in range(n):
+            seen.append(w)
+            w = kernel.next_warpgroup(w)
+        assert w == 1 and sorted(seen) == list(range(1, n + 1)), (n, seen)
 
 
 @pytest.mark.parametrize("n,wg", [(2, 1), (2, 2), (3, 1), (3, 2), (3, 3)])
@@ -206,7 +222,8 @@ def test_turn_protocol_model_catches_near_misses(wg, change, n):
     if change == "extra_wait":
         ops.insert(0, ("sync", 1 + wg))
     elif change == "extra_pass":
-        ops.insert(len(ops) - 2, ("arrive", 1 + wg % n + 1))
+        kernel = turn_kernel(n)
+        ops.insert(len(ops) - 2, ("arrive", kernel.turn_barrier(kernel.next_warpgroup(wg))))
     elif change == "lost_pass":
         ops.remove(next(op for op in ops if op[0] == "arrive"))
     else:  # the loop's pair issued PV first: the tensor-core order is not the intended one

@@ -18,11 +18,13 @@ Changes from stage 8:
   packed 201; D = 64 206 and 213) against stage 8's 155 (170, 127, 137), no spills (bf16,
   2026-12-01; 184, 185, 158 and 165 before the tile loop below, which keeps more values live
   across tiles). The K/V ring and the warp roles are stage 8's at D = 128 (three consumer
-  warpgroups at D = 64: below); O now has its own buffer, one slot less (5 at D = 128; 11 at
-  D = 64 next to 24 KB each of Q and O; 225 KB as before).
+  warpgroups at D = 64: below); O now has its own buffer, one slot less at D = 128 (5 against
+  6; at D = 64 11 against 13, next to 24 KB each of Q and O; 225 KB as before).
 - The turns of the ping-pong are now (QK_j, PV_{j-1}) pairs: turn 0 is QK_lo alone, the last
-  is PV_{hi-1} alone; steps + 1 turns per warpgroup as before, so barriers 2 and 3 complete
-  the same number of times (the CPU model in the tests checks every interleaving).
+  is PV_{hi-1} alone; steps + 1 turns per warpgroup as before, so the turn barriers (2 and 3;
+  2, 3 and 4 with three warpgroups) complete the same number of times as in stage 8: steps for
+  warpgroup 1's, whose turn 0 waits for nobody, steps + 1 for the others' (the CPU model in the
+  tests checks every interleaving).
 - The same operations on O in the same order (O *= row_scale_j, then O += P_j V_j), so O and
   LSE are stage 8's bit for bit (tested). Every PV accumulates into acc_O, which starts at 0.
 - Speed (H200, 2026-12-01, bf16, paper shapes, make bench's ablation, measured before the
@@ -47,8 +49,8 @@ Changes from stage 8:
   where every tile has the same work (no causal or window cut, batch mode) the grid is capped
   at one CTA per SM, so that a CTA's set-up (barriers, descriptors, the first loads) is paid
   once per SM, not per tile, and the next tile's K and V stream in during this tile's last
-  GEMMs. Two barriers hand Q from tile to tile: q_full (TMA landed) and q_empty (the 256
-  consumer threads are done with Q); O gets its own 32 KB buffer (D = 128) so that q_empty
+  GEMMs. Two barriers hand Q from tile to tile: q_full (TMA landed) and q_empty (the 256 or
+  384 consumer threads are done with Q); O gets its own 32 KB buffer (D = 128) so that q_empty
   can be released before the epilogue rather than after it, and the next Q lands while O is
   stored. The ring's position carries over: entry e (2 per KV tile, counted across tiles)
   takes slot e % kv_slots, parity (e / kv_slots) % 2. Measured (H200, 2026-12-01, bf16, paper
@@ -205,7 +207,7 @@ class Sm90Kernel:
         q, o = (pack_gqa.pack_heads(t, self.pack_gqa, 2) for t in (q, o))
         lse = pack_gqa.pack_heads(lse, self.pack_gqa, 1)
 
-        # S = Q @ K^T: two m64n128k16 wgmma atoms stacked along M, one per warpgroup.
+        # S = Q @ K^T: one m64n128k16 wgmma atom per consumer warpgroup, stacked along M.
         qk_mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype,
             self.dtype,
@@ -215,7 +217,8 @@ class Sm90Kernel:
             (self.mma_warpgroups, 1, 1),
             tiler_mn=(64, bN),
         )
-        # O = P @ V: two m64nDk16 atoms; A = P from registers, B = V^T, MN-major (D contiguous).
+        # O = P @ V: one m64nDk16 atom per warpgroup; A = P from registers, B = V^T, MN-major
+        # (D contiguous).
         pv_mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype,
             self.dtype,
@@ -279,7 +282,7 @@ class Sm90Kernel:
         self.shared_storage = SharedStorage
         self.shared_memory_bytes = SharedStorage.size_in_bytes()
 
-        # The work tiles: one per 128-row Q tile of one (head, sequence), as many Q tiles as the
+        # The work tiles: one per Q tile (bM rows) of one (head, sequence), as many Q tiles as the
         # longest sequence has (packed: G rows per position); the tiles past a shorter
         # sequence's end find nothing to do. Persistent: min(tiles, SMs) CTAs share them out;
         # otherwise one CTA per tile.
@@ -345,7 +348,7 @@ class Sm90Kernel:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        # 0: the producer; 1 and 2: the consumers, whose threads count from mma_tidx = 0
+        # 0: the producer; 1 .. mma_warpgroups: the consumers, whose threads count from mma_tidx = 0
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // 128)
         mma_tidx = tidx - 128
         bM, bN, bK = self.cta_tile
@@ -535,7 +538,7 @@ class Sm90Kernel:
                 # O += P_j V_j), so O and LSE are stage 8's bit for bit (tested).
                 # Ping-pong as in stage 8, but a turn is now the pair issued together, QK_j and
                 # PV_{j-1} (turn 0: QK_lo; the last: PV_{hi-1}); steps + 1 turns per warpgroup, the
-                # same counts on barriers 2 and 3. With steps = 3:
+                # same counts on the turn barriers. With steps = 3:
                 #   tensor cores | 1: QK0 | 2: QK0 | 1: QK1 PV0 | 2: QK1 PV0 | 1: QK2 PV1 | ...
                 #   warpgroup 1  |        | sm0    |            | sm1        |            |
                 #   warpgroup 2  |        |        | sm0        |            | sm1        |
@@ -622,7 +625,7 @@ class Sm90Kernel:
                     kv_pipeline.consumer_wait(v_state)
                     # Packed sequences: the last tile's rows past seqlen_k are the next sequence's V.
                     # P is 0 there, but 0 x NaN = NaN: zero those rows before P @ V reads them. Only
-                    # the range's last tile can reach past seqlen_k. (Its barrier joins both
+                    # the range's last tile can reach past seqlen_k. (Its barrier joins all consumer
                     # warpgroups, so it stands between turns, as in stage 8.)
                     if cutlass.const_expr(mCuSeqlensK is not None):
                         if kv_tile_hi * bN > seqlen_k:
@@ -717,18 +720,28 @@ class Sm90Kernel:
     @cute.jit
     def wait_turn(self, warpgroup_idx):
         """Ping-pong: block consumer warpgroup w until the one before it (w - 1, warpgroup 1's:
-        the last) has passed it the tensor cores. Named barrier 1 + w counts 256 threads: this
-        warpgroup's 128 (bar.sync, here) and the previous one's 128 (bar.arrive, in pass_turn);
-        each completion is one turn. The turns go strictly round (1, 2, 1, 2, ... or 1, 2, 3,
-        1, ...), so no barrier sees two passes before a wait."""
-        cute.arch.barrier(barrier_id=1 + warpgroup_idx, number_of_threads=2 * 128)
+        the last) has passed it the tensor cores. Its named barrier (turn_barrier) counts 256
+        threads: this warpgroup's 128 (bar.sync, here) and the previous one's 128 (bar.arrive,
+        in pass_turn); each completion is one turn. The turns go strictly round (1, 2, 1, 2, ...
+        or 1, 2, 3, 1, ...), so no barrier sees two passes before a wait."""
+        cute.arch.barrier(barrier_id=self.turn_barrier(warpgroup_idx), number_of_threads=2 * 128)
 
     @cute.jit
     def pass_turn(self, warpgroup_idx):
-        """Ping-pong: consumer warpgroup w hands the tensor cores to the next one, w % N + 1 of
-        N: an arrive, without waiting, on that warpgroup's named barrier 1 + (w % N + 1)."""
-        next_warpgroup = warpgroup_idx % self.mma_warpgroups + 1
-        cute.arch.barrier_arrive(barrier_id=1 + next_warpgroup, number_of_threads=2 * 128)
+        """Ping-pong: consumer warpgroup w hands the tensor cores to the next one
+        (next_warpgroup): an arrive, without waiting, on that warpgroup's turn barrier."""
+        barrier = self.turn_barrier(self.next_warpgroup(warpgroup_idx))
+        cute.arch.barrier_arrive(barrier_id=barrier, number_of_threads=2 * 128)
+
+    def turn_barrier(self, warpgroup):
+        """The named barrier of consumer warpgroup w's turns: 1 + w (barrier 1 is all consumers').
+        Plain arithmetic, on a warpgroup number or the kernel's run-time warpgroup_idx alike; the
+        CPU model in the tests uses these two methods."""
+        return 1 + warpgroup
+
+    def next_warpgroup(self, warpgroup):
+        """The consumer warpgroup after w of N = mma_warpgroups: w % N + 1 (N = 2: 1 <-> 2)."""
+        return warpgroup % self.mma_warpgroups + 1
 
     @cute.jit
     def issue_qk(self, qk_mma, acc_S, tSrQ, tSrK, slot):
@@ -770,14 +783,13 @@ class Sm90Kernel:
     ):
         """Stage 8's softmax of one tile: the element mask on a tile that crosses an edge (Sk, or
         the band of the window: the diagonal when causal), then the fold into row_max and
-        row_sum, P = exp(scale * (S - row_max)) in place of S. Returns row_scale. The mask
-        tests only the edges the tile crosses: a causal diagonal tile (or the last tile before
-        Sk) only the right one, one compare per element. tScS: (this thread's coordinates,
-        thread 0's: the offsets)."""
+        row_sum, P = exp(scale * (S - row_max)) in place of S. Returns row_scale. tScS: (this
+        thread's coordinates, thread 0's: the offsets)."""
         right, left = self.mask_edges(pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right)
-        args = (acc_S, tScS, pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right)
-        if left or right:
-            self.mask_keys(*args, left_edge=True)
+        if right or left:
+            self.mask_keys(
+                acc_S, tScS, pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right
+            )
         return self.online_softmax(acc_S, row_max, row_sum, scale_log2)
 
     @cute.jit
@@ -859,7 +871,7 @@ class Sm90Kernel:
         (the async proxy) and wait for all consumer threads: every warpgroup reads every row of V."""
         _, bN, bK = self.cta_tile
         per_row = bK // 8  # 16-byte chunks per row
-        chunks = bN * per_row  # 1,024 (D = 64) or 2,048: 8 or 16 per thread of 128
+        chunks = bN * per_row  # 1,024 (D = 64; 3 rounds of 384 threads) or 2,048 (8 of 256)
         for i in cutlass.range_constexpr(-(-chunks // self.mma_threads)):
             chunk = i * self.mma_threads + tidx
             row, col = chunk // per_row, (chunk % per_row) * 8
@@ -990,24 +1002,14 @@ class Sm90Kernel:
         return right, left
 
     @cute.jit
-    def mask_keys(
-        self,
-        acc_S,
-        tScS,
-        pid_m,
-        kv_tile,
-        seqlen_q,
-        seqlen_k,
-        window_left,
-        window_right,
-        left_edge: cutlass.Constexpr,
-    ):
+    def mask_keys(self, acc_S, tScS, pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right):
         """S = -inf where row i of Q tile pid_m must not see key j of KV tile kv_tile: j >= Sk,
         or j - i outside [band_lo, band_hi] (stage 8's mask, the same elements). Per row, the
         keys seen are one interval, j in [i + band_lo, min(i + band_hi + 1, Sk)); counted from
         this thread's first key it is [col_lo, col_hi), and element c of the row is masked
-        when its column offset (a constant: tScS_offsets) lies outside - one compare where the
-        tile crosses only the right edge (left_edge False), two where it crosses the left."""
+        when its column offset (a constant: tScS_offsets) lies outside: two compares per
+        element. (A second version with the right bound alone, for tiles that cross only that
+        edge, spilled at D = 64: not kept.)"""
         bM, bN, _ = self.cta_tile
         band_lo, band_hi = seqlen_k - seqlen_q - window_left, seqlen_k - seqlen_q + window_right
         tScS, tScS_offsets = tScS
@@ -1020,12 +1022,8 @@ class Sm90Kernel:
             col_lo = row + band_lo - first_key
             for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
                 col = offsets[r, c][1]
-                if cutlass.const_expr(left_edge):
-                    if col >= col_hi or col < col_lo:
-                        acc_S_mn[r, c] = -cutlass.Float32.inf
-                else:
-                    if col >= col_hi:
-                        acc_S_mn[r, c] = -cutlass.Float32.inf
+                if col >= col_hi or col < col_lo:
+                    acc_S_mn[r, c] = -cutlass.Float32.inf
 
     @cute.jit
     def online_softmax(self, acc_S, row_max, row_sum, scale_log2):
@@ -1071,8 +1069,8 @@ def attention(q, k, v, scale=None, causal=False, window=None, return_lse=False, 
 
     pack_gqa: the G = H / Hkv query heads of a KV head share one Q tile (common/pack_gqa.py).
     None (default) packs where a tile would otherwise be mostly empty, Sq short against the
-    128-row tile (decode-like shapes: Sq = 1 uses 1 of 128 rows unpacked, G packed); True /
-    False force it. The same answer either way (the same arithmetic per row); the speed is in
+    Q tile (128 rows, 192 at D = 64; decode-like shapes: Sq = 1 uses 1 row unpacked, G
+    packed); True / False force it (True needs G to divide the tile's rows). The same answer either way (the same arithmetic per row); the speed is in
     docs/results/."""
     return attention_host.attention(
         Sm90Kernel, q, k, v, scale, causal, window, return_lse, pack_gqa
