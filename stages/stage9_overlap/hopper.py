@@ -88,7 +88,7 @@ Changes from stage 8:
   and compared three times. The same elements are masked (bit for bit against stage 8,
   tested). Measured in two runs of the same day (H200, GPU time): D = 64 causal +1-4%, D = 128
   within the runs' spread; leaving the mask out entirely (wrong values, timing only) would gain
-  another 4-12% at D = 64 and 1-4% at D = 128 (FA4 peels the diagonal tiles into a loop of
+  another 4-13% at D = 64 and 1-4% at D = 128 (FA4 peels the diagonal tiles into a loop of
   their own; not done here). A variant with a second, right-edge-only mask (one compare)
   spilled at D = 64 and was dropped.
 
