@@ -72,7 +72,8 @@ Changes from stage 8:
   warpgroups per SM against stage 5's four (two CTAs per SM); a third adds one, and each K/V
   tile loaded serves 192 rows instead of 128. The turns go round 1 -> 2 -> 3 -> 1 (wait_turn,
   pass_turn: barrier 1 + w, arrived on by warpgroup w - 1; the CPU model checks 2 and 3
-  warpgroups). nvdisasm counts 156-157 registers in the consumer code (of 160), no spills; an
+  warpgroups). nvdisasm counts 156-157 registers in the consumer code (of 160), no spills
+  (sm_90a cubin of this file, compiled on the GPU-less machine, 2026-12-01); an
   earlier attempt, before the fill of acc_S at each tile's start (see the kernel), spilled
   and ran at 104-107 TFLOP/s.
   Measured (H200, 2026-12-01, bf16, paper shapes, GPU time, three / two consumer warpgroups,
