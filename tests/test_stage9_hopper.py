@@ -214,6 +214,36 @@ def test_turn_barriers_are_distinct_and_go_round():
         assert w == 1 and sorted(seen) == list(range(1, n + 1)), (n, seen)
 
 
+@pytest.mark.parametrize(
+    "tiles_m, heads, sequences, l2_heads",
+    [(64, 16, 2, 8), (8, 16, 16, 64), (5, 6, 1, 2), (3, 12, 3, 4), (7, 5, 1, 1), (1, 4, 1, 4)],
+)
+def test_tile_order_covers_every_tile_once_longest_first_by_section(
+    tiles_m, heads, sequences, l2_heads
+):
+    """tile_coords (a plain method: called here with ints) maps the work tiles 0 .. T - 1 onto
+    every (Q tile, head, sequence) exactly once; inside a section of l2_heads (head, sequence)
+    pairs the Q tiles come last first and the pairs fastest; l2_heads = 1 is head by head."""
+    kernel = hopper.Sm90Kernel(cutlass.BFloat16, 128)
+    pairs = heads * sequences
+    assert pairs % l2_heads == 0  # what l2_section_heads guarantees (pairs & -pairs)
+    coords = [kernel.tile_coords(t, tiles_m, heads, l2_heads) for t in range(tiles_m * pairs)]
+    assert sorted(coords) == sorted(
+        (m, h, b) for m in range(tiles_m) for h in range(heads) for b in range(sequences)
+    )
+    section_tiles = l2_heads * tiles_m
+    for t, (m, h, b) in enumerate(coords):
+        section, i = divmod(t, section_tiles)
+        # Tile t runs Q tile tiles_m - 1 - i // l2_heads of pair section * l2_heads + i % l2_heads.
+        assert m == tiles_m - 1 - i // l2_heads, (t, m)
+        assert h + heads * b == section * l2_heads + i % l2_heads, (t, h, b)
+    if l2_heads == 1:  # head by head: the Q tile fastest (last first), then head, sequence
+        assert coords == [
+            (tiles_m - 1 - t % tiles_m, t // tiles_m % heads, t // (tiles_m * heads))
+            for t in range(tiles_m * pairs)
+        ]
+
+
 @pytest.mark.parametrize("n,wg", [(2, 1), (2, 2), (3, 1), (3, 2), (3, 3)])
 @pytest.mark.parametrize("change", ["extra_wait", "extra_pass", "lost_pass", "pv_before_qk"])
 def test_turn_protocol_model_catches_near_misses(wg, change, n):

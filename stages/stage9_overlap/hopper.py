@@ -168,6 +168,10 @@ class Sm90Kernel:
         self.kv_slots = (227 * 1024 - 1024 - q_bytes - o_bytes) // tile_bytes
         self.smem_align = 1024  # the 128-byte swizzle repeats every 8 rows of 128 B
         self.longest_first = True  # Q tiles in reverse order: see kernel()
+        # Under a mask (batch mode) the work tiles go longest first across as many (head,
+        # sequence) pairs as fit their K and V in L2 (tile_coords); off: head by head.
+        self.l2_sections = True
+        self.l2_bytes = 50 * 1024 * 1024  # L2 of the H100 and the H200: 50 MB
 
     @staticmethod
     def warpgroups_for(head_dim):
@@ -300,6 +304,12 @@ class Sm90Kernel:
             # which a fixed share of tiles per CTA cannot match (measured: see the docstring).
             if window_left >= k.shape[0] and window_right >= max_seqlen_q:
                 grid = (cutlass.min(tiles, self.sm_count), 1, 1)
+        # Under a mask (batch mode), the tiles go longest first across sections of l2_heads
+        # (head, sequence) pairs whose K and V fit in L2 together (tile_coords); 1: head by head.
+        l2_heads = cutlass.Int32(1)
+        if cutlass.const_expr(self.l2_sections and cu_seqlens_q is None):
+            if window_left < k.shape[0] or window_right < max_seqlen_q:
+                l2_heads = self.l2_section_heads(k.shape[0], q.shape[2] * q.shape[3])
         self.kernel(
             qk_mma,
             pv_mma,
@@ -318,6 +328,7 @@ class Sm90Kernel:
             vt_smem_layout,
             o_smem_layout,
             tiles_m,
+            l2_heads,
             scale_log2,
             window_left,
             window_right,
@@ -343,6 +354,7 @@ class Sm90Kernel:
         vt_smem_layout: cute.ComposedLayout,
         o_smem_layout: cute.ComposedLayout,
         tiles_m: cutlass.Int32,
+        l2_heads: cutlass.Int32,
         scale_log2: cutlass.Float32,
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
@@ -451,7 +463,7 @@ class Sm90Kernel:
                 for tile in cutlass.range(
                     cute.arch.block_idx()[0], total_tiles, cute.arch.grid_dim()[0], unroll=1
                 ):
-                    pid_m, head, batch = self.tile_coords(tile, tiles_m, heads)
+                    pid_m, head, batch = self.tile_coords(tile, tiles_m, heads, l2_heads)
                     kv_head = head // (mQ.shape[2] // mK.shape[2])
                     offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
                         batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
@@ -505,7 +517,7 @@ class Sm90Kernel:
             for tile in cutlass.range(
                 cute.arch.block_idx()[0], total_tiles, cute.arch.grid_dim()[0], unroll=1
             ):
-                pid_m, head, batch = self.tile_coords(tile, tiles_m, heads)
+                pid_m, head, batch = self.tile_coords(tile, tiles_m, heads, l2_heads)
                 offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
                     batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
                 )
@@ -793,17 +805,38 @@ class Sm90Kernel:
             )
         return self.online_softmax(acc_S, row_max, row_sum, scale_log2)
 
-    @cute.jit
-    def tile_coords(self, tile, tiles_m, heads):
-        """(Q tile, head, sequence) of work tile `tile`: the Q tile varies fastest, so the CTAs
-        running at one time share the K and V of few heads (in L2). Longest first: the tiles of
-        a (head, sequence) start with its last Q tile, which under a causal mask has the most KV
-        tiles; the short ones fill the gaps at the end. (Without a mask every tile has the same
-        work: nothing changes there.)"""
-        pid_m = tile % tiles_m
+    def tile_coords(self, tile, tiles_m, heads, l2_heads):
+        """(Q tile, head, sequence) of work tile `tile`. The (head, sequence) pairs hb = head +
+        H sequence are cut into sections of l2_heads pairs (which divides their number); inside
+        a section the pair varies fastest and the Q tile slowest, so the tiles run block by
+        block across the section's heads: with longest first, every head's last Q tile (under
+        a causal mask the one with the most KV tiles), then every head's second last, and so on.
+        The CTAs running at one time read the K and V of one section, which fit in L2 together
+        (l2_section_heads). l2_heads = 1 (no mask, packed sequences): head by head, the Q tile
+        fastest. (Without a mask every tile has the same work.)"""
+        section_tiles = l2_heads * tiles_m
+        section = tile // section_tiles
+        in_section = tile - section * section_tiles
+        block = in_section // l2_heads
+        hb = section * l2_heads + in_section - block * l2_heads
+        pid_m = block
         if cutlass.const_expr(self.longest_first):
-            pid_m = tiles_m - 1 - pid_m
-        return pid_m, (tile // tiles_m) % heads, tile // (tiles_m * heads)
+            pid_m = tiles_m - 1 - block
+        return pid_m, hb % heads, hb // heads
+
+    @cute.jit
+    def l2_section_heads(self, seqlen_k, pairs):
+        """How many (head, sequence) pairs' K and V fit in L2 together: 50 MB (the H100's L2;
+        the H200's too) over Sk x 2 D bytes of K and V per head (fp16/bf16), rounded down to a
+        power of two (as FlashAttention's LPT tile scheduler), at least 1, and at most the
+        largest power of two dividing the number of pairs (pairs & -pairs), so that every
+        section is whole."""
+        per_key = 2 * self.cta_tile[2] * self.dtype.width // 8  # bytes of K and V per key
+        fit = (self.l2_bytes // per_key) // seqlen_k
+        heads = cutlass.Int32(1)
+        for _ in cutlass.range_constexpr(24):
+            heads = heads * 2 if heads * 2 <= fit else heads
+        return cutlass.min(heads, pairs & -pairs)
 
     @staticmethod
     def sequences(mQ, mCuSeqlensQ):
