@@ -4,7 +4,9 @@ and the launch. Each stage file keeps its kernel class and its documented entry 
 the class here: `attention(Sm90Kernel, q, k, v, ...)`. The launch goes through TVM-FFI (the torch
 tensors passed as they are; common/compile.py, cached_compile_ffi). The kernel class is built as
 kernel_class(cutlass dtype, D, pack) and called with (q, k, v, o, lse, cu_seqlens_q,
-cu_seqlens_k, max_seqlen_q, scale_log2, window_left, window_right, stream)."""
+cu_seqlens_k, max_seqlen_q, scale_log2, window_left, window_right, stream); a kernel object
+with `uses_tile_counter` (Hopper stage 9: its dynamic tile scheduler) takes one more tensor
+before the stream, tile_counter (one int32, zero at each call where the kernel reads it)."""
 
 import math
 
@@ -43,20 +45,12 @@ def compile_args(kernel_class, dtype, shape, scale=None, **options):
     if varlen:
         cu_q, cu_k = (fake_tensor(torch.int32, (B + 1,), dynamic=True) for _ in range(2))
     pack = choose_pack(H, Hkv, Sq, tile_rows(kernel_class, dtype, D), options.get("pack_gqa"))
-    return kernel_class(cute_dtype(dtype), D, pack), (
-        q,
-        k,
-        v,
-        o,
-        lse,
-        cu_q,
-        cu_k,
-        Sq,
-        checks.check_scale(scale, D) * math.log2(math.e),
-        window_left,
-        window_right,
-        fake_stream(),
-    )
+    kernel = kernel_class(cute_dtype(dtype), D, pack)
+    args = [q, k, v, o, lse, cu_q, cu_k, Sq, checks.check_scale(scale, D) * math.log2(math.e)]
+    args += [window_left, window_right]
+    if getattr(kernel, "uses_tile_counter", False):
+        args.append(fake_tensor(torch.int32, (1,), dynamic=True))
+    return kernel, (*args, fake_stream())
 
 
 def launch(
@@ -89,7 +83,28 @@ def launch(
         # (TVM-FFI, common/compile.py), on the current stream; size-1 modes get canonical strides.
         args = [canonical_strides(t.detach()) for t in (q, k, v, o, lse)]
         args += [cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale_log2, window_left, window_right]
-        cached_compile_ffi(kernel_class(cute_dtype(q.dtype), D, pack), *args)(*args)
+        kernel = kernel_class(cute_dtype(q.dtype), D, pack)
+        if getattr(kernel, "uses_tile_counter", False):
+            args.append(
+                tile_counter(
+                    cu_seqlens_q is None,
+                    window_left,
+                    window_right,
+                    max_seqlen_q,
+                    max_seqlen_k,
+                    q.device,
+                )
+            )
+        cached_compile_ffi(kernel, *args)(*args)
+
+
+def tile_counter(batch_mode, window_left, window_right, Sq, Sk, device):
+    """The counter a dynamic tile scheduler draws tickets from (Hopper stage 9): zero when the
+    kernel reads it - batch mode under a causal or window cut (left < Sk or right < Sq, the
+    kernel's own test) - and left unset otherwise (no fill kernel where none is needed)."""
+    if batch_mode and (window_left < Sk or window_right < Sq):
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    return torch.empty(1, dtype=torch.int32, device=device)
 
 
 def attention(

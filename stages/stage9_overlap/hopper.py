@@ -172,6 +172,8 @@ class Sm90Kernel:
         # sequence) pairs as fit their K and V in L2 (tile_coords); off: head by head.
         self.l2_sections = True
         self.l2_bytes = 50 * 1024 * 1024  # L2 of the H100 and the H200: 50 MB
+        # The launch passes tile_counter (common/attention_host.py): the dynamic scheduler's.
+        self.uses_tile_counter = True
 
     @staticmethod
     def warpgroups_for(head_dim):
@@ -192,6 +194,7 @@ class Sm90Kernel:
         scale_log2: cutlass.Float32,
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
+        tile_counter: cute.Tensor,
         stream,
     ):
         bM, bN, bK = self.cta_tile
@@ -268,6 +271,8 @@ class Sm90Kernel:
         @cute.struct
         class SharedStorage:
             q_full: cute.struct.MemRange[cutlass.Int64, 1]
+            # The work tile the producer hands to the consumers with each q_full (see kernel()).
+            tile_id: cute.struct.MemRange[cutlass.Int32, 2]
             q_empty: cute.struct.MemRange[cutlass.Int64, 1]
             kv_full: cute.struct.MemRange[cutlass.Int64, self.kv_slots]
             kv_empty: cute.struct.MemRange[cutlass.Int64, self.kv_slots]
@@ -297,19 +302,23 @@ class Sm90Kernel:
         tiles_m = cute.ceil_div(max_seqlen_q * self.pack_gqa, bM)
         tiles = tiles_m * q.shape[2] * sequences
         grid = (tiles, 1, 1)
-        if cutlass.const_expr(self.persistent and cu_seqlens_q is None):
-            # Only where every tile has the same work: no causal or window cut (left >= Sk,
-            # right >= Sq), batch mode. Unequal tiles (causal, windows, packed sequences) keep
-            # one CTA per tile, longest first, and the hardware hands them out as SMs free up,
-            # which a fixed share of tiles per CTA cannot match (measured: see the docstring).
-            if window_left >= k.shape[0] and window_right >= max_seqlen_q:
-                grid = (cutlass.min(tiles, self.sm_count), 1, 1)
         # Under a mask (batch mode), the tiles go longest first across sections of l2_heads
-        # (head, sequence) pairs whose K and V fit in L2 together (tile_coords); 1: head by head.
+        # (head, sequence) pairs whose K and V fit in L2 together (tile_coords; 1: head by head),
+        # and, persistent, they are handed out at run time (dynamic = 1): a CTA that finishes a
+        # tile takes the next one not yet taken, from tile_counter (zeroed by the host).
         l2_heads = cutlass.Int32(1)
-        if cutlass.const_expr(self.l2_sections and cu_seqlens_q is None):
+        dynamic = cutlass.Int32(0)
+        if cutlass.const_expr(cu_seqlens_q is None):
+            if cutlass.const_expr(self.persistent):
+                # At most one CTA per SM. Equal tiles (no causal or window cut: left >= Sk and
+                # right >= Sq) are shared out in a fixed order, CTA c taking tiles c, c +
+                # gridDim.x, ...; unequal ones as CTAs free up, longest first.
+                grid = (cutlass.min(tiles, self.sm_count), 1, 1)
             if window_left < k.shape[0] or window_right < max_seqlen_q:
-                l2_heads = self.l2_section_heads(k.shape[0], q.shape[2] * q.shape[3])
+                if cutlass.const_expr(self.persistent):
+                    dynamic = cutlass.Int32(1)
+                if cutlass.const_expr(self.l2_sections):
+                    l2_heads = self.l2_section_heads(k.shape[0], q.shape[2] * q.shape[3])
         self.kernel(
             qk_mma,
             pv_mma,
@@ -329,6 +338,8 @@ class Sm90Kernel:
             o_smem_layout,
             tiles_m,
             l2_heads,
+            dynamic,
+            tile_counter,
             scale_log2,
             window_left,
             window_right,
@@ -355,6 +366,8 @@ class Sm90Kernel:
         o_smem_layout: cute.ComposedLayout,
         tiles_m: cutlass.Int32,
         l2_heads: cutlass.Int32,
+        dynamic: cutlass.Int32,
+        tile_counter: cute.Tensor,
         scale_log2: cutlass.Float32,
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
@@ -394,6 +407,9 @@ class Sm90Kernel:
         # done with the tile's Q (and with sO, when it lies over Q), once per work tile.
         q_full = storage.q_full.data_ptr()
         q_empty = storage.q_empty.data_ptr()
+        # The number of the tile whose Q q_full announces (the producer writes it before its
+        # arrive, the consumers read it after their wait).
+        tile_id = storage.tile_id.get_tensor(cute.make_layout(2))
         q_bytes = cute.size_in_bytes(
             self.dtype, cute.select(q_smem_layout, mode=[0, 1])
         )  # 32 KB (D = 128)
@@ -460,9 +476,8 @@ class Sm90Kernel:
             # are done.
             cute.arch.setmaxregister_decrease(self.load_registers)
             if warp_idx == 0:
-                for tile in cutlass.range(
-                    cute.arch.block_idx()[0], total_tiles, cute.arch.grid_dim()[0], unroll=1
-                ):
+                tile = cute.arch.block_idx()[0]
+                while tile < total_tiles:
                     pid_m, head, batch = self.tile_coords(tile, tiles_m, heads, l2_heads)
                     kv_head = head // (mQ.shape[2] // mK.shape[2])
                     offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
@@ -486,8 +501,10 @@ class Sm90Kernel:
                     # the fresh barrier), then K_j and V_j of every tile of the range, each into
                     # the next entry: the wait in load_tiles is for the release of the entry
                     # kv_slots before, possibly one of the previous tile's.
+                    # With Q comes the tile's number, for the consumers (released by the arrive).
                     cute.arch.mbarrier_wait(q_empty, (tiles_done + 1) % 2)
                     with cute.arch.elect_one():
+                        tile_id[0] = tile
                         cute.arch.mbarrier_arrive_and_expect_tx(q_full, q_bytes)
                     cute.copy(tma_atom_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_full)
                     producer_state = self.ring_state(entries, pipeline.PipelineUserType.Producer)
@@ -502,6 +519,15 @@ class Sm90Kernel:
                         producer_state.advance()
                     entries += 2 * (kv_tile_hi - kv_tile_lo)
                     tiles_done += 1
+                    # Every load of this tile is issued (the consumers are a few KV tiles behind):
+                    # take the next tile now.
+                    tile = self.next_tile(tile, dynamic, tile_counter)
+                # No tile left: tell the consumers with a tile number past the end and a q_full
+                # of its own (an arrive without bytes), once they are done with the last Q.
+                cute.arch.mbarrier_wait(q_empty, (tiles_done + 1) % 2)
+                with cute.arch.elect_one():
+                    tile_id[0] = tile
+                    cute.arch.mbarrier_arrive(q_full)
                 # Exit only after the consumers have released the last kv_slots entries (waits
                 # on the empty barriers of the next kv_slots entries): no arrive on the ring is
                 # outstanding then. The consumers' waits alone already keep shared memory alive
@@ -514,9 +540,10 @@ class Sm90Kernel:
             # The consumer warpgroups take the registers the producer gave up (168 -> 240; with
             # three consumer warpgroups, 128 -> 160).
             cute.arch.setmaxregister_increase(self.mma_registers)
-            for tile in cutlass.range(
-                cute.arch.block_idx()[0], total_tiles, cute.arch.grid_dim()[0], unroll=1
-            ):
+            # Each tile's number comes with its Q (q_full); a number past the end ends the loop.
+            cute.arch.mbarrier_wait(q_full, tiles_done % 2)
+            tile = tile_id[0]
+            while tile < total_tiles:
                 pid_m, head, batch = self.tile_coords(tile, tiles_m, heads, l2_heads)
                 offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
                     batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
@@ -527,8 +554,8 @@ class Sm90Kernel:
                 steps = kv_tile_hi - kv_tile_lo
                 consumer_state = self.ring_state(entries, pipeline.PipelineUserType.Consumer)
 
-                # This tile's Q has landed.
-                cute.arch.mbarrier_wait(q_full, tiles_done % 2)
+                # This tile's Q has landed (the wait before the loop or at the end of the last
+                # tile).
                 row_max.fill(-cutlass.Float32.inf)
                 row_sum.fill(0.0)
                 # A row that sees no key keeps O = 0 (and so does a Q tile with no KV tile at all).
@@ -729,6 +756,23 @@ class Sm90Kernel:
                 )
                 entries += 2 * steps
                 tiles_done += 1
+                cute.arch.mbarrier_wait(q_full, tiles_done % 2)
+                tile = tile_id[0]
+
+    @cute.jit
+    def next_tile(self, tile, dynamic, tile_counter):
+        """The producer's next work tile after `tile`: tile + gridDim.x (a fixed share), or, with
+        dynamic = 1, gridDim.x + the ticket that lane 0 draws from tile_counter (an atomic add:
+        tickets 0, 1, ... in the order the CTAs ask, after the first gridDim.x tiles that the
+        CTAs start with), broadcast to the warp."""
+        grid = cute.arch.grid_dim()[0]
+        nxt = tile + grid
+        if dynamic != 0:
+            ticket = cutlass.Int32(0)
+            if cute.arch.lane_idx() == 0:
+                ticket = cute.arch.atomic_add(tile_counter.iterator, cutlass.Int32(1))
+            nxt = grid + cute.arch.shuffle_sync(ticket, 0)
+        return nxt
 
     @cute.jit
     def wait_turn(self, warpgroup_idx):
