@@ -1252,13 +1252,16 @@ def error_picture(stage, result=None, standin=None):
     )
 
 
-def measure(stage, shapes, baselines=None, also_stages=(), variants=None, with_fa4=False):
+def measure(
+    stage, shapes, baselines=None, also_stages=(), variants=None, with_fa4=False, causal=False
+):
     """GPU mode: time stage `stage` and its baselines (cuBLAS or SDPA, all in the same run, inputs
     rotated past L2; common.benchmarks.measure) at each shape, the stages in `also_stages`
     (same entry signature) on the same shapes, and each variant {label: settings} of the stage's
     own kernel (kernel_settings: the modified kernel is compiled anew and timed in the same run);
     print a table naming the GPU and date, draw a bar chart, return {shape: {name: TFLOP/s}}.
-    with_fa4=True adds FA4 (flash_attn.cute) to the baselines where it imports.
+    with_fa4=True adds FA4 (flash_attn.cute) to the baselines where it imports. causal=True (stage
+    6 on): everything causal, the baselines too, FLOPs halved as the FlashAttention papers count.
     Compile-only mode: skipped."""
     if MODE != "gpu":
         _skip("Measure", stage)
@@ -1274,15 +1277,17 @@ def measure(stage, shapes, baselines=None, also_stages=(), variants=None, with_f
     gpu, date = gpu_and_date()
     results, rows = {}, []
     for shape in shapes:
-        case = make_case(stage, track, tuple(shape), seed=1, with_fa4=with_fa4)
+        mask = dict(causal=True) if causal else {}
+        case = make_case(stage, track, tuple(shape), seed=1, with_fa4=with_fa4, **mask)
         res = bench_measure(case, names=baselines)
         for label, settings in (variants or {}).items():
             with kernel_settings(stage, track, **settings):
-                var = bench_measure(make_case(stage, track, tuple(shape), seed=1), names=())
+                var = bench_measure(make_case(stage, track, tuple(shape), seed=1, **mask), names=())
             res[f"stage {stage} ({label})"] = var[f"stage {stage}"]
         for other in also_stages:
             if available(other, track):
-                res.update(bench_measure(make_case(other, track, tuple(shape), seed=1), names=()))
+                other_case = make_case(other, track, tuple(shape), seed=1, **mask)
+                res.update(bench_measure(other_case, names=()))
         results[str(tuple(shape))] = {k: v[1] for k, v in res.items()}
         mine = res[f"stage {stage}"][1]
         for name, (ms, tf) in res.items():

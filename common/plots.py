@@ -2216,6 +2216,45 @@ def persistent_ctas(rows, title=None, path=None):
     return fig
 
 
+def dynamic_tiles(rows, title=None, path=None):
+    """Stage 9's dynamic tile scheduler as measured (rows of docs/results/
+    dynamic_h200_2026-12-01.json: D, S, causal and TFLOP/s per variant): one panel per D, causal
+    rows only, TFLOP/s against S for one CTA per tile, the dynamic scheduler and FA4."""
+    mine = [r for r in rows if r["causal"]]
+    panels = sorted({r["D"] for r in mine}, reverse=True)
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(min(FIG_WIDTH * 1.4, 4.6 * len(panels)), 3.6), squeeze=False
+    )
+    styles = {
+        "one CTA per tile": ("one CTA per tile (before)", "#8C8C8C", 2.0),
+        "dynamic": ("dynamic scheduler (stage 9 now)", kernel_color("stage 9"), 2.5),
+        "FA4": ("FA4", kernel_color("FA4"), 1.2),
+    }
+    for ax, D in zip(axes[0], panels):
+        pts = sorted((r for r in mine if r["D"] == D), key=lambda r: r["S"])
+        for name, (label, color, width) in styles.items():
+            xs = [r["S"] for r in pts if name in r]
+            ax.plot(
+                xs,
+                [r[name] for r in pts if name in r],
+                marker="o",
+                label=label,
+                color=color,
+                linewidth=width,
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length S (B x S = 16k)", fontsize=10)
+        ax.set_ylabel("TFLOP/s (GPU time)", fontsize=10)
+        ax.set_title(f"D = {D}, causal", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title or "Stage 9 causal: one CTA per tile against the dynamic tile scheduler")
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=110)
+    return fig
+
+
 def consumer_warpgroups(rows, title=None, path=None):
     """Stage 9 at D = 64 with three consumer warpgroups (192-row Q tile) and two (128 rows), as
     measured (rows of docs/results/bench_h200_2026-12-01_3wg.json: D, S, causal, dtype and

@@ -17,9 +17,9 @@ SHAPES[8] = SHAPES[9] = (1, 2, 256, 2048, 64)
 
 def target(n):
     """What runs under the sanitizer: one launch of stage n on a small shape, checked. On Hopper
-    stage 9 also runs non-causal with its persistent grid capped at 2 CTAs, so that each CTA
-    walks 2 tiles and hands Q and the ring's slots from one to the next (causal keeps one CTA
-    per tile)."""
+    stage 9 also runs with its persistent grid capped at 2 CTAs, so that each CTA walks 2 tiles
+    and hands Q and the ring's slots from one to the next: non-causal (a fixed share of tiles)
+    and causal (tiles drawn from the atomic counter)."""
     import torch
 
     from .arch import track
@@ -37,18 +37,20 @@ def target(n):
 
         from . import attention_host
 
-        c = make_case(n, "hopper", SHAPES[n])  # 2 Q tiles (192 rows at D = 64) x 2 heads
-
         class capped(hopper.Sm90Kernel):  # the grid capped at 2 CTAs: 2 tiles each
             def __init__(self, dtype, d, pack):
                 super().__init__(dtype, d, pack, sm_count=2)
 
-        q, k, v = c.args
-        run = lambda: attention_host.attention(capped, q, k, v, None, False, None, False, None)  # noqa: E731
-        out = run_with_deadline(run, 600, "stage 9, persistent")
-        r = check_close("stage 9, persistent", out, c.ref(), rtol=c.rtol)
-        torch.cuda.synchronize()
-        print(f"stage 9 (persistent, 2 CTAs x 2 tiles) under the sanitizer: {r}")
+        # 2 Q tiles (192 rows at D = 64) x 2 heads; non-causal: the tiles in a fixed order,
+        # causal: handed out at run time (the atomic tile counter, the tile number with Q).
+        for causal, order in ((False, "fixed order"), (True, "dynamic")):
+            c = make_case(n, "hopper", SHAPES[n], causal=causal)
+            q, k, v = c.args
+            run = lambda: attention_host.attention(capped, q, k, v, None, causal, None, False, None)  # noqa: E731
+            out = run_with_deadline(run, 600, f"stage 9, persistent, {order}")
+            r = check_close(f"stage 9, persistent, {order}", out, c.ref(), rtol=c.rtol)
+            torch.cuda.synchronize()
+            print(f"stage 9 (persistent, 2 CTAs x 2 tiles, {order}) under the sanitizer: {r}")
 
 
 def main(argv=None):

@@ -61,8 +61,8 @@ nb.start(9)
 # - read the timeline model before and after, and say what it predicts and why the measurement
 #   disagrees with it;
 # - put the measured step next to the FlashAttention-3 paper's ablation (582 -> 661 TFLOP/s);
-# - say when persistent CTAs pay (equal tiles, short sequences) and why a causal grid keeps one
-#   CTA per tile;
+# - say when persistent CTAs pay (equal tiles, short sequences) and how a dynamic tile scheduler
+#   (an atomic counter) carries them over to causal and window masks;
 # - say why D = 64 takes a third consumer warpgroup (a 192-row Q tile, 160 registers each) and
 #   how the ping-pong's turns go round three warpgroups.
 #
@@ -388,6 +388,7 @@ nb.table(
 # per CTA cannot follow the unequal tiles as the hardware's dispatch of one CTA per tile does,
 # and the CTAs end up spread over many heads at once, so K and V are likely re-read from HBM
 # (the arithmetic: 16 heads x 8 MB of K and V at 16k against 50 MB of L2; not profiled).
+# Under a mask the capped grid now takes its tiles at run time instead (section 7.3).
 
 # %%
 with open(os.path.join(nb.ROOT, "docs/results/bench_h200_2026-12-01_persistent.json")) as f:
@@ -452,6 +453,52 @@ bench_wg = nb.measure(
     [(8, 32, 2048, 2048, 64), (2, 32, 8192, 8192, 64)],
     baselines=(),
     variants={"two consumer warpgroups": dict(mma_warpgroups=2)},
+)
+
+# %% [markdown]
+# ### 7.3 A dynamic tile scheduler under a mask
+#
+# Under a causal or window mask the tiles are unequal: the last Q tile of a head sees every KV
+# tile, the first one a single one. A fixed share per CTA cannot follow that (7.1), and one CTA
+# per tile gives up what the persistent loop bought: every CTA pays its set-up again, and its
+# epilogue runs with nothing behind it. FlashAttention-3's answer, now in `next_tile`: the grid
+# is capped at one CTA per SM here too, CTA c starts with tile c, and when its producer has
+# issued a tile's last load it draws a ticket from a global counter (one `atomic_add` by lane 0;
+# `tile_counter`, which the host zeroes at every call) and takes tile gridDim.x + ticket. The
+# consumers learn the number with the tile's Q: the producer writes it to shared memory
+# (`tile_id`) before its arrive on `q_full`, the consumers read it after their wait, and a number
+# past the end, with a `q_full` of its own, ends their loop. The tickets come in order, so the
+# tiles still start longest first - and `tile_coords` now orders them across a section of heads
+# whose K and V fit in L2 together (every head's longest tile before any head's second longest,
+# FlashAttention's LPT order) rather than head by head.
+#
+# **Measured** (H200, 2026-12-01, bf16, causal paper shapes, GPU time, outputs not poisoned, FA4
+# in the same run; `docs/results/dynamic_h200_2026-12-01.json`): at D = 128 +22% at S = 512, +19%
+# at 1k, +11% at 2k, +5% at 4k, +3% at 8k, +1% at 16k; at D = 64 +17-24% at 512-1k, +12% at 2k,
+# +4-8% at 4k-8k, within the spread at 16k. Stage 9 / FA4 causal: 0.97-1.06 at D = 128, 0.89-1.02
+# at D = 64 and 0.93-0.99 there from 1k (0.87-0.96 and 0.72-0.99 with one CTA per tile, same
+# run). The outputs are the same bits whichever CTA computes a tile (tested).
+
+# %%
+nb.show_source(9, "hopper", names=["Sm90Kernel.next_tile", "Sm90Kernel.tile_coords"])
+
+# %%
+with open(os.path.join(nb.ROOT, "docs/results/dynamic_h200_2026-12-01.json")) as f:
+    dynamic_rows = json.load(f)["rows"]
+fig = plots.dynamic_tiles(
+    dynamic_rows,
+    title="Stage 9 causal: one CTA per tile and the dynamic scheduler (H200, 2026-12-01, bf16)",
+)
+
+# %%
+# On a GPU: the same comparison in this run (event-timed), causal: the dynamic scheduler against
+# one CTA per tile (kernel_settings turns persistence off; the rest of the kernel is the same).
+bench_dynamic = nb.measure(
+    9,
+    [(32, 16, 512, 512, 128), (16, 16, 1024, 1024, 128), (2, 16, 8192, 8192, 128)],
+    baselines=(),
+    variants={"one CTA per tile": dict(persistent=False)},
+    causal=True,
 )
 
 # %% [markdown]

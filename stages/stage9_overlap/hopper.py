@@ -45,9 +45,9 @@ Changes from stage 8:
   repetitions, reversed / in order): D = 128: S = 1k 279 / 147 and 268 / 154, 2k 321 / 297,
   4k 582 / 557, 8k 577 / 560, 16k 626 / 586; D = 64: 1k 263 / 256 ... 16k 460 / 432 - never
   slower, +2-15% from 2k, 1.8x at 1k (D = 128) where the long tiles started last were the tail.
-- Persistent CTAs: the kernel walks work tiles in a loop (tile c, c + gridDim.x, ...), and
-  where every tile has the same work (no causal or window cut, batch mode) the grid is capped
-  at one CTA per SM, so that a CTA's set-up (barriers, descriptors, the first loads) is paid
+- Persistent CTAs: the kernel walks work tiles in a loop, and in batch mode the grid is capped
+  at one CTA per SM; where every tile has the same work (no causal or window cut) CTA c takes
+  tiles c, c + gridDim.x, ... (under a mask: the dynamic scheduler below), so that a CTA's set-up (barriers, descriptors, the first loads) is paid
   once per SM, not per tile, and the next tile's K and V stream in during this tile's last
   GEMMs. Two barriers hand Q from tile to tile: q_full (TMA landed) and q_empty (the 256 or
   384 consumer threads are done with Q); O gets its own 32 KB buffer (D = 128) so that q_empty
@@ -59,12 +59,44 @@ Changes from stage 8:
   (+1%), 16k 689 / 690; FA4 590, 670, 716, 740, 733. D = 64: 1k +8%, 2k +3%, 4k 0, 8k-16k -2%
   (within run-to-run spread). The gain shrinks as 1 / S, as a per-CTA cost should. O over Q
   instead of its own buffer kept about a third of the gain at 1k-2k (500 and 592 at D = 128).
-  Unequal tiles keep one CTA per tile: a fixed share of tiles per CTA (tile c + k x 132)
-  cannot match the hardware handing out longest-first tiles as SMs free up; forced on, causal
-  ran 1-5% slower at 1k-8k and 36% slower at 16k (441 against 685, D = 128; not analysed
-  further). FlashAttention-3's causal kernel gets this from a dynamic scheduler (an atomic
-  tile counter), not written here; FA4 on Hopper (flash_attn.cute, 4.0.0b36) launches one CTA
-  per tile.
+  Unequal tiles (causal, windows) are handed out at run time instead: a fixed share of tiles
+  per CTA (tile c + k x 132) cannot match the hardware handing out longest-first tiles as SMs
+  free up (forced on, causal ran 1-5% slower at 1k-8k and 36% slower at 16k, D = 128).
+- Dynamic tile scheduler (FlashAttention-3's, for causal and windows in batch mode): the grid
+  is capped at one CTA per SM there too, CTA c starts with tile c, and once the producer has
+  issued a tile's last load it draws a ticket from a global counter (one atomic add by lane 0;
+  tile_counter, zeroed by the host at each call) and takes tile gridDim.x + ticket. The tile
+  number reaches the consumers with Q: the producer writes it to shared memory before its
+  arrive on q_full, the consumers read it after their wait (a number past the end, with a
+  q_full of its own, ends their loop). So the tiles still start longest first, as CTAs free
+  up, and the per-CTA set-up and the epilogue overlap with the next tile's loads, as in the
+  persistent non-causal grid. Measured (H200, 2026-12-01, sixth session, bf16, causal paper
+  shapes, GPU time, outputs not poisoned, one CTA per tile / dynamic / FA4 in the same run,
+  two repetitions alike within 1% but where noted): D = 128 S = 512 242 / 294 / 277, 1k 368 /
+  436 / 422, 2k 503 / 558 / 554, 4k 604 / 635 / 645, 8k 660 / 678 / 692, 16k 691 / 700 / 719
+  and 689 / 701 / 696; D = 64 512 131 / 163 / 182 and 150 / 186 / 183, 1k 222 / 261 / 264, 2k
+  338 / 378 / 393, 4k 422 / 455 / 472, 8k 504 / 526 / 547, 16k 543 / 519 / 550 and 521 / 531 /
+  570. +17-24% at S = 512-1k, +11-12% at 2k, +1-8% from 4k (16k at D = 64 within the runs'
+  spread); stage 9 / FA4 0.97-1.06 at D = 128, 0.89-1.02 at D = 64 (0.93-0.99 from 1k;
+  one CTA per tile: 0.87-0.96 and 0.72-0.99). The outputs are the
+  same bits in either order (tested: a tile's values do not depend on which CTA computes it).
+- The order of the tiles under a mask (batch mode): sections of l2_heads (head, sequence)
+  pairs whose K and V fit in the 50 MB L2 together (a power of two that divides the number of
+  pairs: 8 at D = 128, Sk = 8k), and inside a section the Q tile slowest and the pair fastest,
+  so that every head's longest tile comes before any head's second longest
+  (FlashAttention's LPT order). Head by head (the Q tiles of one head longest first, then the
+  next head's) left the longest tiles of the last heads for late in the grid: a list-scheduling
+  model of 132 SMs puts that order 4-7% above the ideal makespan at S = 1k-8k against 0-1.5%
+  sectioned, and the global order (all heads sorted) loses L2 (measured 1-15% slower at
+  D = 128 in the fifth session). Measured with one CTA per tile (H200, 2026-12-01, sixth
+  session, GPU time, outputs poisoned, head by head / sectioned): D = 128 causal S = 2k 454 /
+  461, 4k 556 / 573, 8k 623 / 640 (+2-3%), 1k 331 / 324 and 16k 688 / 682 (-1-2%); D = 64 +0.6-3.7%
+  from 1k. Without a mask the order is head by head (l2_heads = 1), unchanged.
+- Tried and dropped: the KV tiles that cross no mask edge in a loop of their own without the
+  mask code (FlashAttention's peeled loop; the same tiles in the same order, so the same bits).
+  Three copies of the loop body made ptxas serialise the wgmma at D = 128 (warning C7512,
+  registers 216 against 193) and move acc_O to local memory at D = 64 (432 LDL / STL), in the
+  sm_90a cubin of this file (2026-12-01): not run.
 - Three consumer warpgroups at D = 64 (FlashAttention-3's configuration): a 192-row Q tile,
   consumer w computing rows [64 (w - 1), 64 w), 512 threads, setmaxnreg 24 / 160 (128 x 24 +
   384 x 160 = 64,512). D = 64 is bound by the exponentials, not the tensor cores (ncu: XU pipe
@@ -156,8 +188,9 @@ class Sm90Kernel:
         # next to 2 x 32 KB (D = 128), 11 x 16 KB next to 2 x 24 KB (D = 64, 192 rows).
         q_bytes = self.cta_tile[0] * head_dim * dtype.width // 8
         tile_bytes = self.cta_tile[1] * head_dim * dtype.width // 8
-        # Persistent CTAs: a grid of at most one CTA per SM (1 fits: 225 KB of shared memory),
-        # each walking the work tiles blockIdx.x, blockIdx.x + gridDim.x, ... (see kernel()).
+        # Persistent CTAs (batch mode): a grid of at most one CTA per SM (1 fits: 225 KB of
+        # shared memory), each walking work tiles: blockIdx.x, blockIdx.x + gridDim.x, ...
+        # without a mask, drawn from an atomic counter under one (see __call__ and kernel()).
         # Off: one CTA per tile, the same loop run once. o_buffer: O staged in its own buffer
         # instead of over Q, so that the next tile's Q can land during this tile's epilogue (one
         # K/V slot less).
@@ -294,8 +327,8 @@ class Sm90Kernel:
 
         # The work tiles: one per Q tile (bM rows) of one (head, sequence), as many Q tiles as the
         # longest sequence has (packed: G rows per position); the tiles past a shorter
-        # sequence's end find nothing to do. Persistent: min(tiles, SMs) CTAs share them out;
-        # otherwise one CTA per tile.
+        # sequence's end find nothing to do. Persistent (batch mode): min(tiles, SMs) CTAs share
+        # them out; otherwise (packed sequences, or persistent off) one CTA per tile.
         sequences = (
             q.shape[3] if cutlass.const_expr(cu_seqlens_q is None) else cu_seqlens_q.shape[0] - 1
         )
@@ -456,8 +489,9 @@ class Sm90Kernel:
         row_max = cute.make_rmem_tensor(cute.size(self.rows_view(acc_S), mode=[0]), self.acc_dtype)
         row_sum = cute.make_rmem_tensor_like(row_max)
 
-        # 2. The work tiles. Tile t is (Q tile, head, sequence) = (t % tiles_m, t / tiles_m % H,
-        # t / (tiles_m H)); CTA c takes tiles c, c + gridDim.x, ... (one, when not persistent).
+        # 2. The work tiles. Tile t is (Q tile, head, sequence) by tile_coords; CTA c starts with
+        # tile c, and its producer picks the next one (next_tile: c + gridDim.x, ..., or drawn from
+        # tile_counter under a mask) and hands each to the consumers with its Q (tile_id, q_full).
         # Producer and consumers walk the same tiles and count what they have walked: `tiles_done`
         # gives the phase of q_full and q_empty, `entries` (2 per KV tile) the ring position.
         # The ring: entry 2 t holds K of step t (KV tile kv_tile_lo + t), entry 2 t + 1 its V;
