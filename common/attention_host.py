@@ -19,11 +19,13 @@ from common.cute_interop import canonical_strides, cute_dtype, fake_stream, fake
 from common.pack_gqa import choose_pack
 
 
-def tile_rows(kernel_class, dtype, D):
+def tile_rows(kernel_class, dtype, D, kernel=None):
     """Query rows per Q tile of a kernel class at head dim D: its kernel object's `tile_rows`
     (Hopper stage 9: 192 at D = 64), 128 where it has none. Pack-GQA needs G to divide them.
-    (Building the object compiles nothing.)"""
-    return getattr(kernel_class(cute_dtype(dtype), D, 1), "tile_rows", 128)
+    (Building the object compiles nothing; `kernel`: an object of the class built with pack 1,
+    to read instead of building one.)"""
+    kernel = kernel if kernel is not None else kernel_class(cute_dtype(dtype), D, 1)
+    return getattr(kernel, "tile_rows", 128)
 
 
 def compile_args(kernel_class, dtype, shape, scale=None, **options):
@@ -71,28 +73,26 @@ def launch(
 ):
     """Both entries: (B, H, S, D)-shaped views (packed sequences as B = 1), launch."""
     D = q.shape[3]
-    pack = choose_pack(
-        q.shape[1], k.shape[1], max_seqlen_q, tile_rows(kernel_class, q.dtype, D), pack
-    )
     window_left, window_right = masks.resolve_window(causal, window, max_seqlen_q, max_seqlen_k)
     # exp(scale * x) = exp2(scale_log2 * x): the kernel takes the folded multiplier.
     scale_log2 = scale * math.log2(math.e)
     with torch.cuda.device(q.device):
+        # Kernel objects read the current device (Hopper stage 9: its SM count), so they are
+        # built here; the one built for the tile rows serves unpacked launches (the common case).
+        unpacked = kernel_class(cute_dtype(q.dtype), D, 1)
+        rows = tile_rows(kernel_class, q.dtype, D, unpacked)
+        pack = choose_pack(q.shape[1], k.shape[1], max_seqlen_q, rows, pack)
+        kernel = unpacked if pack == 1 else kernel_class(cute_dtype(q.dtype), D, pack)
         # Dynamic shapes and strides: one compile per (dtype, D, batch or packed) serves every
         # shape and head count. The torch tensors go to the compiled function as they are
         # (TVM-FFI, common/compile.py), on the current stream; size-1 modes get canonical strides.
         args = [canonical_strides(t.detach()) for t in (q, k, v, o, lse)]
         args += [cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale_log2, window_left, window_right]
-        kernel = kernel_class(cute_dtype(q.dtype), D, pack)
         if getattr(kernel, "uses_tile_counter", False):
+            batch_mode = cu_seqlens_q is None
             args.append(
                 tile_counter(
-                    cu_seqlens_q is None,
-                    window_left,
-                    window_right,
-                    max_seqlen_q,
-                    max_seqlen_k,
-                    q.device,
+                    batch_mode, window_left, window_right, max_seqlen_q, max_seqlen_k, q.device
                 )
             )
         cached_compile_ffi(kernel, *args)(*args)

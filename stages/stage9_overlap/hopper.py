@@ -146,13 +146,20 @@ from cutlass.tensor_utils import LayoutEnum
 from common import attention_host, pack_gqa
 from common.cute_interop import rows_of_16_bytes
 
+_SM_COUNTS = {}
+
 
 def device_sm_count():
     """The SMs of the current CUDA device (132 on an H100 SXM or H200), the cap on a persistent
-    grid; 132 without a GPU (compile-only)."""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return 132
+    grid; 132 without a GPU (compile-only). Read once per device: every call builds kernel
+    objects, and the property lookup is a measurable part of a short call's host work."""
+    if not torch.cuda.is_available():
+        return 132
+    device = torch.cuda.current_device()
+    count = _SM_COUNTS.get(device)
+    if count is None:
+        count = _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return count
 
 
 class Sm90Kernel:
