@@ -244,6 +244,130 @@ def test_tile_order_covers_every_tile_once_longest_first_by_section(
         ]
 
 
+# ---------------------------------------------------------------- the tile hand-over (CPU)
+
+END = -1  # a tile number past the end
+
+
+def handover_programs(kernel, tiles):
+    """The producer's and each consumer warpgroup's operations on q_full, q_empty and the shared
+    tile number (tile_id) for a CTA that walks `tiles` and then ends, in the kernel's order,
+    with the kernel's parities (q_empty_parity, q_full_parity): per tile the producer waits for
+    q_empty, writes the number, arrives on q_full (with Q's bytes); a consumer waits for q_full,
+    reads the number, and arrives on q_empty once done with Q; at the end the producer hands
+    over END with an arrive of its own."""
+    producer, consumer = [], []
+    for i, t in enumerate(list(tiles) + [END]):
+        producer += [("wait", "q_empty", kernel.q_empty_parity(i)), ("write", t)]
+        producer += [("arrive", "q_full")]
+        consumer += [("wait", "q_full", kernel.q_full_parity(i)), ("read", t)]
+        if t != END:
+            consumer += [("arrive", "q_empty")]
+    return [producer] + [list(consumer) for _ in range(kernel.mma_warpgroups)]
+
+
+def explore_handover(programs, arrivals):
+    """Every interleaving of `programs` over mbarriers with the hardware's parity rule (a wait
+    for parity p passes once the barrier's completed phases have the other parity; a phase
+    completes after `arrivals[bar]` arrives). Returns the set of outcomes: 'done', 'deadlock',
+    or ('read', expected, got) where a consumer read another tile number than its own tile's."""
+    outcomes, seen = set(), set()
+
+    def step(pcs, bars, value):
+        key = (pcs, bars, value)
+        if key in seen:
+            return
+        seen.add(key)
+        if all(pc == len(prog) for pc, prog in zip(pcs, programs)):
+            outcomes.add("done")
+            return
+        moved = False
+        for i, prog in enumerate(programs):
+            if pcs[i] == len(prog):
+                continue
+            op = prog[pcs[i]]
+            nbars, nvalue = dict(bars), value
+            if op[0] == "wait":
+                done, _ = nbars[op[1]]
+                if done % 2 == op[2]:
+                    continue  # that phase has not completed yet
+            elif op[0] == "arrive":
+                done, pending = nbars[op[1]]
+                pending += 1
+                nbars[op[1]] = (done + 1, 0) if pending == arrivals[op[1]] else (done, pending)
+            elif op[0] == "write":
+                nvalue = op[1]
+            elif op[0] == "read" and value != op[1]:
+                outcomes.add(("read", op[1], value))
+            moved = True
+            npcs = pcs[:i] + (pcs[i] + 1,) + pcs[i + 1 :]
+            step(npcs, tuple(sorted(nbars.items())), nvalue)
+        if not moved:
+            outcomes.add("deadlock")
+
+    step(tuple(0 for _ in programs), (("q_empty", (0, 0)), ("q_full", (0, 0))), None)
+    return outcomes
+
+
+HANDOVER_TILES = [[], [7], [7, 139], [7, 139, 271]]
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("tiles", HANDOVER_TILES, ids=lambda t: f"{len(t)}tiles")
+def test_tile_handover_delivers_every_number_and_ends(D, tiles):
+    """The producer hands each tile's number to the 2 (D = 128) or 3 (D = 64) consumer
+    warpgroups with q_full, and END after the last: in every interleaving each consumer reads
+    exactly its tiles' numbers and then END, and every program finishes (q_full: 1 arrive a
+    phase; q_empty: one per consumer warpgroup, the kernel's all consumer threads)."""
+    kernel = hopper.Sm90Kernel(cutlass.BFloat16, D)
+    programs = handover_programs(kernel, tiles)
+    arrivals = {"q_full": 1, "q_empty": kernel.mma_warpgroups}
+    assert explore_handover(programs, arrivals) == {"done"}
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "no_wait_before_end",
+        "write_after_arrive",
+        "lost_release",
+        "no_end",
+        "parity",
+        "consumer_skips_wait",
+    ],
+)
+def test_tile_handover_model_catches_near_misses(change):
+    """The model above must fail each near miss of the protocol: the producer writing END
+    without waiting for the consumers to be done with the last tile, writing a number after
+    its arrive, a consumer that never releases Q, no END at all, a q_empty parity off by one, a
+    consumer that reads the second tile's number without waiting for q_full."""
+    kernel = hopper.Sm90Kernel(cutlass.BFloat16, 128)
+    tiles = [7, 139]
+    programs = handover_programs(kernel, tiles)
+    producer, consumer = programs[0], programs[1]
+    if change == "no_wait_before_end":
+        assert producer[-3] == ("wait", "q_empty", kernel.q_empty_parity(len(tiles)))
+        del producer[-3]
+    elif change == "write_after_arrive":
+        i = producer.index(("write", 139))
+        producer[i], producer[i + 1] = producer[i + 1], producer[i]
+    elif change == "lost_release":
+        consumer.remove(("arrive", "q_empty"))
+    elif change == "no_end":
+        del producer[-1]
+    elif change == "parity":
+        producer[3] = ("wait", "q_empty", 1 - producer[3][2])
+    elif change == "consumer_skips_wait":
+        assert consumer[3] == ("wait", "q_full", kernel.q_full_parity(1))
+        del consumer[3]
+    outcomes = explore_handover(programs, {"q_full": 1, "q_empty": kernel.mma_warpgroups})
+    assert outcomes != {"done"}, change
+    if change in ("lost_release", "no_end", "parity"):
+        assert "deadlock" in outcomes, (change, outcomes)
+    else:
+        assert any(isinstance(o, tuple) for o in outcomes), (change, outcomes)
+
+
 @pytest.mark.parametrize("n,wg", [(2, 1), (2, 2), (3, 1), (3, 2), (3, 3)])
 @pytest.mark.parametrize("change", ["extra_wait", "extra_pass", "lost_pass", "pv_before_qk"])
 def test_turn_protocol_model_catches_near_misses(wg, change, n):

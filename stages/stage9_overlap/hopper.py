@@ -543,7 +543,7 @@ class Sm90Kernel:
                     # the next entry: the wait in load_tiles is for the release of the entry
                     # kv_slots before, possibly one of the previous tile's.
                     # With Q comes the tile's number, for the consumers (released by the arrive).
-                    cute.arch.mbarrier_wait(q_empty, (tiles_done + 1) % 2)
+                    cute.arch.mbarrier_wait(q_empty, self.q_empty_parity(tiles_done))
                     with cute.arch.elect_one():
                         tile_id[0] = tile
                         cute.arch.mbarrier_arrive_and_expect_tx(q_full, q_bytes)
@@ -565,7 +565,7 @@ class Sm90Kernel:
                     tile = self.next_tile(tile, dynamic, tile_counter)
                 # No tile left: tell the consumers with a tile number past the end and a q_full
                 # of its own (an arrive without bytes), once they are done with the last Q.
-                cute.arch.mbarrier_wait(q_empty, (tiles_done + 1) % 2)
+                cute.arch.mbarrier_wait(q_empty, self.q_empty_parity(tiles_done))
                 with cute.arch.elect_one():
                     tile_id[0] = tile
                     cute.arch.mbarrier_arrive(q_full)
@@ -582,7 +582,7 @@ class Sm90Kernel:
             # three consumer warpgroups, 128 -> 160).
             cute.arch.setmaxregister_increase(self.mma_registers)
             # Each tile's number comes with its Q (q_full); a number past the end ends the loop.
-            cute.arch.mbarrier_wait(q_full, tiles_done % 2)
+            cute.arch.mbarrier_wait(q_full, self.q_full_parity(tiles_done))
             tile = tile_id[0]
             while tile < total_tiles:
                 pid_m, head, batch = self.tile_coords(tile, tiles_m, heads, l2_heads)
@@ -797,8 +797,21 @@ class Sm90Kernel:
                 )
                 entries += 2 * steps
                 tiles_done += 1
-                cute.arch.mbarrier_wait(q_full, tiles_done % 2)
+                cute.arch.mbarrier_wait(q_full, self.q_full_parity(tiles_done))
                 tile = tile_id[0]
+
+    def q_full_parity(self, tiles_done):
+        """The consumers' wait on q_full for the tile after `tiles_done` tiles (or the end):
+        the phase of that tile, tiles_done % 2 (one completion per tile: the producer's arrive
+        with Q's bytes, or its arrive alone at the end). Plain arithmetic, shared with the CPU
+        model of the hand-over in the tests."""
+        return tiles_done % 2
+
+    def q_empty_parity(self, tiles_done):
+        """The producer's wait on q_empty before it writes the next tile number and Q: the
+        consumers are done with the previous tile's (one completion per tile, all consumer
+        threads); (tiles_done + 1) % 2, which a fresh barrier passes for the first tile."""
+        return (tiles_done + 1) % 2
 
     @cute.jit
     def next_tile(self, tile, dynamic, tile_counter):
