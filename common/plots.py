@@ -2176,44 +2176,60 @@ def plot_ablation(rows, title, path=None):
     return fig
 
 
+def _tflops_against_s(panels, styles, title, path, panel_width=4.6, legend=None):
+    """The figure the stage 9 measurements share: one panel per (panel title, rows), TFLOP/s
+    (GPU time) against S on a log2 axis, one line per styles entry {row key: (label, colour,
+    width)} where the rows have that key."""
+    fig, axes = plt.subplots(
+        1,
+        len(panels),
+        figsize=(min(FIG_WIDTH * 1.4, panel_width * len(panels)), 3.6),
+        squeeze=False,
+    )
+    for ax, (panel_title, rows) in zip(axes[0], panels):
+        rows = sorted(rows, key=lambda r: r["S"])
+        for name, (label, color, width) in styles.items():
+            pts = [(r["S"], r[name]) for r in rows if name in r]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, marker="o", label=label, color=color, linewidth=width)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length S (B x S = 16k)", fontsize=10)
+        ax.set_ylabel("TFLOP/s (GPU time)", fontsize=10)
+        ax.set_title(panel_title, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(**(legend or dict(fontsize=8)))
+    fig.suptitle(title)
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=110)
+    return fig
+
+
 def persistent_ctas(rows, title=None, path=None):
     """Stage 9's persistent CTAs as measured (rows of docs/results/
     bench_h200_2026-12-01_persistent.json: D, S, causal and TFLOP/s per variant): one panel per
     (D, causal), TFLOP/s against S for the kernel before the tile loop ("before"), with it
     ("persistent": capped grid where tiles have equal work), the capped grid forced on causal
     ("forced persistent") and FA4."""
-    panels = sorted({(r["D"], bool(r["causal"])) for r in rows}, key=lambda p: (-p[0], p[1]))
-    fig, axes = plt.subplots(
-        1, len(panels), figsize=(min(FIG_WIDTH * 1.4, 4.2 * len(panels)), 3.6), squeeze=False
-    )
+    keys = sorted({(r["D"], bool(r["causal"])) for r in rows}, key=lambda p: (-p[0], p[1]))
+    panels = [
+        (
+            f"D = {D}, {'causal' if causal else 'non-causal'} "
+            f"({'one CTA per tile' if causal else 'grid capped'})",
+            [r for r in rows if (r["D"], bool(r["causal"])) == (D, causal)],
+        )
+        for D, causal in keys
+    ]
     styles = {
         "before": ("one CTA per tile (before the loop)", "#8C8C8C", 2.0),
-        "persistent": ("stage 9 now", kernel_color("stage 9"), 2.5),
+        "persistent": ("stage 9 with the tile loop", kernel_color("stage 9"), 2.5),
         "forced persistent": ("capped grid forced on", "#C44E52", 1.5),
         "FA4": ("FA4", kernel_color("FA4"), 1.2),
     }
-    for ax, (D, causal) in zip(axes[0], panels):
-        mine = sorted(
-            (r for r in rows if (r["D"], bool(r["causal"])) == (D, causal)), key=lambda r: r["S"]
-        )
-        for name, (label, color, width) in styles.items():
-            pts = [(r["S"], r[name]) for r in mine if name in r]
-            if not pts:
-                continue
-            xs, ys = zip(*pts)
-            ax.plot(xs, ys, marker="o", label=label, color=color, linewidth=width)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("sequence length S (B x S = 16k)", fontsize=10)
-        ax.set_ylabel("TFLOP/s (GPU time)", fontsize=10)
-        grid = "grid capped" if not causal else "one CTA per tile"
-        ax.set_title(f"D = {D}, {'causal' if causal else 'non-causal'} ({grid})", fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title or "Stage 9 with and without persistent CTAs")
-    fig.tight_layout()
-    if path:
-        fig.savefig(path, dpi=110)
-    return fig
+    return _tflops_against_s(
+        panels, styles, title or "Stage 9 with and without persistent CTAs", path, 4.2
+    )
 
 
 def dynamic_tiles(rows, title=None, path=None):
@@ -2221,38 +2237,17 @@ def dynamic_tiles(rows, title=None, path=None):
     dynamic_h200_2026-12-01.json: D, S, causal and TFLOP/s per variant): one panel per D, causal
     rows only, TFLOP/s against S for one CTA per tile, the dynamic scheduler and FA4."""
     mine = [r for r in rows if r["causal"]]
-    panels = sorted({r["D"] for r in mine}, reverse=True)
-    fig, axes = plt.subplots(
-        1, len(panels), figsize=(min(FIG_WIDTH * 1.4, 4.6 * len(panels)), 3.6), squeeze=False
-    )
+    panels = [
+        (f"D = {D}, causal", [r for r in mine if r["D"] == D])
+        for D in sorted({r["D"] for r in mine}, reverse=True)
+    ]
     styles = {
         "one CTA per tile": ("one CTA per tile (before)", "#8C8C8C", 2.0),
         "dynamic": ("dynamic scheduler (stage 9 now)", kernel_color("stage 9"), 2.5),
         "FA4": ("FA4", kernel_color("FA4"), 1.2),
     }
-    for ax, D in zip(axes[0], panels):
-        pts = sorted((r for r in mine if r["D"] == D), key=lambda r: r["S"])
-        for name, (label, color, width) in styles.items():
-            xs = [r["S"] for r in pts if name in r]
-            ax.plot(
-                xs,
-                [r[name] for r in pts if name in r],
-                marker="o",
-                label=label,
-                color=color,
-                linewidth=width,
-            )
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("sequence length S (B x S = 16k)", fontsize=10)
-        ax.set_ylabel("TFLOP/s (GPU time)", fontsize=10)
-        ax.set_title(f"D = {D}, causal", fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title or "Stage 9 causal: one CTA per tile against the dynamic tile scheduler")
-    fig.tight_layout()
-    if path:
-        fig.savefig(path, dpi=110)
-    return fig
+    default = "Stage 9 causal: one CTA per tile against the dynamic tile scheduler"
+    return _tflops_against_s(panels, styles, title or default, path)
 
 
 def consumer_warpgroups(rows, title=None, path=None):
@@ -2261,34 +2256,22 @@ def consumer_warpgroups(rows, title=None, path=None):
     TFLOP/s per kernel, "3wg", "2wg", "stage8", "FA4"): one panel per causal setting, bf16 and
     D = 64 only, TFLOP/s against S."""
     mine = [r for r in rows if r["D"] == 64 and r.get("dtype", "bfloat16") == "bfloat16"]
-    panels = sorted({bool(r["causal"]) for r in mine})
-    fig, axes = plt.subplots(
-        1, len(panels), figsize=(min(FIG_WIDTH * 1.4, 4.6 * len(panels)), 3.6), squeeze=False
-    )
+    panels = [
+        (
+            f"D = 64, {'causal' if causal else 'non-causal'}",
+            [r for r in mine if bool(r["causal"]) == causal],
+        )
+        for causal in sorted({bool(r["causal"]) for r in mine})
+    ]
     styles = {
         "3wg": ("stage 9, three consumer warpgroups (192 rows)", kernel_color("stage 9"), 2.5),
         "2wg": ("stage 9, two (128 rows)", "#8C8C8C", 2.0),
         "stage8": ("stage 8", kernel_color("stage 8"), 1.2),
         "FA4": ("FA4", kernel_color("FA4"), 1.2),
     }
-    for ax, causal in zip(axes[0], panels):
-        pts_rows = sorted((r for r in mine if bool(r["causal"]) == causal), key=lambda r: r["S"])
-        for name, (label, color, width) in styles.items():
-            pts = [(r["S"], r[name]) for r in pts_rows if name in r]
-            if pts:
-                xs, ys = zip(*pts)
-                ax.plot(xs, ys, marker="o", label=label, color=color, linewidth=width)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("sequence length S (B x S = 16k)", fontsize=10)
-        ax.set_ylabel("TFLOP/s (GPU time)", fontsize=10)
-        ax.set_title(f"D = 64, {'causal' if causal else 'non-causal'}", fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
-    fig.suptitle(title or "Stage 9 at D = 64: three consumer warpgroups against two")
-    fig.tight_layout()
-    if path:
-        fig.savefig(path, dpi=110)
-    return fig
+    default = "Stage 9 at D = 64: three consumer warpgroups against two"
+    legend = dict(fontsize=7, loc="lower right")
+    return _tflops_against_s(panels, styles, title or default, path, legend=legend)
 
 
 # --------------------------------------------------------------------------------------------
