@@ -7,8 +7,8 @@ Stages 4 and 5: the FlashAttention paper shapes (B*S = 16k tokens, H*D = 2048, S
 D = 64 and 128, non-causal) against SDPA flash, SDPA cuDNN and FA4 when importable.
 Stage 6: the same shapes causal (FLOPs halved) against the same baselines run causal, and against
 stage 6 and stage 5 without a mask.
-Stage 7: GQA 32/8 against its own MHA, FA4 and cuDNN; packed sequences against FA4's varlen and a
-padded SDPA batch.
+Stage 7 (with stages 8 and 9 beside it): GQA 32/8 against its own MHA, FA4 and cuDNN; packed
+sequences against FA4's varlen and a padded SDPA batch; decode-like steps.
 Stage 9: the ablation stage 5 -> 8 -> 9 at the paper shapes, causal and not, against FA4 and cuDNN
 (--dtype fp16 for the fp16 rows).
 Writes docs/results/bench_<gpu>_<date>.{md,json} and attention_<gpu>_<date>.png."""
@@ -75,16 +75,24 @@ def _time(fn, sets):
     return bench.time_ms(fn, sets)
 
 
-def stage7_rows(track, dtype, record):
-    """GQA 32 query / 8 KV heads (D = 128, B x S = 16k) against this stage's own MHA at the same
-    shape, FA4 and SDPA cuDNN with enable_gqa; packed sequences (16 of 64-2047 tokens, fixed
-    seed, H = 16, D = 128, FLOPs of the real tokens only) against FA4's varlen and the same
-    batch padded to the longest sequence through SDPA cuDNN."""
-    import importlib
+def _time_both(fn, sets):
+    """(event-timed ms per call, GPU-time ms per call) of fn over the argument sets."""
+    fn(*sets[0])
+    return bench.time_ms(fn, sets), bench.gpu_ms(fn, sets)
 
+
+def stage7_rows(track, dtype, record):
+    """GQA 32 query / 8 KV heads (D = 128, B x S = 16k) on stages 7, 8 and 9 against each one's
+    own MHA at the same shape (stages 7 and 9), FA4 and SDPA cuDNN with enable_gqa; packed
+    sequences (16 of 64-2047 tokens, fixed seed, H = 16, D = 128, FLOPs of the real tokens
+    only) on stages 7, 8 and 9 against FA4's varlen and the same batch padded to the longest
+    sequence through SDPA cuDNN. Each row is event-timed and, for the `GPU` ratios, timed from
+    GPU time alone (bench.gpu_ms: the varlen rows' kernels are about as short as a call's host
+    work)."""
     from . import inputs, reference
 
-    mod = importlib.import_module(f"stages.stage7_gqa_varlen.{track}")
+    mods = {n: stages.track_module(n, track) for n in (7, 8, 9) if stages.available(n, track)}
+    mod = mods[7]
     fa4 = None
     try:
         import flash_attn.cute as fa
@@ -100,55 +108,83 @@ def stage7_rows(track, dtype, record):
                 q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1]
             )
 
+    def timed(row, gpu, name, fn, sets):
+        row[name], gpu[name] = _time_both(fn, sets)
+
+    later = [n for n in (8, 9) if n in mods]
+    cols = ["stage 7 GQA"] + [f"stage {n} GQA" for n in later] + ["stage 7 MHA"]
+    cols += ["stage 9 MHA"] if 9 in mods else []
     lines = [
-        "## Stage 7: GQA (32 query / 8 KV heads, D = 128, B*S = 16k), TFLOP/s",
+        "## Stages 7, 8, 9: GQA (32 query / 8 KV heads, D = 128, B*S = 16k), TFLOP/s",
         "",
-        "`GQA / MHA` = stage 7 GQA over stage 7 with 32 KV heads at the same shape (goal >= 0.95).",
+        "`7 GQA / MHA` = stage 7 GQA over stage 7 with 32 KV heads at the same shape (goal >= "
+        "0.95), `9 GQA / MHA` the same for stage 9; `9 / FA4` and `9 / cuDNN` from event time, "
+        "`GPU` from GPU time alone.",
         "",
-        "| S | causal | stage 7 GQA | stage 7 MHA | GQA / MHA | FA4 | SDPA cuDNN |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| S | causal | "
+        + " | ".join(cols)
+        + " | 7 GQA / MHA | 9 GQA / MHA | FA4 | SDPA cuDNN | 9 / FA4 | 9 / cuDNN | 9 / FA4 GPU |",
+        "|" + " --- |" * (len(cols) + 9),
     ]
     with no_poison():
         for S in (2048, 8192):
             B, H, Hkv, D = 16384 // S, 32, 8, 128
             for causal in (False, True):
+                print(f"GQA rows: S = {S}, causal = {causal} ...", flush=True)
                 q, _, _ = inputs.attention_inputs(B, H, S, S, D, dtype, seed=1)
                 _, k, v = inputs.attention_inputs(B, Hkv, S, S, D, dtype, seed=2)
                 _, kf, vf = inputs.attention_inputs(B, H, S, S, D, dtype, seed=3)
                 flops = reference.attention_flops(B, H, S, S, D, causal)
-                row = {}
-                row["stage 7 GQA"] = _time(
-                    lambda q, k, v: mod.attention(q, k, v, causal=causal), [(q, k, v)]
-                )
-                row["stage 7 MHA"] = _time(
-                    lambda q, k, v: mod.attention(q, k, v, causal=causal), [(q, kf, vf)]
-                )
+                row, gpu = {}, {}
+                for n, m in mods.items():
+                    fn = lambda q, k, v, m=m: m.attention(q, k, v, causal=causal)  # noqa: E731
+                    timed(row, gpu, f"stage {n} GQA", fn, [(q, k, v)])
+                    if n in (7, 9):
+                        timed(row, gpu, f"stage {n} MHA", fn, [(q, kf, vf)])
                 if fa4 is not None:
                     t = [tuple(x.transpose(1, 2).contiguous() for x in (q, k, v))]
-                    row["FA4"] = _time(
-                        lambda q, k, v: fa4.flash_attn_func(q, k, v, causal=causal), t
+                    timed(
+                        row,
+                        gpu,
+                        "FA4",
+                        lambda q, k, v: fa4.flash_attn_func(q, k, v, causal=causal),
+                        t,
                     )
                 try:
-                    row["SDPA cuDNN"] = _time(lambda q, k, v: cudnn(q, k, v, causal), [(q, k, v)])
+                    timed(
+                        row, gpu, "SDPA cuDNN", lambda q, k, v: cudnn(q, k, v, causal), [(q, k, v)]
+                    )
                 except Exception as e:
                     print(f"    SDPA cuDNN GQA: not available ({type(e).__name__})", flush=True)
                 tf = {name: bench.tflops(flops, ms) for name, ms in row.items()}
+                tg = {name: bench.tflops(flops, ms) for name, ms in gpu.items()}
                 record("7 gqa", (B, H, Hkv, S, D, causal), {k: (row[k], tf[k]) for k in row})
+                record(
+                    "7 gqa GPU time", (B, H, Hkv, S, D, causal), {k: (gpu[k], tg[k]) for k in gpu}
+                )
                 g = lambda n: f"{tf[n]:.0f}" if n in tf else "-"  # noqa: E731
-                ratio = tf["stage 7 GQA"] / tf["stage 7 MHA"]
+                r = lambda t, a, b: f"{t[a] / t[b]:.2f}" if a in t and b in t else "-"  # noqa: E731
                 lines.append(
-                    f"| {S} | {causal} | {g('stage 7 GQA')} | {g('stage 7 MHA')} | {ratio:.2f} | {g('FA4')} | {g('SDPA cuDNN')} |"
+                    f"| {S} | {causal} | "
+                    + " | ".join(g(c) for c in cols)
+                    + f" | {r(tf, 'stage 7 GQA', 'stage 7 MHA')} | {r(tf, 'stage 9 GQA', 'stage 9 MHA')}"
+                    f" | {g('FA4')} | {g('SDPA cuDNN')} | {r(tf, 'stage 9 GQA', 'FA4')}"
+                    f" | {r(tf, 'stage 9 GQA', 'SDPA cuDNN')} | {r(tg, 'stage 9 GQA', 'FA4')} |"
                 )
                 print("  " + lines[-1], flush=True)
+        vcols = [f"stage {n}" for n in mods]
         lines += [
             "",
-            "## Stage 7: packed sequences (16 of 64-2047 tokens, H = 16, D = 128), useful TFLOP/s",
+            "## Stages 7, 8, 9: packed sequences (16 of 64-2047 tokens, H = 16, D = 128), useful TFLOP/s",
             "",
             "FLOPs of the real tokens only; `padded SDPA` runs the same batch padded to the longest "
-            "sequence (B = 16) through SDPA cuDNN with a key-padding mask (goal: stage 7 >= 2x it).",
+            "sequence (B = 16) through SDPA cuDNN with a key-padding mask (goal: stage 7 >= 2x it). "
+            "`GPU` ratios from GPU time alone.",
             "",
-            "| causal | stage 7 varlen | FA4 varlen | padded SDPA cuDNN | stage 7 / padded |",
-            "| --- | --- | --- | --- | --- |",
+            "| causal | "
+            + " | ".join(vcols)
+            + " | FA4 varlen | padded SDPA cuDNN | 7 / padded | 9 / FA4 | 9 / FA4 GPU | 9 / padded GPU |",
+            "|" + " --- |" * (len(vcols) + 7),
         ]
         g = torch.Generator().manual_seed(2026)
         lens = torch.randint(64, 2048, (16,), generator=g).tolist()
@@ -165,17 +201,25 @@ def stage7_rows(track, dtype, record):
                 t[b, :, :n] = src[cu[b] : cu[b] + n].transpose(0, 1)
             keep[b, :n] = True
         for causal in (False, True):
+            print(f"packed-sequence rows: causal = {causal} ...", flush=True)
             flops = sum(reference.attention_flops(1, H, n, n, D, causal) for n in lens)
-            row = {}
-            row["stage 7"] = _time(
-                lambda q, k, v: mod.attention_varlen(
-                    q, k, v, cu, cu, longest, longest, causal=causal
-                ),
-                [(q, k, v)],
-            )
+            row, gpu = {}, {}
+            for n, m in mods.items():
+                timed(
+                    row,
+                    gpu,
+                    f"stage {n}",
+                    lambda q, k, v, m=m: m.attention_varlen(
+                        q, k, v, cu, cu, longest, longest, causal=causal
+                    ),
+                    [(q, k, v)],
+                )
             if fa4 is not None:
                 try:
-                    row["FA4"] = _time(
+                    timed(
+                        row,
+                        gpu,
+                        "FA4",
                         lambda q, k, v: fa4.flash_attn_varlen_func(
                             q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=causal
                         ),
@@ -192,7 +236,10 @@ def stage7_rows(track, dtype, record):
                 mask = mask & (qi[None, :] <= qi[:, None])[None, None]
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 try:
-                    row["padded"] = _time(
+                    timed(
+                        row,
+                        gpu,
+                        "padded",
                         lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
                             q, k, v, attn_mask=mask
                         ),
@@ -205,18 +252,28 @@ def stage7_rows(track, dtype, record):
                         f"    padded SDPA cuDNN with a mask: {type(e).__name__}; timing it without",
                         flush=True,
                     )
-                    row["padded"] = _time(
+                    timed(
+                        row,
+                        gpu,
+                        "padded",
                         lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
                             q, k, v, is_causal=causal
                         ),
                         [tuple(padded)],
                     )
             tf = {name: bench.tflops(flops, ms) for name, ms in row.items()}
+            tg = {name: bench.tflops(flops, ms) for name, ms in gpu.items()}
             record("7 varlen", (16, H, total, D, causal), {k: (row[k], tf[k]) for k in row})
+            record(
+                "7 varlen GPU time", (16, H, total, D, causal), {k: (gpu[k], tg[k]) for k in gpu}
+            )
             gg = lambda n: f"{tf[n]:.0f}" if n in tf else "-"  # noqa: E731
-            ratio = tf["stage 7"] / tf["padded"] if "padded" in tf else float("nan")
+            r = lambda t, a, b: f"{t[a] / t[b]:.2f}" if a in t and b in t else "-"  # noqa: E731
             lines.append(
-                f"| {causal} | {gg('stage 7')} | {gg('FA4')} | {gg('padded')} | {ratio:.2f} |"
+                f"| {causal} | "
+                + " | ".join(gg(c) for c in vcols)
+                + f" | {gg('FA4')} | {gg('padded')} | {r(tf, 'stage 7', 'padded')}"
+                f" | {r(tf, 'stage 9', 'FA4')} | {r(tg, 'stage 9', 'FA4')} | {r(tg, 'stage 9', 'padded')} |"
             )
             print("  " + lines[-1], flush=True)
     lines += decode_rows(mod, fa4, dtype, record)
@@ -285,16 +342,17 @@ def ablation_rows(track, dtype, headdims, seqlens, record):
     lines = [
         "## Stages 5 -> 8 -> 9: the ablation (paper shapes, B*S = 16k, H*D = 2048), TFLOP/s",
         "",
-        "Causal rows: stages 8 and 9 and the baselines causal (FLOPs halved); stage 5 has no "
-        "mask, so it is left out there. `9 / FA4` and `9 / cuDNN` are stage 9 over the "
+        "Causal rows: stages 7, 8 and 9 and the baselines causal (FLOPs halved); stage 5 has no "
+        "mask, so it is left out there (stage 7, stage 5 with the masks, GQA and packed "
+        "sequences, is the step before stage 8 in both). `9 / FA4` and `9 / cuDNN` are stage 9 over the "
         "baseline in the same row (goals: >= 1.0 FA4 at D = 128 from 2k, >= 0.95 at D = 64; "
         ">= 1.0 cuDNN from 1k; stage 8 >= 0.88 FA4). The TFLOP/s are event-timed per call "
         "(host work included where it is longer than the kernel); the `GPU` columns are the "
         "same ratios from GPU time alone (CUPTI kernel durations, bench.gpu_ms).",
         "",
-        "| D | causal | S | stage 5 | stage 8 | stage 9 | FA4 | SDPA cuDNN | 8 / FA4 | 9 / FA4 | 9 / cuDNN "
-        "| 9 / FA4 GPU | 9 / cuDNN GPU |",
-        "|" + " --- |" * 13,
+        "| D | causal | S | stage 5 | stage 7 | stage 8 | stage 9 | FA4 | SDPA cuDNN | 8 / FA4 | 9 / FA4 "
+        "| 9 / cuDNN | 9 / FA4 GPU | 9 / cuDNN GPU |",
+        "|" + " --- |" * 14,
     ]
     for D in headdims:
         for causal in (False, True):
@@ -306,7 +364,8 @@ def ablation_rows(track, dtype, headdims, seqlens, record):
                     make_case(9, track, shape, dtype, with_fa4=True, causal=causal), gpu=gpu
                 )
                 row.pop("SDPA flash", None)
-                row.update(measure(make_case(8, track, shape, dtype, causal=causal), names=()))
+                for n in (7, 8):
+                    row.update(measure(make_case(n, track, shape, dtype, causal=causal), names=()))
                 if not causal:
                     row.update(measure(make_case(5, track, shape, dtype), names=()))
                 record("ablation", (*shape, causal), row)
@@ -317,7 +376,8 @@ def ablation_rows(track, dtype, headdims, seqlens, record):
                 g = lambda k: f"{tf[k]:.0f}" if k in tf else "-"  # noqa: E731
                 r = lambda a, b: f"{tf[a] / tf[b]:.2f}" if a in tf and b in tf else "-"  # noqa: E731
                 lines.append(
-                    f"| {D} | {causal} | {S} | {g('stage 5')} | {g('stage 8')} | {g('stage 9')} "
+                    f"| {D} | {causal} | {S} | {g('stage 5')} | {g('stage 7')} | {g('stage 8')} "
+                    f"| {g('stage 9')} "
                     f"| {g('FA4')} | {g('SDPA cuDNN')} | {r('stage 8', 'FA4')} "
                     f"| {r('stage 9', 'FA4')} | {r('stage 9', 'SDPA cuDNN')} "
                     f"| {rg('stage 9', 'FA4')} | {rg('stage 9', 'SDPA cuDNN')} |"

@@ -2137,14 +2137,15 @@ def plot_attention_bench(curves, title, path=None):
 
 def plot_ablation(rows, title, path=None):
     """The stage 5 -> 8 -> 9 ablation of `make bench` (rows of stage "ablation": shape (B, H, S,
-    S, D, causal) and TFLOP/s per kernel): one panel per (D, causal), TFLOP/s against S, the
+    S, D, causal) and TFLOP/s per kernel; stage 7 where the run has it): one panel per (D,
+    causal), TFLOP/s against S, the
     stages thick and the baselines (FA4, SDPA cuDNN) thin."""
     rows = [r for r in rows if r["stage"] == "ablation"]
     panels = sorted({(r["shape"][4], bool(r["shape"][5])) for r in rows})
     fig, axes = plt.subplots(
         1, len(panels), figsize=(min(FIG_WIDTH * 1.4, 4.2 * len(panels)), 3.8), squeeze=False
     )
-    names = ("stage 5", "stage 8", "stage 9", "FA4", "SDPA cuDNN")
+    names = ("stage 5", "stage 7", "stage 8", "stage 9", "FA4", "SDPA cuDNN")
     for ax, (D, causal) in zip(axes[0], panels):
         mine = sorted(
             (r for r in rows if (r["shape"][4], bool(r["shape"][5])) == (D, causal)),
@@ -3071,7 +3072,8 @@ def pingpong_timelines(
 
 
 def plot_stage7_bench(rows, title, path=None):
-    """Stage 7's rows of a `make bench` run (the json's "rows"): GQA against MHA and the
+    """Stage 7's rows of a `make bench` run (the json's "rows"; stages 8 and 9 beside stage 7
+    where the run has them): GQA against MHA and the
     baselines (TFLOP/s), packed sequences against FA4's varlen and the padded batch (useful
     TFLOP/s), decode-like steps with and without pack-GQA (microseconds). One panel each."""
     gqa = [r for r in rows if r["stage"] == "7 gqa"]
@@ -3095,13 +3097,14 @@ def plot_stage7_bench(rows, title, path=None):
     it = iter(axes[0])
     if gqa:
         groups = [f"S={r['shape'][3]}" + (" causal" if r["shape"][5] else "") for r in gqa]
-        labels = [
-            n for n in ("stage 7 GQA", "stage 7 MHA", "FA4", "SDPA cuDNN") if n in gqa[0]["tflops"]
-        ]
+        names = ("stage 7 GQA", "stage 8 GQA", "stage 9 GQA", "stage 7 MHA", "FA4", "SDPA cuDNN")
+        labels = [n for n in names if n in gqa[0]["tflops"]]
         bars(next(it), groups, labels, [r["tflops"] for r in gqa], "TFLOP/s", "GQA 32/8, D = 128")
     if var:
         groups = ["causal" if r["shape"][4] else "non-causal" for r in var]
-        names = {"stage 7": "stage 7 varlen", "FA4": "FA4 varlen", "padded": "padded SDPA cuDNN"}
+        names = {f"stage {n}": f"stage {n} varlen" for n in (7, 8, 9)}
+        names |= {"FA4": "FA4 varlen", "padded": "padded SDPA cuDNN"}
+        names = {k: n for k, n in names.items() if k in var[0]["tflops"]}
         vals = [{names[k]: v for k, v in r["tflops"].items() if k in names} for r in var]
         bars(next(it), groups, list(names.values()), vals, "useful TFLOP/s", "16 packed sequences")
     if dec:
