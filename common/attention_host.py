@@ -100,9 +100,10 @@ def launch(
 
 def tile_counter(batch_mode, window_left, window_right, Sq, Sk, device):
     """The counter a dynamic tile scheduler draws tickets from (Hopper stage 9): zero when the
-    kernel reads it - batch mode under a causal or window cut (left < Sk or right < Sq, the
-    kernel's own test) - and left unset otherwise (no fill kernel where none is needed)."""
-    if batch_mode and (window_left < Sk or window_right < Sq):
+    kernel reads it - packed sequences, and batch mode under a causal or window cut (left < Sk
+    or right < Sq, the kernel's own test) - and left unset otherwise (no fill kernel where none
+    is needed)."""
+    if not batch_mode or window_left < Sk or window_right < Sq:
         return torch.zeros(1, dtype=torch.int32, device=device)
     return torch.empty(1, dtype=torch.int32, device=device)
 

@@ -19,7 +19,8 @@ def target(n):
     """What runs under the sanitizer: one launch of stage n on a small shape, checked. On Hopper
     stage 9 also runs with its persistent grid capped at 2 CTAs, so that each CTA walks 2 tiles
     and hands Q and the ring's slots from one to the next: non-causal (a fixed share of tiles)
-    and causal (tiles drawn from the atomic counter)."""
+    and causal (tiles drawn from the atomic counter), and packed sequences (drawn from the
+    counter, the empty tiles skipped)."""
     import torch
 
     from .arch import track
@@ -51,6 +52,29 @@ def target(n):
             r = check_close(f"stage 9, persistent, {order}", out, c.ref(), rtol=c.rtol)
             torch.cuda.synchronize()
             print(f"stage 9 (persistent, 2 CTAs x 2 tiles, {order}) under the sanitizer: {r}")
+        # Packed sequences on the same capped grid: tiles drawn from the counter, the empty ones
+        # (past the shorter sequences' ends) skipped by the producer; bit for bit against
+        # stage 8 (its own tests check it against the reference).
+        from stages.stage8_warp_specialized import hopper as stage8
+
+        g = torch.Generator(device="cuda").manual_seed(5)
+        lens = [300, 0, 1, 200]
+        cu = torch.tensor([0, 300, 300, 301, 501], dtype=torch.int32, device="cuda")
+        q, k, v = (
+            torch.randn(sum(lens), 2, 64, generator=g, device="cuda").bfloat16() for _ in range(3)
+        )
+        out = run_with_deadline(
+            lambda: attention_host.attention_varlen(
+                capped, q, k, v, cu, cu, None, None, None, True, None, False, None
+            ),
+            600,
+            "stage 9, persistent, packed sequences",
+        )
+        ref = stage8.attention_varlen(q, k, v, cu, cu, causal=True)
+        torch.cuda.synchronize()
+        if not torch.equal(out, ref):
+            raise AssertionError("stage 9, persistent, packed sequences: differs from stage 8")
+        print("stage 9 (persistent, 2 CTAs, packed sequences, causal) under the sanitizer: equal")
 
 
 def main(argv=None):

@@ -536,6 +536,70 @@ def test_persistent_ctas_walk_many_tiles(D):
         assert torch.equal(lse9, lse8), (causal, window)
 
 
+def test_tile_counter_is_zero_wherever_the_kernel_draws_from_it():
+    """The kernel draws tickets (dynamic = 1) for packed sequences, and in batch mode under a
+    causal or window cut (left < Sk or right < Sq); the host must hand it a zero counter in
+    every such call (a count left over would skip tiles)."""
+    Sq, Sk = 384, 512
+    for batch_mode, left, right in [
+        (False, Sk, Sq),  # packed sequences, no mask
+        (False, Sk, 0),  # packed, causal
+        (True, Sk, 0),  # causal
+        (True, 100, Sq),  # a left window alone
+        (True, Sk, Sq - 1),  # a right cut of one key
+    ]:
+        c = attention_host.tile_counter(batch_mode, left, right, Sq, Sk, "cpu")
+        assert c.shape == (1,) and c.dtype == torch.int32 and c.item() == 0, (batch_mode, left)
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("D", [64, 128])
+def test_persistent_ctas_walk_packed_sequences(D):
+    """Packed sequences on a persistent grid capped at 7 CTAs: the tiles drawn from tile_counter
+    at run time, and the empty ones skipped by the producer (live_tile: the grid counts the
+    longest sequence's Q tiles for every sequence, 6 or 4 here, so a 1-token sequence has one
+    live tile and five or three empty). Lengths: long, no query, 1 token, queries without any
+    key (O = 0, LSE = -inf), equal, and a long one. One compiled kernel, calls in a row:
+    non-causal, causal, a window, causal with pack-GQA (G = 2 rows per position, the empty
+    test on packed rows), causal again (a count left over from the call before would skip
+    tiles), non-causal; each bit for bit against stage 8 (pack-GQA gives the unpacked bits;
+    poisoned outputs: a tile computed by nobody fails)."""
+
+    class kernel_class(hopper.Sm90Kernel):  # the grid capped at 7 CTAs
+        def __init__(self, dtype, d, pack):
+            super().__init__(dtype, d, pack, sm_count=7)
+
+    lens_q, lens_k = [700, 0, 1, 130, 64, 450], [900, 20, 300, 0, 64, 450]
+    q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, 4, 2, D, torch.bfloat16, seed=D + 11)
+    rows = hopper.Sm90Kernel(cutlass.BFloat16, D).tile_rows
+    live = sum(-(-n // rows) for n in lens_q) * 4
+    assert (live, -(-700 // rows) * 6 * 4) == {64: (40, 96), 128: (56, 144)}[D]
+    for causal, window, pack in [
+        (False, None, None),
+        (True, None, None),
+        (False, (100, 30), None),
+        (True, None, True),
+        (True, None, None),
+        (False, None, None),
+    ]:
+        (o9, lse9), grids = launched_grids(
+            lambda: run(
+                lambda: attention_host.attention_varlen(
+                    kernel_class, q, k, v, cu_q, cu_k, None, None, None, causal, window, True, pack
+                )
+            )
+        )
+        assert grids == [(7, 1, 1)], (causal, window, pack, grids)
+        o8, lse8 = run(
+            lambda: stage8.attention_varlen(
+                q, k, v, cu_q, cu_k, causal=causal, window=window, return_lse=True
+            )
+        )
+        what = (causal, window, pack)
+        assert torch.equal(o9, o8), (what, (o9.float() - o8.float()).abs().max())
+        assert torch.equal(lse9, lse8), what
+
+
 @pytest.mark.gpu_hopper
 @pytest.mark.parametrize("stage", [7, 8, 9])
 def test_launches_on_the_current_stream(stage):

@@ -348,12 +348,16 @@ class Sm90Kernel:
         # tile takes the next one not yet taken, from tile_counter (zeroed by the host).
         l2_heads = cutlass.Int32(1)
         dynamic = cutlass.Int32(0)
+        if cutlass.const_expr(self.persistent):
+            # At most one CTA per SM. Equal tiles (batch mode without a causal or window cut:
+            # left >= Sk and right >= Sq) are shared out in a fixed order, CTA c taking tiles
+            # c, c + gridDim.x, ...; unequal ones as CTAs free up, longest first.
+            grid = (cutlass.min(tiles, self.sm_count), 1, 1)
+            if cutlass.const_expr(cu_seqlens_q is not None):
+                # Packed sequences: the tiles differ with the lengths (and past a shorter
+                # sequence's end they are empty, skipped by the producer: live_tile).
+                dynamic = cutlass.Int32(1)
         if cutlass.const_expr(cu_seqlens_q is None):
-            if cutlass.const_expr(self.persistent):
-                # At most one CTA per SM. Equal tiles (no causal or window cut: left >= Sk and
-                # right >= Sq) are shared out in a fixed order, CTA c taking tiles c, c +
-                # gridDim.x, ...; unequal ones as CTAs free up, longest first.
-                grid = (cutlass.min(tiles, self.sm_count), 1, 1)
             if window_left < k.shape[0] or window_right < max_seqlen_q:
                 if cutlass.const_expr(self.persistent):
                     dynamic = cutlass.Int32(1)
@@ -508,6 +512,12 @@ class Sm90Kernel:
         # entry: its slot is free again once all 8 (three warpgroups: 12) consumer warps have
         # released it.
         heads = mQ.shape[2]
+        if cutlass.const_expr(mCuSeqlensQ is not None):
+            # Packed sequences: head by head, handed out at run time when persistent (the values
+            # __call__ passes, as constants: fewer live registers in the 24 of the producer).
+            l2_heads = 1
+            if cutlass.const_expr(self.persistent):
+                dynamic = 1
         total_tiles = tiles_m * heads * self.sequences(mQ, mCuSeqlensQ)
         tiles_done = cutlass.Int32(0)
         entries = cutlass.Int32(0)
@@ -517,7 +527,8 @@ class Sm90Kernel:
             # are done.
             cute.arch.setmaxregister_decrease(self.load_registers)
             if warp_idx == 0:
-                tile = cute.arch.block_idx()[0]
+                live = (tiles_m, heads, l2_heads, dynamic, tile_counter, mCuSeqlensQ)
+                tile = self.live_tile(cute.arch.block_idx()[0], total_tiles, *live)
                 while tile < total_tiles:
                     pid_m, head, batch = self.tile_coords(tile, tiles_m, heads, l2_heads)
                     kv_head = head // (mQ.shape[2] // mK.shape[2])
@@ -561,8 +572,10 @@ class Sm90Kernel:
                     entries += 2 * (kv_tile_hi - kv_tile_lo)
                     tiles_done += 1
                     # Every load of this tile is issued (the consumers are a few KV tiles behind):
-                    # take the next tile now.
-                    tile = self.next_tile(tile, dynamic, tile_counter)
+                    # take the next tile now (packed sequences: the next one with rows of Q).
+                    tile = self.live_tile(
+                        self.next_tile(tile, dynamic, tile_counter), total_tiles, *live
+                    )
                 # No tile left: tell the consumers with a tile number past the end and a q_full
                 # of its own (an arrive without bytes), once they are done with the last Q.
                 cute.arch.mbarrier_wait(q_empty, self.q_empty_parity(tiles_done))
@@ -827,6 +840,27 @@ class Sm90Kernel:
                 ticket = cute.arch.atomic_add(tile_counter.iterator, cutlass.Int32(1))
             nxt = grid + cute.arch.shuffle_sync(ticket, 0)
         return nxt
+
+    @cute.jit
+    def live_tile(
+        self, tile, total_tiles, tiles_m, heads, l2_heads, dynamic, tile_counter, mCuSeqlensQ
+    ):
+        """The first work tile from `tile` on (taking next_tile past each one skipped) that has
+        rows of Q, or a number past the end. Packed sequences only: the grid counts as many Q
+        tiles per (head, sequence) as the longest sequence has, so a shorter sequence's last
+        ones are empty (16 tiles of 128 rows for 2047 tokens, one for 64), and a CTA that took
+        one would load Q and run an epilogue for nothing. In batch mode every tile has rows."""
+        if cutlass.const_expr(mCuSeqlensQ is not None):
+            searching = cutlass.Int32(1)
+            while searching != 0:
+                searching = cutlass.Int32(0)
+                if tile < total_tiles:
+                    pid_m, _, batch = self.tile_coords(tile, tiles_m, heads, l2_heads)
+                    seqlen_q = mCuSeqlensQ[batch + 1] - mCuSeqlensQ[batch]
+                    if pid_m * self.cta_tile[0] >= seqlen_q * self.pack_gqa:
+                        tile = self.next_tile(tile, dynamic, tile_counter)
+                        searching = cutlass.Int32(1)
+        return tile
 
     @cute.jit
     def wait_turn(self, warpgroup_idx):
