@@ -591,7 +591,7 @@ def main(argv=None):
 
         plot_stage7_bench(
             results["rows"],
-            f"Stage 7 on {gpu}, {date} ({args.dtype})",
+            f"GQA, packed sequences, decode-like steps on {gpu}, {date} ({args.dtype})",
             os.path.join(args.out, f"stage7_{tag}.png"),
         )
     if any(r["stage"] == "ablation" for r in results["rows"]):

@@ -195,9 +195,10 @@ class Sm90Kernel:
         # next to 2 x 32 KB (D = 128), 11 x 16 KB next to 2 x 24 KB (D = 64, 192 rows).
         q_bytes = self.cta_tile[0] * head_dim * dtype.width // 8
         tile_bytes = self.cta_tile[1] * head_dim * dtype.width // 8
-        # Persistent CTAs (batch mode): a grid of at most one CTA per SM (1 fits: 225 KB of
-        # shared memory), each walking work tiles: blockIdx.x, blockIdx.x + gridDim.x, ...
-        # without a mask, drawn from an atomic counter under one (see __call__ and kernel()).
+        # Persistent CTAs: a grid of at most one CTA per SM (1 fits: 225 KB of shared memory),
+        # each walking work tiles: blockIdx.x, blockIdx.x + gridDim.x, ... in batch mode without
+        # a mask, drawn from an atomic counter under one and for packed sequences (see __call__
+        # and kernel()).
         # Off: one CTA per tile, the same loop run once. o_buffer: O staged in its own buffer
         # instead of over Q, so that the next tile's Q can land during this tile's epilogue (one
         # K/V slot less).
@@ -334,8 +335,8 @@ class Sm90Kernel:
 
         # The work tiles: one per Q tile (bM rows) of one (head, sequence), as many Q tiles as the
         # longest sequence has (packed: G rows per position); the tiles past a shorter
-        # sequence's end find nothing to do. Persistent (batch mode): min(tiles, SMs) CTAs share
-        # them out; otherwise (packed sequences, or persistent off) one CTA per tile.
+        # sequence's end have nothing to do (the producer skips them: live_tile). Persistent:
+        # min(tiles, SMs) CTAs share them out; persistent off: one CTA per tile.
         sequences = (
             q.shape[3] if cutlass.const_expr(cu_seqlens_q is None) else cu_seqlens_q.shape[0] - 1
         )
