@@ -391,7 +391,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--stages", default="1,2,3,4,5,6,7", help="comma-separated stage numbers")
+    ap.add_argument("--stages", default="1,2,3,4,5,6,7,8,9", help="comma-separated stage numbers")
     ap.add_argument("--seqlens", default=",".join(map(str, SEQLENS)))
     ap.add_argument("--headdims", default="64,128")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
