@@ -2251,6 +2251,40 @@ def dynamic_tiles(rows, title=None, path=None):
     return _tflops_against_s(panels, styles, title or default, path)
 
 
+def packed_tiles(rows, title=None, path=None):
+    """Stage 9 on packed sequences, one CTA per tile against the persistent grid with tiles
+    drawn at run time, as measured (rows of docs/results/varlen_dynamic_h200_2026-12-01.json:
+    batch, causal and [GPU-time, event-timed] TFLOP/s per kernel): bars of GPU-time TFLOP/s per
+    (batch, causal), stage 8 and FA4 beside them."""
+    fig, ax = plt.subplots(figsize=(FIG_WIDTH, 3.8))
+    styles = {
+        "stage 8": ("stage 8", kernel_color("stage 8")),
+        "stage 9 per tile": ("stage 9, one CTA per tile", "#8C8C8C"),
+        "stage 9 dynamic": (
+            "stage 9, persistent, tiles drawn at run time",
+            kernel_color("stage 9"),
+        ),
+        "FA4": ("FA4 varlen", kernel_color("FA4")),
+    }
+    names = [n for n in styles if any(n in r["tflops_gpu_event"] for r in rows)]
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        xs = [g + (i - (len(names) - 1) / 2) * width for g in range(len(rows))]
+        ys = [r["tflops_gpu_event"].get(name, [0.0])[0] for r in rows]
+        label, color = styles[name]
+        ax.bar(xs, ys, width, label=label, color=color)
+    groups = [f"{r['batch']}\n{'causal' if r['causal'] else 'non-causal'}" for r in rows]
+    ax.set_xticks(range(len(rows)), groups, fontsize=_fs(9))
+    ax.set_ylabel("useful TFLOP/s (GPU time)", fontsize=_fs(10))
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=_fs(8), loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2)
+    ax.set_title(title or "Stage 9 on packed sequences: one CTA per tile against persistent CTAs")
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
 def consumer_warpgroups(rows, title=None, path=None):
     """Stage 9 at D = 64 with three consumer warpgroups (192-row Q tile) and two (128 rows), as
     measured (rows of docs/results/bench_h200_2026-12-01_3wg.json: D, S, causal, dtype and

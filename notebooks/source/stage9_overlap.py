@@ -478,6 +478,21 @@ bench_wg = nb.measure(
 # +4-8% at 4k-8k, within the spread at 16k. Stage 9 / FA4 causal: 0.97-1.06 at D = 128, 0.89-1.02
 # at D = 64 and 0.93-0.99 there from 1k (0.87-0.96 and 0.72-0.99 with one CTA per tile, same
 # run). The outputs are the same bits whichever CTA computes a tile (tested).
+#
+# **Packed sequences** (seventh session) take the same road: their tiles differ with the lengths,
+# so they too run on a grid of one CTA per SM with the tiles drawn from the counter. One thing is
+# new there. The grid counts as many Q tiles per (head, sequence) as the *longest* sequence has
+# (the grid is sized from `max_seqlen_q`, not from each sequence's own count of tiles), so a
+# shorter sequence's last tiles are empty: 15 of 16 for a 64-token sequence next to a 2047-token
+# one. The producer
+# skips them before it hands a tile over (`Sm90Kernel.live_tile`: it reads the sequence's length
+# from `cu_seqlens` and draws the next ticket), so an empty tile costs one atomic add instead of a
+# Q load and an epilogue. Measured (H200, 2026-12-01, bf16, D = 128, GPU time, FA4's varlen in
+# the same run; `docs/results/varlen_dynamic_h200_2026-12-01.json`): `make bench`'s 16 sequences
+# of 64-2047 tokens went from 0.84x / 0.85x FA4 (non-causal / causal, one CTA per tile) to
+# 0.97x / 1.07x; 64 sequences of 64-1023 tokens +24% / +36% over one CTA per tile, 8 of 1k-8k
+# +2% / +7% - the more and the shorter the sequences, the more the per-CTA set-up and the tail
+# weighed.
 
 # %%
 nb.show_source(9, "hopper", names=["Sm90Kernel.next_tile", "Sm90Kernel.tile_coords"])

@@ -45,9 +45,10 @@ Changes from stage 8:
   repetitions, reversed / in order): D = 128: S = 1k 279 / 147 and 268 / 154, 2k 321 / 297,
   4k 582 / 557, 8k 577 / 560, 16k 626 / 586; D = 64: 1k 263 / 256 ... 16k 460 / 432 - never
   slower, +2-15% from 2k, 1.8x at 1k (D = 128) where the long tiles started last were the tail.
-- Persistent CTAs: the kernel walks work tiles in a loop, and in batch mode the grid is capped
-  at one CTA per SM; where every tile has the same work (no causal or window cut) CTA c takes
-  tiles c, c + gridDim.x, ... (under a mask: the dynamic scheduler below), so that a CTA's set-up (barriers, descriptors, the first loads) is paid
+- Persistent CTAs: the kernel walks work tiles in a loop, and the grid is capped at one CTA per
+  SM (batch mode; packed sequences since the seventh session, below); where every tile has the
+  same work (no causal or window cut) CTA c takes tiles c, c + gridDim.x, ... (under a mask:
+  the dynamic scheduler below), so that a CTA's set-up (barriers, descriptors, the first loads) is paid
   once per SM, not per tile, and the next tile's K and V stream in during this tile's last
   GEMMs. Two barriers hand Q from tile to tile: q_full (TMA landed) and q_empty (the 256 or
   384 consumer threads are done with Q); O gets its own 32 KB buffer (D = 128) so that q_empty
@@ -80,6 +81,18 @@ Changes from stage 8:
   spread); stage 9 / FA4 0.97-1.06 at D = 128, 0.89-1.02 at D = 64 (0.93-0.99 from 1k;
   one CTA per tile: 0.87-0.96 and 0.72-0.99). The outputs are the
   same bits in either order (tested: a tile's values do not depend on which CTA computes it).
+- Packed sequences on the persistent grid too (seventh session): their tiles differ with the
+  lengths, so the grid is capped at one CTA per SM and the tiles are drawn from tile_counter as
+  under a mask; and since the grid counts as many Q tiles per (head, sequence) as the longest
+  sequence has, a shorter sequence's last ones are empty - the producer skips them before
+  handing a tile over (live_tile: one ticket each, no Q load, no epilogue). Measured (H200,
+  2026-12-01, seventh session, bf16, D = 128, H = 16, GPU time, FA4 varlen in the same run):
+  make bench's 16 sequences of 64-2047 tokens, non-causal / causal, 479 / 364 TFLOP/s with one
+  CTA per tile (an earlier run of the session; FA4 0.84x / 0.85x) against 550 / 454 (FA4 569 /
+  427: 0.97x / 1.07x); 64 sequences of 64-1023 tokens 350 / 239 with one CTA per tile (empty
+  tiles skipped too) against 435 / 325 (FA4 414 / 263), 8 of 1k-8k 600 / 571 against 615 /
+  609 (FA4 658 / 598). The more and shorter the sequences, the more the set-up per CTA and the
+  tail weighed. The same bits as stage 8 (tested on a grid capped at 7 CTAs).
 - The order of the tiles under a mask (batch mode): sections of l2_heads (head, sequence)
   pairs whose K and V fit in the 50 MB L2 together (a power of two that divides the number of
   pairs: 8 at D = 128, Sk = 8k), and inside a section the Q tile slowest and the pair fastest,
