@@ -244,6 +244,72 @@ def test_tile_order_covers_every_tile_once_longest_first_by_section(
         ]
 
 
+def ticket_walk(kernel, lens_q, heads, grid, rng):
+    """A CPU model of the persistent grid on packed sequences: `grid` CTAs, each starting with
+    tile c, taking the next tile as gridDim.x + a ticket drawn from one counter (next_tile) and
+    skipping the empty ones as the producer does (live_tile: draw again while the tile is past
+    its sequence's end), with the kernel's tile_coords and tile_is_empty; the CTAs run in an
+    order drawn by `rng`. Returns (tiles handed to the consumers, in order; the final count of
+    the counter)."""
+    tiles_m = -(-max(lens_q) * kernel.pack_gqa // kernel.cta_tile[0])
+    total = tiles_m * heads * len(lens_q)
+    counter = [0]
+
+    def draw():
+        counter[0] += 1
+        return grid + counter[0] - 1
+
+    def live(tile):
+        while tile < total:
+            pid_m, _, seq = kernel.tile_coords(tile, tiles_m, heads, 1)
+            if not kernel.tile_is_empty(pid_m, lens_q[seq]):
+                break
+            tile = draw()
+        return tile
+
+    current = [live(c) for c in range(grid)]
+    handed = []
+    while any(t < total for t in current):
+        c = rng.choice([i for i, t in enumerate(current) if t < total])
+        handed.append(current[c])
+        current[c] = live(draw())
+    return handed, counter[0], tiles_m, total
+
+
+@pytest.mark.parametrize("D, pack", [(128, 1), (64, 1), (128, 2), (64, 3)])
+@pytest.mark.parametrize(
+    "lens_q",
+    [[700, 0, 1, 130, 64, 450], [2047, 64, 64, 1], [5], [0, 0, 300], [384, 128, 192, 576]],
+    ids=str,
+)
+@pytest.mark.parametrize("grid", [1, 3, 7, 132])
+def test_ticket_walk_hands_every_live_tile_out_once(D, pack, lens_q, grid):
+    """On packed sequences the persistent grid hands every tile with rows of Q to exactly one
+    CTA, never an empty one, and every CTA ends: over 20 orders of the CTAs, against the live
+    tiles counted from the lengths (ceil(len * G / rows) per head). The counter ends at the
+    number of tiles: tickets 0 .. total - 1 are drawn once each, the last draw of every CTA
+    being the one that ends it (grid = min(tiles, SMs), as __call__ caps it)."""
+    import random
+
+    kernel = hopper.Sm90Kernel(cutlass.BFloat16, D, pack)
+    heads, rows = 2, kernel.cta_tile[0]
+    tiles_m = -(-max(lens_q) * pack // rows)
+    grid = min(grid, tiles_m * heads * len(lens_q))
+    live = {
+        (m, h, b)
+        for b, n in enumerate(lens_q)
+        for h in range(heads)
+        for m in range(-(-n * pack // rows))
+    }
+    for seed in range(20):
+        handed, drawn, tiles_m, total = ticket_walk(
+            kernel, lens_q, heads, grid, random.Random(seed)
+        )
+        coords = [kernel.tile_coords(t, tiles_m, heads, 1) for t in handed]
+        assert sorted(coords) == sorted(live), seed
+        assert drawn == total, (seed, drawn, total)
+
+
 # ---------------------------------------------------------------- the tile hand-over (CPU)
 
 END = -1  # a tile number past the end

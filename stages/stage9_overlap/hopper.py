@@ -870,11 +870,16 @@ class Sm90Kernel:
                 searching = cutlass.Int32(0)
                 if tile < total_tiles:
                     pid_m, _, batch = self.tile_coords(tile, tiles_m, heads, l2_heads)
-                    seqlen_q = mCuSeqlensQ[batch + 1] - mCuSeqlensQ[batch]
-                    if pid_m * self.cta_tile[0] >= seqlen_q * self.pack_gqa:
+                    if self.tile_is_empty(pid_m, mCuSeqlensQ[batch + 1] - mCuSeqlensQ[batch]):
                         tile = self.next_tile(tile, dynamic, tile_counter)
                         searching = cutlass.Int32(1)
         return tile
+
+    def tile_is_empty(self, pid_m, seqlen_q):
+        """Whether Q tile pid_m starts past the end of a sequence of seqlen_q positions (G rows
+        per position when packed): its first row, pid_m * bM, is not below seqlen_q * G. Plain
+        arithmetic, shared with the CPU model of the ticket walk in the tests."""
+        return pid_m * self.cta_tile[0] >= seqlen_q * self.pack_gqa
 
     @cute.jit
     def wait_turn(self, warpgroup_idx):
