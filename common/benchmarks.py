@@ -276,26 +276,29 @@ def stage7_rows(track, dtype, record):
                 f" | {r(tf, 'stage 9', 'FA4')} | {r(tg, 'stage 9', 'FA4')} | {r(tg, 'stage 9', 'padded')} |"
             )
             print("  " + lines[-1], flush=True)
-    lines += decode_rows(mod, fa4, dtype, record)
+    lines += decode_rows(mod, fa4, dtype, record, later=mods.get(9))
     lines.append("")
     return lines
 
 
-def decode_rows(mod, fa4, dtype, record):
+def decode_rows(mod, fa4, dtype, record, later=None):
     """Decode-like shapes (B = 32, 32 query / 8 KV heads, Sk = 8192, D = 128, Sq = 1, 16, 128):
-    stage 7 with pack-GQA (its default there) and without, FA4 and SDPA, in microseconds and in
-    TB/s of K and V read (the memory bound of a decode step)."""
+    stage 7 with pack-GQA (its default there) and without, `later` (stage 9's module, where it
+    exists) with its default, FA4 and SDPA, in microseconds and in TB/s of K and V read (the
+    memory bound of a decode step)."""
     from . import inputs
 
     lines = [
         "",
-        "## Stage 7: decode-like shapes (B = 32, H = 32, Hkv = 8, Sk = 8192, D = 128), us",
+        "## Stage 7 (and 9): decode-like shapes (B = 32, H = 32, Hkv = 8, Sk = 8192, D = 128), us",
         "",
         "`packed` = stage 7 with pack-GQA (4 query heads per Q tile, what it picks here), "
-        "`unpacked` = pack_gqa=False; TB/s = bytes of K and V (1.07 GB) / time.",
+        "`unpacked` = pack_gqa=False, `stage 9` = stage 9 with its default (pack-GQA here too); "
+        "TB/s = bytes of K and V (1.07 GB) / time, for stage 7 packed.",
         "",
-        "| Sq | stage 7 packed | stage 7 unpacked | FA4 | SDPA | packed TB/s | packed / unpacked |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| Sq | stage 7 packed | stage 7 unpacked | stage 9 | FA4 | SDPA | packed TB/s "
+        "| packed / unpacked |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     B, H, Hkv, Sk, D = 32, 32, 8, 8192, 128
     _, k, v = inputs.attention_inputs(B, Hkv, 1, Sk, D, dtype, seed=7)
@@ -309,6 +312,8 @@ def decode_rows(mod, fa4, dtype, record):
             row["unpacked"] = _time(
                 lambda q: mod.attention(q, k, v, causal=True, pack_gqa=False), [(q,)]
             )
+            if later is not None:
+                row["stage 9"] = _time(lambda q: later.attention(q, k, v, causal=True), [(q,)])
             if fa4 is not None:
                 qt = q.transpose(1, 2).contiguous()
                 row["FA4"] = _time(lambda q: fa4.flash_attn_func(q, kt, vt, causal=True), [(qt,)])
@@ -327,7 +332,8 @@ def decode_rows(mod, fa4, dtype, record):
             record("7 decode", (B, H, Hkv, Sq, Sk, D), {n: (ms, 0.0) for n, ms in row.items()})
             us = lambda n: f"{row[n] * 1e3:.0f}" if n in row else "-"  # noqa: E731
             lines.append(
-                f"| {Sq} | {us('packed')} | {us('unpacked')} | {us('FA4')} | {us('SDPA')} "
+                f"| {Sq} | {us('packed')} | {us('unpacked')} | {us('stage 9')} | {us('FA4')} "
+                f"| {us('SDPA')} "
                 f"| {kv_bytes / (row['packed'] * 1e-3) / 1e12:.2f} "
                 f"| {row['unpacked'] / row['packed']:.2f}x faster |"
             )

@@ -3146,9 +3146,11 @@ def plot_stage7_bench(rows, title, path=None):
         names = {
             "packed": "stage 7 pack-GQA",
             "unpacked": "stage 7 unpacked",
+            "stage 9": "stage 9",
             "FA4": "FA4",
             "SDPA": "SDPA",
         }
+        names = {k: n for k, n in names.items() if k in dec[0]["ms"]}
         vals = [{names[k]: v * 1e3 for k, v in r["ms"].items() if k in names} for r in dec]
         bars(
             next(it),
