@@ -58,8 +58,9 @@ def target(n):
         from stages.stage8_warp_specialized import hopper as stage8
 
         g = torch.Generator(device="cuda").manual_seed(5)
-        lens = [300, 0, 1, 200]
-        cu = torch.tensor([0, 300, 300, 301, 501], dtype=torch.int32, device="cuda")
+        # A 1-token and an empty sequence first: both CTAs start on an empty tile (skipped).
+        lens = [1, 0, 300, 200]
+        cu = torch.tensor([0, 1, 1, 301, 501], dtype=torch.int32, device="cuda")
         q, k, v = (
             torch.randn(sum(lens), 2, 64, generator=g, device="cuda").bfloat16() for _ in range(3)
         )

@@ -267,12 +267,19 @@ def ticket_walk(kernel, lens_q, heads, grid, rng):
             tile = draw()
         return tile
 
-    current = [live(c) for c in range(grid)]
+    # Each CTA's next tile before its skips (its first tile c, then a fresh draw); a CTA picked
+    # by rng skips from there (its draws interleave with the other CTAs') and hands over what it
+    # reaches, or ends.
+    pending, running = list(range(grid)), set(range(grid))
     handed = []
-    while any(t < total for t in current):
-        c = rng.choice([i for i, t in enumerate(current) if t < total])
-        handed.append(current[c])
-        current[c] = live(draw())
+    while running:
+        c = rng.choice(sorted(running))
+        tile = live(pending[c])
+        if tile >= total:
+            running.discard(c)
+            continue
+        handed.append(tile)
+        pending[c] = draw()
     return handed, counter[0], tiles_m, total
 
 
@@ -602,11 +609,14 @@ def test_persistent_ctas_walk_many_tiles(D):
         assert torch.equal(lse9, lse8), (causal, window)
 
 
-def test_tile_counter_is_zero_wherever_the_kernel_draws_from_it():
+def test_tile_counter_is_zero_wherever_the_kernel_draws_from_it(monkeypatch):
     """The kernel draws tickets (dynamic = 1) for packed sequences, and in batch mode under a
     causal or window cut (left < Sk or right < Sq); the host must hand it a zero counter in
     every such call (a count left over would skip tiles)."""
     Sq, Sk = 384, 512
+    # torch.empty may hand back zeroed memory: make it -1, so that only a zeroed counter passes.
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(-1))
     for batch_mode, left, right in [
         (False, Sk, Sq),  # packed sequences, no mask
         (False, Sk, 0),  # packed, causal
@@ -620,34 +630,46 @@ def test_tile_counter_is_zero_wherever_the_kernel_draws_from_it():
 
 @pytest.mark.gpu_hopper
 @pytest.mark.parametrize("D", [64, 128])
-def test_persistent_ctas_walk_packed_sequences(D):
+def test_persistent_ctas_walk_packed_sequences(D, monkeypatch):
     """Packed sequences on a persistent grid capped at 7 CTAs: the tiles drawn from tile_counter
     at run time, and the empty ones skipped by the producer (live_tile: the grid counts the
-    longest sequence's Q tiles for every sequence, 6 or 4 here, so a 1-token sequence has one
-    live tile and five or three empty). Lengths: long, no query, 1 token, queries without any
-    key (O = 0, LSE = -inf), equal, and a long one. One compiled kernel, calls in a row:
-    non-causal, causal, a window, causal with pack-GQA (G = 2 rows per position, the empty
-    test on packed rows), causal again (a count left over from the call before would skip
-    tiles), non-causal; each bit for bit against stage 8 (pack-GQA gives the unpacked bits;
-    poisoned outputs: a tile computed by nobody fails)."""
+    longest sequence's Q tiles for every sequence, so a 1-token sequence has one live tile and
+    the rest empty). The first batch starts with a 1-token and an empty sequence, so that most
+    CTAs start on an empty tile; then a long one, queries without any key (O = 0, LSE = -inf),
+    equal lengths and another long one. The second has fewer live tiles (6) than CTAs (7), so
+    some CTA computes nothing. One compiled kernel, calls in a row: non-causal, causal, a
+    window, causal with pack-GQA (G = 2 rows per position: the empty test on packed rows),
+    causal again (a count left over from the call before would skip tiles), non-causal, the
+    second batch causal and not. Each call: bit for bit against stage 8 (pack-GQA gives the
+    unpacked bits; poisoned outputs: a tile computed by nobody fails), and the counter ends at
+    the number of tiles - each of tickets 0 .. total - 1 drawn once (a fixed share would leave it
+    at 0, a lost or repeated draw elsewhere)."""
 
     class kernel_class(hopper.Sm90Kernel):  # the grid capped at 7 CTAs
         def __init__(self, dtype, d, pack):
             super().__init__(dtype, d, pack, sm_count=7)
 
-    lens_q, lens_k = [700, 0, 1, 130, 64, 450], [900, 20, 300, 0, 64, 450]
-    q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, 4, 2, D, torch.bfloat16, seed=D + 11)
+    counters = []
+    keep = attention_host.tile_counter
+    monkeypatch.setattr(
+        attention_host, "tile_counter", lambda *a: counters.append(keep(*a)) or counters[-1]
+    )
     rows = hopper.Sm90Kernel(cutlass.BFloat16, D).tile_rows
-    live = sum(-(-n // rows) for n in lens_q) * 4
-    assert (live, -(-700 // rows) * 6 * 4) == {64: (40, 96), 128: (56, 144)}[D]
-    for causal, window, pack in [
-        (False, None, None),
-        (True, None, None),
-        (False, (100, 30), None),
-        (True, None, True),
-        (True, None, None),
-        (False, None, None),
-    ]:
+    first = ([1, 0, 700, 130, 64, 450], [300, 20, 900, 0, 64, 450], 4, 2)
+    second = ([1, 0, 0, 200], [50, 10, 0, 200], 2, 1)
+    live = {
+        name: sum(-(-n // rows) for n in lens_q) * H
+        for name, (lens_q, _, H, _) in (("first", first), ("second", second))
+    }
+    assert live == {"first": {64: 40, 128: 56}[D], "second": 6}, live
+    calls = [(first, c, w, p) for c, w, p in [(False, None, None), (True, None, None)]]
+    calls += [(first, False, (100, 30), None), (first, True, None, True)]
+    calls += [(first, True, None, None), (first, False, None, None)]
+    calls += [(second, True, None, None), (second, False, None, None)]
+    for (lens_q, lens_k, H, Hkv), causal, window, pack in calls:
+        q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, H, Hkv, D, torch.bfloat16, seed=D)
+        G = H // Hkv if pack else 1
+        total = -(-max(lens_q) * G // rows) * (H // G) * len(lens_q)
         (o9, lse9), grids = launched_grids(
             lambda: run(
                 lambda: attention_host.attention_varlen(
@@ -655,13 +677,14 @@ def test_persistent_ctas_walk_packed_sequences(D):
                 )
             )
         )
-        assert grids == [(7, 1, 1)], (causal, window, pack, grids)
+        what = (lens_q, causal, window, pack)
+        assert grids == [(7, 1, 1)], (what, grids)
+        assert counters[-1].item() == total, (what, counters[-1].item(), total)
         o8, lse8 = run(
             lambda: stage8.attention_varlen(
                 q, k, v, cu_q, cu_k, causal=causal, window=window, return_lse=True
             )
         )
-        what = (causal, window, pack)
         assert torch.equal(o9, o8), (what, (o9.float() - o8.float()).abs().max())
         assert torch.equal(lse9, lse8), what
 

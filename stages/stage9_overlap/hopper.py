@@ -86,12 +86,12 @@ Changes from stage 8:
   under a mask; and since the grid counts as many Q tiles per (head, sequence) as the longest
   sequence has, a shorter sequence's last ones are empty - the producer skips them before
   handing a tile over (live_tile: one ticket each, no Q load, no epilogue). Measured (H200,
-  2026-12-01, seventh session, bf16, D = 128, H = 16, GPU time, FA4 varlen in the same run):
-  make bench's 16 sequences of 64-2047 tokens, non-causal / causal, 479 / 364 TFLOP/s with one
-  CTA per tile (an earlier run of the session; FA4 0.84x / 0.85x) against 550 / 454 (FA4 569 /
-  427: 0.97x / 1.07x); 64 sequences of 64-1023 tokens 350 / 239 with one CTA per tile (empty
-  tiles skipped too) against 435 / 325 (FA4 414 / 263), 8 of 1k-8k 600 / 571 against 615 /
-  609 (FA4 658 / 598). The more and shorter the sequences, the more the set-up per CTA and the
+  2026-12-01, seventh session, bf16, D = 128, H = 16, FA4 varlen in the same run): make
+  bench's 16 sequences of 64-2047 tokens, non-causal / causal, event-timed, 479 / 364 TFLOP/s
+  with one CTA per tile (an earlier run of the session; FA4 0.84x / 0.85x in GPU time) against
+  550 / 454 (FA4 569 / 427: 0.97x / 1.07x in GPU time); in GPU time, 64 sequences of 64-1023
+  tokens 350 / 239 with one CTA per tile (empty tiles skipped too) against 435 / 325 (FA4 414
+  / 263), 8 of 1k-8k 600 / 571 against 615 / 609 (FA4 658 / 598). The more and shorter the sequences, the more the set-up per CTA and the
   tail weighed. The same bits as stage 8 (tested on a grid capped at 7 CTAs).
 - The order of the tiles under a mask (batch mode): sections of l2_heads (head, sequence)
   pairs whose K and V fit in the 50 MB L2 together (a power of two that divides the number of
@@ -369,7 +369,9 @@ class Sm90Kernel:
             grid = (cutlass.min(tiles, self.sm_count), 1, 1)
             if cutlass.const_expr(cu_seqlens_q is not None):
                 # Packed sequences: the tiles differ with the lengths (and past a shorter
-                # sequence's end they are empty, skipped by the producer: live_tile).
+                # sequence's end they are empty, skipped by the producer: live_tile). They go
+                # head by head, sequence after sequence (longest first only inside a (head,
+                # sequence)): a long sequence late in cu_seqlens is drawn last.
                 dynamic = cutlass.Int32(1)
         if cutlass.const_expr(cu_seqlens_q is None):
             if window_left < k.shape[0] or window_right < max_seqlen_q:
