@@ -43,6 +43,7 @@ from test_stage7_hopper import (
 from test_stage8_hopper import SAME_AS_STAGE7, explore, ptxas_log, statements
 
 from common import attention_host, checker, inputs, stages
+from common.pack_gqa import choose_pack
 from stages.stage8_warp_specialized import hopper as stage8
 from stages.stage9_overlap import hopper
 
@@ -636,8 +637,8 @@ def test_persistent_ctas_walk_packed_sequences(D, monkeypatch):
     longest sequence's Q tiles for every sequence, so a 1-token sequence has one live tile and
     the rest empty). The first batch starts with a 1-token and an empty sequence, so that most
     CTAs start on an empty tile; then a long one, queries without any key (O = 0, LSE = -inf),
-    equal lengths and another long one. The second has fewer live tiles (6) than CTAs (7), so
-    some CTA computes nothing. One compiled kernel, calls in a row: non-causal, causal, a
+    equal lengths and another long one. The second has fewer live tiles (6; 4 at D = 64, where
+    the launch packs its 2 query heads per KV head) than CTAs (7), so some CTA computes nothing. One compiled kernel, calls in a row: non-causal, causal, a
     window, causal with pack-GQA (G = 2 rows per position: the empty test on packed rows),
     causal again (a count left over from the call before would skip tiles), non-causal, the
     second batch causal and not. Each call: bit for bit against stage 8 (pack-GQA gives the
@@ -655,20 +656,24 @@ def test_persistent_ctas_walk_packed_sequences(D, monkeypatch):
         attention_host, "tile_counter", lambda *a: counters.append(keep(*a)) or counters[-1]
     )
     rows = hopper.Sm90Kernel(cutlass.BFloat16, D).tile_rows
+
+    def groups(lens_q, H, Hkv, pack):  # G as the launch picks it (pack=None: by max_seqlen_q)
+        return choose_pack(H, Hkv, max(lens_q), rows, pack)
+
     first = ([1, 0, 700, 130, 64, 450], [300, 20, 900, 0, 64, 450], 4, 2)
-    second = ([1, 0, 0, 200], [50, 10, 0, 200], 2, 1)
-    live = {
-        name: sum(-(-n // rows) for n in lens_q) * H
-        for name, (lens_q, _, H, _) in (("first", first), ("second", second))
-    }
-    assert live == {"first": {64: 40, 128: 56}[D], "second": 6}, live
+    second = ([1, 0, 0, 200], [50, 10, 0, 200], 2, 1)  # D = 64 packs it: G = 2 (200 < 192 x 2)
+    live = {}
+    for name, (lens_q, _, H, Hkv) in (("first", first), ("second", second)):
+        G = groups(lens_q, H, Hkv, None)
+        live[name] = sum(-(-n * G // rows) for n in lens_q) * (H // G)
+    assert live == {"first": {64: 40, 128: 56}[D], "second": {64: 4, 128: 6}[D]}, live
     calls = [(first, c, w, p) for c, w, p in [(False, None, None), (True, None, None)]]
     calls += [(first, False, (100, 30), None), (first, True, None, True)]
     calls += [(first, True, None, None), (first, False, None, None)]
     calls += [(second, True, None, None), (second, False, None, None)]
     for (lens_q, lens_k, H, Hkv), causal, window, pack in calls:
         q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, H, Hkv, D, torch.bfloat16, seed=D)
-        G = H // Hkv if pack else 1
+        G = groups(lens_q, H, Hkv, pack)
         total = -(-max(lens_q) * G // rows) * (H // G) * len(lens_q)
         (o9, lse9), grids = launched_grids(
             lambda: run(
@@ -791,7 +796,6 @@ def test_pack_gqa_matches_reference_and_unpacked(case):
 def test_pack_gqa_groups_follow_the_tile_rows():
     """Pack-GQA needs G to divide the Q tile's rows: 192 at D = 64 (G = 3 packs, G = 128 does
     not), 128 at D = 128 (G = 3 does not). attention() takes the rows from the kernel object."""
-    from common.pack_gqa import choose_pack
 
     rows = {d: attention_host.tile_rows(hopper.Sm90Kernel, torch.bfloat16, d) for d in (64, 128)}
     assert rows == {64: 192, 128: 128}
