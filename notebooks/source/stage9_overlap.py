@@ -493,6 +493,8 @@ bench_wg = nb.measure(
 # 0.97x / 1.07x; 64 sequences of 64-1023 tokens +24% / +36% over one CTA per tile, 8 of 1k-8k
 # +2% / +7% - the more and the shorter the sequences, the more the per-CTA set-up and the tail
 # weighed.
+#
+# ![Stage 9 on packed sequences: one CTA per tile against the persistent grid, H200](../docs/results/varlen_dynamic_h200_2026-12-01.png)
 
 # %%
 nb.show_source(9, "hopper", names=["Sm90Kernel.next_tile", "Sm90Kernel.tile_coords"])
