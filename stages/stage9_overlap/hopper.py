@@ -48,8 +48,8 @@ Changes from stage 8:
 - Persistent CTAs: the kernel walks work tiles in a loop, and the grid is capped at one CTA per
   SM (batch mode; packed sequences since the seventh session, below); where every tile has the
   same work (no causal or window cut) CTA c takes tiles c, c + gridDim.x, ... (under a mask:
-  the dynamic scheduler below), so that a CTA's set-up (barriers, descriptors, the first loads) is paid
-  once per SM, not per tile, and the next tile's K and V stream in during this tile's last
+  the dynamic scheduler below), so that a CTA's set-up (barriers, descriptors, the first
+  loads) is paid once per SM, not per tile, and the next tile's K and V stream in during this tile's last
   GEMMs. Two barriers hand Q from tile to tile: q_full (TMA landed) and q_empty (the 256 or
   384 consumer threads are done with Q); O gets its own 32 KB buffer (D = 128) so that q_empty
   can be released before the epilogue rather than after it, and the next Q lands while O is
@@ -91,8 +91,9 @@ Changes from stage 8:
   with one CTA per tile (an earlier run of the session; FA4 0.84x / 0.85x in GPU time) against
   550 / 454 (FA4 569 / 427: 0.97x / 1.07x in GPU time); in GPU time, 64 sequences of 64-1023
   tokens 350 / 239 with one CTA per tile (empty tiles skipped too) against 435 / 325 (FA4 414
-  / 263), 8 of 1k-8k 600 / 571 against 615 / 609 (FA4 658 / 598). The more and shorter the sequences, the more the set-up per CTA and the
-  tail weighed. The same bits as stage 8 (tested on a grid capped at 7 CTAs).
+  / 263), 8 of 1k-8k 600 / 571 against 615 / 609 (FA4 658 / 598). The more and the shorter
+  the sequences, the more the set-up per CTA and the tail weighed. The same bits as stage 8
+  (tested on a grid capped at 7 CTAs).
 - The order of the tiles under a mask (batch mode): sections of l2_heads (head, sequence)
   pairs whose K and V fit in the 50 MB L2 together (a power of two that divides the number of
   pairs: 8 at D = 128, Sk = 8k), and inside a section the Q tile slowest and the pair fastest,
