@@ -49,8 +49,8 @@ Changes from stage 8:
   SM (batch mode; packed sequences since the seventh session, below); where every tile has the
   same work (no causal or window cut) CTA c takes tiles c, c + gridDim.x, ... (under a mask:
   the dynamic scheduler below), so that a CTA's set-up (barriers, descriptors, the first
-  loads) is paid once per SM, not per tile, and the next tile's K and V stream in during this tile's last
-  GEMMs. Two barriers hand Q from tile to tile: q_full (TMA landed) and q_empty (the 256 or
+  loads) is paid once per SM, not per tile, and the next tile's K and V stream in during this
+  tile's last GEMMs. Two barriers hand Q from tile to tile: q_full (TMA landed) and q_empty (the 256 or
   384 consumer threads are done with Q); O gets its own 32 KB buffer (D = 128) so that q_empty
   can be released before the epilogue rather than after it, and the next Q lands while O is
   stored. The ring's position carries over: entry e (2 per KV tile, counted across tiles)
