@@ -3,6 +3,7 @@ small shapes that reuse every ring slot; stages 6-9 run causal, so the tile rang
 for some Q tiles. Each (tool, stage) runs in its own process under the sanitizer; any reported
 hazard fails. `python -m common.sanitize --stages 6,8` picks stages."""
 
+import itertools
 import re
 import shutil
 import subprocess
@@ -60,7 +61,7 @@ def target(n):
         g = torch.Generator(device="cuda").manual_seed(5)
         # A 1-token and an empty sequence first: both CTAs start on an empty tile (skipped).
         lens = [1, 0, 300, 200]
-        cu = torch.tensor([0, 1, 1, 301, 501], dtype=torch.int32, device="cuda")
+        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
         q, k, v = (
             torch.randn(sum(lens), 2, 64, generator=g, device="cuda").bfloat16() for _ in range(3)
         )
