@@ -28,6 +28,15 @@ def tile_rows(kernel_class, dtype, D, kernel=None):
     return getattr(kernel, "tile_rows", 128)
 
 
+def kernel_options(kernel_class, D, window_left, window_right, Sq, Sk, group):
+    """Keyword options for kernel_class(dtype, D, pack, ...) at one launch's head dim, resolved
+    window, lengths (packed: the longest) and G = H / Hkv: the class's `launch_options` (Hopper
+    stage 9: two consumer warpgroups at D = 64 under a short mask), {} where it has none. They
+    become attributes of the kernel object, so the compile cache keys on them."""
+    options = getattr(kernel_class, "launch_options", None)
+    return options(D, window_left, window_right, Sq, Sk, group) if options else {}
+
+
 def compile_args(kernel_class, dtype, shape, scale=None, **options):
     """(kernel, args) for cute.compile with fake tensors, shape = (B, H, Sq, Sk, D); options
     causal, window, kv_heads (Hkv, default H), varlen (True: packed sequences, B of them,
@@ -46,8 +55,10 @@ def compile_args(kernel_class, dtype, shape, scale=None, **options):
     cu_q = cu_k = None
     if varlen:
         cu_q, cu_k = (fake_tensor(torch.int32, (B + 1,), dynamic=True) for _ in range(2))
-    pack = choose_pack(H, Hkv, Sq, tile_rows(kernel_class, dtype, D), options.get("pack_gqa"))
-    kernel = kernel_class(cute_dtype(dtype), D, pack)
+    opts = kernel_options(kernel_class, D, window_left, window_right, Sq, Sk, H // Hkv)
+    rows = tile_rows(kernel_class, dtype, D, kernel_class(cute_dtype(dtype), D, 1, **opts))
+    pack = choose_pack(H, Hkv, Sq, rows, options.get("pack_gqa"))
+    kernel = kernel_class(cute_dtype(dtype), D, pack, **opts)
     args = [q, k, v, o, lse, cu_q, cu_k, Sq, checks.check_scale(scale, D) * math.log2(math.e)]
     args += [window_left, window_right]
     if getattr(kernel, "uses_tile_counter", False):
@@ -79,10 +90,16 @@ def launch(
     with torch.cuda.device(q.device):
         # Kernel objects read the current device (Hopper stage 9: its SM count), so they are
         # built here; the one built for the tile rows serves unpacked launches (the common case).
-        unpacked = kernel_class(cute_dtype(q.dtype), D, 1)
+        # Options for this launch's sizes and mask (Hopper stage 9: the consumer warpgroups at
+        # D = 64), the same in the unpacked and the packed object.
+        H, Hkv = q.shape[1], k.shape[1]
+        opts = kernel_options(
+            kernel_class, D, window_left, window_right, max_seqlen_q, max_seqlen_k, H // Hkv
+        )
+        unpacked = kernel_class(cute_dtype(q.dtype), D, 1, **opts)
         rows = tile_rows(kernel_class, q.dtype, D, unpacked)
-        pack = choose_pack(q.shape[1], k.shape[1], max_seqlen_q, rows, pack)
-        kernel = unpacked if pack == 1 else kernel_class(cute_dtype(q.dtype), D, pack)
+        pack = choose_pack(H, Hkv, max_seqlen_q, rows, pack)
+        kernel = unpacked if pack == 1 else kernel_class(cute_dtype(q.dtype), D, pack, **opts)
         # Dynamic shapes and strides: one compile per (dtype, D, batch or packed) serves every
         # shape and head count. The torch tensors go to the compiled function as they are
         # (TVM-FFI, common/compile.py), on the current stream; size-1 modes get canonical strides.

@@ -40,8 +40,8 @@ def target(n):
         from . import attention_host
 
         class capped(hopper.Sm90Kernel):  # the grid capped at 2 CTAs: 2 tiles each
-            def __init__(self, dtype, d, pack):
-                super().__init__(dtype, d, pack, sm_count=2)
+            def __init__(self, dtype, d, pack, **options):
+                super().__init__(dtype, d, pack, sm_count=2, **options)
 
         # 2 Q tiles (192 rows at D = 64) x 2 heads; non-causal: the tiles in a fixed order,
         # causal: handed out at run time (the atomic tile counter, the tile number with Q).
@@ -55,7 +55,8 @@ def target(n):
             print(f"stage 9 (persistent, 2 CTAs x 2 tiles, {order}) under the sanitizer: {r}")
         # Packed sequences on the same capped grid: tiles drawn from the counter, the empty ones
         # (past the shorter sequences' ends) skipped by the producer; bit for bit against
-        # stage 8 (its own tests check it against the reference).
+        # stage 8 (its own tests check it against the reference). Causal over at most 300 keys:
+        # two consumer warpgroups (launch_options), where the batch cases above take three.
         from stages.stage8_warp_specialized import hopper as stage8
 
         g = torch.Generator(device="cuda").manual_seed(5)

@@ -42,7 +42,7 @@ from test_stage7_hopper import (
 )
 from test_stage8_hopper import SAME_AS_STAGE7, explore, ptxas_log, statements
 
-from common import attention_host, checker, inputs, stages
+from common import attention_host, checker, inputs, masks, stages
 from common.pack_gqa import choose_pack
 from stages.stage8_warp_specialized import hopper as stage8
 from stages.stage9_overlap import hopper
@@ -50,10 +50,10 @@ from stages.stage9_overlap import hopper
 # ---------------------------------------------------------------- compile-only
 
 
-def compile_stage9(dtype, D, **options):
+def compile_stage9(dtype, D, Sk=2048, **options):
     from common.compile import compile_for_arch, count_ptx, ptxas_resources
 
-    kernel, args = hopper.compile_args(dtype, (2, 8, 512, 1024, D), **options)
+    kernel, args = hopper.compile_args(dtype, (2, 8, 512, Sk, D), **options)
     ptx, _ = compile_for_arch(kernel, args, "sm_90a")
     return kernel, ptx, count_ptx(ptx), ptxas_resources(ptx, "sm_90a")
 
@@ -82,13 +82,16 @@ def schedule_string(ptx):
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["batch", "packed"])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize(
+    "D, Sk", [(64, 2048), (128, 2048), (64, 1024)], ids=["64", "128", "64-short"]
+)
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_compiles_overlapped(dtype, D, varlen):
-    kernel, ptx, counts, res = compile_stage9(dtype, D, kv_heads=2, varlen=varlen, causal=True)
+def test_compiles_overlapped(dtype, D, Sk, varlen):
+    kernel, ptx, counts, res = compile_stage9(dtype, D, Sk, kv_heads=2, varlen=varlen, causal=True)
     # Stage 8's warp roles and register split at D = 128 (a producer and two consumer
-    # warpgroups, 24 / 240 registers); at D = 64 three consumer warpgroups (24 / 160).
-    wgs, regs = {64: (3, 160), 128: (2, 240)}[D]
+    # warpgroups, 24 / 240 registers); at D = 64 three consumer warpgroups (24 / 160), two
+    # under a causal mask over at most 1024 keys (launch_options: Sk = 1024 here).
+    wgs, regs = {64: (3, 160), 128: (2, 240)}[D] if Sk > 1024 else (2, 240)
     assert (kernel.mma_warpgroups, kernel.cta_tile) == (wgs, (64 * wgs, 128, D))
     assert f".reqntid {128 * (1 + wgs)}, 1, 1" in ptx and ".minnctapersm 1" in ptx
     assert 128 * kernel.load_registers + kernel.mma_threads * kernel.mma_registers <= 65536
@@ -114,8 +117,9 @@ def test_compiles_overlapped(dtype, D, varlen):
     expected = r"0dL+iTGCPW" + r"TGCGCPwW" + ("B" if varlen else "") + r"TGCPWBB"
     assert re.fullmatch(expected, schedule_string(ptx)), schedule_string(ptx)
     # Q and O (bM x D each) and the ring in 227 KB: 2 x 24 KB + 11 x 16 KB at D = 64 (192-row
-    # tile), 2 x 32 KB + 5 x 32 KB at D = 128; 225 KB with the barriers either way.
-    assert kernel.kv_slots == {64: 11, 128: 5}[D]
+    # tile; 2 x 16 KB + 12 x 16 KB with 128 rows), 2 x 32 KB + 5 x 32 KB at D = 128; 225 KB
+    # with the barriers either way.
+    assert kernel.kv_slots == {(64, 3): 11, (64, 2): 12, (128, 2): 5}[D, wgs]
     tile_bytes = 128 * D * 2
     assert kernel.shared_memory_bytes == 1024 + 2 * 64 * wgs * D * 2 + kernel.kv_slots * tile_bytes
     assert kernel.shared_memory_bytes == 230400
@@ -580,8 +584,12 @@ def test_persistent_ctas_walk_many_tiles(D):
     computed by nobody fails)."""
 
     class kernel_class(hopper.Sm90Kernel):  # the grid capped at 7 CTAs
-        def __init__(self, dtype, d, pack):
-            super().__init__(dtype, d, pack, sm_count=7)
+        # One compiled kernel for every call: the default tile also under the short masks
+        # below (launch_options would take two consumer warpgroups there at D = 64).
+        launch_options = staticmethod(lambda *a: {})
+
+        def __init__(self, dtype, d, pack, **options):
+            super().__init__(dtype, d, pack, sm_count=7, **options)
 
     B, H, Sq, Sk = 2, 4, 1000, 1000
     # 8 Q tiles of 128 rows (D = 128) or 6 of 192 (D = 64) x 4 heads x 2: 64 or 48 tiles
@@ -647,8 +655,12 @@ def test_persistent_ctas_walk_packed_sequences(D, monkeypatch):
     at 0, a lost or repeated draw elsewhere)."""
 
     class kernel_class(hopper.Sm90Kernel):  # the grid capped at 7 CTAs
-        def __init__(self, dtype, d, pack):
-            super().__init__(dtype, d, pack, sm_count=7)
+        # One compiled kernel for every call: the default tile also under the short masks
+        # below (launch_options would take two consumer warpgroups there at D = 64).
+        launch_options = staticmethod(lambda *a: {})
+
+        def __init__(self, dtype, d, pack, **options):
+            super().__init__(dtype, d, pack, sm_count=7, **options)
 
     counters = []
     keep = attention_host.tile_counter
@@ -837,3 +849,83 @@ def test_packed_tiles_figure_draws_the_stored_run():
     heights = sorted(p.get_height() for p in fig.axes[0].patches)
     want = sorted(v[0] for r in rows for v in r["tflops_gpu_event"].values())
     assert heights == pytest.approx(want)
+
+
+# ---------------------------------------------------------------- two warpgroups for short masks
+
+
+def test_short_masks_take_two_warpgroups_at_d64():
+    """launch_options: at D = 64 a causal or window mask that leaves no query row more than
+    1024 keys gets the 128-row tile (two consumer warpgroups), everything else the default (three
+    at D = 64, two at D = 128). The boundary both ways, and the compile_args of CI's checks
+    building the same object as a launch."""
+
+    def wgs(D, Sq, Sk, causal=False, window=None, H=8, Hkv=8):
+        left, right = masks.resolve_window(causal, window, Sq, Sk)
+        opts = attention_host.kernel_options(hopper.Sm90Kernel, D, left, right, Sq, Sk, H // Hkv)
+        kernel, _ = hopper.compile_args(
+            torch.bfloat16, (2, H, Sq, Sk, D), causal=causal, window=window, kv_heads=Hkv
+        )
+        assert kernel.mma_warpgroups == opts.get("mma_warpgroups", kernel.warpgroups_for(D))
+        return kernel.mma_warpgroups
+
+    assert wgs(64, 1024, 1024, causal=True) == 2  # every row sees at most 1024 keys
+    assert wgs(64, 1025, 1025, causal=True) == 3
+    assert wgs(64, 1, 1024, causal=True) == 2 and wgs(64, 1, 1025, causal=True) == 3
+    assert wgs(64, 4096, 4096, window=(256, 0)) == 2  # 257 keys per row
+    assert (
+        wgs(64, 4096, 4096, window=(511, 512)) == 2 and wgs(64, 4096, 4096, window=(512, 512)) == 3
+    )
+    assert wgs(64, 4096, 4096, window=(None, 0)) == 3  # causal-like, 4096 keys
+    assert wgs(64, 512, 512) == 3  # no mask: the 192-row tile at every length
+    assert wgs(64, 512, 2000, window=(3000, 3000)) == 3  # a window wider than the keys: no mask
+    assert wgs(128, 512, 512, causal=True) == 2  # D = 128: two in any case
+    # G = H / Hkv must divide 64, so that pack-GQA's choices do not change with the tile.
+    assert wgs(64, 512, 512, causal=True, H=8, Hkv=2) == 2
+    assert wgs(64, 512, 512, causal=True, H=6, Hkv=2) == 3  # G = 3
+    assert wgs(64, 512, 512, causal=True, H=128, Hkv=1) == 3  # G = 128
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_short_masks_at_d64_two_and_three_warpgroups_agree(dtype):
+    """The short-mask launches at D = 64 (two consumer warpgroups, a 128-row tile) against the
+    fp64 reference, and bit for bit against the same launches pinned to three warpgroups (the
+    same arithmetic per row in either tile): causal, a window, GQA, a ragged Sq, and packed
+    sequences causal; calls of both kernels interleaved in one process."""
+
+    class three(hopper.Sm90Kernel):  # the default tile at every length
+        launch_options = staticmethod(lambda *a: {})
+
+    for B, H, Hkv, Sq, Sk, causal, window in [
+        (2, 4, 4, 700, 700, True, None),
+        (2, 8, 2, 300, 1000, False, (100, 0)),
+        (1, 4, 1, 1000, 1024, True, None),
+        (3, 2, 2, 129, 513, False, (60, 40)),
+    ]:
+        left, right = masks.resolve_window(causal, window, Sq, Sk)
+        opts = attention_host.kernel_options(hopper.Sm90Kernel, 64, left, right, Sq, Sk, H // Hkv)
+        assert opts == {"mma_warpgroups": 2}, (Sq, Sk, causal, window)
+        q, _, _ = inputs.attention_inputs(B, H, Sq, Sq, 64, dtype, seed=Sq + Sk)
+        _, k, v = inputs.attention_inputs(B, Hkv, Sq, Sk, 64, dtype, seed=Sk)
+        o2, lse2 = run(
+            lambda: hopper.attention(q, k, v, causal=causal, window=window, return_lse=True)
+        )
+        gqa_reference_check("O", o2, lse2, q, k, v, causal, window)
+        o3, lse3 = run(
+            lambda: attention_host.attention(three, q, k, v, None, causal, window, True, None)
+        )
+        assert torch.equal(o2, o3), (Sq, Sk, (o2.float() - o3.float()).abs().max())
+        assert torch.equal(lse2, lse3), (Sq, Sk)
+    lens_q, lens_k = [700, 1, 0, 300], [700, 64, 10, 1000]
+    q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, 4, 2, 64, dtype, seed=11)
+    o2, lse2 = run(
+        lambda: hopper.attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True)
+    )
+    check_packed(o2, lse2, q, k, v, cu_q, cu_k, True, None)
+    o3, lse3 = run(
+        lambda: attention_host.attention_varlen(
+            three, q, k, v, cu_q, cu_k, None, None, None, True, None, True, None
+        )
+    )
+    assert torch.equal(o2, o3) and torch.equal(lse2, lse3)

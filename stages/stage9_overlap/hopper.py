@@ -129,6 +129,15 @@ Changes from stage 8:
   203 / 226): a 192-row tile does more of the causal triangle's masked work and makes fewer
   CTAs. fp16 8k 530 / 470 (FA4 568). Pack-GQA then needs G to divide 192 (G = 3 packs now,
   G = 128 no longer), and O is stored 48 rows per pass (32 where G = 32 or 64: store_rows).
+- Short masks keep two (eighth session, 2026-12-02): at D = 64 the launch takes two consumer
+  warpgroups (a 128-row tile) where a causal or window mask leaves no query row more than 1024
+  keys, min(Sk, left + right + 1) (launch_options; the kernel is the same code with
+  mma_warpgroups = 2, a compile of its own). Measured (H200, 2026-12-02, paper shapes, GPU time
+  from events behind a queue filled in advance, two / three warpgroups, us): bf16 causal S = 512
+  170 / 188 (+11%), 1k 243 / 268 (+10%), 2k 388 / 367 (-5%), 4k 678 / 610 (-10%); a window of
+  256 keys to the left, S = 512 ... 4k, 168-198 / 189-231 (+12-17%); fp16 alike (causal 512
+  167 / 187, 1k 236 / 268, 2k 374 / 367). Hence the cut at 1024 keys. The outputs are the same
+  bits either way (tested).
 - The mask of a tile that crosses an edge is one interval of columns per row, [col_lo, col_hi)
   counted from the thread's first key, compared against each element's column offset, a
   constant of the layout (mask_keys): two compares per element where stage 8 computed the key
@@ -234,6 +243,24 @@ class Sm90Kernel:
     def warpgroups_for(head_dim):
         """Consumer warpgroups at head dim D: 3 at D = 64 (192-row Q tile), 2 at D = 128."""
         return 3 if head_dim == 64 else 2
+
+    # A query row that sees at most this many keys under a mask takes two consumer warpgroups
+    # at D = 64 (launch_options).
+    SHORT_MASK_KEYS = 1024
+
+    @staticmethod
+    def launch_options(head_dim, window_left, window_right, seqlen_q, seqlen_k, group):
+        """Options for the kernel of one launch (common/attention_host.py builds it with them):
+        {"mma_warpgroups": 2} at D = 64 where a causal or window mask leaves no query row more
+        than SHORT_MASK_KEYS keys, min(Sk, left + right + 1) (packed: of the longest sequence),
+        and G = H / Hkv divides 64 (then both tiles, 128 and 192 rows, allow the same pack-GQA
+        choices: the argument checks do not depend on the lengths); {} otherwise. A 192-row tile
+        does more of the masked work where the visible band is short (the docstring's numbers)."""
+        masked = window_left < seqlen_k or window_right < seqlen_q
+        keys = min(seqlen_k, window_left + window_right + 1)
+        if head_dim == 64 and masked and keys <= Sm90Kernel.SHORT_MASK_KEYS and 64 % group == 0:
+            return {"mma_warpgroups": 2}
+        return {}
 
     @cute.jit
     def __call__(
@@ -1257,8 +1284,8 @@ def attention(q, k, v, scale=None, causal=False, window=None, return_lse=False, 
 
     pack_gqa: the G = H / Hkv query heads of a KV head share one Q tile (common/pack_gqa.py).
     None (default) packs where a tile would otherwise be mostly empty, Sq short against the
-    Q tile (128 rows, 192 at D = 64; decode-like shapes: Sq = 1 uses 1 row unpacked, G
-    packed); True / False force it (True needs G to divide the tile's rows). The same answer either way (the same arithmetic per row); the speed is in
+    Q tile (128 rows, 192 at D = 64 but 128 under a mask of at most 1024 keys per row;
+    decode-like shapes: Sq = 1 uses 1 row unpacked, G packed); True / False force it (True needs G to divide the tile's rows). The same answer either way (the same arithmetic per row); the speed is in
     docs/results/."""
     return attention_host.attention(
         Sm90Kernel, q, k, v, scale, causal, window, return_lse, pack_gqa
