@@ -456,6 +456,17 @@ bench_wg = nb.measure(
 )
 
 # %% [markdown]
+# **Short masks keep two.** The 10-11% lost at S = 512-1k causal came back in the eighth session
+# (2026-12-02): the launch asks the kernel class for its options at each call
+# (`Sm90Kernel.launch_options`, called by `common/attention_host.py`), and at D = 64 a causal or
+# window mask that leaves no query row more than 1,024 keys gets `mma_warpgroups = 2`, the
+# 128-row tile, in a compile of its own. Measured (H200, 2026-12-02, bf16, paper shapes, GPU time,
+# two / three warpgroups, us): causal S = 512 170 / 188, 1k 243 / 268, 2k 388 / 367, 4k 678 / 610;
+# a window of 256 keys to the left 168-198 / 189-231 from S = 512 to 4k. So the cut sits at 1,024
+# keys (`Sm90Kernel.SHORT_MASK_KEYS`); the outputs are the same bits either way (tested). The
+# comparison just above is non-causal, where three warpgroups run at every length.
+
+# %% [markdown]
 # ### 7.3 A dynamic tile scheduler under a mask
 #
 # Under a causal or window mask the tiles are unequal: the last Q tile of a head sees every KV
