@@ -133,8 +133,9 @@ def cached_compile(kernel, *args):
 def ffi_tensor_signature(t):
     """What a dynamic-layout kernel compiled through TVM-FFI assumes of torch tensor t: element
     type, rank, and its strides with every non-zero one but the last a run-time value."""
-    strides = tuple(0 if s == 0 else "?" for s in t.stride()[:-1]) + (t.stride(-1),)
-    return (str(t.dtype), t.dim(), strides)
+    stride = t.stride()
+    strides = tuple([0 if s == 0 else "?" for s in stride[:-1]]) + stride[-1:]
+    return (str(t.dtype), len(stride), strides)
 
 
 def ffi_compile_key(kernel, args):

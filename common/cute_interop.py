@@ -33,7 +33,10 @@ def canonical_strides(t):
     canonical stride is the tensor's span over its other modes (a non-zero multiple of 16 bytes
     whenever the other strides are), so that B = 1, H = 1 or Sq = 1 share the compiled kernel of
     a larger extent instead of compiling one per stray stride (see common/compile.py)."""
-    shape, stride = tuple(t.shape), list(t.stride())
+    shape = tuple(t.shape)
+    if 1 not in shape[:-1]:
+        return t  # nothing to change (the common case: this check is on every launch's path)
+    stride = list(t.stride())
     span = max([n * s for n, s in zip(shape, stride) if n > 1 and s > 0] + [shape[-1]])
     for d in range(t.dim() - 1):
         if shape[d] == 1:
