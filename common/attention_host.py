@@ -3,9 +3,10 @@ that give packed sequences the kernels' (B, H, S, D) shape, the pack-GQA choice,
 and the launch. Each stage file keeps its kernel class and its documented entry points, which pass
 the class here: `attention(Sm90Kernel, q, k, v, ...)`. The launch goes through TVM-FFI (the torch
 tensors passed as they are; common/compile.py, cached_compile_ffi). The kernel class is built as
-kernel_class(cutlass dtype, D, pack) and called with (q, k, v, o, lse, cu_seqlens_q,
-cu_seqlens_k, max_seqlen_q, scale_log2, window_left, window_right, stream); a kernel object
-with `uses_tile_counter` (Hopper stage 9: its dynamic tile scheduler) takes one more tensor
+kernel_class(cutlass dtype, D, pack, **options) - options from its `launch_options` for the
+launch's sizes and mask where it has one (Hopper stage 9; kernel_options), none otherwise - and
+called with (q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale_log2, window_left,
+window_right, stream); a kernel object with `uses_tile_counter` (Hopper stage 9: its dynamic tile scheduler) takes one more tensor
 before the stream, tile_counter (one int32, zero at each call where the kernel reads it)."""
 
 import math
@@ -21,7 +22,8 @@ from common.pack_gqa import choose_pack
 
 def tile_rows(kernel_class, dtype, D, kernel=None):
     """Query rows per Q tile of a kernel class at head dim D: its kernel object's `tile_rows`
-    (Hopper stage 9: 192 at D = 64), 128 where it has none. Pack-GQA needs G to divide them.
+    (Hopper stage 9: 192 at D = 64 with its default options, 128 under a short mask), 128 where
+    it has none. Pack-GQA needs G to divide them.
     (Building the object compiles nothing; `kernel`: an object of the class built with pack 1,
     to read instead of building one.)"""
     kernel = kernel if kernel is not None else kernel_class(cute_dtype(dtype), D, 1)
@@ -100,8 +102,8 @@ def launch(
         rows = tile_rows(kernel_class, q.dtype, D, unpacked)
         pack = choose_pack(H, Hkv, max_seqlen_q, rows, pack)
         kernel = unpacked if pack == 1 else kernel_class(cute_dtype(q.dtype), D, pack, **opts)
-        # Dynamic shapes and strides: one compile per (dtype, D, batch or packed) serves every
-        # shape and head count. The torch tensors go to the compiled function as they are
+        # Dynamic shapes and strides: one compile per (dtype, D, batch or packed, kernel
+        # options) serves every shape and head count. The torch tensors go to the compiled function as they are
         # (TVM-FFI, common/compile.py), on the current stream; size-1 modes get canonical strides.
         args = [canonical_strides(t.detach()) for t in (q, k, v, o, lse)]
         args += [cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale_log2, window_left, window_right]

@@ -56,7 +56,8 @@ def target(n):
         # Packed sequences on the same capped grid: tiles drawn from the counter, the empty ones
         # (past the shorter sequences' ends) skipped by the producer; bit for bit against
         # stage 8 (its own tests check it against the reference). Causal over at most 300 keys:
-        # two consumer warpgroups (launch_options), where the batch cases above take three.
+        # two consumer warpgroups (launch_options), where the batch cases above take three; then
+        # the same batch pinned to three.
         from stages.stage8_warp_specialized import hopper as stage8
 
         g = torch.Generator(device="cuda").manual_seed(5)
@@ -66,18 +67,24 @@ def target(n):
         q, k, v = (
             torch.randn(sum(lens), 2, 64, generator=g, device="cuda").bfloat16() for _ in range(3)
         )
-        out = run_with_deadline(
-            lambda: attention_host.attention_varlen(
-                capped, q, k, v, cu, cu, None, None, None, True, None, False, None
-            ),
-            600,
-            "stage 9, persistent, packed sequences",
-        )
+
+        class capped_three(capped):  # the same batch on the default tile (three at D = 64)
+            launch_options = staticmethod(lambda *a: {})
+
         ref = stage8.attention_varlen(q, k, v, cu, cu, causal=True)
-        torch.cuda.synchronize()
-        if not torch.equal(out, ref):
-            raise AssertionError("stage 9, persistent, packed sequences: differs from stage 8")
-        print("stage 9 (persistent, 2 CTAs, packed sequences, causal) under the sanitizer: equal")
+        for kernel_class, wgs in ((capped, "two"), (capped_three, "three")):
+            what = f"stage 9, persistent, packed sequences, {wgs} consumer warpgroups"
+            out = run_with_deadline(
+                lambda: attention_host.attention_varlen(
+                    kernel_class, q, k, v, cu, cu, None, None, None, True, None, False, None
+                ),
+                600,
+                what,
+            )
+            torch.cuda.synchronize()
+            if not torch.equal(out, ref):
+                raise AssertionError(f"{what}: differs from stage 8")
+            print(f"{what} (2 CTAs, causal) under the sanitizer: equal")
 
 
 def main(argv=None):

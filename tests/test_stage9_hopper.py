@@ -886,6 +886,54 @@ def test_short_masks_take_two_warpgroups_at_d64():
     assert wgs(64, 512, 512, causal=True, H=128, Hkv=1) == 3  # G = 128
 
 
+def test_launch_builds_what_launch_options_ask_for(monkeypatch):
+    """The launch itself, not only compile_args, builds the kernel with launch_options' choice: a
+    spy in place of the compile cache records the kernel object of each launch (CPU tensors;
+    nothing is compiled or run). Batch and packed, with and without pack-GQA, both sides of the
+    1024-key cut, and a class without the hook (stage 8) built as before."""
+    import contextlib
+
+    built = []
+
+    def spy(kernel, *args):
+        built.append(kernel)
+        return lambda *a: None
+
+    monkeypatch.setattr(attention_host, "cached_compile_ffi", spy)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    cases = [  # (varlen, H, Hkv, Sq, Sk, causal, window, D) -> (warpgroups, pack)
+        ((False, 4, 4, 700, 700, True, None, 64), (2, 1)),
+        ((False, 4, 4, 1100, 1100, True, None, 64), (3, 1)),
+        ((False, 4, 4, 700, 700, False, None, 64), (3, 1)),
+        ((False, 4, 4, 4000, 4000, False, (200, 0), 64), (2, 1)),
+        ((False, 8, 2, 1, 900, True, None, 64), (2, 4)),  # decode-like: pack-GQA, 128 rows
+        ((False, 8, 2, 1, 2000, True, None, 64), (3, 4)),
+        ((False, 4, 4, 700, 700, True, None, 128), (2, 1)),
+        ((True, 4, 2, 600, 1000, True, None, 64), (2, 1)),  # packed: the longest sequence
+        ((True, 4, 2, 600, 1300, True, None, 64), (3, None)),  # 192 rows: pack-GQA packs 2
+    ]
+    for (varlen, H, Hkv, Sq, Sk, causal, window, D), (wgs, pack) in cases:
+        B = 1 if varlen else 2
+        q, o = (torch.randn(B, H, Sq, D).bfloat16() for _ in range(2))
+        k, v = (torch.randn(B, Hkv, Sk, D).bfloat16() for _ in range(2))
+        lse = torch.empty(B, H, Sq)
+        cu_q = torch.tensor([0, Sq], dtype=torch.int32) if varlen else None
+        cu_k = torch.tensor([0, Sk], dtype=torch.int32) if varlen else None
+        attention_host.launch(
+            hopper.Sm90Kernel, q, k, v, o, lse, cu_q, cu_k, Sq, 0.125, causal, window, Sk
+        )
+        # pack: as choose_pack decides for the tile's rows (None: not asserted beyond that)
+        pack = pack if pack is not None else choose_pack(H, Hkv, Sq, 64 * wgs)
+        got = (built[-1].mma_warpgroups, built[-1].pack_gqa)
+        assert got == (wgs, pack), ((varlen, H, Hkv, Sq, Sk, causal, window, D), got)
+    q = torch.randn(2, 4, 700, 64).bfloat16()
+    attention_host.launch(
+        stage8.Sm90Kernel, q, q, q, q.clone(), torch.empty(2, 4, 700), None, None, 700, 0.125,
+        True, None, 700,
+    )  # fmt: skip
+    assert type(built[-1]) is stage8.Sm90Kernel and built[-1].mma_warpgroups == 2
+
+
 @pytest.mark.gpu_hopper
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_short_masks_at_d64_two_and_three_warpgroups_agree(dtype):

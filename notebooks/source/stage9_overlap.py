@@ -63,8 +63,8 @@ nb.start(9)
 # - put the measured step next to the FlashAttention-3 paper's ablation (582 -> 661 TFLOP/s);
 # - say when persistent CTAs pay (equal tiles, short sequences) and how a dynamic tile scheduler
 #   (an atomic counter) carries them over to causal and window masks;
-# - say why D = 64 takes a third consumer warpgroup (a 192-row Q tile, 160 registers each) and
-#   how the ping-pong's turns go round three warpgroups.
+# - say why D = 64 takes a third consumer warpgroup (a 192-row Q tile, 160 registers each), how
+#   the ping-pong's turns go round three warpgroups, and why short masks keep two.
 #
 # ## 2. Previous stage recap
 #
@@ -120,7 +120,7 @@ for D_ in (64, 128):
 # 7.1): the tile's coordinates come from `tile_coords`, Q passes from tile to tile through
 # `q_full` and `q_empty`, the ring's position carries over (`ring_state`), and O is staged in its
 # own shared-memory buffer, one K/V slot less. Third, at D = 64 the CTA has three consumer
-# warpgroups on a 192-row Q tile (section 7.2), so `wait_turn` and `pass_turn` hand the turn
+# warpgroups on a 192-row Q tile (section 7.2; two under short masks), so `wait_turn` and `pass_turn` hand the turn
 # round instead of back and forth. Fourth, the mask of an edge tile compares each element's
 # column offset, a constant, against one interval per row (`mask_edges`, `mask_keys`; the same
 # elements as stage 8). (The diff is long because the consumer code moved one indentation level
@@ -411,10 +411,10 @@ bench_persistent = nb.measure(
 # %% [markdown]
 # ### 7.2 Three consumer warpgroups at D = 64
 #
-# At D = 64 stage 9 builds a different CTA: `mma_warpgroups` is 3 (`Sm90Kernel.warpgroups_for`),
-# so the Q tile has 192 rows, 64 per consumer warpgroup, and the CTA 512 threads. The register
-# split follows: 128 x 24 for the producer and 384 x 160 for the consumers, 64,512 of the SM's
-# 65,536. At D = 64 the S, P and O sets of section 3 take 64 + 32 + 32 = 128 of the 160. The
+# At D = 64 stage 9 builds a different CTA: `mma_warpgroups` is 3 (`Sm90Kernel.warpgroups_for`;
+# 2 under short masks, the end of this section), so the Q tile has 192 rows, 64 per consumer
+# warpgroup, and the CTA 512 threads. The register split follows: 128 x 24 for the producer and
+# 384 x 160 for the consumers, 64,512 of the SM's 65,536. At D = 64 the S, P and O sets of section 3 take 64 + 32 + 32 = 128 of the 160. The
 # ping-pong's turns go round: warpgroup w waits on named barrier 1 + w, which warpgroup w - 1
 # arrives on (warpgroup 1's: warpgroup 3), so the tensor cores see 1: QK0, 2: QK0, 3: QK0, 1: QK1
 # PV0, ... The tests explore every interleaving of the three programs on the CPU, as for two. The

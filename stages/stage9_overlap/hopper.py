@@ -135,9 +135,9 @@ Changes from stage 8:
   mma_warpgroups = 2, a compile of its own). Measured (H200, 2026-12-02, paper shapes, GPU time
   from events behind a queue filled in advance, two / three warpgroups, us): bf16 causal S = 512
   170 / 188 (+11%), 1k 243 / 268 (+10%), 2k 388 / 367 (-5%), 4k 678 / 610 (-10%); a window of
-  256 keys to the left, S = 512 ... 4k, 168-198 / 189-231 (+12-17%); fp16 alike (causal 512
-  167 / 187, 1k 236 / 268, 2k 374 / 367). Hence the cut at 1024 keys. The outputs are the same
-  bits either way (tested).
+  256 keys to the left, S = 512 ... 4k, 168-198 / 189-231 (+12-20%); fp16 alike (causal 512
+  167 / 187, 1k 236 / 268, 2k 374 / 367). Hence the cut at 1024 keys, measured with Sq = Sk
+  only. The outputs are the same bits either way (tested).
 - The mask of a tile that crosses an edge is one interval of columns per row, [col_lo, col_hi)
   counted from the thread's first key, compared against each element's column offset, a
   constant of the layout (mask_keys): two compares per element where stage 8 computed the key
@@ -203,7 +203,8 @@ class Sm90Kernel:
         self.acc_dtype = cutlass.Float32
         # Consumer warpgroup w = 1 .. mma_warpgroups computes query rows [64 (w - 1), 64 w) of
         # the tile: two at D = 128 (a 128-row Q tile), three at D = 64 (192 rows,
-        # FlashAttention-3's configuration: see the docstring); mma_warpgroups overrides it.
+        # FlashAttention-3's configuration: see the docstring); mma_warpgroups overrides it (the
+        # launch passes 2 at D = 64 under short masks: launch_options).
         self.mma_warpgroups = mma_warpgroups or self.warpgroups_for(head_dim)
         # (bM, bN, bK): query rows, keys per KV tile, head dim
         self.cta_tile = (64 * self.mma_warpgroups, 128, head_dim)
@@ -1284,7 +1285,8 @@ def attention(q, k, v, scale=None, causal=False, window=None, return_lse=False, 
 
     pack_gqa: the G = H / Hkv query heads of a KV head share one Q tile (common/pack_gqa.py).
     None (default) packs where a tile would otherwise be mostly empty, Sq short against the
-    Q tile (128 rows, 192 at D = 64 but 128 under a mask of at most 1024 keys per row;
+    Q tile (128 rows, 192 at D = 64 but 128 under a mask of at most 1024 keys per row with G
+    dividing 64;
     decode-like shapes: Sq = 1 uses 1 row unpacked, G packed); True / False force it (True needs G to divide the tile's rows). The same answer either way (the same arithmetic per row); the speed is in
     docs/results/."""
     return attention_host.attention(
