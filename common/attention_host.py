@@ -6,8 +6,8 @@ tensors passed as they are; common/compile.py, cached_compile_ffi). The kernel c
 kernel_class(cutlass dtype, D, pack, **options) - options from its `launch_options` for the
 launch's sizes and mask where it has one (Hopper stage 9; kernel_options), none otherwise - and
 called with (q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale_log2, window_left,
-window_right, stream); a kernel object with `uses_tile_counter` (Hopper stage 9: its dynamic tile scheduler) takes one more tensor
-before the stream, tile_counter (one int32, zero at each call where the kernel reads it)."""
+window_right, stream); a kernel object with `uses_tile_counter` (Hopper stage 9: its dynamic tile
+scheduler) takes one more tensor before the stream, tile_counter (one int32, zero at each call where the kernel reads it)."""
 
 import math
 
@@ -103,8 +103,9 @@ def launch(
         pack = choose_pack(H, Hkv, max_seqlen_q, rows, pack)
         kernel = unpacked if pack == 1 else kernel_class(cute_dtype(q.dtype), D, pack, **opts)
         # Dynamic shapes and strides: one compile per (dtype, D, batch or packed, kernel
-        # options) serves every shape and head count. The torch tensors go to the compiled function as they are
-        # (TVM-FFI, common/compile.py), on the current stream; size-1 modes get canonical strides.
+        # options) serves every shape and head count. The torch tensors go to the compiled
+        # function as they are (TVM-FFI, common/compile.py), on the current stream; size-1 modes
+        # get canonical strides.
         args = [canonical_strides(t.detach()) for t in (q, k, v, o, lse)]
         args += [cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale_log2, window_left, window_right]
         if getattr(kernel, "uses_tile_counter", False):
