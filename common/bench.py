@@ -50,6 +50,36 @@ def gpu_ms(fn, arg_sets, reps=10):
     return sum(e.device_time for e in kernels) / reps / 1e3  # device_time is in us
 
 
+def interleaved(fns, rounds=5, reps=6, gpu=False):
+    """Time several callables against each other: {name: ms} for fns = {name: (fn, arg_sets)},
+    or ({name: ms}, {name: GPU ms}) with gpu=True. Each round times every fn once (time_ms with
+    `reps` launches; gpu_ms with as many), the order rotated from round to round, and a fn's
+    result is the median of its rounds. The event rounds all come before the GPU-time rounds
+    (the profiler is not running while the events are timed).
+
+    Why rounds: the H200's clocks move with heat and power over seconds of sustained load, in
+    steps of 5-10% (measured 2026-12-02: FA4 at D = 128, causal, S = 8k took 785 us per call
+    from events and 872 us a second later under the profiler; every kernel timed after a
+    first one ran 3-10% slower than it), so timing one kernel's reps after another's biases
+    the ratio towards whichever ran first. Rotating rounds give every fn the same mix of
+    clocks."""
+    names = list(fns)
+    ev = {n: [] for n in names}
+    gp = {n: [] for n in names}
+    for series, timer in ((ev, lambda f, s: time_ms(f, s, warmup=2, reps=reps)),) + (
+        ((gp, lambda f, s: gpu_ms(f, s, reps=reps)),) if gpu else ()
+    ):
+        for r in range(rounds):
+            k = r % len(names)
+            for n in names[k:] + names[:k]:
+                fn, sets = fns[n]
+                series[n].append(timer(fn, sets))
+    ev = {n: statistics.median(v) for n, v in ev.items()}
+    if not gpu:
+        return ev
+    return ev, {n: statistics.median(v) for n, v in gp.items()}
+
+
 def tflops(flops, ms):
     return flops / (ms * 1e-3) / 1e12
 
@@ -84,6 +114,28 @@ def fa4_fn(causal=False):
         return flash_attn_func(q, k, v, causal=causal)
 
     return run
+
+
+def gpu_state():
+    """The GPU's SM clock, power draw, temperature and the active clock-event reasons as
+    nvidia-smi reports them (one line), or None where nvidia-smi is absent or fails."""
+    import subprocess
+
+    for reasons in ("clocks_event_reasons.active", "clocks_throttle_reasons.active"):
+        query = f"clocks.sm,power.draw,temperature.gpu,{reasons}"
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader", "-i", "0"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        if out.returncode == 0 and out.stdout.strip():
+            sm, power, temp, why = (x.strip() for x in out.stdout.strip().split(","))
+            return f"SM clock {sm}, {power}, {temp} C, clock-event reasons {why}"
+    return None
 
 
 def gpu_and_date():

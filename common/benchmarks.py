@@ -32,23 +32,29 @@ def paper_shape(S, D):
     return (16384 // S, 2048 // D, S, S, D)
 
 
-def measure(case, names=None, gpu=None):
-    """{label: (ms, TFLOP/s)} for the kernel and each baseline, all on the same inputs, timed
-    between CUDA events. gpu: a dict to fill with {label: (ms, TFLOP/s)} of GPU time alone
-    (bench.gpu_ms: the kernels' durations, without the host work between them)."""
+def _rotated_sets(case):
     n_sets = bench.rotation_count(sum(t.numel() * t.element_size() for t in case.args))
-    sets = [case.args] + [tuple(t.clone() for t in case.args) for _ in range(n_sets - 1)]
-    out = {}
+    return [case.args] + [tuple(t.clone() for t in case.args) for _ in range(n_sets - 1)]
+
+
+def measure(case, names=None, gpu=None, also=()):
+    """{label: (ms, TFLOP/s)} for the kernel and each baseline, all on the same inputs, timed
+    between CUDA events in interleaved rounds (bench.interleaved: every callable of the row in
+    turn, so that the GPU's clock steps fall on all of them alike). also: more cases whose
+    stage kernels (not their baselines) join the same rounds, each on its own inputs and FLOPs.
+    gpu: a dict to fill with {label: (ms, TFLOP/s)} of GPU time alone (bench.gpu_ms: the
+    kernels' durations, without the host work between them)."""
+    sets = _rotated_sets(case)
+    timed, flops = {}, {}
     with no_poison():
-        entry = case.fn or getattr(
-            stages.track_module(case.stage, arch.track()), stages.stage(case.stage).entry
-        )
-        entry(*case.args)  # compile outside the timed region
-        ms = bench.time_ms(entry, sets)
-        out[f"stage {case.stage}"] = (ms, bench.tflops(case.flops, ms))
-        if gpu is not None:
-            g = bench.gpu_ms(entry, sets)
-            gpu[f"stage {case.stage}"] = (g, bench.tflops(case.flops, g))
+        for c in (case, *also):
+            entry = c.fn or getattr(
+                stages.track_module(c.stage, arch.track()), stages.stage(c.stage).entry
+            )
+            c_sets = sets if c is case else _rotated_sets(c)
+            entry(*c.args)  # compile outside the timed region
+            timed[f"stage {c.stage}"] = (entry, c_sets)
+            flops[f"stage {c.stage}"] = c.flops
         for name, fn in case.baselines.items():
             if names is not None and name not in names:
                 continue
@@ -57,28 +63,24 @@ def measure(case, names=None, gpu=None):
                 if name == "FA4":  # FA4 takes (B, S, H, D)
                     bargs = [tuple(t.transpose(1, 2).contiguous() for t in s) for s in sets]
                 fn(*bargs[0])
-                bms = bench.time_ms(fn, bargs)
-                out[name] = (bms, bench.tflops(case.flops, bms))
-                if gpu is not None:
-                    g = bench.gpu_ms(fn, bargs)
-                    gpu[name] = (g, bench.tflops(case.flops, g))
             except Exception as e:  # a backend that cannot run this shape is reported, not fatal
                 print(
                     f"    {name}: not available for this shape ({type(e).__name__}: {str(e)[:80]})",
                     flush=True,
                 )
-    return out
+                continue
+            timed[name] = (fn, bargs)
+            flops[name] = case.flops
+        res = bench.interleaved(timed, gpu=gpu is not None)
+    ev, gp = res if gpu is not None else (res, {})
+    for label, ms in gp.items():
+        gpu[label] = (ms, bench.tflops(flops[label], ms))
+    return {label: (ms, bench.tflops(flops[label], ms)) for label, ms in ev.items()}
 
 
 def _time(fn, sets):
     fn(*sets[0])
     return bench.time_ms(fn, sets)
-
-
-def _time_both(fn, sets):
-    """(event-timed ms per call, GPU-time ms per call) of fn over the argument sets."""
-    fn(*sets[0])
-    return bench.time_ms(fn, sets), bench.gpu_ms(fn, sets)
 
 
 def stage7_rows(track, dtype, record):
@@ -108,8 +110,12 @@ def stage7_rows(track, dtype, record):
                 q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1]
             )
 
-    def timed(row, gpu, name, fn, sets):
-        row[name], gpu[name] = _time_both(fn, sets)
+    def timed(todo, name, fn, sets):
+        """Run fn once (compiles it; a backend that cannot run raises here) and queue it for
+        the row's interleaved rounds."""
+        fn(*sets[0])
+        torch.cuda.synchronize()
+        todo[name] = (fn, sets)
 
     later = [n for n in (8, 9) if n in mods]
     cols = ["stage 7 GQA"] + [f"stage {n} GQA" for n in later] + ["stage 7 MHA"]
@@ -135,27 +141,25 @@ def stage7_rows(track, dtype, record):
                 _, k, v = inputs.attention_inputs(B, Hkv, S, S, D, dtype, seed=2)
                 _, kf, vf = inputs.attention_inputs(B, H, S, S, D, dtype, seed=3)
                 flops = reference.attention_flops(B, H, S, S, D, causal)
-                row, gpu = {}, {}
+                todo = {}
                 for n, m in mods.items():
                     fn = lambda q, k, v, m=m: m.attention(q, k, v, causal=causal)  # noqa: E731
-                    timed(row, gpu, f"stage {n} GQA", fn, [(q, k, v)])
+                    timed(todo, f"stage {n} GQA", fn, [(q, k, v)])
                     if n in (7, 9):
-                        timed(row, gpu, f"stage {n} MHA", fn, [(q, kf, vf)])
+                        timed(todo, f"stage {n} MHA", fn, [(q, kf, vf)])
                 if fa4 is not None:
                     t = [tuple(x.transpose(1, 2).contiguous() for x in (q, k, v))]
                     timed(
-                        row,
-                        gpu,
+                        todo,
                         "FA4",
                         lambda q, k, v: fa4.flash_attn_func(q, k, v, causal=causal),
                         t,
                     )
                 try:
-                    timed(
-                        row, gpu, "SDPA cuDNN", lambda q, k, v: cudnn(q, k, v, causal), [(q, k, v)]
-                    )
+                    timed(todo, "SDPA cuDNN", lambda q, k, v: cudnn(q, k, v, causal), [(q, k, v)])
                 except Exception as e:
                     print(f"    SDPA cuDNN GQA: not available ({type(e).__name__})", flush=True)
+                row, gpu = bench.interleaved(todo, gpu=True)
                 tf = {name: bench.tflops(flops, ms) for name, ms in row.items()}
                 tg = {name: bench.tflops(flops, ms) for name, ms in gpu.items()}
                 record("7 gqa", (B, H, Hkv, S, D, causal), {k: (row[k], tf[k]) for k in row})
@@ -203,11 +207,10 @@ def stage7_rows(track, dtype, record):
         for causal in (False, True):
             print(f"packed-sequence rows: causal = {causal} ...", flush=True)
             flops = sum(reference.attention_flops(1, H, n, n, D, causal) for n in lens)
-            row, gpu = {}, {}
+            todo = {}
             for n, m in mods.items():
                 timed(
-                    row,
-                    gpu,
+                    todo,
                     f"stage {n}",
                     lambda q, k, v, m=m: m.attention_varlen(
                         q, k, v, cu, cu, longest, longest, causal=causal
@@ -217,8 +220,7 @@ def stage7_rows(track, dtype, record):
             if fa4 is not None:
                 try:
                     timed(
-                        row,
-                        gpu,
+                        todo,
                         "FA4",
                         lambda q, k, v: fa4.flash_attn_varlen_func(
                             q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=causal
@@ -237,8 +239,7 @@ def stage7_rows(track, dtype, record):
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 try:
                     timed(
-                        row,
-                        gpu,
+                        todo,
                         "padded",
                         lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
                             q, k, v, attn_mask=mask
@@ -253,14 +254,14 @@ def stage7_rows(track, dtype, record):
                         flush=True,
                     )
                     timed(
-                        row,
-                        gpu,
+                        todo,
                         "padded",
                         lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
                             q, k, v, is_causal=causal
                         ),
                         [tuple(padded)],
                     )
+            row, gpu = bench.interleaved(todo, gpu=True)
             tf = {name: bench.tflops(flops, ms) for name, ms in row.items()}
             tg = {name: bench.tflops(flops, ms) for name, ms in gpu.items()}
             record("7 varlen", (16, H, total, D, causal), {k: (row[k], tf[k]) for k in row})
@@ -353,7 +354,8 @@ def ablation_rows(track, dtype, headdims, seqlens, record):
         "sequences, is the step before stage 8 in both). `9 / FA4` and `9 / cuDNN` are stage 9 over the "
         "baseline in the same row (goals: >= 1.0 FA4 at D = 128 from 2k, >= 0.95 at D = 64; "
         ">= 1.0 cuDNN from 1k; stage 8 >= 0.88 FA4). The TFLOP/s are event-timed per call "
-        "(host work included where it is longer than the kernel); the `GPU` columns are the "
+        "(host work included where it is longer than the kernel), all kernels of a row in the same "
+        "interleaved rounds; the `GPU` columns are the "
         "same ratios from GPU time alone (CUPTI kernel durations, bench.gpu_ms).",
         "",
         "| D | causal | S | stage 5 | stage 7 | stage 8 | stage 9 | FA4 | SDPA cuDNN | 8 / FA4 | 9 / FA4 "
@@ -366,14 +368,15 @@ def ablation_rows(track, dtype, headdims, seqlens, record):
                 shape = paper_shape(S, D)
                 print(f"ablation: {shape} causal={causal} ...", flush=True)
                 gpu = {}
-                row = measure(
-                    make_case(9, track, shape, dtype, with_fa4=True, causal=causal), gpu=gpu
-                )
-                row.pop("SDPA flash", None)
-                for n in (7, 8):
-                    row.update(measure(make_case(n, track, shape, dtype, causal=causal), names=()))
+                also = [make_case(n, track, shape, dtype, causal=causal) for n in (7, 8)]
                 if not causal:
-                    row.update(measure(make_case(5, track, shape, dtype), names=()))
+                    also.append(make_case(5, track, shape, dtype))
+                row = measure(
+                    make_case(9, track, shape, dtype, with_fa4=True, causal=causal),
+                    names=("FA4", "SDPA cuDNN"),
+                    gpu=gpu,
+                    also=also,
+                )
                 record("ablation", (*shape, causal), row)
                 record("ablation GPU time", (*shape, causal), gpu)
                 tg = {k: v[1] for k, v in gpu.items()}
@@ -416,12 +419,18 @@ def main(argv=None):
     headdims = [int(d) for d in args.headdims.split(",")]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     t0 = time.time()
+    state = bench.gpu_state()
     results = {"gpu": gpu, "date": date, "track": track, "torch": torch.__version__, "rows": []}
+    results["gpu state at start"] = state
     lines = [
         f"# Benchmarks on {gpu}, {date} ({args.dtype})",
         "",
         f"torch {torch.__version__}; medians of CUDA-event timings after warm-up, inputs rotated past L2; "
-        "every number in a table was timed in the same run.",
+        "every number in a table was timed in the same run, the kernels of a row in interleaved "
+        "rounds (bench.interleaved: the GPU's clocks step by 5-10% under sustained load, and "
+        "rounds put the same steps on every kernel of the row).",
+        "",
+        f"GPU at the start: {state or 'not read (no nvidia-smi)'}.",
         "",
     ]
 
@@ -576,6 +585,9 @@ def main(argv=None):
         lines += stage7_rows(track, dtype, record)
     if 9 in want and stages.available(9, track):
         lines += ablation_rows(track, dtype, headdims, seqlens, record)
+    state = bench.gpu_state()
+    results["gpu state at end"] = state
+    lines += [f"GPU at the end: {state or 'not read (no nvidia-smi)'}.", ""]
     os.makedirs(args.out, exist_ok=True)
     tag = f"{gpu.replace('NVIDIA ', '').replace(' ', '_').lower()}_{date}" + (
         "" if args.dtype == "bf16" else f"_{args.dtype}"

@@ -1279,15 +1279,17 @@ def measure(
     for shape in shapes:
         mask = dict(causal=True) if causal else {}
         case = make_case(stage, track, tuple(shape), seed=1, with_fa4=with_fa4, **mask)
-        res = bench_measure(case, names=baselines)
+        also = [
+            make_case(other, track, tuple(shape), seed=1, **mask)
+            for other in also_stages
+            if available(other, track)
+        ]
+        # the stage, its baselines and the other stages in the same interleaved rounds
+        res = bench_measure(case, names=baselines, also=also)
         for label, settings in (variants or {}).items():
             with kernel_settings(stage, track, **settings):
                 var = bench_measure(make_case(stage, track, tuple(shape), seed=1, **mask), names=())
             res[f"stage {stage} ({label})"] = var[f"stage {stage}"]
-        for other in also_stages:
-            if available(other, track):
-                other_case = make_case(other, track, tuple(shape), seed=1, **mask)
-                res.update(bench_measure(other_case, names=()))
         results[str(tuple(shape))] = {k: v[1] for k, v in res.items()}
         mine = res[f"stage {stage}"][1]
         for name, (ms, tf) in res.items():

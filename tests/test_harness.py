@@ -260,3 +260,32 @@ def test_cu_seqlens_made_in_inference_mode_are_read_every_call(monkeypatch):
         with pytest.raises(ValueError, match="non-decreasing"):
             checks.check_cu_seqlens(q, k, cu_q, cu_k, None, None)
     assert len(reads) == 2 + 2 + 1  # the third call stops at cu_seqlens_q
+
+
+def test_interleaved_timing_rotates_the_order_and_takes_each_fns_median(monkeypatch):
+    """bench.interleaved: every round times each fn once, the first fn of a round moves on by
+    one each round, all event rounds come before the GPU-time rounds, and a fn's result is the
+    median of its rounds (so one slow round does not move it)."""
+    from common import bench
+
+    log = []
+    samples = {"a": iter([5.0, 1.0, 1.0]), "b": iter([2.0, 2.0, 9.0]), "c": iter([3.0] * 3)}
+    gpu = {"a": iter([0.5] * 3), "b": iter([0.25] * 3), "c": iter([0.75] * 3)}
+
+    def fake_time_ms(fn, sets, warmup=0, reps=0):
+        log.append(("event", fn()))
+        return next(samples[fn()])
+
+    def fake_gpu_ms(fn, sets, reps=0):
+        log.append(("gpu", fn()))
+        return next(gpu[fn()])
+
+    monkeypatch.setattr(bench, "time_ms", fake_time_ms)
+    monkeypatch.setattr(bench, "gpu_ms", fake_gpu_ms)
+    fns = {n: ((lambda n=n: n), [()]) for n in "abc"}
+    ev, gp = bench.interleaved(fns, rounds=3, gpu=True)
+    assert ev == {"a": 1.0, "b": 2.0, "c": 3.0}
+    assert gp == {"a": 0.5, "b": 0.25, "c": 0.75}
+    order = "".join(n for _, n in log)
+    assert order == "abcbcacab" * 2
+    assert [k for k, _ in log] == ["event"] * 9 + ["gpu"] * 9
