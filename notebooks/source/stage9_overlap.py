@@ -199,6 +199,20 @@ fig = plots.pingpong_timelines(head_dim=D, block_n=bN, rows=rows_per_wg, steps=3
 # (These counts predate the tile loop of 7.1 and the three warpgroups of 7.2; the stage file's
 # docstring has the current ones: at D = 64, 156-157 of the 160 registers three consumer
 # warpgroups get, no spills.)
+#
+# **The SASS does less overlapping than the PTX asks for.** In the PTX the wait for $PV_{j-1}$
+# (`wgmma.wait_group 0`) comes after the softmax. ptxas, which schedules the machine code, moves
+# it up: in the sm_90a cubin of the CUDA 13 build of the DSL (the build the H200 runs; 2026-12-02,
+# D = 128) the wait (`WARPGROUP.DEPBAR.LE gsb0, 0x0`) stands right after the mask, so of the
+# softmax only the mask runs under the warpgroup's own $PV_{j-1}$; the row max, the 66
+# exponentials and the row sum wait for it - 395 instructions from that wait to the end of the
+# loop body. FA4's Hopper kernel has the same code shape and the same wait moved, but less far:
+# after its row max, the scaling and 10 of its 66 exponentials (216 instructions after it). So
+# what stage 9 measures over stage 8 comes from handing the tensor cores $QK_j$ and $PV_{j-1}$
+# in one turn and from the mask under the GEMM, not from exponentials under the warpgroup's
+# own PV; and the 180 instructions more after the wait are of the order of the 190 cycles per
+# KV step by which stage 9's tensor pipe idles more than FA4's (Nsight Compute,
+# `docs/results/h200.md`).
 
 # %%
 report = nb.compile_summary(9, "hopper")
@@ -586,7 +600,9 @@ bench_dynamic = nb.measure(
 # are shared by the two warpgroups - both stages become bound by them. To show the measured gain
 # the model would need what it leaves out: wgmma latency (issue to result), softmax work on
 # per-warpgroup FP32 and ALU pipes that is not the shared exponential unit, and the cost of the
-# barriers. A model is a tool for reasoning about one effect; the measurement decides.
+# barriers. A model is a tool for reasoning about one effect; the measurement decides. And the
+# machine code adds a reason of its own (5.4): ptxas moves the wait for $PV_{j-1}$ ahead of the
+# exponentials, so the model's exponentials under the warpgroup's own PV are not what runs.
 # </details>
 #
 # <details><summary>5. Bit for bit</summary>
