@@ -210,9 +210,12 @@ fig = plots.pingpong_timelines(head_dim=D, block_n=bN, rows=rows_per_wg, steps=3
 # after its row max, the scaling and 10 of its 66 exponentials (216 instructions after it). So
 # what stage 9 measures over stage 8 comes from handing the tensor cores $QK_j$ and $PV_{j-1}$
 # in one turn and from the mask under the GEMM, not from exponentials under the warpgroup's
-# own PV; and the 180 instructions more after the wait are of the order of the 190 cycles per
-# KV step by which stage 9's tensor pipe idles more than FA4's (Nsight Compute,
-# `docs/results/h200.md`).
+# own PV. Forcing the PTX's order on ptxas (the row sums in a basic block of their own, behind
+# a test it cannot fold) puts all 66 exponentials ahead of the wait - and ran 3-10% *slower* on
+# the H200 (2026-12-02, same bits). A likely reason: those exponentials then run while the
+# other warpgroup's do, on the same MUFU units, and the other warpgroup's turn comes later -
+# exercise 4's model points the same way, the exponential units are shared
+# (`docs/results/h200.md` has the numbers).
 
 # %%
 report = nb.compile_summary(9, "hopper")

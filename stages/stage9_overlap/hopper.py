@@ -14,8 +14,10 @@ Changes from stage 8:
   is less: in the sm_90a SASS (the DSL's CUDA 13 build, as on the H200; D = 128, 2026-12-02)
   the wait for PV_{j-1} stands right after the mask, ahead of the row max and the 66
   exponentials (the PTX has it after them), so of softmax_j only the mask runs under PV_{j-1};
-  FA4's Hopper kernel gets its row max and 10 exponentials in before the same wait
-  (docs/results/h200.md, ninth session).
+  FA4's Hopper kernel gets its row max and 10 exponentials in before the same wait. Forcing
+  all 66 ahead of it (the row sums behind a test ptxas cannot fold) kept the bits and ran 3-10%
+  slower (H200, 2026-12-02; likely: the two warpgroups' exponentials then share the MUFU
+  units at the same time; docs/results/h200.md, ninth session).
 - Registers: two S-sized sets are live across the GEMMs, acc_S (S_j, 64 fp32 per thread) and
   tOrP (P_{j-1}, 32 registers of bf16 pairs), next to acc_O (D / 2 fp32). The 240 registers the
   producer's setmaxnreg gives each consumer thread hold them; stage 8 did not need that
