@@ -58,11 +58,11 @@ def interleaved(fns, rounds=5, reps=6, gpu=False):
     (the profiler is not running while the events are timed).
 
     Why rounds: the H200's clocks move with heat and power over seconds of sustained load, in
-    steps of 5-10% (measured 2026-12-02: FA4 at D = 128, causal, S = 8k took 785 us per call
-    from events and 872 us a second later under the profiler; every kernel timed after a
-    first one ran 3-10% slower than it), so timing one kernel's reps after another's biases
-    the ratio towards whichever ran first. Rotating rounds give every fn the same mix of
-    clocks."""
+    steps of 5-10% (measured on the H200, 2026-12-02: FA4 at D = 128, causal, S = 8k took
+    785 us per call from events and 872-882 us a moment later under the profiler; six kernels
+    timed again right after their profiler runs took 3-11% longer than the first time), so
+    timing one kernel's reps after another's biases the ratio towards whichever ran first.
+    Rotating rounds give every fn the same mix of clocks."""
     names = list(fns)
     ev = {n: [] for n in names}
     gp = {n: [] for n in names}

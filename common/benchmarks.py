@@ -428,7 +428,8 @@ def main(argv=None):
         f"torch {torch.__version__}; medians of CUDA-event timings after warm-up, inputs rotated past L2; "
         "every number in a table was timed in the same run, the kernels of a row in interleaved "
         "rounds (bench.interleaved: the GPU's clocks step by 5-10% under sustained load, and "
-        "rounds put the same steps on every kernel of the row).",
+        "rounds put the same steps on every kernel of the row; the decode-like rows are still "
+        "timed one kernel after another).",
         "",
         f"GPU at the start: {state or 'not read (no nvidia-smi)'}.",
         "",
