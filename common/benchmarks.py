@@ -78,11 +78,6 @@ def measure(case, names=None, gpu=None, also=()):
     return {label: (ms, bench.tflops(flops[label], ms)) for label, ms in ev.items()}
 
 
-def _time(fn, sets):
-    fn(*sets[0])
-    return bench.time_ms(fn, sets)
-
-
 def stage7_rows(track, dtype, record):
     """GQA 32 query / 8 KV heads (D = 128, B x S = 16k) on stages 7, 8 and 9 against each one's
     own MHA at the same shape (stages 7 and 9), FA4 and SDPA cuDNN with enable_gqa; packed
@@ -287,7 +282,7 @@ def decode_rows(mod, fa4, dtype, record, later=None):
     stage 7 with pack-GQA (its default there) and without, `later` (stage 9's module, where it
     exists) with its default, FA4 and SDPA, in microseconds and in TB/s of K and V read (the
     memory bound of a decode step)."""
-    from . import inputs
+    from . import inputs, masks
 
     lines = [
         "",
@@ -308,28 +303,34 @@ def decode_rows(mod, fa4, dtype, record, later=None):
     with no_poison():
         for Sq in (1, 16, 128):
             q, _, _ = inputs.attention_inputs(B, H, Sq, 1, D, dtype, seed=Sq)
-            row = {}
-            row["packed"] = _time(lambda q: mod.attention(q, k, v, causal=True), [(q,)])
-            row["unpacked"] = _time(
-                lambda q: mod.attention(q, k, v, causal=True, pack_gqa=False), [(q,)]
-            )
+            visible = masks.visible(Sq, Sk, *masks.resolve_window(True, None, Sq, Sk), "cuda")
+            fns = {
+                "packed": (lambda q: mod.attention(q, k, v, causal=True), [(q,)]),
+                "unpacked": (
+                    lambda q: mod.attention(q, k, v, causal=True, pack_gqa=False),
+                    [(q,)],
+                ),
+            }
             if later is not None:
-                row["stage 9"] = _time(lambda q: later.attention(q, k, v, causal=True), [(q,)])
+                fns["stage 9"] = (lambda q: later.attention(q, k, v, causal=True), [(q,)])
             if fa4 is not None:
                 qt = q.transpose(1, 2).contiguous()
-                row["FA4"] = _time(lambda q: fa4.flash_attn_func(q, kt, vt, causal=True), [(qt,)])
+                fns["FA4"] = (lambda q: fa4.flash_attn_func(q, kt, vt, causal=True), [(qt,)])
             # SDPA's is_causal is top-left aligned; a decode step is bottom-right (every key
             # visible when Sq = 1). Time SDPA without a mask at Sq = 1 and with the
             # bottom-right mask otherwise.
-            from . import masks
-
-            visible = masks.visible(Sq, Sk, *masks.resolve_window(True, None, Sq, Sk), "cuda")
-            row["SDPA"] = _time(
-                lambda q: torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v, attn_mask=None if Sq == 1 else visible, enable_gqa=True
+            fns["SDPA"] = (
+                lambda q, mask=None if Sq == 1 else visible: (
+                    torch.nn.functional.scaled_dot_product_attention(
+                        q, k, v, attn_mask=mask, enable_gqa=True
+                    )
                 ),
                 [(q,)],
             )
+            for fn, sets in fns.values():
+                fn(*sets[0])  # compile and warm up before the rounds
+            # All kernels of a row in the same interleaved rounds (bench.interleaved).
+            row = bench.interleaved(fns)
             record("7 decode", (B, H, Hkv, Sq, Sk, D), {n: (ms, 0.0) for n, ms in row.items()})
             us = lambda n: f"{row[n] * 1e3:.0f}" if n in row else "-"  # noqa: E731
             lines.append(
@@ -428,8 +429,7 @@ def main(argv=None):
         f"torch {torch.__version__}; medians of CUDA-event timings after warm-up, inputs rotated past L2; "
         "every number in a table was timed in the same run, the kernels of a row in interleaved "
         "rounds (bench.interleaved: the GPU's clocks step by 5-10% under sustained load, and "
-        "rounds put the same steps on every kernel of the row; the decode-like rows are still "
-        "timed one kernel after another).",
+        "rounds put the same steps on every kernel of the row).",
         "",
         f"GPU at the start: {state or 'not read (no nvidia-smi)'}.",
         "",

@@ -17,7 +17,9 @@ ping-pong otherwise.
   including shapes that wrap the ring many times and ranges of 1 and 2 tiles; the persistent
   grid capped at 7 CTAs (each walks 9-10 tiles), calls with and without the cap in a row, each
   launch's grid read back from the profiler.
-- Compile-only also: no wgmma serialised for want of registers (ptxas C7512).
+- Compile-only also: no wgmma serialised for want of registers (ptxas C7512); at D = 128 the
+  loop's wait for PV_{j-1} behind the always-true, warp-uniform test after the row max (P's
+  exponentials after the wait), at D = 64 the PTX order.
 """
 
 import re
@@ -125,6 +127,42 @@ def test_compiles_overlapped(dtype, D, Sk, varlen):
     assert kernel.shared_memory_bytes == 230400
     if res and "spill_stores" in res:
         assert res["spill_stores"] == 0 and res["spill_loads"] == 0, res
+
+
+@pytest.mark.parametrize(
+    "D, Sk", [(64, 2048), (128, 2048), (64, 1024)], ids=["64", "128", "64-short"]
+)
+def test_wait_for_pv_stands_after_the_row_max(D, Sk):
+    """D = 128: in the loop, the wait for PV_{j-1} (wait_group 0) comes behind the warp-uniform
+    always-true test after the row max (the vote.any of always_true_after), so that ptxas,
+    which moves a wgmma wait to the top of its block, cannot put it ahead of the row max: between
+    wait_group 1 and the vote only row_scale's 2 exponentials, P's 64 after the wait. D = 64
+    keeps the PTX order: all 66 before the wait, no vote."""
+    kernel, ptx, _, _ = compile_stage9(torch.bfloat16, D, Sk, kv_heads=2, causal=True)
+    lines = [re.sub(r"^@!?%p\d+\s+", "", ln.strip()) for ln in ptx.splitlines()]
+
+    def first(pattern, start=0):
+        return next(i for i in range(start, len(lines)) if re.match(pattern, lines[i]))
+
+    qk_done = first(r"wgmma\.wait_group\.sync\.aligned\s+1;")  # the loop's only wait_group 1
+    pv_done = first(r"wgmma\.wait_group\.sync\.aligned\s+0;", qk_done)
+    last_turn = first(r"bar\.sync\s+(%r\d+|3), 256;", pv_done)  # the last PV's, after the loop
+
+    def ex2(a, b):
+        return sum(ln.startswith("ex2.approx") for ln in lines[a:b])
+
+    votes = [i for i, ln in enumerate(lines) if "vote.sync.any.pred" in ln]
+    assert kernel.max_before_wait == (D == 128)
+    if D == 128:
+        assert len(votes) == 1 and qk_done < votes[0] < pv_done, (qk_done, votes, pv_done)
+        assert (ex2(qk_done, votes[0]), ex2(votes[0], pv_done), ex2(pv_done, last_turn)) == (
+            2,
+            0,
+            64,
+        )
+    else:
+        assert votes == []
+        assert (ex2(qk_done, pv_done), ex2(pv_done, last_turn)) == (66, 0)
 
 
 # ---------------------------------------------------------------- the tile loop (CPU)

@@ -202,20 +202,29 @@ fig = plots.pingpong_timelines(head_dim=D, block_n=bN, rows=rows_per_wg, steps=3
 #
 # **The SASS does less overlapping than the PTX asks for.** In the PTX the wait for $PV_{j-1}$
 # (`wgmma.wait_group 0`) comes after the softmax. ptxas, which schedules the machine code, moves
-# it up: in the sm_90a cubin of the CUDA 13 build of the DSL (the build the H200 runs; 2026-12-02,
-# D = 128) the wait (`WARPGROUP.DEPBAR.LE gsb0, 0x0`) stands right after the mask, so of the
-# softmax only the mask runs under the warpgroup's own $PV_{j-1}$; the row max, the 66
-# exponentials and the row sum wait for it - 395 instructions from that wait to the end of the
-# loop body. FA4's Hopper kernel has the same code shape and the same wait moved, but less far:
-# after its row max, the scaling and 10 of its 66 exponentials (216 instructions after it). So
-# what stage 9 measures over stage 8 comes from handing the tensor cores $QK_j$ and $PV_{j-1}$
-# in one turn and from the mask under the GEMM, not from exponentials under the warpgroup's
-# own PV. Forcing the PTX's order on ptxas (the row sums in a basic block of their own, behind
-# a test it cannot fold) puts all 66 exponentials ahead of the wait - and ran 3-10% *slower* on
-# the H200 (2026-12-02, same bits). A likely reason: those exponentials then run while the
-# other warpgroup's do, on the same MUFU units, and the other warpgroup's turn comes later -
-# exercise 4's model points the same way, the exponential units are shared
-# (`docs/results/h200.md` has the numbers).
+# it up to the top of its basic block: in the sm_90a cubin of the CUDA 13 build of the DSL (the
+# build the H200 runs; 2026-12-02) the wait (`WARPGROUP.DEPBAR.LE gsb0, 0x0`) stood right after
+# the mask, so of the softmax only the mask ran under the warpgroup's own $PV_{j-1}$; the row
+# max, the 66 exponentials and the row sum waited for it - 405 instructions from that wait to
+# the end of the loop body (D = 128). FA4's Hopper kernel has the same code shape and the same
+# wait moved, but less far: after its row max, the scaling and 10 of its 66 exponentials.
+#
+# **Putting the wait where it should be (D = 128).** A wait moves only inside its block, so the
+# kernel gives it a block of its own: after the row max it branches on a test that is always
+# true but that neither compiler can fold (`always_true_after`: inline PTX adds the row scales,
+# each an `exp2`, tests the sum with `setp.geu` and takes `vote.any` across the warp), and
+# behind the branch come the wait, the exponentials, $O \mathrel{*}= $ row_scale and $P_j$. The
+# vote matters: with a per-thread test ptxas treated the block as divergent, moved the K/V
+# descriptor arithmetic off the uniform datapath (9% more instructions) and the kernel ran
+# slower. With it: the same bits, 316 instructions after the wait instead of 405, and on the
+# H200 (2026-12-02, GPU time against the kernel without the test, two runs) +0.9-5.9% at
+# D = 128 - Nsight Compute: the tensor pipe active 81.8% of the cycles instead of 78.7%, and
+# `make bench` after it 0.95-1.05x FA4 non-causal, 0.99-1.04x causal from 1k. Moving more than the
+# row max ahead of the wait was *slower*: all 66 exponentials -1.5% at 8k, with the stalls on a
+# busy math pipe up from 0.03 to 0.25 per instruction - those exponentials then run while the
+# other warpgroup's do, on the same MUFU units (exercise 4's model points the same way). At
+# D = 64, three consumer warpgroups, even the row max alone ran 5-6% slower, so D = 64 keeps
+# the PTX order (`max_before_wait`; `docs/results/h200.md` has the numbers).
 
 # %%
 report = nb.compile_summary(9, "hopper")
@@ -605,7 +614,8 @@ bench_dynamic = nb.measure(
 # per-warpgroup FP32 and ALU pipes that is not the shared exponential unit, and the cost of the
 # barriers. A model is a tool for reasoning about one effect; the measurement decides. And the
 # machine code adds a reason of its own (5.4): ptxas moves the wait for $PV_{j-1}$ ahead of the
-# exponentials, so the model's exponentials under the warpgroup's own PV are not what runs.
+# exponentials, so the model's exponentials under the warpgroup's own PV are not what runs; and
+# where the kernel keeps them ahead, they meet the other warpgroup's on the shared MUFU units.
 # </details>
 #
 # <details><summary>5. Bit for bit</summary>

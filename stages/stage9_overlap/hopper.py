@@ -11,13 +11,31 @@ Changes from stage 8:
     last:     PV_{hi-1}, wait
   The loop body now starts with the GEMMs of two tiles and ends with the conversion of P_j,
   so the tensor cores are fed from both warpgroups and from inside each. What ptxas makes of it
-  is less: in the sm_90a SASS (the DSL's CUDA 13 build, as on the H200; D = 128, 2026-12-02)
-  the wait for PV_{j-1} stands right after the mask, ahead of the row max and the 66
-  exponentials (the PTX has it after them), so of softmax_j only the mask runs under PV_{j-1};
-  FA4's Hopper kernel gets its row max and 10 exponentials in before the same wait. Forcing
-  all 66 ahead of it (the row sums behind a test ptxas cannot fold) kept the bits and ran 3-10%
-  slower (H200, 2026-12-02; likely: the two warpgroups' exponentials then share the MUFU
-  units at the same time; docs/results/h200.md, ninth session).
+  is less: in the sm_90a SASS (the DSL's CUDA 13 build, as on the H200; 2026-12-02) the wait
+  for PV_{j-1} stands right after the mask, ahead of the row max and the 66 exponentials (the
+  PTX has it after them: ptxas moves a wgmma wait up to the top of its block), so of softmax_j
+  only the mask ran under PV_{j-1}; FA4's Hopper kernel gets its row max and 10 exponentials in
+  before the same wait.
+- Where the wait goes (tenth session, D = 128): the row max (and row_scale) of S_j, then a
+  branch on an always-true, warp-uniform test of row_scale that neither compiler can fold
+  (always_true_after: inline PTX, setp and vote.any), and behind it the wait, the exponentials,
+  O *= row_scale and P_j. The block boundary keeps the wait after the row max. Measured (H200,
+  2026-12-02, bf16 unless noted, GPU time, interleaved rounds against the kernel without the
+  test, the same bits; two runs, a draft of this code and then this file): S = 8k +2.5 / +1.8%
+  (702 against 690 TFLOP/s, FA4 726), causal 8k +1.8 / +2.1%, 2k +2.6 / +2.6%, 16k +0.9 / +5.9%,
+  fp16 8k +1.3 / +1.3%; Nsight Compute (8k, the draft): tensor pipe active 81.8% of the cycles
+  against 78.7%, barrier stalls 0.37 against 1.14 per issued instruction, 2.49M against 2.58M
+  cycles. make bench after it (same day), stage 9 / FA4 in GPU time, S = 1k-16k: 1.05, 1.00,
+  0.98, 0.97, 0.95, causal 1.04, 1.03, 1.00, 1.00, 0.99 (the day's run before it: 1.01, 0.97,
+  0.95, 0.93, 0.91 and 1.03, 1.00, 0.98, 0.98, 0.97).
+  More of softmax_j ahead of the wait was slower: the exponentials of 8 of the 32 columns
+  +0.5 to +1.9% (less than the row max alone), of 16 -1.3 to -3.4%, all of them (the row
+  sums too) -1.5% at 8k; with all of them the stalls on a busy math pipe went from 0.03 to
+  0.25 per instruction: the two warpgroups' exponentials meet on the MUFU units. The same test
+  without the vote (per thread) cost 9% more instructions (ptxas moved the K/V descriptor
+  arithmetic off the uniform datapath) and ran 0.1-8% slower. At D = 64 (three consumer
+  warpgroups) the row max alone ahead ran 5-6% slower, so D = 64 keeps the PTX order
+  (max_before_wait).
 - Registers: two S-sized sets are live across the GEMMs, acc_S (S_j, 64 fp32 per thread) and
   tOrP (P_{j-1}, 32 registers of bf16 pairs), next to acc_O (D / 2 fp32). The 240 registers the
   producer's setmaxnreg gives each consumer thread hold them; stage 8 did not need that
@@ -169,7 +187,9 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
@@ -246,6 +266,10 @@ class Sm90Kernel:
         self.l2_bytes = 50 * 1024 * 1024  # L2 of the H100 and the H200: 50 MB
         # The launch passes tile_counter (common/attention_host.py): the dynamic scheduler's.
         self.uses_tile_counter = True
+        # D = 128: the row max of S_j before the wait for PV_{j-1}, the exponentials after it,
+        # in a block ptxas cannot hoist the wait out of (see the kernel and the docstring);
+        # D = 64 (three consumer warpgroups) ran 5-6% slower that way and keeps the PTX order.
+        self.max_before_wait = head_dim == 128
 
     @staticmethod
     def warpgroups_for(head_dim):
@@ -741,8 +765,7 @@ class Sm90Kernel:
                         warpgroup.wait_group(1)
                         kv_pipeline.consumer_release(k_state)
                         # softmax_j, under PV_{j-1}: it reads acc_S, never acc_O or tOrP.
-                        row_scale = self.softmax_step(
-                            acc_S,
+                        softmax_args = (
                             (tScS, tScS_offsets),
                             row_max,
                             row_sum,
@@ -754,16 +777,28 @@ class Sm90Kernel:
                             window_left,
                             window_right,
                         )
-                        # PV_{j-1} complete: V_{j-1} is read, and acc_O and tOrP are free.
-                        warpgroup.wait_group(0)
-                        kv_pipeline.consumer_release(v_state)
-                        # O *= row_scale: O holds P_0 V_0 + ... + P_{j-1} V_{j-1}, weighted against
-                        # the previous row_max.
-                        acc_O_mn = self.rows_view(acc_O)
-                        for r in cutlass.range_constexpr(cute.size(row_scale)):
-                            acc_O_mn[r, None].store(acc_O_mn[r, None].load() * row_scale[r])
-                        # P_j rounded to the input dtype, in the register layout of wgmma's A operand.
-                        tOrP.store(self.acc_as_operand_a(acc_S).load().to(self.dtype))
+                        if cutlass.const_expr(self.max_before_wait):
+                            # The mask and the row max (and row_scale) here, under PV_{j-1}; the
+                            # exponentials after the wait. ptxas moves a wait up to the top of
+                            # its block (in the PTX order it sits after all of softmax_j, in the
+                            # SASS before the row max); behind this always-true, warp-uniform
+                            # test on row_scale (inline PTX: see always_true_after) the wait
+                            # starts a block of its own, after the row max.
+                            row_scale, max_scaled = self.softmax_step(
+                                acc_S, *softmax_args, exponentiate=False
+                            )
+                            if always_true_after(row_scale[0], row_scale[1]):
+                                # PV_{j-1} complete: V_{j-1} is read, acc_O and tOrP are free.
+                                warpgroup.wait_group(0)
+                                kv_pipeline.consumer_release(v_state)
+                                self.exponentiate(acc_S, row_sum, row_scale, max_scaled, scale_log2)
+                                self.rescale_o_and_convert_p(acc_O, row_scale, acc_S, tOrP)
+                        else:
+                            row_scale = self.softmax_step(acc_S, *softmax_args)
+                            # PV_{j-1} complete: V_{j-1} is read, and acc_O and tOrP are free.
+                            warpgroup.wait_group(0)
+                            kv_pipeline.consumer_release(v_state)
+                            self.rescale_o_and_convert_p(acc_O, row_scale, acc_S, tOrP)
                         v_state = consumer_state.clone()  # V_j, read by the next step's PV
                         consumer_state.advance()
 
@@ -982,17 +1017,31 @@ class Sm90Kernel:
         seqlen_k,
         window_left,
         window_right,
+        exponentiate: cutlass.Constexpr = True,
     ):
         """Stage 8's softmax of one tile: the element mask on a tile that crosses an edge (Sk, or
         the band of the window: the diagonal when causal), then the fold into row_max and
         row_sum, P = exp(scale * (S - row_max)) in place of S. Returns row_scale. tScS: (this
-        thread's coordinates, thread 0's: the offsets)."""
+        thread's coordinates, thread 0's: the offsets). exponentiate=False stops after the row
+        max: returns (row_scale, row_max * scale_log2) for exponentiate()."""
         right, left = self.mask_edges(pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right)
         if right or left:
             self.mask_keys(
                 acc_S, tScS, pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right
             )
+        if cutlass.const_expr(not exponentiate):
+            return self.fold_row_max(acc_S, row_max, scale_log2)
         return self.online_softmax(acc_S, row_max, row_sum, scale_log2)
+
+    @cute.jit
+    def rescale_o_and_convert_p(self, acc_O, row_scale, acc_S, tOrP):
+        """O *= row_scale (O holds P_0 V_0 + ... + P_{j-1} V_{j-1}, weighted against the previous
+        row_max), then P_j rounded to the input dtype, in the register layout of wgmma's A
+        operand. After the wait for PV_{j-1}: it writes acc_O and tOrP."""
+        acc_O_mn = self.rows_view(acc_O)
+        for r in cutlass.range_constexpr(cute.size(row_scale)):
+            acc_O_mn[r, None].store(acc_O_mn[r, None].load() * row_scale[r])
+        tOrP.store(self.acc_as_operand_a(acc_S).load().to(self.dtype))
 
     def tile_coords(self, tile, tiles_m, heads, l2_heads):
         """(Q tile, head, sequence) of work tile `tile`. The (head, sequence) pairs hb = head +
@@ -1273,6 +1322,61 @@ class Sm90Kernel:
             )
             row_max[r] = m_new
         return row_scale
+
+    @cute.jit
+    def fold_row_max(self, acc_S, row_max, scale_log2):
+        """online_softmax's first half: m_new = max(row_max, max_j S_j) (over the quad),
+        row_scale = exp2((row_max - m_new) * scale_log2), row_max = m_new. Returns (row_scale,
+        m_safe * scale_log2) per row (m_safe: m_new, or 0 for a row that has seen no key)."""
+        acc_S_mn = self.rows_view(acc_S)
+        row_scale = cute.make_rmem_tensor_like(row_max)
+        max_scaled = cute.make_rmem_tensor_like(row_max)
+        for r in cutlass.range_constexpr(cute.size(row_max)):
+            m_new = acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, row_max[r], 0)
+            m_new = cute.arch.warp_reduction_max(m_new, threads_in_group=4)
+            m_safe = m_new if m_new != -cutlass.Float32.inf else 0.0
+            row_scale[r] = cute.math.exp2((row_max[r] - m_safe) * scale_log2, fastmath=True)
+            max_scaled[r] = m_safe * scale_log2
+            row_max[r] = m_new
+        return row_scale, max_scaled
+
+    @cute.jit
+    def exponentiate(self, acc_S, row_sum, row_scale, max_scaled, scale_log2):
+        """online_softmax's second half: P_j = exp2(S_j * scale_log2 - m_safe * scale_log2)
+        written over S, row_sum = row_sum * row_scale + sum_j P_j (the same operations in the
+        same order: the same bits)."""
+        acc_S_mn = self.rows_view(acc_S)
+        for r in cutlass.range_constexpr(cute.size(row_sum)):
+            p = cute.math.exp2(acc_S_mn[r, None].load() * scale_log2 - max_scaled[r], fastmath=True)
+            acc_S_mn[r, None].store(p)
+            row_sum[r] = row_sum[r] * row_scale[r] + p.reduce(
+                cute.ReductionOp.ADD, cutlass.Float32(0.0), 0
+            )
+
+
+@dsl_user_op
+def always_true_after(*values, loc=None, ip=None):
+    """True, for every input, but neither compiler can tell: inline PTX adds the values (each
+    exp2 of something: >= 0, or NaN), tests the sum with setp.geu (true for >= 0 and for NaN)
+    and votes across the warp (vote.any: a warp-uniform result, so that ptxas keeps the code
+    behind the test on the uniform datapath). A branch on it makes a block boundary after the
+    values are computed, which ptxas does not move a wgmma wait across (see the kernel)."""
+    asm = (
+        "{ .reg .pred p; .reg .f32 t; mov.f32 t, 0f00000000; "
+        + " ".join(f"add.f32 t, t, ${i + 1};" for i in range(len(values)))
+        + " setp.geu.f32 p, t, 0f00000000; vote.sync.any.pred p, p, 0xffffffff;"
+        " selp.u32 $0, 1, 0, p; }"
+    )
+    flag = llvm.inline_asm(
+        T.i32(),
+        [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in values],
+        asm,
+        "=r" + ",f" * len(values),
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return cutlass.Int32(flag) != 0
 
 
 def compile_args(dtype, shape, scale=None, **options):
