@@ -787,7 +787,9 @@ class Sm90Kernel:
                             row_scale, max_scaled = self.softmax_step(
                                 acc_S, *softmax_args, exponentiate=False
                             )
-                            if always_true_after(row_scale[0], row_scale[1]):
+                            if always_true_after(
+                                *[row_scale[r] for r in range(cute.size(row_scale))]
+                            ):
                                 # PV_{j-1} complete: V_{j-1} is read, acc_O and tOrP are free.
                                 warpgroup.wait_group(0)
                                 kv_pipeline.consumer_release(v_state)
