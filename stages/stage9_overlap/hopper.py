@@ -64,10 +64,11 @@ Changes from stage 8:
   FlashAttention-3's answer (three, on a 192-row tile) is taken below. fp16 runs 3% below bf16 in stage 9 (649 vs 670 at
   D = 128, 8k) where stage 5 runs 19% below (479 vs 589): whatever fp16 costs more sits on the
   softmax side, which the overlap hides.
-- Longest first: the Q tiles of a (head, sequence) run in reverse order (blockIdx.x = 0 takes
-  the last tile), so that under a causal mask the CTAs with the most KV tiles start first and
-  the short ones fill the end of the grid. Measured (H200, 2026-12-01, causal paper shapes, two
-  repetitions, reversed / in order): D = 128: S = 1k 279 / 147 and 268 / 154, 2k 321 / 297,
+- Longest first at both head dims (stage 8 reverses its Q tiles at D = 128 only): the Q tiles
+  of a (head, sequence) run in reverse order, so that under a causal mask the CTAs with the
+  most KV tiles start first and the short ones fill the end of the grid. Measured on stage 9
+  before the persistent grid below (H200, 2026-12-01, causal paper shapes, two repetitions,
+  reversed / in order): D = 128: S = 1k 279 / 147 and 268 / 154, 2k 321 / 297,
   4k 582 / 557, 8k 577 / 560, 16k 626 / 586; D = 64: 1k 263 / 256 ... 16k 460 / 432 - never
   slower, +2-15% from 2k, 1.8x at 1k (D = 128) where the long tiles started last were the tail.
 - Persistent CTAs: the kernel walks work tiles in a loop, and the grid is capped at one CTA per
