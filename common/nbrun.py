@@ -24,6 +24,7 @@ import glob
 import io
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -272,6 +273,12 @@ def run_description():
     return arch.gpu_description(), notebook.MODE, versions
 
 
+def rebase_links(markdown):
+    """Markdown links and images written for notebooks/ (`](../docs/results/x.png)`), rebased for
+    the executed copy one folder deeper, in docs/notebooks/: `](../` -> `](../../`."""
+    return re.sub(r"\]\(\.\./", "](../../", markdown)
+
+
 def executed_copy(path, recorded, when=None):
     """The notebook at `path` with the outputs of `recorded` and a first Markdown cell naming
     the GPU, the mode and the date: a dict in nbformat 4.5."""
@@ -298,6 +305,8 @@ def executed_copy(path, recorded, when=None):
     count = 0
     for i, cell in enumerate(nb["cells"]):
         cell = dict(cell)
+        if cell["cell_type"] == "markdown":
+            cell["source"] = _lines(rebase_links("".join(cell["source"])))
         if cell["cell_type"] == "code":
             count += 1
             cell["execution_count"] = count

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from common import arch, stages
+from common import arch, nbrun, stages
 from common.nbrun import run_notebook
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -302,8 +302,6 @@ def test_slim_outputs_shrinks_figures_and_keeps_markdown():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
-
-    from common import nbrun
 
     Image = pytest.importorskip("PIL.Image")
     fig, ax = plt.subplots(figsize=(4, 3))
@@ -831,3 +829,48 @@ def test_sources_are_percent_scripts():
             text = f.read()
         ast.parse(text)
         assert text.startswith("# ---\n# jupyter:\n") and "# %% [markdown]\n# # Stage" in text, src
+
+
+def _relative_links(nb_json):
+    """The relative targets of Markdown links and images in the Markdown cells (and of Markdown
+    outputs) of a notebook: no scheme, no in-page anchor."""
+    texts = [cell_text(c) for c in nb_json["cells"] if c["cell_type"] == "markdown"]
+    for c in nb_json["cells"]:
+        for o in c.get("outputs", []):
+            if "text/markdown" in o.get("data", {}):
+                texts.append("".join(o["data"]["text/markdown"]))
+    for text in texts:
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if not re.match(r"[a-z]+:|#", target):
+                yield target.split("#")[0]
+
+
+def test_relative_links_of_notebooks_and_executed_copies_resolve():
+    """A link written for notebooks/ (../docs/results/x.png) must still resolve in the executed
+    copy one folder deeper (nbrun.rebase_links), and every link of either must name a file."""
+    folders = [os.path.join(ROOT, "notebooks")]
+    if os.path.isdir(EXECUTED_DIR):
+        folders.append(EXECUTED_DIR)
+    checked = 0
+    for folder in folders:
+        for name in sorted(NOTEBOOKS.values()):
+            path = os.path.join(folder, name)
+            if not os.path.exists(path):
+                continue
+            with open(path) as f:
+                nb_json = json.load(f)
+            for target in _relative_links(nb_json):
+                checked += 1
+                resolved = os.path.normpath(os.path.join(folder, target))
+                assert os.path.exists(resolved), (
+                    f"{os.path.relpath(path, ROOT)}: link {target!r} resolves to "
+                    f"{os.path.relpath(resolved, ROOT)}, which does not exist"
+                )
+    assert checked > 0, "no relative link found: the link pattern matched nothing"
+
+
+def test_rebase_links_moves_relative_links_one_folder_down():
+    text = "![fig](../docs/results/a.png) [nb](stage8.ipynb) [web](https://x.org/../y)"
+    assert nbrun.rebase_links(text) == (
+        "![fig](../../docs/results/a.png) [nb](stage8.ipynb) [web](https://x.org/../y)"
+    )
