@@ -364,10 +364,15 @@ fig = nb.error_picture(8, result)
 # intra-warpgroup overlap on by default). The gain over stage 5 varies with S: 1.47x at 2k but 1.06x
 # at 8k - and stage 5's 2k figure moves between runs (494 in the stage 6 run of the same day,
 # `docs/results/bench_h200_2026-12-01_stage6.md`), which is why only ratios from one run are
-# compared. **At D = 64 stage 8 is slower than stage 5**, where the model of 3.1 predicts its
-# largest gain. Why is an open question: nothing measured so far establishes a cause, and this
-# notebook does not guess one; exercise 5 gives a first experiment that can rule one candidate in or
-# out.
+# compared (a later `make bench`, H200, 2026-12-02, interleaved rounds: stage 8 at 0.87-0.92 of FA4
+# non-causal and 0.87-0.93 causal from S = 2k, D = 128). **At D = 64 stage 8 is slower than stage
+# 5**, where the model of 3.1 predicts its largest gain. Nsight Compute (H200, 2026-12-01, shape
+# (2, 32, 8192, 8192, 64), one launch each) gives the reason: at D = 64 the exponentials are the
+# bottleneck (the exp2 pipe 58% busy in stage 5, 50% in stage 8), and stage 5's registers let two
+# of its CTAs share an SM - four warpgroups computing - where stage 8 runs one CTA with two. The
+# ping-pong cannot make up for half the computing warps. Stage 9 answers with a third consumer
+# warpgroup at D = 64 (FlashAttention-3's 192-row tile; its notebook measures it); exercise 5
+# rules out the other candidate, the ring's depth.
 
 # %%
 bench = nb.measure(
@@ -503,8 +508,10 @@ nb.table(
 # the docstring gives nvdisasm's count of the consumer code, 137 and 127 at D = 64, packed and
 # batch, against stage 7's 128 and 133). If the kv_slots variants run at the speed of the 13-slot
 # kernel, the ring depth is not the cause; if a shallower ring is faster, the depth (or the shared
-# memory it takes) is involved and the next question is why. Neither outcome is known to this
-# notebook: it has not been measured.
+# memory it takes) is involved and the next question is why. What the H200 measured (2026-12-01,
+# on stage 9 at D = 64, which has the same ring rule): 4 slots 459 TFLOP/s, 13 slots 442, 2 slots
+# 380 - a deep ring gains nothing over a few tiles of lead, and two slots are too few for the
+# producer to run ahead; the depth is not what holds D = 64 back. The occupancy is (section 7).
 # </details>
 #
 # <details><summary>6. Bit for bit</summary>
