@@ -30,14 +30,16 @@ Changes from stage 7:
 - The syncs of the consumers alone (zero_rows, the epilogue's two) are named barrier 1 over
   their 256 threads instead of the CTA's barrier 0; the producer leaves after producer_tail
   (the consumers have released every slot).
-- Longest first (D = 128): the Q tiles of a (head, sequence) run in reverse order (blockIdx.x
-  = 0 takes the last tile), so that under a causal mask the CTAs with the most KV tiles start
-  first and the short ones fill the end of the grid (stage 7's order starts them last). Measured (H200, 2026-12-02, one run,
-  bf16, causal paper shapes, GPU time in interleaved rounds, TFLOP/s reversed / in order, FA4 in
-  the same run): D = 128 S = 1k 373 / 372 (FA4 416), 2k 483 / 479 (552), 4k 571 / 562 (646), 8k
-  624 / 608 (695), 16k 634 / 596 (712): 0.88-0.90x FA4 against 0.84-0.89x in order; non-causal 8k
-  645 / 642 (725). D = 64 ran 2-3% slower reversed (2k 320 / 327, 8k 408 / 418), so it keeps the
-  in-order grid. Stage 9 takes the order at both head dims, with its own tile scheduler.
+- Longest first (D = 128): the Q tiles of a (head, sequence) run in reverse order (blockIdx.x = 0
+  takes the last tile), so that under a causal mask the CTAs with the most KV tiles start first
+  and the short ones fill the end of the grid (stage 7's order starts them last). Measured (H200,
+  2026-12-02, bf16, causal paper shapes, GPU time in interleaved rounds, TFLOP/s reversed / in
+  order, FA4 in the same run; docs/results/stage8_order_h200_2026-12-02.txt): D = 128 S = 1k 373 /
+  372 (FA4 416), 2k 483 / 479 (552), 4k 571 / 562 (646), 8k 624 / 608 (695), 16k 634 / 596 (712):
+  0.88-0.90x FA4 against 0.84-0.89x in order; non-causal 8k 645 / 642 (725); a second run
+  +0.3-8.8% (16k 666 / 612, FA4 727). D = 64 ran 2-3% slower reversed (2k 320 / 327, 8k 408 / 418;
+  two identical kernels in the same rounds differ by 0-0.2%), so it keeps the in-order grid. Stage
+  9 takes the order at both head dims, with its own tile scheduler.
 - Not changed: tiles, masks, the online softmax, the epilogue (predicated O rows, LSE). Each
   warpgroup runs stage 7's arithmetic on its rows (the PTX's floating-point instructions are
   the same, in the same order), so O and LSE are meant to be stage 7's bit for bit (tested).
