@@ -158,6 +158,21 @@ def test_compiles_warp_specialized(dtype, D, varlen):
         assert res["registers"] <= 168, res
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["batch", "packed"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_q_tiles_longest_first_at_d128_only(D, varlen):
+    """Longest first (the docstring's measurements): at D = 128 the kernel takes Q tile
+    gridDim.x - 1 - blockIdx.x, so its PTX reads %nctaid.x, which nothing else in stage 8 reads;
+    at D = 64, where the reversed order measured 2-3% slower, it keeps stage 7's order and its
+    PTX reads no %nctaid.x. The order cannot be seen in the outputs (the same bits either way),
+    so this is where a lost reversal shows."""
+    kernel, ptx, _, _ = compile_stage8(torch.bfloat16, D, kv_heads=2, varlen=varlen, causal=True)
+    assert kernel.longest_first == (D == 128)
+    reads_grid = "%nctaid.x" in ptx
+    assert reads_grid == (D == 128), f"D = {D}: %nctaid.x read: {reads_grid}"
+    assert "%ctaid.x" in ptx  # the tile index itself is read either way
+
+
 # ---------------------------------------------------------------- the turn protocol (CPU)
 
 
