@@ -143,8 +143,8 @@ print(
 # producer's and the consumers' - the ring's bookkeeping moves to `PipelineState` objects, and two
 # small methods carry the ping-pong. The arithmetic of each warpgroup is stage 7's, line for line.
 # One change is not warp specialisation: at D = 128 the Q tiles run longest first (`longest_first`,
-# blockIdx.x = 0 takes the last tile), which lifts the causal rows by up to 6% at S = 16k (the
-# docstring's numbers); stage 9 keeps it.
+# blockIdx.x = 0 takes the last tile), which lifted the causal rows by 6-9% at S = 16k in two runs
+# (the docstring's numbers); stage 9 keeps it.
 
 # %%
 nb.show_docstring(8, "hopper")
@@ -367,7 +367,7 @@ fig = nb.error_picture(8, result)
 # compared (a later `make bench`, H200, 2026-12-02, interleaved rounds: stage 8 at 0.87-0.92 of FA4
 # non-causal and 0.87-0.93 causal from S = 2k, D = 128). **At D = 64 stage 8 is slower than stage
 # 5**, where the model of 3.1 predicts its largest gain. Nsight Compute (H200, 2026-12-01, shape
-# (2, 32, 8192, 8192, 64), one launch each) gives the reason: at D = 64 the exponentials are the
+# (2, 32, 8192, 8192, 64), one launch each) points to the reason: at D = 64 the exponentials are the
 # bottleneck (the exp2 pipe 58% busy in stage 5, 50% in stage 8), and stage 5's registers let two
 # of its CTAs share an SM - four warpgroups computing - where stage 8 runs one CTA with two. The
 # ping-pong cannot make up for half the computing warps. Stage 9 answers with a third consumer
