@@ -347,32 +347,33 @@ fig = nb.error_picture(8, result)
 # "before"), stage 7 (the same features without warp specialisation) and the baselines, FA4
 # included, at the paper shapes, all timed in one run.
 #
-# **Expected**, from `make bench` on the H200 (2026-12-01, bf16, B·S = 16k, H·D = 2048, non-causal,
-# one run), in TFLOP/s:
+# **Expected**, from `make bench` on the H200 (2026-12-02, bf16, B·S = 16k, H·D = 2048,
+# non-causal; every kernel of a row timed in the same interleaved rounds, event-timed; D = 128 from
+# the eleventh session's run, `docs/results/bench_h200_2026-12-02_eleventh_d128.md`, D = 64 from
+# the ninth's, `docs/results/bench_h200_2026-12-02_ninth_d64.md`), in TFLOP/s:
 #
 # | D | S | stage 5 | stage 8 | FA4 | stage 8 / stage 5 | stage 8 / FA4 |
 # | --- | --- | --- | --- | --- | --- | --- |
-# | 128 | 2k | 412 | 606 | 668 | 1.47 | 0.91 |
-# | 128 | 8k | 565 | 598 | 643 | 1.06 | 0.93 |
-# | 64 | 2k | 392 | 365 | 504 | 0.93 | 0.72 |
-# | 64 | 8k | 505 | 436 | 543 | 0.86 | 0.80 |
+# | 128 | 2k | 499 | 609 | 676 | 1.22 | 0.90 |
+# | 128 | 8k | 520 | 612 | 704 | 1.18 | 0.87 |
+# | 64 | 2k | 504 | 411 | 510 | 0.82 | 0.81 |
+# | 64 | 8k | 515 | 437 | 566 | 0.85 | 0.77 |
 #
 # At D = 128 the step lands where the FlashAttention-3 paper's ablation puts it: on an H100 at head
 # dimension 128, warp specialisation without the intra-warpgroup overlap (the next stage's
 # technique) ran 582 TFLOP/s against 661 for the full kernel, **0.88** of it; stage 8 runs at
-# 0.91-0.93 of FA4 (flash_attn.cute, whose Hopper path is FlashAttention-3's schedule, the
-# intra-warpgroup overlap on by default). The gain over stage 5 varies with S: 1.47x at 2k but 1.06x
-# at 8k - and stage 5's 2k figure moves between runs (494 in the stage 6 run of the same day,
-# `docs/results/bench_h200_2026-12-01_stage6.md`), which is why only ratios from one run are
-# compared (a later `make bench`, H200, 2026-12-02, interleaved rounds: stage 8 at 0.87-0.92 of FA4
-# non-causal and 0.87-0.93 causal from S = 2k, D = 128). **At D = 64 stage 8 is slower than stage
-# 5**, where the model of 3.1 predicts its largest gain. Nsight Compute (H200, 2026-12-01, shape
-# (2, 32, 8192, 8192, 64), one launch each) points to the reason: at D = 64 the exponentials are the
-# bottleneck (the exp2 pipe 58% busy in stage 5, 50% in stage 8), and stage 5's registers let two
-# of its CTAs share an SM - four warpgroups computing - where stage 8 runs one CTA with two. The
-# ping-pong cannot make up for half the computing warps. Stage 9 answers with a third consumer
-# warpgroup at D = 64 (FlashAttention-3's 192-row tile; its notebook measures it); exercise 5
-# rules out the other candidate, the ring's depth.
+# 0.87-0.90 of FA4 here (flash_attn.cute, whose Hopper path is FlashAttention-3's schedule, the
+# intra-warpgroup overlap on by default; 0.87-0.92 non-causal and 0.87-0.93 causal from S = 2k in
+# that run), 1.18-1.22x stage 5. Single figures move between runs by 5-10% (the H200's clocks step
+# under its power cap; the first runs of 2026-12-01, one kernel after another, had put stage 8 at
+# 1.06-1.47x stage 5), which is why only ratios from one run are compared. **At D = 64 stage 8 is
+# slower than stage 5**, where the model of 3.1 predicts its largest gain. Nsight Compute (H200,
+# 2026-12-01, shape (2, 32, 8192, 8192, 64), one launch each) points to the reason: at D = 64 the
+# exponentials are the bottleneck (the exp2 pipe 58% busy in stage 5, 50% in stage 8), and stage 5's
+# registers let two of its CTAs share an SM - four warpgroups computing - where stage 8 runs one CTA
+# with two. The ping-pong cannot make up for half the computing warps. Stage 9 answers with a third
+# consumer warpgroup at D = 64 (FlashAttention-3's 192-row tile; its notebook measures it); exercise
+# 5 rules out the other candidate, the ring's depth.
 
 # %%
 bench = nb.measure(
@@ -390,12 +391,12 @@ bench = nb.measure(
 # %%
 # The step next to the paper's ablation: this run's ratios where there is a run, else the H200's.
 quoted = {
-    "(8, 16, 2048, 2048, 128)": {"stage 5": 412, "stage 8": 606, "FA4": 668},
-    "(2, 16, 8192, 8192, 128)": {"stage 5": 565, "stage 8": 598, "FA4": 643},
-    "(8, 32, 2048, 2048, 64)": {"stage 5": 392, "stage 8": 365, "FA4": 504},
-    "(2, 32, 8192, 8192, 64)": {"stage 5": 505, "stage 8": 436, "FA4": 543},
+    "(8, 16, 2048, 2048, 128)": {"stage 5": 499, "stage 8": 609, "FA4": 676},
+    "(2, 16, 8192, 8192, 128)": {"stage 5": 520, "stage 8": 612, "FA4": 704},
+    "(8, 32, 2048, 2048, 64)": {"stage 5": 504, "stage 8": 411, "FA4": 510},
+    "(2, 32, 8192, 8192, 64)": {"stage 5": 515, "stage 8": 437, "FA4": 566},
 }
-source = "this run" if bench else "H200, 2026-12-01 (make bench)"
+source = "this run" if bench else "H200, 2026-12-02 (make bench)"
 rows = [
     (
         "FlashAttention-3 paper, H100, head dim 128",
@@ -492,8 +493,8 @@ nb.table(
 # <details><summary>4. The model at D = 64</summary>
 #
 # The table of 3.1: about 1.5x at D = 128 and 2x at D = 64 (the GEMMs halve, the exponentials do
-# not, so in lock-step the idle tensor-core share is larger). The H200 measured 1.06-1.47x at D =
-# 128 and 0.86-0.93x at D = 64. The model leaves out the rest of the softmax (max and sum
+# not, so in lock-step the idle tensor-core share is larger). The H200 measured 1.18-1.22x at D =
+# 128 and 0.82-0.85x at D = 64 (section 7's table). The model leaves out the rest of the softmax (max and sum
 # reductions, the scaling, the conversion of P, the rescale of O - instructions on the FP32 units
 # that do not shrink with D), the issue and wait latencies of wgmma and of the barriers, the loads
 # and their latency, and the per-CTA work (Q load, epilogue). Which of these matters at D = 64 is
