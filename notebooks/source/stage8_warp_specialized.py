@@ -144,7 +144,7 @@ print(
 # small methods carry the ping-pong. The arithmetic of each warpgroup is stage 7's, line for line.
 # One change is not warp specialisation: at D = 128 the Q tiles run longest first (`longest_first`,
 # blockIdx.x = 0 takes the last tile), which lifted the causal rows by 6-9% at S = 16k in two runs
-# (the docstring's numbers); stage 9 keeps it.
+# (H200, 2026-12-02; the docstring's numbers); stage 9 keeps it.
 
 # %%
 nb.show_docstring(8, "hopper")
@@ -494,7 +494,7 @@ nb.table(
 #
 # The table of 3.1: about 1.5x at D = 128 and 2x at D = 64 (the GEMMs halve, the exponentials do
 # not, so in lock-step the idle tensor-core share is larger). The H200 measured 1.18-1.22x at D =
-# 128 and 0.82-0.85x at D = 64 (section 7's table). The model leaves out the rest of the softmax (max and sum
+# 128 and 0.82-0.85x at D = 64 (2026-12-02, section 7's table). The model leaves out the rest of the softmax (max and sum
 # reductions, the scaling, the conversion of P, the rescale of O - instructions on the FP32 units
 # that do not shrink with D), the issue and wait latencies of wgmma and of the barriers, the loads
 # and their latency, and the per-CTA work (Q load, epilogue). Which of these matters at D = 64 is
