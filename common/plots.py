@@ -2676,13 +2676,17 @@ def warp_specialized_roles(
 ):
     """Stage 8's CTA (the arguments are the kernel's own settings, nb.kernel_config(8)):
     warpgroup 0 the TMA producer (its warp 0 issues every load; setmaxnreg.dec to
-    load_registers), warpgroups 1 and 2 the consumers (64 query rows each; setmaxnreg.inc to
-    mma_registers); the K/V ring of kv_slots slots, ring entry 2 t = K of step t, 2 t + 1 its V,
-    entry e in slot e % kv_slots; the register file split below."""
+    load_registers), warpgroups 1 .. mma_warpgroups the consumers (64 query rows each;
+    setmaxnreg.inc to mma_registers; two, or three at D = 64); the K/V ring of kv_slots slots,
+    ring entry 2 t = K of step t, 2 t + 1 its V, entry e in slot e % kv_slots; the register file
+    split below."""
     bM, bN, D = cta_tile
     rows = bM // mma_warpgroups
     at_entry = register_file // threads // 8 * 8
-    fig, ax = plt.subplots(figsize=(FIG_WIDTH, 6.2))
+    # the consumer boxes: 1.7 apart (two) or 1.25 (three), the register file below the last
+    step, height = (1.7, 1.4) if mma_warpgroups <= 2 else (1.25, 1.1)
+    y_regs = 2.0 + step * (mma_warpgroups - 1) + height + 0.5
+    fig, ax = plt.subplots(figsize=(FIG_WIDTH, 6.2 * (y_regs + 1.9) / 7.5))
     _box(
         ax,
         0,
@@ -2697,9 +2701,9 @@ def warp_specialized_roles(
         _box(
             ax,
             0,
-            2.0 + 1.7 * w,
+            2.0 + step * w,
             3.4,
-            1.4,
+            height,
             "#EDE1F5",
             text=f"warpgroup {w + 1}: consumer (warps {4 * (w + 1)}-{4 * (w + 1) + 3})\n"
             f"query rows {rows * w}-{rows * (w + 1) - 1}: QK^T, softmax, PV\n"
@@ -2742,20 +2746,24 @@ def warp_specialized_roles(
         ax,
         (3.4, 3.0),
         (x0 + 4.0, 1.5),
-        "empty: 8 consumer warps released",
+        f"empty: {4 * mma_warpgroups} consumer warps released",
         dy=0.25,
         color=C["grid"],
     )
+    turn_barriers = ", ".join(str(1 + w) for w in range(1, mma_warpgroups + 1))
     ax.text(
         3.6,
-        4.05,
-        "named barriers 2, 3: the tensor-core turn\n(PV_j + QK_(j+1) of one warpgroup at a time)",
+        2.0 + step * (mma_warpgroups - 1) / 2 + height / 2 + 0.5,
+        f"named barriers {turn_barriers}: the tensor-core turn\n(PV_j + QK_(j+1) of one warpgroup "
+        "at a time" + (", going round 1 -> 2 -> 3)" if mma_warpgroups > 2 else ")"),
         fontsize=9.5,
         va="center",
     )
-    _arrow(ax, (1.7, 3.4), (1.7, 3.7), style="<->", lw=1.6)
+    for w in range(mma_warpgroups - 1):
+        y0 = 2.0 + step * w + height
+        _arrow(ax, (1.7, y0), (1.7, 2.0 + step * (w + 1)), style="<->", lw=1.6)
     # the register file
-    y = 5.6
+    y = y_regs
     total = register_file
     parts = [
         (128 * load_registers, "#DCEAF7", f"producer 128 x {load_registers}"),
@@ -2782,7 +2790,7 @@ def warp_specialized_roles(
         fontsize=9.5,
     )
     ax.set_xlim(-0.2, 11.2)
-    ax.set_ylim(6.9, -0.6)
+    ax.set_ylim(y + 1.3, -0.6)
     ax.axis("off")
     ax.set_title(
         f"Stage 8 CTA: {threads} threads in {threads // 128} warpgroups, one producer and "

@@ -11,17 +11,22 @@ import sys
 
 SHAPES = {n: (1, 2, 256, 768, 64) for n in (6, 7, 8, 9)}
 SHAPES.update({4: (1, 2, 128, 512, 64), 5: (1, 2, 128, 512, 64)})
-# Stages 8 and 9 have rings of 13 and 11 slots at D = 64: 768 keys give 12 K and V entries, so
-# use more keys there (2048: 32 entries, every slot used more than once).
+# Stages 8 and 9 have rings of 12 and 11 slots at D = 64 (three consumer warpgroups): 768 keys
+# give 12 K and V entries, so use more keys there (2048: 32 entries, every slot used more than
+# once).
 SHAPES[8] = SHAPES[9] = (1, 2, 256, 2048, 64)
+# Stage 8 also on its two-warpgroup tile of D = 64 (a causal mask over 1024 keys: launch_options)
+# with its 13 slots: 8 KV tiles, 16 entries.
+SHORT_MASK_8 = (1, 2, 256, 1024, 64)
 
 
 def target(n):
     """What runs under the sanitizer: one launch of stage n on a small shape, checked. On Hopper
-    stage 9 also runs with its persistent grid capped at 2 CTAs, so that each CTA walks 2 tiles
-    and hands Q and the ring's slots from one to the next: non-causal (a fixed share of tiles)
-    and causal (tiles drawn from the atomic counter), and packed sequences (drawn from the
-    counter, the empty tiles skipped)."""
+    stage 8 also runs on its two-warpgroup tile of D = 64 (a short mask), and stage 9 with its
+    persistent grid capped at 2 CTAs, so that each CTA walks 2 tiles and hands Q and the ring's
+    slots from one to the next: non-causal (a fixed share of tiles) and causal (tiles drawn from
+    the atomic counter), and packed sequences (drawn from the counter, the empty tiles
+    skipped)."""
     import torch
 
     from .arch import track
@@ -34,6 +39,15 @@ def target(n):
     r = check_close(f"stage {n}", out, c.ref(), rtol=c.rtol)
     torch.cuda.synchronize()
     print(f"stage {n} under the sanitizer: {r}")
+    if n == 8 and track() == "hopper":
+        c = make_case(n, "hopper", SHORT_MASK_8, causal=True)
+        out = run_with_deadline(c.run, 600, "stage 8, two consumer warpgroups")
+        out = out[0] if isinstance(out, tuple) else out
+        r = check_close("stage 8, two consumer warpgroups", out, c.ref(), rtol=c.rtol)
+        torch.cuda.synchronize()
+        print(
+            f"stage 8 (two consumer warpgroups, D = 64, causal over 1024 keys) under the sanitizer: {r}"
+        )
     if n == 9 and track() == "hopper":
         from stages.stage9_overlap import hopper
 

@@ -85,7 +85,7 @@ STAGES = (
         "stage8_warp_specialized",
         "attention",
         "warp specialisation",
-        "a TMA producer warpgroup (setmaxnreg), two consumer warpgroups taking turns (ping-pong)",
+        "a TMA producer warpgroup (setmaxnreg), two consumer warpgroups taking turns (ping-pong; three at D = 64)",
         (2, 4, 512, 1024, 128),
         (2, 16, 8192, 8192, 128),
     ),

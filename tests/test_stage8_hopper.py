@@ -1,33 +1,38 @@
 """Stage 8 (Hopper): warp specialisation - a TMA producer warpgroup, two consumer warpgroups
-taking turns on the tensor cores (ping-pong through named barriers), a deeper K/V ring.
+(three at D = 64) taking turns on the tensor cores (ping-pong through named barriers), a deeper
+K/V ring.
 
 - Compile-only (no GPU), bf16 and fp16, D = 64 and 128, batch and packed: setmaxnreg.dec (24)
-  and setmaxnreg.inc (240) in the PTX and not ignored by ptxas (the kernel has a register cap at
-  entry: .reqntid 384, .minnctapersm 1); stage 7's loop body (the same wgmma and exp2 counts);
-  the named barriers, all counting the 256 consumer threads except the CTA-wide one that
-  publishes the barrier initialisation, in the intended program order; no spills; kv_slots and
-  the shared memory chosen.
-- CPU: a model of the turn protocol (named-barrier semantics, every interleaving of the two
-  consumer warpgroups) for 0-5 KV tiles: no deadlock, every barrier ends balanced, the tensor
-  cores see 1: QK0, 2: QK0, 1: PV0 QK1, 2: PV0 QK1, ... and nothing else; the model fails the
-  protocol's near misses (a wait or a pass too many). Stage 7's bad-input cases.
+  and setmaxnreg.inc (240; 160 with three consumer warpgroups) in the PTX and not ignored by
+  ptxas (the kernel has a register cap at entry: .reqntid 384 or 512, .minnctapersm 1); stage
+  7's loop body (the same wgmma and exp2 counts); the named barriers, all counting the
+  consumer threads except the CTA-wide one that publishes the barrier initialisation, in the
+  intended program order; no spills; kv_slots and the shared memory chosen. Three consumer
+  warpgroups at D = 64, two under a short mask (launch_options), two at D = 128.
+- CPU: a model of the turn protocol (named-barrier semantics, every interleaving of two and of
+  three consumer warpgroups, the kernel's own barrier numbers) for 0-5 KV tiles: no deadlock,
+  every barrier ends balanced, the tensor cores see 1: QK0, 2: QK0, (3: QK0,) 1: PV0 QK1, ...
+  and nothing else; the model fails the protocol's near misses (a wait or a pass too many, a
+  lost pass). Pack-GQA's group sizes against the tile rows (192 at D = 64) and the rows per
+  pass of the O store. Stage 7's bad-input cases.
 - GPU tests (marker gpu_hopper), each launch under a 120 s deadline so that a lost arrive fails
   instead of hanging: stage 7's numerical tests (GQA / MQA with causal and window masks against
   the fp64 reference, packed sequences per sequence, NaN planted outside a sequence, empty
   sequences, packed = batch mode) on stage 8; O and LSE equal to stage 7's bit for bit,
-  including shapes long enough to wrap the ring many times.
+  including shapes long enough to wrap the ring many times, on both tiles of D = 64 (192 and
+  128 rows); pack-GQA groups that only the 192-row tile packs.
 
 The per-sequence references, packed inputs and bad-input cases are stage 7's
 (tests/test_stage7_hopper.py).
 """
 
-import itertools
 import re
 import shutil
 import subprocess
 import tempfile
 
 import attention_cases
+import cutlass
 import pytest
 import torch
 from attention_cases import DTYPES, dtype_id
@@ -45,7 +50,8 @@ from test_stage7_hopper import (
     packed_inputs,
 )
 
-from common import checker, inputs
+from common import attention_host, checker, inputs, masks
+from common.pack_gqa import choose_pack
 from stages.stage7_gqa_varlen import hopper as stage7
 from stages.stage8_warp_specialized import hopper
 
@@ -73,10 +79,10 @@ def ptxas_log(ptx):
     return p.stdout + p.stderr
 
 
-def compile_stage8(dtype, D, **options):
+def compile_stage8(dtype, D, Sk=2048, **options):
     from common.compile import compile_for_arch, count_ptx, ptxas_resources
 
-    kernel, args = hopper.compile_args(dtype, (2, 8, 512, 1024, D), **options)
+    kernel, args = hopper.compile_args(dtype, (2, 8, 512, Sk, D), **options)
     ptx, _ = compile_for_arch(kernel, args, "sm_90a")
     return kernel, ptx, count_ptx(ptx), ptxas_resources(ptx, "sm_90a")
 
@@ -92,7 +98,7 @@ SCHEDULE_LETTERS = [
     (r"cp\.async\.bulk\.tensor", "L"),  # a TMA load
     (r"bar\.sync\s+%r\d+, 256;", "T"),  # wait_turn
     (r"bar\.arrive\s+%r\d+, 256;", "P"),  # pass_turn
-    (r"bar\.sync\s+1, 256;", "B"),  # the consumers' own barrier
+    (r"bar\.sync\s+1, (256|384);", "B"),  # the consumers' own barrier (all their threads)
     (r"wgmma\.mma_async", "G"),
     (r"wgmma\.commit_group", "C"),
     (r"wgmma\.wait_group", "W"),
@@ -110,15 +116,22 @@ def schedule_string(ptx):
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["batch", "packed"])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize(
+    "D, Sk", [(64, 2048), (128, 2048), (64, 1024)], ids=["64", "128", "64-short"]
+)
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_compiles_warp_specialized(dtype, D, varlen):
-    kernel, ptx, counts, res = compile_stage8(dtype, D, kv_heads=2, varlen=varlen, causal=True)
-    # 384 threads with a register cap at entry (65,536 / 384 -> 168), so that setmaxnreg works:
-    # the producer warpgroup down to 24, the two consumer warpgroups up to 240.
-    assert ".reqntid 384, 1, 1" in ptx and ".minnctapersm 1" in ptx
+def test_compiles_warp_specialized(dtype, D, Sk, varlen):
+    kernel, ptx, counts, res = compile_stage8(dtype, D, Sk, kv_heads=2, varlen=varlen, causal=True)
+    # Two consumer warpgroups at D = 128, three at D = 64 (a 192-row tile), two there under a
+    # causal mask over at most 1024 keys (launch_options: Sk = 1024 here).
+    wgs, regs = {64: (3, 160), 128: (2, 240)}[D] if Sk > 1024 else (2, 240)
+    assert (kernel.mma_warpgroups, kernel.cta_tile) == (wgs, (64 * wgs, 128, D))
+    # 384 (512) threads with a register cap at entry (65,536 / 384 -> 168; / 512 -> 128), so
+    # that setmaxnreg works: the producer warpgroup down to 24, the consumers up to 240 (160).
+    assert f".reqntid {128 * (1 + wgs)}, 1, 1" in ptx and ".minnctapersm 1" in ptx
+    assert 128 * kernel.load_registers + kernel.mma_threads * kernel.mma_registers <= 65536
     assert statements(ptx, r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;") != []
-    assert statements(ptx, r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;") != []
+    assert statements(ptx, rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{regs};") != []
     assert len(statements(ptx, r"setmaxnreg")) == 2
     log = ptxas_log(ptx)
     if log is not None:
@@ -131,31 +144,35 @@ def test_compiles_warp_specialized(dtype, D, varlen):
     # Loads by TMA (Q, K, V; D = 128 splits each box in two 64-column halves); O by threads.
     assert counts["cp.async.bulk.tensor (load)"] == (3 if D == 64 else 6)
     assert counts["cp.async.bulk.tensor (store)"] == 0
-    # Named barriers: 0 (all 384 threads) only once, when the pipeline publishes its barriers;
-    # the consumers' own syncs (epilogue x 2, zero_rows when packed) are barrier 1 over 256;
-    # the turns are barriers 2 and 3 (a register: 1 + warpgroup), 256 = 128 waiting + 128
-    # arriving: two waits (turn 0 of warpgroup 2, the turn before each PV) and two passes
-    # (after each QK^T, after warpgroup 1's last PV).
+    # Named barriers: 0 (all threads) only once, when the pipeline publishes its barriers; the
+    # consumers' own syncs (epilogue x 2, zero_rows when packed) are barrier 1 over their 256
+    # or 384 threads; the turns are barriers 2, 3 (and 4) (a register: 1 + warpgroup), 256 =
+    # 128 waiting + 128 arriving: two waits (turn 0 of every warpgroup but 1, the turn before
+    # each PV) and two passes (after each QK^T, after the last PV of all but the last warpgroup).
     assert len(statements(ptx, r"(bar|barrier)\.sync\s+0;")) == 1
-    assert len(statements(ptx, r"bar\.sync\s+1, 256;")) == (3 if varlen else 2)
+    own = rf"bar\.sync\s+1, {kernel.mma_threads};"
+    assert len(statements(ptx, own)) == (3 if varlen else 2)
     assert len(statements(ptx, r"bar\.sync\s+%r\d+, 256;")) == 2
     assert len(statements(ptx, r"bar\.arrive\s+%r\d+, 256;")) == 2
     assert counts["bar.sync"] == 1 + (3 if varlen else 2) + 2
     # In program order: producer (setmaxnreg.dec, Q, K and V loads), then the consumers
-    # (setmaxnreg.inc; warpgroup 2's turn-0 wait; QK^T issued, turn passed, waited; zero_rows
-    # when packed; turn wait, PV issued and waited; warpgroup 1's last pass; the epilogue's two
-    # barriers). The pass follows the QK^T commit; the PV follows its turn wait.
+    # (setmaxnreg.inc; the turn-0 wait; QK^T issued, turn passed, waited; zero_rows when
+    # packed; turn wait, PV issued and waited; the last pass; the epilogue's two barriers). The
+    # pass follows the QK^T commit; the PV follows its turn wait.
     expected = r"0dL+iTGCPW" + ("B" if varlen else "") + r"TGCWPBB"
     assert re.fullmatch(expected, schedule_string(ptx)), schedule_string(ptx)
-    # The ring: as many K or V tiles as fit in 227 KB next to Q and 1 KB of barriers.
-    assert kernel.kv_slots == {64: 13, 128: 6}[D]
-    assert kernel.shared_memory_bytes == 1024 + (1 + kernel.kv_slots) * 128 * D * 2 == 230400
-    assert kernel.shared_memory_bytes <= 227 * 1024
+    # The ring: as many K or V tiles as fit in 227 KB next to Q (bM x D) and 1 KB of barriers:
+    # 12 x 16 KB next to 24 KB at D = 64 (192 rows; 13 next to 16 KB with 128), 6 x 32 KB next
+    # to 32 KB at D = 128.
+    tile_bytes, q_bytes = 128 * D * 2, 64 * wgs * D * 2
+    assert kernel.kv_slots == {(64, 3): 12, (64, 2): 13, (128, 2): 6}[D, wgs]
+    assert kernel.shared_memory_bytes == 1024 + q_bytes + kernel.kv_slots * tile_bytes
+    assert kernel.shared_memory_bytes <= 227 * 1024 < kernel.shared_memory_bytes + tile_bytes
     # kv_full and kv_empty per slot, and q_full
     assert counts["mbarrier.init"] == 2 * kernel.kv_slots + 1
     if res and "spill_stores" in res:
         assert res["spill_stores"] == 0 and res["spill_loads"] == 0, res
-        assert res["registers"] <= 168, res
+        assert res["registers"] <= 65536 // kernel.threads, res
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["batch", "packed"])
@@ -176,26 +193,37 @@ def test_q_tiles_longest_first_at_d128_only(D, varlen):
 # ---------------------------------------------------------------- the turn protocol (CPU)
 
 
-def consumer_program(wg, steps, zero_rows):
-    """What consumer warpgroup wg (1 or 2) does with named barriers and the tensor cores, in the
-    kernel's order: ('sync', id) = bar.sync, ('arrive', id) = bar.arrive, ('gemm', name)."""
+def turn_kernel(n):
+    """The stage 8 kernel object with n consumer warpgroups (its turn_barrier, next_warpgroup)."""
+    return hopper.Sm90Kernel(cutlass.BFloat16, {2: 128, 3: 64}[n])
+
+
+def consumer_program(wg, steps, zero_rows, n=2):
+    """What consumer warpgroup wg (1 .. n, n consumer warpgroups) does with named barriers and
+    the tensor cores, in the kernel's order: ('sync', id) = bar.sync, ('arrive', id) =
+    bar.arrive, ('gemm', name), with the kernel's own barrier numbers (wait_turn: sync on
+    turn_barrier(wg); pass_turn: arrive on the next warpgroup's)."""
+    kernel = turn_kernel(n)
+    assert kernel.mma_warpgroups == n
+    wait = ("sync", kernel.turn_barrier(wg))
+    pass_to = ("arrive", kernel.turn_barrier(kernel.next_warpgroup(wg)))
     ops = []
     for t in range(steps):
-        if t == 0 and wg == 2:
-            ops.append(("sync", 1 + wg))  # wait_turn: warpgroup 2's turn 0
-        ops += [("gemm", f"{wg}: QK{t}"), ("arrive", 4 - wg)]  # pass_turn
+        if t == 0 and wg > 1:
+            ops.append(wait)  # wait_turn: turn 0 comes round from warpgroup 1
+        ops += [("gemm", f"{wg}: QK{t}"), pass_to]  # pass_turn
         if zero_rows and t == steps - 1:
             ops.append(("sync", 1))  # zero_rows of the last V tile
-        ops += [("sync", 1 + wg), ("gemm", f"{wg}: PV{t}")]  # wait_turn, then PV_t
-    if steps > 0 and wg == 1:
-        ops.append(("arrive", 4 - wg))  # warpgroup 1's last turn
+        ops += [wait, ("gemm", f"{wg}: PV{t}")]  # wait_turn, then PV_t
+    if steps > 0 and wg < n:
+        ops.append(pass_to)  # the last turn goes round, the last warpgroup's to nobody
     return ops + [("sync", 1), ("sync", 1)]  # the epilogue
 
 
-def expected_tensor_core_order(steps):
+def expected_tensor_core_order(steps, n=2):
     order = []
     for t in range(steps + 1):
-        for wg in (1, 2):
+        for wg in range(1, n + 1):
             order += [f"{wg}: PV{t - 1}"] if t > 0 else []
             order += [f"{wg}: QK{t}"] if t < steps else []
     return order
@@ -251,24 +279,44 @@ def explore(programs, expected, sizes=None):
     return problems
 
 
+@pytest.mark.parametrize("n", [2, 3], ids=["2wg", "3wg"])
 @pytest.mark.parametrize("zero_rows", [False, True], ids=["batch", "packed"])
 @pytest.mark.parametrize("steps", range(6))
-def test_turn_protocol_has_no_deadlock_and_alternates(steps, zero_rows):
-    programs = [consumer_program(wg, steps, zero_rows) for wg in (1, 2)]
-    assert explore(programs, expected_tensor_core_order(steps)) == set()
+def test_turn_protocol_has_no_deadlock_and_alternates(steps, zero_rows, n):
+    programs = [consumer_program(wg, steps, zero_rows, n) for wg in range(1, n + 1)]
+    assert explore(programs, expected_tensor_core_order(steps, n)) == set()
 
 
-def test_turn_protocol_model_catches_a_lost_turn():
-    # The model is not vacuous: warpgroup 1 also waiting before its turn 0 (as warpgroup 2
-    # does) deadlocks, and warpgroup 2 passing after its last turn leaves an arrival behind.
-    for wg, change in itertools.product((1, 2), ("extra_wait", "extra_pass")):
-        programs = [consumer_program(w, 2, False) for w in (1, 2)]
-        ops = programs[wg - 1]
-        if change == "extra_wait":
-            ops.insert(0, ("sync", 1 + wg))
-        else:
-            ops.insert(len(ops) - 2, ("arrive", 4 - wg))
-        assert explore(programs, expected_tensor_core_order(2)) != set(), (wg, change)
+def test_turn_barriers_are_distinct_and_go_round():
+    # The kernel's turn barriers: one per consumer warpgroup, none of them barrier 1 (all
+    # consumers') or 0 (the CTA's), and next_warpgroup a single cycle through all of them.
+    for n in (2, 3):
+        kernel = turn_kernel(n)
+        barriers = [kernel.turn_barrier(w) for w in range(1, n + 1)]
+        assert len(set(barriers)) == n and not {0, 1} & set(barriers) and max(barriers) < 16
+        w, seen = 1, []
+        for _ in range(n):
+            seen.append(w)
+            w = kernel.next_warpgroup(w)
+        assert w == 1 and sorted(seen) == list(range(1, n + 1)), (n, seen)
+
+
+@pytest.mark.parametrize("n,wg", [(2, 1), (2, 2), (3, 1), (3, 2), (3, 3)])
+@pytest.mark.parametrize("change", ["extra_wait", "extra_pass", "lost_pass"])
+def test_turn_protocol_model_catches_a_lost_turn(wg, change, n):
+    # The model is not vacuous: warpgroup 1 also waiting before its turn 0 (as the others do)
+    # deadlocks, the last warpgroup passing after its last turn leaves an arrival behind, and
+    # so on for each warpgroup and each near miss.
+    kernel = turn_kernel(n)
+    programs = [consumer_program(w, 2, False, n) for w in range(1, n + 1)]
+    ops = programs[wg - 1]
+    if change == "extra_wait":
+        ops.insert(0, ("sync", kernel.turn_barrier(wg)))
+    elif change == "extra_pass":
+        ops.insert(len(ops) - 2, ("arrive", kernel.turn_barrier(kernel.next_warpgroup(wg))))
+    else:
+        ops.remove(next(op for op in ops if op[0] == "arrive"))
+    assert explore(programs, expected_tensor_core_order(2, n)) != set(), (wg, change)
 
 
 # ---------------------------------------------------------------- GPU: numerics
@@ -341,6 +389,9 @@ SAME_AS_STAGE7 = [
     (1, 4, 1, 2048, 2048, 128, torch.float16, True, None),
     (2, 4, 2, 700, 1500, 64, torch.float16, False, (300, 0)),
     (1, 2, 2, 129, 3000, 128, torch.bfloat16, False, (None, 10)),
+    # D = 64 on the 192-row tile under a mask (three consumer warpgroups: over 1024 keys)
+    (1, 4, 2, 2000, 2000, 64, torch.bfloat16, True, None),
+    (2, 2, 2, 1100, 1100, 64, torch.float16, True, None),
 ]
 
 
@@ -446,3 +497,134 @@ def test_pack_gqa_matches_reference_and_unpacked(case):
 @pytest.mark.parametrize("D", [64, 128])
 def test_pack_gqa_packed_sequences_with_nan_around(D):
     check_pack_gqa_varlen(hopper, D)
+
+
+# ---------------------------------------------------------------- the 192-row tile of D = 64
+
+
+# Groups that only the 192-row tile of D = 64 packs (G = 3, 6, 12: 128 % G != 0) or whose store
+# takes 32-row passes instead of 48 (G = 64; G = 32 is in stage 7's cases), and a G = 3 group
+# of 2 KV heads with a window. (Stage 9 runs them too.)
+PACK_GQA_192_CASES = [
+    (2, 12, 4, 5, 700, 64, torch.bfloat16, True, None),
+    (1, 6, 1, 50, 333, 64, torch.float16, True, None),
+    (2, 24, 2, 1, 257, 64, torch.bfloat16, True, None),
+    (1, 64, 1, 2, 200, 64, torch.bfloat16, False, None),
+    (2, 6, 2, 40, 300, 64, torch.bfloat16, False, (60, 0)),
+]
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("case", PACK_GQA_192_CASES, ids=pack_case_id)
+def test_pack_gqa_on_the_192_row_tile(case):
+    check_pack_gqa(hopper, case)
+
+
+def check_pack_gqa_groups_follow_the_tile_rows(module):
+    """Pack-GQA needs G to divide the Q tile's rows: 192 at D = 64 (G = 3 packs, G = 128 does
+    not), 128 at D = 128 (G = 3 does not). attention() takes the rows from the kernel object.
+    (Stages 8 and 9: `module` is the stage's hopper module.)"""
+    kernel_class = module.Sm90Kernel
+    rows = {d: attention_host.tile_rows(kernel_class, torch.bfloat16, d) for d in (64, 128)}
+    assert rows == {64: 192, 128: 128}
+    assert choose_pack(12, 4, 1, rows[64]) == 3 and choose_pack(12, 4, 1, rows[128]) == 1
+    assert choose_pack(128, 1, 1, rows[64]) == 1 and choose_pack(128, 1, 1, rows[128]) == 128
+    for G in (3, 6, 12, 24, 32, 48, 64, 96):
+        kernel = kernel_class(cutlass.BFloat16, 64, G)
+        r = kernel.store_rows_per_pass()
+        assert 192 % r == 0 and (r % G == 0 or G % r == 0), (G, r)
+        assert r * 8 <= kernel.mma_threads
+    with pytest.raises(ValueError, match="pack_gqa"):
+        choose_pack(12, 4, 1, rows[128], pack_gqa=True)
+
+
+def test_pack_gqa_groups_follow_the_tile_rows():
+    check_pack_gqa_groups_follow_the_tile_rows(hopper)
+
+
+# ---------------------------------------------------------------- two warpgroups for short masks
+
+
+def check_short_masks_take_two_warpgroups_at_d64(module):
+    """launch_options: at D = 64 a causal or window mask that leaves no query row more than
+    1024 keys gets the 128-row tile (two consumer warpgroups), everything else the default (three
+    at D = 64, two at D = 128). The boundary both ways, and the compile_args of CI's checks
+    building the same object as a launch. (Stages 8 and 9.)"""
+
+    def wgs(D, Sq, Sk, causal=False, window=None, H=8, Hkv=8):
+        left, right = masks.resolve_window(causal, window, Sq, Sk)
+        opts = attention_host.kernel_options(module.Sm90Kernel, D, left, right, Sq, Sk, H // Hkv)
+        kernel, _ = module.compile_args(
+            torch.bfloat16, (2, H, Sq, Sk, D), causal=causal, window=window, kv_heads=Hkv
+        )
+        assert kernel.mma_warpgroups == opts.get("mma_warpgroups", kernel.warpgroups_for(D))
+        return kernel.mma_warpgroups
+
+    assert wgs(64, 1024, 1024, causal=True) == 2  # every row sees at most 1024 keys
+    assert wgs(64, 1025, 1025, causal=True) == 3
+    assert wgs(64, 1, 1024, causal=True) == 2 and wgs(64, 1, 1025, causal=True) == 3
+    assert wgs(64, 4096, 4096, window=(256, 0)) == 2  # 257 keys per row
+    assert (
+        wgs(64, 4096, 4096, window=(511, 512)) == 2 and wgs(64, 4096, 4096, window=(512, 512)) == 3
+    )
+    assert wgs(64, 4096, 4096, window=(None, 0)) == 3  # causal-like, 4096 keys
+    assert wgs(64, 512, 512) == 3  # no mask: the 192-row tile at every length
+    assert wgs(64, 512, 2000, window=(3000, 3000)) == 3  # a window wider than the keys: no mask
+    assert wgs(128, 512, 512, causal=True) == 2  # D = 128: two in any case
+    # G = H / Hkv must divide 64, so that pack-GQA's choices do not change with the tile.
+    assert wgs(64, 512, 512, causal=True, H=8, Hkv=2) == 2
+    assert wgs(64, 512, 512, causal=True, H=6, Hkv=2) == 3  # G = 3
+    assert wgs(64, 512, 512, causal=True, H=128, Hkv=1) == 3  # G = 128
+
+
+def test_short_masks_take_two_warpgroups_at_d64():
+    check_short_masks_take_two_warpgroups_at_d64(hopper)
+
+
+def check_two_and_three_warpgroups_agree(module, dtype):
+    """The short-mask launches at D = 64 (two consumer warpgroups, a 128-row tile) against the
+    fp64 reference, and bit for bit against the same launches pinned to three warpgroups (the
+    same arithmetic per row in either tile): causal, a window, GQA, a ragged Sq, and packed
+    sequences causal; calls of both kernels interleaved in one process. (Stages 8 and 9.)"""
+
+    class three(module.Sm90Kernel):  # the default tile at every length
+        launch_options = staticmethod(lambda *a: {})
+
+    for B, H, Hkv, Sq, Sk, causal, window in [
+        (2, 4, 4, 700, 700, True, None),
+        (2, 8, 2, 300, 1000, False, (100, 0)),
+        (1, 4, 1, 1000, 1024, True, None),
+        (3, 2, 2, 129, 513, False, (60, 40)),
+    ]:
+        left, right = masks.resolve_window(causal, window, Sq, Sk)
+        opts = attention_host.kernel_options(module.Sm90Kernel, 64, left, right, Sq, Sk, H // Hkv)
+        assert opts == {"mma_warpgroups": 2}, (Sq, Sk, causal, window)
+        q, _, _ = inputs.attention_inputs(B, H, Sq, Sq, 64, dtype, seed=Sq + Sk)
+        _, k, v = inputs.attention_inputs(B, Hkv, Sq, Sk, 64, dtype, seed=Sk)
+        o2, lse2 = run(
+            lambda: module.attention(q, k, v, causal=causal, window=window, return_lse=True)
+        )
+        gqa_reference_check("O", o2, lse2, q, k, v, causal, window)
+        o3, lse3 = run(
+            lambda: attention_host.attention(three, q, k, v, None, causal, window, True, None)
+        )
+        assert torch.equal(o2, o3), (Sq, Sk, (o2.float() - o3.float()).abs().max())
+        assert torch.equal(lse2, lse3), (Sq, Sk)
+    lens_q, lens_k = [700, 1, 0, 300], [700, 64, 10, 1000]
+    q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, 4, 2, 64, dtype, seed=11)
+    o2, lse2 = run(
+        lambda: module.attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True)
+    )
+    check_packed(o2, lse2, q, k, v, cu_q, cu_k, True, None)
+    o3, lse3 = run(
+        lambda: attention_host.attention_varlen(
+            three, q, k, v, cu_q, cu_k, None, None, None, True, None, True, None
+        )
+    )
+    assert torch.equal(o2, o3) and torch.equal(lse2, lse3)
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_short_masks_at_d64_two_and_three_warpgroups_agree(dtype):
+    check_two_and_three_warpgroups_agree(hopper, dtype)

@@ -42,10 +42,20 @@ from test_stage7_hopper import (
     pack_case_id,
     packed_inputs,
 )
-from test_stage8_hopper import SAME_AS_STAGE7, explore, ptxas_log, statements
+from test_stage8_hopper import (
+    PACK_GQA_192_CASES,
+    SAME_AS_STAGE7,
+    check_pack_gqa_groups_follow_the_tile_rows,
+    check_short_masks_take_two_warpgroups_at_d64,
+    check_two_and_three_warpgroups_agree,
+    explore,
+    ptxas_log,
+    statements,
+)
 
-from common import attention_host, checker, inputs, masks, stages
+from common import attention_host, checker, inputs, stages
 from common.pack_gqa import choose_pack
+from stages.stage7_gqa_varlen import hopper as stage7
 from stages.stage8_warp_specialized import hopper as stage8
 from stages.stage9_overlap import hopper
 
@@ -825,18 +835,6 @@ def test_rejects_bad_packed_input(name, change, error, match):
 # ---------------------------------------------------------------- pack-GQA (stage 7's checks)
 
 
-# Groups that only the 192-row tile of D = 64 packs (G = 3, 6, 12: 128 % G != 0) or whose store
-# takes 32-row passes instead of 48 (G = 64; G = 32 is in stage 7's cases), and a G = 3 group
-# of 2 KV heads with a window.
-PACK_GQA_192_CASES = [
-    (2, 12, 4, 5, 700, 64, torch.bfloat16, True, None),
-    (1, 6, 1, 50, 333, 64, torch.float16, True, None),
-    (2, 24, 2, 1, 257, 64, torch.bfloat16, True, None),
-    (1, 64, 1, 2, 200, 64, torch.bfloat16, False, None),
-    (2, 6, 2, 40, 300, 64, torch.bfloat16, False, (60, 0)),
-]
-
-
 @pytest.mark.gpu_hopper
 @pytest.mark.parametrize("case", PACK_GQA_CASES + PACK_GQA_192_CASES, ids=pack_case_id)
 def test_pack_gqa_matches_reference_and_unpacked(case):
@@ -844,20 +842,7 @@ def test_pack_gqa_matches_reference_and_unpacked(case):
 
 
 def test_pack_gqa_groups_follow_the_tile_rows():
-    """Pack-GQA needs G to divide the Q tile's rows: 192 at D = 64 (G = 3 packs, G = 128 does
-    not), 128 at D = 128 (G = 3 does not). attention() takes the rows from the kernel object."""
-
-    rows = {d: attention_host.tile_rows(hopper.Sm90Kernel, torch.bfloat16, d) for d in (64, 128)}
-    assert rows == {64: 192, 128: 128}
-    assert choose_pack(12, 4, 1, rows[64]) == 3 and choose_pack(12, 4, 1, rows[128]) == 1
-    assert choose_pack(128, 1, 1, rows[64]) == 1 and choose_pack(128, 1, 1, rows[128]) == 128
-    for G in (3, 6, 12, 24, 32, 48, 64, 96):
-        kernel = hopper.Sm90Kernel(cutlass.BFloat16, 64, G)
-        r = kernel.store_rows_per_pass()
-        assert 192 % r == 0 and (r % G == 0 or G % r == 0), (G, r)
-        assert r * 8 <= kernel.mma_threads
-    with pytest.raises(ValueError, match="pack_gqa"):
-        choose_pack(12, 4, 1, rows[128], pack_gqa=True)
+    check_pack_gqa_groups_follow_the_tile_rows(hopper)
 
 
 @pytest.mark.gpu_hopper
@@ -890,45 +875,18 @@ def test_packed_tiles_figure_draws_the_stored_run():
 
 
 # ---------------------------------------------------------------- two warpgroups for short masks
+# (stage 8's launch_options; the checks are stage 8's tests, run here on stage 9)
 
 
 def test_short_masks_take_two_warpgroups_at_d64():
-    """launch_options: at D = 64 a causal or window mask that leaves no query row more than
-    1024 keys gets the 128-row tile (two consumer warpgroups), everything else the default (three
-    at D = 64, two at D = 128). The boundary both ways, and the compile_args of CI's checks
-    building the same object as a launch."""
-
-    def wgs(D, Sq, Sk, causal=False, window=None, H=8, Hkv=8):
-        left, right = masks.resolve_window(causal, window, Sq, Sk)
-        opts = attention_host.kernel_options(hopper.Sm90Kernel, D, left, right, Sq, Sk, H // Hkv)
-        kernel, _ = hopper.compile_args(
-            torch.bfloat16, (2, H, Sq, Sk, D), causal=causal, window=window, kv_heads=Hkv
-        )
-        assert kernel.mma_warpgroups == opts.get("mma_warpgroups", kernel.warpgroups_for(D))
-        return kernel.mma_warpgroups
-
-    assert wgs(64, 1024, 1024, causal=True) == 2  # every row sees at most 1024 keys
-    assert wgs(64, 1025, 1025, causal=True) == 3
-    assert wgs(64, 1, 1024, causal=True) == 2 and wgs(64, 1, 1025, causal=True) == 3
-    assert wgs(64, 4096, 4096, window=(256, 0)) == 2  # 257 keys per row
-    assert (
-        wgs(64, 4096, 4096, window=(511, 512)) == 2 and wgs(64, 4096, 4096, window=(512, 512)) == 3
-    )
-    assert wgs(64, 4096, 4096, window=(None, 0)) == 3  # causal-like, 4096 keys
-    assert wgs(64, 512, 512) == 3  # no mask: the 192-row tile at every length
-    assert wgs(64, 512, 2000, window=(3000, 3000)) == 3  # a window wider than the keys: no mask
-    assert wgs(128, 512, 512, causal=True) == 2  # D = 128: two in any case
-    # G = H / Hkv must divide 64, so that pack-GQA's choices do not change with the tile.
-    assert wgs(64, 512, 512, causal=True, H=8, Hkv=2) == 2
-    assert wgs(64, 512, 512, causal=True, H=6, Hkv=2) == 3  # G = 3
-    assert wgs(64, 512, 512, causal=True, H=128, Hkv=1) == 3  # G = 128
+    check_short_masks_take_two_warpgroups_at_d64(hopper)
 
 
 def test_launch_builds_what_launch_options_ask_for(monkeypatch):
     """The launch itself, not only compile_args, builds the kernel with launch_options' choice: a
     spy in place of the compile cache records the kernel object of each launch (CPU tensors;
     nothing is compiled or run). Batch and packed, with and without pack-GQA, both sides of the
-    1024-key cut, and a class without the hook (stage 8) built as before."""
+    1024-key cut, and a class without the hook (stage 7) built as before."""
     import contextlib
 
     built = []
@@ -966,52 +924,13 @@ def test_launch_builds_what_launch_options_ask_for(monkeypatch):
         assert got == (wgs, pack), ((varlen, H, Hkv, Sq, Sk, causal, window, D), got)
     q = torch.randn(2, 4, 700, 64).bfloat16()
     attention_host.launch(
-        stage8.Sm90Kernel, q, q, q, q.clone(), torch.empty(2, 4, 700), None, None, 700, 0.125,
+        stage7.Sm90Kernel, q, q, q, q.clone(), torch.empty(2, 4, 700), None, None, 700, 0.125,
         True, None, 700,
     )  # fmt: skip
-    assert type(built[-1]) is stage8.Sm90Kernel and built[-1].mma_warpgroups == 2
+    assert type(built[-1]) is stage7.Sm90Kernel and built[-1].cta_tile[0] == 128
 
 
 @pytest.mark.gpu_hopper
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_short_masks_at_d64_two_and_three_warpgroups_agree(dtype):
-    """The short-mask launches at D = 64 (two consumer warpgroups, a 128-row tile) against the
-    fp64 reference, and bit for bit against the same launches pinned to three warpgroups (the
-    same arithmetic per row in either tile): causal, a window, GQA, a ragged Sq, and packed
-    sequences causal; calls of both kernels interleaved in one process."""
-
-    class three(hopper.Sm90Kernel):  # the default tile at every length
-        launch_options = staticmethod(lambda *a: {})
-
-    for B, H, Hkv, Sq, Sk, causal, window in [
-        (2, 4, 4, 700, 700, True, None),
-        (2, 8, 2, 300, 1000, False, (100, 0)),
-        (1, 4, 1, 1000, 1024, True, None),
-        (3, 2, 2, 129, 513, False, (60, 40)),
-    ]:
-        left, right = masks.resolve_window(causal, window, Sq, Sk)
-        opts = attention_host.kernel_options(hopper.Sm90Kernel, 64, left, right, Sq, Sk, H // Hkv)
-        assert opts == {"mma_warpgroups": 2}, (Sq, Sk, causal, window)
-        q, _, _ = inputs.attention_inputs(B, H, Sq, Sq, 64, dtype, seed=Sq + Sk)
-        _, k, v = inputs.attention_inputs(B, Hkv, Sq, Sk, 64, dtype, seed=Sk)
-        o2, lse2 = run(
-            lambda: hopper.attention(q, k, v, causal=causal, window=window, return_lse=True)
-        )
-        gqa_reference_check("O", o2, lse2, q, k, v, causal, window)
-        o3, lse3 = run(
-            lambda: attention_host.attention(three, q, k, v, None, causal, window, True, None)
-        )
-        assert torch.equal(o2, o3), (Sq, Sk, (o2.float() - o3.float()).abs().max())
-        assert torch.equal(lse2, lse3), (Sq, Sk)
-    lens_q, lens_k = [700, 1, 0, 300], [700, 64, 10, 1000]
-    q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, 4, 2, 64, dtype, seed=11)
-    o2, lse2 = run(
-        lambda: hopper.attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True)
-    )
-    check_packed(o2, lse2, q, k, v, cu_q, cu_k, True, None)
-    o3, lse3 = run(
-        lambda: attention_host.attention_varlen(
-            three, q, k, v, cu_q, cu_k, None, None, None, True, None, True, None
-        )
-    )
-    assert torch.equal(o2, o3) and torch.equal(lse2, lse3)
+    check_two_and_three_warpgroups_agree(hopper, dtype)

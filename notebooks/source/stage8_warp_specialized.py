@@ -17,7 +17,9 @@
 # This notebook walks through `stages/stage8_warp_specialized/hopper.py`: stage 7's kernel (all
 # its features: masks, GQA, packed sequences, LSE) with FlashAttention-3's first speed technique.
 # One warpgroup only loads; the two that compute take turns on the tensor cores, so that one's
-# softmax runs while the other's matrix multiplies hold them. The notebook imports the stage file
+# softmax runs while the other's matrix multiplies hold them. At head dim 64, where the
+# exponentials rather than the matrix multiplies are the bottleneck, a third consumer warpgroup
+# joins them (FlashAttention-3's configuration, section 5.5). The notebook imports the stage file
 # and displays it; it never pastes kernel code.
 #
 # **How to run.** As stage 1: in Jupyter from `notebooks/`, or `make notebooks`. Without an
@@ -48,18 +50,20 @@ nb.start(8)
 #
 # After this notebook you can:
 #
-# - name the three warp roles of stage 8 - one producer warpgroup, two consumer warpgroups - and
-#   check the register split `setmaxnreg` makes (24 / 240 registers per thread) against the
-#   register file;
-# - say how deep the K/V ring runs now (as many tiles as fit in 227 KB: 6 at D = 128, 13 at
+# - name the warp roles of stage 8 - one producer warpgroup, two consumer warpgroups (three at
+#   D = 64) - and check the register split `setmaxnreg` makes (24 / 240 registers per thread;
+#   24 / 160 with three consumers) against the register file;
+# - say how deep the K/V ring runs now (as many tiles as fit in 227 KB: 6 at D = 128, 12 at
 #   D = 64) and why $V_j$ no longer waits for $K_j$'s slot;
 # - follow the ping-pong hand-over through two named barriers (`wait_turn`, `pass_turn`; a turn
 #   is $PV_j$ with $QK_{j+1}$) and count how often each barrier completes;
 # - draw the timelines of the tensor cores and the softmax units before (stage 7: the two
 #   warpgroups in lock-step) and after (ping-pong), from the kernel's own configuration - and say
 #   what that model leaves out;
+# - say why D = 64 needs a third consumer warpgroup, and where a 192-row tile is the wrong choice
+#   (short causal masks);
 # - put the measured gain next to the FlashAttention-3 paper's ablation, and report honestly where
-#   it falls short (D = 64).
+#   it falls short.
 #
 # ## 2. Previous stage recap
 #
@@ -157,11 +161,11 @@ nb.show_diff(8, "hopper")
 #
 # ### 5.1 The warp roles
 #
-# Drawn from the kernel's own settings (`nb.kernel_config(8)`): warpgroup 0 is the producer - its
-# warp 0 issues every TMA load from one elected thread (Q, then $K_j$ and $V_j$ of each tile of the
-# same `kv_tile_range`, with `seq_info` as before), its warps 1-3 have nothing to do - and
-# warpgroups 1 and 2 are the consumers, each owning 64 query rows as in stage 7. Below, the
-# register file before and after `setmaxnreg`.
+# Drawn from the kernel's own settings (`nb.kernel_config(8)`, D = 128): warpgroup 0 is the
+# producer - its warp 0 issues every TMA load from one elected thread (Q, then $K_j$ and $V_j$ of
+# each tile of the same `kv_tile_range`, with `seq_info` as before), its warps 1-3 have nothing to
+# do - and warpgroups 1 and 2 are the consumers, each owning 64 query rows as in stage 7. Below,
+# the register file before and after `setmaxnreg`. (D = 64 has three consumers: section 5.5.)
 
 # %%
 fig = plots.warp_specialized_roles(
@@ -191,11 +195,12 @@ for D in (64, 128):
     if mod8 is None:
         break
     kernel, _ = mod8.compile_args(torch.bfloat16, (2, 4, 512, 1024, D))
-    tile = 128 * D * 2
+    tile = 128 * D * 2  # a K or V tile: 128 keys x D
+    q_tile = kernel.cta_tile[0] * D * 2  # Q: bM rows x D (192 rows at D = 64: section 5.5)
     print(
         f"D = {D}: kv_slots = {kernel.kv_slots} tiles of {tile // 1024} KB = "
-        f"{kernel.kv_slots * tile // 1024} KB, + Q {tile // 1024} KB + 1 KB of barriers = "
-        f"{(kernel.kv_slots * tile + tile + 1024) // 1024} KB of 227; the producer runs up to "
+        f"{kernel.kv_slots * tile // 1024} KB, + Q {q_tile // 1024} KB + 1 KB of barriers = "
+        f"{(kernel.kv_slots * tile + q_tile + 1024) // 1024} KB of 227; the producer runs up to "
         f"{kernel.kv_slots / 2:g} KV tiles ahead"
     )
 
@@ -229,8 +234,8 @@ rows_per_wg = bM // cfg.get("mma_warpgroups", 2)
 fig = plots.pingpong_timelines(head_dim=D, block_n=bN, rows=rows_per_wg, steps=3)
 
 # %% [markdown]
-# The docstring counts the barrier completions: with `steps` KV tiles, barrier 2 completes `steps`
-# times and barrier 3 `steps + 1` times, and neither is left with an arrive nobody waits for (a
+# The docstring counts the barrier completions: with `steps` KV tiles and two consumer
+# warpgroups, barrier 2 completes `steps` times and barrier 3 `steps + 1` times, and neither is left with an arrive nobody waits for (a
 # pending arrive at the CTA's end, or a wait that no arrive matches, is a hang or a barrier state
 # leaking into the next CTA on the SM). The model replays the kernel's sequence of `wait_turn` and
 # `pass_turn` per warpgroup and counts:
@@ -259,7 +264,46 @@ if report is not None:
         print("\n".join(ptx_lines(report.ptx, pattern, limit=3)))
 
 # %% [markdown]
-# ### 5.5 The same stage on Blackwell
+# ### 5.5 D = 64: a third consumer warpgroup
+#
+# At D = 64 a GEMM takes half as long as at D = 128 and the exponentials take as long as before
+# (3.1's table), so the exponential units are the bottleneck, not the tensor cores: Nsight Compute
+# measured the exp2 pipe 58% busy in stage 5 at D = 64 (H200, 2026-12-01). With two consumer
+# warpgroups stage 8 ran *slower* than stage 5 there, because stage 5's registers let two of its
+# CTAs share an SM - four warpgroups computing - where stage 8 runs one CTA with two. The answer
+# is FlashAttention-3's: a third consumer warpgroup on a **192-row Q tile**. It adds a computing
+# warpgroup, and each K/V tile loaded serves 192 rows instead of 128. The price is registers -
+# $(65{,}536 - 128 \cdot 24) / 384 = 162$, so 160 per consumer thread, enough at D = 64 (the
+# consumer code needs about 130) and not at D = 128 - and the turns now go round 1 -> 2 -> 3 -> 1
+# on barriers 2, 3 and 4 (`turn_barrier`, `next_warpgroup`). The same kernel code serves both
+# layouts; `mma_warpgroups` is the one setting.
+#
+# One exception: under a causal or window mask that leaves no query row more than 1024 keys, a
+# 192-row tile does more of the masked work and makes fewer CTAs, and the launch keeps two
+# consumer warpgroups (`launch_options`). The H200's numbers for both (docstring;
+# `docs/results/stage8_warpgroups_h200_2026-12-02.md`) are in section 7.
+
+# %%
+if mod8 is not None:
+    k64, _ = mod8.compile_args(torch.bfloat16, (2, 4, 512, 2048, 64))
+    fig = plots.warp_specialized_roles(
+        threads=k64.threads,
+        load_registers=k64.load_registers,
+        mma_registers=k64.mma_registers,
+        kv_slots=k64.kv_slots,
+        mma_warpgroups=k64.mma_warpgroups,
+        cta_tile=k64.cta_tile,
+    )
+    nb.show_source(8, "hopper", names=["Sm90Kernel.warpgroups_for", "Sm90Kernel.launch_options"])
+    for causal, Sk in ((False, 2048), (True, 1024), (True, 2048)):
+        k_, _ = mod8.compile_args(torch.bfloat16, (2, 4, Sk, Sk, 64), causal=causal)
+        print(
+            f"D = 64, S = {Sk}, causal={causal}: {k_.mma_warpgroups} consumer warpgroups, "
+            f"{k_.cta_tile[0]}-row tile, {k_.threads} threads, {k_.mma_registers} registers each"
+        )
+
+# %% [markdown]
+# ### 5.6 The same stage on Blackwell
 #
 # On Blackwell the tensor core is fed by one thread and its accumulators live in tensor memory
 # (TMEM), so warp specialisation looks different: stage 8 is FA4's CTA. It takes **two Q tiles**
@@ -349,15 +393,16 @@ fig = nb.error_picture(8, result)
 #
 # **Expected**, from `make bench` on the H200 (2026-12-02, bf16, B·S = 16k, H·D = 2048,
 # non-causal; every kernel of a row timed in the same interleaved rounds, event-timed; D = 128 from
-# the eleventh session's run, `docs/results/bench_h200_2026-12-02_eleventh_d128.md`, D = 64 from
-# the ninth's, `docs/results/bench_h200_2026-12-02_ninth_d64.md`), in TFLOP/s:
+# the eleventh session's run, `docs/results/bench_h200_2026-12-02_eleventh_d128.md`, D = 64, three
+# consumer warpgroups, from the twelfth's, `docs/results/bench_h200_2026-12-02_twelfth_d64.md`),
+# in TFLOP/s:
 #
 # | D | S | stage 5 | stage 8 | FA4 | stage 8 / stage 5 | stage 8 / FA4 |
 # | --- | --- | --- | --- | --- | --- | --- |
 # | 128 | 2k | 499 | 609 | 676 | 1.22 | 0.90 |
 # | 128 | 8k | 520 | 612 | 704 | 1.18 | 0.87 |
-# | 64 | 2k | 504 | 411 | 510 | 0.82 | 0.81 |
-# | 64 | 8k | 515 | 437 | 566 | 0.85 | 0.77 |
+# | 64 | 2k | 492 | 452 | 498 | 0.92 | 0.91 |
+# | 64 | 8k | 497 | 504 | 557 | 1.01 | 0.90 |
 #
 # At D = 128 the step lands where the FlashAttention-3 paper's ablation puts it: on an H100 at head
 # dimension 128, warp specialisation without the intra-warpgroup overlap (the next stage's
@@ -366,14 +411,23 @@ fig = nb.error_picture(8, result)
 # intra-warpgroup overlap on by default; 0.87-0.92 non-causal and 0.87-0.93 causal from S = 2k in
 # that run), 1.18-1.22x stage 5. Single figures move between runs by 5-10% (the H200's clocks step
 # under its power cap; the first runs of 2026-12-01, one kernel after another, had put stage 8 at
-# 1.06-1.47x stage 5), which is why only ratios from one run are compared. **At D = 64 stage 8 is
-# slower than stage 5**, where the model of 3.1 predicts its largest gain. Nsight Compute (H200,
-# 2026-12-01, shape (2, 32, 8192, 8192, 64), one launch each) points to the reason: at D = 64 the
-# exponentials are the bottleneck (the exp2 pipe 58% busy in stage 5, 50% in stage 8), and stage 5's
-# registers let two of its CTAs share an SM - four warpgroups computing - where stage 8 runs one CTA
-# with two. The ping-pong cannot make up for half the computing warps. Stage 9 answers with a third
-# consumer warpgroup at D = 64 (FlashAttention-3's 192-row tile; its notebook measures it); exercise
-# 5 rules out the other candidate, the ring's depth.
+# 1.06-1.47x stage 5), which is why only ratios from one run are compared. **At D = 64, with two
+# consumer warpgroups, stage 8 was slower than stage 5** (0.82-0.85x, the ninth session's run,
+# `docs/results/bench_h200_2026-12-02_ninth_d64.md`), where the model of 3.1 predicts its largest
+# gain. Nsight Compute (H200, 2026-12-01, shape (2, 32, 8192, 8192, 64), one launch each) pointed
+# to the reason: the exponentials are the bottleneck (the exp2 pipe 58% busy in stage 5, 50% in
+# stage 8), and stage 5's registers let two of its CTAs share an SM - four warpgroups computing -
+# where stage 8 ran one CTA with two. Section 5.5's third consumer warpgroup answers it: in the
+# same rounds (H200, 2026-12-02, GPU time, bf16, three / two consumer warpgroups,
+# `docs/results/stage8_warpgroups_h200_2026-12-02.md`) S = 2k 457 / 404, 8k 505 / 422, 16k
+# 505 / 426, +2% at S = 512 rising to +20% at 8k; stage 8 at D = 64 is now 0.89-0.94x FA4
+# non-causal (event time, 512-16k). Causal it stays at 0.83-0.85x from S = 2k (two warpgroups at
+# 512-1k, 0.96-0.97x): the causal tail is what stage 9's tile scheduler takes on. In fp16 stage 8
+# reaches 0.87-0.94x FA4 non-causal, but stays below stage 7 there (444-474 against 471-481
+# TFLOP/s from S = 2k, `docs/results/bench_h200_2026-12-02_twelfth_fp16_d64.md`; in bf16 stage
+# 7 runs 367-391): why stage 7 runs so much faster in fp16 than in bf16 at D = 64 is not
+# established.
+# Exercise 5 rules out the other candidate, the ring's depth.
 
 # %%
 bench = nb.measure(
@@ -393,8 +447,8 @@ bench = nb.measure(
 quoted = {
     "(8, 16, 2048, 2048, 128)": {"stage 5": 499, "stage 8": 609, "FA4": 676},
     "(2, 16, 8192, 8192, 128)": {"stage 5": 520, "stage 8": 612, "FA4": 704},
-    "(8, 32, 2048, 2048, 64)": {"stage 5": 504, "stage 8": 411, "FA4": 510},
-    "(2, 32, 8192, 8192, 64)": {"stage 5": 515, "stage 8": 437, "FA4": 566},
+    "(8, 32, 2048, 2048, 64)": {"stage 5": 492, "stage 8": 452, "FA4": 498},
+    "(2, 32, 8192, 8192, 64)": {"stage 5": 497, "stage 8": 504, "FA4": 557},
 }
 source = "this run" if bench else "H200, 2026-12-02 (make bench)"
 rows = [
@@ -442,8 +496,8 @@ nb.table(
 #
 # 1. **The register budget.** With the producer at 24 registers, what is the most each consumer
 #    thread could get (`setmaxnreg` takes multiples of 8)? What would the consumers get if the
-#    producer kept its 168? Why does a third consumer warpgroup (512 threads) not fit the 240
-#    split?
+#    producer kept its 168? What does a third consumer warpgroup (512 threads) get, and why can
+#    stage 8 afford it at D = 64 but not at D = 128?
 # 2. **The ring.** From the rule in `__init__`, compute `kv_slots` for D = 64 and 128 and check the
 #    shared memory in the compile summary at D = 64
 #    (`nb.compile_summary(8, "hopper", shape=(2, 4, 512, 1024, 64))`). How far ahead of the
@@ -454,12 +508,12 @@ nb.table(
 # 4. **The model at D = 64.** Draw `plots.pingpong_timelines(head_dim=64)`. What gain does the
 #    model predict at D = 64 and at D = 128, and what did the H200 measure (section 7)? Name what
 #    the model leaves out.
-# 5. **A first experiment on D = 64.** One difference between D = 64 and D = 128 in stage 8 is the
-#    ring: 13 slots against 6. Compare the compile summaries at D = 64 of stage 5 and stage 8
-#    (registers, shared memory) and of stage 8 with `settings=dict(kv_slots=4)`. In GPU mode, time
-#    the ring depth: `nb.measure(8, [(8, 32, 2048, 2048, 64)], also_stages=(5,),
-#    variants={"kv_slots=4": dict(kv_slots=4), "kv_slots=2": dict(kv_slots=2)})`. What would each
-#    outcome tell you?
+# 5. **A first experiment on D = 64.** Besides the third consumer warpgroup, D = 64 differs from
+#    D = 128 in the ring: 12 slots against 6. Compare the compile summaries at D = 64 of stage 5
+#    and stage 8 (registers, shared memory) and of stage 8 with `settings=dict(kv_slots=4)`. In
+#    GPU mode, time the ring depth and the warpgroups: `nb.measure(8, [(8, 32, 2048, 2048, 64)],
+#    also_stages=(5,), variants={"kv_slots=4": dict(kv_slots=4), "two consumer warpgroups":
+#    dict(mma_warpgroups=2)})`. What would each outcome tell you?
 # 6. **Bit for bit.** Why can stage 8's O equal stage 7's bit for bit although the schedule
 #    changed completely? What in the compile summaries supports it without a GPU?
 #
@@ -469,17 +523,20 @@ nb.table(
 #
 # $(65{,}536 - 128 \cdot 24) / 256 = 244$, so 240 (multiple of 8): the split the kernel uses. If
 # the producer kept 168: $(65{,}536 - 128 \cdot 168)/256 = 172$, so 168 - the consumers gain
-# nothing. With three consumer warpgroups, $(65{,}536 - 3{,}072)/384 = 162$, so 160 each: less
-# than stage 7's kernel already uses (164 in batch mode, 188 packed, ptxas 2026-12-01): ptxas
-# would have to spill, or the consumers' code to shrink. The cell below does the arithmetic.
+# nothing. With three consumer warpgroups, $(65{,}536 - 3{,}072)/384 = 162$, so 160 each: the
+# split stage 8 takes at D = 64, where the consumer code needs about 130 (nvdisasm counted 127
+# and 137 with two consumer warpgroups, 2026-12-01), but less than stage 7's kernel already uses
+# at D = 128 (164 in batch mode, 188 packed, ptxas 2026-12-01; O alone is $D/2 = 64$ fp32 per
+# thread there against 32): ptxas would have to spill. The cell below does the arithmetic.
 # </details>
 #
 # <details><summary>2. The ring</summary>
 #
 # $\lfloor (227 \cdot 1024 - 1024 - Q)/\text{tile} \rfloor$: D = 128, tiles of 32 KB: 6 slots
-# (192 KB + 32 KB + 1 KB = 225 KB); D = 64, 16 KB: 13 slots (208 + 16 + 1 = 225 KB). A KV tile is
-# two entries, so the producer can be 3 tiles ahead at D = 128 and 6.5 at D = 64. The compile
-# summary shows the shared memory; the cell below prints it for both.
+# (192 KB + 32 KB + 1 KB = 225 KB); D = 64, 16 KB, next to the 192-row Q tile of 24 KB: 12 slots
+# (192 + 24 + 1 = 217 KB; a 13th does not fit). A KV tile is two entries, so the producer can be
+# 3 tiles ahead at D = 128 and 6 at D = 64. The compile summary shows the shared memory; the cell
+# below prints it for both.
 # </details>
 #
 # <details><summary>3. A lost arrive</summary>
@@ -494,7 +551,8 @@ nb.table(
 #
 # The table of 3.1: about 1.5x at D = 128 and 2x at D = 64 (the GEMMs halve, the exponentials do
 # not, so in lock-step the idle tensor-core share is larger). The H200 measured 1.18-1.22x at D =
-# 128 and 0.82-0.85x at D = 64 (2026-12-02, section 7's table). The model leaves out the rest of the softmax (max and sum
+# 128 and, with two consumer warpgroups, 0.82-0.85x at D = 64 (2026-12-02; three warpgroups:
+# 0.92-1.01x, section 7's table). The model leaves out the rest of the softmax (max and sum
 # reductions, the scaling, the conversion of P, the rescale of O - instructions on the FP32 units
 # that do not shrink with D), the issue and wait latencies of wgmma and of the barriers, the loads
 # and their latency, and the per-CTA work (Q load, epilogue). Which of these matters at D = 64 is

@@ -63,8 +63,8 @@ nb.start(9)
 # - put the measured step next to the FlashAttention-3 paper's ablation (582 -> 661 TFLOP/s);
 # - say when persistent CTAs pay (equal tiles, short sequences) and how a dynamic tile scheduler
 #   (an atomic counter) carries them over to causal and window masks;
-# - say why D = 64 takes a third consumer warpgroup (a 192-row Q tile, 160 registers each), how
-#   the ping-pong's turns go round three warpgroups, and why short masks keep two.
+# - say what stage 8's third consumer warpgroup at D = 64 (a 192-row Q tile, 160 registers each)
+#   did for this stage, which took it first, and why short masks keep two.
 #
 # ## 2. Previous stage recap
 #
@@ -72,8 +72,9 @@ nb.start(9)
 # `setmaxnreg.dec`) and two consumer warpgroups (240 registers), each owning 64 rows of the
 # 128-row Q tile. The two consumers take turns on the tensor cores through named barriers 2 and 3:
 # a turn is $PV_j$ with $QK_{j+1}$, so one warpgroup's softmax runs while the other's GEMMs hold the
-# tensor cores. Inside one warpgroup, though, everything is serial: $QK_j$, wait, softmax$_j$,
-# $PV_j$, wait. Its exponentials never overlap its own GEMMs.
+# tensor cores. At D = 64 three consumer warpgroups (160 registers each) share a 192-row tile and
+# the turns go round 1 -> 2 -> 3 (two under short masks). Inside one warpgroup, though, everything
+# is serial: $QK_j$, wait, softmax$_j$, $PV_j$, wait. Its exponentials never overlap its own GEMMs.
 #
 # ## 3. The math
 #
@@ -119,11 +120,10 @@ for D_ in (64, 128):
 # places. The second change wraps both roles in a loop over work tiles (persistent CTAs, section
 # 7.1): the tile's coordinates come from `tile_coords`, Q passes from tile to tile through
 # `q_full` and `q_empty`, the ring's position carries over (`ring_state`), and O is staged in its
-# own shared-memory buffer, one K/V slot less. Third, at D = 64 the CTA has three consumer
-# warpgroups on a 192-row Q tile (section 7.2; two under short masks), so `wait_turn` and `pass_turn` hand the turn
-# round instead of back and forth. Fourth, the mask of an edge tile compares each element's
-# column offset, a constant, against one interval per row (`mask_edges`, `mask_keys`; the same
-# elements as stage 8). (The diff is long because the consumer code moved one indentation level
+# own shared-memory buffer, one K/V slot less. Third, the mask of an edge tile compares each
+# element's column offset, a constant, against one interval per row (`mask_edges`, `mask_keys`;
+# the same elements as stage 8). The CTA's shape is stage 8's: three consumer warpgroups on a
+# 192-row Q tile at D = 64, two under short masks (section 7.2). (The diff is long because the consumer code moved one indentation level
 # into the tile loop.)
 
 # %%
@@ -332,26 +332,27 @@ fig = nb.error_picture(9, result)
 # **Expected**, from `make bench` on the H200 (2026-12-02, bf16, B·S = 16k, H·D = 2048,
 # non-causal; every kernel of a row timed in the same interleaved rounds, event-timed; D = 128
 # from the eleventh session's run, `docs/results/bench_h200_2026-12-02_eleventh_d128.md`, D = 64
-# from the ninth's, `docs/results/bench_h200_2026-12-02_ninth_d64.md`, causal rows included), in
-# TFLOP/s:
+# from the twelfth's, `docs/results/bench_h200_2026-12-02_twelfth_d64.md`, causal rows included),
+# in TFLOP/s:
 #
 # | D | S | stage 5 | stage 8 | stage 9 | FA4 | SDPA cuDNN |
 # | --- | --- | --- | --- | --- | --- | --- |
 # | 128 | 2k | 499 | 609 | 672 | 676 | 662 |
 # | 128 | 8k | 520 | 612 | 658 | 704 | 640 |
-# | 64 | 2k | 504 | 411 | 500 | 510 | 470 |
-# | 64 | 8k | 515 | 437 | 538 | 566 | 476 |
+# | 64 | 2k | 492 | 452 | 491 | 498 | 458 |
+# | 64 | 8k | 497 | 504 | 533 | 557 | 459 |
 #
 # At D = 128 the step is +10% at S = 2k and +8% at 8k (609 -> 672, 612 -> 658; the runs of
 # 2026-12-01, one kernel after another, gave +8-12%); the FlashAttention-3 paper's ablation on an
 # H100 at head dimension 128 measured +14% for the same step (582 -> 661). Stage 9 ends at 0.99x and
 # 0.93x FA4 here (1.00 and 0.95 in GPU time alone): the gap at long sequences is the open part of
-# this stage, `docs/results/h200.md` says what is known about it. At D = 64 the step is larger
-# (+22-23%) because stage 9 also changes the shape of the CTA there: three consumer warpgroups on a
-# 192-row Q tile instead of two on 128 rows (section 7.2). With two, stages 8 and 9 stayed below
-# stage 5 at D = 64: Nsight Compute on the H200 (2026-12-01) showed stage 5 fitting two CTAs per SM
-# there (block limit by registers 2), so four warpgroups compute on each SM against two, and D = 64
-# is bound by the exponentials (the XU pipe 58% busy in stage 5 against 50% in stages 8 and 9).
+# this stage, `docs/results/h200.md` says what is known about it. At D = 64 the step is +6-9%
+# (452 -> 491, 504 -> 533) on stage 8's CTA of three consumer warpgroups (section 7.2); before
+# stage 8 took them (the ninth session's run, `docs/results/bench_h200_2026-12-02_ninth_d64.md`)
+# the step was +22-23% because it included them. With two, stages 8 and 9 stayed below stage 5
+# at D = 64: Nsight Compute on the H200 (2026-12-01) showed stage 5 fitting two CTAs per SM there
+# (block limit by registers 2), so four warpgroups compute on each SM against two, and D = 64 is
+# bound by the exponentials (the XU pipe 58% busy in stage 5 against 50% in stages 8 and 9).
 
 # %%
 bench = nb.measure(
@@ -371,8 +372,8 @@ bench = nb.measure(
 quoted = {
     "(8, 16, 2048, 2048, 128)": {"stage 5": 499, "stage 8": 609, "stage 9": 672, "FA4": 676},
     "(2, 16, 8192, 8192, 128)": {"stage 5": 520, "stage 8": 612, "stage 9": 658, "FA4": 704},
-    "(8, 32, 2048, 2048, 64)": {"stage 5": 504, "stage 8": 411, "stage 9": 500, "FA4": 510},
-    "(2, 32, 8192, 8192, 64)": {"stage 5": 515, "stage 8": 437, "stage 9": 538, "FA4": 566},
+    "(8, 32, 2048, 2048, 64)": {"stage 5": 492, "stage 8": 452, "stage 9": 491, "FA4": 498},
+    "(2, 32, 8192, 8192, 64)": {"stage 5": 497, "stage 8": 504, "stage 9": 533, "FA4": 557},
 }
 source = "this run" if bench else "H200, 2026-12-02 (make bench)"
 rows = [("FlashAttention-3 paper, H100, head dim 128, 8k", "582", "661", "-", "1.14", "paper")]
@@ -441,9 +442,11 @@ bench_persistent = nb.measure(
 # %% [markdown]
 # ### 7.2 Three consumer warpgroups at D = 64
 #
-# At D = 64 stage 9 builds a different CTA: `mma_warpgroups` is 3 (`Sm90Kernel.warpgroups_for`;
-# 2 under short masks, the end of this section), so the Q tile has 192 rows, 64 per consumer
-# warpgroup, and the CTA 512 threads. The register split follows: 128 x 24 for the producer and
+# At D = 64 stage 9 runs stage 8's CTA of three consumer warpgroups (stage 8's notebook, section
+# 5.5). Stage 9 took them first, in the fifth session, and stage 8 since the twelfth (2026-12-02),
+# so the measurements of this section are what they did to stage 9. `mma_warpgroups` is 3
+# (`Sm90Kernel.warpgroups_for`; 2 under short masks, the end of this section), so the Q tile has
+# 192 rows, 64 per consumer warpgroup, and the CTA 512 threads. The register split follows: 128 x 24 for the producer and
 # 384 x 160 for the consumers, 64,512 of the SM's 65,536. At D = 64 the S, P and O sets of section 3 take 64 + 32 + 32 = 128 of the 160. The
 # ping-pong's turns go round: warpgroup w waits on named barrier 1 + w, which warpgroup w - 1
 # arrives on (warpgroup 1's: warpgroup 3), so the tensor cores see 1: QK0, 2: QK0, 3: QK0, 1: QK1

@@ -1,5 +1,5 @@
 """Stage 8 - warp specialisation. Hopper: one TMA producer warpgroup, two consumer warpgroups in
-ping-pong. Blackwell: two Q tiles per CTA, two softmax warpgroups, a correction warpgroup, O by TMA
+ping-pong (three at D = 64). Blackwell: two Q tiles per CTA, two softmax warpgroups, a correction warpgroup, O by TMA
 store. `attention(q, k, v, scale=None, causal=False, window=None, return_lse=False,
 pack_gqa=None)` with k, v of Hkv heads, and `attention_varlen(q, k, v, cu_seqlens_q,
 cu_seqlens_k, ...)` run the kernel of this machine's track: hopper.py on sm_90 (H100, H200),

@@ -1,34 +1,36 @@
 """Stage 8 - warp specialisation (Hopper), sm_90a.
 
 Changes from stage 7:
-- Warp roles: 384 threads. Warpgroup 0 is the producer: its warp 0 issues every TMA load (an
-  elected thread: Q, then K_j and V_j of each tile of the same kv_tile_range, seq_info as
-  before); warpgroups 1 and 2 are the consumers, warpgroup w owning query rows [64 (w - 1), 64 w)
-  of the 128-row Q tile, as in stage 7. No consumer warp stops to issue a load any more.
+- Warp roles: 384 threads (512 at D = 64: below). Warpgroup 0 is the producer: its warp 0 issues
+  every TMA load (an elected thread: Q, then K_j and V_j of each tile of the same kv_tile_range,
+  seq_info as before); warpgroups 1 and 2 are the consumers, warpgroup w owning query rows
+  [64 (w - 1), 64 w) of the 128-row Q tile, as in stage 7. No consumer warp stops to issue a
+  load any more.
 - Registers: 65,536 / 384 threads leaves 168 each at entry (ptxas caps the kernel there:
   .reqntid 384, .minnctapersm 1). The producer gives its warpgroup's down to 24 (setmaxnreg.dec)
   and the consumers raise theirs to 240 (setmaxnreg.inc): 128 x 24 + 256 x 240 = 64,512, what
   the CTA got (384 x 168), FlashAttention-3's split. ptxas 13.0, 2026-12-01, bf16: 168 at entry,
   no spills; the consumer code names 170 registers (packed, D = 128), 155 (batch, D = 128), 137
-  and 127 (D = 64) of its 240 (nvdisasm; stage 7: 188, 164, 128, 133). Stage 8 does not need
-  the headroom yet; stage 9's second S accumulator will.
+  and 127 (D = 64, two consumer warpgroups) of its 240 (nvdisasm; stage 7: 188, 164, 128,
+  133). Stage 8 does not need the headroom yet; stage 9's second S accumulator will.
 - The ring runs ahead: kv_slots = as many 128-key tiles as fit in 227 KB (232,448 B) next to Q and
   1 KB of barriers. D = 128, 32 KB tiles: 6 slots, 1 + 32 + 192 = 225 KB (230,400 B); D = 64,
-  16 KB tiles: 13 slots, 1 + 16 + 208 = 225 KB (230,400 B). (One CTA per SM either way: the
-  registers above allow no second one.) Ring entry 2 t is K of step t and 2 t + 1 its V; entry e
+  16 KB tiles: 12 slots next to the 192-row Q tile, 1 + 24 + 192 = 217 KB (222,208 B; 13 slots,
+  225 KB, next to a 128-row one). (One CTA per SM either way: the registers above allow no
+  second one.) Ring entry 2 t is K of step t and 2 t + 1 its V; entry e
   takes slot e % kv_slots. So V_j no longer overwrites K_j's slot but takes the next one: with
   ping-pong, warpgroup 2 issues QK_j while warpgroup 1 runs softmax_j, so K_j's slot is free
   only about when warpgroup 1 needs V_j, and loading V_j there would put a whole TMA load on
   warpgroup 1's path at every tile. The producer now waits only for the release of the entry
-  kv_slots back (3 KV tiles at D = 128, 6.5 at D = 64).
+  kv_slots back (3 KV tiles at D = 128, 6 at D = 64).
 - Ping-pong (FlashAttention-3's warp-scheduler barriers): named barriers 2 and 3 hand the tensor
   cores from one consumer warpgroup to the other, so that one warpgroup's softmax runs while the
-  other's GEMMs hold them. A turn is the PV of one tile and the QK^T of the next, the pair
+  other's GEMMs hold them (three warpgroups: barriers 2, 3 and 4, the turns going round). A turn is the PV of one tile and the QK^T of the next, the pair
   FlashAttention-3 schedules together: a warpgroup waits for its turn before the PV (before
   the first QK^T: turn 0) and passes it on right after issuing the QK^T (after the last PV: the
   last turn). wait_turn / pass_turn, with the count of every barrier in their comments.
 - The syncs of the consumers alone (zero_rows, the epilogue's two) are named barrier 1 over
-  their 256 threads instead of the CTA's barrier 0; the producer leaves after producer_tail
+  their 256 (384) threads instead of the CTA's barrier 0; the producer leaves after producer_tail
   (the consumers have released every slot).
 - Longest first (D = 128): the Q tiles of a (head, sequence) run in reverse order (blockIdx.x = 0
   takes the last tile), so that under a causal mask the CTAs with the most KV tiles start first
@@ -38,8 +40,32 @@ Changes from stage 7:
   372 (FA4 416), 2k 483 / 479 (552), 4k 571 / 562 (646), 8k 624 / 608 (695), 16k 634 / 596 (712):
   0.88-0.90x FA4 against 0.84-0.89x in order; non-causal 8k 645 / 642 (725); a second run
   +0.3-8.8% (16k 666 / 612, FA4 727). D = 64 ran 2-3% slower reversed (2k 320 / 327, 8k 408 / 418;
-  two identical kernels in the same rounds differ by 0-0.2%), so it keeps the in-order grid. Stage
-  9 takes the order at both head dims, with its own tile scheduler.
+  two identical kernels in the same rounds differ by 0-0.2%; two consumer warpgroups then), so
+  it keeps the in-order grid; with the three below, reversed measured -1 to +3% in bf16 causal
+  (2k-8k -0.6 to -1%, 16k +3%; fp16 +1 to +5%), not enough to take it. Stage 9 takes the order
+  at both head dims, with its own tile scheduler.
+- Three consumer warpgroups at D = 64 (FlashAttention-3's configuration): a 192-row Q tile,
+  consumer w computing rows [64 (w - 1), 64 w), 512 threads, setmaxnreg 24 / 160 (128 x 24 +
+  384 x 160 = 64,512; 65,536 / 512 = 128 at entry, no spills, ptxas 13.0). D = 64 is bound by
+  the exponentials, not the tensor cores (ncu: XU pipe 58% busy in stage 5), and with two
+  consumer warpgroups stage 8 had two computing warpgroups per SM against stage 5's four (two
+  CTAs per SM); a third adds one, and each K/V tile loaded serves 192 rows instead of 128. The
+  turns go round 1 -> 2 -> 3 -> 1 (wait_turn, pass_turn: barrier 1 + w, arrived on by
+  warpgroup w - 1; the CPU model checks 2 and 3 warpgroups). Measured (H200, 2026-12-02, bf16,
+  paper shapes, GPU time in interleaved rounds, three / two consumer warpgroups, FA4 in the same
+  rounds; docs/results/stage8_warpgroups_h200_2026-12-02.md): non-causal S = 512 298 / 293 (FA4
+  327), 1k 373 / 361 (411), 2k 457 / 404 (506), 4k 491 / 431 (544), 8k 505 / 422 (572), 16k
+  505 / 426 (566): +2 to +20%, 0.89-0.91x FA4 against 0.74-0.90x; causal 2k 329 / 326 (391),
+  4k 396 / 381 (469), 8k 460 / 416 (542), 16k 467 / 407 (561): +1 to +15%, 0.83-0.85x FA4 (the
+  rest of the causal gap is the tile order and the tail: stage 9's scheduler); fp16 +7 to +12%
+  from 2k non-causal (8k 481 / 431, FA4 563). The same bits either way (tested). Pack-GQA then
+  needs G to divide 192 (G = 3 packs now, G = 128 no longer), and O is stored 48 rows per pass
+  (32 where G = 32 or 64: store_rows).
+- Short masks keep two: at D = 64 the launch takes two consumer warpgroups (a 128-row tile)
+  where a causal or window mask leaves no query row more than 1024 keys, min(Sk, left + right +
+  1) (launch_options; the same code with mma_warpgroups = 2, a compile of its own): a 192-row
+  tile does more of the causal triangle's masked work and makes fewer CTAs. Measured in the
+  same rounds: causal S = 512 153 / 177 (three / two), 1k 221 / 255 (-13%); fp16 1k 219 / 258.
 - Not changed: tiles, masks, the online softmax, the epilogue (predicated O rows, LSE). Each
   warpgroup runs stage 7's arithmetic on its rows (the PTX's floating-point instructions are
   the same, in the same order), so O and LSE are meant to be stage 7's bit for bit (tested).
@@ -67,20 +93,29 @@ from common.cute_interop import rows_of_16_bytes
 
 
 class Sm90Kernel:
-    def __init__(self, dtype, head_dim, pack_gqa=1):
+    def __init__(self, dtype, head_dim, pack_gqa=1, mma_warpgroups=None):
         self.dtype = dtype  # element type of Q, K, V and O: cutlass.BFloat16 or cutlass.Float16
         # Query heads per Q tile (pack-GQA, common/pack_gqa.py): 1, or G = H / Hkv when the
         # G heads of a group share the tile's rows (row r: position r // G, head r % G).
         self.pack_gqa = pack_gqa
         self.acc_dtype = cutlass.Float32
-        self.cta_tile = (128, 128, head_dim)  # (bM, bN, bK): query rows, keys per KV tile, head dim
-        self.mma_warpgroups = 2  # consumer w = 1, 2 computes query rows [64 (w - 1), 64 w)
+        # Consumer warpgroup w = 1 .. mma_warpgroups computes query rows [64 (w - 1), 64 w) of
+        # the tile: two at D = 128 (a 128-row Q tile), three at D = 64 (192 rows,
+        # FlashAttention-3's configuration: see the docstring); mma_warpgroups overrides it (the
+        # launch passes 2 at D = 64 under short masks: launch_options).
+        self.mma_warpgroups = mma_warpgroups or self.warpgroups_for(head_dim)
+        # (bM, bN, bK): query rows, keys per KV tile, head dim
+        self.cta_tile = (64 * self.mma_warpgroups, 128, head_dim)
+        self.tile_rows = self.cta_tile[0]  # what pack-GQA's G must divide (common/pack_gqa.py)
         self.mma_threads = 128 * self.mma_warpgroups
         self.threads = 128 + self.mma_threads  # warpgroup 0: the TMA producer
-        # setmaxnreg: 128 x 24 + 256 x 240 = 64,512 of the SM's 65,536 registers
-        self.load_registers, self.mma_registers = 24, 240
-        # As many K or V tiles as fit in 227 KB next to Q and 1 KB of barriers: 6 x 32 KB
-        # (D = 128) or 13 x 16 KB (D = 64); both 225 KB in all.
+        # setmaxnreg: 128 x 24 + 256 x 240 = 64,512 of the SM's 65,536 registers (two consumer
+        # warpgroups), 128 x 24 + 384 x 160 = 64,512 (three).
+        self.load_registers = 24
+        self.mma_registers = {2: 240, 3: 160}[self.mma_warpgroups]
+        # As many K or V tiles as fit in 227 KB next to Q and 1 KB of barriers: 6 x 32 KB next
+        # to 32 KB (D = 128), 12 x 16 KB next to 24 KB (D = 64, 192 rows; 13 next to 16 KB with
+        # 128 rows); 224-225 KB in all.
         q_bytes = self.cta_tile[0] * head_dim * dtype.width // 8
         tile_bytes = self.cta_tile[1] * head_dim * dtype.width // 8
         self.kv_slots = (227 * 1024 - 1024 - q_bytes) // tile_bytes
@@ -88,6 +123,29 @@ class Sm90Kernel:
         # Q tiles in reverse order at D = 128 (see kernel() and the docstring); in order at D = 64,
         # where reversing measured 2-3% slower.
         self.longest_first = head_dim == 128
+
+    @staticmethod
+    def warpgroups_for(head_dim):
+        """Consumer warpgroups at head dim D: 3 at D = 64 (192-row Q tile), 2 at D = 128."""
+        return 3 if head_dim == 64 else 2
+
+    # A query row that sees at most this many keys under a mask takes two consumer warpgroups
+    # at D = 64 (launch_options).
+    SHORT_MASK_KEYS = 1024
+
+    @staticmethod
+    def launch_options(head_dim, window_left, window_right, seqlen_q, seqlen_k, group):
+        """Options for the kernel of one launch (common/attention_host.py builds it with them):
+        {"mma_warpgroups": 2} at D = 64 where a causal or window mask leaves no query row more
+        than SHORT_MASK_KEYS keys, min(Sk, left + right + 1) (packed: of the longest sequence),
+        and G = H / Hkv divides 64 (then both tiles, 128 and 192 rows, allow the same pack-GQA
+        choices: the argument checks do not depend on the lengths); {} otherwise. A 192-row tile
+        does more of the masked work where the visible band is short (the docstring's numbers)."""
+        masked = window_left < seqlen_k or window_right < seqlen_q
+        keys = min(seqlen_k, window_left + window_right + 1)
+        if head_dim == 64 and masked and keys <= Sm90Kernel.SHORT_MASK_KEYS and 64 % group == 0:
+            return {"mma_warpgroups": 2}
+        return {}
 
     @cute.jit
     def __call__(
@@ -123,7 +181,7 @@ class Sm90Kernel:
         q, o = (pack_gqa.pack_heads(t, self.pack_gqa, 2) for t in (q, o))
         lse = pack_gqa.pack_heads(lse, self.pack_gqa, 1)
 
-        # S = Q @ K^T: two m64n128k16 wgmma atoms stacked along M, one per warpgroup.
+        # S = Q @ K^T: one m64n128k16 wgmma atom per consumer warpgroup, stacked along M.
         qk_mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype,
             self.dtype,
@@ -133,7 +191,8 @@ class Sm90Kernel:
             (self.mma_warpgroups, 1, 1),
             tiler_mn=(64, bN),
         )
-        # O = P @ V: two m64nDk16 atoms; A = P from registers, B = V^T, MN-major (D contiguous).
+        # O = P @ V: one m64nDk16 atom per warpgroup; A = P from registers, B = V^T, MN-major
+        # (D contiguous).
         pv_mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype,
             self.dtype,
@@ -244,7 +303,7 @@ class Sm90Kernel:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        # 0: the producer; 1 and 2: the consumers, whose threads count from mma_tidx = 0
+        # 0: the producer; 1 .. mma_warpgroups: the consumers, whose threads count from mma_tidx = 0
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // 128)
         mma_tidx = tidx - 128
         bM, bN, bK = self.cta_tile
@@ -293,8 +352,8 @@ class Sm90Kernel:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(q_full, 1)
         # kv_full[i]: 1 arrive (the producer's expect_tx of one tile) + the TMA writes of the tile.
-        # kv_empty[i]: 1 arrive from each of the 8 consumer warps. (Creating the pipeline fences
-        # and syncs the CTA, which also publishes q_full's initialisation.)
+        # kv_empty[i]: 1 arrive from each of the 8 (12) consumer warps. (Creating the pipeline
+        # fences and syncs the CTA, which also publishes q_full's initialisation.)
         kv_bytes = cute.size_in_bytes(
             self.dtype, cute.select(kv_smem_layout, mode=[0, 1])
         )  # 32 KB (D = 128)
@@ -379,8 +438,8 @@ class Sm90Kernel:
         # entry e takes slot e % kv_slots. Producer and consumers walk the entries in order with
         # a PipelineState each: index = the slot, phase = the parity its barrier is waited for,
         # flipped each time the index wraps (the producer starts at 1, which a fresh empty
-        # barrier passes; the consumers at 0). Both consumer warpgroups read every entry: its
-        # slot is free again once all 8 consumer warps have released it.
+        # barrier passes; the consumers at 0). Every consumer warpgroup reads every entry: its
+        # slot is free again once all 8 (three warpgroups: 12) consumer warps have released it.
         steps = kv_tile_hi - kv_tile_lo
         if warpgroup_idx == 0:
             # The producer warpgroup needs few registers to issue TMA: it gives them up (all 4
@@ -408,7 +467,8 @@ class Sm90Kernel:
                 # from exiting while a peer still signals its barriers.
                 kv_pipeline.producer_tail(producer_state)
         else:
-            # The consumer warpgroups take the registers the producer gave up (168 -> 240).
+            # The consumer warpgroups take the registers the producer gave up (168 -> 240; three
+            # warpgroups: 128 -> 160).
             cute.arch.setmaxregister_increase(self.mma_registers)
             consumer_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.kv_slots
@@ -422,18 +482,20 @@ class Sm90Kernel:
             acc_O.fill(0.0)
 
             # One pass: S, the running row_max and row_sum, O rescaled, O += P @ V.
-            # Ping-pong: the two warpgroups take turns on the tensor cores. A turn is the PV of
-            # one tile and the QK^T of the next (turn 0: QK_0 alone; the last: the last PV); a
+            # Ping-pong: the consumer warpgroups take turns on the tensor cores. A turn is the PV
+            # of one tile and the QK^T of the next (turn 0: QK_0 alone; the last: the last PV); a
             # warpgroup waits for its turn before the pair and passes it on right after issuing
-            # the QK^T, so its softmax runs during the other's turn. With steps = 2:
+            # the QK^T, so its softmax runs during the others' turns. With steps = 2:
             #   tensor cores | 1: QK0  | 2: QK0  | 1: PV0 QK1 | 2: PV0 QK1 | 1: PV1  | 2: PV1
             #   warpgroup 1  |         | softmax |            | softmax    |         |
             #   warpgroup 2  |         |         | softmax    |            | softmax |
-            # Both warpgroups have the same steps (one tile range per CTA), so both take steps
-            # + 1 turns (none when steps = 0). Warpgroup 1 starts without waiting, warpgroup 2
-            # passes nothing after its last turn; then barrier 2 (warpgroup 1's) completes steps
-            # times (steps waits, steps passes from warpgroup 2) and barrier 3 (warpgroup 2's)
-            # steps + 1 times, and neither is left with a pending arrive when the CTA ends.
+            # With three warpgroups (D = 64) the turns go round 1, 2, 3, 1, ... on barriers 2, 3
+            # and 4. All warpgroups have the same steps (one tile range per CTA), so each takes
+            # steps + 1 turns (none when steps = 0). Warpgroup 1 starts without waiting, the last
+            # warpgroup passes nothing after its last turn; then warpgroup 1's barrier (2)
+            # completes steps times (steps waits, steps passes from the last warpgroup) and every
+            # other warpgroup's steps + 1 times, and none is left with a pending arrive when the
+            # CTA ends.
             pv_mma.set(warpgroup.Field.ACCUMULATE, False)
             for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
                 step = kv_tile - kv_tile_lo
@@ -441,9 +503,9 @@ class Sm90Kernel:
                 consumer_state.advance()
                 # Wait until TMA has written K_j.
                 kv_pipeline.consumer_wait(k_state)
-                # Warpgroup 2's turn 0 (QK_0) waits for warpgroup 1's; any later turn was taken
-                # before the previous tile's PV.
-                if step == 0 and warpgroup_idx == 2:
+                # Turn 0 (QK_0) goes round from warpgroup 1: every other warpgroup waits for it;
+                # any later turn was taken before the previous tile's PV.
+                if step == 0 and warpgroup_idx > 1:
                     self.wait_turn(warpgroup_idx)
 
                 # S = Q @ K_j^T: bK / 16 asynchronous m64n128k16 steps, the first overwrites acc_S.
@@ -454,10 +516,10 @@ class Sm90Kernel:
                     cute.gemm(qk_mma, acc_S, tSrQ[None, None, k_block, 0], tSrK[coord], acc_S)
                     qk_mma.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.commit_group()
-                # Issued: the other warpgroup's turn (its PV_{j-1} and QK_j) queues behind it.
+                # Issued: the next warpgroup's turn (its PV_{j-1} and QK_j) queues behind it.
                 self.pass_turn(warpgroup_idx)
 
-                # The hazard: the producer refills this slot as soon as all 8 consumer warps
+                # The hazard: the producer refills this slot as soon as all 8 (12) consumer warps
                 # have released it. Wait until the wgmmas reading K_j have completed, and only
                 # then release the slot.
                 warpgroup.wait_group(0)
@@ -488,8 +550,8 @@ class Sm90Kernel:
                 kv_pipeline.consumer_wait(v_state)
                 # Packed sequences: the last tile's rows past seqlen_k are the next sequence's V.
                 # P is 0 there, but 0 x NaN = NaN: zero those rows before P @ V reads them. (Its
-                # barrier joins both warpgroups, so it stands between turns: a warpgroup holding
-                # the turn there would wait for the other, which waits for the turn.)
+                # barrier joins all consumer warpgroups, so it stands between turns: a warpgroup
+                # holding the turn there would wait for the others, which wait for the turn.)
                 if cutlass.const_expr(mCuSeqlensK is not None):
                     if (kv_tile + 1) * bN > seqlen_k:
                         self.zero_rows(sKV, v_state.index, seqlen_k - kv_tile * bN, mma_tidx)
@@ -509,8 +571,9 @@ class Sm90Kernel:
                 warpgroup.wait_group(0)
                 kv_pipeline.consumer_release(v_state)
 
-            # Warpgroup 1's last turn (the last PV) hands over to warpgroup 2's last.
-            if steps > 0 and warpgroup_idx == 1:
+            # The last turn (the last PV) goes round too; the last warpgroup's hands over to
+            # nobody.
+            if steps > 0 and warpgroup_idx < self.mma_warpgroups:
                 self.pass_turn(warpgroup_idx)
 
             # 3. Epilogue
@@ -544,8 +607,8 @@ class Sm90Kernel:
                             g, pos = row % self.pack_gqa, row // self.pack_gqa
                             mLSE[(g, offset_q + pos), head, batch] = lse_ln
 
-            # Both warpgroups have finished reading sQ, which sO overwrites. (Named barrier 1:
-            # the 256 consumer threads; the producer takes no part.)
+            # All consumer warpgroups have finished reading sQ, which sO overwrites. (Named
+            # barrier 1: the 256 or 384 consumer threads; the producer takes no part.)
             cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
 
             # O rounded to the input dtype, written to shared memory by stmatrix.
@@ -572,17 +635,29 @@ class Sm90Kernel:
 
     @cute.jit
     def wait_turn(self, warpgroup_idx):
-        """Ping-pong: block consumer warpgroup w (1 or 2) until the other has passed it the
-        tensor cores. Named barrier 1 + w counts 256 threads: this warpgroup's 128 (bar.sync,
-        here) and the other's 128 (bar.arrive, in pass_turn); each completion is one turn. The
-        two warpgroups strictly alternate, so no barrier sees two passes before a wait."""
-        cute.arch.barrier(barrier_id=1 + warpgroup_idx, number_of_threads=2 * 128)
+        """Ping-pong: block consumer warpgroup w until the one before it (w - 1, warpgroup 1's:
+        the last) has passed it the tensor cores. Its named barrier (turn_barrier) counts 256
+        threads: this warpgroup's 128 (bar.sync, here) and the previous one's 128 (bar.arrive,
+        in pass_turn); each completion is one turn. The turns go strictly round (1, 2, 1, 2, ...
+        or 1, 2, 3, 1, ...), so no barrier sees two passes before a wait."""
+        cute.arch.barrier(barrier_id=self.turn_barrier(warpgroup_idx), number_of_threads=2 * 128)
 
     @cute.jit
     def pass_turn(self, warpgroup_idx):
-        """Ping-pong: consumer warpgroup w (1 or 2) hands the tensor cores to the other, 3 - w:
-        an arrive, without waiting, on that warpgroup's named barrier 1 + (3 - w)."""
-        cute.arch.barrier_arrive(barrier_id=4 - warpgroup_idx, number_of_threads=2 * 128)
+        """Ping-pong: consumer warpgroup w hands the tensor cores to the next one
+        (next_warpgroup): an arrive, without waiting, on that warpgroup's turn barrier."""
+        barrier = self.turn_barrier(self.next_warpgroup(warpgroup_idx))
+        cute.arch.barrier_arrive(barrier_id=barrier, number_of_threads=2 * 128)
+
+    def turn_barrier(self, warpgroup):
+        """The named barrier of consumer warpgroup w's turns: 1 + w (barrier 1 is all consumers').
+        Plain arithmetic, on a warpgroup number or the kernel's run-time warpgroup_idx alike; the
+        CPU model in the tests uses these two methods."""
+        return 1 + warpgroup
+
+    def next_warpgroup(self, warpgroup):
+        """The consumer warpgroup after w of N = mma_warpgroups: w % N + 1 (N = 2: 1 <-> 2)."""
+        return warpgroup % self.mma_warpgroups + 1
 
     @cute.jit
     def seq_info(self, batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK):
@@ -602,13 +677,14 @@ class Sm90Kernel:
     def zero_rows(self, sKV, slot, first_row, tidx):
         """Zero rows first_row .. bN - 1 of slot `slot` of the K/V ring (all consumer threads,
         tidx counted among them), then make the writes visible to the wgmma that reads the slot
-        (the async proxy) and wait for all consumer threads: both warpgroups read every row of V."""
+        (the async proxy) and wait for all consumer threads: every warpgroup reads every row of V."""
         _, bN, bK = self.cta_tile
         per_row = bK // 8  # 16-byte chunks per row
-        for i in cutlass.range_constexpr(bN * per_row // self.mma_threads):
+        chunks = bN * per_row  # 1,024 (D = 64; 3 rounds of 384 threads) or 2,048 (8 of 256)
+        for i in cutlass.range_constexpr(-(-chunks // self.mma_threads)):
             chunk = i * self.mma_threads + tidx
             row, col = chunk // per_row, (chunk % per_row) * 8
-            if row >= first_row:
+            if row >= first_row and row < bN:
                 for e in cutlass.range_constexpr(8):
                     sKV[row, col + e, slot] = self.dtype(0.0)
         cute.arch.fence_proxy("async.shared", space="cta")
@@ -617,24 +693,38 @@ class Sm90Kernel:
     @cute.jit
     def store_rows(self, sO, gO, valid_rows, tidx):
         """gO[r, :] = sO[r, :] for the rows r < valid_rows of the tile, 8 elements (16 bytes)
-        per consumer thread and copy: bK / 8 threads per row, 256 / (bK / 8) rows per pass."""
+        per thread and copy: bK / 8 threads per row, store_rows_per_pass() rows per pass."""
         bM, _, bK = self.cta_tile
         copy_atom = cute.make_copy_atom(
             cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128
         )
         per_row = bK // 8
-        thr_layout = cute.make_layout((self.mma_threads // per_row, per_row), stride=(per_row, 1))
+        rows = self.store_rows_per_pass()
+        thr_layout = cute.make_layout((rows, per_row), stride=(per_row, 1))
         s2g = cute.make_tiled_copy_tv(copy_atom, thr_layout, cute.make_layout((1, 8)))
-        thr_s2g = s2g.get_slice(tidx)
-        # (CPY, CPY_M, CPY_K): this thread's chunks of the tile, and their (row, column)
-        tOsO = thr_s2g.partition_S(sO)
-        tOgO = thr_s2g.partition_D(gO)
-        tOcO = thr_s2g.partition_D(cute.make_identity_tensor((bM, bK)))
-        tOrO = cute.make_rmem_tensor_like(tOsO)
-        cute.copy(s2g, tOsO, tOrO)
-        for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
-            if tOcO[0, m, 0][0] < valid_rows:
-                cute.copy(s2g, tOrO[None, m, None], tOgO[None, m, None])
+        if tidx < rows * per_row:  # all consumer threads, or the first 256 (see below)
+            thr_s2g = s2g.get_slice(tidx)
+            # (CPY, CPY_M, CPY_K): this thread's chunks of the tile, and their (row, column)
+            tOsO = thr_s2g.partition_S(sO)
+            tOgO = thr_s2g.partition_D(gO)
+            tOcO = thr_s2g.partition_D(cute.make_identity_tensor((bM, bK)))
+            tOrO = cute.make_rmem_tensor_like(tOsO)
+            cute.copy(s2g, tOsO, tOrO)
+            for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
+                if tOcO[0, m, 0][0] < valid_rows:
+                    cute.copy(s2g, tOrO[None, m, None], tOgO[None, m, None])
+
+    def store_rows_per_pass(self):
+        """Rows of O one pass of store_rows covers: every consumer thread takes one 16-byte chunk,
+        mma_threads / (bK / 8) rows (32 or 16 with two consumer warpgroups, 48 or 24 with three).
+        Packed GQA views a tile's rows as (G heads, bM / G positions), and a pass must cut that
+        mode evenly (rows a multiple of G, or G of rows): where 48 or 24 does not (G = 32 or
+        64), a pass takes the largest power of two below it (32 or 16 rows, 256 threads)."""
+        rows = self.mma_threads // (self.cta_tile[2] // 8)
+        g = self.pack_gqa
+        if rows % g != 0 and g % rows != 0:
+            rows = 1 << (rows.bit_length() - 1)
+        return rows
 
     @cute.jit
     def load_tiles(self, kv_pipeline, producer_state, kv_tile, tma_atom, tXgX, tXsX):

@@ -42,9 +42,9 @@ Changes from stage 8:
   headroom, stage 9 does: nvdisasm counts 207 registers in the consumer code (batch, D = 128;
   packed 201; D = 64 206 and 213) against stage 8's 155 (170, 127, 137), no spills (bf16,
   2026-12-01; 184, 185, 158 and 165 before the tile loop below, which keeps more values live
-  across tiles). The K/V ring and the warp roles are stage 8's at D = 128 (three consumer
-  warpgroups at D = 64: below); O now has its own buffer, one slot less at D = 128 (5 against
-  6; at D = 64 11 against 13, next to 24 KB each of Q and O; 225 KB as before).
+  across tiles). The K/V ring and the warp roles are stage 8's (three consumer warpgroups at
+  D = 64, two under short masks: below); O now has its own buffer, one slot less at D = 128 (5
+  against 6; at D = 64 11 against 12, next to 24 KB each of Q and O; 225 KB).
 - The turns of the ping-pong are now (QK_j, PV_{j-1}) pairs: turn 0 is QK_lo alone, the last
   is PV_{hi-1} alone; steps + 1 turns per warpgroup as before, so the turn barriers (2 and 3;
   2, 3 and 4 with three warpgroups) complete the same number of times as in stage 8: steps for
@@ -61,7 +61,7 @@ Changes from stage 8:
   D = 64 (ncu: block limit by registers 2, 4 computing warpgroups per SM) against one CTA with
   two computing warpgroups here, and D = 64 is bound by the exponentials (ncu: XU pipe 58% busy
   in stage 5, 50% in stages 8 and 9); these D = 64 numbers are with two consumer warpgroups,
-  FlashAttention-3's answer (three, on a 192-row tile) is taken below. fp16 runs 3% below bf16 in stage 9 (649 vs 670 at
+  FlashAttention-3's answer (three, on a 192-row tile) is measured below and is now stage 8's. fp16 runs 3% below bf16 in stage 9 (649 vs 670 at
   D = 128, 8k) where stage 5 runs 19% below (479 vs 589): whatever fp16 costs more sits on the
   softmax side, which the overlap hides.
 - Longest first at both head dims (stage 8 reverses its Q tiles at D = 128 only): the Q tiles
@@ -137,7 +137,9 @@ Changes from stage 8:
   Three copies of the loop body made ptxas serialise the wgmma at D = 128 (warning C7512,
   registers 216 against 193) and move acc_O to local memory at D = 64 (432 LDL / STL), in the
   sm_90a cubin of this file (2026-12-01): not run.
-- Three consumer warpgroups at D = 64 (FlashAttention-3's configuration): a 192-row Q tile,
+- Three consumer warpgroups at D = 64, as in stage 8 (stage 9 took them first; since the twelfth
+  session, 2026-12-02, they are stage 8's, and the notes here are what they did to stage 9,
+  measured before): FlashAttention-3's configuration, a 192-row Q tile,
   consumer w computing rows [64 (w - 1), 64 w), 512 threads, setmaxnreg 24 / 160 (128 x 24 +
   384 x 160 = 64,512). D = 64 is bound by the exponentials, not the tensor cores (ncu: XU pipe
   58% busy in stage 5), and with two consumer warpgroups stage 9 had two computing
@@ -155,7 +157,8 @@ Changes from stage 8:
   203 / 226): a 192-row tile does more of the causal triangle's masked work and makes fewer
   CTAs. fp16 8k 530 / 470 (FA4 568). Pack-GQA then needs G to divide 192 (G = 3 packs now,
   G = 128 no longer), and O is stored 48 rows per pass (32 where G = 32 or 64: store_rows).
-- Short masks keep two (eighth session, 2026-12-02): at D = 64 the launch takes two consumer
+- Short masks keep two (eighth session, 2026-12-02; stage 8's launch_options since the twelfth,
+  the same rule, measured there too): at D = 64 the launch takes two consumer
   warpgroups (a 128-row tile) where a causal or window mask leaves no query row more than 1024
   keys, min(Sk, left + right + 1) (launch_options; the kernel is the same code with
   mma_warpgroups = 2, a compile of its own). Measured (H200, 2026-12-02, paper shapes, GPU time
