@@ -193,9 +193,10 @@ def test_q_tiles_longest_first_at_d128_only(D, varlen):
 # ---------------------------------------------------------------- the turn protocol (CPU)
 
 
-def turn_kernel(n):
-    """The stage 8 kernel object with n consumer warpgroups (its turn_barrier, next_warpgroup)."""
-    return hopper.Sm90Kernel(cutlass.BFloat16, {2: 128, 3: 64}[n])
+def turn_kernel(n, module=hopper):
+    """The kernel object of a stage's hopper module (stage 8's by default; stage 9's tests pass
+    theirs) with n consumer warpgroups: its turn_barrier and next_warpgroup."""
+    return module.Sm90Kernel(cutlass.BFloat16, {2: 128, 3: 64}[n])
 
 
 def consumer_program(wg, steps, zero_rows, n=2):
@@ -287,11 +288,12 @@ def test_turn_protocol_has_no_deadlock_and_alternates(steps, zero_rows, n):
     assert explore(programs, expected_tensor_core_order(steps, n)) == set()
 
 
-def test_turn_barriers_are_distinct_and_go_round():
-    # The kernel's turn barriers: one per consumer warpgroup, none of them barrier 1 (all
-    # consumers') or 0 (the CTA's), and next_warpgroup a single cycle through all of them.
+def check_turn_barriers_are_distinct_and_go_round(module):
+    """The kernel's turn barriers: one per consumer warpgroup, none of them barrier 1 (all
+    consumers') or 0 (the CTA's), and next_warpgroup a single cycle through all of them.
+    (Stages 8 and 9.)"""
     for n in (2, 3):
-        kernel = turn_kernel(n)
+        kernel = turn_kernel(n, module)
         barriers = [kernel.turn_barrier(w) for w in range(1, n + 1)]
         assert len(set(barriers)) == n and not {0, 1} & set(barriers) and max(barriers) < 16
         w, seen = 1, []
@@ -299,6 +301,10 @@ def test_turn_barriers_are_distinct_and_go_round():
             seen.append(w)
             w = kernel.next_warpgroup(w)
         assert w == 1 and sorted(seen) == list(range(1, n + 1)), (n, seen)
+
+
+def test_turn_barriers_are_distinct_and_go_round():
+    check_turn_barriers_are_distinct_and_go_round(hopper)
 
 
 @pytest.mark.parametrize("n,wg", [(2, 1), (2, 2), (3, 1), (3, 2), (3, 3)])

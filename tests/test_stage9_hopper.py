@@ -47,11 +47,13 @@ from test_stage8_hopper import (
     SAME_AS_STAGE7,
     check_pack_gqa_groups_follow_the_tile_rows,
     check_short_masks_take_two_warpgroups_at_d64,
+    check_turn_barriers_are_distinct_and_go_round,
     check_two_and_three_warpgroups_agree,
     explore,
     ptxas_log,
     statements,
 )
+from test_stage8_hopper import turn_kernel as stage8_turn_kernel
 
 from common import attention_host, checker, inputs, stages
 from common.pack_gqa import choose_pack
@@ -210,7 +212,7 @@ def test_ring_position_carries_across_work_tiles(D):
 
 def turn_kernel(n):
     """The stage 9 kernel object with n consumer warpgroups (its turn_barrier, next_warpgroup)."""
-    return hopper.Sm90Kernel(cutlass.BFloat16, {2: 128, 3: 64}[n])
+    return stage8_turn_kernel(n, hopper)
 
 
 def consumer_program(wg, steps, zero_rows, n=2):
@@ -254,17 +256,7 @@ def test_turn_protocol_has_no_deadlock_and_alternates(steps, zero_rows, n):
 
 
 def test_turn_barriers_are_distinct_and_go_round():
-    # The kernel's turn barriers: one per consumer warpgroup, none of them barrier 1 (all
-    # consumers') or 0 (the CTA's), and next_warpgroup a single cycle through all of them.
-    for n in (2, 3):
-        kernel = turn_kernel(n)
-        barriers = [kernel.turn_barrier(w) for w in range(1, n + 1)]
-        assert len(set(barriers)) == n and not {0, 1} & set(barriers) and max(barriers) < 16
-        w, seen = 1, []
-        for _ in range(n):
-            seen.append(w)
-            w = kernel.next_warpgroup(w)
-        assert w == 1 and sorted(seen) == list(range(1, n + 1)), (n, seen)
+    check_turn_barriers_are_distinct_and_go_round(hopper)
 
 
 @pytest.mark.parametrize(
