@@ -2833,8 +2833,11 @@ def attention_schedule(
     pingpong=False is stage 7: the two warpgroups issue QK_j together, run their softmax together
     and issue PV_j together (they meet at V_j, which the producer loads once both have released
     K_j). pingpong=True is stage 8: the turn of the tensor cores (named barriers 2 and 3) is PV_j
-    with QK_(j+1); a warpgroup waits for its turn before PV_j (warpgroup 2 also before QK_0) and
-    passes it right after issuing QK_(j+1) (warpgroup 1 also after its last PV). overlap=True
+    with QK_(j+1), issued back to back; a warpgroup waits for its turn before PV_j (warpgroup 2
+    also before QK_0), passes it right after issuing QK_(j+1) (warpgroup 1 also after its last
+    PV), and then waits for both. (The model's waits cost no time, so it does not show what
+    issuing the pair back to back saves: the gap while a warpgroup holding the turn sees PV_j
+    complete before it issues QK_(j+1).) overlap=True
     (with pingpong) is stage 9: a turn is QK_j with PV_(j-1), issued together; the warpgroup
     waits for QK_j only (wait_group 1), runs softmax_j while PV_(j-1) is on the tensor cores, then
     waits for PV_(j-1).
@@ -2853,9 +2856,11 @@ def attention_schedule(
             if pingpong:
                 if j == 0 and w == 2:
                     ops.append(("wait_turn",))
-                ops += [("issue", f"QK{j}", qk_instr, qk_time), ("pass_turn",), ("wait", "QK")]
+                # The wait after QK_j also covers PV_(j-1), issued right before it in the turn.
+                waited = "QK" if j == 0 else "PV and QK"
+                ops += [("issue", f"QK{j}", qk_instr, qk_time), ("pass_turn",), ("wait", waited)]
                 ops += [("softmax", f"softmax {j}", softmax_time), ("wait_turn",)]
-                ops += [("issue", f"PV{j}", pv_instr, pv_time), ("wait", "PV")]
+                ops += [("issue", f"PV{j}", pv_instr, pv_time)]
             else:
                 ops += [("sync", f"K{j}"), ("issue", f"QK{j}", qk_instr, qk_time), ("wait", "QK")]
                 ops += [("softmax", f"softmax {j}", softmax_time), ("sync", f"V{j}")]
@@ -2873,6 +2878,8 @@ def attention_schedule(
             ops += [("wait_turn",), ("issue", f"PV{steps - 1}", pv_instr, pv_time)]
         if pingpong and steps > 0 and w == 1 and final_pass:
             ops.append(("pass_turn",))
+        if pingpong and not overlap and steps > 0:
+            ops.append(("wait", "PV"))  # the last PV, after the last pass
         if overlap and steps > 0:
             ops.append(("wait", "PV"))
         progs[w] = ops

@@ -156,10 +156,12 @@ def test_compiles_warp_specialized(dtype, D, Sk, varlen):
     assert len(statements(ptx, r"bar\.arrive\s+%r\d+, 256;")) == 2
     assert counts["bar.sync"] == 1 + (3 if varlen else 2) + 2
     # In program order: producer (setmaxnreg.dec, Q, K and V loads), then the consumers
-    # (setmaxnreg.inc; the turn-0 wait; QK^T issued, turn passed, waited; zero_rows when
-    # packed; turn wait, PV issued and waited; the last pass; the epilogue's two barriers). The
-    # pass follows the QK^T commit; the PV follows its turn wait.
-    expected = r"0dL+iTGCPW" + ("B" if varlen else "") + r"TGCWPBB"
+    # (setmaxnreg.inc; the turn-0 wait; QK^T issued, turn passed, waited - for PV_{j-1} too;
+    # zero_rows when packed; turn wait, PV issued, not waited for: the next QK^T follows it;
+    # the last pass, then the wait for the last PV; the epilogue's two barriers). The pass
+    # follows the QK^T commit; the PV follows its turn wait; no wait stands between a PV and
+    # the QK^T that shares its turn.
+    expected = r"0dL+iTGCPW" + ("B" if varlen else "") + r"TGCPWBB"
     assert re.fullmatch(expected, schedule_string(ptx)), schedule_string(ptx)
     # The ring: as many K or V tiles as fit in 227 KB next to Q (bM x D) and 1 KB of barriers:
     # 12 x 16 KB next to 24 KB at D = 64 (192 rows; 13 next to 16 KB with 128), 6 x 32 KB next

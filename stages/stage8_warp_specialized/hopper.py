@@ -29,6 +29,17 @@ Changes from stage 7:
   FlashAttention-3 schedules together: a warpgroup waits for its turn before the PV (before
   the first QK^T: turn 0) and passes it on right after issuing the QK^T (after the last PV: the
   last turn). wait_turn / pass_turn, with the count of every barrier in their comments.
+- The turn's two GEMMs back to back: a warpgroup issues PV_j and, with no wait between, QK_{j+1};
+  one wait_group 0 after QK_{j+1} covers both, and V_j's slot is released there (V of the last
+  tile after the last PV). FlashAttention-3's kernel without intra-warpgroup overlap (the
+  paper's warp-specialisation step) waits for PV_j before it issues QK_{j+1}, as this stage did
+  until 2026-12-02: the tensor cores then idle while the warpgroup holding the turn sees PV_j
+  complete, releases V_j and issues QK_{j+1}. Measured (H200, 2026-12-02, bf16, paper shapes,
+  GPU time in interleaved rounds, back to back / waiting, FA4 in the same rounds;
+  docs/results/stage8_back_to_back_h200_2026-12-02.md): D = 128 non-causal S = 2k 630 / 602
+  (FA4 666), 8k 690 / 659 (732), 16k 661 / 651 (722), causal 2k 494 / 477 (543), 8k 646 / 619
+  (694): +2 to +5%, 0.91-0.95x FA4 against 0.88-0.90x; D = 64 (three consumer warpgroups, the
+  exponentials the bottleneck) -1 to +1% (event time -2 to +2%). The same bits (tested).
 - The syncs of the consumers alone (zero_rows, the epilogue's two) are named barrier 1 over
   their 256 (384) threads instead of the CTA's barrier 0; the producer leaves after producer_tail
   (the consumers have released every slot).
@@ -497,6 +508,9 @@ class Sm90Kernel:
             # other warpgroup's steps + 1 times, and none is left with a pending arrive when the
             # CTA ends.
             pv_mma.set(warpgroup.Field.ACCUMULATE, False)
+            # The ring entry of the V that the previous step's PV reads (released once the wait
+            # after this step's QK^T has seen that PV complete).
+            v_state = consumer_state.clone()
             for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
                 step = kv_tile - kv_tile_lo
                 k_state = consumer_state.clone()
@@ -519,11 +533,14 @@ class Sm90Kernel:
                 # Issued: the next warpgroup's turn (its PV_{j-1} and QK_j) queues behind it.
                 self.pass_turn(warpgroup_idx)
 
-                # The hazard: the producer refills this slot as soon as all 8 (12) consumer warps
-                # have released it. Wait until the wgmmas reading K_j have completed, and only
-                # then release the slot.
+                # The hazard: the producer refills a slot as soon as all 8 (12) consumer warps have
+                # released it. Wait until the wgmmas reading K_j - and PV_{j-1}, issued just
+                # before them in the same turn, reading V_{j-1} - have completed, and only then
+                # release their slots.
                 warpgroup.wait_group(0)
                 kv_pipeline.consumer_release(k_state)
+                if step > 0:
+                    kv_pipeline.consumer_release(v_state)
 
                 # Only a tile that crosses an edge (Sk, or the band of the window: the diagonal when
                 # causal) is masked element by element: S = -inf where row i must not see key j.
@@ -566,15 +583,20 @@ class Sm90Kernel:
                     cute.gemm(pv_mma, acc_O, tOrP[None, None, kv_block], tOrVt[coord], acc_O)
                     pv_mma.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.commit_group()
-
-                # V_j is read once the wgmmas have completed: release the slot to the producer.
-                warpgroup.wait_group(0)
-                kv_pipeline.consumer_release(v_state)
+                # No wait here: QK_{j+1} (top of the loop) is issued right behind PV_j, so the
+                # tensor cores run the turn's two GEMMs back to back; the wait after QK_{j+1}
+                # covers both. (Waiting for PV_j first, as FlashAttention-3's kernel without
+                # intra-warpgroup overlap does, leaves the tensor cores idle between them while
+                # this warpgroup, holding the turn, sees PV_j complete and issues QK_{j+1}.)
 
             # The last turn (the last PV) goes round too; the last warpgroup's hands over to
-            # nobody.
+            # nobody. Then V of the last tile is released once its PV has completed. (The wait
+            # stands outside the branch: on no path may the epilogue read acc_O before it.)
             if steps > 0 and warpgroup_idx < self.mma_warpgroups:
                 self.pass_turn(warpgroup_idx)
+            warpgroup.wait_group(0)
+            if steps > 0:
+                kv_pipeline.consumer_release(v_state)
 
             # 3. Epilogue
             # Each thread's row_sum covers its 32 columns of every tile: add up the 4 of the quad.
