@@ -56,7 +56,7 @@ nb.start(8)
 # - say how deep the K/V ring runs now (as many tiles as fit in 227 KB: 6 at D = 128, 12 at
 #   D = 64) and why $V_j$ no longer waits for $K_j$'s slot;
 # - follow the ping-pong hand-over through two named barriers (`wait_turn`, `pass_turn`; a turn
-#   is $PV_j$ with $QK_{j+1}$) and count how often each barrier completes;
+#   is $PV_j$ with $QK_{j+1}$, issued back to back) and count how often each barrier completes;
 # - draw the timelines of the tensor cores and the softmax units before (stage 7: the two
 #   warpgroups in lock-step) and after (ping-pong), from the kernel's own configuration - and say
 #   what that model leaves out;
@@ -220,6 +220,21 @@ nb.show_source(8, "hopper", names=["Sm90Kernel.wait_turn", "Sm90Kernel.pass_turn
 
 # %%
 nb.show_source(8, "hopper", section="# 2.")
+
+# %% [markdown]
+# Inside a turn the two GEMMs go out back to back: the warpgroup issues $PV_j$, does not wait for
+# it, issues $QK_{j+1}$ at the top of the next step, passes the turn, and only then waits - one
+# `wait_group 0` for both, after which it releases $V_j$'s slot with $K_{j+1}$'s. FlashAttention-3's
+# kernel without intra-warpgroup overlap (the paper's warp-specialisation step, and this stage
+# until 2026-12-02) waits for $PV_j$ before it issues $QK_{j+1}$; the tensor cores then sit idle
+# while the warpgroup that holds the turn sees $PV_j$ complete, releases $V_j$ and issues the next
+# GEMM, and the other warpgroup cannot fill the gap, since it waits for the turn. Nothing else
+# needs the wait: $P_j$'s registers are rewritten, and $O$ rescaled, only after the next wait.
+# Measured on the H200 (2026-12-02, bf16, paper shapes, GPU time in interleaved rounds, back to
+# back / waiting, `docs/results/stage8_back_to_back_h200_2026-12-02.md`): D = 128 non-causal
+# S = 2k 630 / 602, 8k 690 / 659, 16k 661 / 651 TFLOP/s, causal 2k 494 / 477, 8k 646 / 619
+# (+2-5%); D = 64, where the exponentials and not the tensor cores are the bottleneck, -1 to +1%.
+# The timeline model below charges nothing for a wait, so it draws the two versions alike.
 
 # %% [markdown]
 # The timelines of the two consumer warpgroups, before and after, on one time axis: a model of
@@ -393,23 +408,25 @@ fig = nb.error_picture(8, result)
 #
 # **Expected**, from `make bench` on the H200 (2026-12-02, bf16, B·S = 16k, H·D = 2048,
 # non-causal; every kernel of a row timed in the same interleaved rounds, event-timed; D = 128 from
-# the eleventh session's run, `docs/results/bench_h200_2026-12-02_eleventh_d128.md`, D = 64, three
-# consumer warpgroups, from the twelfth's, `docs/results/bench_h200_2026-12-02_twelfth_d64.md`),
-# in TFLOP/s:
+# the thirteenth session's run, `docs/results/bench_h200_2026-12-02_thirteenth_d128.md`, D = 64,
+# three consumer warpgroups, from the twelfth's, `docs/results/bench_h200_2026-12-02_twelfth_d64.md`
+# - both on the kernel as it stands, the pair of 5.3 back to back included), in TFLOP/s:
 #
 # | D | S | stage 5 | stage 8 | FA4 | stage 8 / stage 5 | stage 8 / FA4 |
 # | --- | --- | --- | --- | --- | --- | --- |
-# | 128 | 2k | 499 | 609 | 676 | 1.22 | 0.90 |
-# | 128 | 8k | 520 | 612 | 704 | 1.18 | 0.87 |
+# | 128 | 2k | 501 | 633 | 655 | 1.26 | 0.97 |
+# | 128 | 8k | 514 | 632 | 691 | 1.23 | 0.91 |
 # | 64 | 2k | 492 | 452 | 498 | 0.92 | 0.91 |
 # | 64 | 8k | 497 | 504 | 557 | 1.01 | 0.90 |
 #
-# At D = 128 the step lands where the FlashAttention-3 paper's ablation puts it: on an H100 at head
-# dimension 128, warp specialisation without the intra-warpgroup overlap (the next stage's
+# At D = 128 the step goes past where the FlashAttention-3 paper's ablation puts it: on an H100 at
+# head dimension 128, warp specialisation without the intra-warpgroup overlap (the next stage's
 # technique) ran 582 TFLOP/s against 661 for the full kernel, **0.88** of it; stage 8 runs at
-# 0.87-0.90 of FA4 here (flash_attn.cute, whose Hopper path is FlashAttention-3's schedule, the
-# intra-warpgroup overlap on by default; 0.87-0.92 non-causal and 0.87-0.93 causal from S = 2k in
-# that run), 1.18-1.22x stage 5. Single figures move between runs by 5-10% (the H200's clocks step
+# 0.91-0.97 of FA4 here (flash_attn.cute, whose Hopper path is FlashAttention-3's schedule, the
+# intra-warpgroup overlap on by default; 0.92-0.97 non-causal and 0.91-0.96 causal from S = 2k in
+# that run), 1.23-1.30x stage 5. Part of the paper's step is the wait that 5.3 took out of the
+# turn: with it (the eleventh session's run) stage 8 stood at 0.87-0.92 non-causal, where the
+# paper's ablation has it. Single figures move between runs by 5-10% (the H200's clocks step
 # under its power cap; the first runs of 2026-12-01, one kernel after another, had put stage 8 at
 # 1.06-1.47x stage 5), which is why only ratios from one run are compared. **At D = 64, with two
 # consumer warpgroups, stage 8 was slower than stage 5** (0.82-0.85x, the ninth session's run,
@@ -445,8 +462,8 @@ bench = nb.measure(
 # %%
 # The step next to the paper's ablation: this run's ratios where there is a run, else the H200's.
 quoted = {
-    "(8, 16, 2048, 2048, 128)": {"stage 5": 499, "stage 8": 609, "FA4": 676},
-    "(2, 16, 8192, 8192, 128)": {"stage 5": 520, "stage 8": 612, "FA4": 704},
+    "(8, 16, 2048, 2048, 128)": {"stage 5": 501, "stage 8": 633, "FA4": 655},
+    "(2, 16, 8192, 8192, 128)": {"stage 5": 514, "stage 8": 632, "FA4": 691},
     "(8, 32, 2048, 2048, 64)": {"stage 5": 492, "stage 8": 452, "FA4": 498},
     "(2, 32, 8192, 8192, 64)": {"stage 5": 497, "stage 8": 504, "FA4": 557},
 }
@@ -550,11 +567,13 @@ nb.table(
 # <details><summary>4. The model at D = 64</summary>
 #
 # The table of 3.1: about 1.5x at D = 128 and 2x at D = 64 (the GEMMs halve, the exponentials do
-# not, so in lock-step the idle tensor-core share is larger). The H200 measured 1.18-1.22x at D =
-# 128 and, with two consumer warpgroups, 0.82-0.85x at D = 64 (2026-12-02; three warpgroups:
+# not, so in lock-step the idle tensor-core share is larger). The H200 measured 1.23-1.30x at D =
+# 128 (2026-12-02, thirteenth session; 1.18-1.22x before the turn's two GEMMs went out back to
+# back, 5.3) and, with two consumer warpgroups, 0.82-0.85x at D = 64 (three warpgroups:
 # 0.92-1.01x, section 7's table). The model leaves out the rest of the softmax (max and sum
 # reductions, the scaling, the conversion of P, the rescale of O - instructions on the FP32 units
-# that do not shrink with D), the issue and wait latencies of wgmma and of the barriers, the loads
+# that do not shrink with D), the issue and wait latencies of wgmma and of the barriers (5.3's
+# back-to-back pair is worth 2-5% at D = 128 through them alone), the loads
 # and their latency, and the per-CTA work (Q load, epilogue). Which of these matters at D = 64 is
 # what the model cannot tell; it only says that the tensor-core / exponential balance alone would
 # favour ping-pong there.
