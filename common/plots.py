@@ -2824,6 +2824,8 @@ def attention_schedule(
     dt=None,
     final_pass=True,
     overlap=False,
+    wait_for_pv=False,
+    wait_latency=0.0,
 ):
     """A model of the two consumer warpgroups' loop over `steps` KV tiles (durations illustrative
     unless taken from hopper_unit_times). Shared units: the tensor cores serve wgmma instructions
@@ -2837,7 +2839,12 @@ def attention_schedule(
     also before QK_0), passes it right after issuing QK_(j+1) (warpgroup 1 also after its last
     PV), and then waits for both. (The model's waits cost no time, so it does not show what
     issuing the pair back to back saves: the gap while a warpgroup holding the turn sees PV_j
-    complete before it issues QK_(j+1).) overlap=True
+    complete before it issues QK_(j+1) - unless wait_latency is set.) wait_for_pv=True (with
+    pingpong) is the order of FlashAttention-3's kernel without intra-warpgroup overlap, and of
+    stage 8 before 2026-12-02: the warpgroup waits for PV_j before it issues QK_(j+1).
+    wait_latency: the time from a warpgroup's last outstanding wgmma completing to its next
+    instruction after a wait (seeing the completion, issuing again; illustrative - the kernel's
+    cost is not measured directly). overlap=True
     (with pingpong) is stage 9: a turn is QK_j with PV_(j-1), issued together; the warpgroup
     waits for QK_j only (wait_group 1), runs softmax_j while PV_(j-1) is on the tensor cores, then
     waits for PV_(j-1).
@@ -2857,10 +2864,12 @@ def attention_schedule(
                 if j == 0 and w == 2:
                     ops.append(("wait_turn",))
                 # The wait after QK_j also covers PV_(j-1), issued right before it in the turn.
-                waited = "QK" if j == 0 else "PV and QK"
+                waited = "QK" if j == 0 or wait_for_pv else "PV and QK"
                 ops += [("issue", f"QK{j}", qk_instr, qk_time), ("pass_turn",), ("wait", waited)]
                 ops += [("softmax", f"softmax {j}", softmax_time), ("wait_turn",)]
                 ops += [("issue", f"PV{j}", pv_instr, pv_time)]
+                if wait_for_pv:
+                    ops.append(("wait", "PV"))
             else:
                 ops += [("sync", f"K{j}"), ("issue", f"QK{j}", qk_instr, qk_time), ("wait", "QK")]
                 ops += [("softmax", f"softmax {j}", softmax_time), ("sync", f"V{j}")]
@@ -2878,7 +2887,7 @@ def attention_schedule(
             ops += [("wait_turn",), ("issue", f"PV{steps - 1}", pv_instr, pv_time)]
         if pingpong and steps > 0 and w == 1 and final_pass:
             ops.append(("pass_turn",))
-        if pingpong and not overlap and steps > 0:
+        if pingpong and not overlap and not wait_for_pv and steps > 0:
             ops.append(("wait", "PV"))  # the last PV, after the last pass
         if overlap and steps > 0:
             ops.append(("wait", "PV"))
@@ -2890,6 +2899,7 @@ def attention_schedule(
     tokens = {1: 0, 2: 0}  # turns passed to warpgroup w and not yet taken
     turns = {2: 0, 3: 0}  # completions of named barrier 1 + w
     at_sync = {}
+    woken = {}  # (wg, pc) of a wait whose wgmmas completed -> when the warpgroup goes on
     tc, soft, waits = [], {1: [], 2: []}, {1: [], 2: []}
     t = 0.0
     limit = 100000 * max(1, steps)
@@ -2898,6 +2908,7 @@ def attention_schedule(
         issued = {1: [], 2: []}
         passed = {1: 0, 2: 0}
         blocked = {}
+        sleeping = False
         for w in (1, 2):
             while pc[w] < len(progs[w]):
                 op = progs[w][pc[w]]
@@ -2921,6 +2932,12 @@ def attention_schedule(
                     if outstanding[w]:
                         blocked[w] = f"waits for its {op[1]} wgmmas"
                         break
+                    if wait_latency > 0:
+                        go = woken.setdefault((w, pc[w]), t + wait_latency)
+                        if t + 1e-12 < go:
+                            blocked[w] = f"waits for its {op[1]} wgmmas"
+                            sleeping = True
+                            break
                     pc[w] += 1
                 elif kind == "wait_for":  # wait_group 1: the group named, not the later one
                     if any(q[0] == w and q[1] == op[1] for q in queue + issued[w]):
@@ -2950,7 +2967,7 @@ def attention_schedule(
                     queue.append(issued[w][i])
         if pc[1] >= len(progs[1]) and pc[2] >= len(progs[2]) and not queue and not active:
             break
-        if pc == before and not queue and not active and not any(passed.values()):
+        if pc == before and not queue and not active and not any(passed.values()) and not sleeping:
             raise Deadlock(
                 f"deadlock at t = {t:.0f}: "
                 + "; ".join(f"warpgroup {w} {why}" for w, why in sorted(blocked.items()))
@@ -3016,20 +3033,40 @@ WG_COLORS = {1: "#4C72B0", 2: "#DD8452"}
 
 
 def pingpong_timelines(
-    head_dim=128, block_n=128, rows=64, steps=3, path=None, compare="stage 8", **rates
+    head_dim=128,
+    block_n=128,
+    rows=64,
+    steps=3,
+    path=None,
+    compare="stage 8",
+    wait_latency=0.0,
+    **rates,
 ):
     """Stage 7 (top: both consumer warpgroups in lock-step) and stage 8 (bottom: ping-pong) on
     one time axis, from attention_schedule with the durations of hopper_unit_times for this
     head_dim, block_n and rows per warpgroup (the kernel's configuration): which warpgroup's
     wgmma the tensor cores run, and when each warpgroup runs its softmax or waits. Loads are
-    assumed to arrive in time (the model leaves memory out)."""
+    assumed to arrive in time (the model leaves memory out). compare="stage 9": stage 8 against
+    stage 9; compare="wait for PV": stage 8 waiting for PV_j before QK_(j+1) (FlashAttention-3's
+    warp-specialised order) against stage 8's back-to-back pair. wait_latency (ns) goes to
+    attention_schedule: what a warpgroup takes from its wgmmas' completion to its next instruction."""
     qk, sm, pv = hopper_unit_times(head_dim, block_n, rows, **rates)
     n_qk, n_pv = head_dim // 16, block_n // 16
     stage8 = (
-        attention_schedule(True, steps, qk, sm, pv, n_qk, n_pv),
+        attention_schedule(True, steps, qk, sm, pv, n_qk, n_pv, wait_latency=wait_latency),
         "stage 8: ping-pong (named barriers hand over the tensor cores)",
     )
-    if compare == "stage 9":  # stage 8 against stage 9 (compare="stage 9")
+    if compare == "wait for PV":
+        runs = [
+            (
+                attention_schedule(
+                    True, steps, qk, sm, pv, n_qk, n_pv, wait_for_pv=True, wait_latency=wait_latency
+                ),
+                "wait for PV_j, then QK_(j+1)",
+            ),
+            (stage8[0], "PV_j and QK_(j+1) back to back"),
+        ]
+    elif compare == "stage 9":  # stage 8 against stage 9 (compare="stage 9")
         runs = [
             stage8,
             (
@@ -3103,9 +3140,15 @@ def pingpong_timelines(
             f"busy {100 * r['tc_busy']:.0f}%",
             fontsize=10,
         )
+    latency = (
+        f"\n{wait_latency:g} ns from a warpgroup's wgmmas completing to its next instruction "
+        "(illustrative)"
+        if wait_latency
+        else ""
+    )
     axes[-1].set_xlabel(
         f"model time in ns on one SM, D = {head_dim}, {block_n}-key tiles, {rows} rows per "
-        f"warpgroup (one GEMM {qk:.0f} ns, one softmax {sm:.0f} ns)",
+        f"warpgroup (one GEMM {qk:.0f} ns, one softmax {sm:.0f} ns){latency}",
         fontsize=9,
     )
     handles = [

@@ -532,6 +532,9 @@ def _figures():
             kv_slots=13, cta_tile=(128, 128, 64)
         ),
         "pingpong_timelines": lambda: plots.pingpong_timelines(),
+        "pingpong_timelines wait for PV": lambda: plots.pingpong_timelines(
+            compare="wait for PV", wait_latency=30
+        ),
     }
 
 
@@ -595,6 +598,41 @@ def test_pingpong_model_follows_the_kernel():
         plots.attention_schedule(True, 4, qk, sm, pv)["end"]
         < plots.attention_schedule(False, 4, qk, sm, pv)["end"]
     )
+
+
+def test_pingpong_model_back_to_back_against_waiting_for_pv():
+    """Stage 8's order (PV_j and QK_(j+1) back to back, one wait) against the wait for PV_j
+    before QK_(j+1) (FlashAttention-3's warp-specialised order): the same turns and tensor-core
+    order, no arrive left over; with a cost per wait the back-to-back order finishes first and
+    keeps the tensor cores busier; without one the two differ by the model's time step only."""
+    from common import plots
+
+    qk, sm, pv = plots.hopper_unit_times(128)
+    for steps in (1, 2, 5):
+        for lat in (0.0, 30.0):
+            a = plots.attention_schedule(
+                True, steps, qk, sm, pv, wait_for_pv=True, wait_latency=lat
+            )
+            b = plots.attention_schedule(True, steps, qk, sm, pv, wait_latency=lat)
+            assert a["turns"] == b["turns"] == {2: steps, 3: steps + 1}
+            assert a["pending"] == b["pending"] == {2: 0, 3: 0}
+            order = [[(w, lab) for _, _, w, lab in r["tc"]] for r in (a, b)]
+            assert [x for i, x in enumerate(order[0]) if x not in order[0][:i]] == [
+                x for i, x in enumerate(order[1]) if x not in order[1][:i]
+            ]
+            if lat:
+                assert b["end"] < a["end"] and b["tc_busy"] > a["tc_busy"], (
+                    steps,
+                    a["end"],
+                    b["end"],
+                )
+            else:
+                assert abs(a["end"] - b["end"]) <= 0.02 * b["end"], (steps, a["end"], b["end"])
+    # A cost per wait also reaches the waits that stand alone: more latency, a later end.
+    ends = [
+        plots.attention_schedule(True, 4, qk, sm, pv, wait_latency=x)["end"] for x in (0, 30, 60)
+    ]
+    assert ends == sorted(ends) and ends[0] < ends[-1]
 
 
 def test_varlen_helpers_match_the_benchmark_batch():
