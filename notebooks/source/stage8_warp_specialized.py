@@ -222,6 +222,18 @@ nb.show_source(8, "hopper", names=["Sm90Kernel.wait_turn", "Sm90Kernel.pass_turn
 nb.show_source(8, "hopper", section="# 2.")
 
 # %% [markdown]
+# The timelines of the two consumer warpgroups, before and after, on one time axis: a model of
+# the two shared units with the durations of 3.1 for this kernel's tile (`cta_tile`) and rows per
+# warpgroup. The tensor-core lane is split in two halves, one per warpgroup; hatched GEMMs run at
+# the same time as the other warpgroup's and share the tensor cores with them (interleaved
+# instructions: both finish late). In lock-step both softmaxes also share the exponential units.
+
+# %%
+bM, bN, D = cfg.get("cta_tile", (128, 128, 128))
+rows_per_wg = bM // cfg.get("mma_warpgroups", 2)
+fig = plots.pingpong_timelines(head_dim=D, block_n=bN, rows=rows_per_wg, steps=3)
+
+# %% [markdown]
 # Inside a turn the two GEMMs go out back to back: the warpgroup issues $PV_j$, does not wait for
 # it, issues $QK_{j+1}$ at the top of the next step, passes the turn, and only then waits - one
 # `wait_group 0` for both, after which it releases $V_j$'s slot with $K_{j+1}$'s. FlashAttention-3's
@@ -234,19 +246,15 @@ nb.show_source(8, "hopper", section="# 2.")
 # back / waiting, `docs/results/stage8_back_to_back_h200_2026-12-02.md`): D = 128 non-causal
 # S = 2k 630 / 602, 8k 690 / 659, 16k 661 / 651 TFLOP/s, causal 2k 494 / 477, 8k 646 / 619
 # (+2-5%); D = 64, where the exponentials and not the tensor cores are the bottleneck, -1 to +1%.
-# The timeline model below charges nothing for a wait, so it draws the two versions alike.
-
-# %% [markdown]
-# The timelines of the two consumer warpgroups, before and after, on one time axis: a model of
-# the two shared units with the durations of 3.1 for this kernel's tile (`cta_tile`) and rows per
-# warpgroup. The tensor-core lane is split in two halves, one per warpgroup; hatched GEMMs run at
-# the same time as the other warpgroup's and share the tensor cores with them (interleaved
-# instructions: both finish late). In lock-step both softmaxes also share the exponential units.
+# The model above charges nothing for a wait, so it would draw the two orders alike; give it a
+# cost for seeing a wgmma complete and issuing again (30 ns below, an illustrative figure - the
+# kernel's own was not measured; 20-40 ns gives the model 4-7%, the H200 measured 2-5%) and the
+# gap in the turn appears:
 
 # %%
-bM, bN, D = cfg.get("cta_tile", (128, 128, 128))
-rows_per_wg = bM // cfg.get("mma_warpgroups", 2)
-fig = plots.pingpong_timelines(head_dim=D, block_n=bN, rows=rows_per_wg, steps=3)
+fig = plots.pingpong_timelines(
+    head_dim=D, block_n=bN, rows=rows_per_wg, steps=3, compare="wait for PV", wait_latency=30
+)
 
 # %% [markdown]
 # The docstring counts the barrier completions: with `steps` KV tiles and two consumer
