@@ -616,10 +616,9 @@ def test_pingpong_model_back_to_back_against_waiting_for_pv():
             b = plots.attention_schedule(True, steps, qk, sm, pv, wait_latency=lat)
             assert a["turns"] == b["turns"] == {2: steps, 3: steps + 1}
             assert a["pending"] == b["pending"] == {2: 0, 3: 0}
-            order = [[(w, lab) for _, _, w, lab in r["tc"]] for r in (a, b)]
-            assert [x for i, x in enumerate(order[0]) if x not in order[0][:i]] == [
-                x for i, x in enumerate(order[1]) if x not in order[1][:i]
-            ]
+            # The tensor cores start the same GEMMs in the same order (each GEMM once).
+            starts = [list(dict.fromkeys((w, lab) for _, _, w, lab in r["tc"])) for r in (a, b)]
+            assert starts[0] == starts[1], starts
             if lat:
                 assert b["end"] < a["end"] and b["tc_busy"] > a["tc_busy"], (
                     steps,

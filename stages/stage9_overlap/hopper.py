@@ -5,7 +5,7 @@ Changes from stage 8:
   overlap). In stage 8 a warpgroup's own work is serial: QK_j, wait (for PV_{j-1} too), softmax_j,
   PV_j; its exponentials run only while the other warpgroup holds the tensor cores. (Since the
   thirteenth session, 2026-12-02, stage 8 issues the two GEMMs of a turn back to back, which
-  took +2-5% at D = 128 out of this stage's step: make bench D = 128 non-causal, stage 9 over
+  took +2-5% at D = 128 out of this stage's step: make bench on the H200, D = 128 non-causal, stage 9 over
   stage 8, +1% at S = 2k, +3% at 8k, -2% at 16k; causal +5-12% from 2k;
   docs/results/bench_h200_2026-12-02_thirteenth_d128.md.) Stage 9 issues QK_j
   and then PV_{j-1} as one turn and runs softmax_j while PV_{j-1} is still on the tensor cores:
