@@ -124,8 +124,10 @@ for D_ in (64, 128):
 # own shared-memory buffer, one K/V slot less. Third, the mask of an edge tile compares each
 # element's column offset, a constant, against one interval per row (`mask_edges`, `mask_keys`;
 # the same elements as stage 8). The CTA's shape is stage 8's: three consumer warpgroups on a
-# 192-row Q tile at D = 64, two under short masks (section 7.2). (The diff is long because the consumer code moved one indentation level
-# into the tile loop.)
+# 192-row Q tile at D = 64, two under short masks (section 7.2). Last, two changes that only the
+# machine code shows (section 5.4): the GEMMs index the ring slot before the k-blocks, and at
+# D = 128 the row max runs in four `fmax` chains (`quad_row_max`). (The diff is long because the
+# consumer code moved one indentation level into the tile loop.)
 
 # %%
 nb.show_docstring(9, "hopper")
@@ -227,6 +229,21 @@ fig = plots.pingpong_timelines(head_dim=D, block_n=bN, rows=rows_per_wg, steps=3
 # other warpgroup's do, on the same MUFU units (exercise 4's model points the same way). At
 # D = 64, three consumer warpgroups, even the row max alone ran 5-6% slower, so D = 64 keeps
 # the PTX order (`max_before_wait`; `docs/results/h200.md` has the numbers).
+#
+# **Counting instructions against FA4's.** FA4's Hopper kernel compiles without a GPU too (under
+# torch's `FakeTensorMode`, with `FLASH_ATTENTION_ARCH=sm_90`), and `cuobjdump -sass` (pip's
+# `nvidia-cuda-cuobjdump`) prints both cubins, so the steady-state loops can be read side by side:
+# per warp and KV tile (bf16, S = 16k, a tile without the mask) this kernel issued 454
+# instructions at D = 64 against FA4's 420, and 501 against 457 at D = 128 (2026-12-02). Most of
+# the difference was the wgmma descriptors. Indexed as `tSrK[None, None, k_block, slot]`, each of
+# the 8 descriptors of a QK^T at D = 128 was rebuilt half by half (a logical OR on the low word and
+# a move of the high word: 63 uniform-datapath instructions per tile against FA4's 38); sliced
+# by slot first and then by k-block (`issue_qk`, `issue_pv` above), a descriptor is the slot's
+# plus a constant, one 64-bit add: 442 and 473 instructions, the same bits. The row max in four
+# `fmax` chains, as FA4 writes it, took 4 more. On the H200 (GPU time, interleaved rounds) that
+# was +0-4.5% at D = 128; at D = 64 the indexing alone moved the time by -1 to +2% and the `fmax`
+# chains made it 1-6% *slower*, so D = 64 keeps `TensorSSA.reduce` (`fmax_row_max`): where the
+# exponentials set the pace, fewer instructions are not the same as less time.
 
 # %%
 report = nb.compile_summary(9, "hopper")
@@ -332,34 +349,36 @@ fig = nb.error_picture(9, result)
 # in one run.
 #
 # **Expected**, from `make bench` on the H200 (2026-12-02, bf16, B·S = 16k, H·D = 2048,
-# non-causal; every kernel of a row timed in the same interleaved rounds, event-timed; D = 128
-# from the thirteenth session's run, `docs/results/bench_h200_2026-12-02_thirteenth_d128.md`,
-# D = 64 from the twelfth's, `docs/results/bench_h200_2026-12-02_twelfth_d64.md`, causal rows
-# included), in TFLOP/s:
+# non-causal; every kernel of a row timed in the same interleaved rounds, event-timed; the
+# fourteenth session's runs, `docs/results/bench_h200_2026-12-02_fourteenth_d128.md` and
+# `..._fourteenth_d64.md`, causal rows included), in TFLOP/s:
 #
 # | D | S | stage 5 | stage 8 | stage 9 | FA4 | SDPA cuDNN |
 # | --- | --- | --- | --- | --- | --- | --- |
-# | 128 | 2k | 501 | 633 | 638 | 655 | 660 |
-# | 128 | 8k | 514 | 632 | 650 | 691 | 618 |
-# | 64 | 2k | 492 | 452 | 491 | 498 | 458 |
-# | 64 | 8k | 497 | 504 | 533 | 557 | 459 |
+# | 128 | 2k | 487 | 615 | 657 | 643 | 636 |
+# | 128 | 8k | 514 | 633 | 660 | 679 | 630 |
+# | 64 | 2k | 492 | 447 | 490 | 500 | 459 |
+# | 64 | 8k | 502 | 501 | 524 | 552 | 463 |
 #
-# At D = 128 the step is +1% at S = 2k and +3% at 8k non-causal (633 -> 638, 632 -> 650; at 16k
-# stage 8 ran ahead, 664 against 650) and +5-12% causal from 2k (505 -> 555, 595 -> 667); the
-# FlashAttention-3 paper's ablation on an H100 at head dimension 128 measured +14% for the same
-# step (582 -> 661). The step was +8-10% non-causal (the eleventh session's run: 609 -> 672, 612 ->
-# 658) until stage 8 issued the two GEMMs of a turn back to back (its section 5.3): that took the
-# tensor cores' idle gap inside each turn out of stage 8, and with it most of what this stage had
-# gained there - so in the paper's ablation, too, part of the intra-warpgroup step may be that
-# gap, which its warp-specialised kernel keeps. Stage 9 ends at 0.97x and 0.94x FA4 here (1.00 and
-# 0.96 in GPU time alone): the gap at long sequences is the open part of this stage,
-# `docs/results/h200.md` says what is known about it. At D = 64 the step is +6-9%
-# (452 -> 491, 504 -> 533) on stage 8's CTA of three consumer warpgroups (section 7.2); before
-# stage 8 took them (the ninth session's run, `docs/results/bench_h200_2026-12-02_ninth_d64.md`)
-# the step was +22-23% because it included them. With two, stages 8 and 9 stayed below stage 5
-# at D = 64: Nsight Compute on the H200 (2026-12-01) showed stage 5 fitting two CTAs per SM there
-# (block limit by registers 2), so four warpgroups compute on each SM against two, and D = 64 is
-# bound by the exponentials (the XU pipe 58% busy in stage 5 against 50% in stages 8 and 9).
+# At D = 128 the step is +7% at S = 2k and +4% at 8k non-causal (615 -> 657, 633 -> 660) and
+# +6-13% causal from 2k (503 -> 554, 591 -> 666 at 8k); the FlashAttention-3 paper's ablation on
+# an H100 at head dimension 128 measured +14% for the same step (582 -> 661). At 16k stage 8 ran
+# ahead in this run's event timing (658 against 639), but in GPU time, timed against each other in
+# one process the same day, stage 9 was 4-6% ahead there (690 and 681 against 652 and 648). The
+# thirteenth session's run had the step at +1% and +3% (633 -> 638, 632 -> 650) and the eleventh's
+# at +8-10% (609 -> 672, 612 -> 658), before stage 8 issued the two GEMMs of a turn back to back
+# (its section 5.3): that took the tensor cores' idle gap inside each turn out of stage 8, and
+# with it part of what this stage had gained there - so in the paper's ablation, too, part of the
+# intra-warpgroup step may be that gap, which its warp-specialised kernel keeps. Runs differ by a
+# few percent; stage 9 ends at 1.02x and 0.97x FA4 here (1.01 and 0.98 in GPU time alone): the gap
+# at long sequences is the open part of this stage, `docs/results/h200.md` says what is known
+# about it. At D = 64 the step is +10% and +5% (447 -> 490, 501 -> 524) on stage 8's CTA of three
+# consumer warpgroups (section 7.2); before stage 8 took them (the ninth session's run,
+# `docs/results/bench_h200_2026-12-02_ninth_d64.md`) the step was +22-23% because it included
+# them. With two, stages 8 and 9 stayed below stage 5 at D = 64: Nsight Compute on the H200
+# (2026-12-01) showed stage 5 fitting two CTAs per SM there (block limit by registers 2), so four
+# warpgroups compute on each SM against two, and D = 64 is bound by the exponentials (the XU pipe
+# 58% busy in stage 5 against 50% in stages 8 and 9).
 
 # %%
 bench = nb.measure(
@@ -377,10 +396,10 @@ bench = nb.measure(
 # %%
 # The step next to the paper's ablation: this run's ratios where there is a run, else the H200's.
 quoted = {
-    "(8, 16, 2048, 2048, 128)": {"stage 5": 501, "stage 8": 633, "stage 9": 638, "FA4": 655},
-    "(2, 16, 8192, 8192, 128)": {"stage 5": 514, "stage 8": 632, "stage 9": 650, "FA4": 691},
-    "(8, 32, 2048, 2048, 64)": {"stage 5": 492, "stage 8": 452, "stage 9": 491, "FA4": 498},
-    "(2, 32, 8192, 8192, 64)": {"stage 5": 497, "stage 8": 504, "stage 9": 533, "FA4": 557},
+    "(8, 16, 2048, 2048, 128)": {"stage 5": 487, "stage 8": 615, "stage 9": 657, "FA4": 643},
+    "(2, 16, 8192, 8192, 128)": {"stage 5": 514, "stage 8": 633, "stage 9": 660, "FA4": 679},
+    "(8, 32, 2048, 2048, 64)": {"stage 5": 492, "stage 8": 447, "stage 9": 490, "FA4": 500},
+    "(2, 32, 8192, 8192, 64)": {"stage 5": 502, "stage 8": 501, "stage 9": 524, "FA4": 552},
 }
 source = "this run" if bench else "H200, 2026-12-02 (make bench)"
 rows = [("FlashAttention-3 paper, H100, head dim 128, 8k", "582", "661", "-", "1.14", "paper")]

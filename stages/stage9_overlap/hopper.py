@@ -136,6 +136,26 @@ Changes from stage 8:
   session, GPU time, outputs poisoned, head by head / sectioned): D = 128 causal S = 2k 454 /
   461, 4k 556 / 573, 8k 623 / 640 (+2-3%), 1k 331 / 324 and 16k 688 / 682 (-1-2%); D = 64 +0.6-3.7%
   from 1k. Without a mask the order is head by head (l2_heads = 1), unchanged.
+- What the SASS costs against FA4's (fourteenth session, 2026-12-02). FA4's Hopper kernel
+  compiles on a machine without a GPU too (FakeTensorMode, FLASH_ATTENTION_ARCH=sm_90), so the
+  steady-state loops could be read side by side (cuobjdump -sass, bf16, S = 16k, non-causal; a
+  tile without the mask, the mask's branch not taken): 454 instructions per warp and KV tile at
+  D = 64 against FA4's 420, 501 against 457 at D = 128. Most of the surplus was the wgmma
+  descriptors: indexing K as tSrK[None, None, k_block, slot] had ptxas rebuild both 32-bit
+  halves of each of the 8 (D = 128) descriptors (ULOP3 + UMOV each, 63 uniform-datapath
+  instructions per tile against FA4's 38), where slicing the slot first and then the k-blocks
+  gives the slot's descriptor plus a constant, one UIADD3.64 (issue_qk, issue_pv): 442 and 473
+  instructions. The row max in four fmax chains (quad_row_max) took 4 more at D = 128. Measured
+  (H200, same day, GPU time, interleaved rounds, two passes, old / new, FA4; the same bits in
+  every row): D = 128 bf16 non-causal S = 2k 668 / 674 and 640 / 665 (FA4 672, 638), 4k 696 /
+  696 and 694 / 698 (704, 712), 8k 684 / 690 and 664 / 692 (701, 696), 16k 651 / 680 and 652 /
+  681 (690, 685); causal 2k +1%, 8k +1%, 16k +2.5% and -2.5%; fp16 8k +1.4% twice. At D = 64
+  the slot-first indexing alone: -1.1 to +1.9% (bf16), fp16 8k -0.7 and -3.2%; the fmax chains
+  there ran 1.3-6.3% slower (486-524 against 499-548 TFLOP/s, five shapes, one pass), so D = 64
+  keeps the reduce (fmax_row_max = head_dim == 128): fewer instructions are not faster where the
+  exponentials set the pace and ptxas reorders the softmax around them. Also measured and
+  dropped: the mask test per tile as two compares against bounds computed once per Q tile
+  (8 instructions fewer at D = 64): -4.9 to +0.7% at D = 64, -3.5 to +3.3% at D = 128.
 - Tried and dropped: the KV tiles that cross no mask edge in a loop of their own without the
   mask code (FlashAttention's peeled loop; the same tiles in the same order, so the same bits).
   Three copies of the loop body made ptxas serialise the wgmma at D = 128 (warning C7512,
@@ -278,6 +298,7 @@ class Sm90Kernel:
         # in a block ptxas cannot hoist the wait out of (see the kernel and the docstring);
         # D = 64 (three consumer warpgroups) ran 5-6% slower that way and keeps the PTX order.
         self.max_before_wait = head_dim == 128
+        self.fmax_row_max = head_dim == 128  # quad_row_max: see the module docstring
 
     @staticmethod
     def warpgroups_for(head_dim):
@@ -996,9 +1017,12 @@ class Sm90Kernel:
         overwriting acc_S, as one wgmma group (committed, not waited for)."""
         warpgroup.fence()
         qk_mma.set(warpgroup.Field.ACCUMULATE, False)
+        # The ring slot first, then the k-blocks: each k-block's descriptor is then the slot's
+        # plus a constant (one 64-bit add in the SASS, as in FA4's kernel), where indexing
+        # (k_block, slot) together had ptxas rebuild both halves of every descriptor.
+        tSrQ0, tSrKs = tSrQ[None, None, None, 0], tSrK[None, None, None, slot]
         for k_block in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-            coord = (None, None, k_block, slot)
-            cute.gemm(qk_mma, acc_S, tSrQ[None, None, k_block, 0], tSrK[coord], acc_S)
+            cute.gemm(qk_mma, acc_S, tSrQ0[None, None, k_block], tSrKs[None, None, k_block], acc_S)
             qk_mma.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
 
@@ -1008,9 +1032,9 @@ class Sm90Kernel:
         accumulating (pv_mma's ACCUMULATE is set once, acc_O starts at 0), as one wgmma group
         (committed, not waited for)."""
         warpgroup.fence()
+        tOrVs = tOrVt[None, None, None, slot]  # the slot first, as in issue_qk
         for kv_block in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-            coord = (None, None, kv_block, slot)
-            cute.gemm(pv_mma, acc_O, tOrP[None, None, kv_block], tOrVt[coord], acc_O)
+            cute.gemm(pv_mma, acc_O, tOrP[None, None, kv_block], tOrVs[None, None, kv_block], acc_O)
         warpgroup.commit_group()
 
     @cute.jit
@@ -1319,8 +1343,7 @@ class Sm90Kernel:
         row_scale = cute.make_rmem_tensor_like(row_max)
         for r in cutlass.range_constexpr(cute.size(row_max)):
             s = acc_S_mn[r, None].load()
-            m_new = s.reduce(cute.ReductionOp.MAX, row_max[r], 0)
-            m_new = cute.arch.warp_reduction_max(m_new, threads_in_group=4)
+            m_new = self.quad_row_max(acc_S_mn, r, row_max[r])
             # A row that has seen no key yet (m_new = -inf) subtracts 0 instead: P = exp2(-inf)
             # = 0 and row_scale = 0 rather than exp2(-inf + inf) = NaN.
             m_safe = m_new if m_new != -cutlass.Float32.inf else 0.0
@@ -1334,6 +1357,26 @@ class Sm90Kernel:
         return row_scale
 
     @cute.jit
+    def quad_row_max(self, acc_S_mn, r, init):
+        """m = max(init, max_c S[r, c]) over this thread's columns, then over the 4 threads of
+        the quad. With fmax_row_max (D = 128) in four independent chains of fmax (FMNMX, which
+        ignores a NaN operand; a NaN in S still makes P, row_sum and O NaN), as FA4 does; else
+        TensorSSA.reduce (FMNMX.NAN), stages 3-8's form. Measured in the module docstring."""
+        m_new = init
+        if cutlass.const_expr(self.fmax_row_max):
+            n = cute.size(acc_S_mn, mode=[1])
+            chains = [acc_S_mn[r, c] for c in range(4)]
+            for c in cutlass.range_constexpr(4, n):
+                chains[c % 4] = cute.arch.fmax(chains[c % 4], acc_S_mn[r, c])
+            m_new = cute.arch.fmax(
+                cute.arch.fmax(chains[0], chains[1]), cute.arch.fmax(chains[2], chains[3])
+            )
+            m_new = cute.arch.fmax(m_new, init)
+        else:
+            m_new = acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, init, 0)
+        return cute.arch.warp_reduction_max(m_new, threads_in_group=4)
+
+    @cute.jit
     def fold_row_max(self, acc_S, row_max, scale_log2):
         """online_softmax's first half: m_new = max(row_max, max_j S_j) (over the quad),
         row_scale = exp2((row_max - m_new) * scale_log2), row_max = m_new. Returns (row_scale,
@@ -1342,8 +1385,7 @@ class Sm90Kernel:
         row_scale = cute.make_rmem_tensor_like(row_max)
         max_scaled = cute.make_rmem_tensor_like(row_max)
         for r in cutlass.range_constexpr(cute.size(row_max)):
-            m_new = acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, row_max[r], 0)
-            m_new = cute.arch.warp_reduction_max(m_new, threads_in_group=4)
+            m_new = self.quad_row_max(acc_S_mn, r, row_max[r])
             m_safe = m_new if m_new != -cutlass.Float32.inf else 0.0
             row_scale[r] = cute.math.exp2((row_max[r] - m_safe) * scale_log2, fastmath=True)
             max_scaled[r] = m_safe * scale_log2
