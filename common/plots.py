@@ -2233,6 +2233,31 @@ def persistent_ctas(rows, title=None, path=None):
     )
 
 
+def stage8_persistent(rows, title=None, path=None):
+    """Stage 8's persistent CTAs as measured (rows of docs/results/
+    stage8_persistent_h200_2026-12-02.json: dtype, D, S, causal and TFLOP/s per variant): one
+    panel per (D, causal) in bf16, TFLOP/s against S for stage 8 before (one CTA per tile),
+    stage 8 persistent, the new tile order on one CTA per tile, stage 9 and FA4."""
+    mine = [r for r in rows if r.get("dtype", "bf16") == "bf16"]
+    keys = sorted({(r["D"], bool(r["causal"])) for r in mine}, key=lambda p: (p[0], not p[1]))
+    panels = [
+        (
+            f"D = {D}, {'causal' if causal else 'non-causal'}",
+            [r for r in mine if (r["D"], bool(r["causal"])) == (D, causal)],
+        )
+        for D, causal in keys
+    ]
+    styles = {
+        "before": ("stage 8 before (one CTA per tile)", "#8C8C8C", 2.0),
+        "one CTA per tile": ("new tile order, one CTA per tile", "#C44E52", 1.2),
+        "persistent": ("stage 8 persistent (now)", kernel_color("stage 8"), 2.5),
+        "stage 9": ("stage 9", kernel_color("stage 9"), 1.2),
+        "FA4": ("FA4", kernel_color("FA4"), 1.2),
+    }
+    default = "Stage 8 with and without persistent CTAs"
+    return _tflops_against_s(panels, styles, title or default, path, 3.6, legend=dict(fontsize=6))
+
+
 def dynamic_tiles(rows, title=None, path=None):
     """Stage 9's dynamic tile scheduler as measured (rows of docs/results/
     dynamic_h200_2026-12-01.json: D, S, causal and TFLOP/s per variant): one panel per D, causal

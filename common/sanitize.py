@@ -11,19 +11,19 @@ import sys
 
 SHAPES = {n: (1, 2, 256, 768, 64) for n in (6, 7, 8, 9)}
 SHAPES.update({4: (1, 2, 128, 512, 64), 5: (1, 2, 128, 512, 64)})
-# Stages 8 and 9 have rings of 12 and 11 slots at D = 64 (three consumer warpgroups): 768 keys
+# Stages 8 and 9 have rings of 11 slots at D = 64 (three consumer warpgroups): 768 keys
 # give 12 K and V entries, so use more keys there (2048: 32 entries, every slot used more than
 # once).
 SHAPES[8] = SHAPES[9] = (1, 2, 256, 2048, 64)
 # Stage 8 also on its two-warpgroup tile of D = 64 (a causal mask over 1024 keys: launch_options)
-# with its 13 slots: 8 KV tiles, 16 entries.
+# with its 12 slots: 8 KV tiles, 16 entries.
 SHORT_MASK_8 = (1, 2, 256, 1024, 64)
 
 
 def target(n):
     """What runs under the sanitizer: one launch of stage n on a small shape, checked. On Hopper
-    stage 8 also runs on its two-warpgroup tile of D = 64 (a short mask), and stage 9 with its
-    persistent grid capped at 2 CTAs, so that each CTA walks 2 tiles and hands Q and the ring's
+    stage 8 also runs on its two-warpgroup tile of D = 64 (a short mask), and stages 8 and 9 with
+    their persistent grid capped at 2 CTAs, so that each CTA walks 2 tiles and hands Q and the ring's
     slots from one to the next: non-causal (a fixed share of tiles) and causal (tiles drawn from
     the atomic counter), and packed sequences (drawn from the counter, the empty tiles
     skipped)."""
@@ -48,10 +48,11 @@ def target(n):
         print(
             f"stage 8 (two consumer warpgroups, D = 64, causal over 1024 keys) under the sanitizer: {r}"
         )
-    if n == 9 and track() == "hopper":
-        from stages.stage9_overlap import hopper
+    if n in (8, 9) and track() == "hopper":
+        from . import attention_host, stages
 
-        from . import attention_host
+        hopper = stages.track_module(n, "hopper")
+        earlier = stages.track_module(n - 1, "hopper")  # the same bits (the stages' own tests)
 
         class capped(hopper.Sm90Kernel):  # the grid capped at 2 CTAs: 2 tiles each
             def __init__(self, dtype, d, pack, **options):
@@ -63,17 +64,15 @@ def target(n):
             c = make_case(n, "hopper", SHAPES[n], causal=causal)
             q, k, v = c.args
             run = lambda: attention_host.attention(capped, q, k, v, None, causal, None, False, None)  # noqa: E731
-            out = run_with_deadline(run, 600, f"stage 9, persistent, {order}")
-            r = check_close(f"stage 9, persistent, {order}", out, c.ref(), rtol=c.rtol)
+            out = run_with_deadline(run, 600, f"stage {n}, persistent, {order}")
+            r = check_close(f"stage {n}, persistent, {order}", out, c.ref(), rtol=c.rtol)
             torch.cuda.synchronize()
-            print(f"stage 9 (persistent, 2 CTAs x 2 tiles, {order}) under the sanitizer: {r}")
+            print(f"stage {n} (persistent, 2 CTAs x 2 tiles, {order}) under the sanitizer: {r}")
         # Packed sequences on the same capped grid: tiles drawn from the counter, the empty ones
-        # (past the shorter sequences' ends) skipped by the producer; bit for bit against
-        # stage 8 (its own tests check it against the reference). Causal over at most 300 keys:
+        # (past the shorter sequences' ends) skipped by the producer; bit for bit against the
+        # stage before (its own tests check it against the reference). Causal over at most 300 keys:
         # two consumer warpgroups (launch_options), where the batch cases above take three; then
         # the same batch pinned to three.
-        from stages.stage8_warp_specialized import hopper as stage8
-
         g = torch.Generator(device="cuda").manual_seed(5)
         # A 1-token and an empty sequence first: both CTAs start on an empty tile (skipped).
         lens = [1, 0, 300, 200]
@@ -85,9 +84,9 @@ def target(n):
         class capped_three(capped):  # the same batch on the default tile (three at D = 64)
             launch_options = staticmethod(lambda *a: {})
 
-        ref = stage8.attention_varlen(q, k, v, cu, cu, causal=True)
+        ref = earlier.attention_varlen(q, k, v, cu, cu, causal=True)
         for kernel_class, wgs in ((capped, "two"), (capped_three, "three")):
-            what = f"stage 9, persistent, packed sequences, {wgs} consumer warpgroups"
+            what = f"stage {n}, persistent, packed sequences, {wgs} consumer warpgroups"
             out = run_with_deadline(
                 lambda: attention_host.attention_varlen(
                     kernel_class, q, k, v, cu, cu, None, None, None, True, None, False, None
@@ -97,7 +96,7 @@ def target(n):
             )
             torch.cuda.synchronize()
             if not torch.equal(out, ref):
-                raise AssertionError(f"{what}: differs from stage 8")
+                raise AssertionError(f"{what}: differs from stage {n - 1}")
             print(f"{what} (2 CTAs, causal) under the sanitizer: equal")
 
 

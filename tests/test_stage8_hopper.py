@@ -1,6 +1,6 @@
 """Stage 8 (Hopper): warp specialisation - a TMA producer warpgroup, two consumer warpgroups
 (three at D = 64) taking turns on the tensor cores (ping-pong through named barriers), a deeper
-K/V ring.
+K/V ring, persistent CTAs with a dynamic tile scheduler.
 
 - Compile-only (no GPU), bf16 and fp16, D = 64 and 128, batch and packed: setmaxnreg.dec (24)
   and setmaxnreg.inc (240; 160 with three consumer warpgroups) in the PTX and not ignored by
@@ -14,13 +14,19 @@ K/V ring.
   every barrier ends balanced, the tensor cores see 1: QK0, 2: QK0, (3: QK0,) 1: PV0 QK1, ...
   and nothing else; the model fails the protocol's near misses (a wait or a pass too many, a
   lost pass). Pack-GQA's group sizes against the tile rows (192 at D = 64) and the rows per
-  pass of the O store. Stage 7's bad-input cases.
+  pass of the O store. Stage 7's bad-input cases. The persistent loop (the check_* functions,
+  which stage 9's tests call on stage 9): the ring's position across tiles, the tile order
+  (longest first, L2 sections), the tickets of the dynamic scheduler walked to the end, every
+  interleaving of the Q / tile-number hand-over (q_full, q_empty) and its near misses, the
+  grids launched.
 - GPU tests (marker gpu_hopper), each launch under a 120 s deadline so that a lost arrive fails
   instead of hanging: stage 7's numerical tests (GQA / MQA with causal and window masks against
   the fp64 reference, packed sequences per sequence, NaN planted outside a sequence, empty
   sequences, packed = batch mode) on stage 8; O and LSE equal to stage 7's bit for bit,
   including shapes long enough to wrap the ring many times, on both tiles of D = 64 (192 and
-  128 rows); pack-GQA groups that only the 192-row tile packs.
+  128 rows); pack-GQA groups that only the 192-row tile packs; grids capped at a few CTAs so
+  that each CTA walks many tiles (batch and packed, against the module with persistence off
+  and stage 7), and the tile counter back at zero after each call.
 
 The per-sequence references, packed inputs and bad-input cases are stage 7's
 (tests/test_stage7_hopper.py).
@@ -163,33 +169,20 @@ def test_compiles_warp_specialized(dtype, D, Sk, varlen):
     # the QK^T that shares its turn.
     expected = r"0dL+iTGCPW" + ("B" if varlen else "") + r"TGCPWBB"
     assert re.fullmatch(expected, schedule_string(ptx)), schedule_string(ptx)
-    # The ring: as many K or V tiles as fit in 227 KB next to Q (bM x D) and 1 KB of barriers:
-    # 12 x 16 KB next to 24 KB at D = 64 (192 rows; 13 next to 16 KB with 128), 6 x 32 KB next
-    # to 32 KB at D = 128.
+    # The ring: as many K or V tiles as fit in 227 KB next to Q and O (bM x D each: O has a
+    # buffer of its own, so that the next work tile's Q can land during this one's epilogue)
+    # and 1 KB of barriers: 2 x 24 KB + 11 x 16 KB at D = 64 (192 rows; 2 x 16 KB + 12 x 16 KB
+    # with 128), 2 x 32 KB + 5 x 32 KB at D = 128; 225 KB either way.
     tile_bytes, q_bytes = 128 * D * 2, 64 * wgs * D * 2
-    assert kernel.kv_slots == {(64, 3): 12, (64, 2): 13, (128, 2): 6}[D, wgs]
-    assert kernel.shared_memory_bytes == 1024 + q_bytes + kernel.kv_slots * tile_bytes
+    assert kernel.kv_slots == {(64, 3): 11, (64, 2): 12, (128, 2): 5}[D, wgs]
+    assert kernel.shared_memory_bytes == 1024 + 2 * q_bytes + kernel.kv_slots * tile_bytes
+    assert kernel.shared_memory_bytes == 230400
     assert kernel.shared_memory_bytes <= 227 * 1024 < kernel.shared_memory_bytes + tile_bytes
-    # kv_full and kv_empty per slot, and q_full
-    assert counts["mbarrier.init"] == 2 * kernel.kv_slots + 1
+    # kv_full and kv_empty per slot, q_full and q_empty (the hand-over of Q and the tile number)
+    assert counts["mbarrier.init"] == 2 * kernel.kv_slots + 2
     if res and "spill_stores" in res:
         assert res["spill_stores"] == 0 and res["spill_loads"] == 0, res
         assert res["registers"] <= 65536 // kernel.threads, res
-
-
-@pytest.mark.parametrize("varlen", [False, True], ids=["batch", "packed"])
-@pytest.mark.parametrize("D", [64, 128])
-def test_q_tiles_longest_first_at_d128_only(D, varlen):
-    """Longest first (the docstring's measurements): at D = 128 the kernel takes Q tile
-    gridDim.x - 1 - blockIdx.x, so its PTX reads %nctaid.x, which nothing else in stage 8 reads;
-    at D = 64, where the reversed order measured 2-3% slower, it keeps stage 7's order and its
-    PTX reads no %nctaid.x. The order cannot be seen in the outputs (the same bits either way),
-    so this is where a lost reversal shows."""
-    kernel, ptx, _, _ = compile_stage8(torch.bfloat16, D, kv_heads=2, varlen=varlen, causal=True)
-    assert kernel.longest_first == (D == 128)
-    reads_grid = "%nctaid.x" in ptx
-    assert reads_grid == (D == 128), f"D = {D}: %nctaid.x read: {reads_grid}"
-    assert "%ctaid.x" in ptx  # the tile index itself is read either way
 
 
 # ---------------------------------------------------------------- the turn protocol (CPU)
@@ -636,3 +629,471 @@ def check_two_and_three_warpgroups_agree(module, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_short_masks_at_d64_two_and_three_warpgroups_agree(dtype):
     check_two_and_three_warpgroups_agree(hopper, dtype)
+
+
+# ---------------------------------------------------------------- persistent CTAs, the tile scheduler
+# (stage 9 runs the same checks on its kernel, against stage 8)
+
+
+def check_ring_position_carries_across_work_tiles(module, D):
+    """The persistent loop rebuilds each role's ring position from the entries walked so far
+    (ring_state). It must be where one entry at a time would have brought it - make_pipeline_
+    state's start (producer parity 1, consumers 0), the index + 1 per entry, the parity flipped
+    at each wrap - for every sequence of work tiles, empty ones (no KV tile) included."""
+    from cutlass.pipeline import PipelineUserType
+
+    kernel = module.compile_args(torch.bfloat16, (1, 1, 128, 128, D))[0]
+    S = kernel.kv_slots
+    for steps_per_tile in ([3, 0, 1, 5], [S, S, 0, 2 * S + 1], [1] * (4 * S + 3), [7, 0, 0, 9]):
+        for user, parity in ((PipelineUserType.Producer, 1), (PipelineUserType.Consumer, 0)):
+            index, entries = 0, 0
+            for steps in steps_per_tile:
+                state = kernel.ring_state(entries, user)
+                assert (state.index, state.phase, state.count) == (index, parity, entries), (
+                    user,
+                    steps_per_tile,
+                    entries,
+                )
+                for _ in range(2 * steps):  # K and V of each KV tile, one entry each
+                    index += 1
+                    if index == S:
+                        index, parity = 0, parity ^ 1
+                entries += 2 * steps
+
+
+def check_tile_order_covers_every_tile_once_longest_first_by_section(
+    module, tiles_m, heads, sequences, l2_heads
+):
+    """tile_coords (a plain method: called here with ints) maps the work tiles 0 .. T - 1 onto
+    every (Q tile, head, sequence) exactly once; inside a section of l2_heads (head, sequence)
+    pairs the Q tiles come last first and the pairs fastest; l2_heads = 1 is head by head."""
+    kernel = module.Sm90Kernel(cutlass.BFloat16, 128)
+    pairs = heads * sequences
+    assert pairs % l2_heads == 0  # what l2_section_heads guarantees (pairs & -pairs)
+    coords = [kernel.tile_coords(t, tiles_m, heads, l2_heads) for t in range(tiles_m * pairs)]
+    assert sorted(coords) == sorted(
+        (m, h, b) for m in range(tiles_m) for h in range(heads) for b in range(sequences)
+    )
+    section_tiles = l2_heads * tiles_m
+    for t, (m, h, b) in enumerate(coords):
+        section, i = divmod(t, section_tiles)
+        # Tile t runs Q tile tiles_m - 1 - i // l2_heads of pair section * l2_heads + i % l2_heads.
+        assert m == tiles_m - 1 - i // l2_heads, (t, m)
+        assert h + heads * b == section * l2_heads + i % l2_heads, (t, h, b)
+    if l2_heads == 1:  # head by head: the Q tile fastest (last first), then head, sequence
+        assert coords == [
+            (tiles_m - 1 - t % tiles_m, t // tiles_m % heads, t // (tiles_m * heads))
+            for t in range(tiles_m * pairs)
+        ]
+
+
+def ticket_walk(kernel, lens_q, heads, grid, rng):
+    """A CPU model of the persistent grid on packed sequences: `grid` CTAs, each starting with
+    tile c, taking the next tile as gridDim.x + a ticket drawn from one counter (next_tile) and
+    skipping the empty ones as the producer does (live_tile: draw again while the tile is past
+    its sequence's end), with the kernel's tile_coords and tile_is_empty; the CTAs run in an
+    order drawn by `rng`. Returns (tiles handed to the consumers, in order; the final count of
+    the counter)."""
+    tiles_m = -(-max(lens_q) * kernel.pack_gqa // kernel.cta_tile[0])
+    total = tiles_m * heads * len(lens_q)
+    counter = [0]
+
+    def draw():
+        counter[0] += 1
+        return grid + counter[0] - 1
+
+    def live(tile):
+        while tile < total:
+            pid_m, _, seq = kernel.tile_coords(tile, tiles_m, heads, 1)
+            if not kernel.tile_is_empty(pid_m, lens_q[seq]):
+                break
+            tile = draw()
+        return tile
+
+    # Each CTA's next tile before its skips (its first tile c, then a fresh draw); a CTA picked
+    # by rng skips from there (its draws interleave with the other CTAs') and hands over what it
+    # reaches, or ends.
+    pending, running = list(range(grid)), set(range(grid))
+    handed = []
+    while running:
+        c = rng.choice(sorted(running))
+        tile = live(pending[c])
+        if tile >= total:
+            running.discard(c)
+            continue
+        handed.append(tile)
+        pending[c] = draw()
+    return handed, counter[0], tiles_m, total
+
+
+def check_ticket_walk_hands_every_live_tile_out_once(module, D, pack, lens_q, grid):
+    """On packed sequences the persistent grid hands every tile with rows of Q to exactly one
+    CTA, never an empty one, and every CTA ends: over 20 orders of the CTAs, against the live
+    tiles counted from the lengths (ceil(len * G / rows) per head). The counter ends at the
+    number of tiles: tickets 0 .. total - 1 are drawn once each, the last draw of every CTA
+    being the one that ends it (grid = min(tiles, SMs), as __call__ caps it)."""
+    import random
+
+    kernel = module.Sm90Kernel(cutlass.BFloat16, D, pack)
+    heads, rows = 2, kernel.cta_tile[0]
+    tiles_m = -(-max(lens_q) * pack // rows)
+    grid = min(grid, tiles_m * heads * len(lens_q))
+    live = {
+        (m, h, b)
+        for b, n in enumerate(lens_q)
+        for h in range(heads)
+        for m in range(-(-n * pack // rows))
+    }
+    for seed in range(20):
+        handed, drawn, tiles_m, total = ticket_walk(
+            kernel, lens_q, heads, grid, random.Random(seed)
+        )
+        coords = [kernel.tile_coords(t, tiles_m, heads, 1) for t in handed]
+        assert sorted(coords) == sorted(live), seed
+        assert drawn == total, (seed, drawn, total)
+
+
+# ---------------------------------------------------------------- the tile hand-over (CPU)
+
+END = -1  # a tile number past the end
+
+
+def handover_programs(kernel, tiles):
+    """The producer's and each consumer warpgroup's operations on q_full, q_empty and the shared
+    tile number (tile_id) for a CTA that walks `tiles` and then ends, in the kernel's order,
+    with the kernel's parities (q_empty_parity, q_full_parity): per tile the producer waits for
+    q_empty, writes the number, arrives on q_full (with Q's bytes); a consumer waits for q_full,
+    reads the number, and arrives on q_empty once done with Q; at the end the producer hands
+    over END with an arrive of its own."""
+    producer, consumer = [], []
+    for i, t in enumerate(list(tiles) + [END]):
+        producer += [("wait", "q_empty", kernel.q_empty_parity(i)), ("write", t)]
+        producer += [("arrive", "q_full")]
+        consumer += [("wait", "q_full", kernel.q_full_parity(i)), ("read", t)]
+        if t != END:
+            consumer += [("arrive", "q_empty")]
+    return [producer] + [list(consumer) for _ in range(kernel.mma_warpgroups)]
+
+
+def explore_handover(programs, arrivals):
+    """Every interleaving of `programs` over mbarriers with the hardware's parity rule (a wait
+    for parity p passes once the barrier's completed phases have the other parity; a phase
+    completes after `arrivals[bar]` arrives). Returns the set of outcomes: 'done', 'deadlock',
+    or ('read', expected, got) where a consumer read another tile number than its own tile's."""
+    outcomes, seen = set(), set()
+
+    def step(pcs, bars, value):
+        key = (pcs, bars, value)
+        if key in seen:
+            return
+        seen.add(key)
+        if all(pc == len(prog) for pc, prog in zip(pcs, programs)):
+            outcomes.add("done")
+            return
+        moved = False
+        for i, prog in enumerate(programs):
+            if pcs[i] == len(prog):
+                continue
+            op = prog[pcs[i]]
+            nbars, nvalue = dict(bars), value
+            if op[0] == "wait":
+                done, _ = nbars[op[1]]
+                if done % 2 == op[2]:
+                    continue  # that phase has not completed yet
+            elif op[0] == "arrive":
+                done, pending = nbars[op[1]]
+                pending += 1
+                nbars[op[1]] = (done + 1, 0) if pending == arrivals[op[1]] else (done, pending)
+            elif op[0] == "write":
+                nvalue = op[1]
+            elif op[0] == "read" and value != op[1]:
+                outcomes.add(("read", op[1], value))
+            moved = True
+            npcs = pcs[:i] + (pcs[i] + 1,) + pcs[i + 1 :]
+            step(npcs, tuple(sorted(nbars.items())), nvalue)
+        if not moved:
+            outcomes.add("deadlock")
+
+    step(tuple(0 for _ in programs), (("q_empty", (0, 0)), ("q_full", (0, 0))), None)
+    return outcomes
+
+
+HANDOVER_TILES = [[], [7], [7, 139], [7, 139, 271]]
+
+
+def check_tile_handover_delivers_every_number_and_ends(module, D, tiles):
+    """The producer hands each tile's number to the 2 (D = 128) or 3 (D = 64) consumer
+    warpgroups with q_full, and END after the last: in every interleaving each consumer reads
+    exactly its tiles' numbers and then END, and every program finishes (q_full: 1 arrive a
+    phase; q_empty: one per consumer warpgroup, the kernel's all consumer threads)."""
+    kernel = module.Sm90Kernel(cutlass.BFloat16, D)
+    programs = handover_programs(kernel, tiles)
+    arrivals = {"q_full": 1, "q_empty": kernel.mma_warpgroups}
+    assert explore_handover(programs, arrivals) == {"done"}
+
+
+def check_tile_handover_model_catches_near_misses(module, change):
+    """The model above must fail each near miss of the protocol: the producer writing END
+    without waiting for the consumers to be done with the last tile, writing a number after
+    its arrive, a consumer that never releases Q, no END at all, a q_empty parity off by one, a
+    consumer that reads the second tile's number without waiting for q_full."""
+    kernel = module.Sm90Kernel(cutlass.BFloat16, 128)
+    tiles = [7, 139]
+    programs = handover_programs(kernel, tiles)
+    producer, consumer = programs[0], programs[1]
+    if change == "no_wait_before_end":
+        assert producer[-3] == ("wait", "q_empty", kernel.q_empty_parity(len(tiles)))
+        del producer[-3]
+    elif change == "write_after_arrive":
+        i = producer.index(("write", 139))
+        producer[i], producer[i + 1] = producer[i + 1], producer[i]
+    elif change == "lost_release":
+        consumer.remove(("arrive", "q_empty"))
+    elif change == "no_end":
+        del producer[-1]
+    elif change == "parity":
+        producer[3] = ("wait", "q_empty", 1 - producer[3][2])
+    elif change == "consumer_skips_wait":
+        assert consumer[3] == ("wait", "q_full", kernel.q_full_parity(1))
+        del consumer[3]
+    outcomes = explore_handover(programs, {"q_full": 1, "q_empty": kernel.mma_warpgroups})
+    assert outcomes != {"done"}, change
+    if change in ("lost_release", "no_end", "parity"):
+        assert "deadlock" in outcomes, (change, outcomes)
+    else:
+        assert any(isinstance(o, tuple) for o in outcomes), (change, outcomes)
+
+
+def launched_grids(fn):
+    """fn() run under torch.profiler: the grid of every CuTe DSL kernel it launched."""
+    import json
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        events = json.load(open(path))["traceEvents"]
+    grids = [
+        tuple(e["args"]["grid"])
+        for e in events
+        if e.get("cat") == "kernel" and "cutlass" in e.get("name", "")
+    ]
+    return out, grids
+
+
+def check_persistent_ctas_walk_many_tiles(module, ref, D):
+    """A persistent grid capped at 7 CTAs (not the SM count), so that each CTA walks 6-10 tiles
+    and carries the ring's slots and phases and Q's two barriers from one tile to the next
+    (Sk = 1000: 16 ring entries per tile, not a multiple of the 5 or 11 slots). One compiled
+    kernel, calls in a row: non-causal (the tiles shared out in a fixed order), causal twice
+    and a window (the same grid, the tiles handed out at run time from tile_counter, which
+    must start from 0 at every call: a count left over from the call before would skip
+    tiles), non-causal again; each bit for bit against stage 8 (poisoned outputs: a tile
+    computed by nobody fails)."""
+
+    class kernel_class(module.Sm90Kernel):  # the grid capped at 7 CTAs
+        # One compiled kernel for every call: the default tile also under the short masks
+        # below (launch_options would take two consumer warpgroups there at D = 64).
+        launch_options = staticmethod(lambda *a: {})
+
+        def __init__(self, dtype, d, pack, **options):
+            super().__init__(dtype, d, pack, sm_count=7, **options)
+
+    B, H, Sq, Sk = 2, 4, 1000, 1000
+    # 8 Q tiles of 128 rows (D = 128) or 6 of 192 (D = 64) x 4 heads x 2: 64 or 48 tiles
+    tiles = -(-Sq // module.Sm90Kernel(cutlass.BFloat16, D).tile_rows) * H * B
+    assert tiles == {64: 48, 128: 64}[D]
+    q, k, v = inputs.attention_inputs(B, H, Sq, Sk, D, torch.bfloat16, seed=D + 7)
+    for causal, window, grid in [
+        (False, None, (7, 1, 1)),
+        (True, None, (7, 1, 1)),
+        (True, None, (7, 1, 1)),
+        (False, (200, 0), (7, 1, 1)),
+        (False, None, (7, 1, 1)),
+    ]:
+        (o_got, lse_got), grids = launched_grids(
+            lambda: run(
+                lambda: attention_host.attention(
+                    kernel_class, q, k, v, None, causal, window, True, None
+                )
+            )
+        )
+        assert grids == [grid], (causal, window, grids)
+        o_ref, lse_ref = run(
+            lambda: ref.attention(q, k, v, causal=causal, window=window, return_lse=True)
+        )
+        assert torch.equal(o_got, o_ref), (
+            causal,
+            window,
+            (o_got.float() - o_ref.float()).abs().max(),
+        )
+        assert torch.equal(lse_got, lse_ref), (causal, window)
+
+
+def test_tile_counter_is_zero_wherever_the_kernel_draws_from_it(monkeypatch):
+    """The kernel draws tickets (dynamic = 1) for packed sequences, and in batch mode under a
+    causal or window cut (left < Sk or right < Sq); the host must hand it a zero counter in
+    every such call (a count left over would skip tiles)."""
+    Sq, Sk = 384, 512
+    # torch.empty may hand back zeroed memory: make it -1, so that only a zeroed counter passes.
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(-1))
+    for batch_mode, left, right in [
+        (False, Sk, Sq),  # packed sequences, no mask
+        (False, Sk, 0),  # packed, causal
+        (True, Sk, 0),  # causal
+        (True, 100, Sq),  # a left window alone
+        (True, Sk, Sq - 1),  # a right cut of one key
+    ]:
+        c = attention_host.tile_counter(batch_mode, left, right, Sq, Sk, "cpu")
+        assert c.shape == (1,) and c.dtype == torch.int32 and c.item() == 0, (batch_mode, left)
+
+
+def check_persistent_ctas_walk_packed_sequences(module, ref, D, monkeypatch):
+    """Packed sequences on a persistent grid capped at 7 CTAs: the tiles drawn from tile_counter
+    at run time, and the empty ones skipped by the producer (live_tile: the grid counts the
+    longest sequence's Q tiles for every sequence, so a 1-token sequence has one live tile and
+    the rest empty). The first batch starts with a 1-token and an empty sequence, so that most
+    CTAs start on an empty tile; then a long one, queries without any key (O = 0, LSE = -inf),
+    equal lengths and another long one. The second has fewer live tiles (6; 4 at D = 64, where
+    the launch packs its 2 query heads per KV head) than CTAs (7), so some CTA computes nothing. One compiled kernel, calls in a row: non-causal, causal, a
+    window, causal with pack-GQA (G = 2 rows per position: the empty test on packed rows),
+    causal again (a count left over from the call before would skip tiles), non-causal, the
+    second batch causal and not. Each call: bit for bit against stage 8 (pack-GQA gives the
+    unpacked bits; poisoned outputs: a tile computed by nobody fails), and the counter ends at
+    the number of tiles - each of tickets 0 .. total - 1 drawn once (a fixed share would leave it
+    at 0, a lost or repeated draw elsewhere)."""
+
+    class kernel_class(module.Sm90Kernel):  # the grid capped at 7 CTAs
+        # One compiled kernel for every call: the default tile also under the short masks
+        # below (launch_options would take two consumer warpgroups there at D = 64).
+        launch_options = staticmethod(lambda *a: {})
+
+        def __init__(self, dtype, d, pack, **options):
+            super().__init__(dtype, d, pack, sm_count=7, **options)
+
+    counters = []
+    keep = attention_host.tile_counter
+    monkeypatch.setattr(
+        attention_host, "tile_counter", lambda *a: counters.append(keep(*a)) or counters[-1]
+    )
+    rows = module.Sm90Kernel(cutlass.BFloat16, D).tile_rows
+
+    def groups(lens_q, H, Hkv, pack):  # G as the launch picks it (pack=None: by max_seqlen_q)
+        return choose_pack(H, Hkv, max(lens_q), rows, pack)
+
+    first = ([1, 0, 700, 130, 64, 450], [300, 20, 900, 0, 64, 450], 4, 2)
+    second = ([1, 0, 0, 200], [50, 10, 0, 200], 2, 1)  # D = 64 packs it: G = 2 (200 < 192 x 2)
+    live = {}
+    for name, (lens_q, _, H, Hkv) in (("first", first), ("second", second)):
+        G = groups(lens_q, H, Hkv, None)
+        live[name] = sum(-(-n * G // rows) for n in lens_q) * (H // G)
+    assert live == {"first": {64: 40, 128: 56}[D], "second": {64: 4, 128: 6}[D]}, live
+    calls = [(first, c, w, p) for c, w, p in [(False, None, None), (True, None, None)]]
+    calls += [(first, False, (100, 30), None), (first, True, None, True)]
+    calls += [(first, True, None, None), (first, False, None, None)]
+    calls += [(second, True, None, None), (second, False, None, None)]
+    for (lens_q, lens_k, H, Hkv), causal, window, pack in calls:
+        q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, H, Hkv, D, torch.bfloat16, seed=D)
+        G = groups(lens_q, H, Hkv, pack)
+        total = -(-max(lens_q) * G // rows) * (H // G) * len(lens_q)
+        (o_got, lse_got), grids = launched_grids(
+            lambda: run(
+                lambda: attention_host.attention_varlen(
+                    kernel_class, q, k, v, cu_q, cu_k, None, None, None, causal, window, True, pack
+                )
+            )
+        )
+        what = (lens_q, causal, window, pack)
+        assert grids == [(7, 1, 1)], (what, grids)
+        assert counters[-1].item() == total, (what, counters[-1].item(), total)
+        o_ref, lse_ref = run(
+            lambda: ref.attention_varlen(
+                q, k, v, cu_q, cu_k, causal=causal, window=window, return_lse=True
+            )
+        )
+        assert torch.equal(o_got, o_ref), (what, (o_got.float() - o_ref.float()).abs().max())
+        assert torch.equal(lse_got, lse_ref), what
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_ring_position_carries_across_work_tiles(D):
+    check_ring_position_carries_across_work_tiles(hopper, D)
+
+
+@pytest.mark.parametrize(
+    "tiles_m, heads, sequences, l2_heads",
+    [(64, 16, 2, 8), (8, 16, 16, 64), (5, 6, 1, 2), (3, 12, 3, 4), (7, 5, 1, 1), (1, 4, 1, 4)],
+)
+def test_tile_order_covers_every_tile_once_longest_first_by_section(
+    tiles_m, heads, sequences, l2_heads
+):
+    check_tile_order_covers_every_tile_once_longest_first_by_section(
+        hopper, tiles_m, heads, sequences, l2_heads
+    )
+
+
+@pytest.mark.parametrize("D, pack", [(128, 1), (64, 1), (128, 2), (64, 3)])
+@pytest.mark.parametrize(
+    "lens_q",
+    [[700, 0, 1, 130, 64, 450], [2047, 64, 64, 1], [5], [0, 0, 300], [384, 128, 192, 576]],
+    ids=str,
+)
+@pytest.mark.parametrize("grid", [1, 3, 7, 132])
+def test_ticket_walk_hands_every_live_tile_out_once(D, pack, lens_q, grid):
+    check_ticket_walk_hands_every_live_tile_out_once(hopper, D, pack, lens_q, grid)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("tiles", HANDOVER_TILES, ids=lambda t: f"{len(t)}tiles")
+def test_tile_handover_delivers_every_number_and_ends(D, tiles):
+    check_tile_handover_delivers_every_number_and_ends(hopper, D, tiles)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "no_wait_before_end",
+        "write_after_arrive",
+        "lost_release",
+        "no_end",
+        "parity",
+        "consumer_skips_wait",
+    ],
+)
+def test_tile_handover_model_catches_near_misses(change):
+    check_tile_handover_model_catches_near_misses(hopper, change)
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("D", [64, 128])
+def test_persistent_ctas_walk_many_tiles(D):
+    check_persistent_ctas_walk_many_tiles(hopper, stage7, D)
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("D", [64, 128])
+def test_persistent_ctas_walk_packed_sequences(D, monkeypatch):
+    check_persistent_ctas_walk_packed_sequences(hopper, stage7, D, monkeypatch)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_persistent_longest_first_by_section_at_both_head_dims(D):
+    """The configuration the docstring measured: persistent CTAs, O in its own buffer, the Q
+    tiles longest first in L2 sections, at both head dims (stage 9 keeps all four); the launch
+    passes tile_counter. The order itself cannot be seen in the outputs (the same bits in any
+    order): test_tile_order_covers_every_tile_once_longest_first_by_section checks it."""
+    kernel = hopper.Sm90Kernel(cutlass.BFloat16, D)
+    assert (kernel.persistent, kernel.o_buffer, kernel.longest_first, kernel.l2_sections) == (
+        True,
+        True,
+        True,
+        True,
+    )
+    assert kernel.uses_tile_counter and kernel.l2_bytes == 50 * 1024 * 1024

@@ -28,6 +28,7 @@
 # `notebooks/source/stage8_warp_specialized.py`.
 
 # %%
+import json
 import os
 import sys
 
@@ -53,8 +54,8 @@ nb.start(8)
 # - name the warp roles of stage 8 - one producer warpgroup, two consumer warpgroups (three at
 #   D = 64) - and check the register split `setmaxnreg` makes (24 / 240 registers per thread;
 #   24 / 160 with three consumers) against the register file;
-# - say how deep the K/V ring runs now (as many tiles as fit in 227 KB: 6 at D = 128, 12 at
-#   D = 64) and why $V_j$ no longer waits for $K_j$'s slot;
+# - say how deep the K/V ring runs now (as many tiles as fit in 227 KB next to Q and O: 5 at
+#   D = 128, 11 at D = 64) and why $V_j$ no longer waits for $K_j$'s slot;
 # - follow the ping-pong hand-over through two named barriers (`wait_turn`, `pass_turn`; a turn
 #   is $PV_j$ with $QK_{j+1}$, issued back to back) and count how often each barrier completes;
 # - draw the timelines of the tensor cores and the softmax units before (stage 7: the two
@@ -62,6 +63,8 @@ nb.start(8)
 #   what that model leaves out;
 # - say why D = 64 needs a third consumer warpgroup, and where a 192-row tile is the wrong choice
 #   (short causal masks);
+# - say what persistent CTAs and a dynamic tile scheduler buy (the set-up per tile, the causal
+#   tail) and in which order the tiles run;
 # - put the measured gain next to the FlashAttention-3 paper's ablation, and report honestly where
 #   it falls short.
 #
@@ -146,9 +149,11 @@ print(
 # (`make diff-8 TRACK=hopper` shows the whole files). The main loop moves into two branches - the
 # producer's and the consumers' - the ring's bookkeeping moves to `PipelineState` objects, and two
 # small methods carry the ping-pong. The arithmetic of each warpgroup is stage 7's, line for line.
-# One change is not warp specialisation: at D = 128 the Q tiles run longest first (`longest_first`,
-# blockIdx.x = 0 takes the last tile), which lifted the causal rows by 6-9% at S = 16k in two runs
-# (H200, 2026-12-02; the docstring's numbers); stage 9 keeps it.
+# One change is not warp specialisation: both roles walk work tiles in a loop on a grid of at most
+# one CTA per SM (persistent CTAs, with a dynamic tile scheduler under a mask; section 5.6). It
+# started in stage 9 and moved here in the fifteenth session (2026-12-02), so that the step from
+# stage 8 to stage 9 is the intra-warpgroup overlap alone, as in the FlashAttention-3 paper's
+# ablation.
 
 # %%
 nb.show_docstring(8, "hopper")
@@ -172,7 +177,7 @@ fig = plots.warp_specialized_roles(
     threads=threads,
     load_registers=load_regs,
     mma_registers=mma_regs,
-    kv_slots=cfg.get("kv_slots", 6),
+    kv_slots=cfg.get("kv_slots", 5),
     mma_warpgroups=cfg.get("mma_warpgroups", 2),
     cta_tile=cfg.get("cta_tile", (128, 128, 128)),
 )
@@ -180,8 +185,8 @@ fig = plots.warp_specialized_roles(
 # %% [markdown]
 # ### 5.2 The ring runs ahead
 #
-# `kv_slots` is now as many K or V tiles as fit next to Q and 1 KB of barriers in the 227 KB of
-# shared memory a CTA may use. Every load is its own ring entry (entry $2t$ is $K$ of step $t$,
+# `kv_slots` is now as many K or V tiles as fit next to Q, O's buffer (section 5.6) and 1 KB of
+# barriers in the 227 KB of shared memory a CTA may use. Every load is its own ring entry (entry $2t$ is $K$ of step $t$,
 # $2t+1$ its $V$; entry $e$ takes slot $e \bmod$ `kv_slots`), so $V_j$ goes into the next slot
 # instead of waiting for $K_j$'s: with ping-pong, warpgroup 2 issues $QK_j$ while warpgroup 1 runs
 # its softmax, so $K_j$'s slot would be free only about when warpgroup 1 needs $V_j$. The producer
@@ -197,11 +202,12 @@ for D in (64, 128):
     kernel, _ = mod8.compile_args(torch.bfloat16, (2, 4, 512, 1024, D))
     tile = 128 * D * 2  # a K or V tile: 128 keys x D
     q_tile = kernel.cta_tile[0] * D * 2  # Q: bM rows x D (192 rows at D = 64: section 5.5)
+    o_tile = q_tile if kernel.o_buffer else 0  # O: the same bM x D, its own buffer (5.6)
     print(
         f"D = {D}: kv_slots = {kernel.kv_slots} tiles of {tile // 1024} KB = "
-        f"{kernel.kv_slots * tile // 1024} KB, + Q {q_tile // 1024} KB + 1 KB of barriers = "
-        f"{(kernel.kv_slots * tile + q_tile + 1024) // 1024} KB of 227; the producer runs up to "
-        f"{kernel.kv_slots / 2:g} KV tiles ahead"
+        f"{kernel.kv_slots * tile // 1024} KB, + Q {q_tile // 1024} KB + O {o_tile // 1024} KB "
+        f"+ 1 KB of barriers = {(kernel.kv_slots * tile + q_tile + o_tile + 1024) // 1024} KB "
+        f"of 227; the producer runs up to {kernel.kv_slots / 2:g} KV tiles ahead"
     )
 
 # %% [markdown]
@@ -326,7 +332,60 @@ if mod8 is not None:
         )
 
 # %% [markdown]
-# ### 5.6 The same stage on Blackwell
+# ### 5.6 Persistent CTAs and the order of the tiles
+#
+# Up to 5.5 the kernel is one CTA per 128-row (192-row) Q tile, and every CTA pays its set-up -
+# barriers, descriptors, Q's load, the first K and V - and ends with an epilogue that nothing
+# overlaps. Here both roles walk *work tiles* (a Q tile of one (head, sequence)) in a loop, on a
+# grid of at most one CTA per SM (`device_sm_count`, 132 on the H200):
+#
+# - **Which tile next.** Without a causal or window cut every tile has the same work, and CTA $c$
+#   takes tiles $c, c + \text{gridDim.x}, \ldots$. Under a mask the tiles are unequal (the last
+#   Q tile of a causal head sees every KV tile, the first one a single one), so the producer draws
+#   the next tile from a global counter once it has issued a tile's last load (`next_tile`: one
+#   atomic add by lane 0 on `tile_counter`, which the host zeroes at every call) -
+#   FlashAttention-3's dynamic scheduler. Packed sequences take the counter too, and the producer
+#   skips the empty tiles of sequences shorter than the longest (`live_tile`).
+# - **In which order.** `tile_coords` maps a tile number to (Q tile, head, sequence) longest
+#   first: the Q tiles of a head in reverse, and under a mask in sections of `l2_heads` heads whose
+#   K and V fit in the 50 MB L2 together, the Q tile slowest inside a section - every head's
+#   longest tile before any head's second longest.
+# - **The hand-over.** Q and the tile's number pass from the producer to the consumers through
+#   two barriers, `q_full` (the producer's arrive with Q's bytes; the number is written to shared
+#   memory before it) and `q_empty` (every consumer thread done with Q); a number past the end
+#   ends the consumers' loop. O is staged in a buffer of its own, so that `q_empty` is released
+#   before the epilogue and the next Q lands while O is stored - one K/V slot less (5.2). The
+#   ring's position carries over from tile to tile (`ring_state`: entry $e$, counted across
+#   tiles, takes slot $e \bmod$ `kv_slots`, parity $\lfloor e / \text{kv\_slots} \rfloor \bmod 2$).
+#
+# The tests walk the tickets and every interleaving of the hand-over on the CPU, and compare O
+# bit for bit on grids capped at a few CTAs, so that each CTA runs many tiles and every ring slot
+# wraps many times.
+
+# %%
+nb.show_source(8, "hopper", names=["Sm90Kernel.next_tile", "Sm90Kernel.tile_coords"])
+
+# %% [markdown]
+# **Measured** (H200, 2026-12-02, the fifteenth session, bf16, paper shapes, GPU time in
+# interleaved rounds; `docs/results/stage8_persistent_h200_2026-12-02.md`): at D = 64 causal the
+# loop and the order gained 7-10% (S = 8k: 458 -> 495 TFLOP/s, FA4 542), taking stage 8 from
+# 0.82-0.85x to 0.89-0.91x FA4 from S = 2k; with the new order but one CTA per tile (the red
+# line) about half of that below 8k and all of it at 16k - below 8k the set-up per tile and the
+# tail weigh, at 16k the order. At D = 128 it gained 2-8% up to 8k and lost 2-9% at S = 16k,
+# where none of the variants tried (O over Q with 6 slots, no L2 sections, 25 MB sections)
+# recovered it beyond the runs' spread of about 3%. Why the 16k rows lose is not established.
+# Section 7 gives this session's `make bench` run.
+
+# %%
+with open(os.path.join(nb.ROOT, "docs/results/stage8_persistent_h200_2026-12-02.json")) as f:
+    s8_persistent = json.load(f)["rows"]
+fig = plots.stage8_persistent(
+    s8_persistent,
+    title="Stage 8 with and without persistent CTAs (H200, 2026-12-02, bf16, GPU time)",
+)
+
+# %% [markdown]
+# ### 5.7 The same stage on Blackwell
 #
 # On Blackwell the tensor core is fed by one thread and its accumulators live in tensor memory
 # (TMEM), so warp specialisation looks different: stage 8 is FA4's CTA. It takes **two Q tiles**
@@ -414,30 +473,30 @@ fig = nb.error_picture(8, result)
 # "before"), stage 7 (the same features without warp specialisation) and the baselines, FA4
 # included, at the paper shapes, all timed in one run.
 #
-# **Expected**, from `make bench` on the H200 (2026-12-02, bf16, B·S = 16k, H·D = 2048,
-# non-causal; every kernel of a row timed in the same interleaved rounds, event-timed; D = 128 from
-# the thirteenth session's run, `docs/results/bench_h200_2026-12-02_thirteenth_d128.md`, D = 64,
-# three consumer warpgroups, from the twelfth's, `docs/results/bench_h200_2026-12-02_twelfth_d64.md`
-# - both on the kernel as it stands, the pair of 5.3 back to back included), in TFLOP/s:
+# **Expected**, from `make bench` on the H200 (2026-12-03, bf16, B·S = 16k, H·D = 2048,
+# non-causal; every kernel of a row timed in the same interleaved rounds, event-timed;
+# `docs/results/bench_h200_2026-12-03_seventeenth_d128.md` and `..._d64.md`, on the kernel as it
+# stands: the pair of 5.3 back to back, three consumer warpgroups at D = 64, the persistent CTAs
+# of 5.6), in TFLOP/s:
 #
 # | D | S | stage 5 | stage 8 | FA4 | stage 8 / stage 5 | stage 8 / FA4 |
 # | --- | --- | --- | --- | --- | --- | --- |
-# | 128 | 2k | 501 | 633 | 655 | 1.26 | 0.97 |
-# | 128 | 8k | 514 | 632 | 691 | 1.23 | 0.91 |
-# | 64 | 2k | 492 | 452 | 498 | 0.92 | 0.91 |
-# | 64 | 8k | 497 | 504 | 557 | 1.01 | 0.90 |
+# | 128 | 2k | 500 | 641 | 653 | 1.28 | 0.98 |
+# | 128 | 8k | 529 | 639 | 701 | 1.21 | 0.91 |
+# | 64 | 2k | 504 | 477 | 511 | 0.95 | 0.93 |
+# | 64 | 8k | 511 | 520 | 566 | 1.02 | 0.92 |
 #
 # At D = 128 the step goes past where the FlashAttention-3 paper's ablation puts it: on an H100 at
 # head dimension 128, warp specialisation without the intra-warpgroup overlap (the next stage's
 # technique) ran 582 TFLOP/s against 661 for the full kernel, **0.88** of it; stage 8 runs at
-# 0.91-0.97 of FA4 here (flash_attn.cute, whose Hopper path is FlashAttention-3's schedule, the
-# intra-warpgroup overlap on by default; 0.92-0.97 non-causal and 0.91-0.96 causal from S = 2k in
-# that run), 1.23-1.30x stage 5. Part of the paper's step is the wait that 5.3 took out of the
-# turn: with it (the eleventh session's run) stage 8 stood at 0.87-0.92 non-causal, where the
-# paper's ablation has it. Single figures move between runs by 5-10% (the H200's clocks step
-# under its power cap; the first runs of 2026-12-01, one kernel after another, had put stage 8 at
-# 1.06-1.47x stage 5), which is why only ratios from one run are compared. **At D = 64, with two
-# consumer warpgroups, stage 8 was slower than stage 5** (0.82-0.85x, the ninth session's run,
+# 0.90-0.98 of FA4 here (flash_attn.cute, whose Hopper path is FlashAttention-3's schedule, the
+# intra-warpgroup overlap on by default; 0.90-0.98 non-causal and 0.92-0.96 causal from S = 2k in
+# that run), 1.19-1.28x stage 5. Part of the paper's step is the wait that 5.3 took out of the
+# turn: with it (the eleventh session's run, 2026-12-02) stage 8 stood at 0.87-0.92 non-causal,
+# where the paper's ablation has it. Single figures move between runs by 5-10% (the H200's clocks
+# step under its power cap; the first runs of 2026-12-01, one kernel after another, had put stage
+# 8 at 1.06-1.47x stage 5), which is why only ratios from one run are compared. **At D = 64, with
+# two consumer warpgroups, stage 8 was slower than stage 5** (0.82-0.85x, the ninth session's run,
 # `docs/results/bench_h200_2026-12-02_ninth_d64.md`), where the model of 3.1 predicts its largest
 # gain. Nsight Compute (H200, 2026-12-01, shape (2, 32, 8192, 8192, 64), one launch each) pointed
 # to the reason: the exponentials are the bottleneck (the exp2 pipe 58% busy in stage 5, 50% in
@@ -445,13 +504,13 @@ fig = nb.error_picture(8, result)
 # where stage 8 ran one CTA with two. Section 5.5's third consumer warpgroup answers it: in the
 # same rounds (H200, 2026-12-02, GPU time, bf16, three / two consumer warpgroups,
 # `docs/results/stage8_warpgroups_h200_2026-12-02.md`) S = 2k 457 / 404, 8k 505 / 422, 16k
-# 505 / 426, +2% at S = 512 rising to +20% at 8k; stage 8 at D = 64 is now 0.89-0.94x FA4
-# non-causal (event time, 512-16k). Causal it stays at 0.83-0.85x from S = 2k (two warpgroups at
-# 512-1k, 0.96-0.97x): the causal tail is what stage 9's tile scheduler takes on. In fp16 stage 8
-# reaches 0.87-0.94x FA4 non-causal, but stays below stage 7 there (444-474 against 471-481
-# TFLOP/s from S = 2k, `docs/results/bench_h200_2026-12-02_twelfth_fp16_d64.md`; in bf16 stage
-# 7 runs 367-391): why stage 7 runs so much faster in fp16 than in bf16 at D = 64 is not
-# established.
+# 505 / 426, +2% at S = 512 rising to +20% at 8k; stage 8 at D = 64 is now 0.90-1.01x FA4
+# non-causal (event time, 512-16k, 2026-12-03). Causal it stood at 0.83-0.85x from S = 2k (two
+# warpgroups at 512-1k) until the persistent CTAs and the tile order of 5.6 took on the causal
+# tail: 0.90-0.92x from 2k on 2026-12-03. In fp16 stage 8 reaches 0.90-0.96x FA4 non-causal
+# from 2k; there stage 7 runs as fast as stage 8 below 8k (480-484 against 466-468 TFLOP/s at
+# 2k-4k, `docs/results/bench_h200_2026-12-03_seventeenth_fp16_d64.md`; in bf16 stage 7 runs
+# 376-398): why stage 7 runs so much faster in fp16 than in bf16 at D = 64 is not established.
 # Exercise 5 rules out the other candidate, the ring's depth.
 
 # %%
@@ -470,12 +529,12 @@ bench = nb.measure(
 # %%
 # The step next to the paper's ablation: this run's ratios where there is a run, else the H200's.
 quoted = {
-    "(8, 16, 2048, 2048, 128)": {"stage 5": 501, "stage 8": 633, "FA4": 655},
-    "(2, 16, 8192, 8192, 128)": {"stage 5": 514, "stage 8": 632, "FA4": 691},
-    "(8, 32, 2048, 2048, 64)": {"stage 5": 492, "stage 8": 452, "FA4": 498},
-    "(2, 32, 8192, 8192, 64)": {"stage 5": 497, "stage 8": 504, "FA4": 557},
+    "(8, 16, 2048, 2048, 128)": {"stage 5": 500, "stage 8": 641, "FA4": 653},
+    "(2, 16, 8192, 8192, 128)": {"stage 5": 529, "stage 8": 639, "FA4": 701},
+    "(8, 32, 2048, 2048, 64)": {"stage 5": 504, "stage 8": 477, "FA4": 511},
+    "(2, 32, 8192, 8192, 64)": {"stage 5": 511, "stage 8": 520, "FA4": 566},
 }
-source = "this run" if bench else "H200, 2026-12-02 (make bench)"
+source = "this run" if bench else "H200, 2026-12-03 (make bench)"
 rows = [
     (
         "FlashAttention-3 paper, H100, head dim 128",
@@ -526,7 +585,8 @@ nb.table(
 # 2. **The ring.** From the rule in `__init__`, compute `kv_slots` for D = 64 and 128 and check the
 #    shared memory in the compile summary at D = 64
 #    (`nb.compile_summary(8, "hopper", shape=(2, 4, 512, 1024, 64))`). How far ahead of the
-#    consumers can the producer run in each case, in KV tiles?
+#    consumers can the producer run in each case, in KV tiles? How many slots would O's own
+#    buffer (5.6) cost if it were given up?
 # 3. **A lost arrive.** What happens if warpgroup 1 forgets its `pass_turn` after its last PV? Use
 #    the model: `plots.attention_schedule(True, 3, final_pass=False)`. Which warpgroup hangs, and
 #    on which barrier?
@@ -534,7 +594,7 @@ nb.table(
 #    model predict at D = 64 and at D = 128, and what did the H200 measure (section 7)? Name what
 #    the model leaves out.
 # 5. **A first experiment on D = 64.** Besides the third consumer warpgroup, D = 64 differs from
-#    D = 128 in the ring: 12 slots against 6. Compare the compile summaries at D = 64 of stage 5
+#    D = 128 in the ring: 11 slots against 5. Compare the compile summaries at D = 64 of stage 5
 #    and stage 8 (registers, shared memory) and of stage 8 with `settings=dict(kv_slots=4)`. In
 #    GPU mode, time the ring depth and the warpgroups: `nb.measure(8, [(8, 32, 2048, 2048, 64)],
 #    also_stages=(5,), variants={"kv_slots=4": dict(kv_slots=4), "two consumer warpgroups":
@@ -557,11 +617,13 @@ nb.table(
 #
 # <details><summary>2. The ring</summary>
 #
-# $\lfloor (227 \cdot 1024 - 1024 - Q)/\text{tile} \rfloor$: D = 128, tiles of 32 KB: 6 slots
-# (192 KB + 32 KB + 1 KB = 225 KB); D = 64, 16 KB, next to the 192-row Q tile of 24 KB: 12 slots
-# (192 + 24 + 1 = 217 KB; a 13th does not fit). A KV tile is two entries, so the producer can be
-# 3 tiles ahead at D = 128 and 6 at D = 64. The compile summary shows the shared memory; the cell
-# below prints it for both.
+# $\lfloor (227 \cdot 1024 - 1024 - Q - O)/\text{tile} \rfloor$, O's buffer the size of Q: D =
+# 128, tiles of 32 KB: 5 slots (160 KB + 2 x 32 KB + 1 KB = 225 KB, 230,400 B); D = 64, 16 KB,
+# next to the 192-row Q tile and O of 24 KB each: 11 slots (176 + 48 + 1 = 225 KB; a 12th does
+# not fit). A KV tile is two entries, so the producer can be 2.5 tiles ahead at D = 128 and 5.5 at
+# D = 64. Without O's buffer (O staged over Q, as before 5.6) one more slot fits at either head
+# dimension: 6 and 12. The compile summary shows the shared memory; the cell below prints it for
+# both.
 # </details>
 #
 # <details><summary>3. A lost arrive</summary>
@@ -592,8 +654,8 @@ nb.table(
 # The compile summaries give the registers and shared memory of each (printed below; for stage 8 the
 # register count is the 168 of the kernel's entry, not what the consumers use after `setmaxnreg` -
 # the docstring gives nvdisasm's count of the consumer code, 137 and 127 at D = 64, packed and
-# batch, against stage 7's 128 and 133). If the kv_slots variants run at the speed of the 13-slot
-# kernel, the ring depth is not the cause; if a shallower ring is faster, the depth (or the shared
+# batch, against stage 7's 128 and 133). If the kv_slots variants run at the speed of the kernel's
+# own 11 slots, the ring depth is not the cause; if a shallower ring is faster, the depth (or the shared
 # memory it takes) is involved and the next question is why. What the H200 measured (2026-12-01,
 # on stage 9 at D = 64, which has the same ring rule): 4 slots 459 TFLOP/s, 13 slots 442, 2 slots
 # 380 - a deep ring gains nothing over a few tiles of lead, and two slots are too few for the

@@ -61,10 +61,8 @@ nb.start(9)
 # - read the timeline model before and after, and say what it predicts and why the measurement
 #   disagrees with it;
 # - put the measured step next to the FlashAttention-3 paper's ablation (582 -> 661 TFLOP/s);
-# - say when persistent CTAs pay (equal tiles, short sequences) and how a dynamic tile scheduler
-#   (an atomic counter) carries them over to causal and window masks;
-# - say what stage 8's third consumer warpgroup at D = 64 (a 192-row Q tile, 160 registers each)
-#   did for this stage, which took it first, and why short masks keep two.
+# - say what stage 8's persistent CTAs, dynamic tile scheduler and third consumer warpgroup at
+#   D = 64 did for this stage, which took them first (section 7), and why short masks keep two.
 #
 # ## 2. Previous stage recap
 #
@@ -118,16 +116,14 @@ for D_ in (64, 128):
 # (`make diff-9 TRACK=hopper` shows the whole files). The consumer branch's loop is restructured
 # into a prologue, the pipelined steps and a last PV; the GEMM issues and the softmax move into
 # three small methods (`issue_qk`, `issue_pv`, `softmax_step`) because each is now called from two
-# places. The second change wraps both roles in a loop over work tiles (persistent CTAs, section
-# 7.1): the tile's coordinates come from `tile_coords`, Q passes from tile to tile through
-# `q_full` and `q_empty`, the ring's position carries over (`ring_state`), and O is staged in its
-# own shared-memory buffer, one K/V slot less. Third, the mask of an edge tile compares each
+# places. The loop over work tiles (persistent CTAs, the tile scheduler and order, O's own
+# buffer) is stage 8's since the fifteenth session (2026-12-02; this stage had it first, section
+# 7), so the diff no longer shows it. Second, the mask of an edge tile compares each
 # element's column offset, a constant, against one interval per row (`mask_edges`, `mask_keys`;
 # the same elements as stage 8). The CTA's shape is stage 8's: three consumer warpgroups on a
 # 192-row Q tile at D = 64, two under short masks (section 7.2). Last, two changes that only the
 # machine code shows (section 5.4): the GEMMs index the ring slot before the k-blocks, and at
-# D = 128 the row max runs in four `fmax` chains (`quad_row_max`). (The diff is long because the
-# consumer code moved one indentation level into the tile loop.)
+# D = 128 the row max runs in four `fmax` chains (`quad_row_max`).
 
 # %%
 nb.show_docstring(9, "hopper")
@@ -183,8 +179,9 @@ fig = plots.pingpong_timelines(head_dim=D, block_n=bN, rows=rows_per_wg, steps=3
 # as one GEMM at D = 128, so the overlap gains about 1%. Making the softmax longer in the model
 # (`exp_tflops` lower) does not change that much, because the exponential units, shared by the
 # two warpgroups, then become the bound for both stages (exercise 4). The H200 measured +11% at
-# S = 8k (section 7, the eleventh session's run; +3% in the thirteenth's, once stage 8 issued the
-# two GEMMs of its turn back to back): the gain comes from what the model leaves out - the latency between issuing
+# S = 8k (section 7, the eleventh session's run, 2026-12-02; +6% on 2026-12-03, once stage 8
+# issued the two GEMMs of its turn back to back and ran on the same persistent grid): the gain
+# comes from what the model leaves out - the latency between issuing
 # a wgmma and its results (stage 8's warpgroup waits for $PV_j$ and $QK_{j+1}$ before its softmax,
 # stage 9's only for $QK_j$), the FMA and ALU work of the softmax next to the exponentials (ncu on
 # the H200, 2026-12-01, stage 9 at D = 128: XU pipe 39% busy, FMA 16%, ALU 18%), the barriers.
@@ -348,37 +345,37 @@ fig = nb.error_picture(9, result)
 # Stage 9 against stages 5 and 8 and the baselines, FA4 included, at the paper shapes, all timed
 # in one run.
 #
-# **Expected**, from `make bench` on the H200 (2026-12-02, bf16, B·S = 16k, H·D = 2048,
+# **Expected**, from `make bench` on the H200 (2026-12-03, bf16, B·S = 16k, H·D = 2048,
 # non-causal; every kernel of a row timed in the same interleaved rounds, event-timed; the
-# fourteenth session's runs, `docs/results/bench_h200_2026-12-02_fourteenth_d128.md` and
-# `..._fourteenth_d64.md`, causal rows included), in TFLOP/s:
+# seventeenth session's runs, `docs/results/bench_h200_2026-12-03_seventeenth_d128.md` and
+# `..._d64.md`, causal rows included), in TFLOP/s:
 #
 # | D | S | stage 5 | stage 8 | stage 9 | FA4 | SDPA cuDNN |
 # | --- | --- | --- | --- | --- | --- | --- |
-# | 128 | 2k | 487 | 615 | 657 | 643 | 636 |
-# | 128 | 8k | 514 | 633 | 660 | 679 | 630 |
-# | 64 | 2k | 492 | 447 | 490 | 500 | 459 |
-# | 64 | 8k | 502 | 501 | 524 | 552 | 463 |
+# | 128 | 2k | 500 | 641 | 669 | 653 | 645 |
+# | 128 | 8k | 529 | 639 | 680 | 701 | 648 |
+# | 64 | 2k | 504 | 477 | 501 | 511 | 471 |
+# | 64 | 8k | 511 | 520 | 551 | 566 | 475 |
 #
-# At D = 128 the step is +7% at S = 2k and +4% at 8k non-causal (615 -> 657, 633 -> 660) and
-# +6-13% causal from 2k (503 -> 554, 591 -> 666 at 8k); the FlashAttention-3 paper's ablation on
-# an H100 at head dimension 128 measured +14% for the same step (582 -> 661). At 16k stage 8 ran
-# ahead in this run's event timing (658 against 639), but in GPU time, timed against each other in
-# one process the same day, stage 9 was 4-6% ahead there (690 and 681 against 652 and 648). The
-# thirteenth session's run had the step at +1% and +3% (633 -> 638, 632 -> 650) and the eleventh's
-# at +8-10% (609 -> 672, 612 -> 658), before stage 8 issued the two GEMMs of a turn back to back
-# (its section 5.3): that took the tensor cores' idle gap inside each turn out of stage 8, and
-# with it part of what this stage had gained there - so in the paper's ablation, too, part of the
+# Stages 8 and 9 now share everything but the overlap - the persistent CTAs, the tile order and
+# O's own buffer (stage 8's section 5.6) - so this is the step of the FlashAttention-3 paper's
+# ablation alone. At D = 128 it is +4% at S = 2k, +10% at 4k, +6% at 8k and +1% at 16k
+# non-causal (641 -> 669, 623 -> 687, 639 -> 680, 647 -> 656) and +5-11% causal from 2k (535 ->
+# 562, 611 -> 681 at 8k); the paper's ablation on an H100 at head dimension 128 measured +14%
+# for the same step (582 -> 661). Before stage 8 issued the two GEMMs of a turn back to back (its
+# section 5.3) the step was +8-10% (the eleventh session's run, 2026-12-02: 609 -> 672, 612 ->
+# 658): that took the tensor cores' idle gap inside each turn out of stage 8, and with it part of
+# what this stage had gained there - so in the paper's ablation, too, part of the
 # intra-warpgroup step may be that gap, which its warp-specialised kernel keeps. Runs differ by a
-# few percent; stage 9 ends at 1.02x and 0.97x FA4 here (1.01 and 0.98 in GPU time alone): the gap
-# at long sequences is the open part of this stage, `docs/results/h200.md` says what is known
-# about it. At D = 64 the step is +10% and +5% (447 -> 490, 501 -> 524) on stage 8's CTA of three
-# consumer warpgroups (section 7.2); before stage 8 took them (the ninth session's run,
-# `docs/results/bench_h200_2026-12-02_ninth_d64.md`) the step was +22-23% because it included
-# them. With two, stages 8 and 9 stayed below stage 5 at D = 64: Nsight Compute on the H200
-# (2026-12-01) showed stage 5 fitting two CTAs per SM there (block limit by registers 2), so four
-# warpgroups compute on each SM against two, and D = 64 is bound by the exponentials (the XU pipe
-# 58% busy in stage 5 against 50% in stages 8 and 9).
+# few percent; stage 9 ends at 1.02x and 0.97x FA4 here (1.01 and 0.98 in GPU time alone), 0.95x
+# at 16k: the gap at long sequences is the open part of this stage, `docs/results/h200.md` says
+# what is known about it. At D = 64 the step is +5% and +6% (477 -> 501, 520 -> 551; -2% at 16k)
+# on stage 8's CTA of three consumer warpgroups (section 7.2); before stage 8 took them (the ninth
+# session's run, `docs/results/bench_h200_2026-12-02_ninth_d64.md`) the step was +22-23% because
+# it included them. With two, stages 8 and 9 stayed below stage 5 at D = 64: Nsight Compute on the
+# H200 (2026-12-01) showed stage 5 fitting two CTAs per SM there (block limit by registers 2), so
+# four warpgroups compute on each SM against two, and D = 64 is bound by the exponentials (the XU
+# pipe 58% busy in stage 5 against 50% in stages 8 and 9).
 
 # %%
 bench = nb.measure(
@@ -396,12 +393,12 @@ bench = nb.measure(
 # %%
 # The step next to the paper's ablation: this run's ratios where there is a run, else the H200's.
 quoted = {
-    "(8, 16, 2048, 2048, 128)": {"stage 5": 487, "stage 8": 615, "stage 9": 657, "FA4": 643},
-    "(2, 16, 8192, 8192, 128)": {"stage 5": 514, "stage 8": 633, "stage 9": 660, "FA4": 679},
-    "(8, 32, 2048, 2048, 64)": {"stage 5": 492, "stage 8": 447, "stage 9": 490, "FA4": 500},
-    "(2, 32, 8192, 8192, 64)": {"stage 5": 502, "stage 8": 501, "stage 9": 524, "FA4": 552},
+    "(8, 16, 2048, 2048, 128)": {"stage 5": 500, "stage 8": 641, "stage 9": 669, "FA4": 653},
+    "(2, 16, 8192, 8192, 128)": {"stage 5": 529, "stage 8": 639, "stage 9": 680, "FA4": 701},
+    "(8, 32, 2048, 2048, 64)": {"stage 5": 504, "stage 8": 477, "stage 9": 501, "FA4": 511},
+    "(2, 32, 8192, 8192, 64)": {"stage 5": 511, "stage 8": 520, "stage 9": 551, "FA4": 566},
 }
-source = "this run" if bench else "H200, 2026-12-02 (make bench)"
+source = "this run" if bench else "H200, 2026-12-03 (make bench)"
 rows = [("FlashAttention-3 paper, H100, head dim 128, 8k", "582", "661", "-", "1.14", "paper")]
 for shape, res in (bench or quoted).items():
     s8, s9, fa4 = res.get("stage 8"), res.get("stage 9"), res.get("FA4")
@@ -430,10 +427,12 @@ nb.table(
 # %% [markdown]
 # ### 7.1 Persistent CTAs
 #
-# Each CTA now walks work tiles in a loop (`tile_coords`: tile c, c + gridDim.x, ...). Where
-# every tile has the same work (no causal or window cut, batch mode) `__call__` caps the grid at
-# one CTA per SM, so a CTA's set-up and its first loads are paid once per SM rather than once per
-# 128-row tile, and the next tile's K and V stream in under this tile's last GEMMs. Q passes from
+# Stage 9 took persistent CTAs first (the sixth session, 2026-12-01) and stage 8 has them since
+# the fifteenth (2026-12-02, stage 8's notebook, section 5.6), with the scheduler of 7.3 and the
+# same tile order; the measurements of 7.1 and 7.3 are what they did to stage 9. Each CTA walks
+# work tiles in a loop (`tile_coords`: tile c, c + gridDim.x, ...). Where every tile has the
+# same work (no causal or window cut, batch mode) `__call__` caps the grid at one CTA per SM, so
+# a CTA's set-up and its first loads are paid once per SM rather than once per 128-row tile, and the next tile's K and V stream in under this tile's last GEMMs. Q passes from
 # tile to tile through two barriers (`q_full`, `q_empty`) with one phase per tile, and the ring's
 # position carries over: entry e, counted across tiles, takes slot e % kv_slots (`ring_state`).
 # O got its own buffer so that Q is released before the epilogue rather than after it.

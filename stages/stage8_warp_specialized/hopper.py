@@ -13,16 +13,17 @@ Changes from stage 7:
   no spills; the consumer code names 170 registers (packed, D = 128), 155 (batch, D = 128), 137
   and 127 (D = 64, two consumer warpgroups) of its 240 (nvdisasm; stage 7: 188, 164, 128,
   133). Stage 8 does not need the headroom yet; stage 9's second S accumulator will.
-- The ring runs ahead: kv_slots = as many 128-key tiles as fit in 227 KB (232,448 B) next to Q and
-  1 KB of barriers. D = 128, 32 KB tiles: 6 slots, 1 + 32 + 192 = 225 KB (230,400 B); D = 64,
-  16 KB tiles: 12 slots next to the 192-row Q tile, 1 + 24 + 192 = 217 KB (222,208 B; 13 slots,
-  225 KB, next to a 128-row one). (One CTA per SM either way: the registers above allow no
+- The ring runs ahead: kv_slots = as many 128-key tiles as fit in 227 KB (232,448 B) next to Q,
+  O's buffer (see the persistent CTAs below) and 1 KB of barriers. D = 128, 32 KB tiles:
+  5 slots, 1 + 2 x 32 + 160 = 225 KB (230,400 B); D = 64, 16 KB tiles: 11 slots next to the
+  192-row Q tile and O, 1 + 2 x 24 + 176 = 225 KB (12 next to a 128-row one). (One CTA per SM
+  either way: the registers above allow no
   second one.) Ring entry 2 t is K of step t and 2 t + 1 its V; entry e
   takes slot e % kv_slots. So V_j no longer overwrites K_j's slot but takes the next one: with
   ping-pong, warpgroup 2 issues QK_j while warpgroup 1 runs softmax_j, so K_j's slot is free
   only about when warpgroup 1 needs V_j, and loading V_j there would put a whole TMA load on
   warpgroup 1's path at every tile. The producer now waits only for the release of the entry
-  kv_slots back (3 KV tiles at D = 128, 6 at D = 64).
+  kv_slots back (2.5 KV tiles at D = 128, 5.5 at D = 64).
 - Ping-pong (FlashAttention-3's warp-scheduler barriers): named barriers 2 and 3 hand the tensor
   cores from one consumer warpgroup to the other, so that one warpgroup's softmax runs while the
   other's GEMMs hold them (three warpgroups: barriers 2, 3 and 4, the turns going round). A turn is the PV of one tile and the QK^T of the next, the pair
@@ -43,18 +44,46 @@ Changes from stage 7:
 - The syncs of the consumers alone (zero_rows, the epilogue's two) are named barrier 1 over
   their 256 (384) threads instead of the CTA's barrier 0; the producer leaves after producer_tail
   (the consumers have released every slot).
-- Longest first (D = 128): the Q tiles of a (head, sequence) run in reverse order (blockIdx.x = 0
-  takes the last tile), so that under a causal mask the CTAs with the most KV tiles start first
-  and the short ones fill the end of the grid (stage 7's order starts them last). Measured (H200,
-  2026-12-02, bf16, causal paper shapes, GPU time in interleaved rounds, TFLOP/s reversed / in
-  order, FA4 in the same run; docs/results/stage8_order_h200_2026-12-02.txt): D = 128 S = 1k 373 /
-  372 (FA4 416), 2k 483 / 479 (552), 4k 571 / 562 (646), 8k 624 / 608 (695), 16k 634 / 596 (712):
-  0.88-0.90x FA4 against 0.84-0.89x in order; non-causal 8k 645 / 642 (725); a second run
-  +0.3-8.8% (16k 666 / 612, FA4 727). D = 64 ran 2-3% slower reversed (2k 320 / 327, 8k 408 / 418;
-  two identical kernels in the same rounds differ by 0-0.2%; two consumer warpgroups then), so
-  it keeps the in-order grid; with the three below, reversed measured -1 to +3% in bf16 causal
-  (2k-8k -0.6 to -1%, 16k +3%; fp16 +1 to +5%), not enough to take it. Stage 9 takes the order
-  at both head dims, with its own tile scheduler.
+- Persistent CTAs (fifteenth session, 2026-12-02; stage 9 had them from the sixth): the kernel
+  walks work tiles (one per Q tile of one (head, sequence)) in a loop, on a grid of at most one
+  CTA per SM, so that a CTA's set-up (barriers, descriptors, the first loads) is paid once per
+  SM instead of once per tile, and the next tile's Q, K and V stream in during this tile's last
+  GEMMs and its epilogue. Without a causal or window cut (batch mode) every tile has the same
+  work and CTA c takes tiles c, c + gridDim.x, ...; under one, and for packed sequences, the
+  producer draws the next tile from a global counter once it has issued a tile's last load
+  (next_tile: one atomic add by lane 0 on tile_counter, which the host zeroes at each call),
+  so the tiles start longest first as CTAs free up (FlashAttention-3's dynamic scheduler).
+  Packed, the grid counts as many Q tiles per (head, sequence) as the longest sequence has;
+  the producer skips the empty ones (live_tile). Two barriers hand Q and the tile number over:
+  q_full (the producer's arrive with Q's bytes, the number written to shared memory before
+  it) and q_empty (all 256 or 384 consumer threads done with Q); a number past the end ends
+  the consumers' loop. O has a buffer of its own (32 KB at D = 128, 24 KB at D = 64), so that
+  q_empty is released before the epilogue and the next Q lands while O is stored: one K/V slot
+  less (5 at D = 128, 11 at D = 64). The ring's position carries over from tile to tile
+  (ring_state: entry e, counted across tiles, takes slot e % kv_slots, parity
+  (e / kv_slots) % 2). The CPU models in the tests walk the tickets and every interleaving of
+  the hand-over.
+- The order of the tiles (tile_coords): longest first, the Q tiles of a (head, sequence) in
+  reverse order, and under a mask (batch mode) in sections of l2_heads (head, sequence) pairs
+  whose K and V fit in the 50 MB L2 together (l2_section_heads; 8 at D = 128, Sk = 8k), the Q
+  tile slowest inside a section, so that every head's longest tile comes before any head's
+  second longest (FlashAttention's LPT order); no mask: head by head.
+- Measured (H200, 2026-12-02, bf16 but where noted, paper shapes, GPU time in interleaved
+  rounds, TFLOP/s, stage 8 before (one CTA per Q tile, Q tiles reversed per head at D = 128
+  only, O over Q, 6 / 12 slots) / persistent / FA4 in the same rounds;
+  docs/results/stage8_persistent_h200_2026-12-02.md): D = 64 causal S = 1k 256 / 280 / 264,
+  2k 332 / 355 / 393, 4k 394 / 425 / 468, 8k 458 / 495 / 542, 16k 457 / 496 / 558 (+7-10%,
+  0.89-0.91x FA4 from 2k against 0.82-0.85x), fp16 2k 326 / 356 / 387, 8k 455 / 496 / 533;
+  D = 64 non-causal 2k 454 / 475 / 505, 8k 497 / 516 / 584, 16k 489 / 509 / 568; D = 128
+  causal 1k 395 / 425 / 422, 2k 503 / 540 / 551, 8k 645 / 662 / 693; D = 128 non-causal 1k
+  546 / 581 / 581, 2k 626 / 641 / 664. Slower at D = 128, S = 16k (non-causal 660 / 633 / 708,
+  causal 660 / 604 / 688; a second run 652 / 634 / 724 and 687 / 675 / 722) and within the
+  runs' spread at 8k non-causal (675 / 665 / 720, 680 / 676 / 725); O over Q with 6 slots,
+  persistent, was no faster there (645 and 619 at 16k, 664 at 8k). The same order without
+  persistence (one CTA per tile): D = 64 causal 2k 322, 4k 398, 8k 476, 16k 495, so most of
+  the gain below 8k is the set-up per tile and the tail, and at 16k the order (head by head,
+  the Q tiles in order: 457; reversed per head: 478; sectioned: 484-495). The same bits in any
+  order and on any grid (tested, with the grid capped at 7 CTAs).
 - Three consumer warpgroups at D = 64 (FlashAttention-3's configuration): a 192-row Q tile,
   consumer w computing rows [64 (w - 1), 64 w), 512 threads, setmaxnreg 24 / 160 (128 x 24 +
   384 x 160 = 64,512; 65,536 / 512 = 128 at entry, no spills, ptxas 13.0). D = 64 is bound by
@@ -68,8 +97,8 @@ Changes from stage 7:
   327), 1k 373 / 361 (411), 2k 457 / 404 (506), 4k 491 / 431 (544), 8k 505 / 422 (572), 16k
   505 / 426 (566): +2 to +20%, 0.89-0.91x FA4 against 0.74-0.90x; causal 2k 329 / 326 (391),
   4k 396 / 381 (469), 8k 460 / 416 (542), 16k 467 / 407 (561): +1 to +15%, 0.83-0.85x FA4 (the
-  rest of the causal gap is the tile order and the tail: stage 9's scheduler); fp16 +7 to +12%
-  from 2k non-causal (8k 481 / 431, FA4 563). The same bits either way (tested). Pack-GQA then
+  rest of the causal gap was the tile order and the tail: the persistent CTAs above); fp16 +7 to
+  +12% from 2k non-causal (8k 481 / 431, FA4 563). The same bits either way (tested). Pack-GQA then
   needs G to divide 192 (G = 3 packs now, G = 128 no longer), and O is stored 48 rows per pass
   (32 where G = 32 or 64: store_rows).
 - Short masks keep two: at D = 64 the launch takes two consumer warpgroups (a 128-row tile)
@@ -95,6 +124,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
+import torch
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
@@ -102,9 +132,33 @@ from cutlass.tensor_utils import LayoutEnum
 from common import attention_host, pack_gqa
 from common.cute_interop import rows_of_16_bytes
 
+_SM_COUNTS = {}
+
+
+def device_sm_count():
+    """The SMs of the current CUDA device (132 on an H100 SXM or H200), the cap on a persistent
+    grid; 132 without a GPU (compile-only). Read once per device: every call builds kernel
+    objects, and the property lookup is a measurable part of a short call's host work."""
+    if not torch.cuda.is_available():
+        return 132
+    device = torch.cuda.current_device()
+    count = _SM_COUNTS.get(device)
+    if count is None:
+        count = _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return count
+
 
 class Sm90Kernel:
-    def __init__(self, dtype, head_dim, pack_gqa=1, mma_warpgroups=None):
+    def __init__(
+        self,
+        dtype,
+        head_dim,
+        pack_gqa=1,
+        persistent=True,
+        o_buffer=True,
+        sm_count=None,
+        mma_warpgroups=None,
+    ):
         self.dtype = dtype  # element type of Q, K, V and O: cutlass.BFloat16 or cutlass.Float16
         # Query heads per Q tile (pack-GQA, common/pack_gqa.py): 1, or G = H / Hkv when the
         # G heads of a group share the tile's rows (row r: position r // G, head r % G).
@@ -124,16 +178,30 @@ class Sm90Kernel:
         # warpgroups), 128 x 24 + 384 x 160 = 64,512 (three).
         self.load_registers = 24
         self.mma_registers = {2: 240, 3: 160}[self.mma_warpgroups]
-        # As many K or V tiles as fit in 227 KB next to Q and 1 KB of barriers: 6 x 32 KB next
-        # to 32 KB (D = 128), 12 x 16 KB next to 24 KB (D = 64, 192 rows; 13 next to 16 KB with
-        # 128 rows); 224-225 KB in all.
+        # As many K or V tiles as fit in 227 KB next to Q, O and 1 KB of barriers: 5 x 32 KB
+        # next to 2 x 32 KB (D = 128), 11 x 16 KB next to 2 x 24 KB (D = 64, 192 rows).
         q_bytes = self.cta_tile[0] * head_dim * dtype.width // 8
         tile_bytes = self.cta_tile[1] * head_dim * dtype.width // 8
-        self.kv_slots = (227 * 1024 - 1024 - q_bytes) // tile_bytes
+        # Persistent CTAs: a grid of at most one CTA per SM (1 fits: 225 KB of shared memory),
+        # each walking work tiles: blockIdx.x, blockIdx.x + gridDim.x, ... in batch mode without
+        # a mask, drawn from an atomic counter under one and for packed sequences (see __call__
+        # and kernel()).
+        # Off: one CTA per tile, the same loop run once. o_buffer: O staged in its own buffer
+        # instead of over Q, so that the next tile's Q can land during this tile's epilogue (one
+        # K/V slot less).
+        self.persistent = persistent
+        self.o_buffer = o_buffer
+        self.sm_count = sm_count if sm_count is not None else device_sm_count()
+        o_bytes = q_bytes if o_buffer else 0
+        self.kv_slots = (227 * 1024 - 1024 - q_bytes - o_bytes) // tile_bytes
         self.smem_align = 1024  # the 128-byte swizzle repeats every 8 rows of 128 B
-        # Q tiles in reverse order at D = 128 (see kernel() and the docstring); in order at D = 64,
-        # where reversing measured 2-3% slower.
-        self.longest_first = head_dim == 128
+        self.longest_first = True  # Q tiles in reverse order: see kernel()
+        # Under a mask (batch mode) the work tiles go longest first across as many (head,
+        # sequence) pairs as fit their K and V in L2 (tile_coords); off: head by head.
+        self.l2_sections = True
+        self.l2_bytes = 50 * 1024 * 1024  # L2 of the H100 and the H200: 50 MB
+        # The launch passes tile_counter (common/attention_host.py): the dynamic scheduler's.
+        self.uses_tile_counter = True
 
     @staticmethod
     def warpgroups_for(head_dim):
@@ -172,6 +240,7 @@ class Sm90Kernel:
         scale_log2: cutlass.Float32,
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
+        tile_counter: cute.Tensor,
         stream,
     ):
         bM, bN, bK = self.cta_tile
@@ -248,6 +317,9 @@ class Sm90Kernel:
         @cute.struct
         class SharedStorage:
             q_full: cute.struct.MemRange[cutlass.Int64, 1]
+            # The work tile the producer hands to the consumers with each q_full (see kernel()).
+            tile_id: cute.struct.MemRange[cutlass.Int32, 2]
+            q_empty: cute.struct.MemRange[cutlass.Int64, 1]
             kv_full: cute.struct.MemRange[cutlass.Int64, self.kv_slots]
             kv_empty: cute.struct.MemRange[cutlass.Int64, self.kv_slots]
             sQ: cute.struct.Align[
@@ -256,17 +328,49 @@ class Sm90Kernel:
             sKV: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(kv_smem_layout)], self.smem_align
             ]
+            sO: cute.struct.Align[
+                cute.struct.MemRange[
+                    self.dtype, cute.cosize(o_smem_layout) if self.o_buffer else 0
+                ],
+                self.smem_align,
+            ]
 
         self.shared_storage = SharedStorage
         self.shared_memory_bytes = SharedStorage.size_in_bytes()
 
-        # One CTA per 128-row Q tile of one (head, sequence): as many Q tiles as the longest
-        # sequence has (packed: G rows per position); the CTAs past a shorter sequence's end
-        # find nothing to do.
+        # The work tiles: one per Q tile (bM rows) of one (head, sequence), as many Q tiles as the
+        # longest sequence has (packed: G rows per position); the tiles past a shorter
+        # sequence's end have nothing to do (the producer skips them: live_tile). Persistent:
+        # min(tiles, SMs) CTAs share them out; persistent off: one CTA per tile.
         sequences = (
             q.shape[3] if cutlass.const_expr(cu_seqlens_q is None) else cu_seqlens_q.shape[0] - 1
         )
-        grid = (cute.ceil_div(max_seqlen_q * self.pack_gqa, bM), q.shape[2], sequences)
+        tiles_m = cute.ceil_div(max_seqlen_q * self.pack_gqa, bM)
+        tiles = tiles_m * q.shape[2] * sequences
+        grid = (tiles, 1, 1)
+        # Under a mask (batch mode), the tiles go longest first across sections of l2_heads
+        # (head, sequence) pairs whose K and V fit in L2 together (tile_coords; 1: head by head),
+        # and, persistent, they are handed out at run time (dynamic = 1): a CTA that finishes a
+        # tile takes the next one not yet taken, from tile_counter (zeroed by the host).
+        l2_heads = cutlass.Int32(1)
+        dynamic = cutlass.Int32(0)
+        if cutlass.const_expr(self.persistent):
+            # At most one CTA per SM. Equal tiles (batch mode without a causal or window cut:
+            # left >= Sk and right >= Sq) are shared out in a fixed order, CTA c taking tiles
+            # c, c + gridDim.x, ...; unequal ones as CTAs free up, longest first.
+            grid = (cutlass.min(tiles, self.sm_count), 1, 1)
+            if cutlass.const_expr(cu_seqlens_q is not None):
+                # Packed sequences: the tiles differ with the lengths (and past a shorter
+                # sequence's end they are empty, skipped by the producer: live_tile). They go
+                # head by head, sequence after sequence (longest first only inside a (head,
+                # sequence)): a long sequence late in cu_seqlens is drawn last.
+                dynamic = cutlass.Int32(1)
+        if cutlass.const_expr(cu_seqlens_q is None):
+            if window_left < k.shape[0] or window_right < max_seqlen_q:
+                if cutlass.const_expr(self.persistent):
+                    dynamic = cutlass.Int32(1)
+                if cutlass.const_expr(self.l2_sections):
+                    l2_heads = self.l2_section_heads(k.shape[0], q.shape[2] * q.shape[3])
         self.kernel(
             qk_mma,
             pv_mma,
@@ -284,6 +388,10 @@ class Sm90Kernel:
             kv_smem_layout,
             vt_smem_layout,
             o_smem_layout,
+            tiles_m,
+            l2_heads,
+            dynamic,
+            tile_counter,
             scale_log2,
             window_left,
             window_right,
@@ -308,6 +416,10 @@ class Sm90Kernel:
         kv_smem_layout: cute.ComposedLayout,
         vt_smem_layout: cute.ComposedLayout,
         o_smem_layout: cute.ComposedLayout,
+        tiles_m: cutlass.Int32,
+        l2_heads: cutlass.Int32,
+        dynamic: cutlass.Int32,
+        tile_counter: cute.Tensor,
         scale_log2: cutlass.Float32,
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
@@ -325,19 +437,6 @@ class Sm90Kernel:
             cpasync.prefetch_descriptor(tma_atom_k)
             cpasync.prefetch_descriptor(tma_atom_v)
 
-        # blockIdx = (Q tile, head, sequence). Query head `head` reads KV head head // group.
-        # (Packed, mQ has Hkv heads, the group is 1 and `head` is the KV head.)
-        pid_m, head, batch = cute.arch.block_idx()
-        if cutlass.const_expr(self.longest_first):
-            # Longest first: blockIdx.x = 0 takes the last Q tile, under a causal mask the one
-            # with the most KV tiles, so the short tiles fill the end of the grid.
-            pid_m = cute.arch.grid_dim()[0] - 1 - pid_m
-        kv_head = head // (mQ.shape[2] // mK.shape[2])
-        # Where this sequence starts in Q and K, and how long it is (batch mode: 0, Sq, 0, Sk).
-        offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
-            batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
-        )
-
         smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         # (bM, bK, 1)
@@ -348,23 +447,31 @@ class Sm90Kernel:
         sVt = cute.make_tensor(
             cute.recast_ptr(sKV.iterator, vt_smem_layout.inner), vt_smem_layout.outer
         )
-        # (bM, bK): over sQ's bytes, used only after the last wgmma reading Q
+        # (bM, bK): O's own buffer, or over sQ's bytes, used only after the last wgmma reading Q
+        o_bytes_at = storage.sO.data_ptr() if cutlass.const_expr(self.o_buffer) else sQ.iterator
         sO = cute.make_tensor(
-            cute.recast_ptr(sQ.iterator, o_smem_layout.inner, dtype=self.dtype),
+            cute.recast_ptr(o_bytes_at, o_smem_layout.inner, dtype=self.dtype),
             cute.select(o_smem_layout.outer, mode=[0, 1]),
         )
 
-        # q_full: 1 arrive (the producer's expect_tx of Q's bytes) + the TMA writes of Q.
+        # q_full: 1 arrive (the producer's expect_tx of Q's bytes) + the TMA writes of Q, once
+        # per work tile. q_empty: 1 arrive from each of the 256 (384) consumer threads once they are
+        # done with the tile's Q (and with sO, when it lies over Q), once per work tile.
         q_full = storage.q_full.data_ptr()
+        q_empty = storage.q_empty.data_ptr()
+        # The number of the tile whose Q q_full announces (the producer writes it before its
+        # arrive, the consumers read it after their wait).
+        tile_id = storage.tile_id.get_tensor(cute.make_layout(2))
         q_bytes = cute.size_in_bytes(
             self.dtype, cute.select(q_smem_layout, mode=[0, 1])
         )  # 32 KB (D = 128)
         if warp_idx == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(q_full, 1)
+                cute.arch.mbarrier_init(q_empty, self.mma_threads)
         # kv_full[i]: 1 arrive (the producer's expect_tx of one tile) + the TMA writes of the tile.
         # kv_empty[i]: 1 arrive from each of the 8 (12) consumer warps. (Creating the pipeline
-        # fences and syncs the CTA, which also publishes q_full's initialisation.)
+        # fences and syncs the CTA, which also publishes the initialisation of q_full and q_empty.)
         kv_bytes = cute.size_in_bytes(
             self.dtype, cute.select(kv_smem_layout, mode=[0, 1])
         )  # 32 KB (D = 128)
@@ -374,51 +481,6 @@ class Sm90Kernel:
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32),
             tx_count=kv_bytes,
             barrier_storage=storage.kv_full.data_ptr(),
-        )
-
-        # This sequence's rows of one head, starting at its offset: (S, D)
-        q_offset = offset_q if cutlass.const_expr(self.pack_gqa == 1) else (0, offset_q)
-        mQ_seq = cute.domain_offset((q_offset, 0), mQ[None, None, head, batch])
-        mK_seq = cute.domain_offset((offset_k, 0), mK[None, None, kv_head, batch])
-        mV_seq = cute.domain_offset((offset_k, 0), mV[None, None, kv_head, batch])
-        mO_seq = cute.domain_offset((q_offset, 0), mO[None, None, head, batch])
-        # (bM, bK)
-        gQ = cute.local_tile(mQ_seq, self.cta_tile, (pid_m, None, 0), proj=(1, None, 1))
-        # (bN, bK, kv_tiles)
-        gK = cute.local_tile(mK_seq, self.cta_tile, (None, None, 0), proj=(None, 1, 1))
-        # (bN, bK, kv_tiles)
-        gV = cute.local_tile(mV_seq, self.cta_tile, (None, None, 0), proj=(None, 1, 1))
-        # (bM, bK)
-        gO = cute.local_tile(mO_seq, self.cta_tile, (pid_m, None, 0), proj=(1, None, 1))
-        # The KV tiles holding a key that some row of this Q tile sees: [kv_tile_lo, kv_tile_hi),
-        # the one range the producer loads and the consumers compute (empty: no K or V is read).
-        kv_tile_lo, kv_tile_hi = self.kv_tile_range(
-            pid_m, seqlen_q, seqlen_k, window_left, window_right
-        )
-
-        # TMA views, one CTA (no multicast): (TMA, 1) and (TMA)
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_q,
-            0,
-            cute.make_layout(1),
-            cute.group_modes(sQ, 0, 2),
-            cute.group_modes(gQ, 0, 2),
-        )
-        # (TMA, kv_slots) and (TMA, kv_tiles)
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_atom_k,
-            0,
-            cute.make_layout(1),
-            cute.group_modes(sKV, 0, 2),
-            cute.group_modes(gK, 0, 2),
-        )
-        # (TMA, kv_slots) and (TMA, kv_tiles)
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_atom_v,
-            0,
-            cute.make_layout(1),
-            cute.group_modes(sKV, 0, 2),
-            cute.group_modes(gV, 0, 2),
         )
 
         # wgmma views of this thread's consumer warpgroup: shared-memory descriptors for Q, K, V^T.
@@ -444,216 +506,374 @@ class Sm90Kernel:
         row_max = cute.make_rmem_tensor(cute.size(self.rows_view(acc_S), mode=[0]), self.acc_dtype)
         row_sum = cute.make_rmem_tensor_like(row_max)
 
-        # 2. Main loop
+        # 2. The work tiles. Tile t is (Q tile, head, sequence) by tile_coords; CTA c starts with
+        # tile c, and its producer picks the next one (next_tile: c + gridDim.x, ..., or drawn from
+        # tile_counter under a mask) and hands each to the consumers with its Q (tile_id, q_full).
+        # Producer and consumers walk the same tiles and count what they have walked: `tiles_done`
+        # gives the phase of q_full and q_empty, `entries` (2 per KV tile) the ring position.
         # The ring: entry 2 t holds K of step t (KV tile kv_tile_lo + t), entry 2 t + 1 its V;
-        # entry e takes slot e % kv_slots. Producer and consumers walk the entries in order with
-        # a PipelineState each: index = the slot, phase = the parity its barrier is waited for,
-        # flipped each time the index wraps (the producer starts at 1, which a fresh empty
-        # barrier passes; the consumers at 0). Every consumer warpgroup reads every entry: its
-        # slot is free again once all 8 (three warpgroups: 12) consumer warps have released it.
-        steps = kv_tile_hi - kv_tile_lo
+        # entry e takes slot e % kv_slots, and its barriers are waited for the parity
+        # (e / kv_slots) % 2 (consumers) or its flip (the producer: 1 passes a fresh empty
+        # barrier), from one tile to the next as within one. Every consumer warpgroup reads every
+        # entry: its slot is free again once all 8 (three warpgroups: 12) consumer warps have
+        # released it.
+        heads = mQ.shape[2]
+        if cutlass.const_expr(mCuSeqlensQ is not None):
+            # Packed sequences: head by head, handed out at run time when persistent (the values
+            # __call__ passes, as constants: fewer live registers in the 24 of the producer).
+            l2_heads = 1
+            if cutlass.const_expr(self.persistent):
+                dynamic = 1
+        total_tiles = tiles_m * heads * self.sequences(mQ, mCuSeqlensQ)
+        tiles_done = cutlass.Int32(0)
+        entries = cutlass.Int32(0)
         if warpgroup_idx == 0:
             # The producer warpgroup needs few registers to issue TMA: it gives them up (all 4
             # warps, setmaxnreg is per warpgroup), then warp 0 issues every load and warps 1-3
             # are done.
             cute.arch.setmaxregister_decrease(self.load_registers)
             if warp_idx == 0:
-                # Q once, then K_j and V_j of every tile of the range, each into the next entry:
-                # the wait in load_tiles is for the release of the entry kv_slots before.
+                live = (tiles_m, heads, l2_heads, dynamic, tile_counter, mCuSeqlensQ)
+                tile = self.live_tile(cute.arch.block_idx()[0], total_tiles, *live)
+                while tile < total_tiles:
+                    pid_m, head, batch = self.tile_coords(tile, tiles_m, heads, l2_heads)
+                    kv_head = head // (mQ.shape[2] // mK.shape[2])
+                    offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
+                        batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
+                    )
+                    kv_tile_lo, kv_tile_hi = self.kv_tile_range(
+                        pid_m, seqlen_q, seqlen_k, window_left, window_right
+                    )
+                    # TMA views of the tile: (TMA, 1) and (TMA) for Q, (TMA, kv_slots) and
+                    # (TMA, kv_tiles) for K and V
+                    tQsQ, tQgQ, tKsK, tKgK, tVsV, tVgV = self.tma_views(
+                        (tma_atom_q, tma_atom_k, tma_atom_v),
+                        (mQ, mK, mV),
+                        (sQ, sKV),
+                        pid_m,
+                        (head, kv_head, batch),
+                        offset_q,
+                        offset_k,
+                    )
+                    # Q, once the consumers are done with the previous tile's (parity 1 passes
+                    # the fresh barrier), then K_j and V_j of every tile of the range, each into
+                    # the next entry: the wait in load_tiles is for the release of the entry
+                    # kv_slots before, possibly one of the previous tile's.
+                    # With Q comes the tile's number, for the consumers (released by the arrive).
+                    cute.arch.mbarrier_wait(q_empty, self.q_empty_parity(tiles_done))
+                    with cute.arch.elect_one():
+                        tile_id[0] = tile
+                        cute.arch.mbarrier_arrive_and_expect_tx(q_full, q_bytes)
+                    cute.copy(tma_atom_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_full)
+                    producer_state = self.ring_state(entries, pipeline.PipelineUserType.Producer)
+                    for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
+                        self.load_tiles(
+                            kv_pipeline, producer_state, kv_tile, tma_atom_k, tKgK, tKsK
+                        )
+                        producer_state.advance()
+                        self.load_tiles(
+                            kv_pipeline, producer_state, kv_tile, tma_atom_v, tVgV, tVsV
+                        )
+                        producer_state.advance()
+                    entries += 2 * (kv_tile_hi - kv_tile_lo)
+                    tiles_done += 1
+                    # Every load of this tile is issued (the consumers are a few KV tiles behind):
+                    # take the next tile now (packed sequences: the next one with rows of Q).
+                    tile = self.live_tile(
+                        self.next_tile(tile, dynamic, tile_counter), total_tiles, *live
+                    )
+                # No tile left: tell the consumers with a tile number past the end and a q_full
+                # of its own (an arrive without bytes), once they are done with the last Q.
+                cute.arch.mbarrier_wait(q_empty, self.q_empty_parity(tiles_done))
                 with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(q_full, q_bytes)
-                cute.copy(tma_atom_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_full)
-                producer_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, self.kv_slots
-                )
-                for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
-                    self.load_tiles(kv_pipeline, producer_state, kv_tile, tma_atom_k, tKgK, tKsK)
-                    producer_state.advance()
-                    self.load_tiles(kv_pipeline, producer_state, kv_tile, tma_atom_v, tVgV, tVsV)
-                    producer_state.advance()
+                    tile_id[0] = tile
+                    cute.arch.mbarrier_arrive(q_full)
                 # Exit only after the consumers have released the last kv_slots entries (waits
                 # on the empty barriers of the next kv_slots entries): no arrive on the ring is
                 # outstanding then. The consumers' waits alone already keep shared memory alive
                 # until every load has landed; with a cluster, the tail would also keep a CTA
                 # from exiting while a peer still signals its barriers.
-                kv_pipeline.producer_tail(producer_state)
+                kv_pipeline.producer_tail(
+                    self.ring_state(entries, pipeline.PipelineUserType.Producer)
+                )
         else:
-            # The consumer warpgroups take the registers the producer gave up (168 -> 240; three
-            # warpgroups: 128 -> 160).
+            # The consumer warpgroups take the registers the producer gave up (168 -> 240; with
+            # three consumer warpgroups, 128 -> 160).
             cute.arch.setmaxregister_increase(self.mma_registers)
-            consumer_state = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Consumer, self.kv_slots
-            )
+            # Each tile's number comes with its Q (q_full); a number past the end ends the loop.
+            cute.arch.mbarrier_wait(q_full, self.q_full_parity(tiles_done))
+            tile = tile_id[0]
+            while tile < total_tiles:
+                pid_m, head, batch = self.tile_coords(tile, tiles_m, heads, l2_heads)
+                offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
+                    batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
+                )
+                kv_tile_lo, kv_tile_hi = self.kv_tile_range(
+                    pid_m, seqlen_q, seqlen_k, window_left, window_right
+                )
+                steps = kv_tile_hi - kv_tile_lo
+                consumer_state = self.ring_state(entries, pipeline.PipelineUserType.Consumer)
 
-            # Q has landed (the one and only phase of q_full).
-            cute.arch.mbarrier_wait(q_full, 0)
-            row_max.fill(-cutlass.Float32.inf)
-            row_sum.fill(0.0)
-            # A row that sees no key keeps O = 0 (and so does a Q tile with no KV tile at all).
-            acc_O.fill(0.0)
+                # This tile's Q has landed (the wait before the loop or at the end of the last
+                # tile).
+                row_max.fill(-cutlass.Float32.inf)
+                row_sum.fill(0.0)
+                # A row that sees no key keeps O = 0 (and so does a Q tile with no KV tile at all).
+                acc_O.fill(0.0)
+                # The tile's first QK^T overwrites acc_S (ACCUMULATE off), but wgmma's inline
+                # assembly reads its accumulator registers all the same: without this fill the
+                # previous tile's last P would stay live through that tile's epilogue, 64
+                # registers more, and ptxas serialises the wgmma (warning C7512) at D = 128.
+                acc_S.fill(0.0)
+                # One pass: S, the running row_max and row_sum, O rescaled, O += P @ V. Ping-pong:
+                # the consumer warpgroups take turns on the tensor cores. A turn is the PV of one
+                # tile and the QK^T of the next (turn 0: QK_0 alone; the last: the last PV); a
+                # warpgroup waits for its turn before the pair and passes it on right after issuing
+                # the QK^T, so its softmax runs during the others' turns. With steps = 2:
+                #   tensor cores | 1: QK0  | 2: QK0  | 1: PV0 QK1 | 2: PV0 QK1 | 1: PV1  | 2: PV1
+                #   warpgroup 1  |         | softmax |            | softmax    |         |
+                #   warpgroup 2  |         |         | softmax    |            | softmax |
+                # With three warpgroups (D = 64) the turns go round 1, 2, 3, 1, ... on barriers 2, 3
+                # and 4. All warpgroups have the same steps (one tile range per work tile), so each
+                # takes steps + 1 turns (none when steps = 0). Warpgroup 1 starts without waiting,
+                # the last warpgroup passes nothing after its last turn; then warpgroup 1's barrier
+                # (2) completes steps times (steps waits, steps passes from the last warpgroup) and
+                # every other warpgroup's steps + 1 times, and none is left with a pending arrive
+                # when the CTA ends.
+                pv_mma.set(warpgroup.Field.ACCUMULATE, False)
+                # The ring entry of the V that the previous step's PV reads (released once the wait
+                # after this step's QK^T has seen that PV complete).
+                v_state = consumer_state.clone()
+                for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
+                    step = kv_tile - kv_tile_lo
+                    k_state = consumer_state.clone()
+                    consumer_state.advance()
+                    # Wait until TMA has written K_j.
+                    kv_pipeline.consumer_wait(k_state)
+                    # Turn 0 (QK_0) goes round from warpgroup 1: every other warpgroup waits for it;
+                    # any later turn was taken before the previous tile's PV.
+                    if step == 0 and warpgroup_idx > 1:
+                        self.wait_turn(warpgroup_idx)
 
-            # One pass: S, the running row_max and row_sum, O rescaled, O += P @ V.
-            # Ping-pong: the consumer warpgroups take turns on the tensor cores. A turn is the PV
-            # of one tile and the QK^T of the next (turn 0: QK_0 alone; the last: the last PV); a
-            # warpgroup waits for its turn before the pair and passes it on right after issuing
-            # the QK^T, so its softmax runs during the others' turns. With steps = 2:
-            #   tensor cores | 1: QK0  | 2: QK0  | 1: PV0 QK1 | 2: PV0 QK1 | 1: PV1  | 2: PV1
-            #   warpgroup 1  |         | softmax |            | softmax    |         |
-            #   warpgroup 2  |         |         | softmax    |            | softmax |
-            # With three warpgroups (D = 64) the turns go round 1, 2, 3, 1, ... on barriers 2, 3
-            # and 4. All warpgroups have the same steps (one tile range per CTA), so each takes
-            # steps + 1 turns (none when steps = 0). Warpgroup 1 starts without waiting, the last
-            # warpgroup passes nothing after its last turn; then warpgroup 1's barrier (2)
-            # completes steps times (steps waits, steps passes from the last warpgroup) and every
-            # other warpgroup's steps + 1 times, and none is left with a pending arrive when the
-            # CTA ends.
-            pv_mma.set(warpgroup.Field.ACCUMULATE, False)
-            # The ring entry of the V that the previous step's PV reads (released once the wait
-            # after this step's QK^T has seen that PV complete).
-            v_state = consumer_state.clone()
-            for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
-                step = kv_tile - kv_tile_lo
-                k_state = consumer_state.clone()
-                consumer_state.advance()
-                # Wait until TMA has written K_j.
-                kv_pipeline.consumer_wait(k_state)
-                # Turn 0 (QK_0) goes round from warpgroup 1: every other warpgroup waits for it;
-                # any later turn was taken before the previous tile's PV.
-                if step == 0 and warpgroup_idx > 1:
+                    # S = Q @ K_j^T: bK / 16 asynchronous m64n128k16 steps, the first overwrites
+                    # acc_S.
+                    warpgroup.fence()
+                    qk_mma.set(warpgroup.Field.ACCUMULATE, False)
+                    for k_block in cutlass.range_constexpr(k_blocks):
+                        coord = (None, None, k_block, k_state.index)
+                        cute.gemm(qk_mma, acc_S, tSrQ[None, None, k_block, 0], tSrK[coord], acc_S)
+                        qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.commit_group()
+                    # Issued: the next warpgroup's turn (its PV_{j-1} and QK_j) queues behind it.
+                    self.pass_turn(warpgroup_idx)
+
+                    # The hazard: the producer refills a slot as soon as all 8 (12) consumer warps
+                    # have released it. Wait until the wgmmas reading K_j - and PV_{j-1}, issued
+                    # just before them in the same turn, reading V_{j-1} - have completed, and only
+                    # then release their slots.
+                    warpgroup.wait_group(0)
+                    kv_pipeline.consumer_release(k_state)
+                    if step > 0:
+                        kv_pipeline.consumer_release(v_state)
+
+                    # Only a tile that crosses an edge (Sk, or the band of the window: the diagonal
+                    # when causal) is masked element by element: S = -inf where row i must not see
+                    # key j.
+                    if self.crosses_mask_edge(
+                        pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right
+                    ):
+                        self.mask_keys(
+                            acc_S,
+                            tScS,
+                            pid_m,
+                            kv_tile,
+                            seqlen_q,
+                            seqlen_k,
+                            window_left,
+                            window_right,
+                        )
+
+                    # Fold this tile into row_max and row_sum; P = exp(scale * (S - row_max)) in
+                    # place of S.
+                    row_scale = self.online_softmax(acc_S, row_max, row_sum, scale_log2)
+                    # O *= row_scale: what O holds so far was weighted against the previous row_max.
+                    acc_O_mn = self.rows_view(acc_O)
+                    for r in cutlass.range_constexpr(cute.size(row_scale)):
+                        acc_O_mn[r, None].store(acc_O_mn[r, None].load() * row_scale[r])
+                    # P rounded to the input dtype, in the register layout of wgmma's A operand.
+                    tOrP.store(self.acc_as_operand_a(acc_S).load().to(self.dtype))
+
+                    v_state = consumer_state.clone()
+                    consumer_state.advance()
+                    # Wait until TMA has written V_j.
+                    kv_pipeline.consumer_wait(v_state)
+                    # Packed sequences: the last tile's rows past seqlen_k are the next sequence's
+                    # V. P is 0 there, but 0 x NaN = NaN: zero those rows before P @ V reads them.
+                    # (Its barrier joins all consumer warpgroups, so it stands between turns: a
+                    # warpgroup holding the turn there would wait for the others, which wait for the
+                    # turn.)
+                    if cutlass.const_expr(mCuSeqlensK is not None):
+                        if (kv_tile + 1) * bN > seqlen_k:
+                            self.zero_rows(sKV, v_state.index, seqlen_k - kv_tile * bN, mma_tidx)
+
+                    # This warpgroup's next turn: PV_j, then QK_{j+1} at the top of the next step.
                     self.wait_turn(warpgroup_idx)
+                    # O += P @ V_j: bN / 16 asynchronous m64nDk16 steps (the very first overwrites
+                    # acc_O).
+                    warpgroup.fence()
+                    for kv_block in cutlass.range_constexpr(kv_blocks):
+                        coord = (None, None, kv_block, v_state.index)
+                        cute.gemm(pv_mma, acc_O, tOrP[None, None, kv_block], tOrVt[coord], acc_O)
+                        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.commit_group()
+                    # No wait here: QK_{j+1} (top of the loop) is issued right behind PV_j, so the
+                    # tensor cores run the turn's two GEMMs back to back; the wait after QK_{j+1}
+                    # covers both. (Waiting for PV_j first, as FlashAttention-3's kernel without
+                    # intra-warpgroup overlap does, leaves the tensor cores idle between them while
+                    # this warpgroup, holding the turn, sees PV_j complete and issues QK_{j+1}.)
 
-                # S = Q @ K_j^T: bK / 16 asynchronous m64n128k16 steps, the first overwrites acc_S.
-                warpgroup.fence()
-                qk_mma.set(warpgroup.Field.ACCUMULATE, False)
-                for k_block in cutlass.range_constexpr(k_blocks):
-                    coord = (None, None, k_block, k_state.index)
-                    cute.gemm(qk_mma, acc_S, tSrQ[None, None, k_block, 0], tSrK[coord], acc_S)
-                    qk_mma.set(warpgroup.Field.ACCUMULATE, True)
-                warpgroup.commit_group()
-                # Issued: the next warpgroup's turn (its PV_{j-1} and QK_j) queues behind it.
-                self.pass_turn(warpgroup_idx)
-
-                # The hazard: the producer refills a slot as soon as all 8 (12) consumer warps have
-                # released it. Wait until the wgmmas reading K_j - and PV_{j-1}, issued just
-                # before them in the same turn, reading V_{j-1} - have completed, and only then
-                # release their slots.
+                # The last turn (the last PV) goes round too; the last warpgroup's hands over to
+                # nobody. Then V of the last tile is released once its PV has completed. (The wait
+                # stands outside the branch: on no path may the epilogue read acc_O before it.)
+                if steps > 0 and warpgroup_idx < self.mma_warpgroups:
+                    self.pass_turn(warpgroup_idx)
                 warpgroup.wait_group(0)
-                kv_pipeline.consumer_release(k_state)
-                if step > 0:
+                if steps > 0:
                     kv_pipeline.consumer_release(v_state)
 
-                # Only a tile that crosses an edge (Sk, or the band of the window: the diagonal when
-                # causal) is masked element by element: S = -inf where row i must not see key j.
-                if self.crosses_mask_edge(
-                    pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right
-                ):
-                    self.mask_keys(
-                        acc_S, tScS, pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right
-                    )
-
-                # Fold this tile into row_max and row_sum; P = exp(scale * (S - row_max)) in
-                # place of S.
-                row_scale = self.online_softmax(acc_S, row_max, row_sum, scale_log2)
-                # O *= row_scale: what O holds so far was weighted against the previous row_max.
-                acc_O_mn = self.rows_view(acc_O)
-                for r in cutlass.range_constexpr(cute.size(row_scale)):
-                    acc_O_mn[r, None].store(acc_O_mn[r, None].load() * row_scale[r])
-                # P rounded to the input dtype, in the register layout of wgmma's A operand.
-                tOrP.store(self.acc_as_operand_a(acc_S).load().to(self.dtype))
-
-                v_state = consumer_state.clone()
-                consumer_state.advance()
-                # Wait until TMA has written V_j.
-                kv_pipeline.consumer_wait(v_state)
-                # Packed sequences: the last tile's rows past seqlen_k are the next sequence's V.
-                # P is 0 there, but 0 x NaN = NaN: zero those rows before P @ V reads them. (Its
-                # barrier joins all consumer warpgroups, so it stands between turns: a warpgroup
-                # holding the turn there would wait for the others, which wait for the turn.)
-                if cutlass.const_expr(mCuSeqlensK is not None):
-                    if (kv_tile + 1) * bN > seqlen_k:
-                        self.zero_rows(sKV, v_state.index, seqlen_k - kv_tile * bN, mma_tidx)
-
-                # This warpgroup's next turn: PV_j, then QK_{j+1} at the top of the next step.
-                self.wait_turn(warpgroup_idx)
-                # O += P @ V_j: bN / 16 asynchronous m64nDk16 steps (the very first overwrites
-                # acc_O).
-                warpgroup.fence()
-                for kv_block in cutlass.range_constexpr(kv_blocks):
-                    coord = (None, None, kv_block, v_state.index)
-                    cute.gemm(pv_mma, acc_O, tOrP[None, None, kv_block], tOrVt[coord], acc_O)
-                    pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-                warpgroup.commit_group()
-                # No wait here: QK_{j+1} (top of the loop) is issued right behind PV_j, so the
-                # tensor cores run the turn's two GEMMs back to back; the wait after QK_{j+1}
-                # covers both. (Waiting for PV_j first, as FlashAttention-3's kernel without
-                # intra-warpgroup overlap does, leaves the tensor cores idle between them while
-                # this warpgroup, holding the turn, sees PV_j complete and issues QK_{j+1}.)
-
-            # The last turn (the last PV) goes round too; the last warpgroup's hands over to
-            # nobody. Then V of the last tile is released once its PV has completed. (The wait
-            # stands outside the branch: on no path may the epilogue read acc_O before it.)
-            if steps > 0 and warpgroup_idx < self.mma_warpgroups:
-                self.pass_turn(warpgroup_idx)
-            warpgroup.wait_group(0)
-            if steps > 0:
-                kv_pipeline.consumer_release(v_state)
-
-            # 3. Epilogue
-            # Each thread's row_sum covers its 32 columns of every tile: add up the 4 of the quad.
-            for r in cutlass.range_constexpr(cute.size(row_sum)):
-                row_sum[r] = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
-
-            # O = O / row_sum, row by row; a row that saw no key (row_sum = 0) keeps O = 0.
-            acc_O_mn = self.rows_view(acc_O)
-            for r in cutlass.range_constexpr(cute.size(row_sum)):
-                inv_row_sum = cute.arch.rcp_approx(row_sum[r]) if row_sum[r] > 0.0 else 0.0
-                acc_O_mn[r, None].store(acc_O_mn[r, None].load() * inv_row_sum)
-
-            # LSE = ln(row_sum) + row_max * scale = (row_max * scale_log2 + log2(row_sum)) * ln(2),
-            # written by the first thread of each quad for the rows inside Sq.
-            tScS_mn = self.rows_view(tScS)
-            if tidx % 4 == 0:
+                # 3. Epilogue
+                # O has its own buffer: every wgmma reading this tile's Q is complete, so the
+                # next tile's Q may land while the epilogue runs (this thread's arrive on q_empty).
+                if cutlass.const_expr(self.o_buffer):
+                    cute.arch.mbarrier_arrive(q_empty)
+                # Each thread's row_sum covers its 32 columns of every tile: add up the 4 of the
+                # quad.
                 for r in cutlass.range_constexpr(cute.size(row_sum)):
-                    row = pid_m * bM + tScS_mn[r, 0][0]  # packed: G rows per position
-                    if row < seqlen_q * self.pack_gqa:
-                        lse_log2 = row_max[r] * scale_log2 + cute.math.log2(
-                            row_sum[r], fastmath=True
-                        )
-                        # A row that saw no key: LSE = log(0) = -inf.
-                        if row_sum[r] == 0.0:
-                            lse_log2 = -cutlass.Float32.inf
-                        lse_ln = lse_log2 * math.log(2.0)
-                        if cutlass.const_expr(self.pack_gqa == 1):
-                            mLSE[offset_q + row, head, batch] = lse_ln
-                        else:  # row = (head in the group, position)
-                            g, pos = row % self.pack_gqa, row // self.pack_gqa
-                            mLSE[(g, offset_q + pos), head, batch] = lse_ln
+                    row_sum[r] = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
 
-            # All consumer warpgroups have finished reading sQ, which sO overwrites. (Named
-            # barrier 1: the 256 or 384 consumer threads; the producer takes no part.)
-            cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
+                # O = O / row_sum, row by row; a row that saw no key (row_sum = 0) keeps O = 0.
+                acc_O_mn = self.rows_view(acc_O)
+                for r in cutlass.range_constexpr(cute.size(row_sum)):
+                    inv_row_sum = cute.arch.rcp_approx(row_sum[r]) if row_sum[r] > 0.0 else 0.0
+                    acc_O_mn[r, None].store(acc_O_mn[r, None].load() * inv_row_sum)
 
-            # O rounded to the input dtype, written to shared memory by stmatrix.
-            r2s_copy = cute.make_tiled_copy_C(
-                sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, self.acc_dtype),
-                pv_mma,
-            )
-            thr_r2s = r2s_copy.get_slice(mma_tidx)
-            # (R2S, R2S_M, R2S_N)
-            tRS_acc = r2s_copy.retile(acc_O)
-            # (R2S, R2S_M, R2S_N)
-            tRS_rO = cute.make_rmem_tensor_like(tRS_acc, self.dtype)
-            tRS_rO.store(tRS_acc.load().to(self.dtype))
-            # (R2S, R2S_M, R2S_N)
-            tRS_sO = thr_r2s.partition_D(sO)
-            cute.copy(r2s_copy, tRS_rO, tRS_sO)
+                # LSE = ln(row_sum) + row_max * scale = (row_max * scale_log2 + log2(row_sum)) *
+                # ln(2), written by the first thread of each quad for the rows inside Sq.
+                tScS_mn = self.rows_view(tScS)
+                if tidx % 4 == 0:
+                    for r in cutlass.range_constexpr(cute.size(row_sum)):
+                        row = pid_m * bM + tScS_mn[r, 0][0]  # packed: G rows per position
+                        if row < seqlen_q * self.pack_gqa:
+                            lse_log2 = row_max[r] * scale_log2 + cute.math.log2(
+                                row_sum[r], fastmath=True
+                            )
+                            # A row that saw no key: LSE = log(0) = -inf.
+                            if row_sum[r] == 0.0:
+                                lse_log2 = -cutlass.Float32.inf
+                            lse_ln = lse_log2 * math.log(2.0)
+                            if cutlass.const_expr(self.pack_gqa == 1):
+                                mLSE[offset_q + row, head, batch] = lse_ln
+                            else:  # row = (head in the group, position)
+                                g, pos = row % self.pack_gqa, row // self.pack_gqa
+                                mLSE[(g, offset_q + pos), head, batch] = lse_ln
 
-            cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
+                # All consumer warpgroups are done with the previous tile's sO (store_rows) and,
+                # when sO lies over Q, with this tile's sQ. (Named barrier 1: the 256 or 384
+                # consumer threads; the producer takes no part.)
+                cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
 
-            # Shared memory -> global memory, 16 bytes per thread and copy, only the rows inside the
-            # sequence: TMA would clip at the packed tensor's end, not the sequence's, and write
-            # the tile's last rows into the next sequence's O.
-            self.store_rows(sO, gO, seqlen_q * self.pack_gqa - pid_m * bM, mma_tidx)
+                # O rounded to the input dtype, written to shared memory by stmatrix.
+                r2s_copy = cute.make_tiled_copy_C(
+                    sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, self.acc_dtype),
+                    pv_mma,
+                )
+                thr_r2s = r2s_copy.get_slice(mma_tidx)
+                # (R2S, R2S_M, R2S_N)
+                tRS_acc = r2s_copy.retile(acc_O)
+                # (R2S, R2S_M, R2S_N)
+                tRS_rO = cute.make_rmem_tensor_like(tRS_acc, self.dtype)
+                tRS_rO.store(tRS_acc.load().to(self.dtype))
+                # (R2S, R2S_M, R2S_N)
+                tRS_sO = thr_r2s.partition_D(sO)
+                cute.copy(r2s_copy, tRS_rO, tRS_sO)
+
+                cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
+
+                # This tile's rows of O: (bM, bK)
+                q_offset = offset_q if cutlass.const_expr(self.pack_gqa == 1) else (0, offset_q)
+                mO_seq = cute.domain_offset((q_offset, 0), mO[None, None, head, batch])
+                gO = cute.local_tile(mO_seq, self.cta_tile, (pid_m, None, 0), proj=(1, None, 1))
+                # Shared memory -> global memory, 16 bytes per thread and copy, only the rows
+                # inside the sequence: TMA would clip at the packed tensor's end, not the
+                # sequence's, and write the tile's last rows into the next sequence's O. Then
+                # this thread is done with the tile's Q and sO: its arrive on q_empty, after a
+                # proxy fence (the next Q is written by TMA, the async proxy, over bytes this
+                # thread accessed with ordinary loads and stores).
+                self.store_rows(
+                    sO,
+                    gO,
+                    seqlen_q * self.pack_gqa - pid_m * bM,
+                    mma_tidx,
+                    None if cutlass.const_expr(self.o_buffer) else q_empty,
+                )
+                entries += 2 * steps
+                tiles_done += 1
+                cute.arch.mbarrier_wait(q_full, self.q_full_parity(tiles_done))
+                tile = tile_id[0]
+
+    def q_full_parity(self, tiles_done):
+        """The consumers' wait on q_full for the tile after `tiles_done` tiles (or the end):
+        the phase of that tile, tiles_done % 2 (one completion per tile: the producer's arrive
+        with Q's bytes, or its arrive alone at the end). Plain arithmetic, shared with the CPU
+        model of the hand-over in the tests."""
+        return tiles_done % 2
+
+    def q_empty_parity(self, tiles_done):
+        """The producer's wait on q_empty before it writes the next tile number and Q: the
+        consumers are done with the previous tile's (one completion per tile, all consumer
+        threads); (tiles_done + 1) % 2, which a fresh barrier passes for the first tile."""
+        return (tiles_done + 1) % 2
+
+    @cute.jit
+    def next_tile(self, tile, dynamic, tile_counter):
+        """The producer's next work tile after `tile`: tile + gridDim.x (a fixed share), or, with
+        dynamic = 1, gridDim.x + the ticket that lane 0 draws from tile_counter (an atomic add:
+        tickets 0, 1, ... in the order the CTAs ask, after the first gridDim.x tiles that the
+        CTAs start with), broadcast to the warp."""
+        grid = cute.arch.grid_dim()[0]
+        nxt = tile + grid
+        if dynamic != 0:
+            ticket = cutlass.Int32(0)
+            if cute.arch.lane_idx() == 0:
+                ticket = cute.arch.atomic_add(tile_counter.iterator, cutlass.Int32(1))
+            nxt = grid + cute.arch.shuffle_sync(ticket, 0)
+        return nxt
+
+    @cute.jit
+    def live_tile(
+        self, tile, total_tiles, tiles_m, heads, l2_heads, dynamic, tile_counter, mCuSeqlensQ
+    ):
+        """The first work tile from `tile` on (taking next_tile past each one skipped) that has
+        rows of Q, or a number past the end. Packed sequences only: the grid counts as many Q
+        tiles per (head, sequence) as the longest sequence has, so a shorter sequence's last
+        ones are empty (16 tiles of 128 rows for 2047 tokens, one for 64), and a CTA that took
+        one would load Q and run an epilogue for nothing. In batch mode every tile has rows."""
+        if cutlass.const_expr(mCuSeqlensQ is not None):
+            searching = cutlass.Int32(1)
+            while searching != 0:
+                searching = cutlass.Int32(0)
+                if tile < total_tiles:
+                    pid_m, _, batch = self.tile_coords(tile, tiles_m, heads, l2_heads)
+                    if self.tile_is_empty(pid_m, mCuSeqlensQ[batch + 1] - mCuSeqlensQ[batch]):
+                        tile = self.next_tile(tile, dynamic, tile_counter)
+                        searching = cutlass.Int32(1)
+        return tile
+
+    def tile_is_empty(self, pid_m, seqlen_q):
+        """Whether Q tile pid_m starts past the end of a sequence of seqlen_q positions (G rows
+        per position when packed): its first row, pid_m * bM, is not below seqlen_q * G. Plain
+        arithmetic, shared with the CPU model of the ticket walk in the tests."""
+        return pid_m * self.cta_tile[0] >= seqlen_q * self.pack_gqa
 
     @cute.jit
     def wait_turn(self, warpgroup_idx):
@@ -680,6 +900,85 @@ class Sm90Kernel:
     def next_warpgroup(self, warpgroup):
         """The consumer warpgroup after w of N = mma_warpgroups: w % N + 1 (N = 2: 1 <-> 2)."""
         return warpgroup % self.mma_warpgroups + 1
+
+    def tile_coords(self, tile, tiles_m, heads, l2_heads):
+        """(Q tile, head, sequence) of work tile `tile`. The (head, sequence) pairs hb = head +
+        H sequence are cut into sections of l2_heads pairs (which divides their number); inside
+        a section the pair varies fastest and the Q tile slowest, so the tiles run block by
+        block across the section's heads: with longest first, every head's last Q tile (under
+        a causal mask the one with the most KV tiles), then every head's second last, and so on.
+        The CTAs running at one time read the K and V of one section, which fit in L2 together
+        (l2_section_heads). l2_heads = 1 (no mask, packed sequences): head by head, the Q tile
+        fastest. (Without a mask every tile has the same work.)"""
+        section_tiles = l2_heads * tiles_m
+        section = tile // section_tiles
+        in_section = tile - section * section_tiles
+        block = in_section // l2_heads
+        hb = section * l2_heads + in_section - block * l2_heads
+        pid_m = block
+        if cutlass.const_expr(self.longest_first):
+            pid_m = tiles_m - 1 - block
+        return pid_m, hb % heads, hb // heads
+
+    @cute.jit
+    def l2_section_heads(self, seqlen_k, pairs):
+        """How many (head, sequence) pairs' K and V fit in L2 together: 50 MB (the H100's L2;
+        the H200's too) over Sk x 2 D bytes of K and V per head (fp16/bf16), rounded down to a
+        power of two (as FlashAttention's LPT tile scheduler), at least 1, and at most the
+        largest power of two dividing the number of pairs (pairs & -pairs), so that every
+        section is whole."""
+        per_key = 2 * self.cta_tile[2] * self.dtype.width // 8  # bytes of K and V per key
+        fit = (self.l2_bytes // per_key) // seqlen_k
+        heads = cutlass.Int32(1)
+        for _ in cutlass.range_constexpr(24):
+            heads = heads * 2 if heads * 2 <= fit else heads
+        return cutlass.min(heads, pairs & -pairs)
+
+    @staticmethod
+    def sequences(mQ, mCuSeqlensQ):
+        """The number of sequences: the batch mode of Q (batch mode) or of cu_seqlens - 1."""
+        if cutlass.const_expr(mCuSeqlensQ is None):
+            return mQ.shape[3]
+        return mCuSeqlensQ.shape[0] - 1
+
+    def ring_state(self, entries, user):
+        """The ring position after `entries` entries: slot entries % kv_slots, phase parity
+        (entries / kv_slots) % 2 for the consumers, flipped for the producer (whose fresh empty
+        barriers pass parity 1)."""
+        wraps = entries // self.kv_slots
+        phase = wraps % 2 if user == pipeline.PipelineUserType.Consumer else (wraps + 1) % 2
+        return pipeline.PipelineState(self.kv_slots, entries, entries % self.kv_slots, phase)
+
+    @cute.jit
+    def tma_views(self, atoms, tensors, smem, pid_m, heads, offset_q, offset_k):
+        """The TMA partitions of one work tile, one CTA (no multicast): Q's (TMA, 1) and
+        (TMA), K's and V's (TMA, kv_slots) and (TMA, kv_tiles). Query head `head` reads KV head
+        kv_head; packed sequences start at offset_q, offset_k of the single batch entry."""
+        tma_atom_q, tma_atom_k, tma_atom_v = atoms
+        mQ, mK, mV = tensors
+        sQ, sKV = smem
+        head, kv_head, batch = heads
+        # This sequence's rows of one head, starting at its offset: (S, D)
+        q_offset = offset_q if cutlass.const_expr(self.pack_gqa == 1) else (0, offset_q)
+        mQ_seq = cute.domain_offset((q_offset, 0), mQ[None, None, head, batch])
+        mK_seq = cute.domain_offset((offset_k, 0), mK[None, None, kv_head, batch])
+        mV_seq = cute.domain_offset((offset_k, 0), mV[None, None, kv_head, batch])
+        # (bM, bK)
+        gQ = cute.local_tile(mQ_seq, self.cta_tile, (pid_m, None, 0), proj=(1, None, 1))
+        # (bN, bK, kv_tiles)
+        gK = cute.local_tile(mK_seq, self.cta_tile, (None, None, 0), proj=(None, 1, 1))
+        gV = cute.local_tile(mV_seq, self.cta_tile, (None, None, 0), proj=(None, 1, 1))
+        one = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_k, 0, one, cute.group_modes(sKV, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_v, 0, one, cute.group_modes(sKV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+        return tQsQ, tQgQ, tKsK, tKgK, tVsV, tVgV
 
     @cute.jit
     def seq_info(self, batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK):
@@ -713,9 +1012,10 @@ class Sm90Kernel:
         cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
 
     @cute.jit
-    def store_rows(self, sO, gO, valid_rows, tidx):
+    def store_rows(self, sO, gO, valid_rows, tidx, q_empty):
         """gO[r, :] = sO[r, :] for the rows r < valid_rows of the tile, 8 elements (16 bytes)
-        per thread and copy: bK / 8 threads per row, store_rows_per_pass() rows per pass."""
+        per thread and copy: bK / 8 threads per row, store_rows_per_pass() rows per pass.
+        q_empty (sO over Q) gets this thread's arrive once its reads of sO are done."""
         bM, _, bK = self.cta_tile
         copy_atom = cute.make_copy_atom(
             cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128
@@ -735,6 +1035,9 @@ class Sm90Kernel:
             for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
                 if tOcO[0, m, 0][0] < valid_rows:
                     cute.copy(s2g, tOrO[None, m, None], tOgO[None, m, None])
+        if cutlass.const_expr(q_empty is not None):
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.mbarrier_arrive(q_empty)
 
     def store_rows_per_pass(self):
         """Rows of O one pass of store_rows covers: every consumer thread takes one 16-byte chunk,

@@ -68,74 +68,14 @@ Changes from stage 8:
   FlashAttention-3's answer (three, on a 192-row tile) is measured below and is now stage 8's. fp16 runs 3% below bf16 in stage 9 (649 vs 670 at
   D = 128, 8k) where stage 5 runs 19% below (479 vs 589): whatever fp16 costs more sits on the
   softmax side, which the overlap hides.
-- Longest first at both head dims (stage 8 reverses its Q tiles at D = 128 only): the Q tiles
-  of a (head, sequence) run in reverse order, so that under a causal mask the CTAs with the
-  most KV tiles start first and the short ones fill the end of the grid. Measured on stage 9
-  before the persistent grid below (H200, 2026-12-01, causal paper shapes, two repetitions,
-  reversed / in order): D = 128: S = 1k 279 / 147 and 268 / 154, 2k 321 / 297,
-  4k 582 / 557, 8k 577 / 560, 16k 626 / 586; D = 64: 1k 263 / 256 ... 16k 460 / 432 - never
-  slower, +2-15% from 2k, 1.8x at 1k (D = 128) where the long tiles started last were the tail.
-- Persistent CTAs: the kernel walks work tiles in a loop, and the grid is capped at one CTA per
-  SM (batch mode; packed sequences since the seventh session, below); where every tile has the
-  same work (no causal or window cut) CTA c takes tiles c, c + gridDim.x, ... (under a mask:
-  the dynamic scheduler below), so that a CTA's set-up (barriers, descriptors, the first
-  loads) is paid once per SM, not per tile, and the next tile's K and V stream in during this
-  tile's last GEMMs. Two barriers hand Q from tile to tile: q_full (TMA landed) and q_empty (the 256 or
-  384 consumer threads are done with Q); O gets its own 32 KB buffer (D = 128) so that q_empty
-  can be released before the epilogue rather than after it, and the next Q lands while O is
-  stored. The ring's position carries over: entry e (2 per KV tile, counted across tiles)
-  takes slot e % kv_slots, parity (e / kv_slots) % 2. Measured (H200, 2026-12-01, bf16, paper
-  shapes, GPU time, TFLOP/s, stage 9 without / with the loop, FA4 in the same run): D = 128
-  non-causal S = 1k 489 / 530 (+8%), 2k 584 / 613 (+5%), 4k 646 / 664 (+3%), 8k 677 / 686
-  (+1%), 16k 689 / 690; FA4 590, 670, 716, 740, 733. D = 64: 1k +8%, 2k +3%, 4k 0, 8k-16k -2%
-  (within run-to-run spread). The gain shrinks as 1 / S, as a per-CTA cost should. O over Q
-  instead of its own buffer kept about a third of the gain at 1k-2k (500 and 592 at D = 128).
-  Unequal tiles (causal, windows) are handed out at run time instead: a fixed share of tiles
-  per CTA (tile c + k x 132) cannot match the hardware handing out longest-first tiles as SMs
-  free up (forced on, causal ran 1-5% slower at 1k-8k and 36% slower at 16k, D = 128).
-- Dynamic tile scheduler (FlashAttention-3's, for causal and windows in batch mode): the grid
-  is capped at one CTA per SM there too, CTA c starts with tile c, and once the producer has
-  issued a tile's last load it draws a ticket from a global counter (one atomic add by lane 0;
-  tile_counter, zeroed by the host at each call) and takes tile gridDim.x + ticket. The tile
-  number reaches the consumers with Q: the producer writes it to shared memory before its
-  arrive on q_full, the consumers read it after their wait (a number past the end, with a
-  q_full of its own, ends their loop). So the tiles still start longest first, as CTAs free
-  up, and the per-CTA set-up and the epilogue overlap with the next tile's loads, as in the
-  persistent non-causal grid. Measured (H200, 2026-12-01, sixth session, bf16, causal paper
-  shapes, GPU time, outputs not poisoned, one CTA per tile / dynamic / FA4 in the same run,
-  two repetitions alike within 1% but where noted): D = 128 S = 512 242 / 294 / 277, 1k 368 /
-  436 / 422, 2k 503 / 558 / 554, 4k 604 / 635 / 645, 8k 660 / 678 / 692, 16k 691 / 700 / 719
-  and 689 / 701 / 696; D = 64 512 131 / 163 / 182 and 150 / 186 / 183, 1k 222 / 261 / 264, 2k
-  338 / 378 / 393, 4k 422 / 455 / 472, 8k 504 / 526 / 547, 16k 543 / 519 / 550 and 521 / 531 /
-  570. +17-24% at S = 512-1k, +11-12% at 2k, +1-8% from 4k (16k at D = 64 within the runs'
-  spread); stage 9 / FA4 0.97-1.06 at D = 128, 0.89-1.02 at D = 64 (0.93-0.99 from 1k;
-  one CTA per tile: 0.87-0.96 and 0.72-0.99). The outputs are the
-  same bits in either order (tested: a tile's values do not depend on which CTA computes it).
-- Packed sequences on the persistent grid too (seventh session): their tiles differ with the
-  lengths, so the grid is capped at one CTA per SM and the tiles are drawn from tile_counter as
-  under a mask; and since the grid counts as many Q tiles per (head, sequence) as the longest
-  sequence has, a shorter sequence's last ones are empty - the producer skips them before
-  handing a tile over (live_tile: one ticket each, no Q load, no epilogue). Measured (H200,
-  2026-12-01, seventh session, bf16, D = 128, H = 16, FA4 varlen in the same run): make
-  bench's 16 sequences of 64-2047 tokens, non-causal / causal, event-timed, 479 / 364 TFLOP/s
-  with one CTA per tile (an earlier run of the session; FA4 0.84x / 0.85x in GPU time) against
-  550 / 454 (FA4 569 / 427: 0.97x / 1.07x in GPU time); in GPU time, 64 sequences of 64-1023
-  tokens 350 / 239 with one CTA per tile (empty tiles skipped too) against 435 / 325 (FA4 414
-  / 263), 8 of 1k-8k 600 / 571 against 615 / 609 (FA4 658 / 598). The more and the shorter
-  the sequences, the more the set-up per CTA and the tail weighed. The same bits as stage 8
-  (tested on a grid capped at 7 CTAs).
-- The order of the tiles under a mask (batch mode): sections of l2_heads (head, sequence)
-  pairs whose K and V fit in the 50 MB L2 together (a power of two that divides the number of
-  pairs: 8 at D = 128, Sk = 8k), and inside a section the Q tile slowest and the pair fastest,
-  so that every head's longest tile comes before any head's second longest
-  (FlashAttention's LPT order). Head by head (the Q tiles of one head longest first, then the
-  next head's) left the longest tiles of the last heads for late in the grid: a list-scheduling
-  model of 132 SMs puts that order 4-7% above the ideal makespan at S = 1k-8k against 0-1.5%
-  sectioned, and the global order (all heads sorted) loses L2 (measured 1-15% slower at
-  D = 128 in the fifth session). Measured with one CTA per tile (H200, 2026-12-01, sixth
-  session, GPU time, outputs poisoned, head by head / sectioned): D = 128 causal S = 2k 454 /
-  461, 4k 556 / 573, 8k 623 / 640 (+2-3%), 1k 331 / 324 and 16k 688 / 682 (-1-2%); D = 64 +0.6-3.7%
-  from 1k. Without a mask the order is head by head (l2_heads = 1), unchanged.
+- Stage 8's persistent CTAs, tile scheduler and tile order, unchanged (they started here: the
+  sixth and seventh sessions, 2026-12-01, measured on stage 9 against one CTA per tile: causal
+  +17-24% at S = 512-1k, +11-12% at 2k, +1-8% from 4k; non-causal +8% at 1k, shrinking as
+  1 / S; packed sequences, make bench's 16 of 64-2047 tokens, 479 -> 550 TFLOP/s non-causal
+  and 364 -> 454 causal at D = 128; the sectioned longest-first order +2-3% at D = 128, S =
+  2k-8k; docs/results/ of those days). Since the fifteenth session (2026-12-02) stage 8 has
+  them, described and measured in its docstring, so that the step from stage 8 to stage 9 is
+  the overlap inside the warpgroup alone, as in the FlashAttention-3 paper's ablation.
 - What the SASS costs against FA4's (fourteenth session, 2026-12-02). FA4's Hopper kernel
   compiles on a machine without a GPU too (FakeTensorMode, FLASH_ATTENTION_ARCH=sm_90), so the
   steady-state loops could be read side by side (cuobjdump -sass, bf16, S = 16k, non-causal; a
