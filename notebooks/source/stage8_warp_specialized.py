@@ -374,7 +374,7 @@ nb.show_source(8, "hopper", names=["Sm90Kernel.next_tile", "Sm90Kernel.tile_coor
 # tail weigh, at 16k the order. At D = 128 it gained 2-8% up to 8k and lost 2-9% at S = 16k,
 # where none of the variants tried (O over Q with 6 slots, no L2 sections, 25 MB sections)
 # recovered it beyond the runs' spread of about 3%. Why the 16k rows lose is not established.
-# Section 7 gives this session's `make bench` run.
+# Section 7 quotes `make bench` on the kernel as committed (H200, 2026-12-03).
 
 # %%
 with open(os.path.join(nb.ROOT, "docs/results/stage8_persistent_h200_2026-12-02.json")) as f:
