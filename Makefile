@@ -4,7 +4,7 @@ PYTHON ?= python3
 TRACK ?= hopper
 PYTEST = $(PYTHON) -m pytest
 
-.PHONY: help setup lint format test tour bench model notebooks notebooks-source sanitize doctor stage-1 stage-2 stage-3 stage-4 stage-5 stage-6 stage-7 stage-8 stage-9 diff-2 diff-3 diff-4 diff-5 diff-6 diff-7 diff-8 diff-9
+.PHONY: help setup lint format test tour bench model notebooks notebooks-source sanitize clocks doctor stage-1 stage-2 stage-3 stage-4 stage-5 stage-6 stage-7 stage-8 stage-9 diff-2 diff-3 diff-4 diff-5 diff-6 diff-7 diff-8 diff-9
 
 help:
 	@echo "make setup      install requirements only if something does not import"
@@ -18,6 +18,7 @@ help:
 	@echo "make notebooks  execute every notebook (compile-only mode without a GPU)"
 	@echo "make notebooks-source  rewrite notebooks/*.ipynb from notebooks/source/ (their single source)"
 	@echo "make sanitize   compute-sanitizer racecheck + synccheck on stages 4-9 (GPU)"
+	@echo "make clocks     stage 9, FA4 and cuDNN run back to back at the power cap: SM clock, power and work per cycle (GPU)"
 	@echo "make doctor     versions, GPU, driver, arch"
 
 setup:
@@ -53,6 +54,9 @@ notebooks-source:
 
 sanitize: setup
 	$(PYTHON) -m common.sanitize
+
+clocks: setup
+	$(PYTHON) -m common.clock_probe --out docs/results/clock_probe.json
 
 doctor:
 	@$(PYTHON) -m common.doctor

@@ -368,8 +368,10 @@ fig = nb.error_picture(9, result)
 # what this stage had gained there - so in the paper's ablation, too, part of the
 # intra-warpgroup step may be that gap, which its warp-specialised kernel keeps. Runs differ by a
 # few percent; stage 9 ends at 1.02x and 0.97x FA4 here (1.01 and 0.98 in GPU time alone), 0.95x
-# at 16k: the gap at long sequences is the open part of this stage, `docs/results/h200.md` says
-# what is known about it. At D = 64 the step is +5% and +6% (477 -> 501, 520 -> 551; -2% at 16k)
+# at 16k: the gap at long sequences is the open part of this stage. It is not the clock: run back
+# to back at the 700 W power cap (H200, 2026-12-03, `python -m common.clock_probe`) stage 9 holds
+# FA4's clock within 1-2% and does 2-5% less work per cycle - the instructions around the GEMMs
+# and the exponentials (`docs/results/h200.md` has the counts). At D = 64 the step is +5% and +6% (477 -> 501, 520 -> 551; -2% at 16k)
 # on stage 8's CTA of three consumer warpgroups (section 7.2); before stage 8 took them (the ninth
 # session's run, `docs/results/bench_h200_2026-12-02_ninth_d64.md`) the step was +22-23% because
 # it included them. With two, stages 8 and 9 stayed below stage 5 at D = 64: Nsight Compute on the
