@@ -10,6 +10,25 @@ TRACKS = ("hopper", "blackwell")
 ARCH_OF_TRACK = {"hopper": "sm_90a", "blackwell": "sm_100a"}
 
 
+_SM_COUNTS = {}
+
+
+def device_sm_count():
+    """The SMs of the current CUDA device (132 on an H100 SXM or H200), the cap on a persistent
+    grid (stages 8 and 9); 132 without a GPU (compile-only). Read once per device: every call
+    builds kernel objects, and the property lookup is a measurable part of a short call's host
+    work."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 132
+    device = torch.cuda.current_device()
+    count = _SM_COUNTS.get(device)
+    if count is None:
+        count = _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return count
+
+
 class UnsupportedGPUError(RuntimeError):
     """The current machine has no GPU that one of the two tracks targets."""
 

@@ -154,7 +154,6 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-import torch
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -162,22 +161,8 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from common import attention_host, pack_gqa
+from common.arch import device_sm_count
 from common.cute_interop import rows_of_16_bytes
-
-_SM_COUNTS = {}
-
-
-def device_sm_count():
-    """The SMs of the current CUDA device (132 on an H100 SXM or H200), the cap on a persistent
-    grid; 132 without a GPU (compile-only). Read once per device: every call builds kernel
-    objects, and the property lookup is a measurable part of a short call's host work."""
-    if not torch.cuda.is_available():
-        return 132
-    device = torch.cuda.current_device()
-    count = _SM_COUNTS.get(device)
-    if count is None:
-        count = _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return count
 
 
 class Sm90Kernel:
