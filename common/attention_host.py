@@ -30,13 +30,13 @@ def tile_rows(kernel_class, dtype, D, kernel=None):
     return getattr(kernel, "tile_rows", 128)
 
 
-def kernel_options(kernel_class, D, window_left, window_right, Sq, Sk, group):
+def kernel_options(kernel_class, D, window_left, window_right, Sq, Sk, group, packed):
     """Keyword options for kernel_class(dtype, D, pack, ...) at one launch's head dim, resolved
     window, lengths (packed: the longest) and G = H / Hkv: the class's `launch_options` (Hopper
     stage 9: two consumer warpgroups at D = 64 under a short mask), {} where it has none. They
     become attributes of the kernel object, so the compile cache keys on them."""
     options = getattr(kernel_class, "launch_options", None)
-    return options(D, window_left, window_right, Sq, Sk, group) if options else {}
+    return options(D, window_left, window_right, Sq, Sk, group, packed) if options else {}
 
 
 def compile_args(kernel_class, dtype, shape, scale=None, **options):
@@ -57,7 +57,7 @@ def compile_args(kernel_class, dtype, shape, scale=None, **options):
     cu_q = cu_k = None
     if varlen:
         cu_q, cu_k = (fake_tensor(torch.int32, (B + 1,), dynamic=True) for _ in range(2))
-    opts = kernel_options(kernel_class, D, window_left, window_right, Sq, Sk, H // Hkv)
+    opts = kernel_options(kernel_class, D, window_left, window_right, Sq, Sk, H // Hkv, varlen)
     rows = tile_rows(kernel_class, dtype, D, kernel_class(cute_dtype(dtype), D, 1, **opts))
     pack = choose_pack(H, Hkv, Sq, rows, options.get("pack_gqa"))
     kernel = kernel_class(cute_dtype(dtype), D, pack, **opts)
@@ -95,8 +95,9 @@ def launch(
         # Options for this launch's sizes and mask (Hopper stage 9: the consumer warpgroups at
         # D = 64), the same in the unpacked and the packed object.
         H, Hkv = q.shape[1], k.shape[1]
+        packed = cu_seqlens_q is not None
         opts = kernel_options(
-            kernel_class, D, window_left, window_right, max_seqlen_q, max_seqlen_k, H // Hkv
+            kernel_class, D, window_left, window_right, max_seqlen_q, max_seqlen_k, H // Hkv, packed
         )
         unpacked = kernel_class(cute_dtype(q.dtype), D, 1, **opts)
         rows = tile_rows(kernel_class, q.dtype, D, unpacked)

@@ -752,7 +752,12 @@ CONCEPTS = (
     ("consumer waits for a full slot", r"consumer_wait\(", r"_cons\w*\.wait_and_advance\(", 1),
     ("MMA issued", r"cute\.gemm\(", r"cute\.gemm\(", 1),
     ("MMAs complete: wait / commit to a barrier", r"warpgroup\.wait_group\(", r"\.commit\(\)", 1),
-    ("slot released after its MMAs", r"consumer_release\(", r"\.release\(\)", 1),
+    (
+        "slot released after its MMAs",
+        r"consumer_release\(|self\.release_slot\(",
+        r"\.release\(\)",
+        1,
+    ),
     ("accumulator -> registers", r"make_tiled_copy_C\(", r"Ld32x32bOp", 1),
     (
         "output stored",

@@ -554,7 +554,9 @@ def check_short_masks_take_two_warpgroups_at_d64(module):
 
     def wgs(D, Sq, Sk, causal=False, window=None, H=8, Hkv=8):
         left, right = masks.resolve_window(causal, window, Sq, Sk)
-        opts = attention_host.kernel_options(module.Sm90Kernel, D, left, right, Sq, Sk, H // Hkv)
+        opts = attention_host.kernel_options(
+            module.Sm90Kernel, D, left, right, Sq, Sk, H // Hkv, False
+        )
         kernel, _ = module.compile_args(
             torch.bfloat16, (2, H, Sq, Sk, D), causal=causal, window=window, kv_heads=Hkv
         )
@@ -598,7 +600,9 @@ def check_two_and_three_warpgroups_agree(module, dtype):
         (3, 2, 2, 129, 513, False, (60, 40)),
     ]:
         left, right = masks.resolve_window(causal, window, Sq, Sk)
-        opts = attention_host.kernel_options(module.Sm90Kernel, 64, left, right, Sq, Sk, H // Hkv)
+        opts = attention_host.kernel_options(
+            module.Sm90Kernel, 64, left, right, Sq, Sk, H // Hkv, False
+        )
         assert opts == {"mma_warpgroups": 2}, (Sq, Sk, causal, window)
         q, _, _ = inputs.attention_inputs(B, H, Sq, Sq, 64, dtype, seed=Sq + Sk)
         _, k, v = inputs.attention_inputs(B, Hkv, Sq, Sk, 64, dtype, seed=Sk)
@@ -629,6 +633,93 @@ def check_two_and_three_warpgroups_agree(module, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_short_masks_at_d64_two_and_three_warpgroups_agree(dtype):
     check_two_and_three_warpgroups_agree(hopper, dtype)
+
+
+# ---------------------------------------------------------------- kernels without the mask code
+
+
+def check_mask_code_only_where_something_is_masked(module, head_dims):
+    """launch_options: at the head dims `head_dims`, a launch that masks no element - no causal
+    or window cut, batch mode, Sk a multiple of the 128-key tile - gets the kernel compiled
+    without the element-mask code (edge_masks=False); a cut, a ragged Sk or packed sequences (a
+    sequence's last tile may end inside it) keep it, and so does every launch at the other head
+    dims. The compile_args of CI's checks build the same object as a launch. (Stages 8 and 9:
+    stage 9 drops it at D = 64 only.)"""
+
+    def edge_masks(D, Sq, Sk, causal=False, window=None, varlen=False):
+        left, right = masks.resolve_window(causal, window, Sq, Sk)
+        opts = attention_host.kernel_options(module.Sm90Kernel, D, left, right, Sq, Sk, 1, varlen)
+        kernel, _ = module.compile_args(
+            torch.bfloat16, (2, 4, Sq, Sk, D), causal=causal, window=window, varlen=varlen
+        )
+        assert kernel.edge_masks == opts.get("edge_masks", True), (D, Sq, Sk, causal, window)
+        return kernel.edge_masks
+
+    for D in (64, 128):
+        free = D in head_dims
+        assert edge_masks(D, 1024, 1024) != free
+        assert edge_masks(D, 1000, 2048) != free  # a ragged Sq masks no key
+        assert edge_masks(D, 1, 128) != free
+        assert edge_masks(D, 1024, 1000)  # the last KV tile reaches past Sk
+        assert edge_masks(D, 1024, 1152 + 1)
+        assert edge_masks(D, 1024, 1024, causal=True)
+        assert edge_masks(D, 1024, 1024, window=(100, 100))
+        assert edge_masks(D, 1024, 1024, window=(1023, None))  # left < Sk counts as a cut
+        assert edge_masks(D, 512, 2048, window=(3000, 3000)) != free  # wider than the keys
+        assert edge_masks(D, 1024, 1024, varlen=True)
+
+
+def check_kernels_with_and_without_mask_code_agree(module, dtype, D, head_dims):
+    """Launches alternating, in one process, between shapes that take the kernel without the
+    mask code (Sk a multiple of 128, no cut) and shapes that need the one with it (a ragged Sk,
+    causal, GQA): each against the fp64 reference, and the mask-free ones bit for bit against
+    the same launches pinned to the kernel with the mask code (the same arithmetic: no tile
+    crosses an edge there). A kernel reused on a launch it was not compiled for fails here:
+    without the mask, the keys TMA fills with zeros past a ragged Sk would count as S = 0.
+    head_dims: where the stage drops the mask code (elsewhere every launch keeps it). (Stages
+    8 and 9.)"""
+
+    class with_mask_code(module.Sm90Kernel):
+        launch_options = staticmethod(lambda *a: {"edge_masks": True})
+
+    sequence = [  # (B, H, Hkv, Sq, Sk, causal): mask code needed?
+        ((2, 4, 4, 1024, 1024, False), False),
+        ((2, 4, 4, 1024, 1000, False), True),
+        ((1, 8, 2, 333, 1024, False), False),
+        ((2, 4, 4, 1024, 1024, True), True),
+        ((2, 4, 4, 700, 1025, False), True),
+        ((2, 4, 4, 1024, 1024, False), False),
+    ]
+    for (B, H, Hkv, Sq, Sk, causal), needed in sequence:
+        left, right = masks.resolve_window(causal, None, Sq, Sk)
+        opts = attention_host.kernel_options(
+            module.Sm90Kernel, D, left, right, Sq, Sk, H // Hkv, False
+        )
+        needed = needed or D not in head_dims
+        assert opts.get("edge_masks", True) == needed, (Sq, Sk, causal)
+        q, _, _ = inputs.attention_inputs(B, H, Sq, Sq, D, dtype, seed=Sq + Sk + D)
+        _, k, v = inputs.attention_inputs(B, Hkv, Sq, Sk, D, dtype, seed=Sk + D)
+        o, lse = run(lambda: module.attention(q, k, v, causal=causal, return_lse=True))
+        gqa_reference_check("O", o, lse, q, k, v, causal, None)
+        if not needed:
+            o_m, lse_m = run(
+                lambda: attention_host.attention(
+                    with_mask_code, q, k, v, None, causal, None, True, None
+                )
+            )
+            assert torch.equal(o, o_m), (Sq, Sk, (o.float() - o_m.float()).abs().max())
+            assert torch.equal(lse, lse_m), (Sq, Sk)
+
+
+def test_mask_code_only_where_something_is_masked():
+    check_mask_code_only_where_something_is_masked(hopper, head_dims=(64, 128))
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("D", [64, 128])
+def test_kernels_with_and_without_mask_code_agree(dtype, D):
+    check_kernels_with_and_without_mask_code_agree(hopper, dtype, D, head_dims=(64, 128))
 
 
 # ---------------------------------------------------------------- persistent CTAs, the tile scheduler

@@ -45,6 +45,8 @@ from test_stage8_hopper import (
     HANDOVER_TILES,
     PACK_GQA_192_CASES,
     SAME_AS_STAGE7,
+    check_kernels_with_and_without_mask_code_agree,
+    check_mask_code_only_where_something_is_masked,
     check_pack_gqa_groups_follow_the_tile_rows,
     check_persistent_ctas_walk_many_tiles,
     check_persistent_ctas_walk_packed_sequences,
@@ -586,3 +588,18 @@ def test_launch_builds_what_launch_options_ask_for(monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_short_masks_at_d64_two_and_three_warpgroups_agree(dtype):
     check_two_and_three_warpgroups_agree(hopper, dtype)
+
+
+# ---------------------------------------------------------------- kernels without the mask code
+# (stage 8's launch_options rule and checks, run here on stage 9)
+
+
+def test_mask_code_only_where_something_is_masked():
+    check_mask_code_only_where_something_is_masked(hopper, head_dims=(64,))
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("D", [64, 128])
+def test_kernels_with_and_without_mask_code_agree(dtype, D):
+    check_kernels_with_and_without_mask_code_agree(hopper, dtype, D, head_dims=(64,))

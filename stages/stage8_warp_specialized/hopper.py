@@ -106,6 +106,23 @@ Changes from stage 7:
   1) (launch_options; the same code with mma_warpgroups = 2, a compile of its own): a 192-row
   tile does more of the causal triangle's masked work and makes fewer CTAs. Measured in the
   same rounds: causal S = 512 153 / 177 (three / two), 1k 221 / 255 (-13%); fp16 1k 219 / 258.
+- A kernel without the mask code where nothing is masked (eighteenth session, 2026-12-03): a
+  launch with no causal or window cut, in batch mode, with Sk a multiple of the 128-key tile
+  crosses no mask edge on any tile, so launch_options passes edge_masks=False and the kernel is
+  compiled without the test and mask_keys (a compile of its own; the compile cache keys on it).
+  The code of a branch never taken still cost: its values stay live across the loop (the
+  seventeenth session's SASS showed launch parameters reloaded from the constant bank at every
+  tile at D = 64). FlashAttention's kernels get the same by running the tiles that need no
+  mask in a loop of their own. Measured (H200, 2026-12-03, bf16, paper shapes, non-causal, GPU
+  time in interleaved rounds, against the same stage with the mask code;
+  docs/results/mask_code_release_h200_2026-12-03_eighteenth.md): D = 128 S = 8k +6.7%, 16k
+  +6.7%; D = 64 8k +2.4%. The same bits (tested, with launches that need the mask code and
+  launches that do not alternating in one process).
+- A slot is released by one elected lane per consumer warp (release_slot: elect.sync, then the
+  arrive) instead of the pipeline's consumer_release, whose lane-0 predicate ptxas rebuilt from
+  %tid.x at every KV tile (S2R + LOP3 in the loop; stage 9's SASS, seventeenth session).
+  Measured in the same rounds: -0.2% at D = 128 S = 8k, +1.3% at D = 64 8k; stage 9 gains more
+  from it (its docstring).
 - Not changed: tiles, masks, the online softmax, the epilogue (predicated O rows, LSE). Each
   warpgroup runs stage 7's arithmetic on its rows (the PTX's floating-point instructions are
   the same, in the same order), so O and LSE are meant to be stage 7's bit for bit (tested).
@@ -143,6 +160,7 @@ class Sm90Kernel:
         o_buffer=True,
         sm_count=None,
         mma_warpgroups=None,
+        edge_masks=True,
     ):
         self.dtype = dtype  # element type of Q, K, V and O: cutlass.BFloat16 or cutlass.Float16
         # Query heads per Q tile (pack-GQA, common/pack_gqa.py): 1, or G = H / Hkv when the
@@ -154,6 +172,9 @@ class Sm90Kernel:
         # FlashAttention-3's configuration: see the docstring); mma_warpgroups overrides it (the
         # launch passes 2 at D = 64 under short masks: launch_options).
         self.mma_warpgroups = mma_warpgroups or self.warpgroups_for(head_dim)
+        # False: compiled without the element-mask code, for launches that mask nothing
+        # (launch_options; a compile of its own, the compile cache keys on it).
+        self.edge_masks = edge_masks
         # (bM, bN, bK): query rows, keys per KV tile, head dim
         self.cta_tile = (64 * self.mma_warpgroups, 128, head_dim)
         self.tile_rows = self.cta_tile[0]  # what pack-GQA's G must divide (common/pack_gqa.py)
@@ -198,17 +219,23 @@ class Sm90Kernel:
     SHORT_MASK_KEYS = 1024
 
     @staticmethod
-    def launch_options(head_dim, window_left, window_right, seqlen_q, seqlen_k, group):
+    def launch_options(head_dim, window_left, window_right, seqlen_q, seqlen_k, group, packed):
         """Options for the kernel of one launch (common/attention_host.py builds it with them):
         {"mma_warpgroups": 2} at D = 64 where a causal or window mask leaves no query row more
         than SHORT_MASK_KEYS keys, min(Sk, left + right + 1) (packed: of the longest sequence),
         and G = H / Hkv divides 64 (then both tiles, 128 and 192 rows, allow the same pack-GQA
-        choices: the argument checks do not depend on the lengths); {} otherwise. A 192-row tile
-        does more of the masked work where the visible band is short (the docstring's numbers)."""
+        choices: the argument checks do not depend on the lengths). {"edge_masks": False} where
+        the launch masks no element: no causal or window cut, batch mode (packed, a sequence's
+        last tile may end inside it; `packed`) and Sk a multiple of the 128-key tile. {}
+        otherwise. A 192-row tile does more of the masked work where the visible band is short;
+        the mask code costs registers and time even where no tile takes it (the docstring's
+        numbers)."""
         masked = window_left < seqlen_k or window_right < seqlen_q
         keys = min(seqlen_k, window_left + window_right + 1)
         if head_dim == 64 and masked and keys <= Sm90Kernel.SHORT_MASK_KEYS and 64 % group == 0:
             return {"mma_warpgroups": 2}
+        if not masked and not packed and seqlen_k % 128 == 0:  # no tile crosses an edge
+            return {"edge_masks": False}
         return {}
 
     @cute.jit
@@ -657,26 +684,27 @@ class Sm90Kernel:
                     # just before them in the same turn, reading V_{j-1} - have completed, and only
                     # then release their slots.
                     warpgroup.wait_group(0)
-                    kv_pipeline.consumer_release(k_state)
+                    self.release_slot(kv_pipeline, k_state)
                     if step > 0:
-                        kv_pipeline.consumer_release(v_state)
+                        self.release_slot(kv_pipeline, v_state)
 
                     # Only a tile that crosses an edge (Sk, or the band of the window: the diagonal
                     # when causal) is masked element by element: S = -inf where row i must not see
                     # key j.
-                    if self.crosses_mask_edge(
-                        pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right
-                    ):
-                        self.mask_keys(
-                            acc_S,
-                            tScS,
-                            pid_m,
-                            kv_tile,
-                            seqlen_q,
-                            seqlen_k,
-                            window_left,
-                            window_right,
-                        )
+                    if cutlass.const_expr(self.edge_masks):
+                        if self.crosses_mask_edge(
+                            pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right
+                        ):
+                            self.mask_keys(
+                                acc_S,
+                                tScS,
+                                pid_m,
+                                kv_tile,
+                                seqlen_q,
+                                seqlen_k,
+                                window_left,
+                                window_right,
+                            )
 
                     # Fold this tile into row_max and row_sum; P = exp(scale * (S - row_max)) in
                     # place of S.
@@ -724,7 +752,7 @@ class Sm90Kernel:
                     self.pass_turn(warpgroup_idx)
                 warpgroup.wait_group(0)
                 if steps > 0:
-                    kv_pipeline.consumer_release(v_state)
+                    self.release_slot(kv_pipeline, v_state)
 
                 # 3. Epilogue
                 # O has its own buffer: every wgmma reading this tile's Q is complete, so the
@@ -1101,6 +1129,17 @@ class Sm90Kernel:
         if first_row >= seqlen_q:
             hi = lo
         return lo, hi
+
+    @cute.jit
+    def release_slot(self, kv_pipeline, state):
+        """A consumer warp is done with ring slot state.index: one elected lane arrives on the
+        slot's empty barrier (its count is one per consumer warp, 8 or 12). The pipeline's
+        consumer_release does the same from lane 0, a predicate made from tidx % 32 once, which
+        ptxas does not keep in a predicate register across the loop: it re-reads %tid.x and
+        rebuilds it at every KV tile (S2R + LOP3 in the loop's SASS). elect.sync picks a lane
+        in one instruction, from nothing live (the module docstring's numbers)."""
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive(kv_pipeline.sync_object_empty.get_barrier(state.index))
 
     @cute.jit
     def crosses_mask_edge(self, pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right):

@@ -138,8 +138,27 @@ Changes from stage 8:
   tested). Measured in two runs of the same day (H200, GPU time): D = 64 causal +1-4%, D = 128
   within the runs' spread; leaving the mask out entirely (wrong values, timing only) would gain
   another 4-13% at D = 64 and 1-4% at D = 128 (FA4 peels the diagonal tiles into a loop of
-  their own; not done here). A variant with a second, right-edge-only mask (one compare)
+  their own; not done here; for launches with nothing to mask, see the kernel without the mask
+  code below). A variant with a second, right-edge-only mask (one compare)
   spilled at D = 64 and was dropped.
+
+- Stage 8's kernel without the mask code for launches that mask nothing, at D = 64 only, and
+  stage 8's elected slot release (eighteenth session, 2026-12-03; both moved to stage 8 once
+  measured, so the step from 8 to 9 stays the overlap). At D = 64 the launches with no causal
+  or window cut (batch mode, Sk a multiple of 128) were faster without the mask code in every
+  row measured (H200, GPU time, interleaved rounds, paper shapes, two runs): with the elected
+  release, against this stage before it, +3.7% and +3.3% at S = 4k, +3.5% at 2k, +3.7% and
+  +1.3% at 16k, fp16 +5.5% at 8k and +5.3% and +6.0% at 16k. At D = 128 without it was slower
+  in 5 of 6 rows (-1.0 to -3.0%, one +0.3%), so D = 128 keeps it (launch_options: the rule is
+  stage 8's with head_dim == 64): with two consumer warpgroups the registers are not short,
+  and ptxas schedules the loop differently, not better. The elected release alone at D = 128:
+  +1.5%, +5.0%, +3.8% at S = 4k, 8k, 16k in one run, -0.4%, +1.9%, -0.7% in another (the same
+  code differed by up to 7% between the two processes at 16k); causal within 0.6%.
+  docs/results/mask_code_release_h200_2026-12-03_eighteenth.md. make bench after it (same
+  day), stage 9 / FA4 in GPU time, S = 1k-16k, non-causal: D = 64 1.04, 1.02, 1.00, 0.99, 0.98
+  (the seventeenth session's run: 1.02, 0.98, 0.96, 0.96, 0.91), fp16 D = 64 1.03, 1.01, 0.99,
+  0.98, 0.97 (1.01, 0.98, 0.96, 0.94, 0.93); D = 128 1.04, 1.01, 0.99, 0.96, 1.01 (1.05, 1.01,
+  0.99, 0.98, 0.95); docs/results/bench_h200_2026-12-03_eighteenth_*.md.
 
 attention(q, k, v, ...) and attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...) as in
 stage 7: GQA / MQA, packed sequences, causal and window masks (bottom-right aligned per
@@ -175,6 +194,7 @@ class Sm90Kernel:
         o_buffer=True,
         sm_count=None,
         mma_warpgroups=None,
+        edge_masks=True,
     ):
         self.dtype = dtype  # element type of Q, K, V and O: cutlass.BFloat16 or cutlass.Float16
         # Query heads per Q tile (pack-GQA, common/pack_gqa.py): 1, or G = H / Hkv when the
@@ -224,6 +244,9 @@ class Sm90Kernel:
         # D = 64 (three consumer warpgroups) ran 5-6% slower that way and keeps the PTX order.
         self.max_before_wait = head_dim == 128
         self.fmax_row_max = head_dim == 128  # quad_row_max: see the module docstring
+        # False: compiled without the element-mask code, for launches that mask nothing
+        # (launch_options; a compile of its own, the compile cache keys on it).
+        self.edge_masks = edge_masks
 
     @staticmethod
     def warpgroups_for(head_dim):
@@ -235,17 +258,21 @@ class Sm90Kernel:
     SHORT_MASK_KEYS = 1024
 
     @staticmethod
-    def launch_options(head_dim, window_left, window_right, seqlen_q, seqlen_k, group):
+    def launch_options(head_dim, window_left, window_right, seqlen_q, seqlen_k, group, packed):
         """Options for the kernel of one launch (common/attention_host.py builds it with them):
         {"mma_warpgroups": 2} at D = 64 where a causal or window mask leaves no query row more
         than SHORT_MASK_KEYS keys, min(Sk, left + right + 1) (packed: of the longest sequence),
         and G = H / Hkv divides 64 (then both tiles, 128 and 192 rows, allow the same pack-GQA
-        choices: the argument checks do not depend on the lengths); {} otherwise. A 192-row tile
-        does more of the masked work where the visible band is short (the docstring's numbers)."""
+        choices: the argument checks do not depend on the lengths). {"edge_masks": False} at
+        D = 64 where the launch masks no element (stage 8's rule: no causal or window cut, batch
+        mode, Sk a multiple of the 128-key tile); at D = 128 this stage runs 1-2% faster with
+        the mask code than without it (measured; the docstring). {} otherwise."""
         masked = window_left < seqlen_k or window_right < seqlen_q
         keys = min(seqlen_k, window_left + window_right + 1)
         if head_dim == 64 and masked and keys <= Sm90Kernel.SHORT_MASK_KEYS and 64 % group == 0:
             return {"mma_warpgroups": 2}
+        if head_dim == 64 and not masked and not packed and seqlen_k % 128 == 0:
+            return {"edge_masks": False}
         return {}
 
     @cute.jit
@@ -684,7 +711,7 @@ class Sm90Kernel:
                     self.issue_qk(qk_mma, acc_S, tSrQ, tSrK, k_state.index)
                     self.pass_turn(warpgroup_idx)
                     warpgroup.wait_group(0)
-                    kv_pipeline.consumer_release(k_state)
+                    self.release_slot(kv_pipeline, k_state)
                     # O = 0 so far: the first row_scale has nothing to rescale.
                     self.softmax_step(
                         acc_S,
@@ -717,7 +744,7 @@ class Sm90Kernel:
                         # wgmma groups complete in order: one still pending (PV_{j-1}) means S_j
                         # is complete. K_j is read: release its slot.
                         warpgroup.wait_group(1)
-                        kv_pipeline.consumer_release(k_state)
+                        self.release_slot(kv_pipeline, k_state)
                         # softmax_j, under PV_{j-1}: it reads acc_S, never acc_O or tOrP.
                         softmax_args = (
                             (tScS, tScS_offsets),
@@ -746,14 +773,14 @@ class Sm90Kernel:
                             ):
                                 # PV_{j-1} complete: V_{j-1} is read, acc_O and tOrP are free.
                                 warpgroup.wait_group(0)
-                                kv_pipeline.consumer_release(v_state)
+                                self.release_slot(kv_pipeline, v_state)
                                 self.exponentiate(acc_S, row_sum, row_scale, max_scaled, scale_log2)
                                 self.rescale_o_and_convert_p(acc_O, row_scale, acc_S, tOrP)
                         else:
                             row_scale = self.softmax_step(acc_S, *softmax_args)
                             # PV_{j-1} complete: V_{j-1} is read, and acc_O and tOrP are free.
                             warpgroup.wait_group(0)
-                            kv_pipeline.consumer_release(v_state)
+                            self.release_slot(kv_pipeline, v_state)
                             self.rescale_o_and_convert_p(acc_O, row_scale, acc_S, tOrP)
                         v_state = consumer_state.clone()  # V_j, read by the next step's PV
                         consumer_state.advance()
@@ -775,7 +802,7 @@ class Sm90Kernel:
                     if warpgroup_idx < self.mma_warpgroups:
                         self.pass_turn(warpgroup_idx)
                     warpgroup.wait_group(0)
-                    kv_pipeline.consumer_release(v_state)
+                    self.release_slot(kv_pipeline, v_state)
 
                 # 3. Epilogue
                 # O has its own buffer: every wgmma reading this tile's Q is complete, so the
@@ -911,6 +938,17 @@ class Sm90Kernel:
         return pid_m * self.cta_tile[0] >= seqlen_q * self.pack_gqa
 
     @cute.jit
+    def release_slot(self, kv_pipeline, state):
+        """A consumer warp is done with ring slot state.index: one elected lane arrives on the
+        slot's empty barrier (its count is one per consumer warp, 8 or 12). The pipeline's
+        consumer_release does the same from lane 0, a predicate made from tidx % 32 once, which
+        ptxas does not keep in a predicate register across the loop: it re-reads %tid.x and
+        rebuilds it at every KV tile (S2R + LOP3 in the loop's SASS). elect.sync picks a lane
+        in one instruction, from nothing live (the module docstring's numbers)."""
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive(kv_pipeline.sync_object_empty.get_barrier(state.index))
+
+    @cute.jit
     def wait_turn(self, warpgroup_idx):
         """Ping-pong: block consumer warpgroup w until the one before it (w - 1, warpgroup 1's:
         the last) has passed it the tensor cores. Its named barrier (turn_barrier) counts 256
@@ -983,11 +1021,14 @@ class Sm90Kernel:
         row_sum, P = exp(scale * (S - row_max)) in place of S. Returns row_scale. tScS: (this
         thread's coordinates, thread 0's: the offsets). exponentiate=False stops after the row
         max: returns (row_scale, row_max * scale_log2) for exponentiate()."""
-        right, left = self.mask_edges(pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right)
-        if right or left:
-            self.mask_keys(
-                acc_S, tScS, pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right
+        if cutlass.const_expr(self.edge_masks):
+            right, left = self.mask_edges(
+                pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right
             )
+            if right or left:
+                self.mask_keys(
+                    acc_S, tScS, pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right
+                )
         if cutlass.const_expr(not exponentiate):
             return self.fold_row_max(acc_S, row_max, scale_log2)
         return self.online_softmax(acc_S, row_max, row_sum, scale_log2)
