@@ -347,31 +347,36 @@ fig = nb.error_picture(9, result)
 #
 # **Expected**, from `make bench` on the H200 (2026-12-03, bf16, B·S = 16k, H·D = 2048,
 # non-causal; every kernel of a row timed in the same interleaved rounds, event-timed; the
-# seventeenth session's runs, `docs/results/bench_h200_2026-12-03_seventeenth_d128.md` and
+# eighteenth session's runs, `docs/results/bench_h200_2026-12-03_eighteenth_d128.md` and
 # `..._d64.md`, causal rows included), in TFLOP/s:
 #
 # | D | S | stage 5 | stage 8 | stage 9 | FA4 | SDPA cuDNN |
 # | --- | --- | --- | --- | --- | --- | --- |
-# | 128 | 2k | 500 | 641 | 669 | 653 | 645 |
-# | 128 | 8k | 529 | 639 | 680 | 701 | 648 |
-# | 64 | 2k | 504 | 477 | 501 | 511 | 471 |
-# | 64 | 8k | 511 | 520 | 551 | 566 | 475 |
+# | 128 | 2k | 476 | 652 | 643 | 631 | 621 |
+# | 128 | 8k | 520 | 646 | 667 | 693 | 650 |
+# | 64 | 2k | 497 | 484 | 501 | 491 | 453 |
+# | 64 | 8k | 498 | 517 | 538 | 551 | 463 |
 #
-# Stages 8 and 9 now share everything but the overlap - the persistent CTAs, the tile order and
-# O's own buffer (stage 8's section 5.6) - so this is the step of the FlashAttention-3 paper's
-# ablation alone. At D = 128 it is +4% at S = 2k, +10% at 4k, +6% at 8k and +1% at 16k
-# non-causal (641 -> 669, 623 -> 687, 639 -> 680, 647 -> 656) and +5-11% causal from 2k (535 ->
-# 562, 611 -> 681 at 8k); the paper's ablation on an H100 at head dimension 128 measured +14%
-# for the same step (582 -> 661). Before stage 8 issued the two GEMMs of a turn back to back (its
-# section 5.3) the step was +8-10% (the eleventh session's run, 2026-12-02: 609 -> 672, 612 ->
-# 658): that took the tensor cores' idle gap inside each turn out of stage 8, and with it part of
-# what this stage had gained there - so in the paper's ablation, too, part of the
-# intra-warpgroup step may be that gap, which its warp-specialised kernel keeps. Runs differ by a
-# few percent; stage 9 ends at 1.02x and 0.97x FA4 here (1.01 and 0.98 in GPU time alone), 0.95x
-# at 16k: the gap at long sequences is the open part of this stage. It is not the clock: run back
-# to back at the 700 W power cap (H200, 2026-12-03, `python -m common.clock_probe`) stage 9 holds
-# FA4's clock within 1-2% and does 2-5% less work per cycle - the instructions around the GEMMs
-# and the exponentials (`docs/results/h200.md` has the counts). At D = 64 the step is +5% and +6% (477 -> 501, 520 -> 551; -2% at 16k)
+# Stages 8 and 9 share everything but the overlap - the persistent CTAs, the tile order and
+# O's own buffer (stage 8's section 5.6), the slot release from an elected lane - with one
+# difference of measurement: where a launch masks nothing, stage 8 runs a kernel compiled
+# without the mask code at both head dims (+7% at D = 128, S = 8k and 16k), stage 9 only at
+# D = 64 (at D = 128 it ran 1-3% slower without it; its docstring). At D = 128 the step is then
+# -1% at S = 2k, +1% at 4k, +3% at 8k and -4% at 16k non-causal (652 -> 643, 651 -> 659, 646 ->
+# 667, 679 -> 653) and +5-9% causal from 2k (528 -> 553, 609 -> 662 at 8k); the paper's
+# ablation on an H100 at head dimension 128 measured +14% for the same step (582 -> 661). In
+# the seventeenth session's run, both stages with the mask code, it was +4%, +10%, +6% and +1%
+# (641 -> 669, 623 -> 687, 639 -> 680, 647 -> 656); before stage 8 issued the two GEMMs of a
+# turn back to back (its section 5.3) +8-10% (the eleventh session's run, 2026-12-02: 609 ->
+# 672, 612 -> 658): that took the tensor cores' idle gap inside each turn out of stage 8, and
+# with it part of what this stage had gained there - so in the paper's ablation, too, part of
+# the intra-warpgroup step may be that gap, which its warp-specialised kernel keeps. Runs differ
+# by a few percent (the same code by up to 7% at 16k); stage 9 ends at 1.02x and 0.96x FA4 here
+# in event time (1.01 and 0.96 in GPU time alone), 1.01 at 16k in GPU time: the gap at 4k-8k is the open
+# part of this stage. It is not the clock: run back to back at the 700 W power cap (H200,
+# 2026-12-03, `python -m common.clock_probe`) stage 9 holds FA4's clock within 1-2% and does
+# 2-5% less work per cycle - the instructions around the GEMMs and the exponentials
+# (`docs/results/h200.md` has the counts). At D = 64 the step is +4% and +4% (484 -> 501, 517 -> 538; -2% at 16k)
 # on stage 8's CTA of three consumer warpgroups (section 7.2); before stage 8 took them (the ninth
 # session's run, `docs/results/bench_h200_2026-12-02_ninth_d64.md`) the step was +22-23% because
 # it included them. With two, stages 8 and 9 stayed below stage 5 at D = 64: Nsight Compute on the
@@ -395,10 +400,10 @@ bench = nb.measure(
 # %%
 # The step next to the paper's ablation: this run's ratios where there is a run, else the H200's.
 quoted = {
-    "(8, 16, 2048, 2048, 128)": {"stage 5": 500, "stage 8": 641, "stage 9": 669, "FA4": 653},
-    "(2, 16, 8192, 8192, 128)": {"stage 5": 529, "stage 8": 639, "stage 9": 680, "FA4": 701},
-    "(8, 32, 2048, 2048, 64)": {"stage 5": 504, "stage 8": 477, "stage 9": 501, "FA4": 511},
-    "(2, 32, 8192, 8192, 64)": {"stage 5": 511, "stage 8": 520, "stage 9": 551, "FA4": 566},
+    "(8, 16, 2048, 2048, 128)": {"stage 5": 476, "stage 8": 652, "stage 9": 643, "FA4": 631},
+    "(2, 16, 8192, 8192, 128)": {"stage 5": 520, "stage 8": 646, "stage 9": 667, "FA4": 693},
+    "(8, 32, 2048, 2048, 64)": {"stage 5": 497, "stage 8": 484, "stage 9": 501, "FA4": 491},
+    "(2, 32, 8192, 8192, 64)": {"stage 5": 498, "stage 8": 517, "stage 9": 538, "FA4": 551},
 }
 source = "this run" if bench else "H200, 2026-12-03 (make bench)"
 rows = [("FlashAttention-3 paper, H100, head dim 128, 8k", "582", "661", "-", "1.14", "paper")]
