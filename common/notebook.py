@@ -754,7 +754,7 @@ CONCEPTS = (
     ("MMAs complete: wait / commit to a barrier", r"warpgroup\.wait_group\(", r"\.commit\(\)", 1),
     (
         "slot released after its MMAs",
-        r"consumer_release\(|self\.release_slot\(",
+        r"consumer_release\(|release_slot\(",
         r"\.release\(\)",
         1,
     ),

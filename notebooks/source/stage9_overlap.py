@@ -360,8 +360,8 @@ fig = nb.error_picture(9, result)
 # Stages 8 and 9 share everything but the overlap - the persistent CTAs, the tile order and
 # O's own buffer (stage 8's section 5.6), the slot release from an elected lane - with one
 # difference of measurement: where a launch masks nothing, stage 8 runs a kernel compiled
-# without the mask code at both head dims (+7% at D = 128, S = 8k and 16k), stage 9 only at
-# D = 64 (at D = 128 it ran 1-3% slower without it; its docstring). At D = 128 the step is then
+# without the mask code at both head dims (+7% at D = 128, S = 8k and 16k; H200, 2026-12-03),
+# stage 9 only at D = 64 (at D = 128 it ran 1-3% slower without it, same day; its docstring). At D = 128 the step is then
 # -1% at S = 2k, +1% at 4k, +3% at 8k and -4% at 16k non-causal (652 -> 643, 651 -> 659, 646 ->
 # 667, 679 -> 653) and +5-9% causal from 2k (528 -> 553, 609 -> 662 at 8k); the paper's
 # ablation on an H100 at head dimension 128 measured +14% for the same step (582 -> 661). In

@@ -118,11 +118,12 @@ Changes from stage 7:
   docs/results/mask_code_release_h200_2026-12-03_eighteenth.md): D = 128 S = 8k +6.7%, 16k
   +6.7%; D = 64 8k +2.4%. The same bits (tested, with launches that need the mask code and
   launches that do not alternating in one process).
-- A slot is released by one elected lane per consumer warp (release_slot: elect.sync, then the
-  arrive) instead of the pipeline's consumer_release, whose lane-0 predicate ptxas rebuilt from
-  %tid.x at every KV tile (S2R + LOP3 in the loop; stage 9's SASS, seventeenth session).
-  Measured in the same rounds: -0.2% at D = 128 S = 8k, +1.3% at D = 64 8k; stage 9 gains more
-  from it (its docstring).
+- A slot is released by one elected lane per consumer warp (common.kv_ring.release_slot:
+  elect.sync, then the arrive) instead of the pipeline's consumer_release, whose lane-0
+  predicate ptxas rebuilt from %tid.x at every KV tile (S2R + LOP3 in the loop; stage 9's SASS,
+  seventeenth session). Measured (H200, 2026-12-03, GPU time, interleaved rounds, a third run
+  of the same file, both without the mask code): -0.2% at D = 128 S = 8k, +1.3% at D = 64 8k;
+  stage 9 gains more from it (its docstring).
 - Not changed: tiles, masks, the online softmax, the epilogue (predicated O rows, LSE). Each
   warpgroup runs stage 7's arithmetic on its rows (the PTX's floating-point instructions are
   the same, in the same order), so O and LSE are meant to be stage 7's bit for bit (tested).
@@ -148,6 +149,7 @@ from cutlass.tensor_utils import LayoutEnum
 from common import attention_host, pack_gqa
 from common.arch import device_sm_count
 from common.cute_interop import rows_of_16_bytes
+from common.kv_ring import release_slot
 
 
 class Sm90Kernel:
@@ -684,9 +686,9 @@ class Sm90Kernel:
                     # just before them in the same turn, reading V_{j-1} - have completed, and only
                     # then release their slots.
                     warpgroup.wait_group(0)
-                    self.release_slot(kv_pipeline, k_state)
+                    release_slot(kv_pipeline, k_state)
                     if step > 0:
-                        self.release_slot(kv_pipeline, v_state)
+                        release_slot(kv_pipeline, v_state)
 
                     # Only a tile that crosses an edge (Sk, or the band of the window: the diagonal
                     # when causal) is masked element by element: S = -inf where row i must not see
@@ -752,7 +754,7 @@ class Sm90Kernel:
                     self.pass_turn(warpgroup_idx)
                 warpgroup.wait_group(0)
                 if steps > 0:
-                    self.release_slot(kv_pipeline, v_state)
+                    release_slot(kv_pipeline, v_state)
 
                 # 3. Epilogue
                 # O has its own buffer: every wgmma reading this tile's Q is complete, so the
@@ -1129,17 +1131,6 @@ class Sm90Kernel:
         if first_row >= seqlen_q:
             hi = lo
         return lo, hi
-
-    @cute.jit
-    def release_slot(self, kv_pipeline, state):
-        """A consumer warp is done with ring slot state.index: one elected lane arrives on the
-        slot's empty barrier (its count is one per consumer warp, 8 or 12). The pipeline's
-        consumer_release does the same from lane 0, a predicate made from tidx % 32 once, which
-        ptxas does not keep in a predicate register across the loop: it re-reads %tid.x and
-        rebuilds it at every KV tile (S2R + LOP3 in the loop's SASS). elect.sync picks a lane
-        in one instruction, from nothing live (the module docstring's numbers)."""
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive(kv_pipeline.sync_object_empty.get_barrier(state.index))
 
     @cute.jit
     def crosses_mask_edge(self, pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right):

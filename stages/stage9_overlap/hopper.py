@@ -182,6 +182,7 @@ from cutlass.tensor_utils import LayoutEnum
 from common import attention_host, pack_gqa
 from common.arch import device_sm_count
 from common.cute_interop import rows_of_16_bytes
+from common.kv_ring import release_slot
 
 
 class Sm90Kernel:
@@ -265,7 +266,7 @@ class Sm90Kernel:
         and G = H / Hkv divides 64 (then both tiles, 128 and 192 rows, allow the same pack-GQA
         choices: the argument checks do not depend on the lengths). {"edge_masks": False} at
         D = 64 where the launch masks no element (stage 8's rule: no causal or window cut, batch
-        mode, Sk a multiple of the 128-key tile); at D = 128 this stage runs 1-2% faster with
+        mode, Sk a multiple of the 128-key tile); at D = 128 this stage ran 1-3% faster with
         the mask code than without it (measured; the docstring). {} otherwise."""
         masked = window_left < seqlen_k or window_right < seqlen_q
         keys = min(seqlen_k, window_left + window_right + 1)
@@ -711,7 +712,7 @@ class Sm90Kernel:
                     self.issue_qk(qk_mma, acc_S, tSrQ, tSrK, k_state.index)
                     self.pass_turn(warpgroup_idx)
                     warpgroup.wait_group(0)
-                    self.release_slot(kv_pipeline, k_state)
+                    release_slot(kv_pipeline, k_state)
                     # O = 0 so far: the first row_scale has nothing to rescale.
                     self.softmax_step(
                         acc_S,
@@ -744,7 +745,7 @@ class Sm90Kernel:
                         # wgmma groups complete in order: one still pending (PV_{j-1}) means S_j
                         # is complete. K_j is read: release its slot.
                         warpgroup.wait_group(1)
-                        self.release_slot(kv_pipeline, k_state)
+                        release_slot(kv_pipeline, k_state)
                         # softmax_j, under PV_{j-1}: it reads acc_S, never acc_O or tOrP.
                         softmax_args = (
                             (tScS, tScS_offsets),
@@ -773,14 +774,14 @@ class Sm90Kernel:
                             ):
                                 # PV_{j-1} complete: V_{j-1} is read, acc_O and tOrP are free.
                                 warpgroup.wait_group(0)
-                                self.release_slot(kv_pipeline, v_state)
+                                release_slot(kv_pipeline, v_state)
                                 self.exponentiate(acc_S, row_sum, row_scale, max_scaled, scale_log2)
                                 self.rescale_o_and_convert_p(acc_O, row_scale, acc_S, tOrP)
                         else:
                             row_scale = self.softmax_step(acc_S, *softmax_args)
                             # PV_{j-1} complete: V_{j-1} is read, and acc_O and tOrP are free.
                             warpgroup.wait_group(0)
-                            self.release_slot(kv_pipeline, v_state)
+                            release_slot(kv_pipeline, v_state)
                             self.rescale_o_and_convert_p(acc_O, row_scale, acc_S, tOrP)
                         v_state = consumer_state.clone()  # V_j, read by the next step's PV
                         consumer_state.advance()
@@ -802,7 +803,7 @@ class Sm90Kernel:
                     if warpgroup_idx < self.mma_warpgroups:
                         self.pass_turn(warpgroup_idx)
                     warpgroup.wait_group(0)
-                    self.release_slot(kv_pipeline, v_state)
+                    release_slot(kv_pipeline, v_state)
 
                 # 3. Epilogue
                 # O has its own buffer: every wgmma reading this tile's Q is complete, so the
@@ -936,17 +937,6 @@ class Sm90Kernel:
         per position when packed): its first row, pid_m * bM, is not below seqlen_q * G. Plain
         arithmetic, shared with the CPU model of the ticket walk in the tests."""
         return pid_m * self.cta_tile[0] >= seqlen_q * self.pack_gqa
-
-    @cute.jit
-    def release_slot(self, kv_pipeline, state):
-        """A consumer warp is done with ring slot state.index: one elected lane arrives on the
-        slot's empty barrier (its count is one per consumer warp, 8 or 12). The pipeline's
-        consumer_release does the same from lane 0, a predicate made from tidx % 32 once, which
-        ptxas does not keep in a predicate register across the loop: it re-reads %tid.x and
-        rebuilds it at every KV tile (S2R + LOP3 in the loop's SASS). elect.sync picks a lane
-        in one instruction, from nothing live (the module docstring's numbers)."""
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive(kv_pipeline.sync_object_empty.get_barrier(state.index))
 
     @cute.jit
     def wait_turn(self, warpgroup_idx):
