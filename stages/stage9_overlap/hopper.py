@@ -101,6 +101,16 @@ Changes from stage 8:
   Three copies of the loop body made ptxas serialise the wgmma at D = 128 (warning C7512,
   registers 216 against 193) and move acc_O to local memory at D = 64 (432 LDL / STL), in the
   sm_90a cubin of this file (2026-12-01): not run.
+  Tried again in two forms, and dropped (nineteenth session, H200, 2026-12-03, GPU time,
+  interleaved rounds, the same bits; docs/results/row_max_mask_branch_h200_2026-12-03_nineteenth.md):
+  the whole loop step in two copies chosen per tile, one without the mask code (no spills
+  now): -0.1 to -2.2% at D = 64 causal, -2.0 to -5.5% at D = 128; only the row max inside the
+  two arms of the mask branch, so that the wait for PV_{j-1} (which ptxas puts where the branch
+  rejoins) comes after it: -2.2 to +0.7%. Also dropped: the row max's quad shuffle as fmax at
+  D = 64 (cutlass.Float32 around the reduce: 421 instructions per tile against 425, FA4 420),
+  -2.6 to -8.2% causal. Nsight Compute (D = 64, bf16) has this kernel and FA4 at the same IPC
+  (2.10 against 2.07 non-causal at 8k, 2.10 against 2.12 causal at 16k) with 2.8% and 4.7% more
+  instructions: the gap is instruction count, but removing instructions moved ptxas's schedule.
 - Three consumer warpgroups at D = 64, as in stage 8 (stage 9 took them first; since the twelfth
   session, 2026-12-02, they are stage 8's, and the notes here are what they did to stage 9,
   measured before): FlashAttention-3's configuration, a 192-row Q tile,
