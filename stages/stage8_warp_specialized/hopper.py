@@ -1,133 +1,61 @@
 """Stage 8 - warp specialisation (Hopper), sm_90a.
 
 Changes from stage 7:
-- Warp roles: 384 threads (512 at D = 64: below). Warpgroup 0 is the producer: its warp 0 issues
-  every TMA load (an elected thread: Q, then K_j and V_j of each tile of the same kv_tile_range,
-  seq_info as before); warpgroups 1 and 2 are the consumers, warpgroup w owning query rows
-  [64 (w - 1), 64 w) of the 128-row Q tile, as in stage 7. No consumer warp stops to issue a
-  load any more.
-- Registers: 65,536 / 384 threads leaves 168 each at entry (ptxas caps the kernel there:
-  .reqntid 384, .minnctapersm 1). The producer gives its warpgroup's down to 24 (setmaxnreg.dec)
-  and the consumers raise theirs to 240 (setmaxnreg.inc): 128 x 24 + 256 x 240 = 64,512, what
-  the CTA got (384 x 168), FlashAttention-3's split. ptxas 13.0, 2026-12-01, bf16: 168 at entry,
-  no spills; the consumer code names 170 registers (packed, D = 128), 155 (batch, D = 128), 137
-  and 127 (D = 64, two consumer warpgroups) of its 240 (nvdisasm; stage 7: 188, 164, 128,
-  133). Stage 8 does not need the headroom yet; stage 9's second S accumulator will.
+- Warp roles: 384 threads (512 at D = 64: below). Warpgroup 0 is the producer: one elected
+  thread of its warp 0 issues every TMA load (Q, then K_j and V_j of each tile). Consumer
+  warpgroup w owns query rows [64 (w - 1), 64 w) of the Q tile and never stops to issue a load.
+- Registers: 65,536 / 384 threads leaves 168 each at entry. The producer gives its warpgroup's
+  down to 24 (setmaxnreg.dec), the consumers raise theirs to 240 (setmaxnreg.inc): 128 x 24 +
+  256 x 240 = 64,512, FlashAttention-3's split; 24 / 160 with three consumers. ptxas 13.0,
+  2026-12-01, bf16, no spills: the consumer code names 170 registers (packed, D = 128), 155
+  (batch, D = 128), 137 and 127 (D = 64, two consumers) of its 240 (nvdisasm; stage 7: 188, 164,
+  128, 133).
 - The ring runs ahead: kv_slots = as many 128-key tiles as fit in 227 KB (232,448 B) next to Q,
-  O's buffer (see the persistent CTAs below) and 1 KB of barriers. D = 128, 32 KB tiles:
-  5 slots, 1 + 2 x 32 + 160 = 225 KB (230,400 B); D = 64, 16 KB tiles: 11 slots next to the
-  192-row Q tile and O, 1 + 2 x 24 + 176 = 225 KB (12 next to a 128-row one). (One CTA per SM
-  either way: the registers above allow no
-  second one.) Ring entry 2 t is K of step t and 2 t + 1 its V; entry e
-  takes slot e % kv_slots. So V_j no longer overwrites K_j's slot but takes the next one: with
-  ping-pong, warpgroup 2 issues QK_j while warpgroup 1 runs softmax_j, so K_j's slot is free
-  only about when warpgroup 1 needs V_j, and loading V_j there would put a whole TMA load on
-  warpgroup 1's path at every tile. The producer now waits only for the release of the entry
-  kv_slots back (2.5 KV tiles at D = 128, 5.5 at D = 64).
-- Ping-pong (FlashAttention-3's warp-scheduler barriers): named barriers 2 and 3 hand the tensor
-  cores from one consumer warpgroup to the other, so that one warpgroup's softmax runs while the
-  other's GEMMs hold them (three warpgroups: barriers 2, 3 and 4, the turns going round). A turn is the PV of one tile and the QK^T of the next, the pair
-  FlashAttention-3 schedules together: a warpgroup waits for its turn before the PV (before
-  the first QK^T: turn 0) and passes it on right after issuing the QK^T (after the last PV: the
-  last turn). wait_turn / pass_turn, with the count of every barrier in their comments.
-- The turn's two GEMMs back to back: a warpgroup issues PV_j and, with no wait between, QK_{j+1};
-  one wait_group 0 after QK_{j+1} covers both, and V_j's slot is released there (V of the last
-  tile after the last PV). FlashAttention-3's kernel without intra-warpgroup overlap (the
-  paper's warp-specialisation step) waits for PV_j before it issues QK_{j+1}, as this stage did
-  until 2026-12-02: the tensor cores then idle while the warpgroup holding the turn sees PV_j
-  complete, releases V_j and issues QK_{j+1}. Measured (H200, 2026-12-02, bf16, paper shapes,
-  GPU time in interleaved rounds, back to back / waiting, FA4 in the same rounds;
-  docs/results/stage8_back_to_back_h200_2026-12-02.md): D = 128 non-causal S = 2k 630 / 602
-  (FA4 666), 8k 690 / 659 (732), 16k 661 / 651 (722), causal 2k 494 / 477 (543), 8k 646 / 619
-  (694): +2 to +5%, 0.91-0.95x FA4 against 0.88-0.90x; D = 64 (three consumer warpgroups, the
-  exponentials the bottleneck) -1 to +1% (event time -2 to +2%). The same bits (tested).
-- The syncs of the consumers alone (zero_rows, the epilogue's two) are named barrier 1 over
-  their 256 (384) threads instead of the CTA's barrier 0; the producer leaves after producer_tail
-  (the consumers have released every slot).
-- Persistent CTAs (fifteenth session, 2026-12-02; stage 9 had them from the sixth): the kernel
-  walks work tiles (one per Q tile of one (head, sequence)) in a loop, on a grid of at most one
-  CTA per SM, so that a CTA's set-up (barriers, descriptors, the first loads) is paid once per
-  SM instead of once per tile, and the next tile's Q, K and V stream in during this tile's last
-  GEMMs and its epilogue. Without a causal or window cut (batch mode) every tile has the same
-  work and CTA c takes tiles c, c + gridDim.x, ...; under one, and for packed sequences, the
-  producer draws the next tile from a global counter once it has issued a tile's last load
-  (next_tile: one atomic add by lane 0 on tile_counter, which the host zeroes at each call),
-  so the tiles start longest first as CTAs free up (FlashAttention-3's dynamic scheduler).
-  Packed, the grid counts as many Q tiles per (head, sequence) as the longest sequence has;
-  the producer skips the empty ones (live_tile). Two barriers hand Q and the tile number over:
-  q_full (the producer's arrive with Q's bytes, the number written to shared memory before
-  it) and q_empty (all 256 or 384 consumer threads done with Q); a number past the end ends
-  the consumers' loop. O has a buffer of its own (32 KB at D = 128, 24 KB at D = 64), so that
-  q_empty is released before the epilogue and the next Q lands while O is stored: one K/V slot
-  less (5 at D = 128, 11 at D = 64). The ring's position carries over from tile to tile
-  (ring_state: entry e, counted across tiles, takes slot e % kv_slots, parity
-  (e / kv_slots) % 2). The CPU models in the tests walk the tickets and every interleaving of
-  the hand-over.
-- The order of the tiles (tile_coords): longest first, the Q tiles of a (head, sequence) in
-  reverse order, and under a mask (batch mode) in sections of l2_heads (head, sequence) pairs
-  whose K and V fit in the 50 MB L2 together (l2_section_heads; 8 at D = 128, Sk = 8k), the Q
-  tile slowest inside a section, so that every head's longest tile comes before any head's
-  second longest (FlashAttention's LPT order); no mask: head by head.
-- Measured (H200, 2026-12-02, bf16 but where noted, paper shapes, GPU time in interleaved
-  rounds, TFLOP/s, stage 8 before (one CTA per Q tile, Q tiles reversed per head at D = 128
-  only, O over Q, 6 / 12 slots) / persistent / FA4 in the same rounds;
-  docs/results/stage8_persistent_h200_2026-12-02.md): D = 64 causal S = 1k 256 / 280 / 264,
-  2k 332 / 355 / 393, 4k 394 / 425 / 468, 8k 458 / 495 / 542, 16k 457 / 496 / 558 (+7-10%,
-  0.89-0.91x FA4 from 2k against 0.82-0.85x), fp16 2k 326 / 356 / 387, 8k 455 / 496 / 533;
-  D = 64 non-causal 2k 454 / 475 / 505, 8k 497 / 516 / 584, 16k 489 / 509 / 568; D = 128
-  causal 1k 395 / 425 / 422, 2k 503 / 540 / 551, 8k 645 / 662 / 693; D = 128 non-causal 1k
-  546 / 581 / 581, 2k 626 / 641 / 664. Slower at D = 128, S = 16k (non-causal 660 / 633 / 708,
-  causal 660 / 604 / 688; a second run 652 / 634 / 724 and 687 / 675 / 722) and within the
-  runs' spread at 8k non-causal (675 / 665 / 720, 680 / 676 / 725); O over Q with 6 slots,
-  persistent, was no faster there (645 and 619 at 16k, 664 at 8k). The same order without
-  persistence (one CTA per tile): D = 64 causal 2k 322, 4k 398, 8k 476, 16k 495, so most of
-  the gain below 8k is the set-up per tile and the tail, and at 16k the order (head by head,
-  the Q tiles in order: 457; reversed per head: 478; sectioned: 484-495). The same bits in any
-  order and on any grid (tested, with the grid capped at 7 CTAs).
-- Three consumer warpgroups at D = 64 (FlashAttention-3's configuration): a 192-row Q tile,
-  consumer w computing rows [64 (w - 1), 64 w), 512 threads, setmaxnreg 24 / 160 (128 x 24 +
-  384 x 160 = 64,512; 65,536 / 512 = 128 at entry, no spills, ptxas 13.0). D = 64 is bound by
-  the exponentials, not the tensor cores (ncu: XU pipe 58% busy in stage 5), and with two
-  consumer warpgroups stage 8 had two computing warpgroups per SM against stage 5's four (two
-  CTAs per SM); a third adds one, and each K/V tile loaded serves 192 rows instead of 128. The
-  turns go round 1 -> 2 -> 3 -> 1 (wait_turn, pass_turn: barrier 1 + w, arrived on by
-  warpgroup w - 1; the CPU model checks 2 and 3 warpgroups). Measured (H200, 2026-12-02, bf16,
-  paper shapes, GPU time in interleaved rounds, three / two consumer warpgroups, FA4 in the same
-  rounds; docs/results/stage8_warpgroups_h200_2026-12-02.md): non-causal S = 512 298 / 293 (FA4
-  327), 1k 373 / 361 (411), 2k 457 / 404 (506), 4k 491 / 431 (544), 8k 505 / 422 (572), 16k
-  505 / 426 (566): +2 to +20%, 0.89-0.91x FA4 against 0.74-0.90x; causal 2k 329 / 326 (391),
-  4k 396 / 381 (469), 8k 460 / 416 (542), 16k 467 / 407 (561): +1 to +15%, 0.83-0.85x FA4 (the
-  rest of the causal gap was the tile order and the tail: the persistent CTAs above); fp16 +7 to
-  +12% from 2k non-causal (8k 481 / 431, FA4 563). The same bits either way (tested). Pack-GQA then
-  needs G to divide 192 (G = 3 packs now, G = 128 no longer), and O is stored 48 rows per pass
-  (32 where G = 32 or 64: store_rows).
-- Short masks keep two: at D = 64 the launch takes two consumer warpgroups (a 128-row tile)
-  where a causal or window mask leaves no query row more than 1024 keys, min(Sk, left + right +
-  1) (launch_options; the same code with mma_warpgroups = 2, a compile of its own): a 192-row
-  tile does more of the causal triangle's masked work and makes fewer CTAs. Measured in the
-  same rounds: causal S = 512 153 / 177 (three / two), 1k 221 / 255 (-13%); fp16 1k 219 / 258.
-- A kernel without the mask code where nothing is masked (eighteenth session, 2026-12-03): a
-  launch with no causal or window cut, in batch mode, with Sk a multiple of the 128-key tile
-  crosses no mask edge on any tile, so launch_options passes edge_masks=False and the kernel is
-  compiled without the test and mask_keys (a compile of its own; the compile cache keys on it).
-  The code of a branch never taken still cost: its values stay live across the loop (the
-  seventeenth session's SASS showed launch parameters reloaded from the constant bank at every
-  tile at D = 64). FlashAttention's kernels get the same by running the tiles that need no
-  mask in a loop of their own. Measured (H200, 2026-12-03, bf16, paper shapes, non-causal, GPU
-  time in interleaved rounds, against the same stage with the mask code;
-  docs/results/mask_code_release_h200_2026-12-03_eighteenth.md): D = 128 S = 8k +6.7%, 16k
-  +6.7%; D = 64 8k +2.4%. The same bits (tested, with launches that need the mask code and
-  launches that do not alternating in one process).
-- A slot is released by one elected lane per consumer warp (common.kv_ring.release_slot:
-  elect.sync, then the arrive) instead of the pipeline's consumer_release, whose lane-0
-  predicate ptxas rebuilt from %tid.x at every KV tile (S2R + LOP3 in the loop; stage 9's SASS,
-  seventeenth session). Measured (H200, 2026-12-03, GPU time, interleaved rounds, a third run
-  of the same file, both without the mask code): -0.2% at D = 128 S = 8k, +1.3% at D = 64 8k;
-  stage 9 gains more from it (its docstring).
-- Not changed: tiles, masks, the online softmax, the epilogue (predicated O rows, LSE). Each
-  warpgroup runs stage 7's arithmetic on its rows (the PTX's floating-point instructions are
-  the same, in the same order), so O and LSE are meant to be stage 7's bit for bit (tested).
-- Speed: see docs/results/ (make bench).
+  O's buffer and 1 KB of barriers. D = 128, 32 KB tiles: 5 slots, 1 + 2 x 32 + 160 = 225 KB;
+  D = 64, 16 KB tiles: 11 slots next to the 192-row Q tile and O, 1 + 2 x 24 + 176 = 225 KB.
+  Ring entry 2 t is K of step t and 2 t + 1 its V, in slot entry % kv_slots: V_j takes the next
+  slot, not K_j's, which under ping-pong frees only about when V_j is needed (a whole TMA load
+  on the consumer's path at every tile). The producer waits only for the release of the entry
+  kv_slots back: 2.5 KV tiles at D = 128, 5.5 at D = 64.
+- Ping-pong (FlashAttention-3's warp-scheduler barriers): named barriers 2 and 3 (2, 3 and 4 with
+  three consumer warpgroups, the turns going round) hand the tensor cores from one consumer
+  warpgroup to the next, so that one's softmax runs while another's GEMMs hold them. A turn is
+  the PV of one tile and the QK^T of the next, issued back to back, one wait after both: +2 to
+  +5% at D = 128, -1 to +1% at D = 64 against waiting for PV_j before issuing QK_{j+1} (H200,
+  2026-12-02; docs/results/stage8_back_to_back_h200_2026-12-02.md). wait_turn / pass_turn
+  count every barrier in their comments; the consumers' own syncs use named barrier 1.
+- Three consumer warpgroups at D = 64 (a 192-row Q tile; pack-GQA needs G to divide 192): D = 64
+  is bound by the exponentials; a third computing warpgroup gains +1 to +20% (H200, 2026-12-02).
+- Short masks keep two (launch_options): where a causal or window mask leaves no row more than
+  1024 keys, a 192-row tile does more masked work, -13% at causal S = 1k (H200, 2026-12-02).
+- Persistent CTAs (2026-12-02): a grid of at most one CTA per SM walks work tiles (a Q tile of
+  one (head, sequence)) in a loop, paying its set-up once per SM and loading the next tile during
+  this one's last GEMMs and epilogue. The tile scheduler: no mask (batch mode), CTA c takes tiles
+  c, c + gridDim.x, ...; under a mask and for packed sequences, the producer draws the next from
+  an atomic counter (next_tile) and hands it to the consumers with Q (q_full, q_empty). Longest
+  first, under a mask in sections of (head, sequence) pairs whose K and V fit in the 50 MB L2
+  (tile_coords). O has a buffer of its own (32 KB at D = 128, 24 KB at D = 64), so the next Q
+  lands while O is stored. H200, 2026-12-02: D = 64 causal +7 to +10%, but slower at D = 128,
+  S = 16k (docs/results/stage8_persistent_h200_2026-12-02.md).
+- A kernel without the mask code for launches that mask nothing (no causal or window cut, batch
+  mode, Sk a multiple of 128: edge_masks=False): +6.7% at D = 128, S = 8k and 16k, +2.4% at
+  D = 64, 8k (H200, 2026-12-03; its unused branch kept values live across the loop).
+- A K/V slot released by one elected lane per consumer warp (common/kv_ring.py), not by lane 0,
+  whose predicate ptxas rebuilt at every tile: -0.2% at D = 128, S = 8k, +1.3% at D = 64, 8k
+  (H200, 2026-12-03).
+- Not changed: tiles, masks, the online softmax, the epilogue. Each warpgroup runs stage 7's
+  arithmetic on its rows, so O and LSE are meant to be stage 7's bit for bit (tested).
+- Speed: make bench on the H200, 2026-12-04, bf16, paper shapes, event-timed, stage 8 / FA4 at
+  S = 2k, 4k, 8k, 16k: D = 128 non-causal 0.99, 0.99, 0.93, 1.00, causal 0.88, 0.95, 0.95, 0.93;
+  D = 64 non-causal 0.95, 0.94, 0.94, 0.96, causal 0.90, 0.91, 0.92, 0.90
+  (docs/results/bench_h200_2026-12-04.md; the FlashAttention-3 paper's warp-specialisation-only
+  step was 582/661 = 0.88 of its full kernel).
+- Tried and dropped (H200, 2026-12-02 and 2026-12-03): waiting for PV_j before issuing QK_{j+1}
+  (the paper's warp-specialisation step); two consumer warpgroups at D = 64 (0.74-0.90x FA4);
+  one CTA per Q tile, O over Q with 6 / 12 slots; O over Q, persistent (no faster at D = 128,
+  S = 8k, 16k); under a mask, head by head, Q tiles in order or reversed (D = 64 causal 16k:
+  457 and 478 TFLOP/s, sectioned 484-495); the mask code in every launch; the pipeline's lane-0
+  consumer_release. Details and numbers: docs/results/stage8_hopper_notes.md.
 
 attention(q, k, v, ...) and attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...) as in
 stage 7: GQA / MQA, packed sequences, causal and window masks (bottom-right aligned per

@@ -2,173 +2,58 @@
 
 Changes from stage 8:
 - Software pipelining inside each consumer warpgroup (FlashAttention-3's intra-warpgroup
-  overlap). In stage 8 a warpgroup's own work is serial: QK_j, wait (for PV_{j-1} too), softmax_j,
-  PV_j; its exponentials run only while the other warpgroup holds the tensor cores. (Since the
-  thirteenth session, 2026-12-02, stage 8 issues the two GEMMs of a turn back to back, which
-  took +2-5% at D = 128 out of this stage's step: make bench on the H200, D = 128 non-causal, stage 9 over
-  stage 8, +1% at S = 2k, +3% at 8k, -2% at 16k; causal +5-12% from 2k;
-  docs/results/bench_h200_2026-12-02_thirteenth_d128.md.) Stage 9 issues QK_j
+  overlap). In stage 8 a warpgroup's own work is serial: QK_j, wait, softmax_j, PV_j; its
+  exponentials run only while the other warpgroup holds the tensor cores. Stage 9 issues QK_j
   and then PV_{j-1} as one turn and runs softmax_j while PV_{j-1} is still on the tensor cores:
     prologue: QK_lo, wait, softmax_lo, P_lo
     step j:   QK_j, PV_{j-1}, wait for QK_j (wait_group 1), softmax_j, wait for PV_{j-1}
               (wait_group 0), O *= row_scale_j, P_j
     last:     PV_{hi-1}, wait
-  The loop body now starts with the GEMMs of two tiles and ends with the conversion of P_j,
-  so the tensor cores are fed from both warpgroups and from inside each. What ptxas makes of it
-  is less: in the sm_90a SASS (the DSL's CUDA 13 build, as on the H200; 2026-12-02) the wait
-  for PV_{j-1} stands right after the mask, ahead of the row max and the 66 exponentials (the
-  PTX has it after them: ptxas moves a wgmma wait up to the top of its block), so of softmax_j
-  only the mask ran under PV_{j-1}; FA4's Hopper kernel gets its row max and 10 exponentials in
-  before the same wait.
-- Where the wait goes (tenth session, D = 128): the row max (and row_scale) of S_j, then a
-  branch on an always-true, warp-uniform test of row_scale that neither compiler can fold
-  (always_true_after: inline PTX, setp and vote.any), and behind it the wait, the exponentials,
-  O *= row_scale and P_j. The block boundary keeps the wait after the row max. Measured (H200,
-  2026-12-02, bf16 unless noted, GPU time, interleaved rounds against the kernel without the
-  test, the same bits; two runs, a draft of this code and then this file): S = 8k +2.5 / +1.8%
-  (702 against 690 TFLOP/s, FA4 726), causal 8k +1.8 / +2.1%, 2k +2.6 / +2.6%, 16k +0.9 / +5.9%,
-  fp16 8k +1.3 / +1.3%; Nsight Compute (8k, the draft): tensor pipe active 81.8% of the cycles
-  against 78.7%, barrier stalls 0.37 against 1.14 per issued instruction, 2.49M against 2.58M
-  cycles. make bench after it (same day), stage 9 / FA4 in GPU time, S = 1k-16k: 1.05, 1.00,
-  0.98, 0.97, 0.95, causal 1.04, 1.03, 1.00, 1.00, 0.99 (the day's run before it: 1.01, 0.97,
-  0.95, 0.93, 0.91 and 1.03, 1.00, 0.98, 0.98, 0.97).
-  More of softmax_j ahead of the wait was slower: the exponentials of 8 of the 32 columns
-  +0.5 to +1.9% (less than the row max alone), of 16 -1.3 to -3.4%, all of them (the row
-  sums too) -1.5% at 8k; with all of them the stalls on a busy math pipe went from 0.03 to
-  0.25 per instruction: the two warpgroups' exponentials meet on the MUFU units. The same test
-  without the vote (per thread) cost 9% more instructions (ptxas moved the K/V descriptor
-  arithmetic off the uniform datapath) and ran 0.1-8% slower. At D = 64 (three consumer
-  warpgroups) the row max alone ahead ran 5-6% slower, so D = 64 keeps the PTX order
-  (max_before_wait).
-- Registers: two S-sized sets are live across the GEMMs, acc_S (S_j, 64 fp32 per thread) and
-  tOrP (P_{j-1}, 32 registers of bf16 pairs), next to acc_O (D / 2 fp32). The 240 registers the
-  producer's setmaxnreg gives each consumer thread hold them; stage 8 did not need that
-  headroom, stage 9 does: nvdisasm counts 207 registers in the consumer code (batch, D = 128;
-  packed 201; D = 64 206 and 213) against stage 8's 155 (170, 127, 137), no spills (bf16,
-  2026-12-01; 184, 185, 158 and 165 before the tile loop below, which keeps more values live
-  across tiles). The K/V ring and the warp roles are stage 8's (three consumer warpgroups at
-  D = 64, two under short masks: below); O now has its own buffer, one slot less at D = 128 (5
-  against 6; at D = 64 11 against 12, next to 24 KB each of Q and O; 225 KB).
-- The turns of the ping-pong are now (QK_j, PV_{j-1}) pairs: turn 0 is QK_lo alone, the last
-  is PV_{hi-1} alone; steps + 1 turns per warpgroup as before, so the turn barriers (2 and 3;
-  2, 3 and 4 with three warpgroups) complete the same number of times as in stage 8: steps for
-  warpgroup 1's, whose turn 0 waits for nobody, steps + 1 for the others' (the CPU model in the
-  tests checks every interleaving).
+- Where the wait lands: ptxas moves a wgmma wait up to the top of its block (sm_90a SASS, the
+  DSL's CUDA 13 build, 2026-12-02), ahead of the row max and the 66 exponentials, so only the
+  mask ran under PV_{j-1}. At D = 128 the row max (and row_scale) comes first, then a branch on
+  an always-true, warp-uniform test that neither compiler can fold (always_true_after: inline
+  PTX, setp and vote.any), and behind it the wait, the exponentials, O *= row_scale and P_j:
+  S = 8k +2.5 / +1.8%, causal 8k +1.8 / +2.1% (H200, 2026-12-02, bf16, GPU time, two runs).
+  D = 64 keeps the PTX order: there the row max ahead ran 5-6% slower (same day; max_before_wait).
+- Registers: two S-sized sets live across the GEMMs, acc_S (S_j, 64 fp32 per thread) and tOrP
+  (P_{j-1}, 32 registers of bf16 pairs), next to acc_O (D / 2 fp32), in the 240 registers per
+  consumer thread from setmaxnreg: nvdisasm counts 207 (batch, D = 128; packed 201; D = 64 206
+  and 213) against stage 8's 155 (170, 127, 137), no spills (sm_90a, bf16, 2026-12-01). The K/V
+  ring and O's own buffer are stage 8's: 5 slots at D = 128, 11 at D = 64 (225 KB).
+- The ping-pong's turns are (QK_j, PV_{j-1}) pairs, QK_lo alone first, PV_{hi-1} alone last:
+  steps + 1 per warpgroup, so the turn barriers complete as in stage 8, steps times for
+  warpgroup 1's, steps + 1 for the others' (the tests' CPU model checks every interleaving).
 - The same operations on O in the same order (O *= row_scale_j, then O += P_j V_j), so O and
-  LSE are stage 8's bit for bit (tested). Every PV accumulates into acc_O, which starts at 0.
-- Speed (H200, 2026-12-01, bf16, paper shapes, make bench's ablation, measured before the
-  longest-first order below; runs differ by up to 8%):
-  D = 128, S = 8k non-causal: stage 9 639 TFLOP/s against stage 8 590 and FA4 663 (0.96x); three
-  more runs of that shape: 611-617 against 586-590 and 650-662 (0.93x). Causal 8k: 565 against
-  529 and 661 (0.86x). The FlashAttention-3 paper's step was 582 -> 661 (+14%); here +4-11%.
-  D = 64: 431 against 406 and 533 (0.81x), below stage 5 (463): stage 5 fits two CTAs per SM at
-  D = 64 (ncu: block limit by registers 2, 4 computing warpgroups per SM) against one CTA with
-  two computing warpgroups here, and D = 64 is bound by the exponentials (ncu: XU pipe 58% busy
-  in stage 5, 50% in stages 8 and 9); these D = 64 numbers are with two consumer warpgroups,
-  FlashAttention-3's answer (three, on a 192-row tile) is measured below and is now stage 8's. fp16 runs 3% below bf16 in stage 9 (649 vs 670 at
-  D = 128, 8k) where stage 5 runs 19% below (479 vs 589): whatever fp16 costs more sits on the
-  softmax side, which the overlap hides.
-- Stage 8's persistent CTAs, tile scheduler and tile order, unchanged (they started here: the
-  sixth and seventh sessions, 2026-12-01, measured on stage 9 against one CTA per tile: causal
-  +17-24% at S = 512-1k, +11-12% at 2k, +1-8% from 4k; non-causal +8% at 1k, shrinking as
-  1 / S; packed sequences, make bench's 16 of 64-2047 tokens, 479 -> 550 TFLOP/s non-causal
-  and 364 -> 454 causal at D = 128; the sectioned longest-first order +2-3% at D = 128, S =
-  2k-8k; docs/results/ of those days). Since the fifteenth session (2026-12-02) stage 8 has
-  them, described and measured in its docstring, so that the step from stage 8 to stage 9 is
-  the overlap inside the warpgroup alone, as in the FlashAttention-3 paper's ablation.
-- What the SASS costs against FA4's (fourteenth session, 2026-12-02). FA4's Hopper kernel
-  compiles on a machine without a GPU too (FakeTensorMode, FLASH_ATTENTION_ARCH=sm_90), so the
-  steady-state loops could be read side by side (cuobjdump -sass, bf16, S = 16k, non-causal; a
-  tile without the mask, the mask's branch not taken): 454 instructions per warp and KV tile at
-  D = 64 against FA4's 420, 501 against 457 at D = 128. Most of the surplus was the wgmma
-  descriptors: indexing K as tSrK[None, None, k_block, slot] had ptxas rebuild both 32-bit
-  halves of each of the 8 (D = 128) descriptors (ULOP3 + UMOV each, 63 uniform-datapath
-  instructions per tile against FA4's 38), where slicing the slot first and then the k-blocks
-  gives the slot's descriptor plus a constant, one UIADD3.64 (issue_qk, issue_pv): 442 and 473
-  instructions. The row max in four fmax chains (quad_row_max) took 4 more at D = 128. Measured
-  (H200, same day, GPU time, interleaved rounds, two passes, old / new, FA4; the same bits in
-  every row): D = 128 bf16 non-causal S = 2k 668 / 674 and 640 / 665 (FA4 672, 638), 4k 696 /
-  696 and 694 / 698 (704, 712), 8k 684 / 690 and 664 / 692 (701, 696), 16k 651 / 680 and 652 /
-  681 (690, 685); causal 2k +1%, 8k +1%, 16k +2.5% and -2.5%; fp16 8k +1.4% twice. At D = 64
-  the slot-first indexing alone: -1.1 to +1.9% (bf16), fp16 8k -0.7 and -3.2%; the fmax chains
-  there ran 1.3-6.3% slower (486-524 against 499-548 TFLOP/s, five shapes, one pass), so D = 64
-  keeps the reduce (fmax_row_max = head_dim == 128): fewer instructions are not faster where the
-  exponentials set the pace and ptxas reorders the softmax around them. Also measured and
-  dropped: the mask test per tile as two compares against bounds computed once per Q tile
-  (8 instructions fewer at D = 64): -4.9 to +0.7% at D = 64, -3.5 to +3.3% at D = 128.
-- Tried and dropped: the KV tiles that cross no mask edge in a loop of their own without the
-  mask code (FlashAttention's peeled loop; the same tiles in the same order, so the same bits).
-  Three copies of the loop body made ptxas serialise the wgmma at D = 128 (warning C7512,
-  registers 216 against 193) and move acc_O to local memory at D = 64 (432 LDL / STL), in the
-  sm_90a cubin of this file (2026-12-01): not run.
-  Tried again in two forms, and dropped (nineteenth session, H200, 2026-12-03, GPU time,
-  interleaved rounds, the same bits; docs/results/row_max_mask_branch_h200_2026-12-03_nineteenth.md):
-  the whole loop step in two copies chosen per tile, one without the mask code (no spills
-  now): -0.1 to -2.2% at D = 64 causal, -2.0 to -5.5% at D = 128; only the row max inside the
-  two arms of the mask branch, so that the wait for PV_{j-1} (which ptxas puts where the branch
-  rejoins) comes after it: -2.2 to +0.7%. Also dropped: the row max's quad shuffle as fmax at
-  D = 64 (cutlass.Float32 around the reduce: 421 instructions per tile against 425, FA4 420),
-  -2.6 to -8.2% causal. Nsight Compute (D = 64, bf16) has this kernel and FA4 at the same IPC
-  (2.10 against 2.07 non-causal at 8k, 2.10 against 2.12 causal at 16k) with 2.8% and 4.7% more
-  instructions: the gap is instruction count, but removing instructions moved ptxas's schedule.
-- Three consumer warpgroups at D = 64, as in stage 8 (stage 9 took them first; since the twelfth
-  session, 2026-12-02, they are stage 8's, and the notes here are what they did to stage 9,
-  measured before): FlashAttention-3's configuration, a 192-row Q tile,
-  consumer w computing rows [64 (w - 1), 64 w), 512 threads, setmaxnreg 24 / 160 (128 x 24 +
-  384 x 160 = 64,512). D = 64 is bound by the exponentials, not the tensor cores (ncu: XU pipe
-  58% busy in stage 5), and with two consumer warpgroups stage 9 had two computing
-  warpgroups per SM against stage 5's four (two CTAs per SM); a third adds one, and each K/V
-  tile loaded serves 192 rows instead of 128. The turns go round 1 -> 2 -> 3 -> 1 (wait_turn,
-  pass_turn: barrier 1 + w, arrived on by warpgroup w - 1; the CPU model checks 2 and 3
-  warpgroups). nvdisasm counts 156-157 registers in the consumer code (of 160), no spills
-  (sm_90a cubin of this file, compiled on the GPU-less machine, 2026-12-01); an
-  earlier attempt, before the fill of acc_S at each tile's start (see the kernel), spilled
-  and ran at 104-107 TFLOP/s.
-  Measured (H200, 2026-12-01, bf16, paper shapes, GPU time, three / two consumer warpgroups,
-  FA4 in the same run): non-causal S = 512 326 / 313 (FA4 326), 1k 393 / 369 (409), 2k 476 /
-  407 (504), 4k 510 / 432 (543), 8k 553 / 445 (581), 16k 559 / 438 (589): +4-28%, 0.94-1.0x
-  FA4; causal from 2k +4-16% (8k 468 / 407, FA4 541), but 10-11% slower at 512 and 1k (122 / 136,
-  203 / 226): a 192-row tile does more of the causal triangle's masked work and makes fewer
-  CTAs. fp16 8k 530 / 470 (FA4 568). Pack-GQA then needs G to divide 192 (G = 3 packs now,
-  G = 128 no longer), and O is stored 48 rows per pass (32 where G = 32 or 64: store_rows).
-- Short masks keep two (eighth session, 2026-12-02; stage 8's launch_options since the twelfth,
-  the same rule, measured there too): at D = 64 the launch takes two consumer
-  warpgroups (a 128-row tile) where a causal or window mask leaves no query row more than 1024
-  keys, min(Sk, left + right + 1) (launch_options; the kernel is the same code with
-  mma_warpgroups = 2, a compile of its own). Measured (H200, 2026-12-02, paper shapes, GPU time
-  from events behind a queue filled in advance, two / three warpgroups, us): bf16 causal S = 512
-  170 / 188 (+11%), 1k 243 / 268 (+10%), 2k 388 / 367 (-5%), 4k 678 / 610 (-10%); a window of
-  256 keys to the left, S = 512 ... 4k, 168-198 / 189-231 (+12-20%); fp16 alike (causal 512
-  167 / 187, 1k 236 / 268, 2k 374 / 367). Hence the cut at 1024 keys, measured with Sq = Sk
-  only. The outputs are the same bits either way (tested).
-- The mask of a tile that crosses an edge is one interval of columns per row, [col_lo, col_hi)
-  counted from the thread's first key, compared against each element's column offset, a
-  constant of the layout (mask_keys): two compares per element where stage 8 computed the key
-  and compared three times. The same elements are masked (bit for bit against stage 8,
-  tested). Measured in two runs of the same day (H200, GPU time): D = 64 causal +1-4%, D = 128
-  within the runs' spread; leaving the mask out entirely (wrong values, timing only) would gain
-  another 4-13% at D = 64 and 1-4% at D = 128 (FA4 peels the diagonal tiles into a loop of
-  their own; not done here; for launches with nothing to mask, see the kernel without the mask
-  code below). A variant with a second, right-edge-only mask (one compare)
-  spilled at D = 64 and was dropped.
-
-- Stage 8's kernel without the mask code for launches that mask nothing, at D = 64 only, and
-  stage 8's elected slot release (eighteenth session, 2026-12-03; both moved to stage 8 once
-  measured, so the step from 8 to 9 stays the overlap). At D = 64 the launches with no causal
-  or window cut (batch mode, Sk a multiple of 128) were faster without the mask code in every
-  row measured (H200, GPU time, interleaved rounds, paper shapes, two runs): with the elected
-  release, against this stage before it, +3.7% and +3.3% at S = 4k, +3.5% at 2k, +3.7% and
-  +1.3% at 16k, fp16 +5.5% at 8k and +5.3% and +6.0% at 16k. At D = 128 without it was slower
-  in 5 of 6 rows (-1.0 to -3.0%, one +0.3%), so D = 128 keeps it (launch_options: the rule is
-  stage 8's with head_dim == 64): with two consumer warpgroups the registers are not short,
-  and ptxas schedules the loop differently, not better. The elected release alone at D = 128:
-  +1.5%, +5.0%, +3.8% at S = 4k, 8k, 16k in one run, -0.4%, +1.9%, -0.7% in another (the same
-  code differed by up to 7% between the two processes at 16k); causal within 0.6%.
-  docs/results/mask_code_release_h200_2026-12-03_eighteenth.md. make bench after it (same
-  day), stage 9 / FA4 in GPU time, S = 1k-16k, non-causal: D = 64 1.04, 1.02, 1.00, 0.99, 0.98
-  (the seventeenth session's run: 1.02, 0.98, 0.96, 0.96, 0.91), fp16 D = 64 1.03, 1.01, 0.99,
-  0.98, 0.97 (1.01, 0.98, 0.96, 0.94, 0.93); D = 128 1.04, 1.01, 0.99, 0.96, 1.01 (1.05, 1.01,
-  0.99, 0.98, 0.95); docs/results/bench_h200_2026-12-03_eighteenth_*.md.
+  LSE are stage 8's bit for bit (tested).
+- Three consumer warpgroups at D = 64, as stage 8 (FlashAttention-3's configuration): a 192-row
+  Q tile, setmaxnreg 24 / 160, 156-157 registers, no spills (sm_90a, 2026-12-01); against two,
+  non-causal +4-28%, causal +4-16% from 2k (H200, 2026-12-01, bf16). Short masks (<= 1024 keys
+  per query row) keep two, as stage 8 (launch_options): causal S = 512 +11%, 1k +10%, 2k -5%
+  against three (H200, 2026-12-02, bf16).
+- The mask of an edge tile is one interval of columns per row, [col_lo, col_hi), against each
+  element's column offset, a constant of the layout (mask_keys): two compares per element where
+  stage 8 made three; the same elements (tested); D = 64 causal +1-4% (H200, 2026-12-01).
+  Launches that mask nothing take a kernel without the mask code at D = 64 only (with stage 8's
+  elected slot release, release_slot: +1.3 to +6.0%), not at D = 128 (-1.0 to -3.0% in 5 of 6
+  rows; H200, 2026-12-03; launch_options).
+- The SASS against FA4's (sm_90a, bf16, S = 16k, 2026-12-02): the GEMMs index the ring slot
+  before the k-blocks (issue_qk, issue_pv: 473 instructions per warp and KV tile at D = 128
+  against 501, FA4 457) and at D = 128 the row max runs in four fmax chains (quad_row_max, 4
+  more): 651 -> 680 TFLOP/s at S = 16k (H200, 2026-12-02; FA4 690). At D = 64 the chains ran
+  1.3-6.3% slower: it keeps the reduce (fmax_row_max).
+- Persistent CTAs, the tile scheduler and the tile order are stage 8's (started here, 2026-12-01).
+- Speed (make bench on the H200, 2026-12-04, bf16, paper shapes, stage 9 / FA4 in GPU time,
+  S = 1k ... 16k; docs/results/bench_h200_2026-12-04.md): D = 128 non-causal 1.04, 1.01, 0.99,
+  0.99, 0.98, causal 1.04, 1.02, 1.01, 1.01, 1.00; D = 64 non-causal 1.04, 1.02, 1.00, 0.99,
+  0.97, causal 1.09, 0.96, 0.96, 0.96, 0.96. The ablation that day (D = 128, S = 8k non-causal,
+  event-timed): stage 5 523 -> stage 8 657 -> stage 9 670 TFLOP/s (FA4 709); FlashAttention-3's
+  paper: +14% for this step on an H100.
+- Tried and dropped (slower on the H200, or spilling, 2026-12-01 to 2026-12-03): a peeled
+  mask-free loop or the loop step in two copies; the row max's quad shuffle as fmax at D = 64;
+  the row max inside the mask branch; more exponentials ahead of the wait; the test per thread
+  without the vote; two compares against bounds per Q tile; a right-edge-only mask. Details and
+  numbers: docs/results/stage9_hopper_notes.md.
 
 attention(q, k, v, ...) and attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...) as in
 stage 7: GQA / MQA, packed sequences, causal and window masks (bottom-right aligned per
