@@ -40,7 +40,7 @@ Changes from stage 8:
 - The SASS against FA4's (sm_90a, bf16, S = 16k, 2026-12-02): the GEMMs index the ring slot
   before the k-blocks (issue_qk, issue_pv: 473 instructions per warp and KV tile at D = 128
   against 501, FA4 457) and at D = 128 the row max runs in four fmax chains (quad_row_max, 4
-  more): 651 -> 680 TFLOP/s at S = 16k (H200, 2026-12-02; FA4 690). At D = 64 the chains ran
+  fewer: 469): 651 -> 680 TFLOP/s at S = 16k (H200, 2026-12-02; FA4 690). At D = 64 the chains ran
   1.3-6.3% slower: it keeps the reduce (fmax_row_max).
 - Persistent CTAs, the tile scheduler and the tile order are stage 8's (started here, 2026-12-01).
 - Speed (make bench on the H200, 2026-12-04, bf16, paper shapes, stage 9 / FA4 in GPU time,
