@@ -3,11 +3,13 @@
 PYTHON ?= python3
 TRACK ?= hopper
 PYTEST = $(PYTHON) -m pytest
+# Tests run on every core (pytest-xdist); JOBS=1 runs them in one process.
+JOBS ?= auto
 
 .PHONY: help setup lint format test tour bench model notebooks notebooks-source sanitize clocks doctor stage-1 stage-2 stage-3 stage-4 stage-5 stage-6 stage-7 stage-8 stage-9 diff-2 diff-3 diff-4 diff-5 diff-6 diff-7 diff-8 diff-9
 
 help:
-	@echo "make setup      install requirements only if something does not import"
+	@echo "make setup      install what is missing: torch (CPU build without a GPU), requirements.txt, the DSL libs for torch's CUDA"
 	@echo "make tour       every stage on this machine's track: compile, instructions, correctness, TFLOP/s"
 	@echo "make lint       ruff format --check and ruff check (what CI runs; make format rewrites)"
 	@echo "make test       all tests (GPU tests skip with a reason when the GPU is absent)"
@@ -22,7 +24,7 @@ help:
 	@echo "make doctor     versions, GPU, driver, arch"
 
 setup:
-	@$(PYTHON) -m common.setup_env
+	@$(PYTHON) -m common.tools.setup
 
 lint: setup
 	$(PYTHON) -m ruff format --check .
@@ -33,33 +35,33 @@ format: setup
 	$(PYTHON) -m ruff check --fix .
 
 test: setup
-	$(PYTEST) -q $(PYTEST_ARGS)
+	$(PYTEST) -q -n $(JOBS) $(PYTEST_ARGS)
 
 tour: setup
-	$(PYTHON) -m common.tour
+	$(PYTHON) -m common.tools.tour
 
 bench: setup
-	$(PYTHON) -m common.benchmarks
+	$(PYTHON) -m common.tools.bench
 
 # Needs transformers (optional: pip install 'transformers>=4.48'); without it, or without an
 # sm_90 GPU, it prints why and exits 0. MODEL_ARGS: e.g. --layers 2 --shapes 2x2048.
 model: setup
-	$(PYTHON) -m common.model $(MODEL_ARGS)
+	$(PYTHON) -m common.tools.model $(MODEL_ARGS)
 
 notebooks: setup
-	$(PYTHON) -m common.nbrun notebooks/*.ipynb
+	$(PYTHON) -m common.tools.nbrun notebooks/*.ipynb
 
 notebooks-source:
 	$(PYTHON) notebooks/source/gen.py
 
 sanitize: setup
-	$(PYTHON) -m common.sanitize
+	$(PYTHON) -m common.tools.sanitize
 
 clocks: setup
-	$(PYTHON) -m common.clock_probe --out docs/results/clock_probe.json
+	$(PYTHON) -m common.tools.clock_probe --out docs/results/clock_probe.json
 
 doctor:
-	@$(PYTHON) -m common.doctor
+	@$(PYTHON) -m common.tools.doctor
 
 $(addprefix stage-,1 2 3 4 5 6 7 8 9): stage-%: setup
 	$(PYTEST) -q tests/test_stage$*_*.py

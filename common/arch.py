@@ -64,7 +64,7 @@ def track():
         raise UnsupportedGPUError(
             "no CUDA GPU is visible: the kernels need an sm_90 (H100/H200) or sm_100/sm_103 "
             "(B200/GB200/B300) GPU. Without one you can still compile every stage: "
-            "`make tour` or common.compile.compile_only(stage, track)."
+            "`make tour` or common.tools.ptx.compile_only(stage, track)."
         )
     import torch
 

@@ -14,9 +14,9 @@ import math
 import torch
 
 from common import checks, masks
-from common.checker import empty_output
 from common.compile import cached_compile_ffi
 from common.cute_interop import canonical_strides, cute_dtype, fake_stream, fake_tensor
+from common.outputs import empty_output
 from common.pack_gqa import choose_pack
 
 

@@ -47,7 +47,7 @@ _pinned = []  # use_stage's stack
 @functools.lru_cache(maxsize=None)
 def _stage_numbers():
     """Every stage with the ops' API (attention with Hkv heads, attention_varlen), in order."""
-    from common import stages as table
+    from common.tools import stage_table as table
 
     out = []
     for st in table.STAGES:
@@ -90,7 +90,7 @@ def use_stage(n):
 
 def stage_module(n=None):
     """The package stages.<stage n> (default: current_stage()), which dispatches to the track."""
-    from common import stages as table
+    from common.tools import stage_table as table
 
     return importlib.import_module(f"stages.{table.stage(n or current_stage()).package}")
 

@@ -19,7 +19,8 @@ from typing import Callable
 import pytest
 import torch
 
-from common import checker, inputs, masks, reference
+from common import masks
+from common.tools import inputs, reference, verify
 
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -278,7 +279,7 @@ def gqa_reference_check(name, o, lse, q, k, v, causal, window):
     k_full, v_full = (t.repeat_interleave(group, dim=1) for t in (k, v))
     Sq, Sk = q.shape[2], k.shape[2]
     mask = masks.visible(Sq, Sk, *masks.resolve_window(causal, window, Sq, Sk), q.device)
-    checker.check_attention(name, o, q, k_full, v_full, lse=lse, mask=mask)
+    verify.check_attention(name, o, q, k_full, v_full, lse=lse, mask=mask)
 
 
 def packed_inputs(lens_q, lens_k, H, Hkv, D, dtype, seed):

@@ -1,8 +1,8 @@
-"""common.clock_probe's CPU side: parsing nvidia-smi's samples and the statistics of a window."""
+"""common.tools.clock_probe's CPU side: parsing nvidia-smi's samples and the statistics of a window."""
 
 from datetime import datetime
 
-from common.clock_probe import parse_samples, window_stats
+from common.tools.clock_probe import parse_samples, window_stats
 
 
 def _ts(s):
@@ -39,7 +39,7 @@ def test_without_a_gpu_it_says_so():
     import pytest
     import torch
 
-    from common.clock_probe import main
+    from common.tools.clock_probe import main
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the probe would run")

@@ -260,12 +260,12 @@ def test_tvm_ffi_launch_compiles_on_both_tracks(stage, track, varlen):
     compile is checked for both tracks, with the argument layouts a launch builds (the Blackwell
     kernels are never run here: this is what shows their launch path builds)."""
     tvm_ffi = pytest.importorskip("tvm_ffi")
-    from common import stages
     from common.arch import ARCH_OF_TRACK
-    from common.compile import compile_ffi_for_arch
+    from common.tools import stage_table
+    from common.tools.ptx import compile_ffi_for_arch
 
     del tvm_ffi
-    mod = stages.track_module(stage, track)
+    mod = stage_table.track_module(stage, track)
     kernel_class = type(mod.compile_args(torch.bfloat16, (1, 1, 128, 128, 128))[0])
     H, Hkv, D = 8, 2, 128
     if varlen:

@@ -6,8 +6,9 @@ import math
 import pytest
 import torch
 
-from common import arch, checker, checks, reference, stages
-from common import compile as ccompile
+from common import arch, checks, outputs
+from common.tools import ptx as ptx_tools
+from common.tools import reference, stage_table, verify
 
 
 def _ref_and_out(seed=0):
@@ -18,7 +19,7 @@ def _ref_and_out(seed=0):
 
 def test_checker_passes_a_correct_low_precision_result():
     ref, out = _ref_and_out()
-    r = checker.check_close("out", out, ref, rtol=1e-2)
+    r = verify.check_close("out", out, ref, rtol=1e-2)
     assert r.passed and r.rel_err < 5e-3  # bf16 rounding alone: about 2^-9 relative
 
 
@@ -27,17 +28,17 @@ def test_checker_fails_a_wrong_result_and_names_the_worst_element():
     wrong = out.clone()
     wrong[17, 5] += 4.0
     with pytest.raises(AssertionError, match=r"worst element at \(17, 5\)"):
-        checker.check_close("out", wrong, ref, rtol=1e-2)
+        verify.check_close("out", wrong, ref, rtol=1e-2)
 
 
 def test_checker_fails_an_unwritten_element():
     ref, out = _ref_and_out()
-    partly = checker.poison(torch.empty_like(out))
+    partly = outputs.poison(torch.empty_like(out))
     partly[:, :-1] = out[:, :-1]  # the last column was never written: still NaN
-    r = checker.compare("out", partly, ref, rtol=1e-2)
+    r = verify.compare("out", partly, ref, rtol=1e-2)
     assert not r.passed and r.nonfinite == 64
     with pytest.raises(AssertionError, match="non-finite"):
-        checker.check_close("out", partly, ref, rtol=1e-2)
+        verify.check_close("out", partly, ref, rtol=1e-2)
 
 
 def test_checker_never_passes_nan_or_inf_even_with_a_huge_tolerance():
@@ -45,13 +46,13 @@ def test_checker_never_passes_nan_or_inf_even_with_a_huge_tolerance():
     for bad in (float("nan"), float("inf")):
         o = out.clone()
         o[0, 0] = bad
-        assert not checker.compare("out", o, ref, rtol=1e9).passed
+        assert not verify.compare("out", o, ref, rtol=1e9).passed
 
 
 def test_checker_holds_kernels_to_a_multiple_of_pytorchs_error():
     ref, out = _ref_and_out()
     worse = (out.double() * (1 + 2e-2)).to(torch.bfloat16)  # 2% off: inside rtol=5e-2 ...
-    r = checker.compare("out", worse, ref, rtol=5e-2, torch_lowp=out)
+    r = verify.compare("out", worse, ref, rtol=5e-2, torch_lowp=out)
     assert not r.passed  # ... but far more than 3x PyTorch's own bf16 error
     assert r.torch_rel_err is not None and r.bound < 2e-2
 
@@ -60,33 +61,33 @@ def test_check_attention_holds_o_to_pytorchs_error_and_lse_to_fp32():
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 2, S, 64, generator=g).to(torch.bfloat16) for S in (32, 48, 48))
     o_ref, lse_ref = reference.attention_ref(q, k, v)
-    o_res, lse_res = checker.check_attention(
+    o_res, lse_res = verify.check_attention(
         "O", o_ref.to(torch.bfloat16), q, k, v, lse=lse_ref.float()
     )
     assert o_res.torch_rel_err is not None and o_res.bound < 1e-2 and lse_res.rel_err < 1e-6
     with pytest.raises(
         AssertionError, match="O: rel err"
     ):  # 1% off: more than 3x PyTorch's bf16 error
-        checker.check_attention("O", (o_ref * 1.01).to(torch.bfloat16), q, k, v)
+        verify.check_attention("O", (o_ref * 1.01).to(torch.bfloat16), q, k, v)
     with pytest.raises(
         AssertionError, match="LSE of O: rel err"
     ):  # log2 in place of the natural log
-        checker.check_attention(
+        verify.check_attention(
             "O", o_ref.to(torch.bfloat16), q, k, v, lse=(lse_ref / math.log(2)).float()
         )
     with pytest.raises(AssertionError, match="non-finite"):
-        checker.check_attention("O", checker.poison(torch.empty_like(q)), q, k, v)
+        verify.check_attention("O", outputs.poison(torch.empty_like(q)), q, k, v)
 
 
 def test_check_attention_floor_applies_when_pytorch_is_exact():
     # One key: O = V exactly, PyTorch's error is 0, so the bound is the floor (one bf16 rounding).
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 1, S, 64, generator=g).to(torch.bfloat16) for S in (16, 1, 1))
-    r, _ = checker.check_attention("O", v.expand_as(q).contiguous(), q, k, v)
+    r, _ = verify.check_attention("O", v.expand_as(q).contiguous(), q, k, v)
     assert r.torch_rel_err == 0 and r.bound == 2.0**-8
     off = (v.double() * (1 + 2.0**-6)).to(torch.bfloat16).expand_as(q).contiguous()
     with pytest.raises(AssertionError, match=r"bound 3\.906e-03"):
-        checker.check_attention("O", off, q, k, v)
+        verify.check_attention("O", off, q, k, v)
 
 
 def test_expect_tx_immediates_reads_the_armed_byte_counts():
@@ -95,23 +96,23 @@ def test_expect_tx_immediates_reads_the_armed_byte_counts():
     mbarrier.arrive.expect_tx.shared.b64 %rd4, [%r9], %r11;
     mbarrier.arrive.expect_tx.shared.b64 %rd5, [%r10+8], %r12;
     """
-    assert ccompile.expect_tx_immediates(ptx) == [32768, None]
+    assert ptx_tools.expect_tx_immediates(ptx) == [32768, None]
 
 
 def test_poisoned_outputs_are_nan_unless_a_benchmark_turns_it_off(monkeypatch):
-    assert torch.isnan(checker.empty_output((4, 4), torch.float32, "cpu")).all()
+    assert torch.isnan(outputs.empty_output((4, 4), torch.float32, "cpu")).all()
     calls = []
-    real_poison = checker.poison
+    real_poison = outputs.poison
 
     def counting_poison(t):
         calls.append(t)
         return real_poison(t)
 
-    monkeypatch.setattr(checker, "poison", counting_poison)
-    with checker.no_poison():
-        checker.empty_output((4, 4), torch.float32, "cpu")
+    monkeypatch.setattr(outputs, "poison", counting_poison)
+    with outputs.no_poison():
+        outputs.empty_output((4, 4), torch.float32, "cpu")
     assert len(calls) == 0  # no NaN fill inside no_poison(): a benchmark does not time it
-    out = checker.empty_output((4, 4), torch.bfloat16, "cpu")
+    out = outputs.empty_output((4, 4), torch.bfloat16, "cpu")
     assert len(calls) == 1 and torch.isnan(out).all()  # poisoning is back on after the block
 
 
@@ -174,7 +175,7 @@ def test_ptx_counter_counts_statements_and_ignores_comments():
     cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%rd3, {%r2, %r3}], [%r1];
     mbarrier.try_wait.parity.shared::cta.b64 %p1, [%r5], %r6;
     """
-    c = ccompile.count_ptx(ptx)
+    c = ptx_tools.count_ptx(ptx)
     assert c["wgmma.mma_async"] == 2 and c["wgmma.fence"] == 1
     assert (
         c["cp.async.bulk.tensor (load)"] == 2
@@ -185,9 +186,9 @@ def test_ptx_counter_counts_statements_and_ignores_comments():
 
 
 def test_stage_table_is_consistent():
-    assert [s.number for s in stages.STAGES] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert [s.number for s in stage_table.STAGES] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
     with pytest.raises(ValueError, match="stage 10 does not exist"):
-        stages.stage(10)
+        stage_table.stage(10)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (any)")
@@ -198,12 +199,12 @@ def test_deadline_turns_a_kernel_that_never_finishes_into_an_error():
 
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="deadlock"):
-        checker.run_with_deadline(
+        verify.run_with_deadline(
             lambda: torch.cuda._sleep(20_000_000_000), seconds=1.0, what="spin"
         )
     assert time.monotonic() - t0 < 5
     torch.cuda.synchronize()  # drain the spinning kernel before the next test
-    out = checker.run_with_deadline(lambda: torch.ones(4, device="cuda") * 2, seconds=10.0)
+    out = verify.run_with_deadline(lambda: torch.ones(4, device="cuda") * 2, seconds=10.0)
     assert out.sum().item() == 8
 
 
@@ -263,10 +264,10 @@ def test_cu_seqlens_made_in_inference_mode_are_read_every_call(monkeypatch):
 
 
 def test_interleaved_timing_rotates_the_order_and_takes_each_fns_median(monkeypatch):
-    """bench.interleaved: every round times each fn once, the first fn of a round moves on by
+    """timing.interleaved: every round times each fn once, the first fn of a round moves on by
     one each round, all event rounds come before the GPU-time rounds, and a fn's result is the
     median of its rounds (so one slow round does not move it)."""
-    from common import bench
+    from common.tools import timing
 
     log = []
     samples = {"a": iter([5.0, 1.0, 1.0]), "b": iter([2.0, 2.0, 9.0]), "c": iter([3.0] * 3)}
@@ -280,10 +281,10 @@ def test_interleaved_timing_rotates_the_order_and_takes_each_fns_median(monkeypa
         log.append(("gpu", fn()))
         return next(gpu[fn()])
 
-    monkeypatch.setattr(bench, "time_ms", fake_time_ms)
-    monkeypatch.setattr(bench, "gpu_ms", fake_gpu_ms)
+    monkeypatch.setattr(timing, "time_ms", fake_time_ms)
+    monkeypatch.setattr(timing, "gpu_ms", fake_gpu_ms)
     fns = {n: ((lambda n=n: n), [()]) for n in "abc"}
-    ev, gp = bench.interleaved(fns, rounds=3, gpu=True)
+    ev, gp = timing.interleaved(fns, rounds=3, gpu=True)
     assert ev == {"a": 1.0, "b": 2.0, "c": 3.0}
     assert gp == {"a": 0.5, "b": 0.25, "c": 0.75}
     order = "".join(n for _, n in log)

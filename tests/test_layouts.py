@@ -5,7 +5,7 @@ answer or an illegal memory access on a later call, never on the first; see comm
 
 Each entry point of stages 1-5 on both tracks (Blackwell ones skip without an sm_100 GPU) runs
 the whole sequence in one test, so the cache is warm with every earlier layout when the next
-one arrives. Outputs are poisoned with NaN before each launch (common.checker.empty_output), so
+one arrives. Outputs are poisoned with NaN before each launch (common.outputs.empty_output), so
 an element a kernel fails to write fails the check."""
 
 import importlib
@@ -14,7 +14,8 @@ import pytest
 import torch
 from attention_cases import check_packed, packed_inputs
 
-from common import checker, inputs, pack_gqa, reference
+from common import pack_gqa
+from common.tools import inputs, reference, verify
 
 ENTRIES = {
     1: ("stage1_gemm", "gemm"),
@@ -42,7 +43,7 @@ def entry(stage, track):
 
 
 def deadline(fn, what):
-    return checker.run_with_deadline(fn, seconds=120, what=what)
+    return verify.run_with_deadline(fn, seconds=120, what=what)
 
 
 # ---------------------------------------------------------------- layouts of (q, k, v)
@@ -136,12 +137,12 @@ def check_output(stage, out, q, k, v, label, mask=None):
         scale = q.shape[-1] ** -0.5
         torch_lowp = (q @ k.transpose(-1, -2)) * scale
         # S in fp32: only wgmma's fp32 accumulation order separates it from fp64 (~1e-6).
-        checker.check_close(name, out, reference.qk_ref(q, k), rtol=1e-4, torch_lowp=torch_lowp)
+        verify.check_close(name, out, reference.qk_ref(q, k), rtol=1e-4, torch_lowp=torch_lowp)
     elif stage >= 5:
         o, lse = out
-        checker.check_attention(name, o, q, k, v, lse=lse, mask=mask)
+        verify.check_attention(name, o, q, k, v, lse=lse, mask=mask)
     else:
-        checker.check_attention(name, out, q, k, v)
+        verify.check_attention(name, out, q, k, v)
 
 
 @pytest.mark.parametrize(
@@ -246,7 +247,7 @@ def test_gemm_alternating_layouts(track):
         a, b = build(*shape, dtype, seed=200 + i)
         c = deadline(lambda: fn(a, b), label)
         # fp32 accumulation of exact products; the bound is 3x PyTorch's own bf16/fp16 GEMM error.
-        checker.check_close(
+        verify.check_close(
             f"stage 1 [{label}]", c, reference.gemm_ref(a, b), rtol=1e-2, torch_lowp=a @ b.T
         )
     a, b = inputs.gemm_inputs(128, 128, 64, BF16, seed=1)
@@ -264,7 +265,7 @@ def test_gemm_alternating_layouts(track):
 _SEQUENCE_SCRIPT = r"""
 import sys, torch
 sys.path.insert(0, {root!r})
-from common import checker
+from common.tools import verify
 from stages.stage5_online_softmax import hopper
 
 def make(kind, seed):
@@ -281,8 +282,8 @@ def make(kind, seed):
 
 for i, kind in enumerate({kinds!r}):
     q, k, v = make(kind, i)
-    o = checker.run_with_deadline(lambda: hopper.attention(q, k, v), 60)
-    r, _ = checker.check_attention(kind, o, q, k, v)
+    o = verify.run_with_deadline(lambda: hopper.attention(q, k, v), 60)
+    r, _ = verify.check_attention(kind, o, q, k, v)
     print(kind, f"{{r.rel_err:.2e}}")
 """
 
@@ -380,4 +381,4 @@ def test_stage7_alternating_entries_heads_and_packing(stage, track):
         group = H // k.shape[1]
         kf, vf = (t.repeat_interleave(group, 1) for t in (k, v))
         mask = masks.visible(Sq, Sk, *masks.resolve_window(causal, window, Sq, Sk), "cuda")
-        checker.check_attention(f"stage {stage} [{label}]", o, q, kf, vf, lse=lse, mask=mask)
+        verify.check_attention(f"stage {stage} [{label}]", o, q, kf, vf, lse=lse, mask=mask)

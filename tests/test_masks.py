@@ -100,7 +100,7 @@ def test_causal_tile_counts_at_8k():
 
 
 def test_reference_rows_without_keys():
-    from common import reference
+    from common.tools import reference
 
     q, k, v = (torch.randn(1, 1, n, 8, dtype=torch.float64) for n in (4, 2, 2))
     mask = masks.visible(4, 2, *masks.resolve_window(True, None, 4, 2))  # rows 0, 1 see nothing

@@ -1,4 +1,4 @@
-"""common/model.py: the tutorial kernel inside a transformers Llama (`make model`).
+"""common/tools/model.py: the tutorial kernel inside a transformers Llama (`make model`).
 
 - Without transformers (CI): `make model`'s entry prints a skip message and exits 0. Every other
   CPU test needs transformers (optional) and is skipped with the reason where it is missing.
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from common import arch, masks
-from common import model as M
+from common.tools import model as M
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
 
@@ -71,7 +71,7 @@ def test_main_skips_without_transformers(monkeypatch, capsys):
 def test_module_entry_exits_0_without_transformers():
     code = (
         "import sys; sys.modules['transformers'] = None; "
-        "from common.model import main; sys.exit(main([]))"
+        "from common.tools.model import main; sys.exit(main([]))"
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

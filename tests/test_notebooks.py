@@ -1,13 +1,13 @@
 """The notebooks: one jupytext source each, committed without outputs, in the fixed order of
-STYLE.md, importing (never pasting) the kernels, and executable end to end - by common/nbrun.py
+STYLE.md, importing (never pasting) the kernels, and executable end to end - by common/tools/nbrun.py
 (in process, the H200's way) and through a real Jupyter kernel (nbclient + ipykernel, the way a
-reader runs them, which takes common.notebook's IPython branch).
+reader runs them, which takes common.tools.notebook's IPython branch).
 
 Without a GPU (CI) every notebook runs in compile-only mode: its stage is compiled for sm_90a and
 sm_100a and the GPU cells say they are skipped. On an H100/H200 the in-process run is in GPU mode,
 where the "Run and verify" cell must launch the Hopper kernel and pass the checker, and the
 "Measure" cell must time it. The executed copies under docs/notebooks/ (written on the H200 by
-`python -m common.nbrun --execute-to docs/notebooks`) must carry exactly the sources' code."""
+`python -m common.tools.nbrun --execute-to docs/notebooks`) must carry exactly the sources' code."""
 
 import glob
 import importlib.util
@@ -19,8 +19,9 @@ import sys
 
 import pytest
 
-from common import arch, nbrun, stages
-from common.nbrun import run_notebook
+from common import arch
+from common.tools import nbrun, stage_table
+from common.tools.nbrun import run_notebook
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NB_DIR = os.path.join(ROOT, "notebooks")
@@ -64,7 +65,7 @@ def cell_text(cell):
     return "".join(cell["source"])
 
 
-@pytest.mark.parametrize("stage", [s.number for s in stages.STAGES])
+@pytest.mark.parametrize("stage", [s.number for s in stage_table.STAGES])
 def test_every_stage_has_a_notebook(stage):
     have = glob.glob(os.path.join(NB_DIR, f"stage{stage}_*.ipynb"))
     if not have and stage > max(NOTEBOOKS):
@@ -170,7 +171,7 @@ def _check_log(stage, log, mode):
     )
     for track in arch.TRACKS:
         # The compile summary of both tracks is shown in both modes (issue 13).
-        if stages.available(stage, track):
+        if stage_table.available(stage, track):
             assert [stage, track] in [list(x) for x in log["compiled"]], (
                 f"stage {stage} ({track}) was not compiled by its notebook ({mode} mode)"
             )
@@ -178,13 +179,13 @@ def _check_log(stage, log, mode):
 
 @pytest.mark.parametrize("stage", sorted(NOTEBOOKS))
 def test_notebook_runs(stage, capsys):
-    from common import notebook as nb
+    from common.tools import notebook as nb
 
     run_notebook(os.path.join(NB_DIR, NOTEBOOKS[stage]), verbose=False)
     _check_log(stage, nb.LOG, nb.MODE)
     if nb.MODE == "gpu":
         track = arch.track()
-        if stages.available(stage, track):
+        if stage_table.available(stage, track):
             assert any(v[0] == stage and v[1] == track for v in nb.LOG["verified"]), (
                 f"GPU mode: the notebook did not run and check stage {stage} on {track}"
             )
@@ -199,14 +200,14 @@ def test_notebook_runs(stage, capsys):
 @pytest.mark.parametrize("stage", sorted(NOTEBOOKS))
 def test_notebook_runs_in_a_jupyter_kernel(stage, tmp_path, monkeypatch):
     """Every notebook through a real Jupyter kernel (nbclient + ipykernel), compile-only mode:
-    any cell error fails, and the outputs must come from common.notebook's IPython branch
+    any cell error fails, and the outputs must come from common.tools.notebook's IPython branch
     (display(Markdown), display(Code)) and the inline figure backend."""
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("ipykernel")
     nbformat = pytest.importorskip("nbformat")
 
     nb = nbformat.read(os.path.join(NB_DIR, NOTEBOOKS[stage]), as_version=4)
-    # One more cell reports what the run did (common.notebook.LOG) from inside the kernel.
+    # One more cell reports what the run did (common.tools.notebook.LOG) from inside the kernel.
     nb.cells.append(
         nbformat.v4.new_code_cell(
             "import json\nprint('NBLOG' + json.dumps(nb.LOG, default=list))", id="test-log"
@@ -255,14 +256,21 @@ def test_notebook_runs_in_a_jupyter_kernel(stage, tmp_path, monkeypatch):
 
 
 def test_executed_copies_are_written(tmp_path):
-    """`python -m common.nbrun --execute-to DIR` (what the H200 run uses) writes valid notebooks
+    """`python -m common.tools.nbrun --execute-to DIR` (what the H200 run uses) writes valid notebooks
     with a header naming GPU, mode and date, the sources' cells, and their outputs: text,
     Markdown from the helpers, PNG figures."""
     nbformat = pytest.importorskip("nbformat")
     name = NOTEBOOKS[2]
     env = dict(os.environ, TUTORIAL_NB_MODE="compile-only")
     p = subprocess.run(
-        [sys.executable, "-m", "common.nbrun", "--execute-to", str(tmp_path), f"notebooks/{name}"],
+        [
+            sys.executable,
+            "-m",
+            "common.tools.nbrun",
+            "--execute-to",
+            str(tmp_path),
+            f"notebooks/{name}",
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -291,7 +299,7 @@ def test_executed_copies_are_written(tmp_path):
 
 
 def test_slim_outputs_shrinks_figures_and_keeps_markdown():
-    """common.nbrun.slim_outputs (run on every executed copy): a figure becomes a smaller palette
+    """common.tools.nbrun.slim_outputs (run on every executed copy): a figure becomes a smaller palette
     PNG of the same pixel size and nearly the same colours; a long text/plain twin of a Markdown
     output becomes a placeholder while the Markdown stays as it was; other outputs are kept."""
     import base64
@@ -380,7 +388,7 @@ def _check_executed_copy(name, executed):
     got_code = [(c.id, c.source) for c in executed.cells[1:] if c.cell_type == "code"]
     assert got_code == src_code, (
         f"docs/notebooks/{name}: its code cells are not exactly those of notebooks/{name} "
-        "(re-run `python -m common.nbrun --execute-to docs/notebooks notebooks/*.ipynb`)"
+        "(re-run `python -m common.tools.nbrun --execute-to docs/notebooks notebooks/*.ipynb`)"
     )
 
 
@@ -412,7 +420,7 @@ def test_wgmma_fragments_match_cute_atoms():
     import cutlass.utils.hopper_helpers as sm90_utils
     from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
-    from common import plots
+    from common.tools import plots
 
     got = {}
 
@@ -458,7 +466,7 @@ def test_wgmma_fragments_match_cute_atoms():
 
 
 def test_swizzle_is_tma_128b():
-    from common import plots
+    from common.tools import plots
 
     for r in range(16):
         for c in range(8):
@@ -469,7 +477,7 @@ def test_swizzle_is_tma_128b():
 
 
 def test_ring_model_finds_the_race():
-    from common import plots
+    from common.tools import plots
 
     for slot_per in ("tile", "entry"):
         for two_pass in (True, False):
@@ -487,7 +495,7 @@ def test_ring_model_finds_the_race():
 def _figures():
     import torch
 
-    from common import plots
+    from common.tools import plots
 
     out = torch.zeros(2, 3, 64, 64, dtype=torch.float64)
     out[1, 2, 17, 40] = 1.0  # the worst element, in slice (b, h) = (1, 2)
@@ -545,7 +553,7 @@ def test_figures_are_readable_at_notebook_size(name):
     import matplotlib.pyplot as plt
     from matplotlib.text import Text
 
-    from common import plots
+    from common.tools import plots
 
     fig = _figures()[name]()
     try:
@@ -568,7 +576,7 @@ def test_pingpong_model_follows_the_kernel():
     pass_turn: the tensor cores take the turns of the docstring's picture, named barrier 2
     completes `steps` times and barrier 3 `steps + 1`, no arrive is left over, and a lost arrive
     (warpgroup 1's last pass) is a deadlock, not a finished schedule. Lock-step has no turns."""
-    from common import plots
+    from common.tools import plots
 
     for steps in range(0, 6):
         r = plots.attention_schedule(True, steps)
@@ -605,7 +613,7 @@ def test_pingpong_model_back_to_back_against_waiting_for_pv():
     before QK_(j+1) (FlashAttention-3's warp-specialised order): the same turns and tensor-core
     order, no arrive left over; with a cost per wait the back-to-back order finishes first and
     keeps the tensor cores busier; without one the two differ by the model's time step only."""
-    from common import plots
+    from common.tools import plots
 
     qk, sm, pv = plots.hopper_unit_times(128)
     for steps in (1, 2, 5):
@@ -635,11 +643,11 @@ def test_pingpong_model_back_to_back_against_waiting_for_pv():
 
 
 def test_varlen_helpers_match_the_benchmark_batch():
-    """nb.varlen_lengths() is make bench's packed batch (common/benchmarks.py draws it with the
+    """nb.varlen_lengths() is make bench's packed batch (common/tools/bench.py draws it with the
     CPU generator, seed 2026, 16 lengths in [64, 2048))."""
     import torch
 
-    from common import notebook as nb
+    from common.tools import notebook as nb
 
     g = torch.Generator().manual_seed(2026)
     assert nb.varlen_lengths() == torch.randint(64, 2048, (16,), generator=g).tolist()
@@ -655,8 +663,9 @@ def test_gpu_mode_helpers_run_with_cpu_stand_ins(monkeypatch, capsys):
 
     import torch
 
-    from common import bench, checker, inputs, masks, reference
-    from common import notebook as nb
+    from common import masks
+    from common.tools import inputs, reference, timing, verify
+    from common.tools import notebook as nb
 
     def attention(q, k, v, scale=None, causal=False, window=None, return_lse=False):
         Sq, Sk, group = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
@@ -696,10 +705,10 @@ def test_gpu_mode_helpers_run_with_cpu_stand_ins(monkeypatch, capsys):
         "attention_inputs",
         lambda *a, device=None, **k: attention_inputs(*a[:7], device="cpu", **k),
     )
-    monkeypatch.setattr(checker, "run_with_deadline", lambda fn, seconds=60, what="": fn())
-    monkeypatch.setattr(bench, "time_ms", wall_ms)
+    monkeypatch.setattr(verify, "run_with_deadline", lambda fn, seconds=60, what="": fn())
+    monkeypatch.setattr(timing, "time_ms", wall_ms)
     for st in (5, 6, 7, 8):
-        mod = stages.track_module(st, "hopper")
+        mod = stage_table.track_module(st, "hopper")
         monkeypatch.setattr(mod, "attention", attention)
         if st >= 7:
             monkeypatch.setattr(mod, "attention_varlen", attention_varlen)
@@ -729,7 +738,7 @@ def test_gpu_mode_helpers_run_with_cpu_stand_ins(monkeypatch, capsys):
 
 
 def test_bench_colours_are_one_per_kernel():
-    from common import plots
+    from common.tools import plots
 
     assert plots.kernel_color("SDPA flash") == plots.KERNEL_COLORS["SDPA flash"]
     assert plots.kernel_color("stage 1 (ab_buffers=2)") == plots.KERNEL_COLORS["stage 1"]
@@ -742,10 +751,10 @@ def test_bench_colours_are_one_per_kernel():
 def test_kernel_settings_override_build_a_new_kernel():
     import torch
 
-    from common import notebook as nb
     from common.compile import compile_key
+    from common.tools import notebook as nb
 
-    mod = stages.track_module(1, "hopper")
+    mod = stage_table.track_module(1, "hopper")
     kernel, args = mod.compile_args(torch.bfloat16, (256, 256, 256))
     with nb.kernel_settings(1, "hopper", ab_buffers=2):
         changed, _ = mod.compile_args(torch.bfloat16, (256, 256, 256))
@@ -760,7 +769,7 @@ def test_kernel_settings_override_build_a_new_kernel():
 
 def test_kernel_settings_reach_derived_settings(monkeypatch):
     """The override happens as __init__ assigns, so attributes __init__ derives follow it."""
-    from common import notebook as nb
+    from common.tools import notebook as nb
 
     class Kernel:
         def __init__(self):
@@ -777,21 +786,23 @@ def test_kernel_settings_reach_derived_settings(monkeypatch):
 def test_reload_stage_gives_a_new_kernel_class():
     import torch
 
-    from common import notebook as nb
     from common.compile import compile_key
+    from common.tools import notebook as nb
 
-    before, args = stages.track_module(1, "hopper").compile_args(torch.bfloat16, (256, 256, 256))
+    before, args = stage_table.track_module(1, "hopper").compile_args(
+        torch.bfloat16, (256, 256, 256)
+    )
     nb.reload_stage(1, "hopper")
-    after, _ = stages.track_module(1, "hopper").compile_args(torch.bfloat16, (256, 256, 256))
+    after, _ = stage_table.track_module(1, "hopper").compile_args(torch.bfloat16, (256, 256, 256))
     assert type(after) is not type(before)
     assert compile_key(after, args) != compile_key(before, args)
 
 
 def test_an_old_ptxas_is_named_not_a_bare_fatal_line(tmp_path, monkeypatch):
     """On the H200 the system ptxas (CUDA 12.x before 12.8) cannot assemble sm_100a and
-    common.compile.ptxas_resources returns only its last line, 'ptxas fatal : Ptx assembly aborted
+    common.tools.ptx.ptxas_resources returns only its last line, 'ptxas fatal : Ptx assembly aborted
     due to errors'. The summary must say which ptxas it is and that it cannot assemble sm_100a."""
-    from common import notebook as nb
+    from common.tools import notebook as nb
 
     fake = tmp_path / "ptxas"
     fake.write_text(
@@ -818,8 +829,8 @@ def test_an_old_ptxas_is_named_not_a_bare_fatal_line(tmp_path, monkeypatch):
 
 def test_cubin_register_count_is_ptxas_count():
     """Where ptxas cannot help, the summary reads the registers from the cubin the DSL built."""
-    from common import notebook as nb
-    from common.compile import compile_only
+    from common.tools import notebook as nb
+    from common.tools.ptx import compile_only
 
     r = compile_only(1, "hopper")
     regs = nb.cubin_registers(r.cubin)

@@ -1,5 +1,5 @@
 """The ring schedule of the Blackwell kernels of stages 2-7, checked from each kernel object's
-own configuration (common/schedule.py), and the check shown to fail on a faulty ring.
+own configuration (common/tools/schedule.py), and the check shown to fail on a faulty ring.
 
 - Each kernel is traced for sm_100a (cute.compile with fake tensors, no GPU): that sets the byte
   counts it derives from its shared-memory layouts. The checker then replays the Q buffer and the
@@ -29,8 +29,9 @@ import copy
 import pytest
 import torch
 
-from common import masks, schedule, stages
-from common.compile import compile_for_arch, count_ptx, expect_tx_immediates
+from common import masks
+from common.tools import schedule, stage_table
+from common.tools.ptx import compile_for_arch, count_ptx, expect_tx_immediates
 
 # KV tile ranges [lo, hi) of stages 6 and 7: starting past tile 0, and empty (no K or V at all).
 RANGES = ((2, 5), (1, 2), (5, 12), (0, 0), (3, 3))
@@ -54,7 +55,7 @@ def traced(stage, shape, kv_slots=None, dtype=torch.bfloat16):
     kv_slots override (set before tracing, so the layouts and barriers follow it)."""
     key = (stage, shape, kv_slots, dtype)
     if key not in _TRACED:
-        kernel, args = stages.track_module(stage, "blackwell").compile_args(dtype, shape)
+        kernel, args = stage_table.track_module(stage, "blackwell").compile_args(dtype, shape)
         if kv_slots is not None:
             kernel.kv_slots = kv_slots
         ptx, _ = compile_for_arch(kernel, args, "sm_100a")
@@ -234,7 +235,7 @@ def test_checker_rejects_a_tile_larger_than_a_slot():
 
 
 def test_checker_needs_a_traced_kernel():
-    kernel, _ = stages.track_module(4, "blackwell").compile_args(torch.bfloat16, SHAPES[4])
+    kernel, _ = stage_table.track_module(4, "blackwell").compile_args(torch.bfloat16, SHAPES[4])
     with pytest.raises(ValueError, match="compile it first"):
         schedule.rings_of(kernel)
 

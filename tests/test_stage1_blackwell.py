@@ -10,7 +10,7 @@
   read it (PTX order: the last tcgen05.ld, the fence, the barrier, tcgen05.dealloc).
 - GPU tests (marker gpu_blackwell) compare C with an fp64 reference on one-tile, square, tall,
   wide, deep-K, K-tail shapes and M, N that are not tile multiples (M = 1 among them), in bf16
-  and fp16. The output is poisoned with NaN before the launch (common.checker.empty_output), so
+  and fp16. The output is poisoned with NaN before the launch (common.outputs.empty_output), so
   an element the kernel never writes fails, and it is allocated inside a larger NaN buffer in
   one test so that a store beyond M or N fails too. As of 2026-12-01 no sm_100 GPU was
   available: these tests have not run yet.
@@ -24,9 +24,10 @@ import re
 import pytest
 import torch
 
-from common import checker, inputs, reference
-from common.compile import cached_compile, compile_for_arch, compile_only
+from common.compile import cached_compile
 from common.cute_interop import current_stream, cute_dtype, fake_stream, to_cute
+from common.tools import inputs, reference, verify
+from common.tools.ptx import compile_for_arch, compile_only
 from stages.stage1_gemm import blackwell
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -143,7 +144,7 @@ SHAPES = [
 
 def run_gemm(a, b):
     # A deadlocked pipeline (a barrier phase that never completes) fails instead of hanging.
-    return checker.run_with_deadline(
+    return verify.run_with_deadline(
         lambda: blackwell.gemm(a, b), seconds=120, what="stage 1 blackwell gemm"
     )
 
@@ -153,7 +154,7 @@ def check_gemm(a, b, c):
     # about one rounding, ~2^-9 relative (bf16) or ~2^-12 (fp16). Bound: 1e-2 and at most 3x
     # PyTorch's own low-precision result against the same fp64 reference.
     assert c.shape == (a.shape[0], b.shape[0]) and c.dtype == a.dtype
-    return checker.check_close("C", c, reference.gemm_ref(a, b), rtol=1e-2, torch_lowp=a @ b.T)
+    return verify.check_close("C", c, reference.gemm_ref(a, b), rtol=1e-2, torch_lowp=a @ b.T)
 
 
 @pytest.mark.gpu_blackwell
@@ -185,7 +186,7 @@ def test_gemm_writes_nothing_outside_c(shape):
     big = torch.full((M + 128, N + 8), float("nan"), dtype=a.dtype, device=a.device)
     args = [to_cute(t, dynamic=1 in shape) for t in (a, b, big[:M, :N])] + [current_stream()]
     kernel = blackwell.Sm100Kernel(cute_dtype(a.dtype))
-    checker.run_with_deadline(lambda: cached_compile(kernel, *args)(*args), seconds=120)
+    verify.run_with_deadline(lambda: cached_compile(kernel, *args)(*args), seconds=120)
     check_gemm(a, b, big[:M, :N])
     assert torch.isnan(big[M:]).all() and torch.isnan(big[:M, N:]).all()
 
@@ -204,7 +205,7 @@ def test_stage_package_dispatches_to_blackwell():
     from stages.stage1_gemm import gemm
 
     a, b = inputs.gemm_inputs(256, 256, 256, torch.bfloat16, seed=3)
-    check_gemm(a, b, checker.run_with_deadline(lambda: gemm(a, b), seconds=120))
+    check_gemm(a, b, verify.run_with_deadline(lambda: gemm(a, b), seconds=120))
 
 
 # ---------------------------------------------------------------- bad input

@@ -3,7 +3,7 @@
 - Compile-only tests need no GPU: the sm_90a PTX must hold the instructions the stage teaches.
 - GPU tests (marker gpu_hopper) compare C with an fp64 reference on full tiles, M/N/K tails,
   tall, wide and deep-K shapes, in bf16 and fp16. The output is poisoned with NaN before the
-  launch (common.checker.empty_output), so an element the kernel never writes fails.
+  launch (common.outputs.empty_output), so an element the kernel never writes fails.
 - Bad-input tests: every error names the argument. Those that fail before any CUDA call run on
   CPU tensors, so they run in CI too; the others need a CUDA device (any: they fail in the
   argument checks, before a kernel is compiled or launched).
@@ -12,8 +12,8 @@
 import pytest
 import torch
 
-from common import checker, inputs, reference
-from common.compile import compile_only
+from common.tools import inputs, reference, verify
+from common.tools.ptx import compile_only
 from stages.stage1_gemm import hopper
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -77,7 +77,7 @@ SHAPES = [
 
 def run_gemm(a, b):
     # A deadlocked pipeline (a barrier phase that never completes) fails instead of hanging.
-    return checker.run_with_deadline(
+    return verify.run_with_deadline(
         lambda: hopper.gemm(a, b), seconds=120, what="stage 1 hopper gemm"
     )
 
@@ -87,7 +87,7 @@ def check_gemm(a, b, c):
     # is about one rounding: ~2^-9 relative (bf16) or ~2^-12 (fp16). Bound: 1e-2 and at most 3x
     # PyTorch's own low-precision result against the same fp64 reference.
     assert c.shape == (a.shape[0], b.shape[0]) and c.dtype == a.dtype
-    return checker.check_close("C", c, reference.gemm_ref(a, b), rtol=1e-2, torch_lowp=a @ b.T)
+    return verify.check_close("C", c, reference.gemm_ref(a, b), rtol=1e-2, torch_lowp=a @ b.T)
 
 
 @pytest.mark.gpu_hopper
@@ -123,7 +123,7 @@ def test_stage_package_dispatches_to_hopper():
     from stages.stage1_gemm import gemm
 
     a, b = inputs.gemm_inputs(256, 256, 256, torch.bfloat16, seed=3)
-    c = checker.run_with_deadline(lambda: gemm(a, b), seconds=120)
+    c = verify.run_with_deadline(lambda: gemm(a, b), seconds=120)
     check_gemm(a, b, c)
 
 

@@ -23,9 +23,10 @@ import pytest
 import torch
 from attention_cases import DTYPES, dtype_id, needs_cuda, shape_id
 
-from common import checker, inputs, reference
-from common.compile import cached_compile, compile_for_arch, compile_only
+from common.compile import cached_compile
 from common.cute_interop import current_stream, cute_dtype, fake_stream, to_cute
+from common.tools import inputs, reference, verify
+from common.tools.ptx import compile_for_arch, compile_only
 from stages.stage2_qk import blackwell
 
 
@@ -128,7 +129,7 @@ SHAPES = [
 
 
 def run_qk(q, k, scale=None):
-    return checker.run_with_deadline(
+    return verify.run_with_deadline(
         lambda: blackwell.qk(q, k, scale), seconds=120, what="stage 2 blackwell qk"
     )
 
@@ -141,7 +142,7 @@ def check_qk(q, k, s, scale=None):
     # yardstick here.
     B, H, Sq, D = q.shape
     assert s.shape == (B, H, Sq, k.shape[2]) and s.dtype == torch.float32
-    return checker.check_close("S", s, reference.qk_ref(q, k, scale), rtol=1e-4)
+    return verify.check_close("S", s, reference.qk_ref(q, k, scale), rtol=1e-4)
 
 
 @pytest.mark.gpu_blackwell
@@ -181,7 +182,7 @@ def test_qk_writes_nothing_outside_s():
     s = big[:, :, :Sq, :Sk]
     args = [to_cute(t, dynamic=True) for t in (q, k, s)] + [D**-0.5, current_stream()]
     kernel = blackwell.Sm100Kernel(cute_dtype(q.dtype), D)
-    checker.run_with_deadline(lambda: cached_compile(kernel, *args)(*args), seconds=120)
+    verify.run_with_deadline(lambda: cached_compile(kernel, *args)(*args), seconds=120)
     check_qk(q, k, s)
     assert torch.isnan(big[:, :, Sq:]).all() and torch.isnan(big[:, :, :Sq, Sk:]).all()
 
@@ -191,7 +192,7 @@ def test_stage_package_dispatches_to_blackwell():
     from stages.stage2_qk import qk
 
     q, k, _ = inputs.attention_inputs(1, 2, 256, 256, 128, torch.bfloat16, seed=3)
-    check_qk(q, k, checker.run_with_deadline(lambda: qk(q, k), seconds=120))
+    check_qk(q, k, verify.run_with_deadline(lambda: qk(q, k), seconds=120))
 
 
 # ---------------------------------------------------------------- bad input

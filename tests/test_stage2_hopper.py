@@ -5,7 +5,7 @@ resident in shared memory and K tiles streaming through the pipeline.
   of Q and K and the TMA store of S, the mbarrier waits.
 - GPU tests (marker gpu_hopper) compare S with an fp64 reference on full and partial tiles,
   B * H above the 132 SMs, Sq = 1, more K tiles than pipeline slots, both dtypes, D = 64 and 128,
-  large logits. Outputs are poisoned with NaN before the launch (common.checker.empty_output),
+  large logits. Outputs are poisoned with NaN before the launch (common.outputs.empty_output),
   so an element the kernel never writes fails.
 - Bad input: every error names the argument. Those that fail before any CUDA call run on CPU
   tensors, so they run in CI too; the others need a CUDA device (any: they fail in the argument
@@ -18,8 +18,8 @@ import pytest
 import torch
 from attention_cases import DTYPES, dtype_id, needs_cuda, shape_id
 
-from common import checker, inputs, reference
-from common.compile import compile_only
+from common.tools import inputs, reference, verify
+from common.tools.ptx import compile_only
 from stages.stage2_qk import hopper
 
 # ---------------------------------------------------------------- compile-only (no GPU)
@@ -55,7 +55,7 @@ def test_compiles_for_sm90a(dtype, D):
 
 def run(q, k, scale=None):
     # A deadlocked pipeline (a barrier phase that never completes) fails instead of hanging.
-    return checker.run_with_deadline(
+    return verify.run_with_deadline(
         lambda: hopper.qk(q, k, scale), seconds=120, what="stage 2 hopper"
     )
 
@@ -69,7 +69,7 @@ def check_s(s, q, k, scale=None):
     assert s.shape == (B, H, Sq, k.shape[2]) and s.dtype == torch.float32
     scale = D**-0.5 if scale is None else scale
     torch_lowp = (q @ k.transpose(-1, -2)) * scale
-    return checker.check_close(
+    return verify.check_close(
         "S", s, reference.qk_ref(q, k, scale), rtol=1e-4, torch_lowp=torch_lowp
     )
 
@@ -119,7 +119,7 @@ def test_stage_package_dispatches_to_hopper():
     from stages.stage2_qk import qk
 
     q, k, _ = inputs.attention_inputs(1, 2, 128, 256, 64, seed=8)
-    check_s(checker.run_with_deadline(lambda: qk(q, k), seconds=120), q, k)
+    check_s(verify.run_with_deadline(lambda: qk(q, k), seconds=120), q, k)
 
 
 # ---------------------------------------------------------------- bad input

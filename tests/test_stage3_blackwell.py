@@ -26,9 +26,10 @@ import pytest
 import torch
 from attention_cases import DTYPES, dtype_id, needs_cuda, shape_id
 
-from common import checker, inputs
-from common.compile import cached_compile, compile_for_arch, compile_only, expect_tx_immediates
+from common.compile import cached_compile
 from common.cute_interop import current_stream, cute_dtype, fake_stream, to_cute
+from common.tools import inputs, verify
+from common.tools.ptx import compile_for_arch, compile_only, expect_tx_immediates
 from stages.stage3_softmax import blackwell
 
 # tcgen05.mma with A and B as shared-memory descriptors (QK) / with A in TMEM (PV)
@@ -161,12 +162,12 @@ SHAPES = [
 
 
 def run_attention(q, k, v, scale=None):
-    return checker.run_with_deadline(
+    return verify.run_with_deadline(
         lambda: blackwell.attention(q, k, v, scale), seconds=120, what="stage 3 blackwell attention"
     )
 
 
-# checker.check_attention holds O to 3x the error of PyTorch's own attention in the input dtype
+# verify.check_attention holds O to 3x the error of PyTorch's own attention in the input dtype
 # against the same fp64 reference (never above 1e-2, never below one rounding of the dtype); its
 # docstring derives the bound.
 
@@ -177,7 +178,7 @@ def run_attention(q, k, v, scale=None):
 def test_attention_matches_fp64_reference(shape, dtype):
     B, H, Sq, Sk, D = shape
     q, k, v = inputs.attention_inputs(B, H, Sq, Sk, D, dtype, seed=B + H + Sq + Sk + D)
-    checker.check_attention("O", run_attention(q, k, v), q, k, v)
+    verify.check_attention("O", run_attention(q, k, v), q, k, v)
 
 
 @pytest.mark.gpu_blackwell
@@ -187,13 +188,13 @@ def test_attention_large_logits(logit_scale):
     q, k, v = attention_cases.large_logits(
         2, 2, 256, 128, 128, torch.bfloat16, seed=9, logit_scale=logit_scale
     )
-    checker.check_attention("O", run_attention(q, k, v), q, k, v)
+    verify.check_attention("O", run_attention(q, k, v), q, k, v)
 
 
 @pytest.mark.gpu_blackwell
 def test_attention_explicit_scale():
     q, k, v = inputs.attention_inputs(2, 2, 256, 128, 64, torch.bfloat16, seed=11)
-    checker.check_attention("O", run_attention(q, k, v, 0.3), q, k, v, 0.3)
+    verify.check_attention("O", run_attention(q, k, v, 0.3), q, k, v, 0.3)
 
 
 @pytest.mark.gpu_blackwell
@@ -206,7 +207,7 @@ def test_attention_reads_transposed_bshd_views():
         for S in (Sq, Sk, Sk)
     ]
     assert not q.is_contiguous() and q.stride(-1) == 1
-    checker.check_attention("O", run_attention(q, k, v), q, k, v)
+    verify.check_attention("O", run_attention(q, k, v), q, k, v)
 
 
 @pytest.mark.gpu_blackwell
@@ -220,8 +221,8 @@ def test_attention_writes_nothing_outside_o():
     args = [to_cute(t, dynamic=True) for t in (q, k, v, o)]
     args += [D**-0.5 * math.log2(math.e), current_stream()]
     kernel = blackwell.Sm100Kernel(cute_dtype(q.dtype), D)
-    checker.run_with_deadline(lambda: cached_compile(kernel, *args)(*args), seconds=120)
-    checker.check_attention("O", o, q, k, v)
+    verify.run_with_deadline(lambda: cached_compile(kernel, *args)(*args), seconds=120)
+    verify.check_attention("O", o, q, k, v)
     assert torch.isnan(big[:, :, Sq:]).all()
 
 
@@ -230,8 +231,8 @@ def test_stage_package_dispatches_to_blackwell():
     from stages.stage3_softmax import attention
 
     q, k, v = inputs.attention_inputs(1, 2, 256, 128, 128, torch.bfloat16, seed=3)
-    checker.check_attention(
-        "O", checker.run_with_deadline(lambda: attention(q, k, v), seconds=120), q, k, v
+    verify.check_attention(
+        "O", verify.run_with_deadline(lambda: attention(q, k, v), seconds=120), q, k, v
     )
 
 

@@ -6,7 +6,7 @@
   B * H above the 132 SMs, Sq = 1, tails, both dtypes and D = 64 and 128, and on inputs built to
   stress the softmax: logits of magnitude tens, one key far above the rest (in the last column
   or in the middle), constant rows. Outputs are poisoned with NaN before the launch
-  (common.checker.empty_output), so an element the kernel never writes fails.
+  (common.outputs.empty_output), so an element the kernel never writes fails.
 - Bad input: every error names the argument. Those that fail before any CUDA call run on CPU
   tensors, so they run in CI too; the others need a CUDA device (any: they fail in the argument
   checks, before a kernel is compiled or launched). The cases common to stages 2-5 are in
@@ -19,8 +19,8 @@ import pytest
 import torch
 from attention_cases import DTYPES, dtype_id, needs_cuda, shape_id
 
-from common import checker, inputs
-from common.compile import compile_only
+from common.tools import inputs, verify
+from common.tools.ptx import compile_only
 from stages.stage3_softmax import hopper
 
 # ---------------------------------------------------------------- compile-only (no GPU)
@@ -64,12 +64,12 @@ def test_compiles_for_sm90a(dtype, D):
 
 def run(q, k, v, scale=None):
     # A deadlocked pipeline (a barrier phase that never completes) fails instead of hanging.
-    return checker.run_with_deadline(
+    return verify.run_with_deadline(
         lambda: hopper.attention(q, k, v, scale), seconds=120, what="stage 3 hopper"
     )
 
 
-# checker.check_attention holds O to 3x the error of PyTorch's own attention in the input dtype
+# verify.check_attention holds O to 3x the error of PyTorch's own attention in the input dtype
 # against the same fp64 reference (never above 1e-2, never below one rounding of the dtype); its
 # docstring derives the bound.
 
@@ -90,7 +90,7 @@ SHAPES = [
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 def test_attention_matches_fp64_reference(shape, dtype):
     q, k, v = inputs.attention_inputs(*shape, dtype, seed=sum(shape))
-    checker.check_attention("O", run(q, k, v), q, k, v)
+    verify.check_attention("O", run(q, k, v), q, k, v)
 
 
 @pytest.mark.gpu_hopper
@@ -102,7 +102,7 @@ def test_large_logits(dtype, D):
     q, k, v = attention_cases.large_logits(
         2, 4, 256, 128, D, dtype, seed=3, logit_scale=10.0, min_abs_logit=30
     )
-    checker.check_attention("O", run(q, k, v), q, k, v)
+    verify.check_attention("O", run(q, k, v), q, k, v)
 
 
 @pytest.mark.gpu_hopper
@@ -114,7 +114,7 @@ def test_one_dominant_key(dtype, where):
     # The builder asserts that the row max is in column `hot` and that the fp64 reference is V's row `hot`.
     q, k, v = attention_cases.one_dominant_key(2, 2, 256, Sk, 128, dtype, hot=hot, seed=5)
     o = run(q, k, v)
-    checker.check_attention("O", o, q, k, v)
+    verify.check_attention("O", o, q, k, v)
 
 
 @pytest.mark.gpu_hopper
@@ -123,7 +123,7 @@ def test_constant_rows(dtype):
     # All keys equal: P = 1 / Sk, O = the mean of V's rows (the builder asserts the fp64 reference is it).
     q, k, v = attention_cases.constant_rows(2, 2, 200, 100, 64, dtype, seed=6)
     o = run(q, k, v)
-    checker.check_attention("O", o, q, k, v)
+    verify.check_attention("O", o, q, k, v)
 
 
 @pytest.mark.gpu_hopper
@@ -136,7 +136,7 @@ def test_explicit_scale_and_strided_inputs():
     )
     q, k, v = (t.transpose(1, 2) for t in (q4, k4, v4))
     assert not q.is_contiguous()
-    checker.check_attention("O", run(q, k, v, scale=0.05), q, k, v, scale=0.05)
+    verify.check_attention("O", run(q, k, v, scale=0.05), q, k, v, scale=0.05)
 
 
 @pytest.mark.gpu_hopper
@@ -144,8 +144,8 @@ def test_stage_package_dispatches_to_hopper():
     from stages.stage3_softmax import attention
 
     q, k, v = inputs.attention_inputs(1, 2, 128, 128, 64, seed=8)
-    checker.check_attention(
-        "O", checker.run_with_deadline(lambda: attention(q, k, v), seconds=120), q, k, v
+    verify.check_attention(
+        "O", verify.run_with_deadline(lambda: attention(q, k, v), seconds=120), q, k, v
     )
 
 

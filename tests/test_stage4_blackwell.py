@@ -30,9 +30,10 @@ import pytest
 import torch
 from attention_cases import DTYPES, dtype_id, shape_id
 
-from common import checker, inputs
-from common.compile import cached_compile, compile_for_arch, compile_only, expect_tx_immediates
+from common.compile import cached_compile
 from common.cute_interop import current_stream, cute_dtype, fake_stream, to_cute
+from common.tools import inputs, verify
+from common.tools.ptx import compile_for_arch, compile_only, expect_tx_immediates
 from stages.stage4_kv_interleave import blackwell
 
 # tcgen05.mma with A and B as shared-memory descriptors (QK) / with A in TMEM (PV)
@@ -166,12 +167,12 @@ SHAPES = [
 
 
 def run_attention(q, k, v, scale=None):
-    return checker.run_with_deadline(
+    return verify.run_with_deadline(
         lambda: blackwell.attention(q, k, v, scale), seconds=120, what="stage 4 blackwell attention"
     )
 
 
-# checker.check_attention holds O to 3x the error of PyTorch's own attention in the input dtype
+# verify.check_attention holds O to 3x the error of PyTorch's own attention in the input dtype
 # against the same fp64 reference (never above 1e-2, never below one rounding of the dtype); its
 # docstring derives the bound.
 
@@ -182,7 +183,7 @@ def run_attention(q, k, v, scale=None):
 def test_attention_matches_fp64_reference(shape, dtype):
     B, H, Sq, Sk, D = shape
     q, k, v = inputs.attention_inputs(B, H, Sq, Sk, D, dtype, seed=B + H + Sq + Sk + D)
-    checker.check_attention("O", run_attention(q, k, v), q, k, v)
+    verify.check_attention("O", run_attention(q, k, v), q, k, v)
 
 
 @pytest.mark.gpu_blackwell
@@ -192,7 +193,7 @@ def test_attention_when_the_row_max_grows_across_tiles():
     q, k, v = attention_cases.growing_logits(
         2, 2, 256, 1024, 128, torch.bfloat16, seed=13, logit_scale=3.0
     )
-    checker.check_attention("O", run_attention(q, k, v), q, k, v)
+    verify.check_attention("O", run_attention(q, k, v), q, k, v)
 
 
 @pytest.mark.gpu_blackwell
@@ -202,13 +203,13 @@ def test_attention_large_logits(logit_scale):
     q, k, v = attention_cases.large_logits(
         2, 2, 256, 640, 128, torch.bfloat16, seed=9, logit_scale=logit_scale
     )
-    checker.check_attention("O", run_attention(q, k, v), q, k, v)
+    verify.check_attention("O", run_attention(q, k, v), q, k, v)
 
 
 @pytest.mark.gpu_blackwell
 def test_attention_explicit_scale():
     q, k, v = inputs.attention_inputs(2, 2, 256, 512, 64, torch.bfloat16, seed=11)
-    checker.check_attention("O", run_attention(q, k, v, 0.3), q, k, v, 0.3)
+    verify.check_attention("O", run_attention(q, k, v, 0.3), q, k, v, 0.3)
 
 
 @pytest.mark.gpu_blackwell
@@ -221,7 +222,7 @@ def test_attention_reads_transposed_bshd_views():
         for S in (Sq, Sk, Sk)
     ]
     assert not q.is_contiguous() and q.stride(-1) == 1
-    checker.check_attention("O", run_attention(q, k, v), q, k, v)
+    verify.check_attention("O", run_attention(q, k, v), q, k, v)
 
 
 @pytest.mark.gpu_blackwell
@@ -229,7 +230,7 @@ def test_repeated_launches_agree():
     # The compiled kernel is cached per layout: new values through the same kernel.
     for seed in (1, 2):
         q, k, v = inputs.attention_inputs(1, 2, 256, 512, 128, torch.bfloat16, seed=seed)
-        checker.check_attention("O", run_attention(q, k, v), q, k, v)
+        verify.check_attention("O", run_attention(q, k, v), q, k, v)
 
 
 @pytest.mark.gpu_blackwell
@@ -243,8 +244,8 @@ def test_attention_writes_nothing_outside_o():
     args = [to_cute(t, dynamic=True) for t in (q, k, v, o)]
     args += [D**-0.5 * math.log2(math.e), current_stream()]
     kernel = blackwell.Sm100Kernel(cute_dtype(q.dtype), D)
-    checker.run_with_deadline(lambda: cached_compile(kernel, *args)(*args), seconds=120)
-    checker.check_attention("O", o, q, k, v)
+    verify.run_with_deadline(lambda: cached_compile(kernel, *args)(*args), seconds=120)
+    verify.check_attention("O", o, q, k, v)
     assert torch.isnan(big[:, :, Sq:]).all()
 
 
@@ -253,8 +254,8 @@ def test_stage_package_dispatches_to_blackwell():
     from stages.stage4_kv_interleave import attention
 
     q, k, v = inputs.attention_inputs(1, 2, 256, 512, 128, torch.bfloat16, seed=3)
-    checker.check_attention(
-        "O", checker.run_with_deadline(lambda: attention(q, k, v), seconds=120), q, k, v
+    verify.check_attention(
+        "O", verify.run_with_deadline(lambda: attention(q, k, v), seconds=120), q, k, v
     )
 
 

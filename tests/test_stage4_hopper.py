@@ -11,7 +11,7 @@ O += P V).
   B * H above the 132 SMs, Sq = 1, both dtypes, D = 64 and 128, and on inputs built to stress
   the softmax: logits of magnitude tens, the row max in the last column of the last KV tile,
   one dominant key in the middle, constant rows. Outputs are poisoned with NaN before the launch
-  (common.checker.empty_output), so an element the kernel never writes fails. Repeated launches
+  (common.outputs.empty_output), so an element the kernel never writes fails. Repeated launches
   must give bit-identical results.
 - Bad input: every error names the argument. Those that fail before any CUDA call run on CPU
   tensors, so they run in CI too; the others need a CUDA device (any: they fail in the argument
@@ -24,8 +24,8 @@ import pytest
 import torch
 from attention_cases import DTYPES, dtype_id, shape_id
 
-from common import checker, inputs
-from common.compile import compile_only
+from common.tools import inputs, verify
+from common.tools.ptx import compile_only
 from stages.stage4_kv_interleave import hopper
 
 # ---------------------------------------------------------------- compile-only (no GPU)
@@ -72,12 +72,12 @@ def test_compiles_for_sm90a(dtype, D):
 
 def run(q, k, v, scale=None):
     # A deadlocked pipeline (a barrier phase that never completes) fails instead of hanging.
-    return checker.run_with_deadline(
+    return verify.run_with_deadline(
         lambda: hopper.attention(q, k, v, scale), seconds=120, what="stage 4 hopper"
     )
 
 
-# checker.check_attention holds O to 3x the error of PyTorch's own attention in the input dtype
+# verify.check_attention holds O to 3x the error of PyTorch's own attention in the input dtype
 # against the same fp64 reference (never above 1e-2, never below one rounding of the dtype); its
 # docstring derives the bound.
 
@@ -99,7 +99,7 @@ SHAPES = [
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 def test_attention_matches_fp64_reference(shape, dtype):
     q, k, v = inputs.attention_inputs(*shape, dtype, seed=sum(shape))
-    checker.check_attention("O", run(q, k, v), q, k, v)
+    verify.check_attention("O", run(q, k, v), q, k, v)
 
 
 @pytest.mark.gpu_hopper
@@ -112,7 +112,7 @@ def test_large_logits(dtype, D):
         2, 4, 256, 1024, D, dtype, seed=3, logit_scale=10.0, min_abs_logit=30
     )
     o = run(q, k, v)
-    checker.check_attention("O", o, q, k, v)
+    verify.check_attention("O", o, q, k, v)
 
 
 @pytest.mark.gpu_hopper
@@ -126,7 +126,7 @@ def test_one_dominant_key(dtype, where):
     # The builder asserts that the row max is in column `hot` and that the fp64 reference is V's row `hot`.
     q, k, v = attention_cases.one_dominant_key(2, 2, 256, Sk, 128, dtype, hot=hot, seed=5)
     o = run(q, k, v)
-    checker.check_attention("O", o, q, k, v)
+    verify.check_attention("O", o, q, k, v)
 
 
 @pytest.mark.gpu_hopper
@@ -135,7 +135,7 @@ def test_constant_rows(dtype):
     # All keys equal: P = 1 / Sk, O = the mean of V's rows (the builder asserts the fp64 reference is it).
     q, k, v = attention_cases.constant_rows(2, 2, 200, 700, 64, dtype, seed=6)
     o = run(q, k, v)
-    checker.check_attention("O", o, q, k, v)
+    verify.check_attention("O", o, q, k, v)
 
 
 @pytest.mark.gpu_hopper
@@ -144,10 +144,10 @@ def test_repeated_launches_are_bit_identical():
     # second input set through the cached kernel gives its own correct result.
     q, k, v = inputs.attention_inputs(2, 4, 384, 2048, 128, seed=11)
     o1, o2 = run(q, k, v), run(q, k, v)
-    checker.check_attention("O", o1, q, k, v)
+    verify.check_attention("O", o1, q, k, v)
     assert torch.equal(o1, o2)
     q2, k2, v2 = inputs.attention_inputs(2, 4, 384, 2048, 128, seed=12)
-    checker.check_attention("O", run(q2, k2, v2), q2, k2, v2)
+    verify.check_attention("O", run(q2, k2, v2), q2, k2, v2)
 
 
 @pytest.mark.gpu_hopper
@@ -160,7 +160,7 @@ def test_explicit_scale_and_strided_inputs():
     )
     q, k, v = (t.transpose(1, 2) for t in (q4, k4, v4))
     assert not q.is_contiguous()
-    checker.check_attention("O", run(q, k, v, scale=0.05), q, k, v, scale=0.05)
+    verify.check_attention("O", run(q, k, v, scale=0.05), q, k, v, scale=0.05)
 
 
 @pytest.mark.gpu_hopper
@@ -168,8 +168,8 @@ def test_stage_package_dispatches_to_hopper():
     from stages.stage4_kv_interleave import attention
 
     q, k, v = inputs.attention_inputs(1, 2, 128, 256, 64, seed=8)
-    checker.check_attention(
-        "O", checker.run_with_deadline(lambda: attention(q, k, v), seconds=120), q, k, v
+    verify.check_attention(
+        "O", verify.run_with_deadline(lambda: attention(q, k, v), seconds=120), q, k, v
     )
 
 

@@ -31,9 +31,10 @@ import pytest
 import torch
 from attention_cases import DTYPES, dtype_id, shape_id
 
-from common import checker, inputs, reference
-from common.compile import cached_compile, compile_for_arch, compile_only, expect_tx_immediates
+from common.compile import cached_compile
 from common.cute_interop import current_stream, cute_dtype, fake_stream, to_cute
+from common.tools import inputs, reference, verify
+from common.tools.ptx import compile_for_arch, compile_only, expect_tx_immediates
 from stages.stage5_online_softmax import blackwell
 
 # tcgen05.mma with A and B as shared-memory descriptors (QK) / with A in TMEM (PV)
@@ -187,14 +188,14 @@ SHAPES = [
 
 def run_attention(q, k, v, scale=None):
     """(O, LSE) from the kernel, under a deadline."""
-    return checker.run_with_deadline(
+    return verify.run_with_deadline(
         lambda: blackwell.attention(q, k, v, scale, return_lse=True),
         seconds=120,
         what="stage 5 blackwell attention",
     )
 
 
-# checker.check_attention holds O to 3x the error of PyTorch's own attention in the input dtype
+# verify.check_attention holds O to 3x the error of PyTorch's own attention in the input dtype
 # against the same fp64 reference (never above 1e-2, never below one rounding of the dtype), and
 # LSE to 1e-4 relative; its docstring derives both bounds.
 
@@ -206,7 +207,7 @@ def test_attention_matches_fp64_reference(shape, dtype):
     B, H, Sq, Sk, D = shape
     q, k, v = inputs.attention_inputs(B, H, Sq, Sk, D, dtype, seed=B + H + Sq + Sk + D)
     o, lse = run_attention(q, k, v)
-    checker.check_attention("O", o, q, k, v, lse=lse)
+    verify.check_attention("O", o, q, k, v, lse=lse)
 
 
 @pytest.mark.gpu_blackwell
@@ -217,7 +218,7 @@ def test_attention_when_the_row_max_grows_across_tiles():
         2, 2, 256, 1024, 128, torch.bfloat16, seed=13, logit_scale=3.0
     )
     o, lse = run_attention(q, k, v)
-    checker.check_attention("O", o, q, k, v, lse=lse)
+    verify.check_attention("O", o, q, k, v, lse=lse)
 
 
 @pytest.mark.gpu_blackwell
@@ -228,14 +229,14 @@ def test_attention_large_logits(logit_scale):
         2, 2, 256, 640, 128, torch.bfloat16, seed=9, logit_scale=logit_scale
     )
     o, lse = run_attention(q, k, v)
-    checker.check_attention("O", o, q, k, v, lse=lse)
+    verify.check_attention("O", o, q, k, v, lse=lse)
 
 
 @pytest.mark.gpu_blackwell
 def test_attention_explicit_scale():
     q, k, v = inputs.attention_inputs(2, 2, 256, 512, 64, torch.bfloat16, seed=11)
     o, lse = run_attention(q, k, v, 0.3)
-    checker.check_attention("O", o, q, k, v, 0.3, lse=lse)
+    verify.check_attention("O", o, q, k, v, 0.3, lse=lse)
 
 
 @pytest.mark.gpu_blackwell
@@ -249,7 +250,7 @@ def test_attention_reads_transposed_bshd_views():
     ]
     assert not q.is_contiguous() and q.stride(-1) == 1
     o, lse = run_attention(q, k, v)
-    checker.check_attention("O", o, q, k, v, lse=lse)
+    verify.check_attention("O", o, q, k, v, lse=lse)
 
 
 @pytest.mark.gpu_blackwell
@@ -257,17 +258,17 @@ def test_return_lse_false_returns_o_only_and_agrees_with_stage_4():
     from stages.stage4_kv_interleave import blackwell as stage4
 
     q, k, v = inputs.attention_inputs(1, 2, 256, 1024, 128, torch.bfloat16, seed=21)
-    o5 = checker.run_with_deadline(lambda: blackwell.attention(q, k, v), seconds=120)
+    o5 = verify.run_with_deadline(lambda: blackwell.attention(q, k, v), seconds=120)
     assert isinstance(o5, torch.Tensor)
-    checker.check_attention("O", o5, q, k, v)
-    o4 = checker.run_with_deadline(lambda: stage4.attention(q, k, v), seconds=120)
+    verify.check_attention("O", o5, q, k, v)
+    o4 = verify.run_with_deadline(lambda: stage4.attention(q, k, v), seconds=120)
     # Both stages keep S in fp32 and round P and O to bf16, P at different points (P / row_sum
     # in stage 4, P against the running max in stage 5), so their roundings are independent.
     # Emulated in PyTorch on inputs like these (CPU, 2026-11-29), the two differ by 1.5-1.9x
     # PyTorch's own bf16 error against the fp64 reference: bound 3x, the reference check's factor.
     o_ref, _ = reference.attention_ref(q, k, v)
-    torch_err = checker.rel_err(reference.attention_lowp(q, k, v), o_ref)
-    checker.check_close("O (stage 5 vs stage 4)", o5, o4, rtol=3 * torch_err)
+    torch_err = verify.rel_err(reference.attention_lowp(q, k, v), o_ref)
+    verify.check_close("O (stage 5 vs stage 4)", o5, o4, rtol=3 * torch_err)
 
 
 @pytest.mark.gpu_blackwell
@@ -282,8 +283,8 @@ def test_attention_writes_nothing_outside_o():
     args = [to_cute(t, dynamic=True) for t in (q, k, v, o, lse)]
     args += [D**-0.5 * math.log2(math.e), current_stream()]
     kernel = blackwell.Sm100Kernel(cute_dtype(q.dtype), D)
-    checker.run_with_deadline(lambda: cached_compile(kernel, *args)(*args), seconds=120)
-    checker.check_attention("O", o, q, k, v, lse=lse)
+    verify.run_with_deadline(lambda: cached_compile(kernel, *args)(*args), seconds=120)
+    verify.check_attention("O", o, q, k, v, lse=lse)
     assert torch.isnan(big[:, :, Sq:]).all() and torch.isnan(big_lse[:, :, Sq:]).all()
 
 
@@ -292,8 +293,8 @@ def test_stage_package_dispatches_to_blackwell():
     from stages.stage5_online_softmax import attention
 
     q, k, v = inputs.attention_inputs(1, 2, 256, 512, 128, torch.bfloat16, seed=3)
-    o, lse = checker.run_with_deadline(lambda: attention(q, k, v, return_lse=True), seconds=120)
-    checker.check_attention("O", o, q, k, v, lse=lse)
+    o, lse = verify.run_with_deadline(lambda: attention(q, k, v, return_lse=True), seconds=120)
+    verify.check_attention("O", o, q, k, v, lse=lse)
 
 
 # ---------------------------------------------------------------- bad input

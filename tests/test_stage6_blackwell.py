@@ -31,9 +31,10 @@ from attention_cases import DTYPES, dtype_id
 from test_stage5_blackwell import PV_MMA, QK_MMA, assert_tmem_freed_after_fence, global_stores
 from test_stage6_hopper import CASES, case_id, check
 
-from common import checker, inputs, masks
-from common.compile import compile_for_arch, compile_only, expect_tx_immediates
+from common import masks
 from common.cute_interop import cute_dtype, fake_stream, to_cute
+from common.tools import inputs, verify
+from common.tools.ptx import compile_for_arch, compile_only, expect_tx_immediates
 from stages.stage6_masks import blackwell
 
 SHAPE = (2, 4, 512, 1024, 128)
@@ -206,7 +207,7 @@ def test_docstring_tile_counts():
 
 
 def run(q, k, v, causal=False, window=None, scale=None):
-    return checker.run_with_deadline(
+    return verify.run_with_deadline(
         lambda: blackwell.attention(
             q, k, v, scale=scale, causal=causal, window=window, return_lse=True
         ),
@@ -267,7 +268,7 @@ def test_non_causal_is_stage5_bit_for_bit():
 
     q, k, v = inputs.attention_inputs(2, 4, 384, 1000, 128, seed=31)
     o6, lse6 = run(q, k, v)
-    o5, lse5 = checker.run_with_deadline(lambda: stage5.attention(q, k, v, return_lse=True), 120)
+    o5, lse5 = verify.run_with_deadline(lambda: stage5.attention(q, k, v, return_lse=True), 120)
     assert torch.equal(o6, o5) and torch.equal(lse6, lse5)
 
 
@@ -276,7 +277,7 @@ def test_stage_package_dispatches_to_blackwell():
     from stages.stage6_masks import attention
 
     q, k, v = inputs.attention_inputs(1, 2, 300, 300, 64, seed=8)
-    o, lse = checker.run_with_deadline(
+    o, lse = verify.run_with_deadline(
         lambda: attention(q, k, v, causal=True, return_lse=True), seconds=120
     )
     check(o, lse, q, k, v, True, None)

@@ -17,13 +17,14 @@ import pytest
 import torch
 from attention_cases import DTYPES, dtype_id
 
-from common import checker, inputs, masks
-from common.compile import compile_only
+from common import masks
+from common.tools import inputs, verify
+from common.tools.ptx import compile_only
 from stages.stage6_masks import hopper
 
 
 def compile_stage6(dtype, D, **options):
-    from common.compile import compile_for_arch, count_ptx, ptxas_resources
+    from common.tools.ptx import compile_for_arch, count_ptx, ptxas_resources
 
     kernel, args = hopper.compile_args(dtype, (2, 4, 512, 1024, D), **options)
     ptx, _ = compile_for_arch(kernel, args, "sm_90a")
@@ -62,7 +63,7 @@ def test_compile_args_rejects_unknown_options():
 
 
 def run(q, k, v, causal=False, window=None, scale=None):
-    return checker.run_with_deadline(
+    return verify.run_with_deadline(
         lambda: hopper.attention(
             q, k, v, scale=scale, causal=causal, window=window, return_lse=True
         ),
@@ -74,7 +75,7 @@ def run(q, k, v, causal=False, window=None, scale=None):
 def check(o, lse, q, k, v, causal, window, scale=None):
     Sq, Sk = q.shape[2], k.shape[2]
     mask = masks.visible(Sq, Sk, *masks.resolve_window(causal, window, Sq, Sk), device=q.device)
-    checker.check_attention("O", o, q, k, v, scale=scale, lse=lse, mask=mask)
+    verify.check_attention("O", o, q, k, v, scale=scale, lse=lse, mask=mask)
 
 
 # (B, H, Sq, Sk, D, causal, window): the shapes and the masks that stress the tile range.
@@ -156,7 +157,7 @@ def test_non_causal_is_stage5_bit_for_bit():
 
     q, k, v = inputs.attention_inputs(2, 4, 384, 1000, 128, seed=31)
     o6, lse6 = run(q, k, v)
-    o5, lse5 = checker.run_with_deadline(lambda: stage5.attention(q, k, v, return_lse=True), 120)
+    o5, lse5 = verify.run_with_deadline(lambda: stage5.attention(q, k, v, return_lse=True), 120)
     assert torch.equal(o6, o5) and torch.equal(lse6, lse5)
 
 
@@ -165,7 +166,7 @@ def test_stage_package_dispatches_to_hopper():
     from stages.stage6_masks import attention
 
     q, k, v = inputs.attention_inputs(1, 2, 300, 300, 64, seed=8)
-    o, lse = checker.run_with_deadline(
+    o, lse = verify.run_with_deadline(
         lambda: attention(q, k, v, causal=True, return_lse=True), seconds=120
     )
     check(o, lse, q, k, v, True, None)

@@ -47,8 +47,8 @@ from test_stage7_hopper import (
     packed_inputs,
 )
 
-from common import checker, inputs
-from common.compile import compile_only
+from common.tools import inputs, verify
+from common.tools.ptx import compile_only
 from stages.stage7_gqa_varlen import blackwell
 
 SHAPE = (2, 8, 512, 1024, 128)
@@ -140,7 +140,7 @@ def test_compile_args_rejects_unknown_options():
 
 
 def run(fn):
-    return checker.run_with_deadline(fn, seconds=120, what="stage 7 blackwell")
+    return verify.run_with_deadline(fn, seconds=120, what="stage 7 blackwell")
 
 
 @pytest.mark.gpu_blackwell

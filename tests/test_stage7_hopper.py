@@ -20,12 +20,13 @@ import pytest
 import torch
 from attention_cases import DTYPES, check_packed, dtype_id, gqa_reference_check, packed_inputs
 
-from common import checker, inputs, pack_gqa, reference
+from common import pack_gqa
+from common.tools import inputs, reference, verify
 from stages.stage7_gqa_varlen import hopper
 
 
 def compile_stage7(dtype, D, **options):
-    from common.compile import compile_for_arch, count_ptx, ptxas_resources
+    from common.tools.ptx import compile_for_arch, count_ptx, ptxas_resources
 
     kernel, args = hopper.compile_args(dtype, (2, 8, 512, 1024, D), **options)
     ptx, _ = compile_for_arch(kernel, args, "sm_90a")
@@ -49,7 +50,7 @@ def test_compiles_with_stage6_loop_body(varlen, D):
 
 
 def run(fn):
-    return checker.run_with_deadline(fn, seconds=120, what="stage 7 hopper")
+    return verify.run_with_deadline(fn, seconds=120, what="stage 7 hopper")
 
 
 # ---------------------------------------------------------------- GQA / MQA
@@ -304,7 +305,7 @@ def test_reference_helpers_are_exact_on_cpu():
 @pytest.mark.parametrize("varlen", [False, True], ids=["batch", "packed"])
 @pytest.mark.parametrize("D", [64, 128])
 def test_compiles_with_pack_gqa(varlen, D):
-    from common.compile import compile_for_arch
+    from common.tools.ptx import compile_for_arch
 
     counts, res = compile_stage7(
         torch.bfloat16, D, kv_heads=2, varlen=varlen, causal=True, pack_gqa=True
@@ -378,11 +379,11 @@ def check_pack_gqa(mod, case):
     _, k, v = inputs.attention_inputs(B, Hkv, Sk, Sk, D, dtype, seed=Sk + Hkv)
     kw = dict(causal=causal, window=window, return_lse=True)
     what = f"{mod.__name__} pack-GQA"
-    o, lse = checker.run_with_deadline(
+    o, lse = verify.run_with_deadline(
         lambda: mod.attention(q, k, v, pack_gqa=True, **kw), seconds=120, what=what
     )
     gqa_reference_check("O packed", o, lse, q, k, v, causal, window)
-    o1, lse1 = checker.run_with_deadline(
+    o1, lse1 = verify.run_with_deadline(
         lambda: mod.attention(q, k, v, pack_gqa=False, **kw), seconds=120, what=what
     )
     assert torch.equal(o, o1), f"max |O packed - O| = {(o.float() - o1.float()).abs().max()}"

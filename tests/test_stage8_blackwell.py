@@ -48,8 +48,8 @@ from test_stage7_hopper import (
     packed_inputs,
 )
 
-from common import checker, inputs, schedule
-from common.compile import compile_for_arch, compile_only, count_ptx
+from common.tools import inputs, schedule, verify
+from common.tools.ptx import compile_for_arch, compile_only, count_ptx
 from stages.stage7_gqa_varlen import blackwell as stage7
 from stages.stage8_warp_specialized import blackwell
 
@@ -268,7 +268,7 @@ def test_model_catches_the_near_misses():
 
 
 def run(fn):
-    return checker.run_with_deadline(fn, seconds=120, what="stage 8 blackwell")
+    return verify.run_with_deadline(fn, seconds=120, what="stage 8 blackwell")
 
 
 @pytest.mark.gpu_blackwell

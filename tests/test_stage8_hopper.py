@@ -56,8 +56,9 @@ from test_stage7_hopper import (
     packed_inputs,
 )
 
-from common import attention_host, checker, inputs, masks
+from common import attention_host, masks
 from common.pack_gqa import choose_pack
+from common.tools import inputs, verify
 from stages.stage7_gqa_varlen import hopper as stage7
 from stages.stage8_warp_specialized import hopper
 
@@ -86,7 +87,7 @@ def ptxas_log(ptx):
 
 
 def compile_stage8(dtype, D, Sk=2048, **options):
-    from common.compile import compile_for_arch, count_ptx, ptxas_resources
+    from common.tools.ptx import compile_for_arch, count_ptx, ptxas_resources
 
     kernel, args = hopper.compile_args(dtype, (2, 8, 512, Sk, D), **options)
     ptx, _ = compile_for_arch(kernel, args, "sm_90a")
@@ -324,7 +325,7 @@ def test_turn_protocol_model_catches_a_lost_turn(wg, change, n):
 
 
 def run(fn):
-    return checker.run_with_deadline(fn, seconds=120, what="stage 8 hopper")
+    return verify.run_with_deadline(fn, seconds=120, what="stage 8 hopper")
 
 
 @pytest.mark.gpu_hopper

@@ -34,8 +34,8 @@ from test_stage7_hopper import (
     packed_inputs,
 )
 
-from common import checker, inputs, schedule
-from common.compile import compile_for_arch, compile_only, tcgen05_mma_order
+from common.tools import inputs, schedule, verify
+from common.tools.ptx import compile_for_arch, compile_only, tcgen05_mma_order
 from stages.stage9_overlap import blackwell
 
 SHAPE = (2, 8, 512, 1024, 128)
@@ -239,7 +239,7 @@ def test_threshold_leaves_fp16_headroom():
 
 
 def run(fn):
-    return checker.run_with_deadline(fn, seconds=120, what="stage 9 blackwell")
+    return verify.run_with_deadline(fn, seconds=120, what="stage 9 blackwell")
 
 
 @pytest.mark.gpu_blackwell

@@ -64,8 +64,9 @@ from test_stage8_hopper import (
 )
 from test_stage8_hopper import turn_kernel as stage8_turn_kernel
 
-from common import attention_host, checker, inputs, stages
+from common import attention_host
 from common.pack_gqa import choose_pack
+from common.tools import inputs, stage_table, verify
 from stages.stage7_gqa_varlen import hopper as stage7
 from stages.stage8_warp_specialized import hopper as stage8
 from stages.stage9_overlap import hopper
@@ -74,7 +75,7 @@ from stages.stage9_overlap import hopper
 
 
 def compile_stage9(dtype, D, Sk=2048, **options):
-    from common.compile import compile_for_arch, count_ptx, ptxas_resources
+    from common.tools.ptx import compile_for_arch, count_ptx, ptxas_resources
 
     kernel, args = hopper.compile_args(dtype, (2, 8, 512, Sk, D), **options)
     ptx, _ = compile_for_arch(kernel, args, "sm_90a")
@@ -328,7 +329,7 @@ def test_turn_protocol_model_catches_near_misses(wg, change, n):
 
 
 def run(fn):
-    return checker.run_with_deadline(fn, seconds=120, what="stage 9 hopper")
+    return verify.run_with_deadline(fn, seconds=120, what="stage 9 hopper")
 
 
 @pytest.mark.gpu_hopper
@@ -414,7 +415,7 @@ def test_launches_on_the_current_stream(stage):
     """Stages 7-9 launch through TVM-FFI, which takes the stream from the caller's context. On a
     side stream: a 50 ms sleep, then the inputs are written (they are NaN before), then the call;
     a kernel launched on any other stream would run before the inputs exist and read NaN."""
-    mod = stages.track_module(stage, "hopper")
+    mod = stage_table.track_module(stage, "hopper")
     B, H, S, D = 2, 4, 512, 128
     q_ref, k_ref, v_ref = inputs.attention_inputs(B, H, S, S, D, torch.bfloat16, seed=3)
     q, k, v = (torch.full_like(t, float("nan")) for t in (q_ref, k_ref, v_ref))
@@ -515,7 +516,7 @@ def test_packed_tiles_figure_draws_the_stored_run():
     import matplotlib
 
     matplotlib.use("Agg")
-    from common import plots
+    from common.tools import plots
 
     path = os.path.join(
         os.path.dirname(__file__), "..", "docs", "results", "varlen_dynamic_h200_2026-12-01.json"

@@ -21,14 +21,14 @@
 # and run time* is what later notebooks refer to.
 #
 # **How to run.** Open it in Jupyter from `notebooks/` and run the cells in order, or run them all
-# headless with `make notebooks` (`python -m common.nbrun`, the same cells in one process). On an
+# headless with `make notebooks` (`python -m common.tools.nbrun`, the same cells in one process). On an
 # H100/H200 the cells of *Run and verify* and *Measure* launch the kernel, check it and time it;
 # anywhere else they say they are skipped. Everything else - the compile summaries (PTX,
 # registers, shared memory) of both tracks included - needs no GPU and appears in both modes. The
 # single source of this notebook is `notebooks/source/stage1_gemm.py` (jupytext percent format;
 # it also runs as a script); edit it there and run `make notebooks-source`. Copies of the five
 # notebooks with the outputs of an H200 run, figures included, go to `docs/notebooks/`
-# (`python -m common.nbrun --execute-to docs/notebooks notebooks/*.ipynb`).
+# (`python -m common.tools.nbrun --execute-to docs/notebooks notebooks/*.ipynb`).
 
 # %%
 import os
@@ -41,8 +41,8 @@ while not os.path.isdir(os.path.join(ROOT, "common")) and os.path.dirname(ROOT) 
     ROOT = os.path.dirname(ROOT)
 sys.path.insert(0, ROOT)
 
-from common import notebook as nb  # noqa: E402
-from common import plots  # noqa: E402
+from common.tools import notebook as nb  # noqa: E402
+from common.tools import plots  # noqa: E402
 
 nb.start(1)
 
@@ -222,7 +222,7 @@ fig = plots.prepare_views(
 # number the producer arms:
 
 # %%
-from common.compile import expect_tx_immediates  # noqa: E402
+from common.tools.ptx import expect_tx_immediates  # noqa: E402
 
 report = nb.compile_report(1, "hopper")
 armed = sorted({b for b in expect_tx_immediates(report.ptx) if b is not None})
@@ -439,7 +439,7 @@ report_bw = nb.compile_summary(1, "blackwell")
 # %% [markdown]
 # ## 6. Run and verify
 #
-# The check (`common.checker`): C is computed from random bf16 inputs drawn with a fixed seed, the
+# The check (`common.tools.verify`): C is computed from random bf16 inputs drawn with a fixed seed, the
 # output is filled with NaN before the launch (an element the kernel forgets to write fails), and
 # the result is compared with an fp64 reference computed from the same bf16 inputs.
 # **Expected:** a relative error (norm of the difference over norm of the reference) around

@@ -37,8 +37,8 @@ while not os.path.isdir(os.path.join(ROOT, "common")) and os.path.dirname(ROOT) 
     ROOT = os.path.dirname(ROOT)
 sys.path.insert(0, ROOT)
 
-from common import notebook as nb  # noqa: E402
-from common import plots  # noqa: E402
+from common.tools import notebook as nb  # noqa: E402
+from common.tools import plots  # noqa: E402
 
 nb.start(3)
 

@@ -39,8 +39,8 @@ while not os.path.isdir(os.path.join(ROOT, "common")) and os.path.dirname(ROOT) 
     ROOT = os.path.dirname(ROOT)
 sys.path.insert(0, ROOT)
 
-from common import notebook as nb  # noqa: E402
-from common import plots  # noqa: E402
+from common.tools import notebook as nb  # noqa: E402
+from common.tools import plots  # noqa: E402
 
 nb.start(4)
 
@@ -219,7 +219,7 @@ report = nb.compile_summary(4, "hopper")
 # before reusing the slot - the same rule as Hopper's, with the tensor core, not the consumer
 # threads, arriving on the empty barrier. The entries per KV tile are declared in the kernel
 # (`kv_producer_entries`, `kv_consumer_entries`), so that producer and consumer cannot disagree on
-# them; `common/schedule.py` checks them. The file's docstring lists how such a ring fails when
+# them; `common/tools/schedule.py` checks them. The file's docstring lists how such a ring fails when
 # written the obvious way, as a first draft of the kernel was: $V_j$ loaded into $K_j$'s slot
 # under $K_j$'s barrier before the QK MMA had read $K_j$; one ring entry produced per KV tile
 # against two consumed (a hang); the ring armed with Q's bytes plus K's (a barrier that never

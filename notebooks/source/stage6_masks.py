@@ -37,8 +37,9 @@ while not os.path.isdir(os.path.join(ROOT, "common")) and os.path.dirname(ROOT) 
     ROOT = os.path.dirname(ROOT)
 sys.path.insert(0, ROOT)
 
-from common import masks, plots, reference  # noqa: E402
-from common import notebook as nb  # noqa: E402
+from common import masks  # noqa: E402
+from common.tools import notebook as nb  # noqa: E402
+from common.tools import plots, reference  # noqa: E402
 
 nb.start(6)
 
@@ -142,7 +143,7 @@ nb.table(("S", "tile pairs", "skipped", "partial", "full", "computed / all"), ro
 # subtracts a **safe max** instead, 0 when $m = -\infty$: then $P = e^{-\infty} = 0$ and
 # $\alpha = 0$. A row that saw nothing ends with $\ell = 0$ and $O = 0$; the epilogue keeps
 # $O = 0$ instead of dividing by $\ell$ and writes LSE $= \ln 0 = -\infty$ - FlashAttention's
-# convention, and the reference's (`common.reference.attention_ref`). The same update on the CPU,
+# convention, and the reference's (`common.tools.reference.attention_ref`). The same update on the CPU,
 # for a row whose first tile is masked out and a row that sees nothing:
 
 

@@ -36,8 +36,9 @@ while not os.path.isdir(os.path.join(ROOT, "common")) and os.path.dirname(ROOT) 
     ROOT = os.path.dirname(ROOT)
 sys.path.insert(0, ROOT)
 
-from common import masks, plots, reference, stages  # noqa: E402
-from common import notebook as nb  # noqa: E402
+from common import masks  # noqa: E402
+from common.tools import notebook as nb  # noqa: E402
+from common.tools import plots, reference, stage_table  # noqa: E402
 
 nb.start(7)
 
@@ -507,9 +508,9 @@ if batch_r is not None and packed_r is not None:
 
 # Exercise 6: GQA 32/8 against MHA at B * S = 16k, S = 8k, D = 128 (GPU mode).
 if nb.MODE == "gpu" and nb.available(7, nb.TRACK):
-    from common import inputs
+    from common.tools import inputs
 
-    mod7 = stages.track_module(7, nb.TRACK)
+    mod7 = stage_table.track_module(7, nb.TRACK)
     q8, _, _ = inputs.attention_inputs(2, 32, 8192, 8192, 128, seed=1)
     _, k8, v8 = inputs.attention_inputs(2, 8, 8192, 8192, 128, seed=2)
     _, k32, v32 = inputs.attention_inputs(2, 32, 8192, 8192, 128, seed=3)

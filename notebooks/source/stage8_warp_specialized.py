@@ -40,9 +40,9 @@ while not os.path.isdir(os.path.join(ROOT, "common")) and os.path.dirname(ROOT) 
     ROOT = os.path.dirname(ROOT)
 sys.path.insert(0, ROOT)
 
-from common import notebook as nb  # noqa: E402
-from common import plots, stages  # noqa: E402
-from common.compile import ptx_lines  # noqa: E402
+from common.tools import notebook as nb  # noqa: E402
+from common.tools import plots, stage_table  # noqa: E402
+from common.tools.ptx import ptx_lines  # noqa: E402
 
 nb.start(8)
 
@@ -195,7 +195,7 @@ fig = plots.warp_specialized_roles(
 # parity 1, which a fresh empty barrier passes - stage 1's rule).
 
 # %%
-mod8 = stages.track_module(8, "hopper") if nb.available(8, "hopper") else None
+mod8 = stage_table.track_module(8, "hopper") if nb.available(8, "hopper") else None
 for D in (64, 128):
     if mod8 is None:
         break
@@ -424,7 +424,7 @@ if cfg_bw:
 rows = nb.cross_track_table(8)
 report_bw = nb.compile_summary(8, "blackwell")
 if report_bw is not None:
-    from common.compile import tcgen05_mma_order  # noqa: E402
+    from common.tools.ptx import tcgen05_mma_order  # noqa: E402
 
     D_bw = cfg_bw["pv_mma_tiler"][1]
     orders = [(f"stage {n}", nb.compile_report(n, "blackwell").ptx) for n in (7, 8)]
@@ -462,11 +462,15 @@ packed_checks = nb.run_and_verify_varlen(
 
 # %%
 if nb.MODE == "gpu" and nb.available(7, nb.TRACK) and nb.available(8, nb.TRACK):
-    from common import inputs
+    from common.tools import inputs
 
     q, k, v = inputs.attention_inputs(2, 8, 1000, 1000, 128, seed=5)
-    o7, lse7 = stages.track_module(7, nb.TRACK).attention(q, k, v, causal=True, return_lse=True)
-    o8, lse8 = stages.track_module(8, nb.TRACK).attention(q, k, v, causal=True, return_lse=True)
+    o7, lse7 = stage_table.track_module(7, nb.TRACK).attention(
+        q, k, v, causal=True, return_lse=True
+    )
+    o8, lse8 = stage_table.track_module(8, nb.TRACK).attention(
+        q, k, v, causal=True, return_lse=True
+    )
     torch.cuda.synchronize()
     print(f"stage 8 == stage 7 bit for bit: O {torch.equal(o7, o8)}, LSE {torch.equal(lse7, lse8)}")
 else:

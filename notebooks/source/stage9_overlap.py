@@ -41,9 +41,9 @@ while not os.path.isdir(os.path.join(ROOT, "common")) and os.path.dirname(ROOT) 
     ROOT = os.path.dirname(ROOT)
 sys.path.insert(0, ROOT)
 
-from common import notebook as nb  # noqa: E402
-from common import plots, stages  # noqa: E402
-from common.compile import ptx_lines  # noqa: E402
+from common.tools import notebook as nb  # noqa: E402
+from common.tools import plots, stage_table  # noqa: E402
+from common.tools.ptx import ptx_lines  # noqa: E402
 
 nb.start(9)
 
@@ -98,7 +98,7 @@ nb.start(9)
 cfg = nb.show_config(9, "hopper")
 bM, bN, D = cfg.get("cta_tile", (128, 128, 128))
 rows_per_wg = bM // cfg.get("mma_warpgroups", 2)
-kernel_class = stages.track_module(9, "hopper").Sm90Kernel
+kernel_class = stage_table.track_module(9, "hopper").Sm90Kernel
 for D_ in (64, 128):
     k_ = kernel_class(cutlass.BFloat16, D_)  # the kernel object at this D (compiles nothing)
     rows_, keys_ = k_.cta_tile[0] // k_.mma_warpgroups, k_.cta_tile[1]
@@ -279,7 +279,7 @@ nb.show_diff(9, "blackwell")
 rows = nb.cross_track_table(9)
 report_bw = nb.compile_summary(9, "blackwell")
 if report_bw is not None:
-    from common.compile import tcgen05_mma_order  # noqa: E402
+    from common.tools.ptx import tcgen05_mma_order  # noqa: E402
 
     # the order at D = 64 (FA4's) and D = 128 (stage 8's), read from the PTX
     orders = [
@@ -296,7 +296,7 @@ if report_bw is not None:
         ],
     )
     # TMEM at D = 64 (P in columns of its own) and D = 128 (P over S), from the kernel objects
-    bw9 = stages.track_module(9, "blackwell")
+    bw9 = stage_table.track_module(9, "blackwell")
     for D_bw in (64, 128):
         kernel_bw, _ = bw9.compile_args(torch.bfloat16, (1, 1, 256, 256, D_bw))
         fig = plots.tmem_two_tiles(vars(kernel_bw))
@@ -326,11 +326,15 @@ packed_checks = nb.run_and_verify_varlen(
 
 # %%
 if nb.MODE == "gpu" and nb.available(8, nb.TRACK) and nb.available(9, nb.TRACK):
-    from common import inputs
+    from common.tools import inputs
 
     q, k, v = inputs.attention_inputs(2, 8, 1000, 1000, 128, seed=5)
-    o8, lse8 = stages.track_module(8, nb.TRACK).attention(q, k, v, causal=True, return_lse=True)
-    o9, lse9 = stages.track_module(9, nb.TRACK).attention(q, k, v, causal=True, return_lse=True)
+    o8, lse8 = stage_table.track_module(8, nb.TRACK).attention(
+        q, k, v, causal=True, return_lse=True
+    )
+    o9, lse9 = stage_table.track_module(9, nb.TRACK).attention(
+        q, k, v, causal=True, return_lse=True
+    )
     torch.cuda.synchronize()
     print(f"stage 9 == stage 8 bit for bit: O {torch.equal(o8, o9)}, LSE {torch.equal(lse8, lse9)}")
 else:
@@ -374,7 +378,7 @@ fig = nb.error_picture(9, result)
 # by a few percent (the same code by up to 7% at 16k); stage 9 ends at 1.02x and 0.96x FA4 here
 # in event time (1.01 and 0.96 in GPU time alone), 1.01 at 16k in GPU time: the gap at 4k-8k is the open
 # part of this stage. It is not the clock: run back to back at the 700 W power cap (H200,
-# 2026-12-03, `python -m common.clock_probe`) stage 9 holds FA4's clock within 1-2% and does
+# 2026-12-03, `python -m common.tools.clock_probe`) stage 9 holds FA4's clock within 1-2% and does
 # 2-5% less work per cycle - the instructions around the GEMMs and the exponentials
 # (`docs/results/h200.md` has the counts). At D = 64 the step is +4% and +4% (484 -> 501, 517 -> 538; -2% at 16k)
 # on stage 8's CTA of three consumer warpgroups (section 7.2); before stage 8 took them (the ninth

@@ -32,7 +32,7 @@ with zeros (K is padded to a multiple of 64 with zeros, which add nothing); the 
 epilogue skips the rows beyond M and the columns beyond N.
 
 Verification status (2026-12-01): compile-checked for sm_100a here with fake tensors and no GPU,
-through common.compile.compile_only(stage, "blackwell"), which sets CuTe DSL's target arch to
+through common.tools.ptx.compile_only(stage, "blackwell"), which sets CuTe DSL's target arch to
 sm_100a for the compile; never run on Blackwell hardware. The numerical tests run only where an
 sm_100 GPU is present.
 """
@@ -47,7 +47,6 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.memory import SmemAllocator, TmemAllocator, get_num_tmem_alloc_cols
 
 from common import checks
-from common.checker import empty_output
 from common.compile import cached_compile
 from common.cute_interop import (
     current_stream,
@@ -57,6 +56,7 @@ from common.cute_interop import (
     rows_of_16_bytes,
     to_cute,
 )
+from common.outputs import empty_output
 from common.tmem import fence_before_thread_sync
 
 

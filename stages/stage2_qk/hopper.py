@@ -48,9 +48,9 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from common import checks
-from common.checker import empty_output
 from common.compile import cached_compile
 from common.cute_interop import current_stream, cute_dtype, fake_stream, fake_tensor, to_cute
+from common.outputs import empty_output
 
 
 class Sm90Kernel:

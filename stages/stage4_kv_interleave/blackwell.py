@@ -62,7 +62,7 @@ recast_ptr; S, P and O in TMEM; P as the TMEM A operand of the PV MMA.
    copy; Q has its own pipeline and byte count.
 4. S accumulates across KV tiles (ACCUMULATE = kv_tile != 0 on the QK MMA). Here each tile's
    S starts afresh: ACCUMULATE is false for the first k-block of every tile.
-common/schedule.py replays the ring from this class's own attributes for several KV tile
+common/tools/schedule.py replays the ring from this class's own attributes for several KV tile
 counts, and rejects a model of the faulty ring (1 entry per tile carrying K and V, 2 waits per
 tile, Q + K bytes armed) for each of 1-3 (tests/test_schedule.py).
 
@@ -72,7 +72,7 @@ thread owns one row and skips its stores when the row is at or beyond Sq). Dynam
 one compile per (dtype, D).
 
 Verification status (2026-12-01): compile-checked for sm_100a here with fake tensors and no GPU,
-through common.compile.compile_only(stage, "blackwell"), which sets CuTe DSL's target arch to
+through common.tools.ptx.compile_only(stage, "blackwell"), which sets CuTe DSL's target arch to
 sm_100a for the compile; never run on Blackwell hardware. The numerical tests run only where an
 sm_100 GPU is present.
 """
@@ -89,7 +89,6 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.memory import SmemAllocator, TmemAllocator, get_num_tmem_alloc_cols
 
 from common import checks
-from common.checker import empty_output
 from common.compile import cached_compile
 from common.cute_interop import (
     current_stream,
@@ -99,6 +98,7 @@ from common.cute_interop import (
     rows_of_16_bytes,
     to_cute,
 )
+from common.outputs import empty_output
 from common.tmem import fence_before_thread_sync
 
 

@@ -31,7 +31,7 @@ batch); the last Q tile's rows beyond Sq are read as zeros by TMA and neither O 
 stored for them. Dynamic layouts: one compile per (dtype, D).
 
 Verification status (2026-12-01): compile-checked for sm_100a here with fake tensors and no GPU,
-through common.compile.compile_only(stage, "blackwell"), which sets CuTe DSL's target arch to
+through common.tools.ptx.compile_only(stage, "blackwell"), which sets CuTe DSL's target arch to
 sm_100a for the compile; never run on Blackwell hardware. The numerical tests run only where an
 sm_100 GPU is present; the speed-up over stage 4 has not been measured.
 """
@@ -48,7 +48,6 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.memory import SmemAllocator, TmemAllocator, get_num_tmem_alloc_cols
 
 from common import checks
-from common.checker import empty_output
 from common.compile import cached_compile
 from common.cute_interop import (
     current_stream,
@@ -58,6 +57,7 @@ from common.cute_interop import (
     rows_of_16_bytes,
     to_cute,
 )
+from common.outputs import empty_output
 from common.tmem import fence_before_thread_sync
 
 

@@ -45,7 +45,7 @@ Shapes: B, H, Sq, Sk >= 1, D in {64, 128}; any window bounds >= 0. Dynamic layou
 bounds: one compile per (dtype, D).
 
 Verification status (2026-12-01): compile-checked for sm_100a here with fake tensors and no GPU,
-through common.compile.compile_only(stage, "blackwell"), which sets CuTe DSL's target arch to
+through common.tools.ptx.compile_only(stage, "blackwell"), which sets CuTe DSL's target arch to
 sm_100a for the compile; never run on Blackwell hardware. The numerical tests run only where an
 sm_100 GPU is present; the speed of causal against non-causal has not been measured.
 """
@@ -62,7 +62,6 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.memory import SmemAllocator, TmemAllocator, get_num_tmem_alloc_cols
 
 from common import checks, masks
-from common.checker import empty_output
 from common.compile import cached_compile
 from common.cute_interop import (
     current_stream,
@@ -72,6 +71,7 @@ from common.cute_interop import (
     rows_of_16_bytes,
     to_cute,
 )
+from common.outputs import empty_output
 from common.tmem import fence_before_thread_sync
 
 

@@ -43,7 +43,7 @@ Changes from stage 6:
 Shapes: B, H, Hkv, Sq, Sk >= 1 (packed: any lengths >= 0), D in {64, 128}.
 
 Verification status (2026-12-01): compile-checked for sm_100a here with fake tensors and no GPU,
-through common.compile.compile_only(stage, "blackwell"), which sets CuTe DSL's target arch to
+through common.tools.ptx.compile_only(stage, "blackwell"), which sets CuTe DSL's target arch to
 sm_100a for the compile; never run on Blackwell hardware. The numerical tests run only where an
 sm_100 GPU is present; GQA and packed speed have not been measured.
 """

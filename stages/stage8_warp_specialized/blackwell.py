@@ -47,8 +47,8 @@ What is not measured: no Blackwell GPU has run this file, so neither its speed n
 Q tiles gain over stage 7 is known.
 
 Verification status (2026-12-01): compile-checked for sm_100a here with fake tensors and no GPU
-(common.compile.compile_only(8, "blackwell")); PTX checks and a CPU model of every hand-off
-between the five roles (common/schedule.py, cta_schedule_two_tiles) in tests; never run on
+(common.tools.ptx.compile_only(8, "blackwell")); PTX checks and a CPU model of every hand-off
+between the five roles (common/tools/schedule.py, cta_schedule_two_tiles) in tests; never run on
 Blackwell hardware. The numerical tests run only where an sm_100 GPU is present.
 """
 

@@ -46,8 +46,8 @@ What is not measured: no Blackwell GPU has run this file; how often rows skip th
 real data, and what the new order gains, are open.
 
 Verification status (2026-12-01): compile-checked for sm_100a here with fake tensors and no GPU
-(common.compile.compile_only(9, "blackwell")); PTX checks and the schedule checker's model of
-the five roles in the new MMA order (common/schedule.py) in tests; never run on Blackwell
+(common.tools.ptx.compile_only(9, "blackwell")); PTX checks and the schedule checker's model of
+the five roles in the new MMA order (common/tools/schedule.py) in tests; never run on Blackwell
 hardware. The numerical tests run only where an sm_100 GPU is present.
 """
 

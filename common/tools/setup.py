@@ -1,0 +1,157 @@
+"""`make setup`: install what the project needs, and only what is missing.
+
+1. torch, if it does not import: on a machine without an NVIDIA GPU the CPU build (about 200 MB,
+   from PyTorch's CPU index), otherwise the default CUDA build (several GB).
+2. requirements.txt, if anything in NEEDED does not import (the CuTe DSL, Jupyter, nbclient,
+   jupytext, ruff, pytest-xdist, ...).
+3. The CuTe DSL's CUDA libraries that match torch's CUDA major: `nvidia-cutlass-dsl==4.8.1`
+   brings the CUDA 12 ones; beside a CUDA 13 torch, `nvidia-cutlass-dsl[cu13]==4.8.1` too.
+   A CPU torch needs neither GPU library (the kernels only compile there).
+
+On a machine that already has everything (the H200 machine, which has no network) it installs
+nothing and says so."""
+
+import importlib
+import importlib.metadata as md
+import shutil
+import subprocess
+import sys
+
+DSL = "nvidia-cutlass-dsl==4.8.1"
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+NEEDED = {  # import name -> what pip installs it as
+    "cutlass": DSL,
+    "cuda.bindings": "cuda-python",
+    "tvm_ffi": "apache-tvm-ffi",
+    "matplotlib": "matplotlib",
+    "pytest": "pytest",
+    "pytest_timeout": "pytest-timeout",
+    "xdist": "pytest-xdist",
+    "nbformat": "nbformat",
+    "nbclient": "nbclient",
+    "ipykernel": "ipykernel",
+    "jupytext": "jupytext",
+    "jupyter_core": "jupyter",
+    "ruff": "ruff",
+}
+# Without these the kernels cannot even compile; the rest only runs notebooks, lint or xdist
+# (their tests skip with the reason, which is what a machine without network gets).
+CORE = {"cutlass", "cuda.bindings", "tvm_ffi", "matplotlib", "pytest", "pytest_timeout"}
+
+
+def importable(mod):
+    try:
+        importlib.import_module(mod)
+        return True
+    except Exception:
+        return False
+
+
+def missing():
+    return [pkg for mod, pkg in NEEDED.items() if not importable(mod)]
+
+
+def pip(*args):
+    cmd = [sys.executable, "-m", "pip", "install", *args]
+    print("setup: " + " ".join(cmd[2:]), flush=True)
+    rc = subprocess.run(cmd).returncode
+    importlib.invalidate_caches()
+    return rc
+
+
+def has_nvidia_gpu():
+    return shutil.which("nvidia-smi") is not None
+
+
+def torch_cuda_major():
+    """'12', '13', or None for a CPU build (or no torch)."""
+    try:
+        import torch
+    except Exception:
+        return None
+    cuda = torch.version.cuda
+    return cuda.split(".")[0] if cuda else None
+
+
+def dsl_libs():
+    have = []
+    for major in ("12", "13"):
+        try:
+            md.version(f"nvidia-cutlass-dsl-libs-cu{major}")
+            have.append(major)
+        except md.PackageNotFoundError:
+            pass
+    return have
+
+
+def install_torch():
+    if has_nvidia_gpu():
+        print("setup: torch is missing; installing the CUDA build (several GB)", flush=True)
+        return pip("torch")
+    print(
+        "setup: torch is missing and this machine has no NVIDIA GPU: installing the CPU build "
+        f"(about 200 MB, from {CPU_INDEX})",
+        flush=True,
+    )
+    if pip("torch", "--index-url", CPU_INDEX) == 0:
+        return 0
+    print("setup: the CPU index is not reachable; trying PyPI's torch (a CUDA build, several GB)")
+    return pip("torch")
+
+
+def main():
+    installed = []
+    if not importable("torch"):
+        if install_torch() != 0:
+            print(
+                "setup: could not install torch; install it by hand (README, Set-up)",
+                file=sys.stderr,
+            )
+            return 1
+        installed.append("torch")
+    miss = missing()
+    if miss:
+        print(f"setup: missing {', '.join(miss)}; installing requirements.txt", flush=True)
+        if pip("-r", "requirements.txt") != 0:
+            core = [NEEDED[m] for m in CORE if not importable(m)]
+            if core:
+                print(
+                    "setup: pip failed (no network?). Install by hand: " + ", ".join(core),
+                    file=sys.stderr,
+                )
+                return 1
+            print(
+                "setup: pip failed (no network?); the kernels and their tests run, but the tests "
+                "of these skip with the reason: " + ", ".join(missing()),
+                file=sys.stderr,
+            )
+            return 0
+        installed += miss
+    major = torch_cuda_major()
+    if major == "13" and "13" not in dsl_libs():
+        print(
+            "setup: torch is a CUDA 13 build; adding the CuTe DSL's CUDA 13 libraries", flush=True
+        )
+        if pip(f"nvidia-cutlass-dsl[cu13]=={DSL.split('==')[1]}") != 0:
+            return 1
+        installed.append("nvidia-cutlass-dsl[cu13]")
+    still = missing()
+    if still:
+        print("setup: still missing after install: " + ", ".join(still), file=sys.stderr)
+        return 1
+    import cutlass
+    import torch
+
+    libs = ", ".join(f"cu{m}" for m in dsl_libs()) or "none"
+    cuda = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build"
+    what = f"installed {', '.join(installed)}" if installed else "nothing to install"
+    print(
+        f"setup: {what}; cutlass-dsl {cutlass.__version__} (libs {libs}), "
+        f"torch {torch.__version__} ({cuda})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
