@@ -112,6 +112,16 @@ def compile_module(mod, track, dtype=None, shape=(2, 4, 512, 1024, 128), **optio
 
 
 # ---------------------------------------------------------------- the exercises
+# One section per stage; each exercise is a check function and its registration. Anchor a
+# solution on code, not on a comment, so that a reworded comment does not break it.
+
+_ALL = []
+
+# ---------------------------------------------------------------- stage 2
+
+# ---------------------------------------------------------------- stage 3
+
+# ---------------------------------------------------------------- stage 4
 
 
 def _check_4a(mod):
@@ -129,24 +139,29 @@ def _check_4a(mod):
     )
 
 
-EXERCISES = {
-    e.id: e
-    for e in (
-        Exercise(
-            id="4a",
-            stage=4,
-            track="hopper",
-            task=(
-                "Give the K/V ring a third slot: in `Sm90Kernel.__init__` of "
-                "`stages/stage4_kv_interleave/hopper.py` set `self.kv_slots = 3`. Predict the "
-                "shared memory the kernel asks for at D = 128 before you run the check."
-            ),
-            solution=(("        self.kv_slots = 2  #", "        self.kv_slots = 3  #"),),
-            check=_check_4a,
-            hint="96 KiB + 32 KiB + 1 KiB of barriers",
+_ALL.append(
+    Exercise(
+        id="4a",
+        stage=4,
+        track="hopper",
+        task=(
+            "Give the K/V ring a third slot: in `Sm90Kernel.__init__` of "
+            "`stages/stage4_kv_interleave/hopper.py` set `self.kv_slots = 3`. Predict the "
+            "shared memory the kernel asks for at D = 128 before you run the check."
         ),
+        solution=(("        self.kv_slots = 2  #", "        self.kv_slots = 3  #"),),
+        check=_check_4a,
+        hint="96 KiB + 32 KiB + 1 KiB of barriers",
     )
-}
+)
+
+# ---------------------------------------------------------------- stage 5
+
+# ---------------------------------------------------------------- stage 6
+
+# ---------------------------------------------------------------- stage 7
+
+EXERCISES = {e.id: e for e in _ALL}
 
 
 def exercise(id):
