@@ -114,7 +114,7 @@ def cached_compile(kernel, *args):
 # The TVM-FFI launch (stages 7-9). cute.compile(..., options="--enable-tvm-ffi") against fake
 # tensors gives a function that takes the torch tensors themselves and launches on the caller's
 # current stream: no CuTe views, no argument conversion in Python at each call (host work per
-# call on the H200, 2026-12-01: 385 us with views, 163 us this way; docs/results/h200.md). The
+# call on the H200, 2026-12-01: 385 us with views, 163 us this way; docs/notes/stage7.md). The
 # key is the same as compile_key's for the views the old path built (to_cute(t, dynamic=True) of
 # canonical_strides(t)):
 # the element type, the rank and the static parts of the layout, which for a dynamic layout are

@@ -10,7 +10,6 @@ def release_slot(kv_pipeline, state):
     does the same from lane 0, a predicate made from tidx % 32 once, which ptxas does not keep in
     a predicate register across the loop: it re-reads %tid.x and rebuilds it at every KV tile
     (S2R + LOP3 in the loop's SASS, sm_90a, stage 9, 2026-12-03). elect.sync picks a lane in one
-    instruction, from nothing live (measured: docs/results/stage8_hopper_notes.md and
-    stage9_hopper_notes.md, the measurement logs of the two stages)."""
+    instruction, from nothing live (measured: docs/notes/stage8.md and docs/notes/stage9.md)."""
     with cute.arch.elect_one():
         cute.arch.mbarrier_arrive(kv_pipeline.sync_object_empty.get_barrier(state.index))

@@ -1029,6 +1029,25 @@ def ptxas_problem(res, arch_name, ptx=None):
     return f"ptxas {info['release']} ({info['path']}) failed for {arch_name}: {detail}"
 
 
+def spill_note(res, arch_name, ptx=None):
+    """Why `ptxas -v` gave no spill count, in a few words. The kernels themselves are assembled
+    by the CuTe DSL's own bundled compiler; only the spill count needs a ptxas on PATH that reads
+    the DSL's PTX version (a CUDA toolkit at least as new as the DSL)."""
+    info = ptxas_info()
+    if res is None or info is None:
+        return "no ptxas on PATH (the CUDA toolkit's ptxas counts them)"
+    detail = (
+        _ptxas_first_error(ptx, arch_name) or res.get("error", "") if ptx else res.get("error", "")
+    )
+    m = re.search(r"Unsupported \.version (\d+\.\d+)", detail or "")
+    if m:
+        return (
+            f"the ptxas on PATH (CUDA {info['release']}) is older than this PTX (ISA {m.group(1)}); "
+            "a newer CUDA toolkit's ptxas counts them"
+        )
+    return ptxas_problem(res, arch_name, ptx)
+
+
 def compile_summary(
     stage, track="hopper", shape=None, patterns=None, excerpt_lines=3, settings=None, options=None
 ):
@@ -1070,7 +1089,7 @@ def compile_summary(
                 f"{regs} (from the cubin the CuTe DSL built)" if regs else "(not available)",
             )
         )
-        rows.append(("ptxas", ptxas_problem(res, r.arch, r.ptx)))
+        rows.append(("spills", "not counted: " + spill_note(res, r.arch, r.ptx)))
     if r.shared_memory_bytes:
         smem = r.shared_memory_bytes
         rows.append(("dynamic shared memory / CTA", f"{smem} B ({smem / 1024:.1f} KiB)"))

@@ -2,6 +2,7 @@
 correctness against the reference and TFLOP/s against the baseline, as one table. With no GPU
 (or a GPU of neither track) it prints the compile-only summary of both tracks."""
 
+import shutil
 import sys
 import time
 
@@ -9,6 +10,7 @@ import torch
 
 from common import arch
 from common.tools import stage_table
+from common.tools.notebook import cubin_registers
 from common.tools.ptx import compile_only
 
 KEY_COUNTS = {
@@ -59,7 +61,8 @@ def compile_rows(track):
             f"{_short(k)} {r.counts[k]}" for k in KEY_COUNTS[track] if r.counts.get(k)
         )
         res = r.resources or {}
-        regs = f"{res['registers']} regs" if "registers" in res else ""
+        n = res.get("registers") or cubin_registers(r.cubin)
+        regs = f"{n} regs" if n else ""
         rows.append((st.number, st.title, f"{r.seconds:.1f} s", f"{counts}; {regs}".strip("; ")))
     return rows
 
@@ -147,9 +150,15 @@ def main():
             print(f"== {track} ({arch.ARCH_OF_TRACK[track]}) ==")
             rows = compile_rows(track)
             failed += _failed(rows)
-            print_table(("stage", "title", "compile", "PTX instructions"), rows)
+            print_table(("stage", "title", "compile", "PTX instructions; registers"), rows)
             print()
-        print("Blackwell kernels are compile-checked here, not run on hardware.")
+        print(
+            "Registers per thread are read from the cubin the CuTe DSL built (no ptxas needed); "
+            "spill counts are in `make stage-N`'s compile checks and need a ptxas on PATH as new "
+            "as the DSL's PTX"
+            + ("" if shutil.which("ptxas") else " (none on PATH here)")
+            + ".\nBlackwell kernels are compile-checked here, not run on hardware."
+        )
     else:
         from common.tools.timing import gpu_and_date
 
