@@ -119,7 +119,107 @@ _ALL = []
 
 # ---------------------------------------------------------------- stage 2
 
+
+def _wgmma_shapes(ptx):
+    """The distinct m<M>n<N>k<K> shapes of the wgmma.mma_async statements in the PTX."""
+    import re
+
+    return sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)))
+
+
+def _check_2a(mod):
+    # Shared memory = Q (bM x D, 2 B) + kv_slots K tiles (bN x D, 2 B) + the fp32 S staging tile
+    # (bM x bN, 4 B) + 1 KiB of barriers and alignment.
+    from common.tools.ptx import count_ptx
+
+    kernel, ptx, _ = compile_module(mod, "hopper")
+    bM, bN, D = kernel.cta_tile
+    q, k, s = bM * D * 2 / 1024, bN * D * 2 / 1024, bM * bN * 4 / 1024
+    kib = kernel.shared_memory_bytes / 1024
+    shapes = ", ".join(_wgmma_shapes(ptx))
+    n = count_ptx(ptx)["wgmma.mma_async"]
+    seen = (
+        f"cta_tile = {tuple(kernel.cta_tile)}: {n} wgmma.mma_async ({shapes}) per K tile in the "
+        f"PTX; shared memory {kib:g} KiB = Q {q:g} + {kernel.kv_slots} x {k:g} (K) + {s:g} "
+        f"(S staging) + {kib - q - kernel.kv_slots * k - s:g}"
+    )
+    if bN == 64 and shapes == "m64n64k16" and kib == q + kernel.kv_slots * k + s + 1:
+        return Result(True, seen)
+    return Result(False, seen + " (the exercise wants K tiles of 64 keys)")
+
+
+_ALL.append(
+    Exercise(
+        id="2a",
+        stage=2,
+        track="hopper",
+        task=(
+            "Halve the K tile: in `Sm90Kernel.__init__` of `stages/stage2_qk/hopper.py` set "
+            "`self.cta_tile = (128, 64, head_dim)` (64 keys per K tile instead of 128). Before "
+            "you run the check, predict at D = 128 the wgmma instruction shape in the PTX and "
+            "the shared memory the kernel asks for (161 KiB with 128 keys)."
+        ),
+        solution=(
+            (
+                "        self.cta_tile = (128, 128, head_dim)",
+                "        self.cta_tile = (128, 64, head_dim)",
+            ),
+        ),
+        check=_check_2a,
+        hint="m64n64k16; the K slots and the fp32 S staging tile both halve: 32 + 2 x 16 + 32 + 1",
+    )
+)
+
 # ---------------------------------------------------------------- stage 3
+
+
+def _tcgen05_ld_shapes(ptx):
+    """The distinct shapes (32x32b.x32, ...) of the tcgen05.ld statements in the PTX."""
+    import re
+
+    return sorted(set(re.findall(r"tcgen05\.ld\.sync\.aligned\.(\w+\.x\d+)", ptx)))
+
+
+def _check_3a(mod):
+    # Each softmax thread reads its row of S (128 columns) and, in the epilogue, of O (D = 128
+    # columns) out of TMEM in slices of tmem_load_cols: 128 / cols + 128 / cols tcgen05.ld.
+    from common.tools.ptx import count_ptx
+
+    kernel, ptx, _ = compile_module(mod, "blackwell", shape=(2, 4, 512, 128, 128))
+    n = count_ptx(ptx)["tcgen05.ld"]
+    shapes = ", ".join(_tcgen05_ld_shapes(ptx))
+    seen = f"tmem_load_cols = {kernel.tmem_load_cols}: {n} tcgen05.ld ({shapes}) in the PTX"
+    if kernel.tmem_load_cols == 64 and shapes == "32x32b.x64" and n == 4:
+        return Result(True, seen + ": 2 for S's row, 2 for O's (8 of .x32 before)")
+    return Result(
+        False,
+        seen + " (the exercise wants 64 columns per load, tcgen05.ld.32x32b.x64)",
+    )
+
+
+_ALL.append(
+    Exercise(
+        id="3a",
+        stage=3,
+        track="blackwell",
+        task=(
+            "Read TMEM in wider slices: in `stages/stage3_softmax/blackwell.py` set "
+            "`self.tmem_load_cols = 64` in `Sm100Kernel.__init__`, and make the load atom match "
+            "it: `tcgen05.Ld32x32bOp(tcgen05.Repetition.x64)`. Each softmax thread then reads 64 "
+            "fp32 columns of its row per tcgen05.ld. Predict how many tcgen05.ld the PTX holds "
+            "at D = 128 (8 now: 4 for the row of S, 4 for the row of O)."
+        ),
+        solution=(
+            ("        self.tmem_load_cols = 32", "        self.tmem_load_cols = 64"),
+            (
+                "tcgen05.Ld32x32bOp(tcgen05.Repetition.x32)",
+                "tcgen05.Ld32x32bOp(tcgen05.Repetition.x64)",
+            ),
+        ),
+        check=_check_3a,
+        hint="128 / 64 loads for S and 128 / 64 for O",
+    )
+)
 
 # ---------------------------------------------------------------- stage 4
 
@@ -155,11 +255,364 @@ _ALL.append(
     )
 )
 
+
+# The CTA of stage 4 on Blackwell as the schedule model replays it (common/tools/schedule.py):
+# the TMA warp, the MMA warp and the softmax warps, each role's barrier operations in the order
+# stage4_kv_interleave/blackwell.py performs them, over two passes (pass 1: K; pass 2: K, V).
+# The MMA warp's arrives are tcgen05.commit, three groups in the PTX: after pass 1's QK MMAs,
+# after pass 2's, after the PV MMAs; the second commit of each group frees a K/V slot.
+_STAGE4_MMA_COMMITS = (
+    ("pass 1's QK MMAs", ("S full", "K slot free")),
+    ("pass 2's QK MMAs", ("S full", "K slot free")),
+    ("the PV MMAs", ("P free", "V slot free", "Q free", "O full")),
+)
+
+
+def _stage4_programs(kernel, released=(True, True, True)):
+    """(pipes, programs) of stage 4 on Blackwell; released[g] False leaves out the K/V release
+    of commit group g (pass 1's K, pass 2's K, the V of the PV MMAs)."""
+    from common.tools.schedule import Op, PerTile, Pipe, Sync, Tail
+
+    def kv_release(g, what):
+        return (Op("K/V", "release", what),) if released[g] else ()
+
+    pipes = (
+        Pipe("Q", kernel.q_buffers, "TMA", "MMA"),
+        Pipe("K/V", kernel.kv_slots, "TMA", "MMA"),
+        Pipe("S", kernel.s_buffers, "MMA", "softmax"),
+        Pipe("P", 1, "softmax", "MMA"),
+        Pipe("O", 1, "MMA", "softmax"),
+    )
+    tmem = Sync("TMEM allocated", ("MMA", "softmax"))
+
+    def loads(names):
+        return tuple(op for n in names for op in (Op("K/V", "acquire", n), Op("K/V", "commit", n)))
+
+    programs = {
+        "TMA": (
+            Op("Q", "acquire"),
+            Op("Q", "commit", "Q"),
+            *(PerTile(loads(names)) for names in kernel.kv_producer_entries),
+            Tail("K/V"),
+            Tail("Q"),
+        ),
+        "MMA": (
+            tmem,
+            Op("Q", "wait"),
+            PerTile(
+                (
+                    Op("K/V", "wait", "K"),
+                    Op("S", "acquire"),
+                    Op("S", "commit"),
+                    *kv_release(0, "K"),
+                )
+            ),
+            Op("O", "acquire"),
+            PerTile(
+                (
+                    Op("K/V", "wait", "K"),
+                    Op("S", "acquire"),
+                    Op("P", "peek_empty", "P's columns free"),
+                    Op("S", "commit", "over P"),
+                    *kv_release(1, "K"),
+                    Op("P", "wait"),
+                    Op("K/V", "wait", "V"),
+                    Op("P", "release"),
+                    *kv_release(2, "V"),
+                )
+            ),
+            Op("Q", "release"),
+            Op("O", "commit"),
+        ),
+        "softmax": (
+            tmem,
+            PerTile((Op("S", "wait"), Op("S", "release"))),
+            PerTile((Op("S", "wait"), Op("S", "release"), Op("P", "acquire"), Op("P", "commit"))),
+            Op("O", "wait"),
+            Op("O", "release"),
+        ),
+    }
+    return pipes, programs
+
+
+def _commit_groups(ptx):
+    """[(MMA kind, tcgen05.commit after that run of MMAs)] in PTX order: QK (A from shared
+    memory) or PV (A from TMEM)."""
+    from common.tools.ptx import TCGEN05_PV, TCGEN05_QK
+
+    groups, after_commit = [], True
+    for line in ptx.splitlines():
+        s = line.strip()
+        kind = "QK" if TCGEN05_QK.search(s) else "PV" if TCGEN05_PV.search(s) else None
+        if kind and (after_commit or groups[-1][0] != kind):
+            groups.append([kind, 0])
+            after_commit = False
+        elif s.startswith("tcgen05.commit") and groups:
+            groups[-1][1] += 1
+            after_commit = True
+    return [tuple(g) for g in groups]
+
+
+def _check_4b(mod):
+    from common.tools import schedule
+
+    kernel, ptx, _ = compile_module(mod, "blackwell", shape=(1, 2, 256, 512, 128))
+    groups = _commit_groups(ptx)
+    want = [("QK", 2), ("QK", 2), ("PV", 4)]
+    seen = ", ".join(
+        f"{n} after {where}" for (_, n), (where, _) in zip(groups, _STAGE4_MMA_COMMITS)
+    )
+    total = sum(n for _, n in groups)
+    if [k for k, _ in groups] != [k for k, _ in want] or any(
+        n not in (w, w - 1) for (_, n), (_, w) in zip(groups, want)
+    ):
+        return Result(
+            False,
+            f"the PTX's MMA runs and their tcgen05.commit ({groups}) are not those of the model "
+            f"{want}: this check expects exactly one K/V release deleted",
+        )
+    released = tuple(n == w for (_, n), (_, w) in zip(groups, want))
+    pipes, programs = _stage4_programs(kernel, released)
+    violations = []
+    for tiles in (1, 3):
+        violations += [
+            f"[{schedule.tiles_label(tiles)}] {v}"
+            for v in schedule.simulate_cta(pipes, programs, tiles)
+        ]
+    head = f"the MMA warp issues {total} tcgen05.commit ({seen}); "
+    if all(released):
+        verdict = "; ".join(violations) if violations else "no hang, every hand-off balanced"
+        return Result(
+            False,
+            head + f"the model, replayed over 1 and 3 KV tiles: {verdict} "
+            "(the exercise wants one K/V slot release deleted)",
+        )
+    dropped = [
+        f"the commit that frees the {names[1][0]} slot after {where}"
+        for ok, (where, names) in zip(released, _STAGE4_MMA_COMMITS)
+        if not ok
+    ]
+    hangs = [v for v in violations if "hang" in v]
+    report = "; ".join(hangs or violations) or "nothing"
+    return Result(
+        bool(hangs),
+        head + f"the model without {', '.join(dropped)} reports: {report}",
+    )
+
+
+_ALL.append(
+    Exercise(
+        id="4b",
+        stage=4,
+        track="blackwell",
+        task=(
+            "Drop a barrier release and watch the schedule model report the hang: in the MMA "
+            "warp of `stages/stage4_kv_interleave/blackwell.py` delete the line "
+            "`v_full.release()` (the tcgen05.commit that frees V's ring slot once the PV MMAs "
+            "have read it). The check finds the missing tcgen05.commit in the PTX and replays "
+            "stage 4's CTA (TMA warp, MMA warp, softmax warps) with the CPU schedule model of "
+            "`common/tools/schedule.py`. Before you run it: which warp waits forever, at which "
+            "barrier, even with one KV tile?"
+        ),
+        solution=(("                v_full.release()\n", ""),),
+        check=_check_4b,
+        hint="the TMA warp's tail() acquires every K/V slot before it exits",
+    )
+)
+
 # ---------------------------------------------------------------- stage 5
+
+
+def _ex2_multiplies(ptx):
+    """For each ex2.approx in the PTX, the number of mul statements that read its result."""
+    import re
+
+    out = []
+    for dst in re.findall(r"^\s*ex2\.approx\S*\s+(%r\d+),", ptx, re.M):
+        uses = re.findall(r"^\s*mul\.\S+\s+%r\d+,[^;]*" + re.escape(dst) + r"\b", ptx, re.M)
+        out.append(len(uses))
+    return out
+
+
+def _check_5a(mod):
+    # row_scale = exp2((m_old - m_new) * scale_log2) of each of a thread's 2 rows multiplies its
+    # D / 2 = 64 registers of acc_O (32 per row); the ex2 of P feed adds and conversions, not muls.
+    import re
+
+    from common.tools.ptx import count_ptx
+
+    _, ptx, _ = compile_module(mod, "hopper")
+    uses = _ex2_multiplies(ptx)
+    rescales = [n for n in uses if n >= 8]
+    muls = len(re.findall(r"^\s*mul\.f32\s", ptx, re.M))
+    seen = f"{count_ptx(ptx)['ex2.approx']} ex2.approx and {muls} mul.f32 in the PTX (D = 128); "
+    if not rescales:
+        return Result(
+            True,
+            seen + "no ex2 result multiplies acc_O any more: the rescale of O is gone (row_sum "
+            "still uses row_scale, so l stays right while O does not)",
+        )
+    return Result(
+        False,
+        seen + f"{len(rescales)} ex2 results (row_scale, one per row) each multiply "
+        f"{'/'.join(str(n) for n in rescales)} registers of acc_O: O is still rescaled "
+        f"({sum(rescales)} multiplies per thread per KV tile)",
+    )
+
+
+_ALL.append(
+    Exercise(
+        id="5a",
+        stage=5,
+        track="hopper",
+        task=(
+            "Forget alpha in the kernel: in the main loop of `Sm90Kernel.kernel` of "
+            "`stages/stage5_online_softmax/hopper.py`, delete the loop that multiplies `acc_O` "
+            "by `row_scale` (the two lines after `acc_O_mn = self.rows_view(acc_O)`). Predict "
+            "how many `mul.f32` per thread per KV tile disappear at D = 128, and whether the "
+            "number of `ex2.approx` changes. The check reads the PTX: which `ex2.approx` results "
+            "feed multiplies of O. On a GPU, `make stage-5` then fails: the rows whose max grows "
+            "after their first tile come out wrong, as in exercise 1 on the CPU."
+        ),
+        solution=(
+            (
+                "            for r in cutlass.range_constexpr(cute.size(row_scale)):\n"
+                "                acc_O_mn[r, None].store(acc_O_mn[r, None].load() * row_scale[r])\n",
+                "",
+            ),
+        ),
+        check=_check_5a,
+        hint="2 rows per thread x D / 2 columns each; row_scale still feeds row_sum",
+    )
+)
 
 # ---------------------------------------------------------------- stage 6
 
+
+def _check_6a(mod):
+    # The kernel's own kv_tile_range (the Python under @cute.jit, run on ints) for every Q tile
+    # of a causal Sq = Sk = 8192, against the host twin common.masks.kv_tile_range.
+    from common import masks
+
+    kernel, _, _ = compile_module(mod, "hopper", causal=True)
+    Sq = Sk = 8192
+    left, right = masks.resolve_window(True, None, Sq, Sk)
+    bM, bN, _ = kernel.cta_tile
+    q_tiles, kv_tiles = -(-Sq // bM), -(-Sk // bN)
+    kv_tile_range = type(kernel).kv_tile_range.__wrapped__
+    loaded = needed = 0
+    for m in range(q_tiles):
+        lo, hi = kv_tile_range(kernel, m, Sq, Sk, left, right)
+        loaded += int(hi) - int(lo)
+        lo, hi = masks.kv_tile_range(m, Sq, Sk, left, right, bM, bN)
+        needed += hi - lo
+    seen = (
+        f"causal, Sq = Sk = {Sq}: the kernel's kv_tile_range loads {loaded} of "
+        f"{q_tiles * kv_tiles} tile pairs, the mask needs {needed}"
+    )
+    if loaded == q_tiles * kv_tiles:
+        return Result(
+            True,
+            seen + f": every tile is loaded and multiplied, {loaded / needed:.2f}x the work; "
+            "the element mask still gives P = 0 outside the band",
+        )
+    return Result(False, seen + ": the tiles outside the band are still skipped")
+
+
+_ALL.append(
+    Exercise(
+        id="6a",
+        stage=6,
+        track="hopper",
+        task=(
+            "Switch tile skipping off: make `Sm90Kernel.kv_tile_range` of "
+            "`stages/stage6_masks/hopper.py` return every KV tile, lo = 0 and "
+            "hi = ceil(Sk / bN), whatever the mask. Predict how many of the 4096 tile pairs of "
+            "a causal Sq = Sk = 8192 the kernel then loads, against the 2080 it needs. The check "
+            "compiles the file and runs the kernel's own `kv_tile_range` (the Python under "
+            "`@cute.jit`) on integers for every Q tile. Then think about a GPU: is O still "
+            "right? (`make stage-6` has one test that plants NaN in K and V tiles no query "
+            "sees.)"
+        ),
+        solution=(
+            (
+                "        lo = first_key // bN\n"
+                "        hi = cutlass.max((end_key + bN - 1) // bN, lo)\n",
+                "        lo = 0\n        hi = (seqlen_k + bN - 1) // bN\n",
+            ),
+        ),
+        check=_check_6a,
+        hint="64 Q tiles x 64 KV tiles; every tile outside the band crosses a mask edge",
+    )
+)
+
 # ---------------------------------------------------------------- stage 7
+
+
+def _tma_load_heads(ptx):
+    """{head coordinate register: how it is defined} and the number of TMA loads per register:
+    the third coordinate of each 4-D TMA load (S, D, head, batch) in the PTX."""
+    import re
+
+    regs = re.findall(
+        r"cp\.async\.bulk\.tensor\.4d\.shared::\w+\.global\S*\s+\[[^\]]*\],\s*"
+        r"\[%rd\d+,\s*\{[^,]+,[^,]+,\s*(%r\d+),",
+        ptx,
+    )
+    counts = {}
+    for r in regs:
+        counts[r] = counts.get(r, 0) + 1
+    defs = {}
+    for r in counts:
+        m = re.search(r"^\s*(\S+)\s+" + re.escape(r) + r",\s*([^;]*);", ptx, re.M)
+        defs[r] = f"{m.group(1)} {m.group(2)}" if m else "?"
+    return counts, defs
+
+
+def _check_7a(mod):
+    _, ptx, _ = compile_module(mod, "hopper", shape=(2, 32, 512, 1024, 128), kv_heads=8)
+    counts, defs = _tma_load_heads(ptx)
+    seen = "head coordinate of the TMA loads (H = 32, Hkv = 8): " + "; ".join(
+        f"{n} at {r} = {defs[r]}" for r, n in counts.items()
+    )
+    from_block = [r for r in counts if "%ctaid.y" in defs[r]]
+    if len(counts) == 1 and from_block:
+        return Result(
+            True,
+            seen + ": K and V are read at the query head's own index, as before stage 7 "
+            "(query heads 8-31 now ask for KV heads that do not exist)",
+        )
+    return Result(
+        False,
+        seen + ": Q is read at the CTA's head, K and V at another coordinate (the query head "
+        "divided by H / Hkv)",
+    )
+
+
+_ALL.append(
+    Exercise(
+        id="7a",
+        stage=7,
+        track="hopper",
+        task=(
+            "GQA is one TMA coordinate. In `Sm90Kernel.kernel` of "
+            "`stages/stage7_gqa_varlen/hopper.py`, make every query head read the KV head of "
+            "its own index, as stage 6 did: `kv_head = head`. The check compiles the file for "
+            "H = 32 query heads and Hkv = 8 KV heads and reads, in the PTX, the head coordinate "
+            "of every TMA load: what Q is loaded at, what K and V are. Before you run it: which "
+            "PTX instruction computes the KV head in the committed file, and what do query heads "
+            "8-31 read after the edit? (On a GPU `make stage-7` then fails.)"
+        ),
+        solution=(
+            (
+                "        kv_head = head // (mQ.shape[2] // mK.shape[2])\n",
+                "        kv_head = head\n",
+            ),
+        ),
+        check=_check_7a,
+        hint="blockIdx.y is the query head; the committed K/V coordinate is a div.s32 of it",
+    )
+)
 
 EXERCISES = {e.id: e for e in _ALL}
 

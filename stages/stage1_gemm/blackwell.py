@@ -1,8 +1,8 @@
-"""Stage 1 - GEMM (Blackwell). C[M, N] = A[M, K] @ B[N, K]^T on sm_100a (B200, GB200).
+"""Stage 1 - GEMM (Blackwell, sm_100a). C[M, N] = A[M, K] @ B[N, K]^T on B200 / GB200.
 
 A and B are K-major (row-major, K contiguous: the layout of Q and K in Q @ K^T), bf16 or fp16;
-the accumulator is fp32 in tensor memory (TMEM); C is written in the input dtype. This first
-stage sets up the skeleton every later Blackwell stage keeps:
+the accumulator is fp32 in tensor memory (TMEM); C is written in the input dtype. Stage 1 has
+no predecessor; it sets up the skeleton every later Blackwell stage keeps:
 
 - One CTA of 192 threads computes one 128 x 128 tile of C, in three warp roles:
   warp 5 (tma_warp_id) issues the TMA loads, warp 4 (mma_warp_id) issues `tcgen05.mma` from one
@@ -31,10 +31,10 @@ wholly inside C or wholly outside. TMA fills the parts of A and B tiles outside 
 with zeros (K is padded to a multiple of 64 with zeros, which add nothing); the predicated
 epilogue skips the rows beyond M and the columns beyond N.
 
-Verification status (2026-12-01): compile-checked for sm_100a here with fake tensors and no GPU,
-through common.tools.ptx.compile_only(stage, "blackwell"), which sets CuTe DSL's target arch to
-sm_100a for the compile; never run on Blackwell hardware. The numerical tests run only where an
-sm_100 GPU is present.
+Compile-checked for sm_100a with fake tensors and no GPU (common.tools.ptx.compile_only(1,
+"blackwell") sets CuTe DSL's target arch for the compile); never run on Blackwell hardware, so
+nothing here is measured. The numerical tests run only where an sm_100 GPU is present.
+Measured numbers (Hopper track only): docs/results/README.md.
 """
 
 import cutlass
@@ -409,10 +409,9 @@ def gemm(a, b):
 
     with torch.cuda.device(a.device):
         c = empty_output((M, N), a.dtype, a.device)
-        # Static shapes and strides, one compile per shape, as in the Hopper stage 1 (whose
-        # static index math measured faster there; not measured on Blackwell). A size-1 mode
-        # (M = 1) gets dynamic layouts, compiled once per dtype, as on Hopper. (The cache key
-        # holds which.)
+        # Static shapes and strides, one compile per shape, as in the Hopper stage 1: the index
+        # math folds into constants. A size-1 mode (M = 1) gets dynamic layouts, compiled once
+        # per dtype, as on Hopper. (The cache key holds which.)
         dynamic = 1 in (M, N, K)
         args = [to_cute(t, dynamic=True) if dynamic else to_cute(t) for t in (a, b, c)]
         cached_compile(Sm100Kernel(cute_dtype(a.dtype)), *args, current_stream())(

@@ -1,8 +1,8 @@
-"""Stage 1 - GEMM (Hopper). C[M, N] = A[M, K] @ B[N, K]^T on sm_90a (H100, H200).
+"""Stage 1 - GEMM (Hopper, sm_90a). C[M, N] = A[M, K] @ B[N, K]^T on H100 / H200.
 
 A and B are K-major (row-major, K contiguous: the layout of Q and K in Q @ K^T), bf16 or fp16;
-the accumulator is fp32 in registers; C is written in the input dtype. This first stage sets up
-the skeleton that every later Hopper stage keeps:
+the accumulator is fp32 in registers; C is written in the input dtype. Stage 1 has no
+predecessor; it sets up the skeleton that every later Hopper stage keeps:
 
 - CTA tile 128 x 256 x 64 (bM x bN x bK). Two consumer warpgroups (256 threads); warpgroup w owns
   rows [64 w, 64 w + 64) of the tile and issues `wgmma.mma_async` m64n256k16, 4 per K tile.
@@ -35,17 +35,16 @@ the skeleton that every later Hopper stage keeps:
 - Tile order: the CTA launched i-th computes tile i of a band of raster_m = 16 M-tiles walked
   N-tile by N-tile, so the 132 CTAs resident at once (one per SM) cover 16 x ~8 tiles of C and
   read 16 x 128 rows of A and ~8 x 256 rows of B (the smallest such footprint), rather than 64 x 2
-  tiles in plain launch order. In an earlier timing run the same day (H200, 2026-11-29), bf16
-  8192^3 measured 792 TFLOP/s with this order against 757 with bands of 8 and 715 in launch order.
-- Speed (make bench, H200, 2026-11-29; see docs/results/h200.md), bf16: 8192^3 784 TFLOP/s against
-  cuBLAS (torch.matmul) 690 in the same run, 1.14x; 4096^3 758 against 774, 0.98x. Earlier timing
-  runs the same day (H200, 2026-11-29) gave bf16 8192^3 700-810 TFLOP/s as the clock fell with
-  heat, 0.97-1.01x cuBLAS timed in the same round, and fp16 8192^3 779 against cuBLAS 773.
+  tiles in plain launch order.
+- Static layouts (one compile per shape): the index math folds into constants; shapes with a
+  size-1 mode get dynamic layouts instead (see gemm()).
 
 Shapes: M, N, K >= 1 with K % 8 == 0 and N % 8 == 0, because TMA needs every row of A, B and C
 to start on a 16-byte boundary. M, N and K need not be multiples of the tile: TMA fills the parts
 of A and B tiles outside the matrices with zeros (K is padded to a multiple of 64 with zeros,
 which add nothing) and clips the store of C.
+
+Measured speed against cuBLAS: docs/results/README.md (the tile order: docs/notes/stage1.md).
 """
 
 import cutlass
@@ -362,10 +361,10 @@ def gemm(a, b):
 
     with torch.cuda.device(a.device):
         c = empty_output((M, N), a.dtype, a.device)
-        # Static shapes and strides, one compile per shape: the index math folds (dynamic layouts
-        # measured 558-576 against 698-786 TFLOP/s for bf16 8192^3 on the H200, 2026-11-29). But a
-        # static size-1 mode (M = 1) is folded away and changes the rank of the TMA copies, so
-        # such shapes get dynamic layouts, compiled once per dtype. (The cache key holds which.)
+        # Static shapes and strides, one compile per shape: the index math folds into constants.
+        # But a static size-1 mode (M = 1) is folded away and changes the rank of the TMA copies,
+        # so such shapes get dynamic layouts, compiled once per dtype. (The cache key holds
+        # which.)
         dynamic = 1 in (M, N, K)
         args = [to_cute(t, dynamic=True) if dynamic else to_cute(t) for t in (a, b, c)]
         cached_compile(Sm90Kernel(cute_dtype(a.dtype)), *args, current_stream())(

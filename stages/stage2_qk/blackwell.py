@@ -1,7 +1,4 @@
-"""Stage 2 - QK^T only (Blackwell). S[b, h] = scale * Q[b, h] @ K[b, h]^T on sm_100a (B200, GB200).
-
-Q (B, H, Sq, D) and K (B, H, Sk, D) in bf16 or fp16, the layout of torch SDPA (D contiguous);
-S (B, H, Sq, Sk) is written in fp32; scale defaults to 1/sqrt(D).
+"""Stage 2 - QK^T only (Blackwell, sm_100a). S[b, h] = scale * Q[b, h] @ K[b, h]^T.
 
 Changes from stage 1:
 - Batching over (B, H): each tensor is viewed as (S, D, (H, B)), so one TMA descriptor covers
@@ -25,13 +22,16 @@ Changes from stage 1:
   D) for every B, H, Sq, Sk, as on Hopper (a static size-1 mode, B = 1 say, would be folded
   away and change the TMA's rank).
 
+Q (B, H, Sq, D) and K (B, H, Sk, D) in bf16 or fp16, the layout of torch SDPA (D contiguous);
+S (B, H, Sq, Sk) is written in fp32; scale defaults to 1/sqrt(D).
+
 Shapes: B, H, Sq, Sk >= 1, D in {64, 128}, Sk % 4 == 0 (rows of S in fp32 are then whole
 16-byte pieces), as on Hopper. Q and K tiles that stick out of Sq or Sk are zero-filled by TMA.
 
-Verification status (2026-12-01): compile-checked for sm_100a here with fake tensors and no GPU,
-through common.tools.ptx.compile_only(stage, "blackwell"), which sets CuTe DSL's target arch to
-sm_100a for the compile; never run on Blackwell hardware. The numerical tests run only where an
-sm_100 GPU is present.
+Compile-checked for sm_100a with fake tensors and no GPU (common.tools.ptx.compile_only(2,
+"blackwell") sets CuTe DSL's target arch for the compile); never run on Blackwell hardware, so
+nothing here is measured. The numerical tests run only where an sm_100 GPU is present.
+Measured numbers (Hopper track only): docs/results/README.md.
 """
 
 import cutlass

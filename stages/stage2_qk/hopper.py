@@ -1,10 +1,7 @@
-"""Stage 2 - QK^T only (Hopper). S[b, h] = scale * Q[b, h] @ K[b, h]^T on sm_90a (H100, H200).
+"""Stage 2 - QK^T only (Hopper, sm_90a). S[b, h] = scale * Q[b, h] @ K[b, h]^T.
 
-Q and K are (B, H, S, D) like torch SDPA (D contiguous), bf16 or fp16, D = 64 or 128; the scores
-S (B, H, Sq, Sk) are written in fp32. The GEMM of stage 1 with A = Q and B = K, batched over
-(batch, head), and with the roles of its loops changed.
-
-Changes from stage 1:
+Changes from stage 1 (the GEMM with A = Q and B = K, batched over (batch, head), and with the
+roles of its loops changed):
 - The grid is the attention grid: one CTA per (128-row Q tile, head, batch), blockIdx = (Q tile,
   h, b). Every tensor is viewed as (S, D, H, B) - or (Sq, Sk, H, B) for S - so that one rank-4
   TMA descriptor per tensor serves all (head, batch) pairs: a CTA addresses its own matrix with
@@ -24,18 +21,18 @@ Changes from stage 1:
   staging tile is reused by the next step only after TMA has finished reading it.
 - Registers: S accumulator 128 x 128 fp32 / 256 threads = 64 per thread (ptxas: 90 in all).
 - Dynamic layouts: the entry marks B, H, S (shapes and strides) dynamic, one compile per (dtype,
-  D). Stage 1 keeps static layouts for speed; here they gain nothing (an earlier timing run,
-  H200, 2026-11-29: stage 5, bf16, S = 8k, D = 128: 590 TFLOP/s dynamic vs 567 static; stage 4:
-  388 vs 337), and a static size-1 mode (B = 1, H = 1, Sq = 1) would be folded away and change
-  the TMA's rank.
-- Speed (make bench, H200, 2026-11-29; see docs/results/h200.md), bf16 (B, H, Sq, Sk, D) =
-  (4, 16, 2048, 2048, 128): 0.367 ms, 187 TFLOP/s; cuBLAS batched matmul, which writes S in bf16
-  (half the bytes), 407 TFLOP/s in the same run. The kernel is memory-heavy: it writes 1.07 GB of
-  fp32 S, about 2.9 TB/s, two thirds of the ~4.3 TB/s of a device-to-device copy measured on an
-  H200 here (2026-11-04).
+  D). A static size-1 mode (B = 1, H = 1, Sq = 1) would be folded away and change the TMA's
+  rank; from here on the attention stages keep dynamic layouts.
+- Memory-bound by design: S is written in fp32, 4 bytes per score against 2 D FLOPs (256 at
+  D = 128); at (B, H, Sq, Sk, D) = (4, 16, 2048, 2048, 128) that is 1.07 GB of S. Stage 3 keeps
+  S on chip.
 
-Shapes: B, H, Sq, Sk >= 1, D in {64, 128}, Sk % 4 == 0 (TMA writes rows of S that start on
-16-byte boundaries). Q and K tiles that stick out of Sq or Sk are zero-filled by TMA.
+Q and K are (B, H, S, D) like torch SDPA (D contiguous), bf16 or fp16, D = 64 or 128; the scores
+S (B, H, Sq, Sk) are written in fp32. Shapes: B, H, Sq, Sk >= 1, D in {64, 128}, Sk % 4 == 0
+(TMA writes rows of S that start on 16-byte boundaries). Q and K tiles that stick out of Sq or
+Sk are zero-filled by TMA.
+
+Measured speed: docs/results/README.md (why fp32 S halves it: docs/notes/stage2.md).
 """
 
 import cutlass

@@ -1,8 +1,4 @@
-"""Stage 3 - single-KV-tile softmax (Blackwell). O = softmax(scale * Q K^T) V on sm_100a (B200, GB200).
-
-Q (B, H, Sq, D), K and V (B, H, Sk, D) in bf16 or fp16, the layout of torch SDPA (D contiguous);
-O (B, H, Sq, D) is written in the input dtype; scale defaults to 1/sqrt(D). Sk <= 128: all keys
-fit in one KV tile.
+"""Stage 3 - single-KV-tile softmax (Blackwell, sm_100a). O = softmax(scale * Q K^T) V, Sk <= 128.
 
 Changes from stage 2:
 - The softmax warps now compute the softmax of S instead of storing it. Thread t of warp w owns
@@ -28,15 +24,19 @@ Changes from stage 2:
 - Registers (ptxas of CUDA 13.0, sm_100a, 2026-12-01): 157 (bf16) and 188 (fp16), at D = 64
   and D = 128 alike, no spills.
 
+Q (B, H, Sq, D), K and V (B, H, Sk, D) in bf16 or fp16, the layout of torch SDPA (D contiguous);
+O (B, H, Sq, D) is written in the input dtype; scale defaults to 1/sqrt(D). Sk <= 128: all keys
+fit in one KV tile.
+
 Shapes: B, H, Sq >= 1, 1 <= Sk <= 128, D in {64, 128}, as on Hopper; longer key sequences are
 stage 4. The last Q tile's rows beyond Sq are read as zeros by TMA and not stored (each softmax
 thread owns one row and skips its stores of O when the row is at or beyond Sq). Dynamic
 layouts: one compile per (dtype, D).
 
-Verification status (2026-12-01): compile-checked for sm_100a here with fake tensors and no GPU,
-through common.tools.ptx.compile_only(stage, "blackwell"), which sets CuTe DSL's target arch to
-sm_100a for the compile; never run on Blackwell hardware. The numerical tests run only where an
-sm_100 GPU is present.
+Compile-checked for sm_100a with fake tensors and no GPU (common.tools.ptx.compile_only(3,
+"blackwell") sets CuTe DSL's target arch for the compile); never run on Blackwell hardware, so
+nothing here is measured. The numerical tests run only where an sm_100 GPU is present.
+Measured numbers (Hopper track only): docs/results/README.md.
 """
 
 import math

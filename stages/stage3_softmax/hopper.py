@@ -1,9 +1,4 @@
-"""Stage 3 - single-KV-tile softmax (Hopper). O = softmax(scale * Q K^T) V for Sk <= 128, sm_90a.
-
-Q, K, V and O are (B, H, S, D) like torch SDPA (D contiguous), bf16 or fp16, D = 64 or 128; the
-softmax runs in fp32 registers and O is written in the input dtype. All Sk keys fit in one KV
-tile of bN = 128, so each row's softmax is complete after one S tile; longer sequences are
-refused (stage 4 streams KV tiles).
+"""Stage 3 - single-KV-tile softmax (Hopper, sm_90a). O = softmax(scale * Q K^T) V, Sk <= 128.
 
 Changes from stage 2:
 - A second GEMM, O = P @ V, with its own tiled MMA: m64nDk16 wgmma whose A operand (P) comes
@@ -35,11 +30,17 @@ Changes from stage 2:
   and TMA like stage 1's C. Registers: S 64, P 32 and O 64 (D = 128) per thread, never all
   live at once: S is dead once P is formed, and O is written only by the PV wgmma (ptxas: 124
   in all, no spills).
-- Speed (make bench, H200, 2026-11-29; see docs/results/h200.md), bf16 (B, H, Sq, Sk, D) =
-  (16, 16, 4096, 128, 128): 367 TFLOP/s, SDPA flash 239 and SDPA cuDNN 398 in the same run. With
-  a single KV tile nothing overlaps: each CTA waits for its loads, computes, and stores.
+- Nothing overlaps yet: with a single KV tile each CTA waits for its loads, computes, and
+  stores.
+
+Q, K, V and O are (B, H, S, D) like torch SDPA (D contiguous), bf16 or fp16, D = 64 or 128; the
+softmax runs in fp32 registers and O is written in the input dtype. All Sk keys fit in one KV
+tile of bN = 128, so each row's softmax is complete after one S tile; longer sequences are
+refused (stage 4 streams KV tiles).
 
 Shapes: B, H, Sq >= 1, 1 <= Sk <= 128, D in {64, 128}.
+
+Measured speed: docs/results/README.md.
 """
 
 import math

@@ -1,7 +1,4 @@
-"""Stage 4 - KV-tile interleaving, V overwrites K (Blackwell). O = softmax(scale * Q K^T) V, any Sk, sm_100a.
-
-Q (B, H, Sq, D), K and V (B, H, Sk, D) in bf16 or fp16, the layout of torch SDPA (D contiguous);
-O (B, H, Sq, D) is written in the input dtype; scale defaults to 1/sqrt(D).
+"""Stage 4 - KV-tile interleaving, V overwrites K (Blackwell, sm_100a). Exact attention, any Sk.
 
 Changes from stage 3:
 - Any Sk: K and V tiles stream through the one ring of kv_slots = 2 slots. A slot holds a K
@@ -14,7 +11,8 @@ Changes from stage 3:
   row_sum over all tiles (when the max grows, the sum so far is multiplied by
   exp(scale * (old max - new max)): one multiply per row per tile). Pass 2 streams K and V:
   S_j again, P_j = exp(scale * (S_j - row_max)) / row_sum in TMEM over S_j, O += P_j V_j.
-  K is read twice: per KV tile 3 tile loads (K, K, V) and 3 tile GEMMs (QK, QK, PV) instead of 2 and 2.
+  K is read twice: per KV tile 3 tile loads (K, K, V) and 3 tile GEMMs (QK, QK, PV) instead
+  of 2 and 2.
 - The division by row_sum folds into the exponent: P_j = exp2(S_j * scale_log2 - (row_max *
   scale_log2 + log2(row_sum))), one FFMA and one exp2 per score as in pass 1. (ptxas,
   2026-12-01: 190 registers, bf16, against 254 with a multiply by 1 / row_sum after the exp2.)
@@ -46,10 +44,9 @@ The hazard, in shared memory (D = 128, bf16, kv_slots = 2; a slot is one 128 x 1
                           barrier)                         the MMA that read entry e-1 there
       QK_j reads slot s: V_j, or half of each              released it
 
-How the ring fails when written the obvious way, and what this stage does instead. The class
-keeps what such a first draft gets right: warps 0-3 softmax, warp 4 MMA, warp 5 TMA (192
-threads); Q loaded once; a 2-slot K/V ring with V viewed over K's shared memory through
-recast_ptr; S, P and O in TMEM; P as the TMEM A operand of the PV MMA.
+Four ways a K/V ring written the obvious way fails, and what this stage does instead (the
+warp roles, Q, the 2-slot ring with V viewed over K's shared memory through recast_ptr, and
+S, P and O in TMEM are as described above):
 1. V_j is loaded into K_j's slot under K_j's barrier, before the QK MMA has read K_j: TMA may
    overwrite K_j while the tensor core reads it, and QK_j finds V_j, or half of each. Here K_j
    and V_j are separate ring entries: V_j lands only in a slot whose previous tile the MMA
@@ -66,15 +63,18 @@ common/tools/schedule.py replays the ring from this class's own attributes for s
 counts, and rejects a model of the faulty ring (1 entry per tile carrying K and V, 2 waits per
 tile, Q + K bytes armed) for each of 1-3 (tests/test_schedule.py).
 
+Q (B, H, Sq, D), K and V (B, H, Sk, D) in bf16 or fp16, the layout of torch SDPA (D contiguous);
+O (B, H, Sq, D) is written in the input dtype; scale defaults to 1/sqrt(D).
+
 Shapes: B, H, Sq, Sk >= 1, D in {64, 128}, as on Hopper. One CTA per (128-row Q tile, head,
 batch); the last Q tile's rows beyond Sq are read as zeros by TMA and not stored (each softmax
 thread owns one row and skips its stores when the row is at or beyond Sq). Dynamic layouts:
 one compile per (dtype, D).
 
-Verification status (2026-12-01): compile-checked for sm_100a here with fake tensors and no GPU,
-through common.tools.ptx.compile_only(stage, "blackwell"), which sets CuTe DSL's target arch to
-sm_100a for the compile; never run on Blackwell hardware. The numerical tests run only where an
-sm_100 GPU is present.
+Compile-checked for sm_100a with fake tensors and no GPU (common.tools.ptx.compile_only(4,
+"blackwell") sets CuTe DSL's target arch for the compile); never run on Blackwell hardware, so
+nothing here is measured. The numerical tests run only where an sm_100 GPU is present.
+Measured numbers (Hopper track only): docs/results/README.md.
 """
 
 import math

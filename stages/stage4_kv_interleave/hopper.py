@@ -1,9 +1,4 @@
-"""Stage 4 - KV-tile interleaving, V overwrites K (Hopper). Exact attention for any Sk, sm_90a.
-
-O = softmax(scale * Q K^T) V for Q (B, H, Sq, D) and K, V (B, H, Sk, D) of any length, bf16 or
-fp16, D = 64 or 128. K and V stream through one shared-memory ring in which V_j lands in the very
-slot K_j occupied. The softmax stays exact without rescaling O: a first pass over all K tiles
-finds each row's max and sum, a second pass recomputes S and accumulates the normalised P @ V.
+"""Stage 4 - KV-tile interleaving, V overwrites K (Hopper, sm_90a). Exact attention, any Sk.
 
 Changes from stage 3:
 - Any Sk: kv_tiles = ceil(Sk / 128) KV tiles (the last one masked when Sk % 128 != 0).
@@ -30,20 +25,22 @@ Changes from stage 3:
   the slot is released, just as full-barrier phase r completes when use r has landed.
 - Shared memory: Q + kv_slots x one tile = 32 + 2 x 32 = 96 KB (D = 128; D = 64: 48 KB) instead
   of Q + K ring + V ring = 32 + 2 x 32 + 2 x 32 = 160 KB for the same two tiles of lookahead.
-  kv_slots = 2 because more did not help: in an earlier timing run (H200, 2026-11-29), 3 slots
-  ran at the same 388 TFLOP/s (bf16, S = 8k, D = 128), and so did 3 and 4 slots in stage 5.
 - Exact softmax in two passes over the KV tiles. Pass 1 (K only): S = Q K^T, running row_max m
   and row_sum l (l is rescaled by exp2((m_old - m_new) * scale_log2) when m grows: two scalars
   per row, O is not involved). Pass 2 (K and V): S again, P = exp2(S * scale_log2 - m *
   scale_log2) / l, the final probabilities, and O += P V; no division at the end. Pass 1 costs a
-  second QK^T and a second exponential per score: about 1.5x the matrix work of one pass.
+  second QK^T and a second exponential per score: about 1.5x the matrix work of one pass
+  (TFLOP/s count 4 B H Sq Sk D FLOPs, so pass 1 is not credited).
 - Registers (ptxas): 174 (D = 128), no spills.
-- Speed (make bench, H200, 2026-11-29; see docs/results/h200.md), bf16, B x S = 16k tokens,
-  H x D = 2048, FLOPs counted as 4 B H Sq Sk D (pass 1 is extra work on top), each line timed in
-  one run: S = 8k, D = 128: 366 TFLOP/s, SDPA flash 345; D = 64: 309 (SDPA flash 303);
-  S = 2k, D = 128: 357 (SDPA flash 340).
+
+O = softmax(scale * Q K^T) V for Q (B, H, Sq, D) and K, V (B, H, Sk, D) of any length, bf16 or
+fp16, D = 64 or 128. K and V stream through one shared-memory ring in which V_j lands in the very
+slot K_j occupied. The softmax stays exact without rescaling O: a first pass over all K tiles
+finds each row's max and sum, a second pass recomputes S and accumulates the normalised P @ V.
 
 Shapes: B, H, Sq, Sk >= 1, D in {64, 128}.
+
+Measured speed: docs/results/README.md (two passes against one: docs/notes/stage4.md).
 """
 
 import math

@@ -1,8 +1,4 @@
-"""Stage 5 - online softmax (Blackwell). O = softmax(scale * Q K^T) V in one pass, plus LSE, sm_100a.
-
-Q (B, H, Sq, D), K and V (B, H, Sk, D) in bf16 or fp16, the layout of torch SDPA (D contiguous);
-O (B, H, Sq, D) is written in the input dtype; scale defaults to 1/sqrt(D). With return_lse the
-entry also returns LSE = logsumexp(scale * Q K^T) (B, H, Sq) in fp32, natural log.
+"""Stage 5 - online softmax (Blackwell, sm_100a). One pass with running max and sum, plus LSE.
 
 Changes from stage 4:
 - One pass over the KV tiles (FlashAttention-2 style): stage 4's statistics pass is gone, so K
@@ -26,14 +22,18 @@ Changes from stage 4:
   and D = 128 alike, no spills, one compile for every Sk. Only the KV tile that crosses Sk
   masks its keys (a run-time branch, as in stage 4).
 
+Q (B, H, Sq, D), K and V (B, H, Sk, D) in bf16 or fp16, the layout of torch SDPA (D contiguous);
+O (B, H, Sq, D) is written in the input dtype; scale defaults to 1/sqrt(D). With return_lse the
+entry also returns LSE = logsumexp(scale * Q K^T) (B, H, Sq) in fp32, natural log.
+
 Shapes: B, H, Sq, Sk >= 1, D in {64, 128}, as on Hopper. One CTA per (128-row Q tile, head,
 batch); the last Q tile's rows beyond Sq are read as zeros by TMA and neither O nor LSE is
 stored for them. Dynamic layouts: one compile per (dtype, D).
 
-Verification status (2026-12-01): compile-checked for sm_100a here with fake tensors and no GPU,
-through common.tools.ptx.compile_only(stage, "blackwell"), which sets CuTe DSL's target arch to
-sm_100a for the compile; never run on Blackwell hardware. The numerical tests run only where an
-sm_100 GPU is present; the speed-up over stage 4 has not been measured.
+Compile-checked for sm_100a with fake tensors and no GPU (common.tools.ptx.compile_only(5,
+"blackwell") sets CuTe DSL's target arch for the compile); never run on Blackwell hardware, so
+nothing here is measured. The numerical tests run only where an sm_100 GPU is present.
+Measured numbers (Hopper track only): docs/results/README.md.
 """
 
 import math

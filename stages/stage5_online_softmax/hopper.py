@@ -1,8 +1,4 @@
-"""Stage 5 - online softmax (Hopper). One-pass attention with running max and sum, sm_90a.
-
-O = softmax(scale * Q K^T) V and, on request, LSE = log(sum_j exp(scale * Q K_j^T)) per row, for
-Q (B, H, Sq, D) and K, V (B, H, Sk, D) of any length, bf16 or fp16, D = 64 or 128: the
-FlashAttention-2 algorithm on the skeleton and the K/V ring of stage 4.
+"""Stage 5 - online softmax (Hopper, sm_90a). One pass with running max and sum.
 
 Changes from stage 4:
 - The statistics pass disappears: K and V are read once. Each KV tile updates the running
@@ -10,8 +6,9 @@ Changes from stage 4:
   P = exp2(S * scale_log2 - m_new * scale_log2) is used at once, unnormalised: O += P V_j.
 - When a tile raises m, the O accumulated so far was computed against the old max. It is
   rescaled in registers before P V_j is added: O *= row_scale = exp2((m_old - m_new) *
-  scale_log2) (1 when m did not grow, 0 on the first tile, where it multiplies an acc_O that was never
-  initialised; harmless, since the first PV wgmma runs with ACCUMULATE off and overwrites it).
+  scale_log2) (1 when m did not grow, 0 on the first tile, where it multiplies an acc_O that
+  was never initialised; harmless, since the first PV wgmma runs with ACCUMULATE off and
+  overwrites it).
   Cost: one multiply per element of O (64 per thread per tile, D = 128) and one exp2 per row.
 - The division moves to the end: O /= l once (as in stage 3), after the quad-sum of l.
 - LSE (fp32, natural log) per row: ln l + m * scale = (m * scale_log2 + log2 l) * ln 2,
@@ -19,14 +16,14 @@ Changes from stage 4:
 - Work per KV tile: 2 wgmma batches (QK^T, PV) and 1 exp2 per score, against stage 4's 3 and 2:
   at Sq = Sk the ideal speed-up over stage 4 is 1.5x.
 - Registers (ptxas): 160 (D = 128), no spills; shared memory as in stage 4 (96 KB at D = 128).
-- Speed (make bench, H200, 2026-11-29; see docs/results/h200.md), bf16, B x S = 16k tokens,
-  H x D = 2048, FLOPs 4 B H Sq Sk D, each line timed in one run: S = 8k, D = 128: 524 TFLOP/s,
-  1.43x stage 4 (366) and 1.52x SDPA flash (345); D = 64: 473 (stage 4 309, SDPA flash 303);
-  S = 2k, D = 128: 489 (SDPA flash 340); S = 16k: 541 (SDPA flash 346). In earlier timing runs
-  the same day (H200, 2026-11-29): fp16, S = 8k, D = 128: 474 (SDPA flash 345); kv_slots = 3
-  and 4 measured 589 and 586 against 590 for 2, so 2 stays.
+
+O = softmax(scale * Q K^T) V and, on request, LSE = log(sum_j exp(scale * Q K_j^T)) per row, for
+Q (B, H, Sq, D) and K, V (B, H, Sk, D) of any length, bf16 or fp16, D = 64 or 128: the
+FlashAttention-2 algorithm on the skeleton and the K/V ring of stage 4.
 
 Shapes: B, H, Sq, Sk >= 1, D in {64, 128}.
+
+Measured speed: docs/results/README.md (against stage 4: docs/notes/stage5.md).
 """
 
 import math

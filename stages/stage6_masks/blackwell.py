@@ -1,17 +1,16 @@
-"""Stage 6 - masks: causal and sliding window, with tile skipping (Blackwell), sm_100a.
-
-O = softmax(scale * Q K^T + mask) V and, on request, LSE per row, for Q (B, H, Sq, D) and K, V
-(B, H, Sk, D) of any length, bf16 or fp16, D = 64 or 128, where query row i sees key j when
-
-    i + (Sk - Sq) - left <= j <= i + (Sk - Sq) + right      (bottom-right aligned)
-
-with window = (left, right), None for an unbounded side, and causal=True meaning right = 0
-(FlashAttention's convention; with Sq != Sk SDPA's is_causal is top-left and differs). In terms
-of d = j - i, the seen keys form the band band_lo <= d <= band_hi, band_lo = Sk - Sq - left,
-band_hi = Sk - Sq + right. An unbounded side is passed as left = Sk or right = Sq (bounds that
-admit every key), so the kernel takes two run-time int32 bounds: one compile serves all masks.
+"""Stage 6 - masks: causal and sliding window, with tile skipping (Blackwell, sm_100a).
 
 Changes from stage 5:
+- The mask, with window = (left, right), None for an unbounded side, and causal=True meaning
+  right = 0: query row i sees key j when
+
+      i + (Sk - Sq) - left <= j <= i + (Sk - Sq) + right      (bottom-right aligned)
+
+  (FlashAttention's convention; with Sq != Sk SDPA's is_causal is top-left and differs). In
+  terms of d = j - i, the seen keys form the band band_lo <= d <= band_hi, band_lo = Sk - Sq -
+  left, band_hi = Sk - Sq + right. An unbounded side is passed as left = Sk or right = Sq
+  (bounds that admit every key), so the kernel takes two run-time int32 bounds: one compile
+  serves all masks.
 - The tile range. Q tile m (rows first_row .. last_row) sees keys first_row + band_lo ..
   last_row + band_hi, clipped to [0, Sk): the KV tiles [kv_tile_lo, kv_tile_hi) of
   kv_tile_range(), computed once before the warps split into roles. The TMA warp loads only
@@ -41,13 +40,16 @@ Changes from stage 5:
   and select per score: with stage 5's one, 161 and 190. Shared memory and TMEM as in stage 5
   (97 KiB at D = 128; 256 columns).
 
+O = softmax(scale * Q K^T + mask) V and, on request, LSE per row, for Q (B, H, Sq, D) and K, V
+(B, H, Sk, D) of any length, bf16 or fp16, D = 64 or 128.
+
 Shapes: B, H, Sq, Sk >= 1, D in {64, 128}; any window bounds >= 0. Dynamic layouts and run-time
 bounds: one compile per (dtype, D).
 
-Verification status (2026-12-01): compile-checked for sm_100a here with fake tensors and no GPU,
-through common.tools.ptx.compile_only(stage, "blackwell"), which sets CuTe DSL's target arch to
-sm_100a for the compile; never run on Blackwell hardware. The numerical tests run only where an
-sm_100 GPU is present; the speed of causal against non-causal has not been measured.
+Compile-checked for sm_100a with fake tensors and no GPU (common.tools.ptx.compile_only(6,
+"blackwell") sets CuTe DSL's target arch for the compile); never run on Blackwell hardware, so
+nothing here is measured. The numerical tests run only where an sm_100 GPU is present.
+Measured numbers (Hopper track only): docs/results/README.md.
 """
 
 import math

@@ -1,17 +1,16 @@
-"""Stage 6 - masks: causal and sliding window, with tile skipping (Hopper), sm_90a.
-
-O = softmax(scale * Q K^T + mask) V and, on request, LSE per row, for Q (B, H, Sq, D) and K, V
-(B, H, Sk, D) of any length, bf16 or fp16, D = 64 or 128, where query row i sees key j when
-
-    i + (Sk - Sq) - left <= j <= i + (Sk - Sq) + right      (bottom-right aligned)
-
-with window = (left, right), None for an unbounded side, and causal=True meaning right = 0
-(FlashAttention's convention; with Sq != Sk SDPA's is_causal is top-left and differs). In terms
-of d = j - i, the seen keys form the band band_lo <= d <= band_hi, band_lo = Sk - Sq - left,
-band_hi = Sk - Sq + right. An unbounded side is passed as left = Sk or right = Sq (bounds that
-admit every key), so the kernel takes two run-time int32 bounds: one compile serves all masks.
+"""Stage 6 - masks: causal and sliding window, with tile skipping (Hopper, sm_90a).
 
 Changes from stage 5:
+- The mask, with window = (left, right), None for an unbounded side, and causal=True meaning
+  right = 0: query row i sees key j when
+
+      i + (Sk - Sq) - left <= j <= i + (Sk - Sq) + right      (bottom-right aligned)
+
+  (FlashAttention's convention; with Sq != Sk SDPA's is_causal is top-left and differs). In
+  terms of d = j - i, the seen keys form the band band_lo <= d <= band_hi, band_lo = Sk - Sq -
+  left, band_hi = Sk - Sq + right. An unbounded side is passed as left = Sk or right = Sq
+  (bounds that admit every key), so the kernel takes two run-time int32 bounds: one compile
+  serves all masks.
 - The tile range. Q tile m (rows first_row .. last_row) sees keys first_row + band_lo ..
   last_row + band_hi, clipped to [0, Sk): the KV tiles [kv_tile_lo, kv_tile_hi) of
   kv_tile_range(). The producer loads only those tiles and the loop runs only over them (the
@@ -28,9 +27,13 @@ Changes from stage 5:
   epilogue keeps O = 0 instead of dividing by it and writes LSE = log(0) = -inf. Never NaN.
 - Registers (ptxas, 2026-12-01): 160 (bf16) and 168 (fp16) at D = 128, 123 and 127 at D = 64,
   no spills (stage 5: 160, 172, 122, 127); shared memory as in stage 5 (97 KiB at D = 128).
-- Speed: see docs/results/ (make bench, causal rows).
+
+O = softmax(scale * Q K^T + mask) V and, on request, LSE per row, for Q (B, H, Sq, D) and K, V
+(B, H, Sk, D) of any length, bf16 or fp16, D = 64 or 128.
 
 Shapes: B, H, Sq, Sk >= 1, D in {64, 128}; any window bounds >= 0.
+
+Measured speed, causal against non-causal: docs/results/README.md (docs/notes/stage6.md).
 """
 
 import math

@@ -1,15 +1,10 @@
-"""Stage 7 - real-model shapes: GQA / MQA and packed variable-length sequences (Blackwell), sm_100a.
-
-attention(q, k, v, ...): Q (B, H, Sq, D), K and V (B, Hkv, Sk, D) with H % Hkv == 0 (Hkv = 1 is
-MQA); query head h reads KV head h // (H // Hkv), as SDPA's enable_gqa. attention_varlen(q, k,
-v, cu_seqlens_q, cu_seqlens_k, ...): FlashAttention's packed layout, q (total_q, H, D), k and v
-(total_k, Hkv, D), sequence b in rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1. Both keep stage 6's
-masks (bottom-right aligned per sequence), LSE, bf16/fp16, D = 64 or 128.
+"""Stage 7 - real-model shapes: GQA / MQA and packed sequences (Blackwell, sm_100a).
 
 Changes from stage 6:
 - The head mapping: the CTA of query head `head` reads K and V of kv_head = head // (H / Hkv),
-  a TMA coordinate - no K or V is copied or expanded. The Hkv query heads of a group read the
-  same K/V tiles, which L2 then serves (32 query / 8 KV heads: each K/V byte is read by 4 CTAs).
+  a TMA coordinate - no K or V is copied or expanded. The H / Hkv query heads of a group read
+  the same K/V tiles, which L2 then serves (32 query / 8 KV heads: each K/V byte is read by 4
+  CTAs).
 - One per-sequence method, seq_info(), gives (offset_q, seqlen_q, offset_k, seqlen_k) to every
   role of the kernel, before the warps split (as kv_tile_range() does). Batch mode: (0, Sq, 0,
   Sk) and the tensors' batch coordinate. Packed: offsets from cu_seqlens, the tensors seen as
@@ -37,15 +32,20 @@ Changes from stage 6:
   head share a Q tile's rows (row r: position r // G of head r % G) where a head's rows alone
   would leave the tile mostly empty (Sq = 1: 1 of 128 rows). Q, O and LSE get (G, S) as their
   row mode, the grid runs over KV heads, the masks take position r // G, and the per-row
-  store and LSE take the row's (g, position) coordinate. Compile-checked only; the Hopper
-  kernel measured 2.3x on decode steps (docs/results/).
+  store and LSE take the row's (g, position) coordinate.
+
+attention(q, k, v, ...): Q (B, H, Sq, D), K and V (B, Hkv, Sk, D) with H % Hkv == 0 (Hkv = 1 is
+MQA); query head h reads KV head h // (H // Hkv), as SDPA's enable_gqa. attention_varlen(q, k,
+v, cu_seqlens_q, cu_seqlens_k, ...): FlashAttention's packed layout, q (total_q, H, D), k and v
+(total_k, Hkv, D), sequence b in rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1. Both keep stage 6's
+masks (bottom-right aligned per sequence), LSE, bf16/fp16, D = 64 or 128.
 
 Shapes: B, H, Hkv, Sq, Sk >= 1 (packed: any lengths >= 0), D in {64, 128}.
 
-Verification status (2026-12-01): compile-checked for sm_100a here with fake tensors and no GPU,
-through common.tools.ptx.compile_only(stage, "blackwell"), which sets CuTe DSL's target arch to
-sm_100a for the compile; never run on Blackwell hardware. The numerical tests run only where an
-sm_100 GPU is present; GQA and packed speed have not been measured.
+Compile-checked for sm_100a with fake tensors and no GPU (common.tools.ptx.compile_only(7,
+"blackwell") sets CuTe DSL's target arch for the compile); never run on Blackwell hardware, so
+nothing here is measured. The numerical tests run only where an sm_100 GPU is present.
+Measured numbers (Hopper track only): docs/results/README.md.
 """
 
 import math

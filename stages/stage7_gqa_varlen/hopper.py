@@ -1,15 +1,10 @@
-"""Stage 7 - real-model shapes: GQA / MQA and packed variable-length sequences (Hopper), sm_90a.
-
-attention(q, k, v, ...): Q (B, H, Sq, D), K and V (B, Hkv, Sk, D) with H % Hkv == 0 (Hkv = 1 is
-MQA); query head h reads KV head h // (H // Hkv), as SDPA's enable_gqa. attention_varlen(q, k,
-v, cu_seqlens_q, cu_seqlens_k, ...): FlashAttention's packed layout, q (total_q, H, D), k and v
-(total_k, Hkv, D), sequence b in rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1. Both keep stage 6's
-masks (bottom-right aligned per sequence), LSE, bf16/fp16, D = 64 or 128.
+"""Stage 7 - real-model shapes: GQA / MQA and packed sequences (Hopper, sm_90a).
 
 Changes from stage 6:
 - The head mapping: the CTA of query head `head` reads K and V of kv_head = head // (H / Hkv),
-  a TMA coordinate - no K or V is copied or expanded. The Hkv query heads of a group read the
-  same K/V tiles, which L2 then serves (32 query / 8 KV heads: each K/V byte is read by 4 CTAs).
+  a TMA coordinate - no K or V is copied or expanded. The H / Hkv query heads of a group read
+  the same K/V tiles, which L2 then serves (32 query / 8 KV heads: each K/V byte is read by 4
+  CTAs).
 - One per-sequence method, seq_info(), gives (offset_q, seqlen_q, offset_k, seqlen_k) to every
   part of the kernel. Batch mode: (0, Sq, 0, Sk) and the tensors' batch coordinate. Packed:
   offsets from cu_seqlens, the tensors seen as B = 1 and S = total tokens, each sequence a
@@ -29,14 +24,20 @@ Changes from stage 6:
 - Pack-GQA (FlashAttention's pack_gqa) for short Sq: with Sq = 1 a 128-row Q tile holds one
   real row. When a head's rows fill its tiles much worse than its group's would (the rule in
   common/pack_gqa.py; for 4 heads per KV head it packs Sq = 1-96, 129-224, 257-320, ..., never
-  a Sq that fills whole tiles), the G = H / Hkv query heads of a KV head share the tile: row r is position r // G of head r % G. Only the
-  layouts of Q, O and LSE change ((G, S) as their row mode, Hkv heads in the grid) and the
-  masks take position r // G. Measured (H200, 2026-12-01, B = 32, 32/8 heads, Sk = 8192,
-  D = 128, causal): Sq = 1 474 us packed against 1091 unpacked, Sq = 16 468 against 1098 (2.3x;
-  FA4 253 and 244, SDPA 238 and 1387). Same O and LSE bit for bit (tested).
-- Speed: see docs/results/ (make bench, GQA and packed rows).
+  a Sq that fills whole tiles), the G = H / Hkv query heads of a KV head share the tile: row r
+  is position r // G of head r % G. Only the layouts of Q, O and LSE change ((G, S) as their
+  row mode, Hkv heads in the grid) and the masks take position r // G. Same O and LSE bit for
+  bit (tested).
+
+attention(q, k, v, ...): Q (B, H, Sq, D), K and V (B, Hkv, Sk, D) with H % Hkv == 0 (Hkv = 1 is
+MQA); query head h reads KV head h // (H // Hkv), as SDPA's enable_gqa. attention_varlen(q, k,
+v, cu_seqlens_q, cu_seqlens_k, ...): FlashAttention's packed layout, q (total_q, H, D), k and v
+(total_k, Hkv, D), sequence b in rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1. Both keep stage 6's
+masks (bottom-right aligned per sequence), LSE, bf16/fp16, D = 64 or 128.
 
 Shapes: B, H, Hkv, Sq, Sk >= 1 (packed: any lengths >= 0), D in {64, 128}.
+
+Measured speed (GQA, packed sequences, decode): docs/results/README.md (docs/notes/stage7.md).
 """
 
 import math
@@ -690,7 +691,7 @@ def attention(q, k, v, scale=None, causal=False, window=None, return_lse=False, 
     None (default) packs where a tile would otherwise be mostly empty, Sq short against the
     128-row tile (decode-like shapes: Sq = 1 uses 1 of 128 rows unpacked, G packed); True /
     False force it. The same answer either way (the same arithmetic per row); the speed is in
-    docs/results/."""
+    docs/results/README.md."""
     return attention_host.attention(
         Sm90Kernel, q, k, v, scale, causal, window, return_lse, pack_gqa
     )

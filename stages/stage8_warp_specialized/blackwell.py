@@ -1,14 +1,12 @@
-"""Stage 8 - warp specialisation (Blackwell), sm_100a: two Q tiles per CTA, two softmax
+"""Stage 8 - warp specialisation (Blackwell, sm_100a): two Q tiles per CTA, two softmax
 warpgroups, a correction warpgroup, O through shared memory and a TMA store.
 
-Same entries and features as stage 7 (GQA / MQA, packed sequences, causal and window masks,
-LSE, pack-GQA, bf16 / fp16, D = 64 or 128).
-
-Changes from stage 7, and why. In stage 7 one CTA owns one 128-row Q tile, and its tensor core
-waits for the softmax of that tile twice per KV tile: S_j = Q K_j^T cannot start before P_(j-1)
-has been multiplied (P lives in S's columns), and P_j @ V_j cannot start before the softmax
-warps have written P_j and rescaled O. While the softmax runs, nothing else is queued. Stage 8
-gives each CTA two Q tiles (2 x 128 rows) and one more warpgroup per job, as FA4 does:
+Changes from stage 7:
+- Why: in stage 7 one CTA owns one 128-row Q tile, and its tensor core waits for the softmax
+  of that tile twice per KV tile: S_j = Q K_j^T cannot start before P_(j-1) has been
+  multiplied (P lives in S's columns), and P_j @ V_j cannot start before the softmax warps
+  have written P_j and rescaled O. While the softmax runs, nothing else is queued. Stage 8
+  gives each CTA two Q tiles (2 x 128 rows) and one more warpgroup per job, as FA4 does.
 - Q tile s (s = 0, 1) has its own S_s, P_s (over S_s) and O_s in TMEM: columns S_0 0-127,
   S_1 128-255, O_0 256 .. 256 + D - 1, O_1 after it; 512 columns allocated (D = 128 uses all
   512, D = 64 384 of them).
@@ -26,8 +24,8 @@ gives each CTA two Q tiles (2 x 128 rows) and one more warpgroup per job, as FA4
   shared memory (128 x D, 128-byte swizzled) and from there by one TMA store per Q tile (TMA
   clips at Sq); for packed sequences and pack-GQA by stage 7's predicated per-row stores, since
   a TMA box would write the rows past a sequence, which are the next sequence's.
-- Warp 12 is the MMA warp, warp 13 the TMA warp, both the seed's; warps 14-15 only complete the
-  fourth warpgroup. setmaxnreg applies to whole warpgroups: the softmax warpgroups take 168
+- Warp 12 is the MMA warp, warp 13 the TMA warp (one each, as in stages 1-7); warps 14-15
+  only complete the fourth warpgroup. setmaxnreg applies to whole warpgroups: the softmax warpgroups take 168
   registers per thread, the correction warpgroup 80, the MMA/TMA warpgroup 96
   ((2 x 168 + 80 + 96) x 128 threads = 65536, the register file; at launch each thread gets
   65536 / 512 = 128). FA4's 192 / 80 / 48 made ptxas (CUDA 13.0) spill 384 bytes at D = 128;
@@ -43,13 +41,15 @@ gives each CTA two Q tiles (2 x 128 rows) and one more warpgroup per job, as FA4
   complete before it overwrites P_s): what stage 9 changes where TMEM has room for P of its
   own (D = 64).
 
-What is not measured: no Blackwell GPU has run this file, so neither its speed nor what the two
-Q tiles gain over stage 7 is known.
+Same entries and features as stage 7 (GQA / MQA, packed sequences, causal and window masks,
+LSE, pack-GQA, bf16 / fp16, D = 64 or 128).
 
-Verification status (2026-12-01): compile-checked for sm_100a here with fake tensors and no GPU
-(common.tools.ptx.compile_only(8, "blackwell")); PTX checks and a CPU model of every hand-off
-between the five roles (common/tools/schedule.py, cta_schedule_two_tiles) in tests; never run on
-Blackwell hardware. The numerical tests run only where an sm_100 GPU is present.
+Compile-checked for sm_100a with fake tensors and no GPU (common.tools.ptx.compile_only(8,
+"blackwell")); PTX checks and a CPU model of every hand-off between the five roles
+(common/tools/schedule.py, cta_schedule_two_tiles) in tests; never run on Blackwell hardware,
+so neither its speed nor what the two Q tiles gain over stage 7 is known. The numerical tests
+run only where an sm_100 GPU is present. Measured numbers (Hopper track only):
+docs/results/README.md.
 """
 
 import math
@@ -89,8 +89,8 @@ class Sm100Kernel:
         self.cta_group = tcgen05.CtaGroup.ONE  # one CTA per MMA (no 2-CTA pairs)
         self.cluster_shape_mn = (1, 1)
         # Warp roles: softmax warpgroup s (s = 0, 1) owns the rows of Q tile s; the correction
-        # warpgroup rescales O and stores it; the MMA and TMA warps are the seed's; warps 14-15
-        # only complete the fourth warpgroup (setmaxnreg acts on whole warpgroups).
+        # warpgroup rescales O and stores it; one MMA warp and one TMA warp as in stages 1-7;
+        # warps 14-15 only complete the fourth warpgroup (setmaxnreg acts on whole warpgroups).
         self.softmax_warp_ids = ((0, 1, 2, 3), (4, 5, 6, 7))
         self.correction_warp_ids = (8, 9, 10, 11)
         self.mma_warp_id = 12

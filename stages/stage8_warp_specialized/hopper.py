@@ -1,4 +1,4 @@
-"""Stage 8 - warp specialisation (Hopper), sm_90a.
+"""Stage 8 - warp specialisation (Hopper, sm_90a).
 
 Changes from stage 7:
 - Warp roles: 384 threads (512 at D = 64: below). Warpgroup 0 is the producer: one elected
@@ -20,48 +20,37 @@ Changes from stage 7:
 - Ping-pong (FlashAttention-3's warp-scheduler barriers): named barriers 2 and 3 (2, 3 and 4 with
   three consumer warpgroups, the turns going round) hand the tensor cores from one consumer
   warpgroup to the next, so that one's softmax runs while another's GEMMs hold them. A turn is
-  the PV of one tile and the QK^T of the next, issued back to back, one wait after both: +2 to
-  +5% at D = 128, -1 to +1% at D = 64 against waiting for PV_j before issuing QK_{j+1} (H200,
-  2026-12-02; docs/results/stage8_back_to_back_h200_2026-12-02.md). wait_turn / pass_turn
-  count every barrier in their comments; the consumers' own syncs use named barrier 1.
+  the PV of one tile and the QK^T of the next, issued back to back, one wait after both (rather
+  than a wait for PV_j before QK_{j+1} is issued). wait_turn / pass_turn count every barrier in
+  their comments; the consumers' own syncs use named barrier 1.
 - Three consumer warpgroups at D = 64 (a 192-row Q tile; pack-GQA needs G to divide 192): D = 64
-  is bound by the exponentials; a third computing warpgroup gains +1 to +20% (H200, 2026-12-02).
+  is bound by the exponentials, and a third warpgroup computes them while two others hold the
+  tensor cores.
 - Short masks keep two (launch_options): where a causal or window mask leaves no row more than
-  1024 keys, a 192-row tile does more masked work, -13% at causal S = 1k (H200, 2026-12-02).
-- Persistent CTAs (2026-12-02): a grid of at most one CTA per SM walks work tiles (a Q tile of
-  one (head, sequence)) in a loop, paying its set-up once per SM and loading the next tile during
-  this one's last GEMMs and epilogue. The tile scheduler: no mask (batch mode), CTA c takes tiles
+  SHORT_MASK_KEYS = 1024 keys, a 192-row tile would do more masked work.
+- Persistent CTAs: a grid of at most one CTA per SM walks work tiles (a Q tile of one (head,
+  sequence)) in a loop, paying its set-up once per SM and loading the next tile during this
+  one's last GEMMs and epilogue. The tile scheduler: no mask (batch mode), CTA c takes tiles
   c, c + gridDim.x, ...; under a mask and for packed sequences, the producer draws the next from
   an atomic counter (next_tile) and hands it to the consumers with Q (q_full, q_empty). Longest
   first, under a mask in sections of (head, sequence) pairs whose K and V fit in the 50 MB L2
   (tile_coords). O has a buffer of its own (32 KB at D = 128, 24 KB at D = 64), so the next Q
-  lands while O is stored. H200, 2026-12-02: D = 64 causal +7 to +10%, but slower at D = 128,
-  S = 16k (docs/results/stage8_persistent_h200_2026-12-02.md).
+  lands while O is stored.
 - A kernel without the mask code for launches that mask nothing (no causal or window cut, batch
-  mode, Sk a multiple of 128: edge_masks=False): +6.7% at D = 128, S = 8k and 16k, +2.4% at
-  D = 64, 8k (H200, 2026-12-03; its unused branch kept values live across the loop).
-- A K/V slot released by one elected lane per consumer warp (common/kv_ring.py), not by lane 0,
-  whose predicate ptxas rebuilt at every tile: -0.2% at D = 128, S = 8k, +1.3% at D = 64, 8k
-  (H200, 2026-12-03).
+  mode, Sk a multiple of 128: edge_masks=False): the unused branch would keep values live
+  across the loop.
+- A K/V slot is released by one elected lane per consumer warp (common/kv_ring.py,
+  release_slot), not by lane 0, whose predicate ptxas rebuilds at every tile.
 - Not changed: tiles, masks, the online softmax, the epilogue. Each warpgroup runs stage 7's
   arithmetic on its rows, so O and LSE are meant to be stage 7's bit for bit (tested).
-- Speed: make bench on the H200, 2026-12-04, bf16, paper shapes, event-timed, stage 8 / FA4 at
-  S = 2k, 4k, 8k, 16k: D = 128 non-causal 0.99, 0.99, 0.93, 1.00, causal 0.88, 0.95, 0.95, 0.93;
-  D = 64 non-causal 0.95, 0.94, 0.94, 0.96, causal 0.90, 0.91, 0.92, 0.90
-  (docs/results/bench_h200_2026-12-04.md; the FlashAttention-3 paper's warp-specialisation-only
-  step was 582/661 = 0.88 of its full kernel).
-- Tried and dropped (H200, 2026-12-02 and 2026-12-03): waiting for PV_j before issuing QK_{j+1}
-  (the paper's warp-specialisation step); two consumer warpgroups at D = 64 (0.74-0.90x FA4);
-  one CTA per Q tile, O over Q with 6 / 12 slots; O over Q, persistent (no faster at D = 128,
-  S = 8k, 16k); under a mask, head by head, Q tiles in order or reversed (D = 64 causal 16k:
-  457 and 478 TFLOP/s, sectioned 484-495); the mask code in every launch; the pipeline's lane-0
-  consumer_release. Details and numbers: docs/results/stage8_hopper_notes.md.
 
 attention(q, k, v, ...) and attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...) as in
 stage 7: GQA / MQA, packed sequences, causal and window masks (bottom-right aligned per
 sequence), LSE, bf16/fp16, D = 64 or 128, and stage 7's pack-GQA for short Sq.
 
 Shapes: B, H, Hkv, Sq, Sk >= 1 (packed: any lengths >= 0), D in {64, 128}.
+
+Measured speed: docs/results/README.md; what each choice gains: docs/notes/stage8.md.
 """
 
 import math
@@ -158,8 +147,8 @@ class Sm90Kernel:
         the launch masks no element: no causal or window cut, batch mode (packed, a sequence's
         last tile may end inside it; `packed`) and Sk a multiple of the 128-key tile. {}
         otherwise. A 192-row tile does more of the masked work where the visible band is short;
-        the mask code costs registers and time even where no tile takes it (the docstring's
-        numbers)."""
+        the mask code costs registers and time even where no tile takes it (measured:
+        docs/notes/stage8.md)."""
         masked = window_left < seqlen_k or window_right < seqlen_q
         keys = min(seqlen_k, window_left + window_right + 1)
         if head_dim == 64 and masked and keys <= Sm90Kernel.SHORT_MASK_KEYS and 64 % group == 0:
@@ -1134,7 +1123,7 @@ def attention(q, k, v, scale=None, causal=False, window=None, return_lse=False, 
     None (default) packs where a tile would otherwise be mostly empty, Sq short against the
     128-row tile (decode-like shapes: Sq = 1 uses 1 of 128 rows unpacked, G packed); True /
     False force it. The same answer either way (the same arithmetic per row); the speed is in
-    docs/results/."""
+    docs/results/README.md."""
     return attention_host.attention(
         Sm90Kernel, q, k, v, scale, causal, window, return_lse, pack_gqa
     )

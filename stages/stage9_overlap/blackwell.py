@@ -1,11 +1,8 @@
-"""Stage 9 - overlap inside the loop (Blackwell), sm_100a: the MMA warp issues QK of the next KV
+"""Stage 9 - overlap inside the loop (Blackwell, sm_100a): the MMA warp issues QK of the next KV
 tile right behind the PV of the last one (D = 64), and O is rescaled only when a row's max has
 grown by more than 2^8.
 
-Same entries and features as stages 7-8 (GQA / MQA, packed sequences, causal and window masks,
-LSE, pack-GQA, bf16 / fp16, D = 64 or 128).
-
-Changes from stage 8, and why:
+Changes from stage 8:
 - The MMA warp's order, FA4's mma(). Stage 8 issues per KV tile j: S_0,j, S_1,j, then
   P_0,j V_j, P_1,j V_j, so P_s,j @ V_j waits for softmax warpgroup s's P_s,j, and while one
   warpgroup computes its P the tensor core has at most one GEMM queued. Stage 9 issues, for
@@ -24,7 +21,7 @@ Changes from stage 8, and why:
     once P_s,j-1 @ V_j-1 has completed (its tcgen05.commit). Right behind that PV the wait
     would leave the tensor core with nothing queued, twice per KV tile, so at D = 128 this
     stage keeps stage 8's order (QK_0, QK_1, PV_0, PV_1), in which each such wait has the other
-    tile's GEMM queued. FA4 issues FA4's order without the wait, trusting the tensor core to
+    tile's GEMM queued. FA4 issues this order without the wait, trusting the tensor core to
     run one thread's MMAs in order; this tutorial keeps to what PTX promises. The way to FA4's
     order at D = 128 within it: split S_s,j into two N = 64 halves, issue the half whose
     columns P does not use (keys 64-127) right behind the PV, and wait only before the other.
@@ -37,18 +34,20 @@ Changes from stage 8, and why:
   for normal values (a floating-point format's relative step does not depend on the
   magnitude; with a lower reference P is larger, so fp16 has fewer subnormals, not more),
   nothing overflows (fp16's largest finite value is 65504 > 2^8), and the row sum (fp32, at
-  most 2^8 x Sk) and O (fp32) keep their relative precision; O and LSE are computed against the same m_ref, so the answer is
-  softmax(S) V up to those roundings. tests/test_stage9_blackwell.py checks this on a model
+  most 2^8 x Sk) and O (fp32) keep their relative precision; O and LSE are computed against
+  the same m_ref, so the answer is softmax(S) V up to those roundings. tests/test_stage9_blackwell.py checks this on a model
   of the per-row arithmetic (P never above 2^8, error as with threshold 0, also when the max
   creeps up by just under 8 units per tile for hundreds of tiles).
 
-What is not measured: no Blackwell GPU has run this file; how often rows skip the rescale on
-real data, and what the new order gains, are open.
+Same entries and features as stages 7-8 (GQA / MQA, packed sequences, causal and window masks,
+LSE, pack-GQA, bf16 / fp16, D = 64 or 128).
 
-Verification status (2026-12-01): compile-checked for sm_100a here with fake tensors and no GPU
-(common.tools.ptx.compile_only(9, "blackwell")); PTX checks and the schedule checker's model of
-the five roles in the new MMA order (common/tools/schedule.py) in tests; never run on Blackwell
-hardware. The numerical tests run only where an sm_100 GPU is present.
+Compile-checked for sm_100a with fake tensors and no GPU (common.tools.ptx.compile_only(9,
+"blackwell")); PTX checks and the schedule checker's model of the five roles in the new MMA
+order (common/tools/schedule.py) in tests; never run on Blackwell hardware, so how often rows
+skip the rescale on real data, and what the new order gains, are open. The numerical tests
+run only where an sm_100 GPU is present. Measured numbers (Hopper track only):
+docs/results/README.md.
 """
 
 import math
@@ -88,8 +87,8 @@ class Sm100Kernel:
         self.cta_group = tcgen05.CtaGroup.ONE  # one CTA per MMA (no 2-CTA pairs)
         self.cluster_shape_mn = (1, 1)
         # Warp roles: softmax warpgroup s (s = 0, 1) owns the rows of Q tile s; the correction
-        # warpgroup rescales O and stores it; the MMA and TMA warps are the seed's; warps 14-15
-        # only complete the fourth warpgroup (setmaxnreg acts on whole warpgroups).
+        # warpgroup rescales O and stores it; one MMA warp and one TMA warp as in stages 1-7;
+        # warps 14-15 only complete the fourth warpgroup (setmaxnreg acts on whole warpgroups).
         self.softmax_warp_ids = ((0, 1, 2, 3), (4, 5, 6, 7))
         self.correction_warp_ids = (8, 9, 10, 11)
         self.mma_warp_id = 12

@@ -1,21 +1,21 @@
-"""Stage 9 - overlap inside the loop (Hopper), sm_90a.
+"""Stage 9 - overlap inside the loop (Hopper, sm_90a).
 
 Changes from stage 8:
 - Software pipelining inside each consumer warpgroup (FlashAttention-3's intra-warpgroup
-  overlap). In stage 8 a warpgroup's own work is serial: QK_j, wait, softmax_j, PV_j; its
-  exponentials run only while the other warpgroup holds the tensor cores. Stage 9 issues QK_j
-  and then PV_{j-1} as one turn and runs softmax_j while PV_{j-1} is still on the tensor cores:
+  overlap; its paper reports +14% for this step on an H100). In stage 8 a warpgroup's own work
+  is serial: QK_j, wait, softmax_j, PV_j; its exponentials run only while the other warpgroup
+  holds the tensor cores. Stage 9 issues QK_j and then PV_{j-1} as one turn and runs softmax_j
+  while PV_{j-1} is still on the tensor cores:
     prologue: QK_lo, wait, softmax_lo, P_lo
     step j:   QK_j, PV_{j-1}, wait for QK_j (wait_group 1), softmax_j, wait for PV_{j-1}
               (wait_group 0), O *= row_scale_j, P_j
     last:     PV_{hi-1}, wait
-- Where the wait lands: ptxas moves a wgmma wait up to the top of its block (sm_90a SASS, the
-  DSL's CUDA 13 build, 2026-12-02), ahead of the row max and the 66 exponentials, so only the
-  mask ran under PV_{j-1}. At D = 128 the row max (and row_scale) comes first, then a branch on
-  an always-true, warp-uniform test that neither compiler can fold (always_true_after: inline
-  PTX, setp and vote.any), and behind it the wait, the exponentials, O *= row_scale and P_j:
-  S = 8k +2.5 / +1.8%, causal 8k +1.8 / +2.1% (H200, 2026-12-02, bf16, GPU time, two runs).
-  D = 64 keeps the PTX order: there the row max ahead ran 5-6% slower (same day; max_before_wait).
+- Where the wait lands: ptxas moves a wgmma wait up to the top of its block (sm_90a SASS of
+  the DSL's CUDA 13 build), ahead of the row max and the 66 exponentials, so in the plain PTX
+  order only the mask runs under PV_{j-1}. At D = 128 (max_before_wait) the row max (and
+  row_scale) comes first, then a branch on an always-true, warp-uniform test that neither
+  compiler can fold (always_true_after: inline PTX, setp and vote.any), and behind it the
+  wait, the exponentials, O *= row_scale and P_j. D = 64 keeps the PTX order.
 - Registers: two S-sized sets live across the GEMMs, acc_S (S_j, 64 fp32 per thread) and tOrP
   (P_{j-1}, 32 registers of bf16 pairs), next to acc_O (D / 2 fp32), in the 240 registers per
   consumer thread from setmaxnreg: nvdisasm counts 207 (batch, D = 128; packed 201; D = 64 206
@@ -27,39 +27,25 @@ Changes from stage 8:
 - The same operations on O in the same order (O *= row_scale_j, then O += P_j V_j), so O and
   LSE are stage 8's bit for bit (tested).
 - Three consumer warpgroups at D = 64, as stage 8 (FlashAttention-3's configuration): a 192-row
-  Q tile, setmaxnreg 24 / 160, 156-157 registers, no spills (sm_90a, 2026-12-01); against two,
-  non-causal +4-28%, causal +4-16% from 2k (H200, 2026-12-01, bf16). Short masks (<= 1024 keys
-  per query row) keep two, as stage 8 (launch_options): causal S = 512 +11%, 1k +10%, 2k -5%
-  against three (H200, 2026-12-02, bf16).
+  Q tile, setmaxnreg 24 / 160, 156-157 registers, no spills (sm_90a, 2026-12-01). Short masks
+  (<= SHORT_MASK_KEYS = 1024 keys per query row) keep two, as stage 8 (launch_options).
 - The mask of an edge tile is one interval of columns per row, [col_lo, col_hi), against each
   element's column offset, a constant of the layout (mask_keys): two compares per element where
-  stage 8 made three; the same elements (tested); D = 64 causal +1-4% (H200, 2026-12-01).
-  Launches that mask nothing take a kernel without the mask code at D = 64 only (with stage 8's
-  elected slot release, release_slot: +1.3 to +6.0%), not at D = 128 (-1.0 to -3.0% in 5 of 6
-  rows; H200, 2026-12-03; launch_options).
-- The SASS against FA4's (sm_90a, bf16, S = 16k, 2026-12-02): the GEMMs index the ring slot
-  before the k-blocks (issue_qk, issue_pv: 473 instructions per warp and KV tile at D = 128
-  against 501, FA4 457) and at D = 128 the row max runs in four fmax chains (quad_row_max, 4
-  fewer: 469): 651 -> 680 TFLOP/s at S = 16k (H200, 2026-12-02; FA4 690). At D = 64 the chains ran
-  1.3-6.3% slower: it keeps the reduce (fmax_row_max).
-- Persistent CTAs, the tile scheduler and the tile order are stage 8's (started here, 2026-12-01).
-- Speed (make bench on the H200, 2026-12-04, bf16, paper shapes, stage 9 / FA4 in GPU time,
-  S = 1k ... 16k; docs/results/bench_h200_2026-12-04.md): D = 128 non-causal 1.04, 1.01, 0.99,
-  0.99, 0.98, causal 1.04, 1.02, 1.01, 1.01, 1.00; D = 64 non-causal 1.04, 1.02, 1.00, 0.99,
-  0.97, causal 1.09, 0.96, 0.96, 0.96, 0.96. The ablation that day (D = 128, S = 8k non-causal,
-  event-timed): stage 5 523 -> stage 8 657 -> stage 9 670 TFLOP/s (FA4 709); FlashAttention-3's
-  paper: +14% for this step on an H100.
-- Tried and dropped (slower on the H200, or spilling, 2026-12-01 to 2026-12-03): a peeled
-  mask-free loop or the loop step in two copies; the row max's quad shuffle as fmax at D = 64;
-  the row max inside the mask branch; more exponentials ahead of the wait; the test per thread
-  without the vote; two compares against bounds per Q tile; a right-edge-only mask. Details and
-  numbers: docs/results/stage9_hopper_notes.md.
+  stage 8 made three; the same elements (tested). Launches that mask nothing take a kernel
+  without the mask code at D = 64 only (with stage 8's elected slot release, release_slot), not
+  at D = 128, where the kernel with the mask code is the faster (launch_options).
+- Fewer instructions per KV tile: the GEMMs index the ring slot once, before the k-blocks
+  (issue_qk, issue_pv), and at D = 128 the row max runs in four independent fmax chains
+  (quad_row_max, fmax_row_max), as FA4's; D = 64 keeps the reduce.
+- Persistent CTAs, the tile scheduler and the tile order are stage 8's.
 
 attention(q, k, v, ...) and attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...) as in
 stage 7: GQA / MQA, packed sequences, causal and window masks (bottom-right aligned per
 sequence), LSE, bf16/fp16, D = 64 or 128, and stage 7's pack-GQA for short Sq.
 
 Shapes: B, H, Hkv, Sq, Sk >= 1 (packed: any lengths >= 0), D in {64, 128}.
+
+Measured speed: docs/results/README.md; what each choice gains: docs/notes/stage9.md.
 """
 
 import math
@@ -137,7 +123,7 @@ class Sm90Kernel:
         self.uses_tile_counter = True
         # D = 128: the row max of S_j before the wait for PV_{j-1}, the exponentials after it,
         # in a block ptxas cannot hoist the wait out of (see the kernel and the docstring);
-        # D = 64 (three consumer warpgroups) ran 5-6% slower that way and keeps the PTX order.
+        # D = 64 (three consumer warpgroups) keeps the PTX order (docs/notes/stage9.md).
         self.max_before_wait = head_dim == 128
         self.fmax_row_max = head_dim == 128  # quad_row_max: see the module docstring
         # False: compiled without the element-mask code, for launches that mask nothing
@@ -161,8 +147,8 @@ class Sm90Kernel:
         and G = H / Hkv divides 64 (then both tiles, 128 and 192 rows, allow the same pack-GQA
         choices: the argument checks do not depend on the lengths). {"edge_masks": False} at
         D = 64 where the launch masks no element (stage 8's rule: no causal or window cut, batch
-        mode, Sk a multiple of the 128-key tile); at D = 128 this stage ran 1-3% faster with
-        the mask code than without it (measured; the docstring). {} otherwise."""
+        mode, Sk a multiple of the 128-key tile); at D = 128 this stage keeps the mask code,
+        which measured faster there (docs/notes/stage9.md). {} otherwise."""
         masked = window_left < seqlen_k or window_right < seqlen_q
         keys = min(seqlen_k, window_left + window_right + 1)
         if head_dim == 64 and masked and keys <= Sm90Kernel.SHORT_MASK_KEYS and 64 % group == 0:
@@ -1212,7 +1198,7 @@ class Sm90Kernel:
         """m = max(init, max_c S[r, c]) over this thread's columns, then over the 4 threads of
         the quad. With fmax_row_max (D = 128) in four independent chains of fmax (FMNMX, which
         ignores a NaN operand; a NaN in S still makes P, row_sum and O NaN), as FA4 does; else
-        TensorSSA.reduce (FMNMX.NAN), stages 3-8's form. Measured in the module docstring."""
+        TensorSSA.reduce (FMNMX.NAN), stages 3-8's form (measured: docs/notes/stage9.md)."""
         m_new = init
         if cutlass.const_expr(self.fmax_row_max):
             n = cute.size(acc_S_mn, mode=[1])
@@ -1301,8 +1287,9 @@ def attention(q, k, v, scale=None, causal=False, window=None, return_lse=False, 
     None (default) packs where a tile would otherwise be mostly empty, Sq short against the
     Q tile (128 rows, 192 at D = 64 but 128 under a mask of at most 1024 keys per row with G
     dividing 64;
-    decode-like shapes: Sq = 1 uses 1 row unpacked, G packed); True / False force it (True needs G to divide the tile's rows). The same answer either way (the same arithmetic per row); the speed is in
-    docs/results/."""
+    decode-like shapes: Sq = 1 uses 1 row unpacked, G packed); True / False force it (True
+    needs G to divide the tile's rows). The same answer either way (the same arithmetic per
+    row); the speed is in docs/results/README.md."""
     return attention_host.attention(
         Sm90Kernel, q, k, v, scale, causal, window, return_lse, pack_gqa
     )
