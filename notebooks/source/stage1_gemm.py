@@ -42,7 +42,7 @@ while not os.path.isdir(os.path.join(ROOT, "common")) and os.path.dirname(ROOT) 
 sys.path.insert(0, ROOT)
 
 from common.tools import notebook as nb  # noqa: E402
-from common.tools import plots  # noqa: E402
+from notebooks.figures import stage1 as figures  # noqa: E402
 
 nb.start(1)
 
@@ -141,7 +141,7 @@ for name, kind in nb.outline(1, "hopper"):
 
 # %%
 cfg = nb.show_config(1, "hopper")
-fig = plots.gemm_tiling(M=1024, N=1024, K=512, tile=cfg.get("cta_tile", (128, 256, 64)))
+fig = figures.gemm_tiling(M=1024, N=1024, K=512, tile=cfg.get("cta_tile", (128, 256, 64)))
 
 # %% [markdown]
 # Each CTA reads a row panel of A and a row panel of B (drawn transposed, on top) one K tile at a
@@ -203,7 +203,7 @@ nb.show_source(1, "hopper", section="# 1.")
 layouts = nb.trace_layouts(
     1, "hopper", ["mA", "gA", "tAgA", "tAsA", "sA", "tCrA", "tCrB", "acc"], shape=(1024, 1024, 1024)
 )
-fig = plots.prepare_views(
+fig = figures.prepare_views(
     cta_tile=cfg.get("cta_tile", (128, 256, 64)),
     ab_buffers=cfg.get("ab_buffers", 4),
     mma_warpgroups=cfg.get("mma_warpgroups", 2),
@@ -245,7 +245,7 @@ print(
 # `slot_state(slot, 1)`.
 
 # %%
-fig = plots.barrier_phases(uses=3)
+fig = figures.barrier_phases(uses=3)
 
 # %% [markdown]
 # > **Trace time and run time.** `cute.compile` runs the Python of `__call__` and `kernel` once,
@@ -296,15 +296,15 @@ print(
 # pays for it, and it is why the tiles are 1024-byte aligned (`smem_align`).
 
 # %%
-fig = plots.swizzle_128b(rows=8)
+fig = figures.swizzle_128b(rows=8)
 
 # Where does element (row 5, k = 20) of a bf16 K tile live?
 row, k = 5, 20
 chunk = k * 2 // 16
-byte = plots.swizzle(row * 128 + k * 2)
+byte = figures.swizzle(row * 128 + k * 2)
 print(
     f"element (row {row}, k {k}) is in logical chunk {chunk}, stored in chunk "
-    f"{plots.swizzle_128b_chunk(row, chunk)} of its row: byte {byte} of the 1 KB swizzle atom "
+    f"{figures.swizzle_128b_chunk(row, chunk)} of its row: byte {byte} of the 1 KB swizzle atom "
     f"(row-major would be byte {row * 128 + k * 2})"
 )
 
@@ -327,7 +327,7 @@ print(
 # the stage's `ab_buffers`, on one time axis: with 2, the tensor cores wait for every load.
 
 # %%
-fig = plots.gemm_pipeline_timeline(
+fig = figures.gemm_pipeline_timeline(
     ab_buffers=(2, cfg.get("ab_buffers", 4)), k_tiles=10, load_time=3.0, mma_time=1.0
 )
 
@@ -353,18 +353,18 @@ nb.show_source(1, "hopper", names=["Sm90Kernel.load_tiles"])
 # reduces rows.
 
 # %%
-fig = plots.wgmma_accumulator_layout(n=32, thread=5)
+fig = figures.wgmma_accumulator_layout(n=32, thread=5)
 
 # The picture is drawn from CuTe's thread-value layout of the atom; check it against the rule above.
 n = cfg.get("cta_tile", (128, 256, 64))[1]
 for t in range(128):
     w, lane = divmod(t, 32)
-    for v, r, c in plots.wgmma_c_coords(t, n):
+    for v, r, c in figures.wgmma_c_coords(t, n):
         i, j = divmod(v, 4)  # register v = 4 i + j
         assert r == 16 * w + lane // 4 + 8 * (j // 2) and c == 2 * (lane % 4) + 8 * i + j % 2
 print(
-    f"64 x {n} accumulator ({plots.layout_str(*plots.wgmma_c_tv(n))}): "
-    f"{len(plots.wgmma_c_coords(0, n))} fp32 registers per thread, the rule holds for all 128 threads"
+    f"64 x {n} accumulator ({figures.layout_str(*figures.wgmma_c_tv(n))}): "
+    f"{len(figures.wgmma_c_coords(0, n))} fp32 registers per thread, the rule holds for all 128 threads"
 )
 
 # %% [markdown]
@@ -418,7 +418,7 @@ report = nb.compile_summary(1, "hopper")
 # `tcgen05` instructions. Their numerics are tested only where an sm_100 GPU exists.
 
 # %%
-fig = plots.blackwell_warp_roles(stage=1)
+fig = figures.blackwell_warp_roles(stage=1)
 fig = nb.show_tmem(1)
 
 # %%
@@ -461,8 +461,8 @@ fig = nb.error_picture(1, result)
 # TFLOP/s = $2MNK$ / time, medians of CUDA-event timings after warm-up, inputs rotated so that they
 # do not stay in L2, cuBLAS (`torch.matmul`) timed in the same run. **Expected:** `make bench`
 # measured 784 TFLOP/s for stage 1 against cuBLAS's 690 at $8192^3$ and 758 against 774 at
-# $4096^3$ (H200, 2026-11-29, bf16; `docs/results/h200.md`); across that day's runs the two were
-# within 0.97-1.14x of each other, so expect "about as fast as cuBLAS" (the H100/H200 datasheet
+# $4096^3$ (H200, 2026-11-29, bf16; `docs/results/bench_h200_2026-11-29.md`); across that
+# day's runs the two were within 0.97-1.14x of each other, so expect "about as fast as cuBLAS" (the H100/H200 datasheet
 # peak for dense bf16 is 989). Numbers drift between runs and machines, so the table below - this
 # run - is what to compare; its last column is stage 1's speed over each kernel (above 1: stage 1
 # is faster).
@@ -570,13 +570,13 @@ bench = nb.measure(1, [(4096, 4096, 4096), (8192, 8192, 8192)])
 # Exercise 2: every (thread, register) of warpgroup 0 holding row 37, column 100 of its 64 x 256
 # accumulator (warpgroup 0 owns rows 0-63 of the tile, so its thread numbers are the CTA's).
 hits = [
-    (t, v) for t in range(128) for v, r, c in plots.wgmma_c_coords(t, 256) if (r, c) == (37, 100)
+    (t, v) for t in range(128) for v, r, c in figures.wgmma_c_coords(t, 256) if (r, c) == (37, 100)
 ]
 print("(thread, register d<v>):", hits)
 
 # Exercise 3: element (row 13, k = 41).
 row, k = 13, 41
 print(
-    f"logical chunk {k * 2 // 16} -> stored chunk {plots.swizzle_128b_chunk(row, k * 2 // 16)}: "
-    f"byte {plots.swizzle(row * 128 + k * 2)} of the tile"
+    f"logical chunk {k * 2 // 16} -> stored chunk {figures.swizzle_128b_chunk(row, k * 2 // 16)}: "
+    f"byte {figures.swizzle(row * 128 + k * 2)} of the tile"
 )

@@ -34,7 +34,7 @@ while not os.path.isdir(os.path.join(ROOT, "common")) and os.path.dirname(ROOT) 
 sys.path.insert(0, ROOT)
 
 from common.tools import notebook as nb  # noqa: E402
-from common.tools import plots  # noqa: E402
+from notebooks.figures import stage2 as figures  # noqa: E402
 
 nb.start(2)
 
@@ -125,7 +125,7 @@ nb.show_diff(2, "hopper")
 # %%
 cfg = nb.show_config(2, "hopper")
 bM, bN, bK = cfg.get("cta_tile", (128, 128, 128))
-fig = plots.attention_grid(
+fig = figures.attention_grid(
     B=2,
     H=4,
     Sq=512,
@@ -226,8 +226,8 @@ fig = nb.error_picture(2, result)
 # **Expected:** both far below the GEMM numbers of stage 1, their time dominated by writing S as
 # computed in section 3. `make bench` measured 187 TFLOP/s for stage 2 against 407 for cuBLAS at
 # (4, 16, 2048, 2048, 128), and 102 against 210 at (4, 32, 2048, 2048, 64) (H200, 2026-11-29;
-# `docs/results/h200.md`): at D = 128 stage 2 wrote S at about 2.9 TB/s. The table below is this
-# run; its last column is stage 2's speed over each kernel (below 1: stage 2 is slower).
+# `docs/results/bench_h200_2026-11-29.md`): at D = 128 stage 2 wrote S at about 2.9 TB/s.
+# The table below is this run; its last column is stage 2's speed over each kernel (below 1: stage 2 is slower).
 
 # %%
 bench = nb.measure(2, [(4, 32, 2048, 2048, 64), (4, 16, 2048, 2048, 128)])
@@ -286,3 +286,17 @@ bench = nb.measure(2, [(4, 32, 2048, 2048, 64), (4, 16, 2048, 2048, 128)])
 # still reading it. With two, the MMA warp computes S_(j+1) into the other buffer while the
 # softmax warps read and store S_j, at the price of 128 more TMEM columns.
 # </details>
+
+# %% [markdown]
+# ### Exercise 2a: halve the K tile
+#
+# The first cell gives the task; the second compiles the stage file as it is on disk now (no GPU
+# needed) and says "done" or "not yet" with what it read. It reads the wgmma shape in the PTX and the
+# shared memory the kernel asks for. On the committed file it says
+# "not yet".
+
+# %%
+nb.exercise("2a")
+
+# %%
+nb.check_exercise("2a")

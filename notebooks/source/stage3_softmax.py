@@ -38,7 +38,7 @@ while not os.path.isdir(os.path.join(ROOT, "common")) and os.path.dirname(ROOT) 
 sys.path.insert(0, ROOT)
 
 from common.tools import notebook as nb  # noqa: E402
-from common.tools import plots  # noqa: E402
+from notebooks.figures import stage3 as figures  # noqa: E402
 
 nb.start(3)
 
@@ -128,7 +128,7 @@ nb.show_diff(3, "hopper")
 # no barrier. The row sum is reduced the same way.
 
 # %%
-fig = plots.quad_reduction(op="max")
+fig = figures.quad_reduction(op="max")
 
 # %% [markdown]
 # The softmax in the stage file: `rows_view` regroups the accumulator registers as (rows,
@@ -150,14 +150,14 @@ nb.show_source(3, "hopper", names=["Sm90Kernel.rows_view", "Sm90Kernel.softmax"]
 # shows one thread's values in both roles, for the first two 16-key blocks.
 
 # %%
-fig = plots.p_register_path(n=32, thread=5)
+fig = figures.p_register_path(n=32, thread=5)
 
 # The two fragments agree for every thread and every 16-key block (CuTe's atom layouts).
 n = 128
 for t in range(128):
-    c_frag = {(r, c): v for v, r, c in plots.wgmma_c_coords(t, n)}
+    c_frag = {(r, c): v for v, r, c in figures.wgmma_c_coords(t, n)}
     for j in range(n // 16):
-        for v, r, k in plots.wgmma_a_coords(t):
+        for v, r, k in figures.wgmma_a_coords(t):
             assert c_frag[(r, 16 * j + k)] == 8 * j + v
 print("for all 128 threads: A value v of k-block j is accumulator register 8 j + v")
 nb.show_source(3, "hopper", names=["Sm90Kernel.acc_as_operand_a"])
@@ -176,7 +176,7 @@ nb.show_source(3, "hopper", names=["Sm90Kernel.acc_as_operand_a"])
 # vt_smem_layout.inner), vt_smem_layout.outer)` lays it over the ring's bytes.
 
 # %%
-fig = plots.vt_operand(keys=8, dims=8)
+fig = figures.vt_operand(keys=8, dims=8)
 
 # %% [markdown]
 # `__call__` builds the two MMAs. The QK MMA is stage 2's. The PV MMA has `a_source=RMEM` (A = P
@@ -227,7 +227,7 @@ report = nb.compile_summary(3, "hopper")
 # `tcgen05` instructions. Their numerics are tested only where an sm_100 GPU exists.
 
 # %%
-fig = plots.blackwell_warp_roles(stage=3)
+fig = figures.blackwell_warp_roles(stage=3)
 fig = nb.show_tmem(3, head_dim=128, block_n=128)
 
 # %%
@@ -263,8 +263,8 @@ fig = nb.error_picture(3, result)
 # TFLOP/s at most for every kernel here - the point of this stage is correctness, stages 4 and 5
 # bring long sequences. `make bench` measured 367 TFLOP/s at (16, 16, 4096, 128, 128) against SDPA
 # flash 239 and cuDNN 398, and 278 at (16, 32, 4096, 128, 64) against 190 and 280 (H200,
-# 2026-11-29; `docs/results/h200.md`). The table below is this run; its last column is stage 3's
-# speed over each kernel.
+# 2026-11-29; `docs/results/bench_h200_2026-11-29.md`). The table below is this run; its last
+# column is stage 3's speed over each kernel.
 
 # %%
 bench = nb.measure(3, [(16, 32, 4096, 128, 64), (16, 16, 4096, 128, 128)])
@@ -337,3 +337,17 @@ bench = nb.measure(3, [(16, 32, 4096, 128, 64), (16, 16, 4096, 128, 128)])
 ptx = report.ptx if report is not None else ""
 print("shfl.sync.bfly:", sum("shfl.sync.bfly" in ln for ln in ptx.splitlines()))
 print("ex2.approx:    ", sum("ex2.approx" in ln for ln in ptx.splitlines()))
+
+# %% [markdown]
+# ### Exercise 3a: wider TMEM loads (Blackwell)
+#
+# The first cell gives the task; the second compiles the stage file as it is on disk now (no GPU
+# needed) and says "done" or "not yet" with what it read. It counts the tcgen05.ld in the PTX and
+# reads their shape. On the committed file it says
+# "not yet".
+
+# %%
+nb.exercise("3a")
+
+# %%
+nb.check_exercise("3a")

@@ -40,7 +40,7 @@ while not os.path.isdir(os.path.join(ROOT, "common")) and os.path.dirname(ROOT) 
 sys.path.insert(0, ROOT)
 
 from common.tools import notebook as nb  # noqa: E402
-from common.tools import plots  # noqa: E402
+from notebooks.figures import stage4 as figures  # noqa: E402
 
 nb.start(4)
 
@@ -155,7 +155,7 @@ print(
 # loading once $QK_j$ is done, and only the softmax is there to hide its latency.
 
 # %%
-fig = plots.kv_slot_timeline(kv_tiles=3, kv_slots=kv_slots, two_pass=True)
+fig = figures.kv_slot_timeline(kv_tiles=3, kv_slots=kv_slots, two_pass=True)
 
 # %% [markdown]
 # ### 5.2 The hazard: release after the MMA completes, load V after the release
@@ -171,7 +171,7 @@ fig = plots.kv_slot_timeline(kv_tiles=3, kv_slots=kv_slots, two_pass=True)
 # waiting for the release shows the race (the hazards row names each overwrite):
 
 # %%
-fig = plots.kv_slot_timeline(
+fig = figures.kv_slot_timeline(
     kv_tiles=2, kv_slots=kv_slots, two_pass=True, v_waits_for_release=False
 )
 
@@ -237,7 +237,7 @@ print(
     "| consumer:",
     bw.get("kv_consumer_entries"),
 )
-fig = plots.kv_slot_timelines(
+fig = figures.kv_slot_timelines(
     [
         dict(kv_tiles=3, kv_slots=kv_slots, two_pass=True, slot_per="tile"),
         dict(kv_tiles=3, kv_slots=bw.get("kv_slots", 2), two_pass=True, slot_per="entry"),
@@ -278,8 +278,8 @@ fig = nb.error_picture(4, result)
 # waits for every V load (5.1), with no warp specialisation. **Expected:** `make bench` measured
 # 321 / 361 / 366 TFLOP/s at S = 1k / 4k / 8k, D = 128, about FlashAttention-2's level (SDPA flash
 # 336 / 347 / 345 in the same run; SDPA cuDNN 608 / 666 / 673, FA4 589 / 711 / 651; H200,
-# 2026-11-29, `docs/results/h200.md`). The table below is this run; its last column is stage 4's
-# speed over each kernel.
+# 2026-11-29, `docs/results/bench_h200_2026-11-29.md`). The table below is this run; its last
+# column is stage 4's speed over each kernel.
 
 # %%
 bench = nb.measure(
@@ -292,7 +292,7 @@ bench = nb.measure(
 # The answers and checks are collected at the end of the notebook.
 #
 # 1. **Slots.** Re-draw 5.1 with `kv_slots=1` and `kv_slots=3` (on one axis:
-#    `plots.kv_slot_timelines([dict(kv_slots=1), dict(kv_slots=3)])`). Does the Hopper scheme
+#    `figures.kv_slot_timelines([dict(kv_slots=1), dict(kv_slots=3)])`). Does the Hopper scheme
 #    deadlock with one slot? How much shared memory does each setting need at D = 128
 #    (`nb.compile_summary(4, "hopper", settings=dict(kv_slots=3))`), and what does a third slot
 #    buy in the model?
@@ -361,7 +361,35 @@ for st in (3, 4):
         )
 
 # Exercise 5: the uses of every slot (Hopper ring, kv_slots = 2, 3 KV tiles) and their parities.
-loads, _, _ = plots.kv_ring_schedule(kv_tiles=3, kv_slots=2, two_pass=True, slot_per="tile")
+loads, _, _ = figures.kv_ring_schedule(kv_tiles=3, kv_slots=2, two_pass=True, slot_per="tile")
 for slot in range(2):
     uses = [item for item, s in loads if s == slot]
     print(f"slot {slot}:", ", ".join(f"{item} (parity {r % 2})" for r, item in enumerate(uses)))
+
+# %% [markdown]
+# ### Exercise 4a: a third K/V slot
+#
+# The first cell gives the task; the second compiles the stage file as it is on disk now (no GPU
+# needed) and says "done" or "not yet" with what it read. It reads the shared memory the kernel asks
+# for. On the committed file it says
+# "not yet".
+
+# %%
+nb.exercise("4a")
+
+# %%
+nb.check_exercise("4a")
+
+# %% [markdown]
+# ### Exercise 4b: drop a barrier release
+#
+# The first cell gives the task; the second compiles the stage file as it is on disk now (no GPU
+# needed) and says "done" or "not yet" with what it read. It counts the MMA warp's tcgen05.commit in the
+# PTX and replays stage 4's CTA in the schedule model without the missing release. On the committed file it says
+# "not yet".
+
+# %%
+nb.exercise("4b")
+
+# %%
+nb.check_exercise("4b")

@@ -37,7 +37,7 @@ while not os.path.isdir(os.path.join(ROOT, "common")) and os.path.dirname(ROOT) 
 sys.path.insert(0, ROOT)
 
 from common.tools import notebook as nb  # noqa: E402
-from common.tools import plots  # noqa: E402
+from notebooks.figures import stage5 as figures  # noqa: E402
 
 nb.start(5)
 
@@ -125,7 +125,7 @@ print(
 )
 
 # %%
-fig = plots.online_softmax_trace(x[0].tolist(), tile=tile)
+fig = figures.online_softmax_trace(x[0].tolist(), tile=tile)
 
 # %% [markdown]
 # ## 4. What changes
@@ -153,7 +153,7 @@ nb.show_diff(5, "hopper")
 # %%
 cfg = nb.show_config(5, "hopper")
 kv_slots = cfg.get("kv_slots", 2)
-fig = plots.kv_slot_timelines(
+fig = figures.kv_slot_timelines(
     [
         dict(kv_tiles=4, kv_slots=kv_slots, two_pass=False),
         dict(kv_tiles=4, kv_slots=kv_slots, two_pass=True),
@@ -166,10 +166,11 @@ fig = plots.kv_slot_timelines(
 #
 # `online_softmax` (shared with stage 4's pass 1) folds an S tile into `row_max` and `row_sum` and
 # returns `row_scale`; the main loop multiplies the O accumulator by it before adding $P_jV_j$.
-# Since a thread holds 2 rows of O, that is one multiply per O register ($D/2$ per row per thread)
-# and one `exp2` per row per tile. The row max is reduced across the quad at once (all 4 threads
-# must subtract the same max); the row sum stays a per-thread partial sum until the epilogue,
-# because the rescale factor is the same for the 4 threads of a row. `acc_O` is never
+# A thread holds $D/2$ registers of O, 2 rows of $D/4$ each, so that is $D/2$ multiplies per
+# thread (64 at D = 128; exercise 5a reads them in the PTX) and one `exp2` per row per tile. The
+# row max is reduced across the quad at once (all 4 threads must subtract the same max); the row
+# sum stays a per-thread partial sum until the epilogue, because the rescale factor is the same
+# for the 4 threads of a row. `acc_O` is never
 # initialised: the first PV wgmma runs with `ACCUMULATE` off and overwrites whatever the first
 # rescale (by $\alpha_0 = 0$) left in it (exercise 2).
 
@@ -216,11 +217,11 @@ report = nb.compile_summary(5, "hopper")
 # `tcgen05` instructions. Their numerics are tested only where an sm_100 GPU exists.
 
 # %%
-fig = plots.o_rescale_handoff()
+fig = figures.o_rescale_handoff()
 
 # %%
 bw = nb.kernel_config(5, "blackwell")
-fig = plots.kv_slot_timeline(
+fig = figures.kv_slot_timeline(
     kv_tiles=4, kv_slots=bw.get("kv_slots", 2), two_pass=False, slot_per="entry"
 )
 
@@ -236,7 +237,7 @@ report_bw = nb.compile_summary(5, "blackwell")
 # ## 6. Run and verify
 #
 # **Expected:** O within 3x PyTorch's own bf16 attention error against the fp64 reference (a few
-# $10^{-3}$ relative; `make tour` measured $2.2\cdot 10^{-3}$ on the H200, 2026-11-29), and the LSE
+# $10^{-3}$ relative; the table prints this run's error next to PyTorch's own), and the LSE
 # (fp32, natural log) within $10^{-4}$ relative of the fp64 log-sum-exp - it comes from fp32
 # statistics, so its error is around $10^{-7}$-$10^{-6}$; a wrong base ($\log_2$ instead of $\ln$)
 # or a missing scale would be off by far more. The table prints both bounds; the error map shows
@@ -257,9 +258,11 @@ fig = nb.error_picture(5, result)
 # twice, reads K twice and waits for each $V_j$ after $QK_j$ with only one softmax to hide it;
 # where those costs weigh, the measured speed-up exceeds 1.5x, and where per-tile fixed costs
 # dominate (short sequences) it falls below. `make bench` (H200, 2026-11-29,
-# `docs/results/h200.md`) measured stage 5 at 435 / 491 / 524 TFLOP/s at S = 1k / 4k / 8k,
-# D = 128: 1.36x / 1.36x / 1.43x stage 4, and up to 1.63x at D = 64, S = 2k; above SDPA flash
-# (336 / 347 / 345) and below cuDNN and FA4 (589-711) in the same run. Stage 5 is FA2's algorithm
+# `docs/results/bench_h200_2026-11-29.md`) measured stage 5 at 435 / 491 / 524 TFLOP/s at
+# S = 1k / 4k / 8k, D = 128: 1.36x / 1.36x / 1.43x stage 4, and up to 1.63x at D = 64, S = 2k;
+# above SDPA flash (336 / 347 / 345) and below cuDNN and FA4 (589-711) in the same run. The
+# 2026-12-04 run on the H200 (`docs/results/bench_h200_2026-12-04.md`, no stage 4) measured stage
+# 5 at 523 at S = 8k, D = 128. Stage 5 is FA2's algorithm
 # without FA3's scheduling (warp specialisation, ping-pong warpgroups, softmax overlapped with the
 # next $QK^{\top}$). The table below is this run - its numbers, not the quoted ones, are the
 # comparison - and the cell after it prints this run's speed-up over stage 4.
@@ -305,15 +308,18 @@ else:
 #    speed-up?
 # 5. **Blackwell.** The Blackwell rescale reads and writes all of O in TMEM on every tile. FA4 skips
 #    it unless the max grew by more than a threshold. Why is that still exact at the end?
+# 6. **Forget alpha in the kernel** (exercise 5a, an edit of the Hopper stage file): exercise 1 on
+#    the real kernel. The cells at the end of the notebook give the task and check the edit.
 #
 # ### Answers and checks
 #
 # <details><summary>1. Forget alpha</summary>
 #
-# Row 0, whose max grows at tile 1: its tile-0 contribution to O stays weighted against the old
-# max, too large by $e^{m_1 - m_0}$, while $\ell$ is rescaled - the cell below prints the error per
-# row. The mistake is invisible for a row whose max is reached in its first tile (every later
-# $\alpha = 1$), which is why a test needs inputs whose max moves.
+# Both rows: each one's max grows at tile 1 (row 0's by construction, row 1's by chance), so its
+# tile-0 contribution to O stays weighted against the old max, too large by $e^{m_1 - m_0}$, while
+# $\ell$ is rescaled - the cell below prints the tile maxima and the error per row. The mistake is
+# invisible for a row whose max is reached in its first tile (every later $\alpha = 1$), which is
+# why a test needs inputs whose max moves.
 # </details>
 #
 # <details><summary>2. First tile</summary>
@@ -349,6 +355,7 @@ else:
 
 # %%
 # Exercise 1: the rescale of O forgotten.
+print("max of each tile, per row:", x.reshape(x.shape[0], -1, tile).amax(-1).tolist())
 wrong, _ = online_attention(x, v, tile, rescale_o=False)
 print("max |error| per row without alpha on O:", (wrong - ref).abs().amax(-1).tolist())
 
@@ -370,3 +377,16 @@ for st in (4, 5):
             f"stage {st}: wgmma.mma_async {r.counts['wgmma.mma_async']}, "
             f"ex2.approx {r.counts['ex2.approx']}"
         )
+
+# %% [markdown]
+# ### Exercise 5a: forget alpha in the kernel
+#
+# The first cell gives the task; the second compiles the stage file as it is on disk now (no GPU
+# needed) and says "done" or "not yet" with the PTX counts it read. On the committed file it says
+# "not yet".
+
+# %%
+nb.exercise("5a")
+
+# %%
+nb.check_exercise("5a")

@@ -38,7 +38,8 @@ sys.path.insert(0, ROOT)
 
 from common import masks  # noqa: E402
 from common.tools import notebook as nb  # noqa: E402
-from common.tools import plots, reference, stage_table  # noqa: E402
+from common.tools import reference, stage_table  # noqa: E402
+from notebooks.figures import stage7 as figures  # noqa: E402
 
 nb.start(7)
 
@@ -76,10 +77,10 @@ nb.start(7)
 #
 # $H_{kv} = H$ is ordinary multi-head attention, $H_{kv} = 1$ is MQA. The FLOPs are those of MHA;
 # what shrinks by $H/H_{kv}$ (4x for Llama-3 8B) is K and V: a model's KV cache, and the bytes
-# the kernel reads from memory when L2 catches the repeated reads of a group. SDPA's `enable_gqa=True` computes the same as repeating each
-# K/V head $H/H_{kv}$ times (`repeat_interleave`), which is how the fp64 reference does it. The
-# kernel copies nothing: the CTA of query head $h$ reads K/V head $g(h)$ through the TMA
-# coordinate.
+# the kernel reads from memory when L2 catches the repeated reads of a group. SDPA's
+# `enable_gqa=True` computes the same as repeating each K/V head $H/H_{kv}$ times
+# (`repeat_interleave`), which is how the fp64 reference does it. The kernel copies nothing: the
+# CTA of query head $h$ reads K/V head $g(h)$ through the TMA coordinate.
 
 # %%
 torch.manual_seed(0)
@@ -93,7 +94,7 @@ print(f"max |SDPA(enable_gqa) - reference with K, V repeated| = {(o_gqa - o_ref)
 print("query head -> KV head:", {h: h // (H // Hkv) for h in range(H)})
 
 # %%
-fig = plots.gqa_head_map(32, 8)
+fig = figures.gqa_head_map(32, 8)
 
 # %% [markdown]
 # ### 3.2 Packed sequences
@@ -166,7 +167,7 @@ nb.show_source(7, "hopper", names=["Sm90Kernel.seq_info"])
 cfg = nb.show_config(7, "hopper")
 bM, bN, _ = cfg.get("cta_tile", (128, 128, 128))
 ragged = [300, 77, 0, 520, 1]
-fig = plots.varlen_cta_map(ragged, heads=2, bM=bM, bN=bN, causal=True)
+fig = figures.varlen_cta_map(ragged, heads=2, bM=bM, bN=bN, causal=True)
 
 # %%
 grid = -(-longest // bM) * len(lens)
@@ -199,7 +200,7 @@ print(
 # last tile reads from a neighbour.
 
 # %%
-fig = plots.packed_rows([200, 77, 300, 1], bM=bM)
+fig = figures.packed_rows([200, 77, 300, 1], bM=bM)
 
 # %%
 # Why P = 0 does not protect against the neighbour's V: 0 x NaN = NaN.
@@ -248,11 +249,12 @@ nb.table(
 )
 
 # %% [markdown]
-# Measured on the H200 (2026-12-01, `make bench`, B = 32, 32 query / 8 KV heads, Sk = 8192,
-# D = 128, causal): Sq = 1 474 us packed against 1091 us unpacked, Sq = 16 468 against 1098 (2.3x;
-# FA4 253 and 244 us, SDPA 238 and 1387). Packed, the kernel reads 1.07 GB of K and V at 2.3 TB/s,
-# about half of what the H200's memory gives: 256 CTAs (32 sequences x 8 KV heads) on 132 SMs,
-# each streaming one head's 8192 keys alone. FA4 also splits the keys over several CTAs
+# Measured on the H200 (2026-12-02, `make bench --stages 7`,
+# `docs/results/gqa_varlen_decode_h200_2026-12-02.md`; B = 32, 32 query / 8 KV heads, Sk = 8192,
+# D = 128): Sq = 1 340 us packed against 1085 us unpacked, Sq = 16 343 against 1095 (3.2x; FA4
+# 240 and 244 us, SDPA 237 and 1383). Packed, the kernel reads 1.07 GB of K and V at 3.16 TB/s,
+# about two thirds of the H200's 4.8 TB/s: 256 CTAs (32 sequences x 8 KV heads) on 132 SMs, each
+# streaming one head's 8192 keys alone. FA4 also splits the keys over several CTAs
 # (split-KV) to fill the machine - a technique this tutorial does not teach yet. O and LSE are the
 # unpacked kernel's bit for bit (tested).
 
@@ -326,17 +328,18 @@ fig = nb.error_picture(7, result)
 # %% [markdown]
 # ## 7. Measure
 #
-# **Expected**, from `make bench` on the H200 (2026-12-01, bf16,
-# `docs/results/bench_h200_2026-12-01_stage7.md`): GQA 32/8 at D = 128, B·S = 16k ran at 1.00-1.12x
-# the stage's own MHA at the same shape (545 / 553 TFLOP/s against 501 / 552 at S = 2k / 8k;
-# causal 448 / 516 against 398 / 518), FA4 689 / 658 and cuDNN 669 / 661 there. The packed batch
-# of 3.2 (H = 16, D = 128, useful FLOPs of the real tokens only): stage 7 226 TFLOP/s (causal
-# 150) against 176 (74) for the same batch padded through SDPA cuDNN with a key-padding mask -
-# 1.29x (2.03x causal), where removing the padding removes 2.2x of the work (2.2x causal too) -
-# and FA4's varlen 569 (427). So packing pays, but stage 7's packed kernel runs at less than half
-# of its batch-mode speed at S = 2k, and that run does not say why. 5.2's count is one fact to
-# start from (35% of the grid's CTAs do no work, and many CTAs have only a few KV tiles);
-# nothing here measures which costs what.
+# **Expected**, from `make bench --stages 7` on the H200 (2026-12-02, bf16,
+# `docs/results/gqa_varlen_decode_h200_2026-12-02.md`): GQA 32/8 at D = 128, B·S = 16k ran at
+# 0.97-1.09x the stage's own MHA at the same shape (509 / 521 TFLOP/s against 472 / 539 at
+# S = 2k / 8k; causal 442 / 484 against 404 / 499), FA4 661 / 678 and cuDNN 644 / 620 there
+# (causal: FA4 564 / 683, cuDNN 555 / 547). The packed batch of 3.2 (H = 16, D = 128, useful
+# FLOPs of the real tokens only): stage 7 390 TFLOP/s (causal 326) against 176 (74) for the same
+# batch padded through SDPA cuDNN with a key-padding mask - 2.21x (4.44x causal) - and FA4's
+# varlen 575 (430). Without a mask, packing gains about the padding it removes (the factor
+# printed in section 3); causal it gains more, because SDPA cuDNN with a key-padding mask and
+# causal runs at 74. Stage 7 itself stays at 0.68x (0.76x causal) of FA4's varlen; 5.2's count
+# is one fact to start from (35% of the grid's CTAs do no work, and many CTAs have only a few KV
+# tiles); nothing here measures which costs what.
 #
 # The first cell times stage 7 in batch mode against stage 6 (the same work: the head mapping and
 # the offsets should cost nothing); the second the packed batch against the same batch padded,
@@ -371,6 +374,9 @@ bench_varlen = nb.measure_varlen(7, lens, heads=16, head_dim=128, with_fa4=True)
 #    options=dict(varlen=True))` gives the report as an object.)
 # 6. **GQA costs nothing.** Why should GQA 32/8 run as fast as MHA at the same shape - or faster?
 #    In GPU mode, time it: the cell with the answers builds the two calls for `nb.measure_calls`.
+# 7. **GQA is one TMA coordinate** (exercise 7a, an edit of the Hopper stage file): undo the head
+#    mapping and read what changes in the PTX. The cells at the end of the notebook give the task
+#    and check the edit.
 #
 # ### Answers and checks
 #
@@ -425,7 +431,8 @@ bench_varlen = nb.measure_varlen(7, lens, heads=16, head_dim=128, with_fa4=True)
 # Every CTA does exactly the work of MHA - same Q tile, same number of K and V tiles, same FLOPs -
 # only the K/V head coordinate of its TMA loads differs. What changes is that 4 CTAs read the same
 # K/V bytes, so HBM traffic for K and V drops by up to 4x when the L2 catches the repeats: GQA can
-# only be as fast or faster. The H200 measured 1.00-1.12x (section 7). In GPU mode the cell below
+# only be as fast or faster. The H200 measured 0.97-1.09x (section 7): within run-to-run noise
+# of "as fast" at S = 8k, faster at 2k. In GPU mode the cell below
 # times both at S = 8k in one run.
 # </details>
 
@@ -525,3 +532,25 @@ if nb.MODE == "gpu" and nb.available(7, nb.TRACK):
     )
 else:
     print("GQA timing needs GPU mode; the H200 figures are in section 7")
+
+# %% [markdown]
+# ### Exercise 7a: GQA is one TMA coordinate
+#
+# The first cell gives the task; the second compiles the stage file as it is on disk now for
+# H = 32, Hkv = 8 (no GPU needed) and says "done" or "not yet" with the head coordinates of the
+# TMA loads it read in the PTX. On the committed file it says "not yet".
+#
+# <details><summary>Answer</summary>
+#
+# Committed, the K and V loads take `div.s32` of `%ctaid.y` (the query head) by H / Hkv, the Q
+# loads `%ctaid.y` itself. After the edit all loads take `%ctaid.y`. Query heads 1-7 then read
+# KV heads 1-7 instead of h // 4 (their group's), and heads 8-31 ask TMA for KV heads 8-31 of a
+# tensor that has 8: TMA fills a box outside the tensor with zeros, so S = 0, P is uniform and
+# O = 0 for those heads. `make stage-7` fails on every GQA case.
+# </details>
+
+# %%
+nb.exercise("7a")
+
+# %%
+nb.check_exercise("7a")

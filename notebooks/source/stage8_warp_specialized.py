@@ -41,8 +41,9 @@ while not os.path.isdir(os.path.join(ROOT, "common")) and os.path.dirname(ROOT) 
 sys.path.insert(0, ROOT)
 
 from common.tools import notebook as nb  # noqa: E402
-from common.tools import plots, stage_table  # noqa: E402
+from common.tools import stage_table  # noqa: E402
 from common.tools.ptx import ptx_lines  # noqa: E402
+from notebooks.figures import stage8 as figures  # noqa: E402
 
 nb.start(8)
 
@@ -102,7 +103,7 @@ nb.start(8)
 # %%
 rows = []
 for D in (64, 128):
-    t_qk, t_exp, t_pv = plots.hopper_unit_times(head_dim=D)
+    t_qk, t_exp, t_pv = figures.hopper_unit_times(head_dim=D)
     lock = 2 * (t_qk + t_exp + t_pv)
     ping = max(2 * (t_qk + t_pv), 2 * t_exp)
     rows.append(
@@ -145,21 +146,20 @@ print(
 # %% [markdown]
 # ## 4. What changes
 #
-# The docstring gives the changes with their numbers; then the kernel class against stage 7
-# (`make diff-8 TRACK=hopper` shows the whole files). The main loop moves into two branches - the
+# The docstring gives the changes with their numbers; then the start of the kernel class's diff
+# against stage 7 (`make diff-8 TRACK=hopper` shows the whole files). The main loop moves into two branches - the
 # producer's and the consumers' - the ring's bookkeeping moves to `PipelineState` objects, and two
 # small methods carry the ping-pong. The arithmetic of each warpgroup is stage 7's, line for line.
 # One change is not warp specialisation: both roles walk work tiles in a loop on a grid of at most
 # one CTA per SM (persistent CTAs, with a dynamic tile scheduler under a mask; section 5.6). It
-# started in stage 9 and moved here in the fifteenth session (2026-12-02), so that the step from
-# stage 8 to stage 9 is the intra-warpgroup overlap alone, as in the FlashAttention-3 paper's
-# ablation.
+# belongs to this stage so that the step from stage 8 to stage 9 is the intra-warpgroup overlap
+# alone, as in the FlashAttention-3 paper's ablation.
 
 # %%
 nb.show_docstring(8, "hopper")
 
 # %%
-nb.show_diff(8, "hopper")
+nb.show_diff(8, "hopper", max_lines=120)
 
 # %% [markdown]
 # ## 5. Walkthrough
@@ -173,7 +173,7 @@ nb.show_diff(8, "hopper")
 # the register file before and after `setmaxnreg`. (D = 64 has three consumers: section 5.5.)
 
 # %%
-fig = plots.warp_specialized_roles(
+fig = figures.warp_specialized_roles(
     threads=threads,
     load_registers=load_regs,
     mma_registers=mma_regs,
@@ -237,14 +237,14 @@ nb.show_source(8, "hopper", section="# 2.")
 # %%
 bM, bN, D = cfg.get("cta_tile", (128, 128, 128))
 rows_per_wg = bM // cfg.get("mma_warpgroups", 2)
-fig = plots.pingpong_timelines(head_dim=D, block_n=bN, rows=rows_per_wg, steps=3)
+fig = figures.pingpong_timelines(head_dim=D, block_n=bN, rows=rows_per_wg, steps=3)
 
 # %% [markdown]
 # Inside a turn the two GEMMs go out back to back: the warpgroup issues $PV_j$, does not wait for
 # it, issues $QK_{j+1}$ at the top of the next step, passes the turn, and only then waits - one
 # `wait_group 0` for both, after which it releases $V_j$'s slot with $K_{j+1}$'s. FlashAttention-3's
-# kernel without intra-warpgroup overlap (the paper's warp-specialisation step, and this stage
-# until 2026-12-02) waits for $PV_j$ before it issues $QK_{j+1}$; the tensor cores then sit idle
+# kernel without intra-warpgroup overlap (the paper's warp-specialisation step) waits for $PV_j$
+# before it issues $QK_{j+1}$; the tensor cores then sit idle
 # while the warpgroup that holds the turn sees $PV_j$ complete, releases $V_j$ and issues the next
 # GEMM, and the other warpgroup cannot fill the gap, since it waits for the turn. Nothing else
 # needs the wait: $P_j$'s registers are rewritten, and $O$ rescaled, only after the next wait.
@@ -258,7 +258,7 @@ fig = plots.pingpong_timelines(head_dim=D, block_n=bN, rows=rows_per_wg, steps=3
 # gap in the turn appears:
 
 # %%
-fig = plots.pingpong_timelines(
+fig = figures.pingpong_timelines(
     head_dim=D, block_n=bN, rows=rows_per_wg, steps=3, compare="wait for PV", wait_latency=30
 )
 
@@ -271,7 +271,7 @@ fig = plots.pingpong_timelines(
 
 # %%
 for steps in (0, 1, 2, 5):
-    r = plots.attention_schedule(True, steps)
+    r = figures.attention_schedule(True, steps)
     print(
         f"steps = {steps}: completions {r['turns']} (docstring: {{2: {steps}, 3: {steps + 1 if steps else 0}}}), "
         f"arrives left over {r['pending']}"
@@ -318,13 +318,13 @@ if report is not None:
 # its own). The branch is never taken in such a launch, yet its code costs: the values it needs
 # stay live across the whole loop. Without it stage 8 ran 7% faster at D = 128, S = 8k and 16k,
 # and 2% at D = 64 (H200, 2026-12-03, GPU time, the same bits;
-# `docs/results/mask_code_release_h200_2026-12-03_eighteenth.md`). FlashAttention's kernels get
+# `docs/results/mask_code_release_h200_2026-12-03.md`). FlashAttention's kernels get
 # the same by giving the tiles without a mask a loop of their own.
 
 # %%
 if mod8 is not None:
     k64, _ = mod8.compile_args(torch.bfloat16, (2, 4, 512, 2048, 64))
-    fig = plots.warp_specialized_roles(
+    fig = figures.warp_specialized_roles(
         threads=k64.threads,
         load_registers=k64.load_registers,
         mma_registers=k64.mma_registers,
@@ -375,20 +375,19 @@ if mod8 is not None:
 nb.show_source(8, "hopper", names=["Sm90Kernel.next_tile", "Sm90Kernel.tile_coords"])
 
 # %% [markdown]
-# **Measured** (H200, 2026-12-02, the fifteenth session, bf16, paper shapes, GPU time in
-# interleaved rounds; `docs/results/stage8_persistent_h200_2026-12-02.md`): at D = 64 causal the
+# **Measured** (H200, 2026-12-02, bf16, paper shapes, GPU time in interleaved rounds; `docs/results/stage8_persistent_h200_2026-12-02.md`): at D = 64 causal the
 # loop and the order gained 7-10% (S = 8k: 458 -> 495 TFLOP/s, FA4 542), taking stage 8 from
 # 0.82-0.85x to 0.89-0.91x FA4 from S = 2k; with the new order but one CTA per tile (the red
 # line) about half of that below 8k and all of it at 16k - below 8k the set-up per tile and the
 # tail weigh, at 16k the order. At D = 128 it gained 2-8% up to 8k and lost 2-9% at S = 16k,
 # where none of the variants tried (O over Q with 6 slots, no L2 sections, 25 MB sections)
 # recovered it beyond the runs' spread of about 3%. Why the 16k rows lose is not established.
-# Section 7 quotes `make bench` on the kernel as committed (H200, 2026-12-03).
+# Section 7 has `make bench` on the kernel as it stands (H200, 2026-12-04).
 
 # %%
 with open(os.path.join(nb.ROOT, "docs/results/stage8_persistent_h200_2026-12-02.json")) as f:
     s8_persistent = json.load(f)["rows"]
-fig = plots.stage8_persistent(
+fig = figures.stage8_persistent(
     s8_persistent,
     title="Stage 8 with and without persistent CTAs (H200, 2026-12-02, bf16, GPU time)",
 )
@@ -412,13 +411,13 @@ fig = plots.stage8_persistent(
 
 # %%
 nb.show_docstring(8, "blackwell")
-nb.show_diff(8, "blackwell")
+nb.show_diff(8, "blackwell", max_lines=120)
 
 # %%
 cfg_bw = nb.show_config(8, "blackwell")
 if cfg_bw:
-    fig = plots.blackwell_two_tile_roles(cfg_bw)
-    fig = plots.tmem_two_tiles(cfg_bw)
+    fig = figures.blackwell_two_tile_roles(cfg_bw)
+    fig = figures.tmem_two_tiles(cfg_bw)
 
 # %%
 rows = nb.cross_track_table(8)
@@ -428,7 +427,7 @@ if report_bw is not None:
 
     D_bw = cfg_bw["pv_mma_tiler"][1]
     orders = [(f"stage {n}", nb.compile_report(n, "blackwell").ptx) for n in (7, 8)]
-    fig = plots.mma_issue_orders(
+    fig = figures.mma_issue_orders(
         [(label, tcgen05_mma_order(ptx)) for label, ptx in orders],
         {"Q": D_bw // 16, "P": 8},
         notes=["per KV tile: QK, PV (one Q tile)", "per KV tile: QK0, QK1, then PV0, PV1"],
@@ -486,47 +485,67 @@ fig = nb.error_picture(8, result)
 # "before"), stage 7 (the same features without warp specialisation) and the baselines, FA4
 # included, at the paper shapes, all timed in one run.
 #
-# **Expected**, from `make bench` on the H200 (2026-12-03, bf16, B·S = 16k, H·D = 2048,
-# non-causal; every kernel of a row timed in the same interleaved rounds, event-timed;
-# `docs/results/bench_h200_2026-12-03_eighteenth_d128.md` and `..._d64.md`, on the kernel as it
-# stands: the pair of 5.3 back to back, three consumer warpgroups at D = 64, the persistent CTAs
-# of 5.6, no mask code where a launch masks nothing), in TFLOP/s:
-#
-# | D | S | stage 5 | stage 8 | FA4 | stage 8 / stage 5 | stage 8 / FA4 |
-# | --- | --- | --- | --- | --- | --- | --- |
-# | 128 | 2k | 476 | 652 | 631 | 1.37 | 1.03 |
-# | 128 | 8k | 520 | 646 | 693 | 1.24 | 0.93 |
-# | 64 | 2k | 497 | 484 | 491 | 0.97 | 0.99 |
-# | 64 | 8k | 498 | 517 | 551 | 1.04 | 0.94 |
-#
+# **Expected**, from `make bench` on the H200 (2026-12-04, bf16, B·S = 16k, H·D = 2048; every
+# kernel of a row timed in the same interleaved rounds, event-timed;
+# `docs/results/bench_h200_2026-12-04.md`, its ablation table). The cell below reads the rows from
+# S = 2k out of the run's `.json` file, in TFLOP/s; stage 5 has no mask, so the causal rows have
+# none of it.
+
+# %%
+with open(os.path.join(nb.ROOT, "docs/results/bench_h200_2026-12-04.json")) as f:
+    h200 = {
+        (r["shape"][4], r["shape"][5], r["shape"][2]): r["tflops"]
+        for r in json.load(f)["rows"]
+        if r["stage"] == "ablation"
+    }
+
+
+def tflops_or_ratio(t, a, b=None):
+    if a not in t or (b is not None and b not in t):
+        return "-"
+    return f"{t[a] / t[b]:.2f}" if b else f"{t[a]:.0f}"
+
+
+names = ("stage 5", "stage 7", "stage 8", "FA4")
+nb.table(
+    ("D", "causal", "S", *names, "8 / 5", "8 / 7", "8 / FA4"),
+    [
+        (D_, causal, S_, *(tflops_or_ratio(t, n) for n in names))
+        + tuple(tflops_or_ratio(t, "stage 8", n) for n in ("stage 5", "stage 7", "FA4"))
+        for (D_, causal, S_), t in sorted(h200.items(), key=lambda kv: (-kv[0][0], *kv[0][1:]))
+        if S_ >= 2048
+    ],
+)
+
+# %% [markdown]
 # At D = 128 the step goes past where the FlashAttention-3 paper's ablation puts it: on an H100 at
 # head dimension 128, warp specialisation without the intra-warpgroup overlap (the next stage's
-# technique) ran 582 TFLOP/s against 661 for the full kernel, **0.88** of it; stage 8 runs at
-# 0.93-1.03 of FA4 here (flash_attn.cute, whose Hopper path is FlashAttention-3's schedule, the
-# intra-warpgroup overlap on by default; 0.93-1.03 non-causal and 0.93-0.95 causal from S = 2k in
-# that run), 1.24-1.37x stage 5. Part of that is the kernel without the mask code that a launch
-# with nothing to mask gets (the eighteenth session: +7% at D = 128, S = 8k and 16k, +2% at
-# D = 64; the seventeenth session's run, with the mask code, had 0.90-0.98 non-causal). Part of the paper's step is the wait that 5.3 took out of the
-# turn: with it (the eleventh session's run, 2026-12-02) stage 8 stood at 0.87-0.92 non-causal,
-# where the paper's ablation has it. Single figures move between runs by 5-10% (the H200's clocks
-# step under its power cap; the first runs of 2026-12-01, one kernel after another, had put stage
-# 8 at 1.06-1.47x stage 5), which is why only ratios from one run are compared. **At D = 64, with
-# two consumer warpgroups, stage 8 was slower than stage 5** (0.82-0.85x, the ninth session's run,
-# `docs/results/bench_h200_2026-12-02_ninth_d64.md`), where the model of 3.1 predicts its largest
-# gain. Nsight Compute (H200, 2026-12-01, shape (2, 32, 8192, 8192, 64), one launch each) pointed
-# to the reason: the exponentials are the bottleneck (the exp2 pipe 58% busy in stage 5, 50% in
-# stage 8), and stage 5's registers let two of its CTAs share an SM - four warpgroups computing -
-# where stage 8 ran one CTA with two. Section 5.5's third consumer warpgroup answers it: in the
-# same rounds (H200, 2026-12-02, GPU time, bf16, three / two consumer warpgroups,
+# technique) ran 582 TFLOP/s against 661 for the full kernel, **0.88** of it. Stage 8 runs at
+# 0.93-1.00 of FA4 non-causal from S = 2k and 0.88-0.95 causal (FA4 is flash_attn.cute, whose
+# Hopper path is FlashAttention-3's schedule with the intra-warpgroup overlap on by default), and
+# at 1.26-1.34x stage 5 and 1.31-1.38x stage 7 non-causal. Two of this stage's choices account for
+# part of the distance to the paper: the turn's two GEMMs issued back to back (5.3: +2-5% at
+# D = 128; with the wait between them stage 8 stood at 0.88-0.90 of FA4 in GPU time, H200,
+# 2026-12-02, where the paper's ablation has it) and the kernel without mask code where a launch
+# masks nothing (5.5: +7% at D = 128, S = 8k and 16k; H200, 2026-12-03). Single figures move
+# between runs by 5-10% (the H200's clocks step under its power cap), which is why only ratios
+# from one run are compared.
+#
+# **At D = 64, with two consumer warpgroups, stage 8 ran slower than stage 5** (H200,
+# 2026-12-01), where the model of 3.1 predicts its largest gain. Nsight Compute (H200,
+# 2026-12-01, shape (2, 32, 8192, 8192, 64), one launch each) pointed to the reason: the
+# exponentials are the bottleneck (the exp2 pipe 58% busy in stage 5, 50% in stage 8), and stage
+# 5's registers let two of its CTAs share an SM - four warpgroups computing - where stage 8 ran
+# one CTA with two. Section 5.5's third consumer warpgroup answers it: in the same rounds (H200,
+# 2026-12-02, GPU time, bf16, three / two consumer warpgroups,
 # `docs/results/stage8_warpgroups_h200_2026-12-02.md`) S = 2k 457 / 404, 8k 505 / 422, 16k
-# 505 / 426, +2% at S = 512 rising to +20% at 8k; stage 8 at D = 64 is now 0.93-1.06x FA4
-# non-causal (event time, 512-16k, 2026-12-03, eighteenth session). Causal it stood at 0.83-0.85x from S = 2k (two
-# warpgroups at 512-1k) until the persistent CTAs and the tile order of 5.6 took on the causal
-# tail: 0.90-0.92x from 2k on 2026-12-03. In fp16 stage 8 reached 0.90-0.96x FA4 non-causal
-# from 2k in the seventeenth session's run (0.91-0.95 in the eighteenth's); there stage 7 runs as fast as stage 8 below 8k (480-484 against 466-468 TFLOP/s at
-# 2k-4k, `docs/results/bench_h200_2026-12-03_seventeenth_fp16_d64.md`; in bf16 stage 7 runs
-# 376-398): why stage 7 runs so much faster in fp16 than in bf16 at D = 64 is not established.
-# Exercise 5 rules out the other candidate, the ring's depth.
+# 505 / 426, +2% at S = 512 rising to +20% at 8k. With it, stage 8 at D = 64 runs at 0.97-1.08x
+# stage 5 and 0.94-0.96x FA4 non-causal from S = 2k, and 0.90-0.92x FA4 causal. In fp16
+# (`docs/results/bench_h200_2026-12-04_fp16.md`, the same day) stage 8 runs at 0.91-0.95x FA4
+# non-causal from 2k, and stage 7 runs as fast as stage 8 below 8k (467 and 478 against 450 and
+# 462 TFLOP/s at 2k and 4k; in bf16 stage 7 runs at 373-392): why stage 7 runs so much faster in
+# fp16 than in bf16 at D = 64 is not established. Exercise 5 rules out one candidate for D = 64,
+# the ring's depth.
 
 # %%
 bench = nb.measure(
@@ -542,14 +561,14 @@ bench = nb.measure(
 )
 
 # %%
-# The step next to the paper's ablation: this run's ratios where there is a run, else the H200's.
+# The step next to the paper's ablation: this run's ratios where there is a run, else the H200's
+# (the non-causal rows of the table above at these four shapes).
 quoted = {
-    "(8, 16, 2048, 2048, 128)": {"stage 5": 476, "stage 8": 652, "FA4": 631},
-    "(2, 16, 8192, 8192, 128)": {"stage 5": 520, "stage 8": 646, "FA4": 693},
-    "(8, 32, 2048, 2048, 64)": {"stage 5": 497, "stage 8": 484, "FA4": 491},
-    "(2, 32, 8192, 8192, 64)": {"stage 5": 498, "stage 8": 517, "FA4": 551},
+    f"({16384 // S_}, {2048 // D_}, {S_}, {S_}, {D_})": h200[(D_, False, S_)]
+    for D_ in (128, 64)
+    for S_ in (2048, 8192)
 }
-source = "this run" if bench else "H200, 2026-12-03 (make bench)"
+source = "this run" if bench else "H200, 2026-12-04 (make bench)"
 rows = [
     (
         "FlashAttention-3 paper, H100, head dim 128",
@@ -603,9 +622,9 @@ nb.table(
 #    consumers can the producer run in each case, in KV tiles? How many slots would O's own
 #    buffer (5.6) cost if it were given up?
 # 3. **A lost arrive.** What happens if warpgroup 1 forgets its `pass_turn` after its last PV? Use
-#    the model: `plots.attention_schedule(True, 3, final_pass=False)`. Which warpgroup hangs, and
+#    the model: `figures.attention_schedule(True, 3, final_pass=False)`. Which warpgroup hangs, and
 #    on which barrier?
-# 4. **The model at D = 64.** Draw `plots.pingpong_timelines(head_dim=64)`. What gain does the
+# 4. **The model at D = 64.** Draw `figures.pingpong_timelines(head_dim=64)`. What gain does the
 #    model predict at D = 64 and at D = 128, and what did the H200 measure (section 7)? Name what
 #    the model leaves out.
 # 5. **A first experiment on D = 64.** Besides the third consumer warpgroup, D = 64 differs from
@@ -652,10 +671,11 @@ nb.table(
 # <details><summary>4. The model at D = 64</summary>
 #
 # The table of 3.1: about 1.5x at D = 128 and 2x at D = 64 (the GEMMs halve, the exponentials do
-# not, so in lock-step the idle tensor-core share is larger). The H200 measured 1.23-1.30x at D =
-# 128 (2026-12-02, thirteenth session; 1.18-1.22x before the turn's two GEMMs went out back to
-# back, 5.3) and, with two consumer warpgroups, 0.82-0.85x at D = 64 (three warpgroups:
-# 0.92-1.01x, section 7's table). The model leaves out the rest of the softmax (max and sum
+# not, so in lock-step the idle tensor-core share is larger). Section 7's table has what the H200
+# measured (2026-12-04): stage 8 over stage 7, the lock-step kernel, 1.31-1.38x at D = 128 and
+# 1.28-1.37x at D = 64 non-causal from S = 2k - though stage 8 also differs from stage 7 in its
+# ring, its persistent CTAs and, at D = 64, its third consumer warpgroup; with two consumer
+# warpgroups stage 8 was slower than stage 5 at D = 64 (2026-12-01). The model leaves out the rest of the softmax (max and sum
 # reductions, the scaling, the conversion of P, the rescale of O - instructions on the FP32 units
 # that do not shrink with D), the issue and wait latencies of wgmma and of the barriers (5.3's
 # back-to-back pair is worth 2-5% at D = 128 through them alone), the loads
@@ -703,12 +723,12 @@ for D_ in (64, 128):
 
 # Exercise 3: the lost arrive in the model.
 try:
-    plots.attention_schedule(True, 3, final_pass=False)
-except plots.Deadlock as e:
+    figures.attention_schedule(True, 3, final_pass=False)
+except figures.Deadlock as e:
     print("Deadlock:", e)
 
 # Exercise 4: the model at D = 64, on the same axes as 5.3's picture.
-fig = plots.pingpong_timelines(head_dim=64, block_n=bN, rows=rows_per_wg, steps=3)
+fig = figures.pingpong_timelines(head_dim=64, block_n=bN, rows=rows_per_wg, steps=3)
 
 # Exercise 5: stage 5 and stage 8 at D = 64, and stage 8 with a shallower ring.
 for st, settings in ((5, None), (8, None), (8, dict(kv_slots=4))):

@@ -42,8 +42,9 @@ while not os.path.isdir(os.path.join(ROOT, "common")) and os.path.dirname(ROOT) 
 sys.path.insert(0, ROOT)
 
 from common.tools import notebook as nb  # noqa: E402
-from common.tools import plots, stage_table  # noqa: E402
+from common.tools import stage_table  # noqa: E402
 from common.tools.ptx import ptx_lines  # noqa: E402
+from notebooks.figures import stage9 as figures  # noqa: E402
 
 nb.start(9)
 
@@ -62,7 +63,7 @@ nb.start(9)
 #   disagrees with it;
 # - put the measured step next to the FlashAttention-3 paper's ablation (582 -> 661 TFLOP/s);
 # - say what stage 8's persistent CTAs, dynamic tile scheduler and third consumer warpgroup at
-#   D = 64 did for this stage, which took them first (section 7), and why short masks keep two.
+#   D = 64 do for this stage (section 7), and why short masks keep two.
 #
 # ## 2. Previous stage recap
 #
@@ -112,13 +113,13 @@ for D_ in (64, 128):
 # %% [markdown]
 # ## 4. What changes
 #
-# The docstring gives the changes with their numbers; then the kernel against stage 8
-# (`make diff-9 TRACK=hopper` shows the whole files). The consumer branch's loop is restructured
+# The docstring gives the changes with their numbers; then the start of the kernel class's diff
+# against stage 8 (`make diff-9 TRACK=hopper` shows the whole files). The consumer branch's loop is restructured
 # into a prologue, the pipelined steps and a last PV; the GEMM issues and the softmax move into
 # three small methods (`issue_qk`, `issue_pv`, `softmax_step`) because each is now called from two
 # places. The loop over work tiles (persistent CTAs, the tile scheduler and order, O's own
-# buffer) is stage 8's since the fifteenth session (2026-12-02; this stage had it first, section
-# 7), so the diff no longer shows it. Second, the mask of an edge tile compares each
+# buffer) is stage 8's (its section 5.6; section 7 measures what it does here), so the diff does
+# not show it. Second, the mask of an edge tile compares each
 # element's column offset, a constant, against one interval per row (`mask_edges`, `mask_keys`;
 # the same elements as stage 8). The CTA's shape is stage 8's: three consumer warpgroups on a
 # 192-row Q tile at D = 64, two under short masks (section 7.2). Last, two changes that only the
@@ -129,7 +130,7 @@ for D_ in (64, 128):
 nb.show_docstring(9, "hopper")
 
 # %%
-nb.show_diff(9, "hopper")
+nb.show_diff(9, "hopper", max_lines=120)
 
 # %% [markdown]
 # ## 5. Walkthrough
@@ -160,7 +161,7 @@ nb.show_source(9, "hopper", section="# 2.")
 
 # %%
 for steps in (0, 1, 2, 5):
-    r = plots.attention_schedule(True, steps, overlap=True)
+    r = figures.attention_schedule(True, steps, overlap=True)
     print(f"steps = {steps}: completions {r['turns']}, arrives left over {r['pending']}")
 
 # %% [markdown]
@@ -171,17 +172,19 @@ for steps in (0, 1, 2, 5):
 # exponentials of the softmax. Top: stage 8; bottom: stage 9.
 
 # %%
-fig = plots.pingpong_timelines(head_dim=D, block_n=bN, rows=rows_per_wg, steps=3, compare="stage 9")
+fig = figures.pingpong_timelines(
+    head_dim=D, block_n=bN, rows=rows_per_wg, steps=3, compare="stage 9"
+)
 
 # %% [markdown]
 # In this model ping-pong alone already keeps the tensor cores busy: the tensor cores and the
 # exponential units are its only shared resources, and a softmax of exponentials is about as long
 # as one GEMM at D = 128, so the overlap gains about 1%. Making the softmax longer in the model
 # (`exp_tflops` lower) does not change that much, because the exponential units, shared by the
-# two warpgroups, then become the bound for both stages (exercise 4). The H200 measured +11% at
-# S = 8k (section 7, the eleventh session's run, 2026-12-02; +6% on 2026-12-03, once stage 8
-# issued the two GEMMs of its turn back to back and ran on the same persistent grid): the gain
-# comes from what the model leaves out - the latency between issuing
+# two warpgroups, then become the bound for both stages (exercise 4). The H200 measured +2% at
+# D = 128, S = 8k non-causal, +6-9% causal from S = 4k and +4-7% at D = 64 from 2k to 8k
+# (section 7, 2026-12-04): the gain comes from what the model leaves out - the latency between
+# issuing
 # a wgmma and its results (stage 8's warpgroup waits for $PV_j$ and $QK_{j+1}$ before its softmax,
 # stage 9's only for $QK_j$), the FMA and ALU work of the softmax next to the exponentials (ncu on
 # the H200, 2026-12-01, stage 9 at D = 128: XU pipe 39% busy, FMA 16%, ALU 18%), the barriers.
@@ -219,13 +222,13 @@ fig = plots.pingpong_timelines(head_dim=D, block_n=bN, rows=rows_per_wg, steps=3
 # descriptor arithmetic off the uniform datapath (9% more instructions) and the kernel ran
 # slower. With it: the same bits, 316 instructions after the wait instead of 405, and on the
 # H200 (2026-12-02, GPU time against the kernel without the test, two runs) +0.9-5.9% at
-# D = 128 - Nsight Compute: the tensor pipe active 81.8% of the cycles instead of 78.7%, and
-# `make bench` after it 0.95-1.05x FA4 non-causal, 0.99-1.04x causal from 1k. Moving more than the
+# D = 128 - Nsight Compute: the tensor pipe active 81.8% of the cycles instead of 78.7%. Moving
+# more than the
 # row max ahead of the wait was *slower*: all 66 exponentials -1.5% at 8k, with the stalls on a
 # busy math pipe up from 0.03 to 0.25 per instruction - those exponentials then run while the
 # other warpgroup's do, on the same MUFU units (exercise 4's model points the same way). At
 # D = 64, three consumer warpgroups, even the row max alone ran 5-6% slower, so D = 64 keeps
-# the PTX order (`max_before_wait`; `docs/results/h200.md` has the numbers).
+# the PTX order (`max_before_wait`).
 #
 # **Counting instructions against FA4's.** FA4's Hopper kernel compiles without a GPU too (under
 # torch's `FakeTensorMode`, with `FLASH_ATTENTION_ARCH=sm_90`), and `cuobjdump -sass` (pip's
@@ -273,7 +276,7 @@ if report is not None:
 
 # %%
 nb.show_docstring(9, "blackwell")
-nb.show_diff(9, "blackwell")
+nb.show_diff(9, "blackwell", max_lines=120)
 
 # %%
 rows = nb.cross_track_table(9)
@@ -286,7 +289,7 @@ if report_bw is not None:
         (f"stage {n}, D = {d}", nb.compile_report(n, "blackwell", shape=(2, 4, 512, 1024, d)).ptx)
         for n, d in ((8, 64), (9, 64), (9, 128))
     ]
-    fig = plots.mma_issue_orders(
+    fig = figures.mma_issue_orders(
         [(label, tcgen05_mma_order(ptx)) for label, ptx in orders],
         [{"Q": 4, "P": 8}, {"Q": 4, "P": 8}, {"Q": 8, "P": 8}],
         notes=[
@@ -299,7 +302,7 @@ if report_bw is not None:
     bw9 = stage_table.track_module(9, "blackwell")
     for D_bw in (64, 128):
         kernel_bw, _ = bw9.compile_args(torch.bfloat16, (1, 1, 256, 256, D_bw))
-        fig = plots.tmem_two_tiles(vars(kernel_bw))
+        fig = figures.tmem_two_tiles(vars(kernel_bw))
     print("\n".join(ptx_lines(report_bw.ptx, r"vote\.sync\.any", limit=2)))
 
 
@@ -349,44 +352,69 @@ fig = nb.error_picture(9, result)
 # Stage 9 against stages 5 and 8 and the baselines, FA4 included, at the paper shapes, all timed
 # in one run.
 #
-# **Expected**, from `make bench` on the H200 (2026-12-03, bf16, B·S = 16k, H·D = 2048,
-# non-causal; every kernel of a row timed in the same interleaved rounds, event-timed; the
-# eighteenth session's runs, `docs/results/bench_h200_2026-12-03_eighteenth_d128.md` and
-# `..._d64.md`, causal rows included), in TFLOP/s:
-#
-# | D | S | stage 5 | stage 8 | stage 9 | FA4 | SDPA cuDNN |
-# | --- | --- | --- | --- | --- | --- | --- |
-# | 128 | 2k | 476 | 652 | 643 | 631 | 621 |
-# | 128 | 8k | 520 | 646 | 667 | 693 | 650 |
-# | 64 | 2k | 497 | 484 | 501 | 491 | 453 |
-# | 64 | 8k | 498 | 517 | 538 | 551 | 463 |
-#
+# **Expected**, from `make bench` on the H200 (2026-12-04, bf16, B·S = 16k, H·D = 2048; every
+# kernel of a row timed in the same interleaved rounds, event-timed;
+# `docs/results/bench_h200_2026-12-04.md`, its ablation table). The cell below reads the rows from
+# S = 2k out of the run's `.json` file, in TFLOP/s, with the step in GPU time alone (CUPTI kernel
+# durations) next to it.
+
+# %%
+with open(os.path.join(nb.ROOT, "docs/results/bench_h200_2026-12-04.json")) as f:
+    h200 = {}
+    for r in json.load(f)["rows"]:
+        if r["stage"] in ("ablation", "ablation GPU time"):
+            h200[(r["stage"], r["shape"][4], r["shape"][5], r["shape"][2])] = r["tflops"]
+
+
+def tflops_or_ratio(t, a, b=None):
+    if a not in t or (b is not None and b not in t):
+        return "-"
+    return f"{t[a] / t[b]:.2f}" if b else f"{t[a]:.0f}"
+
+
+names = ("stage 5", "stage 8", "stage 9", "FA4", "SDPA cuDNN")
+nb.table(
+    ("D", "causal", "S", *names, "9 / 8", "9 / FA4", "9 / 8 GPU", "9 / FA4 GPU"),
+    [
+        (D_, causal, S_, *(tflops_or_ratio(t, n) for n in names))
+        + tuple(tflops_or_ratio(t, "stage 9", n) for n in ("stage 8", "FA4"))
+        + tuple(
+            tflops_or_ratio(h200[("ablation GPU time", D_, causal, S_)], "stage 9", n)
+            for n in ("stage 8", "FA4")
+        )
+        for (kind, D_, causal, S_), t in sorted(
+            h200.items(), key=lambda kv: (-kv[0][1], *kv[0][2:])
+        )
+        if kind == "ablation" and S_ >= 2048
+    ],
+)
+
+# %% [markdown]
 # Stages 8 and 9 share everything but the overlap - the persistent CTAs, the tile order and
 # O's own buffer (stage 8's section 5.6), the slot release from an elected lane - with one
 # difference of measurement: where a launch masks nothing, stage 8 runs a kernel compiled
 # without the mask code at both head dims (+7% at D = 128, S = 8k and 16k; H200, 2026-12-03),
-# stage 9 only at D = 64 (at D = 128 it ran 1-3% slower without it, same day; its docstring). At D = 128 the step is then
-# -1% at S = 2k, +1% at 4k, +3% at 8k and -4% at 16k non-causal (652 -> 643, 651 -> 659, 646 ->
-# 667, 679 -> 653) and +5-9% causal from 2k (528 -> 553, 609 -> 662 at 8k); the paper's
-# ablation on an H100 at head dimension 128 measured +14% for the same step (582 -> 661). In
-# the seventeenth session's run, both stages with the mask code, it was +4%, +10%, +6% and +1%
-# (641 -> 669, 623 -> 687, 639 -> 680, 647 -> 656); before stage 8 issued the two GEMMs of a
-# turn back to back (its section 5.3) +8-10% (the eleventh session's run, 2026-12-02: 609 ->
-# 672, 612 -> 658): that took the tensor cores' idle gap inside each turn out of stage 8, and
-# with it part of what this stage had gained there - so in the paper's ablation, too, part of
-# the intra-warpgroup step may be that gap, which its warp-specialised kernel keeps. Runs differ
-# by a few percent (the same code by up to 7% at 16k); stage 9 ends at 1.02x and 0.96x FA4 here
-# in event time (1.01 and 0.96 in GPU time alone), 1.01 at 16k in GPU time: the gap at 4k-8k is the open
-# part of this stage. It is not the clock: run back to back at the 700 W power cap (H200,
-# 2026-12-03, `python -m common.tools.clock_probe`) stage 9 holds FA4's clock within 1-2% and does
-# 2-5% less work per cycle - the instructions around the GEMMs and the exponentials
-# (`docs/results/h200.md` has the counts). At D = 64 the step is +4% and +4% (484 -> 501, 517 -> 538; -2% at 16k)
-# on stage 8's CTA of three consumer warpgroups (section 7.2); before stage 8 took them (the ninth
-# session's run, `docs/results/bench_h200_2026-12-02_ninth_d64.md`) the step was +22-23% because
-# it included them. With two, stages 8 and 9 stayed below stage 5 at D = 64: Nsight Compute on the
-# H200 (2026-12-01) showed stage 5 fitting two CTAs per SM there (block limit by registers 2), so
-# four warpgroups compute on each SM against two, and D = 64 is bound by the exponentials (the XU
-# pipe 58% busy in stage 5 against 50% in stages 8 and 9).
+# stage 9 only at D = 64 (at D = 128 it ran 1-3% slower without it, same day; its docstring). At
+# D = 128 the step is then +2% at S = 2k, 0% at 4k, +2% at 8k and -6% at 16k non-causal
+# (655 -> 668, 675 -> 675, 657 -> 670, 677 -> 635), -2% at 2k and +6-9% causal from 4k
+# (599 -> 636, 610 -> 656, 621 -> 679); in GPU time alone +1-2% non-causal and +5-6% causal
+# from 2k. The paper's ablation on an H100 at head dimension 128 measured +14% for the same step
+# (582 -> 661). Before stage 8 issued the two GEMMs of a turn back to back (its section 5.3) the
+# step was larger: that took the tensor cores' idle gap inside each turn out of stage 8, and with
+# it part of what this stage had gained there - so in the paper's ablation, too, part of the
+# intra-warpgroup step may be that gap, which its warp-specialised kernel keeps. Runs differ by a
+# few percent (the same code by up to 7% at 16k); stage 9 ends at 0.94-1.01x FA4 non-causal from
+# 2k in event time (0.98-1.01 in GPU time alone): the gap at 8k-16k is the open part of this
+# stage. It is not the clock: run back to back at the 700 W power cap (H200, 2026-12-03,
+# `python -m common.tools.clock_probe`, `docs/results/clock_probe_h200_2026-12-03.md`) stage 9
+# holds FA4's clock within 1-2% and does 2-5% less work per cycle - the instructions around the
+# GEMMs and the exponentials (`docs/results/ncu_opcodes_h200_2026-12-03.md` has the counts). At
+# D = 64 the step is +4-7% from 2k to 8k (483 -> 513, 487 -> 520, 524 -> 548; -1% at 16k) on
+# stage 8's CTA of three consumer warpgroups (section 7.2). With two, stages 8 and 9 stayed below
+# stage 5 at D = 64: Nsight Compute on the H200 (2026-12-01) showed stage 5 fitting two CTAs per
+# SM there (block limit by registers 2), so four warpgroups compute on each SM against two, and
+# D = 64 is bound by the exponentials (the XU pipe 58% busy in stage 5 against 50% in stages 8
+# and 9).
 
 # %%
 bench = nb.measure(
@@ -402,14 +430,14 @@ bench = nb.measure(
 )
 
 # %%
-# The step next to the paper's ablation: this run's ratios where there is a run, else the H200's.
+# The step next to the paper's ablation: this run's ratios where there is a run, else the H200's
+# (the non-causal rows of the table above at these four shapes).
 quoted = {
-    "(8, 16, 2048, 2048, 128)": {"stage 5": 476, "stage 8": 652, "stage 9": 643, "FA4": 631},
-    "(2, 16, 8192, 8192, 128)": {"stage 5": 520, "stage 8": 646, "stage 9": 667, "FA4": 693},
-    "(8, 32, 2048, 2048, 64)": {"stage 5": 497, "stage 8": 484, "stage 9": 501, "FA4": 491},
-    "(2, 32, 8192, 8192, 64)": {"stage 5": 498, "stage 8": 517, "stage 9": 538, "FA4": 551},
+    f"({16384 // S_}, {2048 // D_}, {S_}, {S_}, {D_})": h200[("ablation", D_, False, S_)]
+    for D_ in (128, 64)
+    for S_ in (2048, 8192)
 }
-source = "this run" if bench else "H200, 2026-12-03 (make bench)"
+source = "this run" if bench else "H200, 2026-12-04 (make bench)"
 rows = [("FlashAttention-3 paper, H100, head dim 128, 8k", "582", "661", "-", "1.14", "paper")]
 for shape, res in (bench or quoted).items():
     s8, s9, fa4 = res.get("stage 8"), res.get("stage 9"), res.get("FA4")
@@ -438,9 +466,8 @@ nb.table(
 # %% [markdown]
 # ### 7.1 Persistent CTAs
 #
-# Stage 9 took persistent CTAs first (the sixth session, 2026-12-01) and stage 8 has them since
-# the fifteenth (2026-12-02, stage 8's notebook, section 5.6), with the scheduler of 7.3 and the
-# same tile order; the measurements of 7.1 and 7.3 are what they did to stage 9. Each CTA walks
+# Stage 8 has persistent CTAs (its notebook, section 5.6), with the scheduler of 7.3 and the same
+# tile order; the measurements of 7.1 and 7.3 compare stage 9 with and without them. Each CTA walks
 # work tiles in a loop (`tile_coords`: tile c, c + gridDim.x, ...). Where every tile has the
 # same work (no causal or window cut, batch mode) `__call__` caps the grid at one CTA per SM, so
 # a CTA's set-up and its first loads are paid once per SM rather than once per 128-row tile, and the next tile's K and V stream in under this tile's last GEMMs. Q passes from
@@ -460,7 +487,7 @@ nb.table(
 # %%
 with open(os.path.join(nb.ROOT, "docs/results/bench_h200_2026-12-01_persistent.json")) as f:
     persistent_rows = json.load(f)
-fig = plots.persistent_ctas(
+fig = figures.persistent_ctas(
     [r for r in persistent_rows if r["D"] == 128 or not r["causal"]],
     title="Stage 9 with and without persistent CTAs (H200, 2026-12-01, bf16, GPU time)",
 )
@@ -479,8 +506,7 @@ bench_persistent = nb.measure(
 # ### 7.2 Three consumer warpgroups at D = 64
 #
 # At D = 64 stage 9 runs stage 8's CTA of three consumer warpgroups (stage 8's notebook, section
-# 5.5). Stage 9 took them first, in the fifth session, and stage 8 since the twelfth (2026-12-02),
-# so the measurements of this section are what they did to stage 9. `mma_warpgroups` is 3
+# 5.5); the measurements of this section compare stage 9 with three and with two. `mma_warpgroups` is 3
 # (`Sm90Kernel.warpgroups_for`; 2 under short masks, the end of this section), so the Q tile has
 # 192 rows, 64 per consumer warpgroup, and the CTA 512 threads. The register split follows: 128 x 24 for the producer and
 # 384 x 160 for the consumers, 64,512 of the SM's 65,536. At D = 64 the S, P and O sets of section 3 take 64 + 32 + 32 = 128 of the 160. The
@@ -509,7 +535,7 @@ for d in (64, 128):
     )
 with open(os.path.join(nb.ROOT, "docs/results/bench_h200_2026-12-01_3wg.json")) as f:
     wg3_rows = json.load(f)
-fig = plots.consumer_warpgroups(
+fig = figures.consumer_warpgroups(
     wg3_rows,
     title="Stage 9 at D = 64: three consumer warpgroups against two (H200, 2026-12-01, bf16, GPU time)",
 )
@@ -525,8 +551,8 @@ bench_wg = nb.measure(
 )
 
 # %% [markdown]
-# **Short masks keep two.** The 10-11% lost at S = 512-1k causal came back in the eighth session
-# (2026-12-02): the launch asks the kernel class for its options at each call
+# **Short masks keep two.** The 10-11% lost at S = 512-1k causal comes back this way: the launch
+# asks the kernel class for its options at each call
 # (`Sm90Kernel.launch_options`, called by `common/attention_host.py`), and at D = 64 a causal or
 # window mask that leaves no query row more than 1,024 keys gets `mma_warpgroups = 2`, the
 # 128-row tile, in a compile of its own. Measured (H200, 2026-12-02, bf16, paper shapes, GPU time,
@@ -559,7 +585,7 @@ bench_wg = nb.measure(
 # at D = 64 and 0.93-0.99 there from 1k (0.87-0.96 and 0.72-0.99 with one CTA per tile, same
 # run). The outputs are the same bits whichever CTA computes a tile (tested).
 #
-# **Packed sequences** (seventh session) take the same road: their tiles differ with the lengths,
+# **Packed sequences** take the same road: their tiles differ with the lengths,
 # so they too run on a grid of one CTA per SM with the tiles drawn from the counter. One thing is
 # new there. The grid counts as many Q tiles per (head, sequence) as the *longest* sequence has
 # (the grid is sized from `max_seqlen_q`, not from each sequence's own count of tiles), so a
@@ -582,7 +608,7 @@ nb.show_source(9, "hopper", names=["Sm90Kernel.next_tile", "Sm90Kernel.tile_coor
 # %%
 with open(os.path.join(nb.ROOT, "docs/results/dynamic_h200_2026-12-01.json")) as f:
     dynamic_rows = json.load(f)["rows"]
-fig = plots.dynamic_tiles(
+fig = figures.dynamic_tiles(
     dynamic_rows,
     title="Stage 9 causal: one CTA per tile and the dynamic scheduler (H200, 2026-12-01, bf16)",
 )
@@ -612,10 +638,10 @@ bench_dynamic = nb.measure(
 #    and how does that compare with nvdisasm's counts of stages 8 and 9 in 5.4? Could stage 7's
 #    kernel (no `setmaxnreg`, 256 threads) afford the overlap at D = 128?
 # 3. **A lost pass.** Drop warpgroup 1's pass after its last PV in the model:
-#    `plots.attention_schedule(True, 3, overlap=True, final_pass=False)`. What happens?
+#    `figures.attention_schedule(True, 3, overlap=True, final_pass=False)`. What happens?
 # 4. **The model and the measurement.** The model gives stage 9 about 1% over stage 8 at D = 128;
-#    the H200 measured +11% at S = 8k before stage 8's turn went back to back, +3% after. Stretch the softmax in the model (`exp_tflops` of
-#    `plots.hopper_unit_times` lower) and watch the gain and the tensor cores' busy share. Why
+#    the H200 measured +2% at S = 8k non-causal and +7% causal (section 7). Stretch the softmax in the model (`exp_tflops` of
+#    `figures.hopper_unit_times` lower) and watch the gain and the tensor cores' busy share. Why
 #    does a longer softmax not make the overlap pay in this model, and what would the model need
 #    to show the measured gain?
 #
@@ -674,15 +700,17 @@ print("stage 8 (S or P, O):", 64 + 64, " stage 9 (S, P, O):", 64 + 32 + 64)
 
 # Exercise 3: the lost pass in the model.
 try:
-    plots.attention_schedule(True, 3, overlap=True, final_pass=False)
-except plots.Deadlock as e:
+    figures.attention_schedule(True, 3, overlap=True, final_pass=False)
+except figures.Deadlock as e:
     print("Deadlock:", e)
 
 # Exercise 4: the model's gain of stage 9 over stage 8 against the softmax's length.
 for stretch in (1.0, 1.6, 2.5, 4.0):
-    t = plots.hopper_unit_times(head_dim=D, block_n=bN, rows=rows_per_wg, exp_tflops=3.9 / stretch)
-    s8 = plots.attention_schedule(True, 8, *t, D // 16, bN // 16)
-    s9 = plots.attention_schedule(True, 8, *t, D // 16, bN // 16, overlap=True)
+    t = figures.hopper_unit_times(
+        head_dim=D, block_n=bN, rows=rows_per_wg, exp_tflops=3.9 / stretch
+    )
+    s8 = figures.attention_schedule(True, 8, *t, D // 16, bN // 16)
+    s9 = figures.attention_schedule(True, 8, *t, D // 16, bN // 16, overlap=True)
     print(
         f"softmax {stretch:.1f}x its exponentials: stage 9 {s8['end'] / s9['end']:.3f}x stage 8, "
         f"tensor cores busy {100 * s8['tc_busy']:.0f}% -> {100 * s9['tc_busy']:.0f}%"
