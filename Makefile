@@ -64,7 +64,7 @@ doctor:
 	@$(PYTHON) -m common.tools.doctor
 
 $(addprefix stage-,1 2 3 4 5 6 7 8 9): stage-%: setup
-	$(PYTEST) -q tests/test_stage$*_*.py
+	$(PYTEST) -q $(wildcard tests/test_stage$*.py tests/test_stage$*_*.py)
 
 $(addprefix diff-,2 3 4 5 6 7 8 9): diff-%:
 	@n=$*; p=$$((n-1)); \

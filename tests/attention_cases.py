@@ -40,6 +40,18 @@ def qkv(device="cuda", B=1, H=2, Sq=128, Sk=128, D=64, dtype=torch.bfloat16):
     return inputs.attention_inputs(B, H, Sq, Sk, D, dtype, device=device)
 
 
+def bshd_views(B, H, Sq, Sk, D, dtype=torch.bfloat16, *, seed):
+    """(q, k, v) of qkv's shapes as (B, H, S, D) views of (B, S, H, D) tensors (the layout of many
+    models): D contiguous, the other strides arbitrary."""
+    q4, k4, v4 = (
+        t.transpose(1, 2).contiguous()
+        for t in inputs.attention_inputs(B, H, Sq, Sk, D, dtype, seed=seed)
+    )
+    q, k, v = (t.transpose(1, 2) for t in (q4, k4, v4))
+    assert not q.is_contiguous() and q.stride(-1) == 1
+    return q, k, v
+
+
 # ---------------------------------------------------------------- bad input
 
 

@@ -49,7 +49,7 @@ SECTIONS = (
     "Measure",
     "Exercises",
 )
-# Words that point outside the repository (issue 13): the notebooks describe things by what they do.
+# Words that point outside the repository: the notebooks describe things by what they do.
 FOREIGN_WORDS = (r"\bseed draft\b", r"\bthe user's\b", r"\banchors?\b", r"\.\./shared")
 # The executed copies of all the notebooks together stay below this (figures at 80 dpi; the eight
 # of stages 1-8 took 2.3 MiB in compile-only mode, 2026-12-01).
@@ -70,7 +70,7 @@ def test_every_stage_has_a_notebook(stage):
     have = glob.glob(os.path.join(NB_DIR, f"stage{stage}_*.ipynb"))
     if not have and stage > max(NOTEBOOKS):
         pytest.xfail(
-            f"stage {stage} has no notebook yet (new notebooks follow issue 13's standard)"
+            f"stage {stage} has no notebook yet (a new notebook follows the structure checked here)"
         )
     assert have, f"stage {stage} has no notebook notebooks/stage{stage}_*.ipynb"
     if stage in NOTEBOOKS:
@@ -120,7 +120,7 @@ def test_structure(stage):
         ("start", f"{stage}\\)"),
         ("run_and_verify", f"{stage}\\b"),
         ("measure", f"{stage}\\b"),
-        # the compile summary of both tracks, in both modes (issue 13)
+        # the compile summary of both tracks, in both modes
         ("compile_summary", f'{stage}, "hopper"\\)'),
         ("compile_summary", f'{stage}, "blackwell"\\)'),
         ("cross_track_table", f"{stage}\\)"),
@@ -130,7 +130,7 @@ def test_structure(stage):
         )
     assert "show_cross_track_diff" not in code, "a concept table replaces the cross-track diff"
     if stage > 1:
-        assert re.search(rf'nb\.show_diff\(\s*{stage}, "hopper"\)', code)
+        assert re.search(rf'nb\.show_diff\(\s*{stage}, "hopper"[,)]', code)
 
 
 @pytest.mark.parametrize("stage", sorted(NOTEBOOKS))
@@ -170,7 +170,7 @@ def _check_log(stage, log, mode):
         map(str, log["errors"])
     )
     for track in arch.TRACKS:
-        # The compile summary of both tracks is shown in both modes (issue 13).
+        # The compile summary of both tracks is shown in both modes.
         if stage_table.available(stage, track):
             assert [stage, track] in [list(x) for x in log["compiled"]], (
                 f"stage {stage} ({track}) was not compiled by its notebook ({mode} mode)"
@@ -413,14 +413,15 @@ def test_executed_copies_match_their_sources():
 
 
 def test_wgmma_fragments_match_cute_atoms():
-    """plots draws the wgmma m64nNk16 accumulator and register-A fragments from thread-value
-    layouts; they must be the ones CuTe DSL builds for sm_90a (traced on the CPU, no GPU)."""
+    """The figures draw the wgmma m64nNk16 accumulator and register-A fragments from thread-value
+    layouts (notebooks/figures/layouts.py); they must be the ones CuTe DSL builds for sm_90a
+    (traced on the CPU, no GPU)."""
     import cutlass
     import cutlass.cute as cute
     import cutlass.utils.hopper_helpers as sm90_utils
     from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
-    from common.tools import plots
+    from notebooks.figures import layouts
 
     got = {}
 
@@ -451,8 +452,8 @@ def test_wgmma_fragments_match_cute_atoms():
 
     cute.compile(trace, options="--gpu-arch sm_90a")
     for n in (64, 128, 256):
-        assert got[n] == plots.layout_str(*plots.wgmma_c_tv(n))
-    assert got["a"] == plots.layout_str(*plots.wgmma_a_rs_tv())
+        assert got[n] == layouts.layout_str(*layouts.wgmma_c_tv(n))
+    assert got["a"] == layouts.layout_str(*layouts.wgmma_a_rs_tv())
     # The PTX ISA's rule: thread t of warp w holds rows 16 w + t / 4 (+ 8), columns 2 (t % 4) + 8 i + {0, 1}.
     for t in range(128):
         w, lane = divmod(t, 32)
@@ -462,32 +463,32 @@ def test_wgmma_fragments_match_cute_atoms():
             for h in (0, 1)
             for e in (0, 1)
         }
-        assert {(r, c) for _, r, c in plots.wgmma_c_coords(t, 128)} == want
+        assert {(r, c) for _, r, c in layouts.wgmma_c_coords(t, 128)} == want
 
 
 def test_swizzle_is_tma_128b():
-    from common.tools import plots
+    from notebooks.figures import layouts
 
     for r in range(16):
         for c in range(8):
-            assert plots.swizzle_128b_chunk(r, c) == c ^ (r % 8)
+            assert layouts.swizzle_128b_chunk(r, c) == c ^ (r % 8)
     # chunk c of 8 consecutive rows lands in 8 different chunks: all 32 banks, no conflict
     for c in range(8):
-        assert sorted(plots.swizzle_128b_chunk(r, c) for r in range(8)) == list(range(8))
+        assert sorted(layouts.swizzle_128b_chunk(r, c) for r in range(8)) == list(range(8))
 
 
 def test_ring_model_finds_the_race():
-    from common.tools import plots
+    from notebooks.figures import stage4, timelines
 
     for slot_per in ("tile", "entry"):
         for two_pass in (True, False):
-            loads, ops, wait = plots.kv_ring_schedule(4, 2, two_pass, True, slot_per)
-            assert plots.simulate_ring(loads, ops, wait_for_release=wait)["races"] == []
-    loads, ops, wait = plots.kv_ring_schedule(3, 2, True, v_waits_for_release=False)
-    assert plots.simulate_ring(loads, ops, wait_for_release=wait)["races"]
+            loads, ops, wait = stage4.kv_ring_schedule(4, 2, two_pass, True, slot_per)
+            assert timelines.simulate_ring(loads, ops, wait_for_release=wait)["races"] == []
+    loads, ops, wait = stage4.kv_ring_schedule(3, 2, True, v_waits_for_release=False)
+    assert timelines.simulate_ring(loads, ops, wait_for_release=wait)["races"]
     # A consumer waiting for a tile the producer can never load is reported, not hung on.
-    with pytest.raises(plots.Deadlock):
-        plots.simulate_ring(
+    with pytest.raises(timelines.Deadlock):
+        timelines.simulate_ring(
             [("A", 0), ("B", 0)], [("MMA", "x", 1.0, ["B"], []), ("MMA", "y", 1.0, ["A"], ["A"])]
         )
 
@@ -496,6 +497,7 @@ def _figures():
     import torch
 
     from common.tools import plots
+    from notebooks.figures import stage1, stage2, stage3, stage4, stage5, stage6, stage7, stage8
 
     out = torch.zeros(2, 3, 64, 64, dtype=torch.float64)
     out[1, 2, 17, 40] = 1.0  # the worst element, in slice (b, h) = (1, 2)
@@ -503,27 +505,29 @@ def _figures():
         "(2, 16, 8192, 8192, 128)": {"stage 5": 524.0, "stage 4": 366.0, "SDPA flash": 345.0}
     }
     return {
-        "gemm_tiling": lambda: plots.gemm_tiling(),
-        "attention_grid": lambda: plots.attention_grid(),
-        "swizzle_128b": lambda: plots.swizzle_128b(),
-        "prepare_views": lambda: plots.prepare_views(),
-        "barrier_phases": lambda: plots.barrier_phases(),
-        "gemm_pipeline_timeline": lambda: plots.gemm_pipeline_timeline(ab_buffers=(2, 4)),
-        "kv_slot_timeline racy": lambda: plots.kv_slot_timeline(2, 2, True, False),
-        "kv_slot_timelines": lambda: plots.kv_slot_timelines(
+        "gemm_tiling": lambda: stage1.gemm_tiling(),
+        "attention_grid": lambda: stage2.attention_grid(),
+        "swizzle_128b": lambda: stage1.swizzle_128b(),
+        "prepare_views": lambda: stage1.prepare_views(),
+        "barrier_phases": lambda: stage1.barrier_phases(),
+        "gemm_pipeline_timeline": lambda: stage1.gemm_pipeline_timeline(ab_buffers=(2, 4)),
+        "kv_slot_timeline racy": lambda: stage4.kv_slot_timeline(2, 2, True, False),
+        "kv_slot_timelines": lambda: stage4.kv_slot_timelines(
             [dict(two_pass=True), dict(two_pass=False)]
         ),
-        "wgmma_accumulator_layout": lambda: plots.wgmma_accumulator_layout(),
-        "quad_reduction": lambda: plots.quad_reduction(),
-        "p_register_path": lambda: plots.p_register_path(),
-        "vt_operand": lambda: plots.vt_operand(),
+        "wgmma_accumulator_layout": lambda: stage1.wgmma_accumulator_layout(),
+        "quad_reduction": lambda: stage3.quad_reduction(),
+        "p_register_path": lambda: stage3.p_register_path(),
+        "vt_operand": lambda: stage3.vt_operand(),
         "tmem_columns": lambda: plots.tmem_columns(),
-        "blackwell_warp_roles": lambda: plots.blackwell_warp_roles(3),
-        "o_rescale_handoff": lambda: plots.o_rescale_handoff(),
-        "online_softmax_trace": lambda: plots.online_softmax_trace([0.1, 2.0, -1.0, 0.3, 2.5, 0.1]),
+        "blackwell_warp_roles": lambda: stage1.blackwell_warp_roles(3),
+        "o_rescale_handoff": lambda: stage5.o_rescale_handoff(),
+        "online_softmax_trace": lambda: stage5.online_softmax_trace(
+            [0.1, 2.0, -1.0, 0.3, 2.5, 0.1]
+        ),
         "error_heatmap": lambda: plots.error_heatmap(out, torch.zeros_like(out)),
         "bench_bars": lambda: plots.bench_bars(results, "t"),
-        "mask_tile_maps": lambda: plots.mask_tile_maps(
+        "mask_tile_maps": lambda: stage6.mask_tile_maps(
             [
                 ("causal", 1024, 1024, True, None),
                 ("window (256, 0)", 1024, 1024, False, (256, 0)),
@@ -531,16 +535,16 @@ def _figures():
                 ("causal, Sq > Sk", 1024, 640, True, None),
             ]
         ),
-        "mask_alignment": lambda: plots.mask_alignment(),
-        "gqa_head_map": lambda: plots.gqa_head_map(32, 8),
-        "varlen_cta_map": lambda: plots.varlen_cta_map([300, 77, 0, 520, 1], causal=True),
-        "packed_rows": lambda: plots.packed_rows([200, 77, 300, 1]),
-        "warp_specialized_roles": lambda: plots.warp_specialized_roles(),
-        "warp_specialized_roles D=64": lambda: plots.warp_specialized_roles(
+        "mask_alignment": lambda: stage6.mask_alignment(),
+        "gqa_head_map": lambda: stage7.gqa_head_map(32, 8),
+        "varlen_cta_map": lambda: stage7.varlen_cta_map([300, 77, 0, 520, 1], causal=True),
+        "packed_rows": lambda: stage7.packed_rows([200, 77, 300, 1]),
+        "warp_specialized_roles": lambda: stage8.warp_specialized_roles(),
+        "warp_specialized_roles D=64": lambda: stage8.warp_specialized_roles(
             kv_slots=13, cta_tile=(128, 128, 64)
         ),
-        "pingpong_timelines": lambda: plots.pingpong_timelines(),
-        "pingpong_timelines wait for PV": lambda: plots.pingpong_timelines(
+        "pingpong_timelines": lambda: stage8.pingpong_timelines(),
+        "pingpong_timelines wait for PV": lambda: stage8.pingpong_timelines(
             compare="wait for PV", wait_latency=30
         ),
     }
@@ -548,22 +552,22 @@ def _figures():
 
 @pytest.mark.parametrize("name", sorted(_figures()))
 def test_figures_are_readable_at_notebook_size(name):
-    """No label below plots.MIN_FONT points, no figure wider than plots.FIG_WIDTH inches (a
+    """No label below draw.MIN_FONT points, no figure wider than draw.FIG_WIDTH inches (a
     notebook shows about 8-10 inches; wider figures are shrunk, and their labels with them)."""
     import matplotlib.pyplot as plt
     from matplotlib.text import Text
 
-    from common.tools import plots
+    from common.tools import draw
 
     fig = _figures()[name]()
     try:
-        assert fig.get_size_inches()[0] <= plots.FIG_WIDTH + 1e-9
+        assert fig.get_size_inches()[0] <= draw.FIG_WIDTH + 1e-9
         small = [
             (t.get_text()[:30], t.get_fontsize())
             for t in fig.findobj(Text)
-            if t.get_text().strip() and t.get_visible() and t.get_fontsize() < plots.MIN_FONT
+            if t.get_text().strip() and t.get_visible() and t.get_fontsize() < draw.MIN_FONT
         ]
-        assert not small, f"labels below {plots.MIN_FONT} pt: {small[:5]}"
+        assert not small, f"labels below {draw.MIN_FONT} pt: {small[:5]}"
         if name == "error_heatmap":
             title = fig.axes[0].get_title()
             assert "b = 1, h = 2" in title and "(1, 2, 17, 40)" in title, title
@@ -576,16 +580,16 @@ def test_pingpong_model_follows_the_kernel():
     pass_turn: the tensor cores take the turns of the docstring's picture, named barrier 2
     completes `steps` times and barrier 3 `steps + 1`, no arrive is left over, and a lost arrive
     (warpgroup 1's last pass) is a deadlock, not a finished schedule. Lock-step has no turns."""
-    from common.tools import plots
+    from notebooks.figures import stage8, timelines
 
     for steps in range(0, 6):
-        r = plots.attention_schedule(True, steps)
+        r = stage8.attention_schedule(True, steps)
         assert r["turns"] == {2: steps, 3: steps + 1 if steps else 0}, r["turns"]
         assert r["pending"] == {2: 0, 3: 0}
-        lock = plots.attention_schedule(False, steps)
+        lock = stage8.attention_schedule(False, steps)
         assert lock["turns"] == {2: 0, 3: 0} and lock["pending"] == {2: 0, 3: 0}
     order = []
-    for _, _, wg, label in plots.attention_schedule(True, 2)["tc"]:
+    for _, _, wg, label in stage8.attention_schedule(True, 2)["tc"]:
         if (wg, label) not in order:
             order.append((wg, label))
     assert order == [
@@ -598,13 +602,13 @@ def test_pingpong_model_follows_the_kernel():
         (1, "PV1"),
         (2, "PV1"),
     ]
-    with pytest.raises(plots.Deadlock, match="warpgroup 2"):
-        plots.attention_schedule(True, 3, final_pass=False)
+    with pytest.raises(timelines.Deadlock, match="warpgroup 2"):
+        stage8.attention_schedule(True, 3, final_pass=False)
     # Ping-pong keeps the tensor cores busier than lock-step, with the kernel's unit times.
-    qk, sm, pv = plots.hopper_unit_times(128)
+    qk, sm, pv = stage8.hopper_unit_times(128)
     assert (
-        plots.attention_schedule(True, 4, qk, sm, pv)["end"]
-        < plots.attention_schedule(False, 4, qk, sm, pv)["end"]
+        stage8.attention_schedule(True, 4, qk, sm, pv)["end"]
+        < stage8.attention_schedule(False, 4, qk, sm, pv)["end"]
     )
 
 
@@ -613,15 +617,15 @@ def test_pingpong_model_back_to_back_against_waiting_for_pv():
     before QK_(j+1) (FlashAttention-3's warp-specialised order): the same turns and tensor-core
     order, no arrive left over; with a cost per wait the back-to-back order finishes first and
     keeps the tensor cores busier; without one the two differ by the model's time step only."""
-    from common.tools import plots
+    from notebooks.figures import stage8
 
-    qk, sm, pv = plots.hopper_unit_times(128)
+    qk, sm, pv = stage8.hopper_unit_times(128)
     for steps in (1, 2, 5):
         for lat in (0.0, 30.0):
-            a = plots.attention_schedule(
+            a = stage8.attention_schedule(
                 True, steps, qk, sm, pv, wait_for_pv=True, wait_latency=lat
             )
-            b = plots.attention_schedule(True, steps, qk, sm, pv, wait_latency=lat)
+            b = stage8.attention_schedule(True, steps, qk, sm, pv, wait_latency=lat)
             assert a["turns"] == b["turns"] == {2: steps, 3: steps + 1}
             assert a["pending"] == b["pending"] == {2: 0, 3: 0}
             # The tensor cores start the same GEMMs in the same order (each GEMM once).
@@ -637,7 +641,7 @@ def test_pingpong_model_back_to_back_against_waiting_for_pv():
                 assert abs(a["end"] - b["end"]) <= 0.02 * b["end"], (steps, a["end"], b["end"])
     # A cost per wait also reaches the waits that stand alone: more latency, a later end.
     ends = [
-        plots.attention_schedule(True, 4, qk, sm, pv, wait_latency=x)["end"] for x in (0, 30, 60)
+        stage8.attention_schedule(True, 4, qk, sm, pv, wait_latency=x)["end"] for x in (0, 30, 60)
     ]
     assert ends == sorted(ends) and ends[0] < ends[-1]
 
@@ -738,11 +742,24 @@ def test_gpu_mode_helpers_run_with_cpu_stand_ins(monkeypatch, capsys):
 
 
 def test_bench_colours_are_one_per_kernel():
-    from common.tools import plots
+    from common.tools import draw
 
-    assert plots.kernel_color("SDPA flash") == plots.KERNEL_COLORS["SDPA flash"]
-    assert plots.kernel_color("stage 1 (ab_buffers=2)") == plots.KERNEL_COLORS["stage 1"]
-    assert len(set(plots.KERNEL_COLORS.values())) == len(plots.KERNEL_COLORS)
+    assert draw.kernel_color("SDPA flash") == draw.KERNEL_COLORS["SDPA flash"]
+    assert draw.kernel_color("stage 1 (ab_buffers=2)") == draw.KERNEL_COLORS["stage 1"]
+    assert len(set(draw.KERNEL_COLORS.values())) == len(draw.KERNEL_COLORS)
+
+
+@pytest.mark.parametrize("stage", sorted(NOTEBOOKS))
+def test_notebook_figures_are_in_its_figures_module(stage):
+    """Notebook N draws with `figures.<name>` from notebooks/figures/stageN.py, imported as
+    `from notebooks.figures import stageN as figures`: every name it uses is there."""
+    import importlib
+
+    src = "".join(cell_text(c) for c in load(NOTEBOOKS[stage])["cells"])
+    assert f"from notebooks.figures import stage{stage} as figures" in src
+    module = importlib.import_module(f"notebooks.figures.stage{stage}")
+    missing = sorted({n for n in re.findall(r"\bfigures\.(\w+)", src) if not hasattr(module, n)})
+    assert not missing, f"notebooks/figures/stage{stage}.py has no {missing}"
 
 
 # The notebook helpers that make every exercise doable.

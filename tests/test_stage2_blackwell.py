@@ -6,48 +6,25 @@
   tcgen05.fence::before_thread_sync and the softmax warps' barrier. Dynamic layouts: Sq and Sk
   that are not tile multiples compile to the very same PTX, and so do the layouts qk() launches
   with (to_cute of real tensors, here CPU ones). They run in CI.
-- GPU tests (marker gpu_blackwell) compare S with an fp64 reference for head dims 64 and 128,
-  several (B, H, Sq, Sk) including Sq and Sk that are not multiples of 128 and Sq = 1, bf16 and
-  fp16, the default and an explicit scale, and Q/K given as transposed views of (B, S, H, D)
-  tensors. S is poisoned with NaN before the launch, and one test launches into the corner of a
-  larger NaN buffer so that a store past Sq or Sk fails. As of 2026-12-01 no sm_100 GPU was
-  available: these tests have not run yet.
-- Bad-input tests: every error names the argument; the CPU-tensor ones run in CI. The cases
-  common to stages 2-5 are in tests/attention_cases.py; this file adds its stage's own limits.
+- GPU test (marker gpu_blackwell): S launched as the corner of a larger NaN buffer, through the
+  kernel class itself, so that a store past Sq or Sk fails. As of 2026-12-01 no sm_100 GPU was
+  available: it has not run yet.
+- The numerics against the fp64 reference and the bad-input tests run on both tracks in
+  tests/test_stage2.py.
 """
-
-import re
 
 import attention_cases
 import pytest
 import torch
-from attention_cases import DTYPES, dtype_id, needs_cuda, shape_id
+from attention_cases import DTYPES, dtype_id, shape_id
+from blackwell_ptx import assert_tmem_freed_after_fence, global_stores
+from test_stage2 import check_s
 
 from common.compile import cached_compile
 from common.cute_interop import current_stream, cute_dtype, fake_stream, to_cute
-from common.tools import inputs, reference, verify
+from common.tools import inputs, verify
 from common.tools.ptx import compile_for_arch, compile_only
 from stages.stage2_qk import blackwell
-
-
-def global_stores(ptx):
-    """The st.global statements of the PTX, their opcode only (st.global.v4.b32, ...)."""
-    return [ln.split()[0] for ln in ptx.splitlines() if ln.strip().startswith("st.global")]
-
-
-def assert_tmem_freed_after_fence(ptx):
-    """tcgen05.dealloc comes after tcgen05.fence::before_thread_sync and the softmax warps'
-    named barrier (bar.sync 1, 128), and the fence after every tcgen05.ld and tcgen05.st."""
-    lines = ptx.splitlines()
-
-    def where(pattern):
-        return [i for i, ln in enumerate(lines) if re.search(pattern, ln)]
-
-    (fence,) = where(r"tcgen05\.fence::before_thread_sync")
-    (dealloc,) = where(r"tcgen05\.dealloc")
-    assert max(where(r"tcgen05\.(ld|st)\.")) < fence < dealloc
-    assert any(re.search(r"\bbar(rier)?\.sync\s+1,\s*128;", ln) for ln in lines[fence:dealloc])
-
 
 # ---------------------------------------------------------------- compile-only (no GPU)
 
@@ -114,64 +91,6 @@ def test_launch_layouts_store_s_in_16_byte_vectors():
 # ---------------------------------------------------------------- numerics on an sm_100 GPU
 
 
-SHAPES = [
-    (1, 1, 128, 128, 64),  # one CTA, one K tile
-    (1, 1, 128, 128, 128),
-    (2, 4, 512, 512, 64),
-    (2, 4, 512, 512, 128),
-    (3, 5, 256, 1024, 128),  # 15 heads; 8 K tiles: each of the 2 slots reused 4 times
-    (1, 2, 1024, 256, 64),  # 8 Q tiles per head, 2 K tiles
-    (4, 8, 128, 384, 64),  # 3 K tiles: an odd number through the 2-slot ring
-    (2, 3, 200, 260, 128),  # tails: Sq = 128 + 72, Sk = 2 x 128 + 4
-    (1, 2, 1, 4, 128),  # one query, four keys
-    (2, 2, 1000, 1000, 64),
-]
-
-
-def run_qk(q, k, scale=None):
-    return verify.run_with_deadline(
-        lambda: blackwell.qk(q, k, scale), seconds=120, what="stage 2 blackwell qk"
-    )
-
-
-def check_qk(q, k, s, scale=None):
-    # Products of bf16/fp16 values are exact in fp32 and S is stored in fp32: the only error is
-    # the tensor core's fp32 accumulation over D terms (its own order and truncation, around
-    # 1e-7 to 1e-6 relative). 1e-4 leaves margin yet fails S rounded to bf16 (~2e-3 relative)
-    # or a scale off by 1% (~1e-2). PyTorch's bf16 matmul rounds S to bf16, so its error is no
-    # yardstick here.
-    B, H, Sq, D = q.shape
-    assert s.shape == (B, H, Sq, k.shape[2]) and s.dtype == torch.float32
-    return verify.check_close("S", s, reference.qk_ref(q, k, scale), rtol=1e-4)
-
-
-@pytest.mark.gpu_blackwell
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-def test_qk_matches_fp64_reference(shape, dtype):
-    B, H, Sq, Sk, D = shape
-    q, k, _ = inputs.attention_inputs(B, H, Sq, Sk, D, dtype, seed=B + H + Sq + Sk + D)
-    check_qk(q, k, run_qk(q, k))
-
-
-@pytest.mark.gpu_blackwell
-def test_qk_explicit_scale():
-    q, k, _ = inputs.attention_inputs(2, 2, 256, 256, 64, torch.bfloat16, seed=11)
-    check_qk(q, k, run_qk(q, k, 0.3), 0.3)
-
-
-@pytest.mark.gpu_blackwell
-def test_qk_reads_transposed_bshd_views():
-    # Q, K stored as (B, S, H, D) and passed as (B, H, S, D) views: S stride H * D, H stride D.
-    B, H, Sq, Sk, D = 2, 3, 256, 384, 128
-    g = torch.Generator(device="cuda").manual_seed(5)
-    q_bshd = torch.randn(B, Sq, H, D, generator=g, device="cuda").to(torch.bfloat16)
-    k_bshd = torch.randn(B, Sk, H, D, generator=g, device="cuda").to(torch.bfloat16)
-    q, k = q_bshd.transpose(1, 2), k_bshd.transpose(1, 2)
-    assert not q.is_contiguous() and q.stride(-1) == 1
-    check_qk(q, k, run_qk(q, k))
-
-
 @pytest.mark.gpu_blackwell
 def test_qk_writes_nothing_outside_s():
     # The last Q tile and the last K tile stick out of S. Launched on S as the corner of a NaN
@@ -183,27 +102,5 @@ def test_qk_writes_nothing_outside_s():
     args = [to_cute(t, dynamic=True) for t in (q, k, s)] + [D**-0.5, current_stream()]
     kernel = blackwell.Sm100Kernel(cute_dtype(q.dtype), D)
     verify.run_with_deadline(lambda: cached_compile(kernel, *args)(*args), seconds=120)
-    check_qk(q, k, s)
+    check_s(s, q, k)
     assert torch.isnan(big[:, :, Sq:]).all() and torch.isnan(big[:, :, :Sq, Sk:]).all()
-
-
-@pytest.mark.gpu_blackwell
-def test_stage_package_dispatches_to_blackwell():
-    from stages.stage2_qk import qk
-
-    q, k, _ = inputs.attention_inputs(1, 2, 256, 256, 128, torch.bfloat16, seed=3)
-    check_qk(q, k, verify.run_with_deadline(lambda: qk(q, k), seconds=120))
-
-
-# ---------------------------------------------------------------- bad input
-
-
-@pytest.mark.parametrize("case", attention_cases.BAD_QK_INPUTS)
-def test_rejects_bad_input(case):
-    case.check(blackwell.qk)
-
-
-@needs_cuda
-def test_rejects_sk_that_breaks_16_byte_rows():
-    with pytest.raises(ValueError, match=r"Sk = k.shape\[2\] = 130 must be a multiple of 4"):
-        blackwell.qk(*attention_cases.qkv(Sk=130)[:2])

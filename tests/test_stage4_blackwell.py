@@ -12,14 +12,11 @@ exact two-pass softmax, on sm_100a.
   registers (checked when ptxas is installed); the layouts attention() launches with (to_cute
   of real tensors, here CPU ones) store O in the same 16-byte vectors as the fake tensors;
   tcgen05.dealloc comes after tcgen05.fence::before_thread_sync and the softmax warps' barrier.
-- GPU tests (marker gpu_blackwell) compare O with an fp64 reference for D = 64 and 128, bf16 and
-  fp16, 1 to 64 KV tiles (odd counts: V lands in slots that held K), Sk not a multiple of 128,
-  Sq not a multiple of 128 and Sq = 1, logits that grow along the keys (the running max
-  changes from tile to tile), large logits and strided views. O is poisoned with NaN before the
-  launch, and one test launches into the first Sq rows of a longer NaN buffer so that a store
-  past Sq fails. As of 2026-12-01 no sm_100 GPU was available: these tests have not run yet.
-- Bad-input tests: every error names the argument; the CPU-tensor ones run in CI. The cases
-  common to stages 2-5 are in tests/attention_cases.py; this file adds its stage's own limits.
+- GPU test (marker gpu_blackwell): O launched as the first Sq rows of a longer NaN buffer,
+  through the kernel class itself, so that a store past Sq fails. As of 2026-12-01 no sm_100 GPU
+  was available: it has not run yet.
+- The numerics against the fp64 reference and the bad-input tests run on both tracks in
+  tests/test_stage4.py.
 """
 
 import math
@@ -29,36 +26,13 @@ import attention_cases
 import pytest
 import torch
 from attention_cases import DTYPES, dtype_id, shape_id
+from blackwell_ptx import PV_MMA, QK_MMA, assert_tmem_freed_after_fence, global_stores
 
 from common.compile import cached_compile
 from common.cute_interop import current_stream, cute_dtype, fake_stream, to_cute
 from common.tools import inputs, verify
 from common.tools.ptx import compile_for_arch, compile_only, expect_tx_immediates
 from stages.stage4_kv_interleave import blackwell
-
-# tcgen05.mma with A and B as shared-memory descriptors (QK) / with A in TMEM (PV)
-QK_MMA = re.compile(r"tcgen05\.mma\.cta_group::1\.kind::f16\S*\s+\[%r\d+\],\s*%rd\d+,\s*%rd\d+,")
-PV_MMA = re.compile(r"tcgen05\.mma\.cta_group::1\.kind::f16\S*\s+\[%r\d+\],\s*\[%r\d+\],\s*%rd\d+,")
-
-
-def global_stores(ptx):
-    """The st.global statements of the PTX, their opcode only (st.global.v4.b32, ...)."""
-    return [ln.split()[0] for ln in ptx.splitlines() if ln.strip().startswith("st.global")]
-
-
-def assert_tmem_freed_after_fence(ptx):
-    """tcgen05.dealloc comes after tcgen05.fence::before_thread_sync and the softmax warps'
-    named barrier (bar.sync 1, 128), and the fence after every tcgen05.ld and tcgen05.st."""
-    lines = ptx.splitlines()
-
-    def where(pattern):
-        return [i for i, ln in enumerate(lines) if re.search(pattern, ln)]
-
-    (fence,) = where(r"tcgen05\.fence::before_thread_sync")
-    (dealloc,) = where(r"tcgen05\.dealloc")
-    assert max(where(r"tcgen05\.(ld|st)\.")) < fence < dealloc
-    assert any(re.search(r"\bbar(rier)?\.sync\s+1,\s*128;", ln) for ln in lines[fence:dealloc])
-
 
 # ---------------------------------------------------------------- compile-only (no GPU)
 
@@ -152,87 +126,6 @@ def test_launch_layouts_store_o_in_16_byte_vectors():
 # ---------------------------------------------------------------- numerics on an sm_100 GPU
 
 
-SHAPES = [
-    (1, 1, 128, 128, 64),  # one KV tile
-    (1, 1, 128, 256, 128),  # 2 KV tiles: pass 2 starts in slot 0, K and V alternate slots
-    (2, 4, 512, 384, 64),  # 3 KV tiles: pass 2 starts in slot 1, V_j lands where K_j' was
-    (2, 4, 512, 1024, 128),
-    (1, 2, 256, 8192, 128),  # 64 KV tiles: each slot reused 96 times
-    (3, 5, 256, 300, 128),  # 3 tiles, the last with 84 keys masked
-    (1, 2, 384, 64, 64),  # fewer keys than one tile
-    (2, 3, 200, 260, 128),  # Sq tail, 3 KV tiles of which the last holds 4 keys (124 masked)
-    (1, 2, 1, 1, 128),  # one query, one key
-    (2, 2, 1000, 1000, 64),  # 8 Q tiles, the last with 104 rows; 8 KV tiles, 24 keys masked
-]
-
-
-def run_attention(q, k, v, scale=None):
-    return verify.run_with_deadline(
-        lambda: blackwell.attention(q, k, v, scale), seconds=120, what="stage 4 blackwell attention"
-    )
-
-
-# verify.check_attention holds O to 3x the error of PyTorch's own attention in the input dtype
-# against the same fp64 reference (never above 1e-2, never below one rounding of the dtype); its
-# docstring derives the bound.
-
-
-@pytest.mark.gpu_blackwell
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-def test_attention_matches_fp64_reference(shape, dtype):
-    B, H, Sq, Sk, D = shape
-    q, k, v = inputs.attention_inputs(B, H, Sq, Sk, D, dtype, seed=B + H + Sq + Sk + D)
-    verify.check_attention("O", run_attention(q, k, v), q, k, v)
-
-
-@pytest.mark.gpu_blackwell
-def test_attention_when_the_row_max_grows_across_tiles():
-    # Keys scaled up along the sequence: most rows find a larger max in each later tile, so pass 1
-    # rescales row_sum at almost every tile.
-    q, k, v = attention_cases.growing_logits(
-        2, 2, 256, 1024, 128, torch.bfloat16, seed=13, logit_scale=3.0
-    )
-    verify.check_attention("O", run_attention(q, k, v), q, k, v)
-
-
-@pytest.mark.gpu_blackwell
-@pytest.mark.parametrize("logit_scale", [8.0, 30.0])
-def test_attention_large_logits(logit_scale):
-    # |scale * S| of tens: exp without the row max would overflow fp32.
-    q, k, v = attention_cases.large_logits(
-        2, 2, 256, 640, 128, torch.bfloat16, seed=9, logit_scale=logit_scale
-    )
-    verify.check_attention("O", run_attention(q, k, v), q, k, v)
-
-
-@pytest.mark.gpu_blackwell
-def test_attention_explicit_scale():
-    q, k, v = inputs.attention_inputs(2, 2, 256, 512, 64, torch.bfloat16, seed=11)
-    verify.check_attention("O", run_attention(q, k, v, 0.3), q, k, v, 0.3)
-
-
-@pytest.mark.gpu_blackwell
-def test_attention_reads_transposed_bshd_views():
-    # Q, K, V stored as (B, S, H, D) and passed as (B, H, S, D) views.
-    B, H, Sq, Sk, D = 2, 3, 256, 384, 128
-    g = torch.Generator(device="cuda").manual_seed(5)
-    q, k, v = [
-        torch.randn(B, S, H, D, generator=g, device="cuda").to(torch.bfloat16).transpose(1, 2)
-        for S in (Sq, Sk, Sk)
-    ]
-    assert not q.is_contiguous() and q.stride(-1) == 1
-    verify.check_attention("O", run_attention(q, k, v), q, k, v)
-
-
-@pytest.mark.gpu_blackwell
-def test_repeated_launches_agree():
-    # The compiled kernel is cached per layout: new values through the same kernel.
-    for seed in (1, 2):
-        q, k, v = inputs.attention_inputs(1, 2, 256, 512, 128, torch.bfloat16, seed=seed)
-        verify.check_attention("O", run_attention(q, k, v), q, k, v)
-
-
 @pytest.mark.gpu_blackwell
 def test_attention_writes_nothing_outside_o():
     # The last Q tile sticks out of Sq. Launched on O as the first Sq rows of NaN buffers
@@ -247,21 +140,3 @@ def test_attention_writes_nothing_outside_o():
     verify.run_with_deadline(lambda: cached_compile(kernel, *args)(*args), seconds=120)
     verify.check_attention("O", o, q, k, v)
     assert torch.isnan(big[:, :, Sq:]).all()
-
-
-@pytest.mark.gpu_blackwell
-def test_stage_package_dispatches_to_blackwell():
-    from stages.stage4_kv_interleave import attention
-
-    q, k, v = inputs.attention_inputs(1, 2, 256, 512, 128, torch.bfloat16, seed=3)
-    verify.check_attention(
-        "O", verify.run_with_deadline(lambda: attention(q, k, v), seconds=120), q, k, v
-    )
-
-
-# ---------------------------------------------------------------- bad input
-
-
-@pytest.mark.parametrize("case", attention_cases.BAD_ATTENTION_INPUTS)
-def test_rejects_bad_input(case):
-    case.check(blackwell.attention)

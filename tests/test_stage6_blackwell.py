@@ -11,15 +11,8 @@
   fence and the softmax warps' barrier. One kernel for every mask and shape (run-time bounds),
   no spills, within 224 registers.
 - The range on the host: the docstring's tile counts (causal, 8k) from common.masks.
-- GPU tests (marker gpu_blackwell) mirror the Hopper stage 6 tests, with the same cases (see
-  tests/test_stage6_hopper.py): against the fp64 reference with an explicit boolean mask,
-  causal and windows, Sq = Sk, Sq < Sk, Sq > Sk (rows and whole Q tiles that see no key: O = 0
-  and LSE = -inf exactly, with NaN in those rows of Q), window edges inside a tile and on a
-  tile boundary, ragged lengths, Sq = 1, both dtypes, D = 64 and 128, LSE; NaN planted in K and
-  V tiles outside the range; the unmasked kernel equal to stage 5's bit for bit. Each launch
-  has a 120 s deadline, so a lost arrive fails instead of hanging. As of 2026-12-01 no sm_100
-  GPU was available: these tests have not run yet.
-- Bad input: the shared cases of stages 2-5 plus the mask arguments.
+- The numerics against the fp64 reference (marker gpu_blackwell) and the bad-input tests run on
+  both tracks, with the same cases, in tests/test_stage6.py.
 """
 
 import re
@@ -28,12 +21,10 @@ import attention_cases
 import pytest
 import torch
 from attention_cases import DTYPES, dtype_id
-from test_stage5_blackwell import PV_MMA, QK_MMA, assert_tmem_freed_after_fence, global_stores
-from test_stage6_hopper import CASES, case_id, check
+from blackwell_ptx import PV_MMA, QK_MMA, assert_tmem_freed_after_fence, global_stores
 
 from common import masks
 from common.cute_interop import cute_dtype, fake_stream, to_cute
-from common.tools import inputs, verify
 from common.tools.ptx import compile_for_arch, compile_only, expect_tx_immediates
 from stages.stage6_masks import blackwell
 
@@ -191,118 +182,8 @@ def test_launch_layouts_store_o_in_16_byte_vectors():
     assert global_stores(ptx) == ["st.global.v4.b32"] * (D // 8) + ["st.global.b32"]
 
 
-def test_compile_args_rejects_unknown_options():
-    with pytest.raises(TypeError, match="unknown option"):
-        blackwell.compile_args(torch.bfloat16, (1, 1, 128, 128, 64), sliding=True)
-
-
 def test_docstring_tile_counts():
     # Causal, 128 x 128 tiles, Sq = Sk = 8k: the counts the docstring gives.
     counts = masks.tile_counts(8192, 8192, *masks.resolve_window(True, None, 8192, 8192))
     assert counts == {"skipped": 2016, "partial": 64, "full": 2016, "all": 4096}
     assert "2016 are skipped, 2016 are" in " ".join(blackwell.__doc__.split())
-
-
-# ---------------------------------------------------------------- numerics on an sm_100 GPU
-
-
-def run(q, k, v, causal=False, window=None, scale=None):
-    return verify.run_with_deadline(
-        lambda: blackwell.attention(
-            q, k, v, scale=scale, causal=causal, window=window, return_lse=True
-        ),
-        seconds=120,
-        what="stage 6 blackwell",
-    )
-
-
-@pytest.mark.gpu_blackwell
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_masked_attention_matches_fp64_reference(case, dtype):
-    B, H, Sq, Sk, D, causal, window = case
-    q, k, v = inputs.attention_inputs(B, H, Sq, Sk, D, dtype, seed=Sq + Sk + D)
-    o, lse = run(q, k, v, causal, window)
-    check(o, lse, q, k, v, causal, window)
-
-
-@pytest.mark.gpu_blackwell
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_skipped_tiles_are_never_read(dtype):
-    # Sq = 128 rows see keys i + 896 - 200 .. i + 896 of Sk = 1024: KV tiles 0-4 (keys 0-639) are
-    # outside the range. NaN there would poison O if they were loaded and multiplied.
-    B, H, Sq, Sk, D = 2, 2, 128, 1024, 64
-    q, k, v = inputs.attention_inputs(B, H, Sq, Sk, D, dtype, seed=21)
-    left, right = masks.resolve_window(True, (200, None), Sq, Sk)
-    assert masks.kv_tile_range(0, Sq, Sk, left, right) == (5, 8)
-    k[:, :, :640] = float("nan")
-    v[:, :, :640] = float("nan")
-    o, lse = run(q, k, v, causal=True, window=(200, None))
-    check(o, lse, q, k.nan_to_num(0.0), v.nan_to_num(0.0), True, (200, None))
-
-
-@pytest.mark.gpu_blackwell
-def test_q_tiles_without_keys_never_read_k_or_v():
-    # Sq = 512, Sk = 128, causal: Q tiles 0-2 have an empty range (no MMA, O's TMEM columns never
-    # written). NaN in their rows of Q: their O must still be exactly 0 and LSE -inf.
-    q, k, v = inputs.attention_inputs(1, 2, 512, 128, 64, seed=23)
-    q[:, :, :384] = float("nan")
-    o, lse = run(q, k, v, causal=True)
-    assert (o[:, :, :384] == 0).all() and (lse[:, :, :384] == float("-inf")).all()
-    check(o[:, :, 384:], lse[:, :, 384:], q[:, :, 384:], k, v, True, None)
-
-
-@pytest.mark.gpu_blackwell
-def test_large_logits_causal():
-    q, k, v = attention_cases.large_logits(
-        2, 2, 700, 700, 128, torch.bfloat16, seed=3, logit_scale=10.0, min_abs_logit=30
-    )
-    o, lse = run(q, k, v, causal=True)
-    check(o, lse, q, k, v, True, None)
-
-
-@pytest.mark.gpu_blackwell
-def test_non_causal_is_stage5_bit_for_bit():
-    # With no mask the loop is stage 5's: the same bits.
-    from stages.stage5_online_softmax import blackwell as stage5
-
-    q, k, v = inputs.attention_inputs(2, 4, 384, 1000, 128, seed=31)
-    o6, lse6 = run(q, k, v)
-    o5, lse5 = verify.run_with_deadline(lambda: stage5.attention(q, k, v, return_lse=True), 120)
-    assert torch.equal(o6, o5) and torch.equal(lse6, lse5)
-
-
-@pytest.mark.gpu_blackwell
-def test_stage_package_dispatches_to_blackwell():
-    from stages.stage6_masks import attention
-
-    q, k, v = inputs.attention_inputs(1, 2, 300, 300, 64, seed=8)
-    o, lse = verify.run_with_deadline(
-        lambda: attention(q, k, v, causal=True, return_lse=True), seconds=120
-    )
-    check(o, lse, q, k, v, True, None)
-
-
-# ---------------------------------------------------------------- bad input
-
-
-@pytest.mark.parametrize("case", attention_cases.BAD_ATTENTION_INPUTS)
-def test_rejects_bad_input(case):
-    case.check(blackwell.attention)
-
-
-@pytest.mark.parametrize(
-    "kwargs, error, match",
-    [
-        ({"window": (-1, 0)}, ValueError, "argument 'window': the left bound must be >= 0"),
-        ({"window": 5}, TypeError, "argument 'window': expected None or a pair"),
-        ({"window": (0.5, None)}, TypeError, "the left bound must be an int or None"),
-        ({"causal": 1}, TypeError, "argument 'causal': expected a bool"),
-        ({"causal": True, "window": (None, 3)}, ValueError, "causal=True means right = 0"),
-        ({"return_lse": "yes"}, TypeError, "argument 'return_lse': expected a bool"),
-    ],
-)
-def test_rejects_bad_mask_arguments(kwargs, error, match):
-    q, k, v = attention_cases.qkv("cuda" if torch.cuda.is_available() else "cpu")
-    with pytest.raises(error, match=match):
-        blackwell.attention(q, k, v, **kwargs)

@@ -34,8 +34,8 @@ import attention_cases
 import pytest
 import torch
 from attention_cases import DTYPES, dtype_id
-from test_stage5_blackwell import PV_MMA, QK_MMA, global_stores
-from test_stage7_hopper import (
+from blackwell_ptx import PV_MMA, QK_MMA, global_stores
+from test_stage7 import (
     BAD_PACKED,
     PACK_GQA_CASES,
     PACKS,

@@ -42,7 +42,7 @@ import cutlass
 import pytest
 import torch
 from attention_cases import DTYPES, dtype_id
-from test_stage7_hopper import (
+from test_stage7 import (
     BAD_PACKED,
     PACK_GQA_CASES,
     PACKS,

@@ -24,7 +24,7 @@ import attention_cases
 import pytest
 import torch
 from attention_cases import DTYPES, dtype_id
-from test_stage7_hopper import (
+from test_stage7 import (
     PACK_GQA_CASES,
     PACKS,
     check_pack_gqa,

@@ -28,7 +28,7 @@ import attention_cases
 import pytest
 import torch
 from attention_cases import DTYPES, dtype_id
-from test_stage7_hopper import (
+from test_stage7 import (
     BAD_PACKED,
     PACK_GQA_CASES,
     PACKS,
@@ -506,27 +506,19 @@ def test_pack_gqa_packed_sequences_with_nan_around(D):
     check_pack_gqa_varlen(hopper, D)
 
 
-def test_packed_tiles_figure_draws_the_stored_run():
-    """The packed-sequence figure (plots.packed_tiles, notebook 9 and docs/results) draws one bar
-    per (batch, kernel), its height the stored GPU-time TFLOP/s, and every stored row has stage
-    9's two variants equal to stage 8 bit for bit."""
+def test_stored_packed_run_matches_stage8_bit_for_bit():
+    """The stored packed-sequence run (docs/results/varlen_dynamic_h200_2026-12-01.json, quoted
+    by notebook 9) has a TFLOP/s figure per (batch, kernel), and in every row stage 9's two
+    variants equal stage 8 bit for bit."""
     import json
     import os
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from common.tools import plots
 
     path = os.path.join(
         os.path.dirname(__file__), "..", "docs", "results", "varlen_dynamic_h200_2026-12-01.json"
     )
     rows = json.load(open(path))["rows"]
     assert rows and all(r["same_bits"] for r in rows)
-    fig = plots.packed_tiles(rows)
-    heights = sorted(p.get_height() for p in fig.axes[0].patches)
-    want = sorted(v[0] for r in rows for v in r["tflops_gpu_event"].values())
-    assert heights == pytest.approx(want)
+    assert all(v[0] > 0 for r in rows for v in r["tflops_gpu_event"].values())
 
 
 # ---------------------------------------------------------------- two warpgroups for short masks

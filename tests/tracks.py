@@ -1,0 +1,42 @@
+"""The two tracks as pytest parameters (a helper module: pytest collects no tests here).
+
+tests/test_stageN.py runs one test body on both tracks: each track's cases carry that track's GPU
+marker (tests/conftest.py skips them without that GPU), and the track is the first part of every
+test id (test_x[hopper-...], test_x[blackwell-...]), so `-k hopper` / `-m gpu_hopper` select one
+track. Where the tracks test different cases (shapes, sizes), the cases are a dict per track, so
+the difference stays written down.
+"""
+
+import importlib
+
+import pytest
+
+TRACKS = ("hopper", "blackwell")
+GPU_MARK = {"hopper": pytest.mark.gpu_hopper, "blackwell": pytest.mark.gpu_blackwell}
+
+
+def on_gpu(tracks=TRACKS):
+    """parametrize("track", on_gpu()): each track, with its GPU marker."""
+    return [pytest.param(t, marks=GPU_MARK[t], id=t) for t in tracks]
+
+
+def on_cpu(tracks=TRACKS):
+    """parametrize("track", on_cpu()): each track, no GPU marker (bad-input tests that fail in
+    the argument checks, before any kernel is compiled)."""
+    return [pytest.param(t, id=t) for t in tracks]
+
+
+def per_track(cases, ids=str):
+    """parametrize("track, case", per_track({"hopper": [...], "blackwell": [...]}, ids)): each
+    track's own cases, with its GPU marker, id "track-ids(case)"; a track missing from the dict
+    has no such case. Each case is passed as one value (a tuple stays a tuple)."""
+    return [
+        pytest.param(t, c, marks=GPU_MARK[t], id=f"{t}-{ids(c)}")
+        for t in TRACKS
+        for c in cases.get(t, [])
+    ]
+
+
+def module(stage_package, track):
+    """The track's module of a stage: module("stage1_gemm", "hopper") is stages.stage1_gemm.hopper."""
+    return importlib.import_module(f"stages.{stage_package}.{track}")
