@@ -939,3 +939,33 @@ def test_rebase_links_moves_relative_links_one_folder_down():
     assert nbrun.rebase_links(text) == (
         "![fig](../../docs/results/a.png) [nb](stage8.ipynb) [web](https://x.org/../y)"
     )
+
+
+def test_a_ptxas_older_than_the_ptx_is_explained_not_shown_as_an_error(tmp_path, monkeypatch):
+    """The H200 machine's ptxas (CUDA 13.0) cannot read the DSL's PTX (ISA 9.4) for any arch: the
+    compile summary must say so in words (registers still come from the DSL's cubin), not show
+    ptxas's error line as if the kernel had failed."""
+    from common.tools import notebook as nb
+
+    fake = tmp_path / "ptxas"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in\n'
+        "  --version) echo 'Cuda compilation tools, release 13.0, V13.0.48';;\n"
+        "  --help) printf -- '--gpu-name <gpu name>\\n   Allowed values for this option:  "
+        "'\"'\"'sm_90a'\"'\"','\"'\"'sm_100a'\"'\"'\\n\\n';;\n"
+        '  *) echo "ptxas $3, line 5; fatal   : Unsupported .version 9.4; current version is '
+        "'9.0'\" >&2; echo 'ptxas fatal   : Ptx assembly aborted due to errors' >&2; exit 255;;\n"
+        "esac\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    nb.ptxas_info.cache_clear()
+    try:
+        ptx = ".version 9.4\n.target sm_90a\n"
+        msg = nb.spill_note({"error": "ptxas fatal   : Ptx assembly aborted"}, "sm_90a", ptx)
+        assert "13.0" in msg and "9.4" in msg and "older" in msg, msg
+        assert "fatal" not in msg and "Unsupported" not in msg, msg
+        assert "no ptxas on PATH" in nb.spill_note(None, "sm_90a", ptx)
+    finally:
+        nb.ptxas_info.cache_clear()

@@ -242,9 +242,9 @@ report_bw = nb.compile_summary(3, "blackwell")
 # ## 6. Run and verify
 #
 # P is rounded to bf16 before the second GEMM and O is rounded to bf16 at the end, like PyTorch's
-# own bf16 attention. **Expected:** a relative error of a few $10^{-3}$ (`make tour` measured
-# $2.2\cdot 10^{-3}$ on the H200, 2026-11-29), at most 3x the error of PyTorch's bf16 SDPA (math
-# backend) against the same fp64 reference, and below $10^{-2}$; the table prints the bound
+# own bf16 attention. **Expected:** a relative error of a few $10^{-3}$, at most 3x the error of
+# PyTorch's bf16 SDPA (math backend) against the same fp64 reference, and below $10^{-2}$; the table
+# prints this run's error and the bound
 # used. The error map shows the (b, h) slice holding the worst element; a correct kernel's map is
 # uniform rounding noise.
 
@@ -261,9 +261,7 @@ fig = nb.error_picture(3, result)
 # so the kernel is dominated by reading Q and writing O, not by the tensor cores; torch SDPA (flash
 # and cuDNN backends) is timed on the same inputs in the same run. **Expected:** a few hundred
 # TFLOP/s at most for every kernel here - the point of this stage is correctness, stages 4 and 5
-# bring long sequences. `make bench` measured 367 TFLOP/s at (16, 16, 4096, 128, 128) against SDPA
-# flash 239 and cuDNN 398, and 278 at (16, 32, 4096, 128, 64) against 190 and 280 (H200,
-# 2026-11-29; `docs/results/bench_h200_2026-11-29.md`). The table below is this run; its last
+# bring long sequences. The table below is this run; its last
 # column is stage 3's speed over each kernel.
 
 # %%

@@ -57,7 +57,7 @@ nb.start(4)
 #   pass 2), starting a fresh slot at parity 1 (stage 1, section 5.2);
 # - compute an exact softmax over many KV tiles in two passes, and say what the second pass costs;
 # - recognise in a timeline what goes wrong when $V_j$ is loaded without waiting for the release
-#   of its slot - the mistake of a first draft of the Blackwell kernel.
+#   of its slot - the mistake the obvious Blackwell ring makes.
 #
 # ## 2. Previous stage recap
 #
@@ -220,7 +220,7 @@ report = nb.compile_summary(4, "hopper")
 # threads, arriving on the empty barrier. The entries per KV tile are declared in the kernel
 # (`kv_producer_entries`, `kv_consumer_entries`), so that producer and consumer cannot disagree on
 # them; `common/tools/schedule.py` checks them. The file's docstring lists how such a ring fails when
-# written the obvious way, as a first draft of the kernel was: $V_j$ loaded into $K_j$'s slot
+# written the obvious way: $V_j$ loaded into $K_j$'s slot
 # under $K_j$'s barrier before the QK MMA had read $K_j$; one ring entry produced per KV tile
 # against two consumed (a hang); the ring armed with Q's bytes plus K's (a barrier that never
 # completes); S accumulated across KV tiles.
@@ -315,8 +315,7 @@ bench = nb.measure(
 # take turns and every load is exposed (the model's run takes longest). Shared memory at D = 128:
 # Q 32 KB + 32 KB per slot, 64 / 96 / 128 KB for 1 / 2 / 3 slots (the compile summary adds the
 # barriers and alignment). A third slot lets the next K tile load earlier, but in the model the
-# PV waits for V_j, which can only start after QK_j, so the run is not shorter - as measured: in an
-# earlier timing run 3 slots ran at the same speed as 2 (the docstring).
+# PV waits for V_j, which can only start after QK_j, so the run is not shorter.
 # </details>
 #
 # <details><summary>2. The race</summary>
@@ -381,7 +380,7 @@ nb.exercise("4a")
 nb.check_exercise("4a")
 
 # %% [markdown]
-# ### Exercise 4b: drop a barrier release
+# ### Exercise 4b: drop a barrier release (Blackwell, `stages/stage4_kv_interleave/blackwell.py`)
 #
 # The first cell gives the task; the second compiles the stage file as it is on disk now (no GPU
 # needed) and says "done" or "not yet" with what it read. It counts the MMA warp's tcgen05.commit in the

@@ -529,7 +529,8 @@ for window_ in ((100, 0), (128, 0), (256, 0), None):
 for options in ({}, dict(causal=True), dict(window=(100, 0))):
     r = nb.compile_report(6, "hopper", options=options)
     if r is not None:
-        print(options or "no mask", {k: n for k, n in r.counts.items() if n}, r.resources)
+        regs = nb.cubin_registers(r.cubin)
+        print(options or "no mask", {k: n for k, n in r.counts.items() if n}, f"{regs} registers")
 
 # Exercise 6: work per CTA, causal, at S = 2k and 8k (B * S = 16k, H = 16).
 for S in (2048, 8192):
