@@ -13,6 +13,7 @@ nothing and says so."""
 
 import importlib
 import importlib.metadata as md
+import json
 import shutil
 import subprocess
 import sys
@@ -40,16 +41,39 @@ NEEDED = {  # import name -> what pip installs it as
 CORE = {"cutlass", "cuda.bindings", "tvm_ffi", "matplotlib", "pytest", "pytest_timeout"}
 
 
-def importable(mod):
+_PROBE = """
+import importlib, json, sys
+out = {}
+for mod in sys.argv[1:]:
     try:
         importlib.import_module(mod)
-        return True
+        out[mod] = True
     except Exception:
-        return False
+        out[mod] = False
+print(json.dumps(out))
+"""
+
+
+def importable_all(mods):
+    """{module: importable} checked in a fresh interpreter: a package installed by this process
+    (the CuTe DSL puts itself on sys.path through a .pth file, which only a new interpreter
+    reads) is seen as a new Python would see it."""
+    p = subprocess.run(
+        [sys.executable, "-c", _PROBE, *mods], capture_output=True, text=True, check=False
+    )
+    try:
+        return json.loads(p.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return {m: False for m in mods}
+
+
+def importable(mod):
+    return importable_all([mod])[mod]
 
 
 def missing():
-    return [pkg for mod, pkg in NEEDED.items() if not importable(mod)]
+    ok = importable_all(list(NEEDED))
+    return [NEEDED[m] for m in NEEDED if not ok[m]]
 
 
 def pip(*args):
@@ -65,12 +89,14 @@ def has_nvidia_gpu():
 
 
 def torch_cuda_major():
-    """'12', '13', or None for a CPU build (or no torch)."""
-    try:
-        import torch
-    except Exception:
-        return None
-    cuda = torch.version.cuda
+    """'12', '13', or None for a CPU build (or no torch), asked of a fresh interpreter."""
+    p = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.version.cuda or '')"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    cuda = p.stdout.strip() if p.returncode == 0 else ""
     return cuda.split(".")[0] if cuda else None
 
 
@@ -114,7 +140,8 @@ def main():
     if miss:
         print(f"setup: missing {', '.join(miss)}; installing requirements.txt", flush=True)
         if pip("-r", "requirements.txt") != 0:
-            core = [NEEDED[m] for m in CORE if not importable(m)]
+            ok = importable_all(sorted(CORE))
+            core = [NEEDED[m] for m in sorted(CORE) if not ok[m]]
             if core:
                 print(
                     "setup: pip failed (no network?). Install by hand: " + ", ".join(core),
@@ -140,16 +167,22 @@ def main():
     if still:
         print("setup: still missing after install: " + ", ".join(still), file=sys.stderr)
         return 1
-    import cutlass
-    import torch
-
+    versions = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import cutlass, torch; print(cutlass.__version__, torch.__version__, "
+            "torch.version.cuda or 'CPU build')",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.split()
+    dsl, torch_version, cuda = (versions + ["?", "?", "?"])[:3]
     libs = ", ".join(f"cu{m}" for m in dsl_libs()) or "none"
-    cuda = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build"
+    cuda = f"CUDA {cuda}" if cuda not in ("CPU", "?") else "CPU build"
     what = f"installed {', '.join(installed)}" if installed else "nothing to install"
-    print(
-        f"setup: {what}; cutlass-dsl {cutlass.__version__} (libs {libs}), "
-        f"torch {torch.__version__} ({cuda})"
-    )
+    print(f"setup: {what}; cutlass-dsl {dsl} (libs {libs}), torch {torch_version} ({cuda})")
     return 0
 
 
