@@ -225,7 +225,7 @@ for D in (64, 128):
 nb.show_source(8, "hopper", names=["Sm90Kernel.wait_turn", "Sm90Kernel.pass_turn"])
 
 # %%
-nb.show_source(8, "hopper", section="# 2.")
+nb.show_source(8, "hopper", names=["Sm90Kernel.mma", "Sm90Kernel.mma_one_n_block"])
 
 # %% [markdown]
 # The timelines of the two consumer warpgroups, before and after, on one time axis: a model of

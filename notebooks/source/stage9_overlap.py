@@ -149,7 +149,15 @@ nb.show_diff(9, "hopper", max_lines=120)
 nb.show_source(9, "hopper", names=["Sm90Kernel.issue_qk", "Sm90Kernel.issue_pv"])
 
 # %%
-nb.show_source(9, "hopper", section="# 2.")
+nb.show_source(
+    9,
+    "hopper",
+    names=[
+        "Sm90Kernel.first_half_block_overlap",
+        "Sm90Kernel.mma_one_n_block",
+        "Sm90Kernel.last_half_block_overlap",
+    ],
+)
 
 # %% [markdown]
 # ### 5.2 The turns still balance

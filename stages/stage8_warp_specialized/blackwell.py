@@ -73,6 +73,14 @@ except ImportError:  # pragma: no cover
 
 
 class Sm100Kernel:
+    """The device code is organised by warp role, as in FA4's flash_fwd_sm100.py. `kernel` sets up
+    what the roles share (shared memory: smem_tensors; the mbarrier pipelines and named barriers:
+    make_pipelines; the TMEM allocator; the CTA's tiles: gmem_tiles) and each warp then calls its
+    role's method: `load` (the TMA warp), `mma` (the MMA warp), `softmax` (softmax warpgroups 0
+    and 1, one Q tile each) and `correction` (the correction warpgroup: O's rescale per KV tile,
+    then `epilogue`: O normalised and stored, and LSE). The methods after them are their
+    helpers."""
+
     def __init__(self, dtype, head_dim, pack_gqa=1):
         self.dtype = dtype  # element type of Q, K, V and O: cutlass.BFloat16 or cutlass.Float16
         # Query heads per Q tile (pack-GQA, common/pack_gqa.py): 1, or G = H / Hkv when the
@@ -387,99 +395,12 @@ class Sm100Kernel:
         storage = SmemAllocator().allocate(self.shared_storage)
         softmax_threads = 32 * len(self.softmax_warp_ids[0])  # 128: one per row of a Q tile
         correction_threads = 32 * len(self.correction_warp_ids)
-        # Q buffers (Q_0, Q_1) and K/V ring: the TMA warp fills (full = the tile's bytes
-        # landed), the MMA warp's tcgen05.commit empties (one arrive).
-        q_prod, q_cons = pipeline.PipelineTmaUmma.create(
-            barrier_storage=storage.q_bar.data_ptr(),
-            num_stages=self.q_buffers,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            tx_count=self.q_tma_bytes,
-            cta_layout_vmnk=cluster_layout_vmnk,
-            defer_sync=True,
-        ).make_participants()
-        kv_prod, kv_cons = pipeline.PipelineTmaUmma.create(
-            barrier_storage=storage.kv_bar.data_ptr(),
-            num_stages=self.kv_slots,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            tx_count=self.kv_tma_bytes["K"],
-            cta_layout_vmnk=cluster_layout_vmnk,
-            defer_sync=True,
-        ).make_participants()
-        # Per Q tile s, four hand-offs of one entry each (two mbarriers apiece):
-        # S_s, MMA -> softmax warpgroup s: tcgen05.commit marks S_s complete; its 128 threads
-        #   arrive once they have read it.
-        # P_s, softmax warpgroup s -> MMA: 128 arrivals once P_s is in TMEM; tcgen05.commit after
-        #   the PV MMAs marks P_s's columns free again.
-        # O_s, MMA -> correction: tcgen05.commit after P_s @ V_j (O_s holds tile j); the 128
-        #   correction threads arrive once they have rescaled (or, last, read) it.
-        # stats_s, softmax warpgroup s -> correction, through shared memory: per KV tile the row
-        #   factor exp2(scale (m_old - m_new)), after the loop the row sum and max; 128 arrivals
-        #   each way.
-        s_pipes, p_pipes, o_pipes, stats_pipes = [], [], [], []
-        for s in cutlass.range_constexpr(self.q_tiles):
-            s_pipes.append(
-                pipeline.PipelineUmmaAsync.create(
-                    barrier_storage=storage.s_bar.data_ptr() + 2 * s,
-                    num_stages=self.s_buffers,
-                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                    consumer_group=pipeline.CooperativeGroup(
-                        pipeline.Agent.Thread, softmax_threads
-                    ),
-                    cta_layout_vmnk=cluster_layout_vmnk,
-                    defer_sync=True,
-                )
-            )
-            p_pipes.append(
-                pipeline.PipelineAsyncUmma.create(
-                    barrier_storage=storage.p_bar.data_ptr() + 2 * s,
-                    num_stages=1,
-                    producer_group=pipeline.CooperativeGroup(
-                        pipeline.Agent.Thread, softmax_threads
-                    ),
-                    consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                    cta_layout_vmnk=cluster_layout_vmnk,
-                    defer_sync=True,
-                )
-            )
-            o_pipes.append(
-                pipeline.PipelineUmmaAsync.create(
-                    barrier_storage=storage.o_bar.data_ptr() + 2 * s,
-                    num_stages=1,
-                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                    consumer_group=pipeline.CooperativeGroup(
-                        pipeline.Agent.Thread, correction_threads
-                    ),
-                    cta_layout_vmnk=cluster_layout_vmnk,
-                    defer_sync=True,
-                )
-            )
-            stats_pipes.append(
-                pipeline.PipelineAsync.create(
-                    barrier_storage=storage.stats_bar.data_ptr() + 2 * s,
-                    num_stages=1,
-                    producer_group=pipeline.CooperativeGroup(
-                        pipeline.Agent.Thread, softmax_threads
-                    ),
-                    consumer_group=pipeline.CooperativeGroup(
-                        pipeline.Agent.Thread, correction_threads
-                    ),
-                    defer_sync=True,
-                )
-            )
-        tmem_alloc_bar = pipeline.NamedBarrier(
-            barrier_id=self.tmem_alloc_bar_id,
-            num_threads=32
-            * (1 + 2 * len(self.softmax_warp_ids[0]) + len(self.correction_warp_ids)),
-        )
-        correction_bar = pipeline.NamedBarrier(
-            barrier_id=self.correction_bar_id, num_threads=correction_threads
-        )
-        tmem_free_bar = pipeline.NamedBarrier(
-            barrier_id=self.tmem_free_bar_id,
-            num_threads=32 * (2 * len(self.softmax_warp_ids[0]) + len(self.correction_warp_ids)),
-        )
+        (
+            (q_prod, q_cons),
+            (kv_prod, kv_cons),
+            (s_pipes, p_pipes, o_pipes, stats_pipes),
+            (tmem_alloc_bar, correction_bar, tmem_free_bar),
+        ) = self.make_pipelines(storage, cluster_layout_vmnk)
         # The correction warpgroup allocates and frees TMEM: it is the last to read it.
         tmem = TmemAllocator(
             storage.tmem_holding.ptr,
@@ -488,46 +409,10 @@ class Sm100Kernel:
         )
         pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
 
-        # (MMA, MMA_M, MMA_K, q_buffers)
-        sQ = storage.sQ.get_tensor(q_smem_s.outer, swizzle=q_smem_s.inner)
-        # (MMA, MMA_N, MMA_K, kv_slots)
-        sK = storage.sK.get_tensor(k_smem_s.outer, swizzle=k_smem_s.inner)
-        # (MMA, MMA_N=D, MMA_K, kv_slots): the same slots viewed as V tiles (V's own swizzle)
-        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, v_smem_s.inner), v_smem_s.outer)
-        # (bM, D, q_tiles): O staged for the TMA store, row-major, swizzled, in Q's buffers (the
-        # same bytes: 2 x 128 x D x 2). The correction warpgroup writes O_s there only after the
-        # last PV MMA of tile s has completed, and a tcgen05.commit tracks every MMA the MMA
-        # thread issued before it: all QK MMAs, the only readers of Q, are done by then (and
-        # the MMA warp waited for Q's loads before its first MMA). An empty range loads no Q.
-        sO = cute.make_tensor(
-            cute.recast_ptr(sQ.iterator, o_smem_s.inner, dtype=self.dtype), o_smem_s.outer
-        )
-        # (128 rows, 2 values, q_tiles): the row statistics softmax warpgroup s hands to the
-        # correction warpgroup. Value 0: the row factor of the KV tile, or the final row sum;
-        # value 1: the final row max.
-        sStats = storage.stats.get_tensor(cute.make_layout((128, 2, self.q_tiles)))
+        sQ, sK, sV, sO, sStats = self.smem_tensors(storage, q_smem_s, k_smem_s, v_smem_s, o_smem_s)
 
-        # This CTA's sequence and head, from the sequence's first row: Q (Sq, D), K (Sk, D),
-        # V (D, Sk), O (Sq, D) and LSE (Sq); K and V of head kv_head.
-        # (Packed, a row is (g, position): the sequence starts at (0, offset_q).)
-        q_offset = offset_q if cutlass.const_expr(self.pack_gqa == 1) else (0, offset_q)
-        mQ, mK, mV, mO = (
-            cute.domain_offset((q_offset, 0), mQ[(None, None, (head, batch))]),
-            cute.domain_offset((offset_k, 0), mK[(None, None, (kv_head, batch))]),
-            cute.domain_offset((0, offset_k), mV[(None, None, (kv_head, batch))]),
-            cute.domain_offset((q_offset, 0), mO[(None, None, (head, batch))]),
-        )
-        mLSE = cute.domain_offset((q_offset,), mLSE[(None, (head, batch))])
-        # (bM, D, q_tiles): the CTA's two Q tiles
-        gQ = cute.local_tile(mQ, self.qk_mma_tiler, (None, 0, 0), proj=(1, None, 1))
-        # (bN, D, kv_tiles)
-        gK = cute.local_tile(mK, self.qk_mma_tiler, (0, None, 0), proj=(None, 1, 1))
-        # (D, bN, kv_tiles)
-        gV = cute.local_tile(mV, self.pv_mma_tiler, (0, 0, None), proj=(None, 1, 1))
-        # (bM, D, Q tiles): O's tiles, and the (query, d) coordinates of their elements in O
-        gO = cute.local_tile(mO, self.pv_mma_tiler, (None, 0, 0), proj=(1, 1, None))
-        cO = cute.local_tile(
-            cute.make_identity_tensor(mO.shape), self.pv_mma_tiler, (None, 0, 0), proj=(1, 1, None)
+        mO, mLSE, gQ, gK, gV, gO, cO = self.gmem_tiles(
+            mQ, mK, mV, mO, mLSE, head, kv_head, batch, offset_q, offset_k
         )
 
         qk_thr = qk_mma.get_slice(0)
@@ -566,118 +451,39 @@ class Sm100Kernel:
 
         if warp_idx == self.tma_warp_id:
             cute.arch.setmaxregister_decrease(self.other_registers)
-            # TMA warp: Q_0 and Q_1 once, then every K and V tile, each tile its own ring entry.
-            # An empty range loads no Q either: nothing reads it, and the correction warpgroup
-            # stages O (zeros) in Q's buffers without waiting for any MMA.
-            if kv_tile_hi > kv_tile_lo:
-                for s in cutlass.range_constexpr(self.q_tiles):
-                    q_empty = q_prod.acquire_and_advance()
-                    cute.copy(
-                        tma_q,
-                        tQgQ[(None, q_tile0 + s)],
-                        tQsQ[(None, q_empty.index)],
-                        tma_bar_ptr=q_empty.barrier,
-                    )
-            kv_loads = {"K": (tma_k, tKgK, tKsK), "V": (tma_v, tVgV, tVsV)}
-            for sweep in cutlass.range_constexpr(len(self.kv_producer_entries)):
-                for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
-                    for name in self.kv_producer_entries[sweep]:
-                        tma, src, dst = kv_loads[name]
-                        # The next slot, once the MMAs that read its previous tile have completed;
-                        # its full barrier expects exactly this tile's bytes.
-                        kv_empty = kv_prod.acquire_and_advance(expected_tx=self.kv_tma_bytes[name])
-                        cute.copy(
-                            tma,
-                            src[(None, kv_tile)],
-                            dst[(None, kv_empty.index)],
-                            tma_bar_ptr=kv_empty.barrier,
-                        )
-            # Every buffer released by the MMA warp before this warp exits.
-            kv_prod.tail()
-            q_prod.tail()
+            self.load(
+                (tma_q, tQgQ, tQsQ),
+                (tma_k, tKgK, tKsK),
+                (tma_v, tVgV, tVsV),
+                q_prod,
+                kv_prod,
+                q_tile0,
+                kv_tile_lo,
+                kv_tile_hi,
+            )
 
         if warp_idx == self.mma_warp_id:
             cute.arch.setmaxregister_decrease(self.other_registers)
-            # MMA warp, one thread issues, per KV tile j: S_0,j = Q_0 K_j^T and S_1,j = Q_1 K_j^T,
-            # then O_0 += P_0,j V_j and O_1 += P_1,j V_j.
-            # MMA operands, as shared-memory descriptors (made here, where they are used).
-            # (MMA, MMA_M, MMA_K, q_buffers)
-            tCrQ = qk_mma.make_fragment_A(sQ)
-            # (MMA, MMA_N, MMA_K, kv_slots)
-            tCrK = qk_mma.make_fragment_B(sK)
-            # (MMA, MMA_N=D, MMA_K, kv_slots)
-            tCrV = pv_mma.make_fragment_B(sV)
-            tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-            tStS = [cute.make_tensor(tmem_ptr + c, tStS_layout) for c in self.tmem_s_offset]
-            tOtO = [cute.make_tensor(tmem_ptr + c, tOtO_layout) for c in self.tmem_o_offset]
-            # (MMA, MMA_M, MMA_K): P_s as 16-bit values in TMEM, over S_s's columns
-            tOrP_layout = pv_mma.make_fragment_A(cute.make_tensor(tmem_ptr, p_tmem_s.outer))[
-                (None, None, None, 0)
-            ].layout
-            tOrP = [
-                cute.make_tensor(cute.recast_ptr(tmem_ptr + c, dtype=self.dtype), tOrP_layout)
-                for c in self.tmem_p_offset
-            ]
-            # One variable per Q tile and hand-off: the DSL carries a pipeline's state (slot
-            # index, phase) through a loop only for a name it sees the loop call methods on.
-            s_prod0, s_prod1 = (p.make_producer() for p in s_pipes)
-            p_cons0, p_cons1 = (p.make_consumer() for p in p_pipes)
-            o_prod0, o_prod1 = (p.make_producer() for p in o_pipes)
-            # Waits, like the softmax warps, until P_s,j-1 @ V_j-1 has completed
-            p_free0, p_free1 = (p.make_producer() for p in p_pipes)
-            # An empty range: no Q was loaded, no MMA is issued.
-            if kv_tile_hi > kv_tile_lo:
-                q_full0 = q_cons.wait_and_advance()
-                q_full1 = q_cons.wait_and_advance()
-                for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
-                    kv_full = kv_cons.wait_and_advance()  # ring entry: K_j
-                    # Q tile 0, then Q tile 1: softmax warpgroup s has read S_s,j-1, and S_s,j may
-                    # overwrite P_s,j-1 once P_s,j-1 @ V_j-1 has completed (two tcgen05.mma are kept
-                    # in issue order only when they share accumulator and shape; QK writes S, PV O).
-                    s_empty0 = s_prod0.acquire_and_advance()
-                    p_free0.acquire_and_advance()
-                    qk_mma = self.issue_qk(
-                        qk_mma, tStS[0], tCrQ, q_full0.index, tCrK, kv_full.index
-                    )
-                    # tcgen05.commit: S_0 is full once these MMAs have completed
-                    s_empty0.commit()
-                    s_empty1 = s_prod1.acquire_and_advance()
-                    p_free1.acquire_and_advance()
-                    qk_mma = self.issue_qk(
-                        qk_mma, tStS[1], tCrQ, q_full1.index, tCrK, kv_full.index
-                    )
-                    s_empty1.commit()
-                    # The K slot is empty once both tiles' MMAs have read it.
-                    kv_full.release()
-                    v_full = kv_cons.wait_and_advance()  # ring entry: V_j
-                    # Packed sequences: the last tile's keys past seqlen_k are the next sequence's V.
-                    # P is 0 there, but 0 x NaN = NaN: zero those rows of V before P @ V reads them.
-                    if cutlass.const_expr(mCuSeqlensK is not None):
-                        if (kv_tile + 1) * self.qk_mma_tiler[1] > seqlen_k:
-                            self.zero_keys(
-                                sV, v_full.index, seqlen_k - kv_tile * self.qk_mma_tiler[1]
-                            )
-                    # O_s starts afresh with the first KV tile of the range, then accumulates.
-                    accumulate = kv_tile != kv_tile_lo
-                    # Q tile 0, then 1: the correction warpgroup is done with O_s (has rescaled it
-                    # for tile j) and softmax warpgroup s has written P_s,j.
-                    o_empty0 = o_prod0.acquire_and_advance()
-                    p_full0 = p_cons0.wait_and_advance()
-                    pv_mma = self.issue_pv(pv_mma, tOtO[0], tOrP[0], tCrV, v_full.index, accumulate)
-                    # P_0's columns are free, and O_0 holds tile j, once these MMAs have completed.
-                    p_full0.release()
-                    o_empty0.commit()
-                    o_empty1 = o_prod1.acquire_and_advance()
-                    p_full1 = p_cons1.wait_and_advance()
-                    pv_mma = self.issue_pv(pv_mma, tOtO[1], tOrP[1], tCrV, v_full.index, accumulate)
-                    p_full1.release()
-                    o_empty1.commit()
-                    # The V slot is empty once both tiles' PV MMAs have read it.
-                    v_full.release()
-                # Q stays resident until the last MMA; then its buffers are released too.
-                q_full0.release()
-                q_full1.release()
+            self.mma(
+                qk_mma,
+                pv_mma,
+                sQ,
+                sK,
+                sV,
+                tmem,
+                tStS_layout,
+                tOtO_layout,
+                p_tmem_s,
+                q_cons,
+                kv_cons,
+                s_pipes,
+                p_pipes,
+                o_pipes,
+                kv_tile_lo,
+                kv_tile_hi,
+                seqlen_k,
+                mCuSeqlensK,
+            )
 
         for s in cutlass.range_constexpr(self.q_tiles):
             if warp_idx // 4 == s:
@@ -715,159 +521,30 @@ class Sm100Kernel:
             tmem.allocate(self.num_tmem_alloc_cols)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-            row = tidx % correction_threads  # this thread's row, in both Q tiles
-            # (MMA, MMA_M, MMA_N, Q tiles) and (MMA, MMA_M, MMA_N, q_tiles): O's tiles in global
-            # memory, their (query, d) coordinates, and the staging buffers. (Derived here, in
-            # the branch that uses them: values computed before the warps split stay live into
-            # every branch, and with the MMA warp's they made ptxas spill at the split.)
-            tCgO, tCcO, tCsO = (pv_thr.partition_C(t) for t in (gO, cO, sO))
-            tOtO = [cute.make_tensor(tmem_ptr + c, tOtO_layout) for c in self.tmem_o_offset]
-            # Thread t of warp w owns row 32 (w % 4) + t (a warp may only read its own 32 lanes).
-            epi_tiler = ((cute.size(tOtO[0], mode=[0, 0]), self.tmem_load_cols),)
-            tmem_load = tcgen05.make_tmem_copy(
-                cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), self.acc_dtype),
-                cute.zipped_divide(tOtO[0], epi_tiler)[(None, 0)],
+            self.correction(
+                tidx % correction_threads,  # this thread's row, in both Q tiles
+                tmem_ptr,
+                tOtO_layout,
+                pv_thr,
+                gO,
+                cO,
+                sO,
+                sStats,
+                stats_pipes,
+                o_pipes,
+                correction_bar,
+                tma_o,
+                mO_tma,
+                mO,
+                mLSE,
+                head,
+                batch,
+                q_tile0,
+                kv_tile_lo,
+                kv_tile_hi,
+                seqlen_q,
+                scale_log2,
             )
-            tmem_store = tcgen05.make_tmem_copy(
-                cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition.x32), self.acc_dtype),
-                cute.zipped_divide(tOtO[0], epi_tiler)[(None, 0)],
-            )
-            thr_load = tmem_load.get_slice(row)
-            thr_store = tmem_store.get_slice(row)
-            # (T2R, T2R_M, slices): this thread's row of O_s in TMEM, 32 columns per slice
-            tTR_tO = [thr_load.partition_S(cute.zipped_divide(t, epi_tiler)) for t in tOtO]
-            tRT_tO = [thr_store.partition_D(cute.zipped_divide(t, epi_tiler)) for t in tOtO]
-            # (T2R, T2R_M): 32 fp32 registers, and the same values in the input dtype
-            # (Its shape is the register side's, from the coordinates: a shape taken from the
-            # TMEM partition crashed the compiler of CuTe DSL 4.8.1.)
-            row_shape = thr_load.partition_D(
-                cute.zipped_divide(tCcO[(None, None, None, 0)], epi_tiler)
-            )[(None, None, 0)].shape
-            tTR_rAcc = cute.make_rmem_tensor(row_shape, self.acc_dtype)
-            tTR_rO = cute.make_rmem_tensor(row_shape, self.dtype)
-            stats_cons0, stats_cons1 = (p.make_consumer() for p in stats_pipes)
-            o_cons0, o_cons1 = (p.make_consumer() for p in o_pipes)
-
-            for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
-                # Q tile 0: the row factor of tile j, from softmax thread `row` of warpgroup 0;
-                # O_0 holds sum_(i < j) P_0,i V_i relative to the old max: once that has
-                # completed, O_0 *= row_scale, and O_0 goes back to the MMA warp.
-                stats_full0 = stats_cons0.wait_and_advance()
-                row_scale0 = sStats[row, 0, 0]
-                stats_full0.release()
-                if kv_tile > kv_tile_lo:
-                    o_full0 = o_cons0.wait_and_advance()
-                    self.rescale_o(
-                        tmem_load, tmem_store, tTR_tO[0], tRT_tO[0], tTR_rAcc, row_scale0
-                    )
-                    o_full0.release()
-                # Q tile 1, the same
-                stats_full1 = stats_cons1.wait_and_advance()
-                row_scale1 = sStats[row, 0, 1]
-                stats_full1.release()
-                if kv_tile > kv_tile_lo:
-                    o_full1 = o_cons1.wait_and_advance()
-                    self.rescale_o(
-                        tmem_load, tmem_store, tTR_tO[1], tRT_tO[1], tTR_rAcc, row_scale1
-                    )
-                    o_full1.release()
-
-            # 3. Epilogue, per Q tile: O_s / row_sum (TMEM -> registers) -> shared memory ->
-            # one TMA store (batch mode), or -> global memory by rows (packed, pack-GQA); LSE.
-            # The rows inside the sequence: (G heads, seqlen_q positions) when packed.
-            q_rows = (
-                seqlen_q if cutlass.const_expr(self.pack_gqa == 1) else (self.pack_gqa, seqlen_q)
-            )
-            if cutlass.const_expr(self.o_by_tma):
-                # (TMA, q_tiles) and (TMA, Q tiles): the staging buffers and O's tiles
-                gO_tma = cute.local_tile(
-                    mO_tma[(None, None, (head, batch))], self.pv_mma_tiler[:2], (None, 0)
-                )
-                tOsO, tOgO = cpasync.tma_partition(
-                    tma_o,
-                    0,
-                    cute.make_layout(1),
-                    cute.group_modes(sO, 0, 2),
-                    cute.group_modes(gO_tma, 0, 2),
-                )
-                # Registers -> shared memory in the layout the TMA store reads: the copy that
-                # matches tcgen05.ld's thread-to-row layout.
-                smem_store = cute.make_tiled_copy_D(
-                    utils.sm100.get_smem_store_op(
-                        LayoutEnum.ROW_MAJOR, self.dtype, self.acc_dtype, tmem_load
-                    ),
-                    tmem_load,
-                )
-            for s in cutlass.range_constexpr(self.q_tiles):
-                stats_cons = stats_cons0 if s == 0 else stats_cons1
-                o_cons = o_cons0 if s == 0 else o_cons1
-                stats_full = stats_cons.wait_and_advance()
-                row_sum = sStats[row, 0, s]
-                row_max = sStats[row, 1, s]
-                stats_full.release()
-                # A row that saw no key (row_sum = 0) keeps O = 0.
-                inv_row_sum = cute.arch.rcp_approx(row_sum) if row_sum > 0.0 else 0.0
-                # O_s holds the last tile once its PV MMAs have completed (an empty range: no
-                # MMA, nothing to wait for)
-                o_last = o_cons.current_handle()
-                if kv_tile_hi > kv_tile_lo:
-                    o_cons.wait()
-                # (T2R, T2R_M, slices): this thread's row of O_s in global or shared memory, and
-                # its (query, d) coordinates in O
-                tTR_cO = thr_load.partition_D(
-                    cute.zipped_divide(tCcO[(None, None, None, q_tile0 + s)], epi_tiler)
-                )
-                if cutlass.const_expr(self.o_by_tma):
-                    tTR_dO = thr_load.partition_D(
-                        cute.zipped_divide(tCsO[(None, None, None, s)], epi_tiler)
-                    )
-                else:
-                    tTR_dO = thr_load.partition_D(
-                        cute.zipped_divide(tCgO[(None, None, None, q_tile0 + s)], epi_tiler)
-                    )
-                for i in cutlass.range_constexpr(cute.size(tTR_tO[s], mode=[2])):
-                    if kv_tile_hi > kv_tile_lo:
-                        cute.copy(tmem_load, tTR_tO[s][(None, None, i)], tTR_rAcc)
-                        cute.arch.fence_view_async_tmem_load()
-                    else:
-                        # An empty range: no MMA has written O_s's columns, O = 0.
-                        tTR_rAcc.fill(0.0)
-                    # O = (sum_j P_j @ V_j) / row_sum, in the input dtype
-                    tTR_rO.store((inv_row_sum * tTR_rAcc.load()).to(self.dtype))
-                    if cutlass.const_expr(self.o_by_tma):
-                        cute.copy(smem_store, tTR_rO, tTR_dO[(None, None, i)])
-                    else:
-                        self.store_row(
-                            tTR_rO,
-                            tTR_dO[(None, None, i)],
-                            tTR_cO[(None, None, i)],
-                            (q_rows, mO.shape[1]),
-                        )
-                if kv_tile_hi > kv_tile_lo:
-                    o_last.release()
-                # LSE = log(sum_j exp(scale * S_j)) = scale * row_max + log(row_sum), natural
-                # log, fp32, for this thread's row (query) if it lies inside the sequence
-                q_row = tTR_cO[0][0]  # packed: (g, position)
-                if cute.elem_less(q_row, q_rows):
-                    lse_log2 = row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)
-                    # A row that saw no key: LSE = log(0) = -inf.
-                    if row_sum == 0.0:
-                        lse_log2 = -Float32.inf
-                    mLSE[(q_row,)] = lse_log2 * math.log(2.0)
-                if cutlass.const_expr(self.o_by_tma):
-                    # Every thread's shared-memory stores visible to the async proxy
-                    # (fence.proxy.async.shared::cta), all 128 rows written (the correction
-                    # warpgroup's barrier), then one thread issues the TMA store of O_s's tile;
-                    # the TMA unit clips the rows past Sq.
-                    cute.arch.fence_view_async_shared()
-                    correction_bar.arrive_and_wait()
-                    if row == 0:
-                        cute.copy(tma_o, tOsO[(None, s)], tOgO[(None, q_tile0 + s)])
-                        cute.arch.cp_async_bulk_commit_group()
-            if cutlass.const_expr(self.o_by_tma):
-                # The staging buffers must stay valid until the TMA unit has read them.
-                if row == 0:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
 
             # Every softmax and correction warp is done with TMEM before warp 8 frees it: each
             # orders its tcgen05.ld and tcgen05.st before the barrier
@@ -879,40 +556,135 @@ class Sm100Kernel:
             tmem.free(tmem_ptr)
 
     @cute.jit
-    def issue_qk(self, qk_mma, tStS, tCrQ, q_slot, tCrK, k_slot):
-        """S = Q @ K_j^T into TMEM: bK / 16 tcgen05.mma of 128 x 128 x 16, the first overwriting S."""
-        qk_mma.set(tcgen05.Field.ACCUMULATE, False)
-        for kb in cutlass.range_constexpr(cute.size(tCrQ, mode=[2])):
-            # S += Q[:, 16 kb : 16 kb + 16] @ K_j[:, 16 kb : 16 kb + 16]^T  (128 x 128 x 16)
-            cute.gemm(
-                qk_mma, tStS, tCrQ[(None, None, kb, q_slot)], tCrK[(None, None, kb, k_slot)], tStS
-            )
-            qk_mma.set(tcgen05.Field.ACCUMULATE, True)
-        # Returned for the caller to rebind: the DSL carries the MMA's ACCUMULATE field through
-        # the loop only for a name the loop assigns.
-        return qk_mma
+    def load(self, q_load, k_load, v_load, q_prod, kv_prod, q_tile0, kv_tile_lo, kv_tile_hi):
+        """The TMA warp: Q_0 and Q_1 once, then every K and V tile, each tile its own ring entry.
+        x_load = (TMA atom, the tiles in global memory, the buffers in shared memory)."""
+        tma_q, tQgQ, tQsQ = q_load
+        # An empty range loads no Q either: nothing reads it, and the correction warpgroup
+        # stages O (zeros) in Q's buffers without waiting for any MMA.
+        if kv_tile_hi > kv_tile_lo:
+            for s in cutlass.range_constexpr(self.q_tiles):
+                q_empty = q_prod.acquire_and_advance()
+                cute.copy(
+                    tma_q,
+                    tQgQ[(None, q_tile0 + s)],
+                    tQsQ[(None, q_empty.index)],
+                    tma_bar_ptr=q_empty.barrier,
+                )
+        kv_loads = {"K": k_load, "V": v_load}
+        for sweep in cutlass.range_constexpr(len(self.kv_producer_entries)):
+            for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
+                for name in self.kv_producer_entries[sweep]:
+                    tma, src, dst = kv_loads[name]
+                    # The next slot, once the MMAs that read its previous tile have completed;
+                    # its full barrier expects exactly this tile's bytes.
+                    kv_empty = kv_prod.acquire_and_advance(expected_tx=self.kv_tma_bytes[name])
+                    cute.copy(
+                        tma,
+                        src[(None, kv_tile)],
+                        dst[(None, kv_empty.index)],
+                        tma_bar_ptr=kv_empty.barrier,
+                    )
+        # Every buffer released by the MMA warp before this warp exits.
+        kv_prod.tail()
+        q_prod.tail()
 
     @cute.jit
-    def issue_pv(self, pv_mma, tOtO, tOrP, tCrV, v_slot, accumulate):
-        """O += P_j @ V_j in TMEM (O = P_j @ V_j when not accumulate): bN / 16 tcgen05.mma of
-        128 x D x 16, A = P from TMEM."""
-        pv_mma.set(tcgen05.Field.ACCUMULATE, accumulate)
-        for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-            # O += P_j[:, 16 kb : 16 kb + 16] @ V_j[16 kb : 16 kb + 16, :]  (128 x D x 16)
-            cute.gemm(pv_mma, tOtO, tOrP[(None, None, kb)], tCrV[(None, None, kb, v_slot)], tOtO)
-            pv_mma.set(tcgen05.Field.ACCUMULATE, True)
-        return pv_mma
-
-    @cute.jit
-    def rescale_o(self, tmem_load, tmem_store, tTR_tO, tRT_tO, tTR_rAcc, row_scale):
-        """This thread's row of O *= row_scale, in TMEM: tcgen05.ld, multiply, tcgen05.st, 32
-        columns at a time; then tcgen05.wait::st, so that the MMA warp, told next, sees it."""
-        for i in cutlass.range_constexpr(cute.size(tTR_tO, mode=[2])):
-            cute.copy(tmem_load, tTR_tO[(None, None, i)], tTR_rAcc)
-            cute.arch.fence_view_async_tmem_load()
-            tTR_rAcc.store(row_scale * tTR_rAcc.load())
-            cute.copy(tmem_store, tTR_rAcc, tRT_tO[(None, None, i)])
-        cute.arch.fence_view_async_tmem_store()
+    def mma(
+        self,
+        qk_mma,
+        pv_mma,
+        sQ,
+        sK,
+        sV,
+        tmem,
+        tStS_layout,
+        tOtO_layout,
+        p_tmem_s,
+        q_cons,
+        kv_cons,
+        s_pipes,
+        p_pipes,
+        o_pipes,
+        kv_tile_lo,
+        kv_tile_hi,
+        seqlen_k,
+        mCuSeqlensK,
+    ):
+        """The MMA warp; one thread issues, per KV tile j: S_0,j = Q_0 K_j^T and S_1,j = Q_1 K_j^T,
+        then O_0 += P_0,j V_j and O_1 += P_1,j V_j."""
+        # MMA operands, as shared-memory descriptors (made here, where they are used).
+        # (MMA, MMA_M, MMA_K, q_buffers)
+        tCrQ = qk_mma.make_fragment_A(sQ)
+        # (MMA, MMA_N, MMA_K, kv_slots)
+        tCrK = qk_mma.make_fragment_B(sK)
+        # (MMA, MMA_N=D, MMA_K, kv_slots)
+        tCrV = pv_mma.make_fragment_B(sV)
+        tmem.wait_for_alloc()
+        tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
+        tStS = [cute.make_tensor(tmem_ptr + c, tStS_layout) for c in self.tmem_s_offset]
+        tOtO = [cute.make_tensor(tmem_ptr + c, tOtO_layout) for c in self.tmem_o_offset]
+        # (MMA, MMA_M, MMA_K): P_s as 16-bit values in TMEM, over S_s's columns
+        tOrP_layout = pv_mma.make_fragment_A(cute.make_tensor(tmem_ptr, p_tmem_s.outer))[
+            (None, None, None, 0)
+        ].layout
+        tOrP = [
+            cute.make_tensor(cute.recast_ptr(tmem_ptr + c, dtype=self.dtype), tOrP_layout)
+            for c in self.tmem_p_offset
+        ]
+        # One variable per Q tile and hand-off: the DSL carries a pipeline's state (slot
+        # index, phase) through a loop only for a name it sees the loop call methods on.
+        s_prod0, s_prod1 = (p.make_producer() for p in s_pipes)
+        p_cons0, p_cons1 = (p.make_consumer() for p in p_pipes)
+        o_prod0, o_prod1 = (p.make_producer() for p in o_pipes)
+        # Waits, like the softmax warps, until P_s,j-1 @ V_j-1 has completed
+        p_free0, p_free1 = (p.make_producer() for p in p_pipes)
+        # An empty range: no Q was loaded, no MMA is issued.
+        if kv_tile_hi > kv_tile_lo:
+            q_full0 = q_cons.wait_and_advance()
+            q_full1 = q_cons.wait_and_advance()
+            for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
+                kv_full = kv_cons.wait_and_advance()  # ring entry: K_j
+                # Q tile 0, then Q tile 1: softmax warpgroup s has read S_s,j-1, and S_s,j may
+                # overwrite P_s,j-1 once P_s,j-1 @ V_j-1 has completed (two tcgen05.mma are kept
+                # in issue order only when they share accumulator and shape; QK writes S, PV O).
+                s_empty0 = s_prod0.acquire_and_advance()
+                p_free0.acquire_and_advance()
+                qk_mma = self.issue_qk(qk_mma, tStS[0], tCrQ, q_full0.index, tCrK, kv_full.index)
+                # tcgen05.commit: S_0 is full once these MMAs have completed
+                s_empty0.commit()
+                s_empty1 = s_prod1.acquire_and_advance()
+                p_free1.acquire_and_advance()
+                qk_mma = self.issue_qk(qk_mma, tStS[1], tCrQ, q_full1.index, tCrK, kv_full.index)
+                s_empty1.commit()
+                # The K slot is empty once both tiles' MMAs have read it.
+                kv_full.release()
+                v_full = kv_cons.wait_and_advance()  # ring entry: V_j
+                # Packed sequences: the last tile's keys past seqlen_k are the next sequence's V.
+                # P is 0 there, but 0 x NaN = NaN: zero those rows of V before P @ V reads them.
+                if cutlass.const_expr(mCuSeqlensK is not None):
+                    if (kv_tile + 1) * self.qk_mma_tiler[1] > seqlen_k:
+                        self.zero_keys(sV, v_full.index, seqlen_k - kv_tile * self.qk_mma_tiler[1])
+                # O_s starts afresh with the first KV tile of the range, then accumulates.
+                accumulate = kv_tile != kv_tile_lo
+                # Q tile 0, then 1: the correction warpgroup is done with O_s (has rescaled it
+                # for tile j) and softmax warpgroup s has written P_s,j.
+                o_empty0 = o_prod0.acquire_and_advance()
+                p_full0 = p_cons0.wait_and_advance()
+                pv_mma = self.issue_pv(pv_mma, tOtO[0], tOrP[0], tCrV, v_full.index, accumulate)
+                # P_0's columns are free, and O_0 holds tile j, once these MMAs have completed.
+                p_full0.release()
+                o_empty0.commit()
+                o_empty1 = o_prod1.acquire_and_advance()
+                p_full1 = p_cons1.wait_and_advance()
+                pv_mma = self.issue_pv(pv_mma, tOtO[1], tOrP[1], tCrV, v_full.index, accumulate)
+                p_full1.release()
+                o_empty1.commit()
+                # The V slot is empty once both tiles' PV MMAs have read it.
+                v_full.release()
+            # Q stays resident until the last MMA; then its buffers are released too.
+            q_full0.release()
+            q_full1.release()
 
     @cute.jit
     def softmax(
@@ -1024,6 +796,441 @@ class Sm100Kernel:
         sStats[row, 0, s] = row_sum
         sStats[row, 1, s] = row_max
         stats_empty.commit()
+
+    @cute.jit
+    def correction(
+        self,
+        row,
+        tmem_ptr,
+        tOtO_layout,
+        pv_thr,
+        gO,
+        cO,
+        sO,
+        sStats,
+        stats_pipes,
+        o_pipes,
+        correction_bar,
+        tma_o,
+        mO_tma,
+        mO,
+        mLSE,
+        head,
+        batch,
+        q_tile0,
+        kv_tile_lo,
+        kv_tile_hi,
+        seqlen_q,
+        scale_log2,
+    ):
+        """The correction warpgroup: thread `row` owns that row of O_0 and O_1; per KV tile it
+        rescales its row of O_s by the factor softmax thread `row` of warpgroup s handed over,
+        then (epilogue) normalises and stores O_s and writes LSE."""
+        # (MMA, MMA_M, MMA_N, Q tiles) and (MMA, MMA_M, MMA_N, q_tiles): O's tiles in global
+        # memory, their (query, d) coordinates, and the staging buffers. (Derived here, in
+        # the branch that uses them: values computed before the warps split stay live into
+        # every branch, and with the MMA warp's they made ptxas spill at the split.)
+        tCgO, tCcO, tCsO = (pv_thr.partition_C(t) for t in (gO, cO, sO))
+        tOtO = [cute.make_tensor(tmem_ptr + c, tOtO_layout) for c in self.tmem_o_offset]
+        # Thread t of warp w owns row 32 (w % 4) + t (a warp may only read its own 32 lanes).
+        epi_tiler = ((cute.size(tOtO[0], mode=[0, 0]), self.tmem_load_cols),)
+        tmem_load = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), self.acc_dtype),
+            cute.zipped_divide(tOtO[0], epi_tiler)[(None, 0)],
+        )
+        tmem_store = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition.x32), self.acc_dtype),
+            cute.zipped_divide(tOtO[0], epi_tiler)[(None, 0)],
+        )
+        thr_load = tmem_load.get_slice(row)
+        thr_store = tmem_store.get_slice(row)
+        # (T2R, T2R_M, slices): this thread's row of O_s in TMEM, 32 columns per slice
+        tTR_tO = [thr_load.partition_S(cute.zipped_divide(t, epi_tiler)) for t in tOtO]
+        tRT_tO = [thr_store.partition_D(cute.zipped_divide(t, epi_tiler)) for t in tOtO]
+        # (T2R, T2R_M): 32 fp32 registers, and the same values in the input dtype
+        # (Its shape is the register side's, from the coordinates: a shape taken from the
+        # TMEM partition crashed the compiler of CuTe DSL 4.8.1.)
+        row_shape = thr_load.partition_D(
+            cute.zipped_divide(tCcO[(None, None, None, 0)], epi_tiler)
+        )[(None, None, 0)].shape
+        tTR_rAcc = cute.make_rmem_tensor(row_shape, self.acc_dtype)
+        tTR_rO = cute.make_rmem_tensor(row_shape, self.dtype)
+        stats_cons0, stats_cons1 = (p.make_consumer() for p in stats_pipes)
+        o_cons0, o_cons1 = (p.make_consumer() for p in o_pipes)
+
+        for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
+            # Q tile 0: the row factor of tile j, from softmax thread `row` of warpgroup 0;
+            # O_0 holds sum_(i < j) P_0,i V_i relative to the old max: once that has
+            # completed, O_0 *= row_scale, and O_0 goes back to the MMA warp.
+            stats_full0 = stats_cons0.wait_and_advance()
+            row_scale0 = sStats[row, 0, 0]
+            stats_full0.release()
+            if kv_tile > kv_tile_lo:
+                o_full0 = o_cons0.wait_and_advance()
+                self.rescale_o(tmem_load, tmem_store, tTR_tO[0], tRT_tO[0], tTR_rAcc, row_scale0)
+                o_full0.release()
+            # Q tile 1, the same
+            stats_full1 = stats_cons1.wait_and_advance()
+            row_scale1 = sStats[row, 0, 1]
+            stats_full1.release()
+            if kv_tile > kv_tile_lo:
+                o_full1 = o_cons1.wait_and_advance()
+                self.rescale_o(tmem_load, tmem_store, tTR_tO[1], tRT_tO[1], tTR_rAcc, row_scale1)
+                o_full1.release()
+
+        self.epilogue(
+            row,
+            tmem_load,
+            thr_load,
+            epi_tiler,
+            tTR_tO,
+            tTR_rAcc,
+            tTR_rO,
+            tCgO,
+            tCcO,
+            tCsO,
+            sO,
+            sStats,
+            stats_cons0,
+            stats_cons1,
+            o_cons0,
+            o_cons1,
+            correction_bar,
+            tma_o,
+            mO_tma,
+            mO,
+            mLSE,
+            head,
+            batch,
+            q_tile0,
+            kv_tile_lo,
+            kv_tile_hi,
+            seqlen_q,
+            scale_log2,
+        )
+
+    @cute.jit
+    def epilogue(
+        self,
+        row,
+        tmem_load,
+        thr_load,
+        epi_tiler,
+        tTR_tO,
+        tTR_rAcc,
+        tTR_rO,
+        tCgO,
+        tCcO,
+        tCsO,
+        sO,
+        sStats,
+        stats_cons0,
+        stats_cons1,
+        o_cons0,
+        o_cons1,
+        correction_bar,
+        tma_o,
+        mO_tma,
+        mO,
+        mLSE,
+        head,
+        batch,
+        q_tile0,
+        kv_tile_lo,
+        kv_tile_hi,
+        seqlen_q,
+        scale_log2,
+    ):
+        """The correction warpgroup, after the last KV tile, per Q tile: O_s / row_sum (TMEM ->
+        registers) -> shared memory -> one TMA store (batch mode), or -> global memory by rows
+        (packed, pack-GQA); LSE."""
+        # The rows inside the sequence: (G heads, seqlen_q positions) when packed.
+        q_rows = seqlen_q if cutlass.const_expr(self.pack_gqa == 1) else (self.pack_gqa, seqlen_q)
+        if cutlass.const_expr(self.o_by_tma):
+            # (TMA, q_tiles) and (TMA, Q tiles): the staging buffers and O's tiles
+            gO_tma = cute.local_tile(
+                mO_tma[(None, None, (head, batch))], self.pv_mma_tiler[:2], (None, 0)
+            )
+            tOsO, tOgO = cpasync.tma_partition(
+                tma_o,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sO, 0, 2),
+                cute.group_modes(gO_tma, 0, 2),
+            )
+            # Registers -> shared memory in the layout the TMA store reads: the copy that
+            # matches tcgen05.ld's thread-to-row layout.
+            smem_store = cute.make_tiled_copy_D(
+                utils.sm100.get_smem_store_op(
+                    LayoutEnum.ROW_MAJOR, self.dtype, self.acc_dtype, tmem_load
+                ),
+                tmem_load,
+            )
+        for s in cutlass.range_constexpr(self.q_tiles):
+            stats_cons = stats_cons0 if s == 0 else stats_cons1
+            o_cons = o_cons0 if s == 0 else o_cons1
+            stats_full = stats_cons.wait_and_advance()
+            row_sum = sStats[row, 0, s]
+            row_max = sStats[row, 1, s]
+            stats_full.release()
+            # A row that saw no key (row_sum = 0) keeps O = 0.
+            inv_row_sum = cute.arch.rcp_approx(row_sum) if row_sum > 0.0 else 0.0
+            # O_s holds the last tile once its PV MMAs have completed (an empty range: no
+            # MMA, nothing to wait for)
+            o_last = o_cons.current_handle()
+            if kv_tile_hi > kv_tile_lo:
+                o_cons.wait()
+            # (T2R, T2R_M, slices): this thread's row of O_s in global or shared memory, and
+            # its (query, d) coordinates in O
+            tTR_cO = thr_load.partition_D(
+                cute.zipped_divide(tCcO[(None, None, None, q_tile0 + s)], epi_tiler)
+            )
+            if cutlass.const_expr(self.o_by_tma):
+                tTR_dO = thr_load.partition_D(
+                    cute.zipped_divide(tCsO[(None, None, None, s)], epi_tiler)
+                )
+            else:
+                tTR_dO = thr_load.partition_D(
+                    cute.zipped_divide(tCgO[(None, None, None, q_tile0 + s)], epi_tiler)
+                )
+            for i in cutlass.range_constexpr(cute.size(tTR_tO[s], mode=[2])):
+                if kv_tile_hi > kv_tile_lo:
+                    cute.copy(tmem_load, tTR_tO[s][(None, None, i)], tTR_rAcc)
+                    cute.arch.fence_view_async_tmem_load()
+                else:
+                    # An empty range: no MMA has written O_s's columns, O = 0.
+                    tTR_rAcc.fill(0.0)
+                # O = (sum_j P_j @ V_j) / row_sum, in the input dtype
+                tTR_rO.store((inv_row_sum * tTR_rAcc.load()).to(self.dtype))
+                if cutlass.const_expr(self.o_by_tma):
+                    cute.copy(smem_store, tTR_rO, tTR_dO[(None, None, i)])
+                else:
+                    self.store_row(
+                        tTR_rO,
+                        tTR_dO[(None, None, i)],
+                        tTR_cO[(None, None, i)],
+                        (q_rows, mO.shape[1]),
+                    )
+            if kv_tile_hi > kv_tile_lo:
+                o_last.release()
+            # LSE = log(sum_j exp(scale * S_j)) = scale * row_max + log(row_sum), natural
+            # log, fp32, for this thread's row (query) if it lies inside the sequence
+            q_row = tTR_cO[0][0]  # packed: (g, position)
+            if cute.elem_less(q_row, q_rows):
+                lse_log2 = row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)
+                # A row that saw no key: LSE = log(0) = -inf.
+                if row_sum == 0.0:
+                    lse_log2 = -Float32.inf
+                mLSE[(q_row,)] = lse_log2 * math.log(2.0)
+            if cutlass.const_expr(self.o_by_tma):
+                # Every thread's shared-memory stores visible to the async proxy
+                # (fence.proxy.async.shared::cta), all 128 rows written (the correction
+                # warpgroup's barrier), then one thread issues the TMA store of O_s's tile;
+                # the TMA unit clips the rows past Sq.
+                cute.arch.fence_view_async_shared()
+                correction_bar.arrive_and_wait()
+                if row == 0:
+                    cute.copy(tma_o, tOsO[(None, s)], tOgO[(None, q_tile0 + s)])
+                    cute.arch.cp_async_bulk_commit_group()
+        if cutlass.const_expr(self.o_by_tma):
+            # The staging buffers must stay valid until the TMA unit has read them.
+            if row == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def make_pipelines(self, storage, cluster_layout_vmnk):
+        """The CTA's hand-offs: the mbarrier pipelines over the barriers in `storage` (initialised
+        here; pipeline_init_arrive and pipeline_init_wait follow in the kernel) and the named
+        barriers."""
+        softmax_threads = 32 * len(self.softmax_warp_ids[0])  # 128: one per row of a Q tile
+        correction_threads = 32 * len(self.correction_warp_ids)
+        # Q buffers (Q_0, Q_1) and K/V ring: the TMA warp fills (full = the tile's bytes
+        # landed), the MMA warp's tcgen05.commit empties (one arrive).
+        q_prod, q_cons = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.q_bar.data_ptr(),
+            num_stages=self.q_buffers,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            tx_count=self.q_tma_bytes,
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        ).make_participants()
+        kv_prod, kv_cons = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.kv_bar.data_ptr(),
+            num_stages=self.kv_slots,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            tx_count=self.kv_tma_bytes["K"],
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        ).make_participants()
+        # Per Q tile s, four hand-offs of one entry each (two mbarriers apiece):
+        # S_s, MMA -> softmax warpgroup s: tcgen05.commit marks S_s complete; its 128 threads
+        #   arrive once they have read it.
+        # P_s, softmax warpgroup s -> MMA: 128 arrivals once P_s is in TMEM; tcgen05.commit after
+        #   the PV MMAs marks P_s's columns free again.
+        # O_s, MMA -> correction: tcgen05.commit after P_s @ V_j (O_s holds tile j); the 128
+        #   correction threads arrive once they have rescaled (or, last, read) it.
+        # stats_s, softmax warpgroup s -> correction, through shared memory: per KV tile the row
+        #   factor exp2(scale (m_old - m_new)), after the loop the row sum and max; 128 arrivals
+        #   each way.
+        s_pipes, p_pipes, o_pipes, stats_pipes = [], [], [], []
+        for s in cutlass.range_constexpr(self.q_tiles):
+            s_pipes.append(
+                pipeline.PipelineUmmaAsync.create(
+                    barrier_storage=storage.s_bar.data_ptr() + 2 * s,
+                    num_stages=self.s_buffers,
+                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                    consumer_group=pipeline.CooperativeGroup(
+                        pipeline.Agent.Thread, softmax_threads
+                    ),
+                    cta_layout_vmnk=cluster_layout_vmnk,
+                    defer_sync=True,
+                )
+            )
+            p_pipes.append(
+                pipeline.PipelineAsyncUmma.create(
+                    barrier_storage=storage.p_bar.data_ptr() + 2 * s,
+                    num_stages=1,
+                    producer_group=pipeline.CooperativeGroup(
+                        pipeline.Agent.Thread, softmax_threads
+                    ),
+                    consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                    cta_layout_vmnk=cluster_layout_vmnk,
+                    defer_sync=True,
+                )
+            )
+            o_pipes.append(
+                pipeline.PipelineUmmaAsync.create(
+                    barrier_storage=storage.o_bar.data_ptr() + 2 * s,
+                    num_stages=1,
+                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                    consumer_group=pipeline.CooperativeGroup(
+                        pipeline.Agent.Thread, correction_threads
+                    ),
+                    cta_layout_vmnk=cluster_layout_vmnk,
+                    defer_sync=True,
+                )
+            )
+            stats_pipes.append(
+                pipeline.PipelineAsync.create(
+                    barrier_storage=storage.stats_bar.data_ptr() + 2 * s,
+                    num_stages=1,
+                    producer_group=pipeline.CooperativeGroup(
+                        pipeline.Agent.Thread, softmax_threads
+                    ),
+                    consumer_group=pipeline.CooperativeGroup(
+                        pipeline.Agent.Thread, correction_threads
+                    ),
+                    defer_sync=True,
+                )
+            )
+        tmem_alloc_bar = pipeline.NamedBarrier(
+            barrier_id=self.tmem_alloc_bar_id,
+            num_threads=32
+            * (1 + 2 * len(self.softmax_warp_ids[0]) + len(self.correction_warp_ids)),
+        )
+        correction_bar = pipeline.NamedBarrier(
+            barrier_id=self.correction_bar_id, num_threads=correction_threads
+        )
+        tmem_free_bar = pipeline.NamedBarrier(
+            barrier_id=self.tmem_free_bar_id,
+            num_threads=32 * (2 * len(self.softmax_warp_ids[0]) + len(self.correction_warp_ids)),
+        )
+        return (
+            (q_prod, q_cons),
+            (kv_prod, kv_cons),
+            (s_pipes, p_pipes, o_pipes, stats_pipes),
+            (tmem_alloc_bar, correction_bar, tmem_free_bar),
+        )
+
+    @cute.jit
+    def smem_tensors(self, storage, q_smem_s, k_smem_s, v_smem_s, o_smem_s):
+        """The CTA's buffers in shared memory: Q, the K/V ring (as K and as V), O's staging, the
+        row statistics."""
+        # (MMA, MMA_M, MMA_K, q_buffers)
+        sQ = storage.sQ.get_tensor(q_smem_s.outer, swizzle=q_smem_s.inner)
+        # (MMA, MMA_N, MMA_K, kv_slots)
+        sK = storage.sK.get_tensor(k_smem_s.outer, swizzle=k_smem_s.inner)
+        # (MMA, MMA_N=D, MMA_K, kv_slots): the same slots viewed as V tiles (V's own swizzle)
+        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, v_smem_s.inner), v_smem_s.outer)
+        # (bM, D, q_tiles): O staged for the TMA store, row-major, swizzled, in Q's buffers (the
+        # same bytes: 2 x 128 x D x 2). The correction warpgroup writes O_s there only after the
+        # last PV MMA of tile s has completed, and a tcgen05.commit tracks every MMA the MMA
+        # thread issued before it: all QK MMAs, the only readers of Q, are done by then (and
+        # the MMA warp waited for Q's loads before its first MMA). An empty range loads no Q.
+        sO = cute.make_tensor(
+            cute.recast_ptr(sQ.iterator, o_smem_s.inner, dtype=self.dtype), o_smem_s.outer
+        )
+        # (128 rows, 2 values, q_tiles): the row statistics softmax warpgroup s hands to the
+        # correction warpgroup. Value 0: the row factor of the KV tile, or the final row sum;
+        # value 1: the final row max.
+        sStats = storage.stats.get_tensor(cute.make_layout((128, 2, self.q_tiles)))
+        return sQ, sK, sV, sO, sStats
+
+    @cute.jit
+    def gmem_tiles(self, mQ, mK, mV, mO, mLSE, head, kv_head, batch, offset_q, offset_k):
+        """The CTA's (head, sequence) of the tensors in global memory, O and LSE, and their tiles:
+        (mO, mLSE, gQ, gK, gV, gO, cO)."""
+        # This CTA's sequence and head, from the sequence's first row: Q (Sq, D), K (Sk, D),
+        # V (D, Sk), O (Sq, D) and LSE (Sq); K and V of head kv_head.
+        # (Packed, a row is (g, position): the sequence starts at (0, offset_q).)
+        q_offset = offset_q if cutlass.const_expr(self.pack_gqa == 1) else (0, offset_q)
+        mQ, mK, mV, mO = (
+            cute.domain_offset((q_offset, 0), mQ[(None, None, (head, batch))]),
+            cute.domain_offset((offset_k, 0), mK[(None, None, (kv_head, batch))]),
+            cute.domain_offset((0, offset_k), mV[(None, None, (kv_head, batch))]),
+            cute.domain_offset((q_offset, 0), mO[(None, None, (head, batch))]),
+        )
+        mLSE = cute.domain_offset((q_offset,), mLSE[(None, (head, batch))])
+        # (bM, D, q_tiles): the CTA's two Q tiles
+        gQ = cute.local_tile(mQ, self.qk_mma_tiler, (None, 0, 0), proj=(1, None, 1))
+        # (bN, D, kv_tiles)
+        gK = cute.local_tile(mK, self.qk_mma_tiler, (0, None, 0), proj=(None, 1, 1))
+        # (D, bN, kv_tiles)
+        gV = cute.local_tile(mV, self.pv_mma_tiler, (0, 0, None), proj=(None, 1, 1))
+        # (bM, D, Q tiles): O's tiles, and the (query, d) coordinates of their elements in O
+        gO = cute.local_tile(mO, self.pv_mma_tiler, (None, 0, 0), proj=(1, 1, None))
+        cO = cute.local_tile(
+            cute.make_identity_tensor(mO.shape), self.pv_mma_tiler, (None, 0, 0), proj=(1, 1, None)
+        )
+        return mO, mLSE, gQ, gK, gV, gO, cO
+
+    @cute.jit
+    def issue_qk(self, qk_mma, tStS, tCrQ, q_slot, tCrK, k_slot):
+        """S = Q @ K_j^T into TMEM: bK / 16 tcgen05.mma of 128 x 128 x 16, the first overwriting S."""
+        qk_mma.set(tcgen05.Field.ACCUMULATE, False)
+        for kb in cutlass.range_constexpr(cute.size(tCrQ, mode=[2])):
+            # S += Q[:, 16 kb : 16 kb + 16] @ K_j[:, 16 kb : 16 kb + 16]^T  (128 x 128 x 16)
+            cute.gemm(
+                qk_mma, tStS, tCrQ[(None, None, kb, q_slot)], tCrK[(None, None, kb, k_slot)], tStS
+            )
+            qk_mma.set(tcgen05.Field.ACCUMULATE, True)
+        # Returned for the caller to rebind: the DSL carries the MMA's ACCUMULATE field through
+        # the loop only for a name the loop assigns.
+        return qk_mma
+
+    @cute.jit
+    def issue_pv(self, pv_mma, tOtO, tOrP, tCrV, v_slot, accumulate):
+        """O += P_j @ V_j in TMEM (O = P_j @ V_j when not accumulate): bN / 16 tcgen05.mma of
+        128 x D x 16, A = P from TMEM."""
+        pv_mma.set(tcgen05.Field.ACCUMULATE, accumulate)
+        for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+            # O += P_j[:, 16 kb : 16 kb + 16] @ V_j[16 kb : 16 kb + 16, :]  (128 x D x 16)
+            cute.gemm(pv_mma, tOtO, tOrP[(None, None, kb)], tCrV[(None, None, kb, v_slot)], tOtO)
+            pv_mma.set(tcgen05.Field.ACCUMULATE, True)
+        return pv_mma
+
+    @cute.jit
+    def rescale_o(self, tmem_load, tmem_store, tTR_tO, tRT_tO, tTR_rAcc, row_scale):
+        """This thread's row of O *= row_scale, in TMEM: tcgen05.ld, multiply, tcgen05.st, 32
+        columns at a time; then tcgen05.wait::st, so that the MMA warp, told next, sees it."""
+        for i in cutlass.range_constexpr(cute.size(tTR_tO, mode=[2])):
+            cute.copy(tmem_load, tTR_tO[(None, None, i)], tTR_rAcc)
+            cute.arch.fence_view_async_tmem_load()
+            tTR_rAcc.store(row_scale * tTR_rAcc.load())
+            cute.copy(tmem_store, tTR_rAcc, tRT_tO[(None, None, i)])
+        cute.arch.fence_view_async_tmem_store()
 
     @cute.jit
     def store_row(self, tTR_rX, tTR_gX, tTR_cX, shape):

@@ -70,6 +70,12 @@ from common.kv_ring import release_slot
 
 
 class Sm90Kernel:
+    """The device code is organised by warp role, as FA4's flash_attn/cute/flash_fwd_sm90.py:
+    kernel prepares what every warpgroup shares (shared memory, barriers, the K/V ring, the
+    wgmma views) and hands each warpgroup its role. load is the producer's (every TMA load),
+    mma the consumers' (the work tiles; per tile the pass over its KV tiles, one
+    mma_one_n_block per KV tile, then epilogue: O normalised and stored, LSE)."""
+
     def __init__(
         self,
         dtype,
@@ -109,8 +115,8 @@ class Sm90Kernel:
         tile_bytes = self.cta_tile[1] * head_dim * dtype.width // 8
         # Persistent CTAs: a grid of at most one CTA per SM (1 fits: 225 KB of shared memory),
         # each walking work tiles: blockIdx.x, blockIdx.x + gridDim.x, ... in batch mode without
-        # a mask, drawn from an atomic counter under one and for packed sequences (see __call__
-        # and kernel()).
+        # a mask, drawn from an atomic counter under one and for packed sequences (see __call__,
+        # load and mma).
         # Off: one CTA per tile, the same loop run once. o_buffer: O staged in its own buffer
         # instead of over Q, so that the next tile's Q can land during this tile's epilogue (one
         # K/V slot less).
@@ -120,7 +126,7 @@ class Sm90Kernel:
         o_bytes = q_bytes if o_buffer else 0
         self.kv_slots = (227 * 1024 - 1024 - q_bytes - o_bytes) // tile_bytes
         self.smem_align = 1024  # the 128-byte swizzle repeats every 8 rows of 128 B
-        self.longest_first = True  # Q tiles in reverse order: see kernel()
+        self.longest_first = True  # Q tiles in reverse order: see tile_coords
         # Under a mask (batch mode) the work tiles go longest first across as many (head,
         # sequence) pairs as fit their K and V in L2 (tile_coords); off: head by head.
         self.l2_sections = True
@@ -248,7 +254,7 @@ class Sm90Kernel:
         @cute.struct
         class SharedStorage:
             q_full: cute.struct.MemRange[cutlass.Int64, 1]
-            # The work tile the producer hands to the consumers with each q_full (see kernel()).
+            # The work tile the producer hands to the consumers with each q_full (see load, mma).
             tile_id: cute.struct.MemRange[cutlass.Int32, 2]
             q_empty: cute.struct.MemRange[cutlass.Int64, 1]
             kv_full: cute.struct.MemRange[cutlass.Int64, self.kv_slots]
@@ -431,8 +437,6 @@ class Sm90Kernel:
         tOrP = cute.make_rmem_tensor(pv_thr.partition_shape_A((bM, bN)), self.dtype)
         # (MMA, MMA_M, MMA_N): bK / 2 fp32 per thread
         acc_O = cute.make_rmem_tensor(pv_thr.partition_shape_C((bM, bK)), self.acc_dtype)
-        k_blocks = cute.size(tSrQ, mode=[2])  # bK / 16 wgmma for S
-        kv_blocks = cute.size(tOrP, mode=[2])  # bN / 16 wgmma for O
         # One value per row this thread holds (2): m and l of the softmax
         row_max = cute.make_rmem_tensor(cute.size(self.rows_view(acc_S), mode=[0]), self.acc_dtype)
         row_sum = cute.make_rmem_tensor_like(row_max)
@@ -447,7 +451,7 @@ class Sm90Kernel:
         # (e / kv_slots) % 2 (consumers) or its flip (the producer: 1 passes a fresh empty
         # barrier), from one tile to the next as within one. Every consumer warpgroup reads every
         # entry: its slot is free again once all 8 (three warpgroups: 12) consumer warps have
-        # released it.
+        # released it. The producer's walk is load, the consumers' mma.
         heads = mQ.shape[2]
         if cutlass.const_expr(mCuSeqlensQ is not None):
             # Packed sequences: head by head, handed out at run time when persistent (the values
@@ -456,302 +460,522 @@ class Sm90Kernel:
             if cutlass.const_expr(self.persistent):
                 dynamic = 1
         total_tiles = tiles_m * heads * self.sequences(mQ, mCuSeqlensQ)
-        tiles_done = cutlass.Int32(0)
-        entries = cutlass.Int32(0)
         if warpgroup_idx == 0:
             # The producer warpgroup needs few registers to issue TMA: it gives them up (all 4
             # warps, setmaxnreg is per warpgroup), then warp 0 issues every load and warps 1-3
             # are done.
             cute.arch.setmaxregister_decrease(self.load_registers)
             if warp_idx == 0:
-                live = (tiles_m, heads, l2_heads, dynamic, tile_counter, mCuSeqlensQ)
-                tile = self.live_tile(cute.arch.block_idx()[0], total_tiles, *live)
-                while tile < total_tiles:
-                    pid_m, head, batch = self.tile_coords(tile, tiles_m, heads, l2_heads)
-                    kv_head = head // (mQ.shape[2] // mK.shape[2])
-                    offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
-                        batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
-                    )
-                    kv_tile_lo, kv_tile_hi = self.kv_tile_range(
-                        pid_m, seqlen_q, seqlen_k, window_left, window_right
-                    )
-                    # TMA views of the tile: (TMA, 1) and (TMA) for Q, (TMA, kv_slots) and
-                    # (TMA, kv_tiles) for K and V
-                    tQsQ, tQgQ, tKsK, tKgK, tVsV, tVgV = self.tma_views(
-                        (tma_atom_q, tma_atom_k, tma_atom_v),
-                        (mQ, mK, mV),
-                        (sQ, sKV),
-                        pid_m,
-                        (head, kv_head, batch),
-                        offset_q,
-                        offset_k,
-                    )
-                    # Q, once the consumers are done with the previous tile's (parity 1 passes
-                    # the fresh barrier), then K_j and V_j of every tile of the range, each into
-                    # the next entry: the wait in load_tiles is for the release of the entry
-                    # kv_slots before, possibly one of the previous tile's.
-                    # With Q comes the tile's number, for the consumers (released by the arrive).
-                    cute.arch.mbarrier_wait(q_empty, self.q_empty_parity(tiles_done))
-                    with cute.arch.elect_one():
-                        tile_id[0] = tile
-                        cute.arch.mbarrier_arrive_and_expect_tx(q_full, q_bytes)
-                    cute.copy(tma_atom_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_full)
-                    producer_state = self.ring_state(entries, pipeline.PipelineUserType.Producer)
-                    for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
-                        self.load_tiles(
-                            kv_pipeline, producer_state, kv_tile, tma_atom_k, tKgK, tKsK
-                        )
-                        producer_state.advance()
-                        self.load_tiles(
-                            kv_pipeline, producer_state, kv_tile, tma_atom_v, tVgV, tVsV
-                        )
-                        producer_state.advance()
-                    entries += 2 * (kv_tile_hi - kv_tile_lo)
-                    tiles_done += 1
-                    # Every load of this tile is issued (the consumers are a few KV tiles behind):
-                    # take the next tile now (packed sequences: the next one with rows of Q).
-                    tile = self.live_tile(
-                        self.next_tile(tile, dynamic, tile_counter), total_tiles, *live
-                    )
-                # No tile left: tell the consumers with a tile number past the end and a q_full
-                # of its own (an arrive without bytes), once they are done with the last Q.
-                cute.arch.mbarrier_wait(q_empty, self.q_empty_parity(tiles_done))
-                with cute.arch.elect_one():
-                    tile_id[0] = tile
-                    cute.arch.mbarrier_arrive(q_full)
-                # Exit only after the consumers have released the last kv_slots entries (waits
-                # on the empty barriers of the next kv_slots entries): no arrive on the ring is
-                # outstanding then. The consumers' waits alone already keep shared memory alive
-                # until every load has landed; with a cluster, the tail would also keep a CTA
-                # from exiting while a peer still signals its barriers.
-                kv_pipeline.producer_tail(
-                    self.ring_state(entries, pipeline.PipelineUserType.Producer)
+                self.load(
+                    tma_atom_q,
+                    mQ,
+                    tma_atom_k,
+                    mK,
+                    tma_atom_v,
+                    mV,
+                    mCuSeqlensQ,
+                    mCuSeqlensK,
+                    sQ,
+                    sKV,
+                    kv_pipeline,
+                    q_full,
+                    q_empty,
+                    tile_id,
+                    q_bytes,
+                    total_tiles,
+                    tiles_m,
+                    heads,
+                    l2_heads,
+                    dynamic,
+                    tile_counter,
+                    window_left,
+                    window_right,
                 )
         else:
             # The consumer warpgroups take the registers the producer gave up (168 -> 240; with
             # three consumer warpgroups, 128 -> 160).
             cute.arch.setmaxregister_increase(self.mma_registers)
-            # Each tile's number comes with its Q (q_full); a number past the end ends the loop.
+            self.mma(
+                qk_mma,
+                pv_mma,
+                mQ,
+                mK,
+                mO,
+                mLSE,
+                mCuSeqlensQ,
+                mCuSeqlensK,
+                sKV,
+                sO,
+                kv_pipeline,
+                q_full,
+                q_empty,
+                tile_id,
+                tSrQ,
+                tSrK,
+                tOrVt,
+                acc_S,
+                tScS,
+                tOrP,
+                acc_O,
+                row_max,
+                row_sum,
+                total_tiles,
+                tiles_m,
+                heads,
+                l2_heads,
+                scale_log2,
+                window_left,
+                window_right,
+                warpgroup_idx,
+                tidx,
+                mma_tidx,
+            )
+
+    @cute.jit
+    def load(
+        self,
+        tma_atom_q,
+        mQ,
+        tma_atom_k,
+        mK,
+        tma_atom_v,
+        mV,
+        mCuSeqlensQ,
+        mCuSeqlensK,
+        sQ,
+        sKV,
+        kv_pipeline,
+        q_full,
+        q_empty,
+        tile_id,
+        q_bytes,
+        total_tiles,
+        tiles_m,
+        heads,
+        l2_heads,
+        dynamic,
+        tile_counter,
+        window_left,
+        window_right,
+    ):
+        """The producer: warp 0 of warpgroup 0 walks the work tiles and issues every TMA load
+        of each, Q (with the tile's number, for the consumers) and then K_j and V_j of every
+        KV tile of its range into the ring; at the end, a tile number past the last."""
+        tiles_done = cutlass.Int32(0)
+        entries = cutlass.Int32(0)
+        live = (tiles_m, heads, l2_heads, dynamic, tile_counter, mCuSeqlensQ)
+        tile = self.live_tile(cute.arch.block_idx()[0], total_tiles, *live)
+        while tile < total_tiles:
+            pid_m, head, batch = self.tile_coords(tile, tiles_m, heads, l2_heads)
+            kv_head = head // (mQ.shape[2] // mK.shape[2])
+            offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
+                batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
+            )
+            kv_tile_lo, kv_tile_hi = self.kv_tile_range(
+                pid_m, seqlen_q, seqlen_k, window_left, window_right
+            )
+            # TMA views of the tile: (TMA, 1) and (TMA) for Q, (TMA, kv_slots) and
+            # (TMA, kv_tiles) for K and V
+            tQsQ, tQgQ, tKsK, tKgK, tVsV, tVgV = self.tma_views(
+                (tma_atom_q, tma_atom_k, tma_atom_v),
+                (mQ, mK, mV),
+                (sQ, sKV),
+                pid_m,
+                (head, kv_head, batch),
+                offset_q,
+                offset_k,
+            )
+            # Q, once the consumers are done with the previous tile's (parity 1 passes
+            # the fresh barrier), then K_j and V_j of every tile of the range, each into
+            # the next entry: the wait in load_tiles is for the release of the entry
+            # kv_slots before, possibly one of the previous tile's.
+            # With Q comes the tile's number, for the consumers (released by the arrive).
+            cute.arch.mbarrier_wait(q_empty, self.q_empty_parity(tiles_done))
+            with cute.arch.elect_one():
+                tile_id[0] = tile
+                cute.arch.mbarrier_arrive_and_expect_tx(q_full, q_bytes)
+            cute.copy(tma_atom_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_full)
+            producer_state = self.ring_state(entries, pipeline.PipelineUserType.Producer)
+            for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
+                self.load_tiles(kv_pipeline, producer_state, kv_tile, tma_atom_k, tKgK, tKsK)
+                producer_state.advance()
+                self.load_tiles(kv_pipeline, producer_state, kv_tile, tma_atom_v, tVgV, tVsV)
+                producer_state.advance()
+            entries += 2 * (kv_tile_hi - kv_tile_lo)
+            tiles_done += 1
+            # Every load of this tile is issued (the consumers are a few KV tiles behind):
+            # take the next tile now (packed sequences: the next one with rows of Q).
+            tile = self.live_tile(self.next_tile(tile, dynamic, tile_counter), total_tiles, *live)
+        # No tile left: tell the consumers with a tile number past the end and a q_full
+        # of its own (an arrive without bytes), once they are done with the last Q.
+        cute.arch.mbarrier_wait(q_empty, self.q_empty_parity(tiles_done))
+        with cute.arch.elect_one():
+            tile_id[0] = tile
+            cute.arch.mbarrier_arrive(q_full)
+        # Exit only after the consumers have released the last kv_slots entries (waits
+        # on the empty barriers of the next kv_slots entries): no arrive on the ring is
+        # outstanding then. The consumers' waits alone already keep shared memory alive
+        # until every load has landed; with a cluster, the tail would also keep a CTA
+        # from exiting while a peer still signals its barriers.
+        kv_pipeline.producer_tail(self.ring_state(entries, pipeline.PipelineUserType.Producer))
+
+    @cute.jit
+    def mma(
+        self,
+        qk_mma,
+        pv_mma,
+        mQ,
+        mK,
+        mO,
+        mLSE,
+        mCuSeqlensQ,
+        mCuSeqlensK,
+        sKV,
+        sO,
+        kv_pipeline,
+        q_full,
+        q_empty,
+        tile_id,
+        tSrQ,
+        tSrK,
+        tOrVt,
+        acc_S,
+        tScS,
+        tOrP,
+        acc_O,
+        row_max,
+        row_sum,
+        total_tiles,
+        tiles_m,
+        heads,
+        l2_heads,
+        scale_log2,
+        window_left,
+        window_right,
+        warpgroup_idx,
+        tidx,
+        mma_tidx,
+    ):
+        """The consumers (warpgroups 1 .. mma_warpgroups, each for its 64 rows of the Q tile):
+        for each work tile the producer hands over, the pass over its KV tiles (S = Q K^T,
+        the online softmax, O += P V) and the epilogue."""
+        tiles_done = cutlass.Int32(0)
+        entries = cutlass.Int32(0)
+        # Each tile's number comes with its Q (q_full); a number past the end ends the loop.
+        cute.arch.mbarrier_wait(q_full, self.q_full_parity(tiles_done))
+        tile = tile_id[0]
+        while tile < total_tiles:
+            pid_m, head, batch = self.tile_coords(tile, tiles_m, heads, l2_heads)
+            offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
+                batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
+            )
+            kv_tile_lo, kv_tile_hi = self.kv_tile_range(
+                pid_m, seqlen_q, seqlen_k, window_left, window_right
+            )
+            steps = kv_tile_hi - kv_tile_lo
+            consumer_state = self.ring_state(entries, pipeline.PipelineUserType.Consumer)
+
+            # This tile's Q has landed (the wait before the loop or at the end of the last tile).
+            row_max.fill(-cutlass.Float32.inf)
+            row_sum.fill(0.0)
+            # A row that sees no key keeps O = 0 (and so does a Q tile with no KV tile at all).
+            acc_O.fill(0.0)
+            # The tile's first QK^T overwrites acc_S (ACCUMULATE off), but wgmma's inline
+            # assembly reads its accumulator registers all the same: without this fill the
+            # previous tile's last P would stay live through that tile's epilogue, 64
+            # registers more, and ptxas serialises the wgmma (warning C7512) at D = 128.
+            acc_S.fill(0.0)
+            # One pass: S, the running row_max and row_sum, O rescaled, O += P @ V. Ping-pong:
+            # the consumer warpgroups take turns on the tensor cores. A turn is the PV of one
+            # tile and the QK^T of the next (turn 0: QK_0 alone; the last: the last PV); a
+            # warpgroup waits for its turn before the pair and passes it on right after issuing
+            # the QK^T, so its softmax runs during the others' turns. With steps = 2:
+            #   tensor cores | 1: QK0  | 2: QK0  | 1: PV0 QK1 | 2: PV0 QK1 | 1: PV1  | 2: PV1
+            #   warpgroup 1  |         | softmax |            | softmax    |         |
+            #   warpgroup 2  |         |         | softmax    |            | softmax |
+            # With three warpgroups (D = 64) the turns go round 1, 2, 3, 1, ... on barriers 2, 3
+            # and 4. All warpgroups have the same steps (one tile range per work tile), so each
+            # takes steps + 1 turns (none when steps = 0). Warpgroup 1 starts without waiting,
+            # the last warpgroup passes nothing after its last turn; then warpgroup 1's barrier
+            # (2) completes steps times (steps waits, steps passes from the last warpgroup) and
+            # every other warpgroup's steps + 1 times, and none is left with a pending arrive
+            # when the CTA ends.
+            pv_mma.set(warpgroup.Field.ACCUMULATE, False)
+            # The ring entry of the V that the previous step's PV reads (released once the wait
+            # after this step's QK^T has seen that PV complete).
+            v_state = consumer_state.clone()
+            for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
+                v_state, consumer_state, pv_mma = self.mma_one_n_block(
+                    kv_tile,
+                    kv_tile_lo,
+                    consumer_state,
+                    v_state,
+                    qk_mma,
+                    pv_mma,
+                    mCuSeqlensK,
+                    sKV,
+                    kv_pipeline,
+                    tSrQ,
+                    tSrK,
+                    tOrVt,
+                    acc_S,
+                    tScS,
+                    tOrP,
+                    acc_O,
+                    row_max,
+                    row_sum,
+                    pid_m,
+                    seqlen_q,
+                    seqlen_k,
+                    scale_log2,
+                    window_left,
+                    window_right,
+                    warpgroup_idx,
+                    mma_tidx,
+                )
+            # The last turn (the last PV) goes round too; the last warpgroup's hands over to
+            # nobody. Then V of the last tile is released once its PV has completed. (The wait
+            # stands outside the branch: on no path may the epilogue read acc_O before it.)
+            if steps > 0 and warpgroup_idx < self.mma_warpgroups:
+                self.pass_turn(warpgroup_idx)
+            warpgroup.wait_group(0)
+            if steps > 0:
+                release_slot(kv_pipeline, v_state)
+
+            self.epilogue(
+                pv_mma,
+                acc_O,
+                row_max,
+                row_sum,
+                scale_log2,
+                tScS,
+                sO,
+                mO,
+                mLSE,
+                q_empty,
+                pid_m,
+                head,
+                batch,
+                offset_q,
+                seqlen_q,
+                tidx,
+                mma_tidx,
+            )
+            entries += 2 * steps
+            tiles_done += 1
             cute.arch.mbarrier_wait(q_full, self.q_full_parity(tiles_done))
             tile = tile_id[0]
-            while tile < total_tiles:
-                pid_m, head, batch = self.tile_coords(tile, tiles_m, heads, l2_heads)
-                offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
-                    batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
+
+    @cute.jit
+    def mma_one_n_block(
+        self,
+        kv_tile,
+        kv_tile_lo,
+        consumer_state,
+        v_state,
+        qk_mma,
+        pv_mma,
+        mCuSeqlensK,
+        sKV,
+        kv_pipeline,
+        tSrQ,
+        tSrK,
+        tOrVt,
+        acc_S,
+        tScS,
+        tOrP,
+        acc_O,
+        row_max,
+        row_sum,
+        pid_m,
+        seqlen_q,
+        seqlen_k,
+        scale_log2,
+        window_left,
+        window_right,
+        warpgroup_idx,
+        mma_tidx,
+    ):
+        """One step of the pass, KV tile kv_tile (step kv_tile - kv_tile_lo): S = Q K_j^T, the
+        mask and the online softmax, O rescaled, P_j, then O += P_j V_j issued (not waited for).
+        Returns (v_state, consumer_state, pv_mma), the values the loop carries: V_j's ring entry
+        (released by the next step), the ring position after V_j, and pv_mma, whose ACCUMULATE
+        flag is on after the very first PV."""
+        _, bN, _ = self.cta_tile
+        k_blocks = cute.size(tSrQ, mode=[2])  # bK / 16 wgmma for S
+        kv_blocks = cute.size(tOrP, mode=[2])  # bN / 16 wgmma for O
+        step = kv_tile - kv_tile_lo
+        k_state = consumer_state.clone()
+        consumer_state.advance()
+        # Wait until TMA has written K_j.
+        kv_pipeline.consumer_wait(k_state)
+        # Turn 0 (QK_0) goes round from warpgroup 1: every other warpgroup waits for it;
+        # any later turn was taken before the previous tile's PV.
+        if step == 0 and warpgroup_idx > 1:
+            self.wait_turn(warpgroup_idx)
+
+        # S = Q @ K_j^T: bK / 16 asynchronous m64n128k16 steps, the first overwrites acc_S.
+        warpgroup.fence()
+        qk_mma.set(warpgroup.Field.ACCUMULATE, False)
+        for k_block in cutlass.range_constexpr(k_blocks):
+            coord = (None, None, k_block, k_state.index)
+            cute.gemm(qk_mma, acc_S, tSrQ[None, None, k_block, 0], tSrK[coord], acc_S)
+            qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        # Issued: the next warpgroup's turn (its PV_{j-1} and QK_j) queues behind it.
+        self.pass_turn(warpgroup_idx)
+
+        # The hazard: the producer refills a slot as soon as all 8 (12) consumer warps have
+        # released it. Wait until the wgmmas reading K_j - and PV_{j-1}, issued just before them
+        # in the same turn, reading V_{j-1} - have completed, and only then release their slots.
+        warpgroup.wait_group(0)
+        release_slot(kv_pipeline, k_state)
+        if step > 0:
+            release_slot(kv_pipeline, v_state)
+
+        # Only a tile that crosses an edge (Sk, or the band of the window: the diagonal when
+        # causal) is masked element by element: S = -inf where row i must not see key j.
+        if cutlass.const_expr(self.edge_masks):
+            if self.crosses_mask_edge(
+                pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right
+            ):
+                self.mask_keys(
+                    acc_S, tScS, pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right
                 )
-                kv_tile_lo, kv_tile_hi = self.kv_tile_range(
-                    pid_m, seqlen_q, seqlen_k, window_left, window_right
-                )
-                steps = kv_tile_hi - kv_tile_lo
-                consumer_state = self.ring_state(entries, pipeline.PipelineUserType.Consumer)
 
-                # This tile's Q has landed (the wait before the loop or at the end of the last
-                # tile).
-                row_max.fill(-cutlass.Float32.inf)
-                row_sum.fill(0.0)
-                # A row that sees no key keeps O = 0 (and so does a Q tile with no KV tile at all).
-                acc_O.fill(0.0)
-                # The tile's first QK^T overwrites acc_S (ACCUMULATE off), but wgmma's inline
-                # assembly reads its accumulator registers all the same: without this fill the
-                # previous tile's last P would stay live through that tile's epilogue, 64
-                # registers more, and ptxas serialises the wgmma (warning C7512) at D = 128.
-                acc_S.fill(0.0)
-                # One pass: S, the running row_max and row_sum, O rescaled, O += P @ V. Ping-pong:
-                # the consumer warpgroups take turns on the tensor cores. A turn is the PV of one
-                # tile and the QK^T of the next (turn 0: QK_0 alone; the last: the last PV); a
-                # warpgroup waits for its turn before the pair and passes it on right after issuing
-                # the QK^T, so its softmax runs during the others' turns. With steps = 2:
-                #   tensor cores | 1: QK0  | 2: QK0  | 1: PV0 QK1 | 2: PV0 QK1 | 1: PV1  | 2: PV1
-                #   warpgroup 1  |         | softmax |            | softmax    |         |
-                #   warpgroup 2  |         |         | softmax    |            | softmax |
-                # With three warpgroups (D = 64) the turns go round 1, 2, 3, 1, ... on barriers 2, 3
-                # and 4. All warpgroups have the same steps (one tile range per work tile), so each
-                # takes steps + 1 turns (none when steps = 0). Warpgroup 1 starts without waiting,
-                # the last warpgroup passes nothing after its last turn; then warpgroup 1's barrier
-                # (2) completes steps times (steps waits, steps passes from the last warpgroup) and
-                # every other warpgroup's steps + 1 times, and none is left with a pending arrive
-                # when the CTA ends.
-                pv_mma.set(warpgroup.Field.ACCUMULATE, False)
-                # The ring entry of the V that the previous step's PV reads (released once the wait
-                # after this step's QK^T has seen that PV complete).
-                v_state = consumer_state.clone()
-                for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
-                    step = kv_tile - kv_tile_lo
-                    k_state = consumer_state.clone()
-                    consumer_state.advance()
-                    # Wait until TMA has written K_j.
-                    kv_pipeline.consumer_wait(k_state)
-                    # Turn 0 (QK_0) goes round from warpgroup 1: every other warpgroup waits for it;
-                    # any later turn was taken before the previous tile's PV.
-                    if step == 0 and warpgroup_idx > 1:
-                        self.wait_turn(warpgroup_idx)
+        # Fold this tile into row_max and row_sum; P = exp(scale * (S - row_max)) in place of S.
+        row_scale = self.online_softmax(acc_S, row_max, row_sum, scale_log2)
+        # O *= row_scale: what O holds so far was weighted against the previous row_max.
+        acc_O_mn = self.rows_view(acc_O)
+        for r in cutlass.range_constexpr(cute.size(row_scale)):
+            acc_O_mn[r, None].store(acc_O_mn[r, None].load() * row_scale[r])
+        # P rounded to the input dtype, in the register layout of wgmma's A operand.
+        tOrP.store(self.acc_as_operand_a(acc_S).load().to(self.dtype))
 
-                    # S = Q @ K_j^T: bK / 16 asynchronous m64n128k16 steps, the first overwrites
-                    # acc_S.
-                    warpgroup.fence()
-                    qk_mma.set(warpgroup.Field.ACCUMULATE, False)
-                    for k_block in cutlass.range_constexpr(k_blocks):
-                        coord = (None, None, k_block, k_state.index)
-                        cute.gemm(qk_mma, acc_S, tSrQ[None, None, k_block, 0], tSrK[coord], acc_S)
-                        qk_mma.set(warpgroup.Field.ACCUMULATE, True)
-                    warpgroup.commit_group()
-                    # Issued: the next warpgroup's turn (its PV_{j-1} and QK_j) queues behind it.
-                    self.pass_turn(warpgroup_idx)
+        v_state = consumer_state.clone()
+        consumer_state.advance()
+        # Wait until TMA has written V_j.
+        kv_pipeline.consumer_wait(v_state)
+        # Packed sequences: the last tile's rows past seqlen_k are the next sequence's V. P is
+        # 0 there, but 0 x NaN = NaN: zero those rows before P @ V reads them. (Its barrier
+        # joins all consumer warpgroups, so it stands between turns: a warpgroup holding the
+        # turn there would wait for the others, which wait for the turn.)
+        if cutlass.const_expr(mCuSeqlensK is not None):
+            if (kv_tile + 1) * bN > seqlen_k:
+                self.zero_rows(sKV, v_state.index, seqlen_k - kv_tile * bN, mma_tidx)
 
-                    # The hazard: the producer refills a slot as soon as all 8 (12) consumer warps
-                    # have released it. Wait until the wgmmas reading K_j - and PV_{j-1}, issued
-                    # just before them in the same turn, reading V_{j-1} - have completed, and only
-                    # then release their slots.
-                    warpgroup.wait_group(0)
-                    release_slot(kv_pipeline, k_state)
-                    if step > 0:
-                        release_slot(kv_pipeline, v_state)
+        # This warpgroup's next turn: PV_j, then QK_{j+1} at the top of the next step.
+        self.wait_turn(warpgroup_idx)
+        # O += P @ V_j: bN / 16 asynchronous m64nDk16 steps (the very first overwrites acc_O).
+        warpgroup.fence()
+        for kv_block in cutlass.range_constexpr(kv_blocks):
+            coord = (None, None, kv_block, v_state.index)
+            cute.gemm(pv_mma, acc_O, tOrP[None, None, kv_block], tOrVt[coord], acc_O)
+            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        # No wait here: QK_{j+1} (the next step) is issued right behind PV_j, so the tensor
+        # cores run the turn's two GEMMs back to back; the wait after QK_{j+1} covers both.
+        # (Waiting for PV_j first, as FlashAttention-3's kernel without intra-warpgroup overlap
+        # does, leaves the tensor cores idle between them while this warpgroup, holding the
+        # turn, sees PV_j complete and issues QK_{j+1}.)
+        return v_state, consumer_state, pv_mma
 
-                    # Only a tile that crosses an edge (Sk, or the band of the window: the diagonal
-                    # when causal) is masked element by element: S = -inf where row i must not see
-                    # key j.
-                    if cutlass.const_expr(self.edge_masks):
-                        if self.crosses_mask_edge(
-                            pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right
-                        ):
-                            self.mask_keys(
-                                acc_S,
-                                tScS,
-                                pid_m,
-                                kv_tile,
-                                seqlen_q,
-                                seqlen_k,
-                                window_left,
-                                window_right,
-                            )
+    @cute.jit
+    def epilogue(
+        self,
+        pv_mma,
+        acc_O,
+        row_max,
+        row_sum,
+        scale_log2,
+        tScS,
+        sO,
+        mO,
+        mLSE,
+        q_empty,
+        pid_m,
+        head,
+        batch,
+        offset_q,
+        seqlen_q,
+        tidx,
+        mma_tidx,
+    ):
+        """The epilogue of one work tile, in each consumer thread for its rows: O = O / row_sum,
+        LSE, then O rounded to the input dtype and stored through shared memory (sO) to global
+        memory, only the rows inside the sequence."""
+        bM = self.cta_tile[0]
+        # O has its own buffer: every wgmma reading this tile's Q is complete, so the
+        # next tile's Q may land while the epilogue runs (this thread's arrive on q_empty).
+        if cutlass.const_expr(self.o_buffer):
+            cute.arch.mbarrier_arrive(q_empty)
+        # Each thread's row_sum covers its 32 columns of every tile: add up the 4 of the quad.
+        for r in cutlass.range_constexpr(cute.size(row_sum)):
+            row_sum[r] = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
 
-                    # Fold this tile into row_max and row_sum; P = exp(scale * (S - row_max)) in
-                    # place of S.
-                    row_scale = self.online_softmax(acc_S, row_max, row_sum, scale_log2)
-                    # O *= row_scale: what O holds so far was weighted against the previous row_max.
-                    acc_O_mn = self.rows_view(acc_O)
-                    for r in cutlass.range_constexpr(cute.size(row_scale)):
-                        acc_O_mn[r, None].store(acc_O_mn[r, None].load() * row_scale[r])
-                    # P rounded to the input dtype, in the register layout of wgmma's A operand.
-                    tOrP.store(self.acc_as_operand_a(acc_S).load().to(self.dtype))
+        # O = O / row_sum, row by row; a row that saw no key (row_sum = 0) keeps O = 0.
+        acc_O_mn = self.rows_view(acc_O)
+        for r in cutlass.range_constexpr(cute.size(row_sum)):
+            inv_row_sum = cute.arch.rcp_approx(row_sum[r]) if row_sum[r] > 0.0 else 0.0
+            acc_O_mn[r, None].store(acc_O_mn[r, None].load() * inv_row_sum)
 
-                    v_state = consumer_state.clone()
-                    consumer_state.advance()
-                    # Wait until TMA has written V_j.
-                    kv_pipeline.consumer_wait(v_state)
-                    # Packed sequences: the last tile's rows past seqlen_k are the next sequence's
-                    # V. P is 0 there, but 0 x NaN = NaN: zero those rows before P @ V reads them.
-                    # (Its barrier joins all consumer warpgroups, so it stands between turns: a
-                    # warpgroup holding the turn there would wait for the others, which wait for the
-                    # turn.)
-                    if cutlass.const_expr(mCuSeqlensK is not None):
-                        if (kv_tile + 1) * bN > seqlen_k:
-                            self.zero_rows(sKV, v_state.index, seqlen_k - kv_tile * bN, mma_tidx)
+        # LSE = ln(row_sum) + row_max * scale = (row_max * scale_log2 + log2(row_sum)) * ln(2),
+        # written by the first thread of each quad for the rows inside Sq.
+        tScS_mn = self.rows_view(tScS)
+        if tidx % 4 == 0:
+            for r in cutlass.range_constexpr(cute.size(row_sum)):
+                row = pid_m * bM + tScS_mn[r, 0][0]  # packed: G rows per position
+                if row < seqlen_q * self.pack_gqa:
+                    lse_log2 = row_max[r] * scale_log2 + cute.math.log2(row_sum[r], fastmath=True)
+                    # A row that saw no key: LSE = log(0) = -inf.
+                    if row_sum[r] == 0.0:
+                        lse_log2 = -cutlass.Float32.inf
+                    lse_ln = lse_log2 * math.log(2.0)
+                    if cutlass.const_expr(self.pack_gqa == 1):
+                        mLSE[offset_q + row, head, batch] = lse_ln
+                    else:  # row = (head in the group, position)
+                        g, pos = row % self.pack_gqa, row // self.pack_gqa
+                        mLSE[(g, offset_q + pos), head, batch] = lse_ln
 
-                    # This warpgroup's next turn: PV_j, then QK_{j+1} at the top of the next step.
-                    self.wait_turn(warpgroup_idx)
-                    # O += P @ V_j: bN / 16 asynchronous m64nDk16 steps (the very first overwrites
-                    # acc_O).
-                    warpgroup.fence()
-                    for kv_block in cutlass.range_constexpr(kv_blocks):
-                        coord = (None, None, kv_block, v_state.index)
-                        cute.gemm(pv_mma, acc_O, tOrP[None, None, kv_block], tOrVt[coord], acc_O)
-                        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-                    warpgroup.commit_group()
-                    # No wait here: QK_{j+1} (top of the loop) is issued right behind PV_j, so the
-                    # tensor cores run the turn's two GEMMs back to back; the wait after QK_{j+1}
-                    # covers both. (Waiting for PV_j first, as FlashAttention-3's kernel without
-                    # intra-warpgroup overlap does, leaves the tensor cores idle between them while
-                    # this warpgroup, holding the turn, sees PV_j complete and issues QK_{j+1}.)
+        # All consumer warpgroups are done with the previous tile's sO (store_rows) and,
+        # when sO lies over Q, with this tile's sQ. (Named barrier 1: the 256 or 384
+        # consumer threads; the producer takes no part.)
+        cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
 
-                # The last turn (the last PV) goes round too; the last warpgroup's hands over to
-                # nobody. Then V of the last tile is released once its PV has completed. (The wait
-                # stands outside the branch: on no path may the epilogue read acc_O before it.)
-                if steps > 0 and warpgroup_idx < self.mma_warpgroups:
-                    self.pass_turn(warpgroup_idx)
-                warpgroup.wait_group(0)
-                if steps > 0:
-                    release_slot(kv_pipeline, v_state)
+        # O rounded to the input dtype, written to shared memory by stmatrix.
+        r2s_copy = cute.make_tiled_copy_C(
+            sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, self.acc_dtype),
+            pv_mma,
+        )
+        thr_r2s = r2s_copy.get_slice(mma_tidx)
+        # (R2S, R2S_M, R2S_N)
+        tRS_acc = r2s_copy.retile(acc_O)
+        # (R2S, R2S_M, R2S_N)
+        tRS_rO = cute.make_rmem_tensor_like(tRS_acc, self.dtype)
+        tRS_rO.store(tRS_acc.load().to(self.dtype))
+        # (R2S, R2S_M, R2S_N)
+        tRS_sO = thr_r2s.partition_D(sO)
+        cute.copy(r2s_copy, tRS_rO, tRS_sO)
 
-                # 3. Epilogue
-                # O has its own buffer: every wgmma reading this tile's Q is complete, so the
-                # next tile's Q may land while the epilogue runs (this thread's arrive on q_empty).
-                if cutlass.const_expr(self.o_buffer):
-                    cute.arch.mbarrier_arrive(q_empty)
-                # Each thread's row_sum covers its 32 columns of every tile: add up the 4 of the
-                # quad.
-                for r in cutlass.range_constexpr(cute.size(row_sum)):
-                    row_sum[r] = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
+        cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
 
-                # O = O / row_sum, row by row; a row that saw no key (row_sum = 0) keeps O = 0.
-                acc_O_mn = self.rows_view(acc_O)
-                for r in cutlass.range_constexpr(cute.size(row_sum)):
-                    inv_row_sum = cute.arch.rcp_approx(row_sum[r]) if row_sum[r] > 0.0 else 0.0
-                    acc_O_mn[r, None].store(acc_O_mn[r, None].load() * inv_row_sum)
-
-                # LSE = ln(row_sum) + row_max * scale = (row_max * scale_log2 + log2(row_sum)) *
-                # ln(2), written by the first thread of each quad for the rows inside Sq.
-                tScS_mn = self.rows_view(tScS)
-                if tidx % 4 == 0:
-                    for r in cutlass.range_constexpr(cute.size(row_sum)):
-                        row = pid_m * bM + tScS_mn[r, 0][0]  # packed: G rows per position
-                        if row < seqlen_q * self.pack_gqa:
-                            lse_log2 = row_max[r] * scale_log2 + cute.math.log2(
-                                row_sum[r], fastmath=True
-                            )
-                            # A row that saw no key: LSE = log(0) = -inf.
-                            if row_sum[r] == 0.0:
-                                lse_log2 = -cutlass.Float32.inf
-                            lse_ln = lse_log2 * math.log(2.0)
-                            if cutlass.const_expr(self.pack_gqa == 1):
-                                mLSE[offset_q + row, head, batch] = lse_ln
-                            else:  # row = (head in the group, position)
-                                g, pos = row % self.pack_gqa, row // self.pack_gqa
-                                mLSE[(g, offset_q + pos), head, batch] = lse_ln
-
-                # All consumer warpgroups are done with the previous tile's sO (store_rows) and,
-                # when sO lies over Q, with this tile's sQ. (Named barrier 1: the 256 or 384
-                # consumer threads; the producer takes no part.)
-                cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
-
-                # O rounded to the input dtype, written to shared memory by stmatrix.
-                r2s_copy = cute.make_tiled_copy_C(
-                    sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, self.acc_dtype),
-                    pv_mma,
-                )
-                thr_r2s = r2s_copy.get_slice(mma_tidx)
-                # (R2S, R2S_M, R2S_N)
-                tRS_acc = r2s_copy.retile(acc_O)
-                # (R2S, R2S_M, R2S_N)
-                tRS_rO = cute.make_rmem_tensor_like(tRS_acc, self.dtype)
-                tRS_rO.store(tRS_acc.load().to(self.dtype))
-                # (R2S, R2S_M, R2S_N)
-                tRS_sO = thr_r2s.partition_D(sO)
-                cute.copy(r2s_copy, tRS_rO, tRS_sO)
-
-                cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
-
-                # This tile's rows of O: (bM, bK)
-                q_offset = offset_q if cutlass.const_expr(self.pack_gqa == 1) else (0, offset_q)
-                mO_seq = cute.domain_offset((q_offset, 0), mO[None, None, head, batch])
-                gO = cute.local_tile(mO_seq, self.cta_tile, (pid_m, None, 0), proj=(1, None, 1))
-                # Shared memory -> global memory, 16 bytes per thread and copy, only the rows
-                # inside the sequence: TMA would clip at the packed tensor's end, not the
-                # sequence's, and write the tile's last rows into the next sequence's O. Then
-                # this thread is done with the tile's Q and sO: its arrive on q_empty, after a
-                # proxy fence (the next Q is written by TMA, the async proxy, over bytes this
-                # thread accessed with ordinary loads and stores).
-                self.store_rows(
-                    sO,
-                    gO,
-                    seqlen_q * self.pack_gqa - pid_m * bM,
-                    mma_tidx,
-                    None if cutlass.const_expr(self.o_buffer) else q_empty,
-                )
-                entries += 2 * steps
-                tiles_done += 1
-                cute.arch.mbarrier_wait(q_full, self.q_full_parity(tiles_done))
-                tile = tile_id[0]
+        # This tile's rows of O: (bM, bK)
+        q_offset = offset_q if cutlass.const_expr(self.pack_gqa == 1) else (0, offset_q)
+        mO_seq = cute.domain_offset((q_offset, 0), mO[None, None, head, batch])
+        gO = cute.local_tile(mO_seq, self.cta_tile, (pid_m, None, 0), proj=(1, None, 1))
+        # Shared memory -> global memory, 16 bytes per thread and copy, only the rows
+        # inside the sequence: TMA would clip at the packed tensor's end, not the
+        # sequence's, and write the tile's last rows into the next sequence's O. Then
+        # this thread is done with the tile's Q and sO: its arrive on q_empty, after a
+        # proxy fence (the next Q is written by TMA, the async proxy, over bytes this
+        # thread accessed with ordinary loads and stores).
+        self.store_rows(
+            sO,
+            gO,
+            seqlen_q * self.pack_gqa - pid_m * bM,
+            mma_tidx,
+            None if cutlass.const_expr(self.o_buffer) else q_empty,
+        )
 
     def q_full_parity(self, tiles_done):
         """The consumers' wait on q_full for the tile after `tiles_done` tiles (or the end):

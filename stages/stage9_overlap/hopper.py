@@ -67,6 +67,14 @@ from common.kv_ring import release_slot
 
 
 class Sm90Kernel:
+    """The device code is organised by warp role, as FA4's flash_attn/cute/flash_fwd_sm90.py:
+    kernel prepares what every warpgroup shares (shared memory, barriers, the K/V ring, the
+    wgmma views) and hands each warpgroup its role. load is the producer's (every TMA load),
+    mma the consumers' (the work tiles; per tile the pass over its KV tiles, software-pipelined:
+    first_half_block_overlap for QK_lo, one mma_one_n_block per later KV tile, QK_j issued with
+    PV_{j-1}, last_half_block_overlap for the last PV; then epilogue: O normalised and stored,
+    LSE)."""
+
     def __init__(
         self,
         dtype,
@@ -103,8 +111,8 @@ class Sm90Kernel:
         tile_bytes = self.cta_tile[1] * head_dim * dtype.width // 8
         # Persistent CTAs: a grid of at most one CTA per SM (1 fits: 225 KB of shared memory),
         # each walking work tiles: blockIdx.x, blockIdx.x + gridDim.x, ... in batch mode without
-        # a mask, drawn from an atomic counter under one and for packed sequences (see __call__
-        # and kernel()).
+        # a mask, drawn from an atomic counter under one and for packed sequences (see __call__,
+        # load and mma).
         # Off: one CTA per tile, the same loop run once. o_buffer: O staged in its own buffer
         # instead of over Q, so that the next tile's Q can land during this tile's epilogue (one
         # K/V slot less).
@@ -114,7 +122,7 @@ class Sm90Kernel:
         o_bytes = q_bytes if o_buffer else 0
         self.kv_slots = (227 * 1024 - 1024 - q_bytes - o_bytes) // tile_bytes
         self.smem_align = 1024  # the 128-byte swizzle repeats every 8 rows of 128 B
-        self.longest_first = True  # Q tiles in reverse order: see kernel()
+        self.longest_first = True  # Q tiles in reverse order: see tile_coords
         # Under a mask (batch mode) the work tiles go longest first across as many (head,
         # sequence) pairs as fit their K and V in L2 (tile_coords); off: head by head.
         self.l2_sections = True
@@ -122,7 +130,7 @@ class Sm90Kernel:
         # The launch passes tile_counter (common/attention_host.py): the dynamic scheduler's.
         self.uses_tile_counter = True
         # D = 128: the row max of S_j before the wait for PV_{j-1}, the exponentials after it,
-        # in a block ptxas cannot hoist the wait out of (see the kernel and the docstring);
+        # in a block ptxas cannot hoist the wait out of (mma_one_n_block, the module docstring);
         # D = 64 (three consumer warpgroups) keeps the PTX order (docs/notes/stage9.md).
         self.max_before_wait = head_dim == 128
         self.fmax_row_max = head_dim == 128  # quad_row_max: see the module docstring
@@ -248,7 +256,7 @@ class Sm90Kernel:
         @cute.struct
         class SharedStorage:
             q_full: cute.struct.MemRange[cutlass.Int64, 1]
-            # The work tile the producer hands to the consumers with each q_full (see kernel()).
+            # The work tile the producer hands to the consumers with each q_full (see load, mma).
             tile_id: cute.struct.MemRange[cutlass.Int32, 2]
             q_empty: cute.struct.MemRange[cutlass.Int64, 1]
             kv_full: cute.struct.MemRange[cutlass.Int64, self.kv_slots]
@@ -401,8 +409,8 @@ class Sm90Kernel:
                 cute.arch.mbarrier_init(q_full, 1)
                 cute.arch.mbarrier_init(q_empty, self.mma_threads)
         # kv_full[i]: 1 arrive (the producer's expect_tx of one tile) + the TMA writes of the tile.
-        # kv_empty[i]: 1 arrive from each of the 8 (12) consumer warps. (Creating the pipeline fences
-        # and syncs the CTA, which also publishes the initialisation of q_full and q_empty.)
+        # kv_empty[i]: 1 arrive from each of the 8 (12) consumer warps. (Creating the pipeline
+        # fences and syncs the CTA, which also publishes the initialisation of q_full and q_empty.)
         kv_bytes = cute.size_in_bytes(
             self.dtype, cute.select(kv_smem_layout, mode=[0, 1])
         )  # 32 KB (D = 128)
@@ -449,7 +457,7 @@ class Sm90Kernel:
         # (e / kv_slots) % 2 (consumers) or its flip (the producer: 1 passes a fresh empty
         # barrier), from one tile to the next as within one. Every consumer warpgroup reads every
         # entry: its slot is free again once all 8 (three warpgroups: 12) consumer warps have
-        # released it.
+        # released it. The producer's walk is load, the consumers' mma.
         heads = mQ.shape[2]
         if cutlass.const_expr(mCuSeqlensQ is not None):
             # Packed sequences: head by head, handed out at run time when persistent (the values
@@ -458,312 +466,611 @@ class Sm90Kernel:
             if cutlass.const_expr(self.persistent):
                 dynamic = 1
         total_tiles = tiles_m * heads * self.sequences(mQ, mCuSeqlensQ)
-        tiles_done = cutlass.Int32(0)
-        entries = cutlass.Int32(0)
         if warpgroup_idx == 0:
             # The producer warpgroup needs few registers to issue TMA: it gives them up (all 4
             # warps, setmaxnreg is per warpgroup), then warp 0 issues every load and warps 1-3
             # are done.
             cute.arch.setmaxregister_decrease(self.load_registers)
             if warp_idx == 0:
-                live = (tiles_m, heads, l2_heads, dynamic, tile_counter, mCuSeqlensQ)
-                tile = self.live_tile(cute.arch.block_idx()[0], total_tiles, *live)
-                while tile < total_tiles:
-                    pid_m, head, batch = self.tile_coords(tile, tiles_m, heads, l2_heads)
-                    kv_head = head // (mQ.shape[2] // mK.shape[2])
-                    offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
-                        batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
-                    )
-                    kv_tile_lo, kv_tile_hi = self.kv_tile_range(
-                        pid_m, seqlen_q, seqlen_k, window_left, window_right
-                    )
-                    # TMA views of the tile: (TMA, 1) and (TMA) for Q, (TMA, kv_slots) and
-                    # (TMA, kv_tiles) for K and V
-                    tQsQ, tQgQ, tKsK, tKgK, tVsV, tVgV = self.tma_views(
-                        (tma_atom_q, tma_atom_k, tma_atom_v),
-                        (mQ, mK, mV),
-                        (sQ, sKV),
-                        pid_m,
-                        (head, kv_head, batch),
-                        offset_q,
-                        offset_k,
-                    )
-                    # Q, once the consumers are done with the previous tile's (parity 1 passes
-                    # the fresh barrier), then K_j and V_j of every tile of the range, each into
-                    # the next entry: the wait in load_tiles is for the release of the entry
-                    # kv_slots before, possibly one of the previous tile's.
-                    # With Q comes the tile's number, for the consumers (released by the arrive).
-                    cute.arch.mbarrier_wait(q_empty, self.q_empty_parity(tiles_done))
-                    with cute.arch.elect_one():
-                        tile_id[0] = tile
-                        cute.arch.mbarrier_arrive_and_expect_tx(q_full, q_bytes)
-                    cute.copy(tma_atom_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_full)
-                    producer_state = self.ring_state(entries, pipeline.PipelineUserType.Producer)
-                    for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
-                        self.load_tiles(
-                            kv_pipeline, producer_state, kv_tile, tma_atom_k, tKgK, tKsK
-                        )
-                        producer_state.advance()
-                        self.load_tiles(
-                            kv_pipeline, producer_state, kv_tile, tma_atom_v, tVgV, tVsV
-                        )
-                        producer_state.advance()
-                    entries += 2 * (kv_tile_hi - kv_tile_lo)
-                    tiles_done += 1
-                    # Every load of this tile is issued (the consumers are a few KV tiles behind):
-                    # take the next tile now (packed sequences: the next one with rows of Q).
-                    tile = self.live_tile(
-                        self.next_tile(tile, dynamic, tile_counter), total_tiles, *live
-                    )
-                # No tile left: tell the consumers with a tile number past the end and a q_full
-                # of its own (an arrive without bytes), once they are done with the last Q.
-                cute.arch.mbarrier_wait(q_empty, self.q_empty_parity(tiles_done))
-                with cute.arch.elect_one():
-                    tile_id[0] = tile
-                    cute.arch.mbarrier_arrive(q_full)
-                # Exit only after the consumers have released the last kv_slots entries (waits
-                # on the empty barriers of the next kv_slots entries): no arrive on the ring is
-                # outstanding then. The consumers' waits alone already keep shared memory alive
-                # until every load has landed; with a cluster, the tail would also keep a CTA
-                # from exiting while a peer still signals its barriers.
-                kv_pipeline.producer_tail(
-                    self.ring_state(entries, pipeline.PipelineUserType.Producer)
+                self.load(
+                    tma_atom_q,
+                    mQ,
+                    tma_atom_k,
+                    mK,
+                    tma_atom_v,
+                    mV,
+                    mCuSeqlensQ,
+                    mCuSeqlensK,
+                    sQ,
+                    sKV,
+                    kv_pipeline,
+                    q_full,
+                    q_empty,
+                    tile_id,
+                    q_bytes,
+                    total_tiles,
+                    tiles_m,
+                    heads,
+                    l2_heads,
+                    dynamic,
+                    tile_counter,
+                    window_left,
+                    window_right,
                 )
         else:
             # The consumer warpgroups take the registers the producer gave up (168 -> 240; with
             # three consumer warpgroups, 128 -> 160).
             cute.arch.setmaxregister_increase(self.mma_registers)
-            # Each tile's number comes with its Q (q_full); a number past the end ends the loop.
-            cute.arch.mbarrier_wait(q_full, self.q_full_parity(tiles_done))
-            tile = tile_id[0]
-            while tile < total_tiles:
-                pid_m, head, batch = self.tile_coords(tile, tiles_m, heads, l2_heads)
-                offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
-                    batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
-                )
-                kv_tile_lo, kv_tile_hi = self.kv_tile_range(
-                    pid_m, seqlen_q, seqlen_k, window_left, window_right
-                )
-                steps = kv_tile_hi - kv_tile_lo
-                consumer_state = self.ring_state(entries, pipeline.PipelineUserType.Consumer)
+            self.mma(
+                qk_mma,
+                pv_mma,
+                mQ,
+                mK,
+                mO,
+                mLSE,
+                mCuSeqlensQ,
+                mCuSeqlensK,
+                sKV,
+                sO,
+                kv_pipeline,
+                q_full,
+                q_empty,
+                tile_id,
+                tSrQ,
+                tSrK,
+                tOrVt,
+                acc_S,
+                tScS,
+                tScS_offsets,
+                tOrP,
+                acc_O,
+                row_max,
+                row_sum,
+                total_tiles,
+                tiles_m,
+                heads,
+                l2_heads,
+                scale_log2,
+                window_left,
+                window_right,
+                warpgroup_idx,
+                tidx,
+                mma_tidx,
+            )
 
-                # This tile's Q has landed (the wait before the loop or at the end of the last
-                # tile).
-                row_max.fill(-cutlass.Float32.inf)
-                row_sum.fill(0.0)
-                # A row that sees no key keeps O = 0 (and so does a Q tile with no KV tile at all).
-                acc_O.fill(0.0)
-                # The tile's first QK^T overwrites acc_S (ACCUMULATE off), but wgmma's inline
-                # assembly reads its accumulator registers all the same: without this fill the
-                # previous tile's last P would stay live through that tile's epilogue, 64
-                # registers more, and ptxas serialises the wgmma (warning C7512) at D = 128.
-                acc_S.fill(0.0)
-                # One pass, software-pipelined inside each warpgroup: the QK^T of a tile is issued
-                # before the softmax of the tile before it is done with. Step j issues QK_j and then
-                # PV_{j-1} (P_{j-1} is already in registers), and runs softmax_j while PV_{j-1} still
-                # holds the tensor cores. Two S-sized register sets are live across the GEMMs:
-                # acc_S (S_j, being written) and tOrP (P_{j-1}, being read). Per warpgroup:
-                #   step lo (prologue)  : QK_lo              | wait all | softmax_lo, P_lo
-                #   step j (lo < j < hi): QK_j, PV_{j-1}     | wait QK  | softmax_j | wait PV,
-                #                                                           O *= row_scale_j, P_j
-                #   after the loop      : PV_{hi-1}          | wait all
-                # O gets the same operations in the same order as in stage 8 (O *= row_scale_j, then
-                # O += P_j V_j), so O and LSE are stage 8's bit for bit (tested).
-                # Ping-pong as in stage 8, but a turn is now the pair issued together, QK_j and
-                # PV_{j-1} (turn 0: QK_lo; the last: PV_{hi-1}); steps + 1 turns per warpgroup, the
-                # same counts on the turn barriers. With steps = 3:
-                #   tensor cores | 1: QK0 | 2: QK0 | 1: QK1 PV0 | 2: QK1 PV0 | 1: QK2 PV1 | ...
-                #   warpgroup 1  |        | sm0    |            | sm1        |            |
-                #   warpgroup 2  |        |        | sm0        |            | sm1        |
-                # where sm_j (softmax_j) also runs under the warpgroup's own PV_{j-1}. With three
-                # warpgroups (D = 64) the turns go round 1, 2, 3, 1, ... on barriers 2, 3 and 4.
-                # Every PV accumulates into acc_O, which starts at 0 (stage 8's first PV overwrote
-                # it instead: the same values, since x + 0 = x).
-                pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-                if steps > 0:
-                    # The prologue: S_lo = Q @ K_lo^T alone (turn 0), then its softmax and P_lo.
-                    k_state = consumer_state.clone()
-                    consumer_state.advance()
-                    v_state = consumer_state.clone()  # V_lo, read by the next step's PV
-                    consumer_state.advance()
-                    kv_pipeline.consumer_wait(k_state)
-                    # Turn 0 goes round from warpgroup 1: every other warpgroup waits for it.
-                    if warpgroup_idx > 1:
-                        self.wait_turn(warpgroup_idx)
-                    self.issue_qk(qk_mma, acc_S, tSrQ, tSrK, k_state.index)
-                    self.pass_turn(warpgroup_idx)
-                    warpgroup.wait_group(0)
-                    release_slot(kv_pipeline, k_state)
-                    # O = 0 so far: the first row_scale has nothing to rescale.
-                    self.softmax_step(
+    @cute.jit
+    def load(
+        self,
+        tma_atom_q,
+        mQ,
+        tma_atom_k,
+        mK,
+        tma_atom_v,
+        mV,
+        mCuSeqlensQ,
+        mCuSeqlensK,
+        sQ,
+        sKV,
+        kv_pipeline,
+        q_full,
+        q_empty,
+        tile_id,
+        q_bytes,
+        total_tiles,
+        tiles_m,
+        heads,
+        l2_heads,
+        dynamic,
+        tile_counter,
+        window_left,
+        window_right,
+    ):
+        """The producer: warp 0 of warpgroup 0 walks the work tiles and issues every TMA load
+        of each, Q (with the tile's number, for the consumers) and then K_j and V_j of every
+        KV tile of its range into the ring; at the end, a tile number past the last."""
+        tiles_done = cutlass.Int32(0)
+        entries = cutlass.Int32(0)
+        live = (tiles_m, heads, l2_heads, dynamic, tile_counter, mCuSeqlensQ)
+        tile = self.live_tile(cute.arch.block_idx()[0], total_tiles, *live)
+        while tile < total_tiles:
+            pid_m, head, batch = self.tile_coords(tile, tiles_m, heads, l2_heads)
+            kv_head = head // (mQ.shape[2] // mK.shape[2])
+            offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
+                batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
+            )
+            kv_tile_lo, kv_tile_hi = self.kv_tile_range(
+                pid_m, seqlen_q, seqlen_k, window_left, window_right
+            )
+            # TMA views of the tile: (TMA, 1) and (TMA) for Q, (TMA, kv_slots) and
+            # (TMA, kv_tiles) for K and V
+            tQsQ, tQgQ, tKsK, tKgK, tVsV, tVgV = self.tma_views(
+                (tma_atom_q, tma_atom_k, tma_atom_v),
+                (mQ, mK, mV),
+                (sQ, sKV),
+                pid_m,
+                (head, kv_head, batch),
+                offset_q,
+                offset_k,
+            )
+            # Q, once the consumers are done with the previous tile's (parity 1 passes
+            # the fresh barrier), then K_j and V_j of every tile of the range, each into
+            # the next entry: the wait in load_tiles is for the release of the entry
+            # kv_slots before, possibly one of the previous tile's.
+            # With Q comes the tile's number, for the consumers (released by the arrive).
+            cute.arch.mbarrier_wait(q_empty, self.q_empty_parity(tiles_done))
+            with cute.arch.elect_one():
+                tile_id[0] = tile
+                cute.arch.mbarrier_arrive_and_expect_tx(q_full, q_bytes)
+            cute.copy(tma_atom_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_full)
+            producer_state = self.ring_state(entries, pipeline.PipelineUserType.Producer)
+            for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
+                self.load_tiles(kv_pipeline, producer_state, kv_tile, tma_atom_k, tKgK, tKsK)
+                producer_state.advance()
+                self.load_tiles(kv_pipeline, producer_state, kv_tile, tma_atom_v, tVgV, tVsV)
+                producer_state.advance()
+            entries += 2 * (kv_tile_hi - kv_tile_lo)
+            tiles_done += 1
+            # Every load of this tile is issued (the consumers are a few KV tiles behind):
+            # take the next tile now (packed sequences: the next one with rows of Q).
+            tile = self.live_tile(self.next_tile(tile, dynamic, tile_counter), total_tiles, *live)
+        # No tile left: tell the consumers with a tile number past the end and a q_full
+        # of its own (an arrive without bytes), once they are done with the last Q.
+        cute.arch.mbarrier_wait(q_empty, self.q_empty_parity(tiles_done))
+        with cute.arch.elect_one():
+            tile_id[0] = tile
+            cute.arch.mbarrier_arrive(q_full)
+        # Exit only after the consumers have released the last kv_slots entries (waits
+        # on the empty barriers of the next kv_slots entries): no arrive on the ring is
+        # outstanding then. The consumers' waits alone already keep shared memory alive
+        # until every load has landed; with a cluster, the tail would also keep a CTA
+        # from exiting while a peer still signals its barriers.
+        kv_pipeline.producer_tail(self.ring_state(entries, pipeline.PipelineUserType.Producer))
+
+    @cute.jit
+    def mma(
+        self,
+        qk_mma,
+        pv_mma,
+        mQ,
+        mK,
+        mO,
+        mLSE,
+        mCuSeqlensQ,
+        mCuSeqlensK,
+        sKV,
+        sO,
+        kv_pipeline,
+        q_full,
+        q_empty,
+        tile_id,
+        tSrQ,
+        tSrK,
+        tOrVt,
+        acc_S,
+        tScS,
+        tScS_offsets,
+        tOrP,
+        acc_O,
+        row_max,
+        row_sum,
+        total_tiles,
+        tiles_m,
+        heads,
+        l2_heads,
+        scale_log2,
+        window_left,
+        window_right,
+        warpgroup_idx,
+        tidx,
+        mma_tidx,
+    ):
+        """The consumers (warpgroups 1 .. mma_warpgroups, each for its 64 rows of the Q tile):
+        for each work tile the producer hands over, the pass over its KV tiles (S = Q K^T,
+        the online softmax, O += P V) and the epilogue."""
+        tiles_done = cutlass.Int32(0)
+        entries = cutlass.Int32(0)
+        # Each tile's number comes with its Q (q_full); a number past the end ends the loop.
+        cute.arch.mbarrier_wait(q_full, self.q_full_parity(tiles_done))
+        tile = tile_id[0]
+        while tile < total_tiles:
+            pid_m, head, batch = self.tile_coords(tile, tiles_m, heads, l2_heads)
+            offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
+                batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
+            )
+            kv_tile_lo, kv_tile_hi = self.kv_tile_range(
+                pid_m, seqlen_q, seqlen_k, window_left, window_right
+            )
+            steps = kv_tile_hi - kv_tile_lo
+            consumer_state = self.ring_state(entries, pipeline.PipelineUserType.Consumer)
+
+            # This tile's Q has landed (the wait before the loop or at the end of the last tile).
+            row_max.fill(-cutlass.Float32.inf)
+            row_sum.fill(0.0)
+            # A row that sees no key keeps O = 0 (and so does a Q tile with no KV tile at all).
+            acc_O.fill(0.0)
+            # The tile's first QK^T overwrites acc_S (ACCUMULATE off), but wgmma's inline
+            # assembly reads its accumulator registers all the same: without this fill the
+            # previous tile's last P would stay live through that tile's epilogue, 64
+            # registers more, and ptxas serialises the wgmma (warning C7512) at D = 128.
+            acc_S.fill(0.0)
+            # One pass, software-pipelined inside each warpgroup: the QK^T of a tile is issued
+            # before the softmax of the tile before it is done with. Step j issues QK_j and then
+            # PV_{j-1} (P_{j-1} is already in registers), and runs softmax_j while PV_{j-1} still
+            # holds the tensor cores. Two S-sized register sets are live across the GEMMs:
+            # acc_S (S_j, being written) and tOrP (P_{j-1}, being read). Per warpgroup:
+            #   step lo (prologue)  : QK_lo              | wait all | softmax_lo, P_lo
+            #   step j (lo < j < hi): QK_j, PV_{j-1}     | wait QK  | softmax_j | wait PV,
+            #                                                           O *= row_scale_j, P_j
+            #   after the loop      : PV_{hi-1}          | wait all
+            # O gets the same operations in the same order as in stage 8 (O *= row_scale_j, then
+            # O += P_j V_j), so O and LSE are stage 8's bit for bit (tested).
+            # Ping-pong as in stage 8, but a turn is now the pair issued together, QK_j and
+            # PV_{j-1} (turn 0: QK_lo; the last: PV_{hi-1}); steps + 1 turns per warpgroup, the
+            # same counts on the turn barriers. With steps = 3:
+            #   tensor cores | 1: QK0 | 2: QK0 | 1: QK1 PV0 | 2: QK1 PV0 | 1: QK2 PV1 | ...
+            #   warpgroup 1  |        | sm0    |            | sm1        |            |
+            #   warpgroup 2  |        |        | sm0        |            | sm1        |
+            # where sm_j (softmax_j) also runs under the warpgroup's own PV_{j-1}. With three
+            # warpgroups (D = 64) the turns go round 1, 2, 3, 1, ... on barriers 2, 3 and 4.
+            # Every PV accumulates into acc_O, which starts at 0 (stage 8's first PV overwrote
+            # it instead: the same values, since x + 0 = x).
+            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+            if steps > 0:
+                v_state, consumer_state = self.first_half_block_overlap(
+                    kv_tile_lo,
+                    consumer_state,
+                    qk_mma,
+                    kv_pipeline,
+                    tSrQ,
+                    tSrK,
+                    acc_S,
+                    tScS,
+                    tScS_offsets,
+                    tOrP,
+                    row_max,
+                    row_sum,
+                    pid_m,
+                    seqlen_q,
+                    seqlen_k,
+                    scale_log2,
+                    window_left,
+                    window_right,
+                    warpgroup_idx,
+                )
+                for kv_tile in cutlass.range(kv_tile_lo + 1, kv_tile_hi, unroll=1):
+                    v_state, consumer_state = self.mma_one_n_block(
+                        kv_tile,
+                        consumer_state,
+                        v_state,
+                        qk_mma,
+                        pv_mma,
+                        kv_pipeline,
+                        tSrQ,
+                        tSrK,
+                        tOrVt,
                         acc_S,
-                        (tScS, tScS_offsets),
+                        tScS,
+                        tScS_offsets,
+                        tOrP,
+                        acc_O,
                         row_max,
                         row_sum,
-                        scale_log2,
                         pid_m,
-                        kv_tile_lo,
                         seqlen_q,
                         seqlen_k,
+                        scale_log2,
                         window_left,
                         window_right,
+                        warpgroup_idx,
                     )
-                    tOrP.store(self.acc_as_operand_a(acc_S).load().to(self.dtype))
-
-                    for kv_tile in cutlass.range(kv_tile_lo + 1, kv_tile_hi, unroll=1):
-                        k_state = consumer_state.clone()
-                        consumer_state.advance()
-                        # Wait until TMA has written K_j; then this warpgroup's turn.
-                        kv_pipeline.consumer_wait(k_state)
-                        self.wait_turn(warpgroup_idx)
-                        # S = Q @ K_j^T into acc_S (S_{j-1} has become P_{j-1} in tOrP) ...
-                        self.issue_qk(qk_mma, acc_S, tSrQ, tSrK, k_state.index)
-                        # ... and O += P_{j-1} @ V_{j-1} behind it, in the same turn.
-                        kv_pipeline.consumer_wait(v_state)
-                        self.issue_pv(pv_mma, acc_O, tOrP, tOrVt, v_state.index)
-                        self.pass_turn(warpgroup_idx)
-
-                        # wgmma groups complete in order: one still pending (PV_{j-1}) means S_j
-                        # is complete. K_j is read: release its slot.
-                        warpgroup.wait_group(1)
-                        release_slot(kv_pipeline, k_state)
-                        # softmax_j, under PV_{j-1}: it reads acc_S, never acc_O or tOrP.
-                        softmax_args = (
-                            (tScS, tScS_offsets),
-                            row_max,
-                            row_sum,
-                            scale_log2,
-                            pid_m,
-                            kv_tile,
-                            seqlen_q,
-                            seqlen_k,
-                            window_left,
-                            window_right,
-                        )
-                        if cutlass.const_expr(self.max_before_wait):
-                            # The mask and the row max (and row_scale) here, under PV_{j-1}; the
-                            # exponentials after the wait. ptxas moves a wait up to the top of
-                            # its block (in the PTX order it sits after all of softmax_j, in the
-                            # SASS before the row max); behind this always-true, warp-uniform
-                            # test on row_scale (inline PTX: see always_true_after) the wait
-                            # starts a block of its own, after the row max.
-                            row_scale, max_scaled = self.softmax_step(
-                                acc_S, *softmax_args, exponentiate=False
-                            )
-                            if always_true_after(
-                                *[row_scale[r] for r in range(cute.size(row_scale))]
-                            ):
-                                # PV_{j-1} complete: V_{j-1} is read, acc_O and tOrP are free.
-                                warpgroup.wait_group(0)
-                                release_slot(kv_pipeline, v_state)
-                                self.exponentiate(acc_S, row_sum, row_scale, max_scaled, scale_log2)
-                                self.rescale_o_and_convert_p(acc_O, row_scale, acc_S, tOrP)
-                        else:
-                            row_scale = self.softmax_step(acc_S, *softmax_args)
-                            # PV_{j-1} complete: V_{j-1} is read, and acc_O and tOrP are free.
-                            warpgroup.wait_group(0)
-                            release_slot(kv_pipeline, v_state)
-                            self.rescale_o_and_convert_p(acc_O, row_scale, acc_S, tOrP)
-                        v_state = consumer_state.clone()  # V_j, read by the next step's PV
-                        consumer_state.advance()
-
-                    # The last PV: O += P_{hi-1} @ V_{hi-1}, this warpgroup's last turn.
-                    kv_pipeline.consumer_wait(v_state)
-                    # Packed sequences: the last tile's rows past seqlen_k are the next sequence's V.
-                    # P is 0 there, but 0 x NaN = NaN: zero those rows before P @ V reads them. Only
-                    # the range's last tile can reach past seqlen_k. (Its barrier joins all consumer
-                    # warpgroups, so it stands between turns, as in stage 8.)
-                    if cutlass.const_expr(mCuSeqlensK is not None):
-                        if kv_tile_hi * bN > seqlen_k:
-                            self.zero_rows(
-                                sKV, v_state.index, seqlen_k - (kv_tile_hi - 1) * bN, mma_tidx
-                            )
-                    self.wait_turn(warpgroup_idx)
-                    self.issue_pv(pv_mma, acc_O, tOrP, tOrVt, v_state.index)
-                    # The last turn goes round too; the last warpgroup's hands over to nobody.
-                    if warpgroup_idx < self.mma_warpgroups:
-                        self.pass_turn(warpgroup_idx)
-                    warpgroup.wait_group(0)
-                    release_slot(kv_pipeline, v_state)
-
-                # 3. Epilogue
-                # O has its own buffer: every wgmma reading this tile's Q is complete, so the
-                # next tile's Q may land while the epilogue runs (this thread's arrive on q_empty).
-                if cutlass.const_expr(self.o_buffer):
-                    cute.arch.mbarrier_arrive(q_empty)
-                # Each thread's row_sum covers its 32 columns of every tile: add up the 4 of the quad.
-                for r in cutlass.range_constexpr(cute.size(row_sum)):
-                    row_sum[r] = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
-
-                # O = O / row_sum, row by row; a row that saw no key (row_sum = 0) keeps O = 0.
-                acc_O_mn = self.rows_view(acc_O)
-                for r in cutlass.range_constexpr(cute.size(row_sum)):
-                    inv_row_sum = cute.arch.rcp_approx(row_sum[r]) if row_sum[r] > 0.0 else 0.0
-                    acc_O_mn[r, None].store(acc_O_mn[r, None].load() * inv_row_sum)
-
-                # LSE = ln(row_sum) + row_max * scale = (row_max * scale_log2 + log2(row_sum)) * ln(2),
-                # written by the first thread of each quad for the rows inside Sq.
-                tScS_mn = self.rows_view(tScS)
-                if tidx % 4 == 0:
-                    for r in cutlass.range_constexpr(cute.size(row_sum)):
-                        row = pid_m * bM + tScS_mn[r, 0][0]  # packed: G rows per position
-                        if row < seqlen_q * self.pack_gqa:
-                            lse_log2 = row_max[r] * scale_log2 + cute.math.log2(
-                                row_sum[r], fastmath=True
-                            )
-                            # A row that saw no key: LSE = log(0) = -inf.
-                            if row_sum[r] == 0.0:
-                                lse_log2 = -cutlass.Float32.inf
-                            lse_ln = lse_log2 * math.log(2.0)
-                            if cutlass.const_expr(self.pack_gqa == 1):
-                                mLSE[offset_q + row, head, batch] = lse_ln
-                            else:  # row = (head in the group, position)
-                                g, pos = row % self.pack_gqa, row // self.pack_gqa
-                                mLSE[(g, offset_q + pos), head, batch] = lse_ln
-
-                # All consumer warpgroups are done with the previous tile's sO (store_rows) and,
-                # when sO lies over Q, with this tile's sQ. (Named barrier 1: the 256 or 384
-                # consumer threads; the producer takes no part.)
-                cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
-
-                # O rounded to the input dtype, written to shared memory by stmatrix.
-                r2s_copy = cute.make_tiled_copy_C(
-                    sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, self.acc_dtype),
+                self.last_half_block_overlap(
+                    kv_tile_hi,
+                    v_state,
                     pv_mma,
-                )
-                thr_r2s = r2s_copy.get_slice(mma_tidx)
-                # (R2S, R2S_M, R2S_N)
-                tRS_acc = r2s_copy.retile(acc_O)
-                # (R2S, R2S_M, R2S_N)
-                tRS_rO = cute.make_rmem_tensor_like(tRS_acc, self.dtype)
-                tRS_rO.store(tRS_acc.load().to(self.dtype))
-                # (R2S, R2S_M, R2S_N)
-                tRS_sO = thr_r2s.partition_D(sO)
-                cute.copy(r2s_copy, tRS_rO, tRS_sO)
-
-                cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
-
-                # This tile's rows of O: (bM, bK)
-                q_offset = offset_q if cutlass.const_expr(self.pack_gqa == 1) else (0, offset_q)
-                mO_seq = cute.domain_offset((q_offset, 0), mO[None, None, head, batch])
-                gO = cute.local_tile(mO_seq, self.cta_tile, (pid_m, None, 0), proj=(1, None, 1))
-                # Shared memory -> global memory, 16 bytes per thread and copy, only the rows
-                # inside the sequence: TMA would clip at the packed tensor's end, not the
-                # sequence's, and write the tile's last rows into the next sequence's O. Then
-                # this thread is done with the tile's Q and sO: its arrive on q_empty, after a
-                # proxy fence (the next Q is written by TMA, the async proxy, over bytes this
-                # thread accessed with ordinary loads and stores).
-                self.store_rows(
-                    sO,
-                    gO,
-                    seqlen_q * self.pack_gqa - pid_m * bM,
+                    mCuSeqlensK,
+                    sKV,
+                    kv_pipeline,
+                    tOrVt,
+                    tOrP,
+                    acc_O,
+                    seqlen_k,
+                    warpgroup_idx,
                     mma_tidx,
-                    None if cutlass.const_expr(self.o_buffer) else q_empty,
                 )
-                entries += 2 * steps
-                tiles_done += 1
-                cute.arch.mbarrier_wait(q_full, self.q_full_parity(tiles_done))
-                tile = tile_id[0]
+
+            self.epilogue(
+                pv_mma,
+                acc_O,
+                row_max,
+                row_sum,
+                scale_log2,
+                tScS,
+                sO,
+                mO,
+                mLSE,
+                q_empty,
+                pid_m,
+                head,
+                batch,
+                offset_q,
+                seqlen_q,
+                tidx,
+                mma_tidx,
+            )
+            entries += 2 * steps
+            tiles_done += 1
+            cute.arch.mbarrier_wait(q_full, self.q_full_parity(tiles_done))
+            tile = tile_id[0]
+
+    @cute.jit
+    def first_half_block_overlap(
+        self,
+        kv_tile_lo,
+        consumer_state,
+        qk_mma,
+        kv_pipeline,
+        tSrQ,
+        tSrK,
+        acc_S,
+        tScS,
+        tScS_offsets,
+        tOrP,
+        row_max,
+        row_sum,
+        pid_m,
+        seqlen_q,
+        seqlen_k,
+        scale_log2,
+        window_left,
+        window_right,
+        warpgroup_idx,
+    ):
+        """The prologue of the pass, KV tile kv_tile_lo: S_lo = Q @ K_lo^T alone (turn 0), then
+        its softmax and P_lo (in tOrP). Returns (v_state, consumer_state), the values the loop
+        carries: V_lo's ring entry, read by the next step's PV, and the ring position after it."""
+        k_state = consumer_state.clone()
+        consumer_state.advance()
+        v_state = consumer_state.clone()  # V_lo, read by the next step's PV
+        consumer_state.advance()
+        kv_pipeline.consumer_wait(k_state)
+        # Turn 0 goes round from warpgroup 1: every other warpgroup waits for it.
+        if warpgroup_idx > 1:
+            self.wait_turn(warpgroup_idx)
+        self.issue_qk(qk_mma, acc_S, tSrQ, tSrK, k_state.index)
+        self.pass_turn(warpgroup_idx)
+        warpgroup.wait_group(0)
+        release_slot(kv_pipeline, k_state)
+        # O = 0 so far: the first row_scale has nothing to rescale.
+        self.softmax_step(
+            acc_S,
+            (tScS, tScS_offsets),
+            row_max,
+            row_sum,
+            scale_log2,
+            pid_m,
+            kv_tile_lo,
+            seqlen_q,
+            seqlen_k,
+            window_left,
+            window_right,
+        )
+        tOrP.store(self.acc_as_operand_a(acc_S).load().to(self.dtype))
+        return v_state, consumer_state
+
+    @cute.jit
+    def mma_one_n_block(
+        self,
+        kv_tile,
+        consumer_state,
+        v_state,
+        qk_mma,
+        pv_mma,
+        kv_pipeline,
+        tSrQ,
+        tSrK,
+        tOrVt,
+        acc_S,
+        tScS,
+        tScS_offsets,
+        tOrP,
+        acc_O,
+        row_max,
+        row_sum,
+        pid_m,
+        seqlen_q,
+        seqlen_k,
+        scale_log2,
+        window_left,
+        window_right,
+        warpgroup_idx,
+    ):
+        """One step of the pass, KV tile kv_tile = j (lo < j < hi): QK_j and PV_{j-1} issued as
+        one turn, softmax_j under PV_{j-1}, then O *= row_scale_j and P_j once PV_{j-1} has
+        completed. v_state comes in as V_{j-1}'s ring entry. Returns (v_state, consumer_state),
+        the values the loop carries: V_j's entry and the ring position after it."""
+        k_state = consumer_state.clone()
+        consumer_state.advance()
+        # Wait until TMA has written K_j; then this warpgroup's turn.
+        kv_pipeline.consumer_wait(k_state)
+        self.wait_turn(warpgroup_idx)
+        # S = Q @ K_j^T into acc_S (S_{j-1} has become P_{j-1} in tOrP) ...
+        self.issue_qk(qk_mma, acc_S, tSrQ, tSrK, k_state.index)
+        # ... and O += P_{j-1} @ V_{j-1} behind it, in the same turn.
+        kv_pipeline.consumer_wait(v_state)
+        self.issue_pv(pv_mma, acc_O, tOrP, tOrVt, v_state.index)
+        self.pass_turn(warpgroup_idx)
+
+        # wgmma groups complete in order: one still pending (PV_{j-1}) means S_j is complete.
+        # K_j is read: release its slot.
+        warpgroup.wait_group(1)
+        release_slot(kv_pipeline, k_state)
+        # softmax_j, under PV_{j-1}: it reads acc_S, never acc_O or tOrP.
+        softmax_args = (
+            (tScS, tScS_offsets),
+            row_max,
+            row_sum,
+            scale_log2,
+            pid_m,
+            kv_tile,
+            seqlen_q,
+            seqlen_k,
+            window_left,
+            window_right,
+        )
+        if cutlass.const_expr(self.max_before_wait):
+            # The mask and the row max (and row_scale) here, under PV_{j-1}; the exponentials
+            # after the wait. ptxas moves a wait up to the top of its block (in the PTX order it
+            # sits after all of softmax_j, in the SASS before the row max); behind this
+            # always-true, warp-uniform test on row_scale (inline PTX: see always_true_after) the
+            # wait starts a block of its own, after the row max.
+            row_scale, max_scaled = self.softmax_step(acc_S, *softmax_args, exponentiate=False)
+            if always_true_after(*[row_scale[r] for r in range(cute.size(row_scale))]):
+                # PV_{j-1} complete: V_{j-1} is read, acc_O and tOrP are free.
+                warpgroup.wait_group(0)
+                release_slot(kv_pipeline, v_state)
+                self.exponentiate(acc_S, row_sum, row_scale, max_scaled, scale_log2)
+                self.rescale_o_and_convert_p(acc_O, row_scale, acc_S, tOrP)
+        else:
+            row_scale = self.softmax_step(acc_S, *softmax_args)
+            # PV_{j-1} complete: V_{j-1} is read, and acc_O and tOrP are free.
+            warpgroup.wait_group(0)
+            release_slot(kv_pipeline, v_state)
+            self.rescale_o_and_convert_p(acc_O, row_scale, acc_S, tOrP)
+        v_state = consumer_state.clone()  # V_j, read by the next step's PV
+        consumer_state.advance()
+        return v_state, consumer_state
+
+    @cute.jit
+    def last_half_block_overlap(
+        self,
+        kv_tile_hi,
+        v_state,
+        pv_mma,
+        mCuSeqlensK,
+        sKV,
+        kv_pipeline,
+        tOrVt,
+        tOrP,
+        acc_O,
+        seqlen_k,
+        warpgroup_idx,
+        mma_tidx,
+    ):
+        """After the loop, the last PV: O += P_{hi-1} @ V_{hi-1}, this warpgroup's last turn,
+        waited for; then V_{hi-1}'s slot is released."""
+        _, bN, _ = self.cta_tile
+        kv_pipeline.consumer_wait(v_state)
+        # Packed sequences: the last tile's rows past seqlen_k are the next sequence's V. P is
+        # 0 there, but 0 x NaN = NaN: zero those rows before P @ V reads them. Only the range's
+        # last tile can reach past seqlen_k. (Its barrier joins all consumer warpgroups, so it
+        # stands between turns, as in stage 8.)
+        if cutlass.const_expr(mCuSeqlensK is not None):
+            if kv_tile_hi * bN > seqlen_k:
+                self.zero_rows(sKV, v_state.index, seqlen_k - (kv_tile_hi - 1) * bN, mma_tidx)
+        self.wait_turn(warpgroup_idx)
+        self.issue_pv(pv_mma, acc_O, tOrP, tOrVt, v_state.index)
+        # The last turn goes round too; the last warpgroup's hands over to nobody.
+        if warpgroup_idx < self.mma_warpgroups:
+            self.pass_turn(warpgroup_idx)
+        warpgroup.wait_group(0)
+        release_slot(kv_pipeline, v_state)
+
+    @cute.jit
+    def epilogue(
+        self,
+        pv_mma,
+        acc_O,
+        row_max,
+        row_sum,
+        scale_log2,
+        tScS,
+        sO,
+        mO,
+        mLSE,
+        q_empty,
+        pid_m,
+        head,
+        batch,
+        offset_q,
+        seqlen_q,
+        tidx,
+        mma_tidx,
+    ):
+        """The epilogue of one work tile, in each consumer thread for its rows: O = O / row_sum,
+        LSE, then O rounded to the input dtype and stored through shared memory (sO) to global
+        memory, only the rows inside the sequence."""
+        bM = self.cta_tile[0]
+        # O has its own buffer: every wgmma reading this tile's Q is complete, so the
+        # next tile's Q may land while the epilogue runs (this thread's arrive on q_empty).
+        if cutlass.const_expr(self.o_buffer):
+            cute.arch.mbarrier_arrive(q_empty)
+        # Each thread's row_sum covers its 32 columns of every tile: add up the 4 of the quad.
+        for r in cutlass.range_constexpr(cute.size(row_sum)):
+            row_sum[r] = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
+
+        # O = O / row_sum, row by row; a row that saw no key (row_sum = 0) keeps O = 0.
+        acc_O_mn = self.rows_view(acc_O)
+        for r in cutlass.range_constexpr(cute.size(row_sum)):
+            inv_row_sum = cute.arch.rcp_approx(row_sum[r]) if row_sum[r] > 0.0 else 0.0
+            acc_O_mn[r, None].store(acc_O_mn[r, None].load() * inv_row_sum)
+
+        # LSE = ln(row_sum) + row_max * scale = (row_max * scale_log2 + log2(row_sum)) * ln(2),
+        # written by the first thread of each quad for the rows inside Sq.
+        tScS_mn = self.rows_view(tScS)
+        if tidx % 4 == 0:
+            for r in cutlass.range_constexpr(cute.size(row_sum)):
+                row = pid_m * bM + tScS_mn[r, 0][0]  # packed: G rows per position
+                if row < seqlen_q * self.pack_gqa:
+                    lse_log2 = row_max[r] * scale_log2 + cute.math.log2(row_sum[r], fastmath=True)
+                    # A row that saw no key: LSE = log(0) = -inf.
+                    if row_sum[r] == 0.0:
+                        lse_log2 = -cutlass.Float32.inf
+                    lse_ln = lse_log2 * math.log(2.0)
+                    if cutlass.const_expr(self.pack_gqa == 1):
+                        mLSE[offset_q + row, head, batch] = lse_ln
+                    else:  # row = (head in the group, position)
+                        g, pos = row % self.pack_gqa, row // self.pack_gqa
+                        mLSE[(g, offset_q + pos), head, batch] = lse_ln
+
+        # All consumer warpgroups are done with the previous tile's sO (store_rows) and,
+        # when sO lies over Q, with this tile's sQ. (Named barrier 1: the 256 or 384
+        # consumer threads; the producer takes no part.)
+        cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
+
+        # O rounded to the input dtype, written to shared memory by stmatrix.
+        r2s_copy = cute.make_tiled_copy_C(
+            sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, self.acc_dtype),
+            pv_mma,
+        )
+        thr_r2s = r2s_copy.get_slice(mma_tidx)
+        # (R2S, R2S_M, R2S_N)
+        tRS_acc = r2s_copy.retile(acc_O)
+        # (R2S, R2S_M, R2S_N)
+        tRS_rO = cute.make_rmem_tensor_like(tRS_acc, self.dtype)
+        tRS_rO.store(tRS_acc.load().to(self.dtype))
+        # (R2S, R2S_M, R2S_N)
+        tRS_sO = thr_r2s.partition_D(sO)
+        cute.copy(r2s_copy, tRS_rO, tRS_sO)
+
+        cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
+
+        # This tile's rows of O: (bM, bK)
+        q_offset = offset_q if cutlass.const_expr(self.pack_gqa == 1) else (0, offset_q)
+        mO_seq = cute.domain_offset((q_offset, 0), mO[None, None, head, batch])
+        gO = cute.local_tile(mO_seq, self.cta_tile, (pid_m, None, 0), proj=(1, None, 1))
+        # Shared memory -> global memory, 16 bytes per thread and copy, only the rows
+        # inside the sequence: TMA would clip at the packed tensor's end, not the
+        # sequence's, and write the tile's last rows into the next sequence's O. Then
+        # this thread is done with the tile's Q and sO: its arrive on q_empty, after a
+        # proxy fence (the next Q is written by TMA, the async proxy, over bytes this
+        # thread accessed with ordinary loads and stores).
+        self.store_rows(
+            sO,
+            gO,
+            seqlen_q * self.pack_gqa - pid_m * bM,
+            mma_tidx,
+            None if cutlass.const_expr(self.o_buffer) else q_empty,
+        )
 
     def q_full_parity(self, tiles_done):
         """The consumers' wait on q_full for the tile after `tiles_done` tiles (or the end):
@@ -1249,7 +1556,7 @@ def always_true_after(*values, loc=None, ip=None):
     exp2 of something: >= 0, or NaN), tests the sum with setp.geu (true for >= 0 and for NaN)
     and votes across the warp (vote.any: a warp-uniform result, so that ptxas keeps the code
     behind the test on the uniform datapath). A branch on it makes a block boundary after the
-    values are computed, which ptxas does not move a wgmma wait across (see the kernel)."""
+    values are computed, which ptxas does not move a wgmma wait across (see mma_one_n_block)."""
     asm = (
         "{ .reg .pred p; .reg .f32 t; mov.f32 t, 0f00000000; "
         + " ".join(f"add.f32 t, t, ${i + 1};" for i in range(len(values)))
