@@ -120,7 +120,7 @@ def install_torch():
         f"(about 200 MB, from {CPU_INDEX})",
         flush=True,
     )
-    if pip("torch", "--index-url", CPU_INDEX) == 0:
+    if pip("torch", "--index-url", CPU_INDEX, "--retries", "1", "--timeout", "20") == 0:
         return 0
     print("setup: the CPU index is not reachable; trying PyPI's torch (a CUDA build, several GB)")
     return pip("torch")
