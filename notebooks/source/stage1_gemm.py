@@ -26,7 +26,7 @@
 # anywhere else they say they are skipped. Everything else - the compile summaries (PTX,
 # registers, shared memory) of both tracks included - needs no GPU and appears in both modes. The
 # single source of this notebook is `notebooks/source/stage1_gemm.py` (jupytext percent format;
-# it also runs as a script); edit it there and run `make notebooks-source`. Copies of the five
+# it also runs as a script); edit it there and run `make notebooks-source`. Copies of the nine
 # notebooks with the outputs of an H200 run, figures included, go to `docs/notebooks/`
 # (`python -m common.tools.nbrun --execute-to docs/notebooks notebooks/*.ipynb`).
 
@@ -459,11 +459,11 @@ fig = nb.error_picture(1, result)
 # ## 7. Measure
 #
 # TFLOP/s = $2MNK$ / time, medians of CUDA-event timings after warm-up, inputs rotated so that they
-# do not stay in L2, cuBLAS (`torch.matmul`) timed in the same run. **Expected:** `make bench`
-# measured 784 TFLOP/s for stage 1 against cuBLAS's 690 at $8192^3$ and 758 against 774 at
-# $4096^3$ (H200, 2026-11-29, bf16; `docs/results/bench_h200_2026-11-29.md`); across that
-# day's runs the two were within 0.97-1.14x of each other, so expect "about as fast as cuBLAS" (the H100/H200 datasheet
-# peak for dense bf16 is 989). Numbers drift between runs and machines, so the table below - this
+# do not stay in L2, cuBLAS (`torch.matmul`) timed in the same run. **Expected:** about as fast
+# as cuBLAS, well below the H100/H200 datasheet peak for dense bf16 (989). An earlier `make bench`
+# run (H200, 2026-11-29, bf16; `docs/results/bench_h200_2026-11-29.md`) measured stage 1 at 758
+# TFLOP/s against cuBLAS's 774 at $4096^3$ and 784 against 690 at $8192^3$; across that day's runs
+# the two were within 0.97-1.14x of each other. Numbers drift between runs and machines, so the table below - this
 # run - is what to compare; its last column is stage 1's speed over each kernel (above 1: stage 1
 # is faster).
 #

@@ -165,8 +165,8 @@ fig = figures.kv_slot_timeline(kv_tiles=3, kv_slots=kv_slots, two_pass=True)
 # order in pass 2 is: issue the QK wgmmas, `wgmma.wait_group 0` (they have completed, $K_j$ is no
 # longer needed), *then* release the slot (an arrive per warp on its empty barrier), and the
 # producer waits for all those arrives before it announces $V_j$'s bytes and starts the TMA load.
-# Skip the wait or the release and TMA silently overwrites $K_j$ under the tensor cores. A first
-# draft of the Blackwell kernel did exactly that: it loaded $V_j$ into $K_j$'s slot, under $K_j$'s
+# Skip the wait or the release and TMA silently overwrites $K_j$ under the tensor cores. The
+# obvious Blackwell ring does exactly that (section 5.5): it loads $V_j$ into $K_j$'s slot, under $K_j$'s
 # barrier, without waiting for the QK MMA to release the slot. The same model with the V load not
 # waiting for the release shows the race (the hazards row names each overwrite):
 

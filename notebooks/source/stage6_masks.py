@@ -15,7 +15,7 @@
 # # Stage 6 - masks: causal and sliding window, with tile skipping
 #
 # This notebook walks through `stages/stage6_masks/hopper.py` (and
-# `stages/stage6_masks/blackwell.py` where it exists): stage 5's kernel with a causal or
+# `stages/stage6_masks/blackwell.py`): stage 5's kernel with a causal or
 # sliding-window mask. The lesson is in two parts: which (query tile, key tile) pairs the kernel
 # never touches, and what the few tiles that cross a mask edge do element by element. The notebook
 # imports the stage files and displays them; it never pastes kernel code.
@@ -315,10 +315,9 @@ report = nb.compile_summary(6, "hopper")
 # The Blackwell stage 6 follows the same plan on the machine of stage 1 (section 5.8 there): the
 # TMA warp, the MMA warp and the softmax warps each take the KV-tile range from the one
 # tile-range method (three roles, one formula), and the element mask applies where S is in the
-# softmax warps' registers. Where `stages/stage6_masks/blackwell.py` has landed, the cells below
-# show its docstring, its kernel diff against Blackwell stage 5, the concept table of both tracks
-# and its compile summary; where it has not, they say so and the rest of the notebook is
-# unaffected.
+# softmax warps' registers. The cells below show the docstring of
+# `stages/stage6_masks/blackwell.py`, its kernel diff against Blackwell stage 5, the concept table
+# of both tracks and its compile summary.
 #
 # **Blackwell kernels are compile-checked here, not run on hardware.** This project has an H200;
 # the Blackwell files are compiled for sm_100a with fake tensors and their PTX is checked for the

@@ -15,7 +15,7 @@
 # # Stage 7 - real-model shapes: GQA / MQA and packed variable-length sequences
 #
 # This notebook walks through `stages/stage7_gqa_varlen/hopper.py` (and
-# `stages/stage7_gqa_varlen/blackwell.py` where it exists): stage 6's kernel for the shapes real
+# `stages/stage7_gqa_varlen/blackwell.py`): stage 6's kernel for the shapes real
 # models run. Query heads share K/V heads (Llama-3 8B: 32 query heads, 8 KV heads), and a batch
 # of sequences of different lengths is packed into one tensor instead of being padded to the
 # longest. The notebook imports the stage files and displays them; it never pastes kernel code.
@@ -105,8 +105,8 @@ fig = figures.gqa_head_map(32, 8)
 # to the total; zero-length sequences allowed). Each sequence is an attention problem of its own,
 # masked as in stage 6 with its own lengths: causal is bottom-right per sequence. What packing
 # saves is the padding: a batch padded to its longest sequence computes $B \cdot S_{\max}^2$
-# (query, key) pairs instead of $\sum_b S_b^2$. For the batch `make bench` times (16 sequences of
-# 64-2047 tokens drawn with a fixed seed; `nb.varlen_lengths()` draws the same):
+# (query, key) pairs instead of $\sum_b S_b^2$. For the batch `make bench` times (16 sequences whose
+# lengths are drawn uniformly from 64-2047 tokens with a fixed seed; `nb.varlen_lengths()` draws the same):
 
 # %%
 lens = nb.varlen_lengths()
@@ -278,10 +278,9 @@ report_packed = nb.compile_summary(7, "hopper", options=dict(varlen=True))
 # the warps split into roles, the head mapping is a TMA coordinate, and the two boundary rules
 # hold - on Blackwell the O store was already a per-row predicated copy from registers, and the
 # zeroing of V past seqlen_k is done where the MMA warp waits for V (its docstring gives the
-# fences this needs: `tcgen05.mma` reads shared memory through the async proxy). Where
-# `stages/stage7_gqa_varlen/blackwell.py` has landed, the cells below show its docstring, its
-# kernel diff against Blackwell stage 6, the concept table and its compile summary; where it has
-# not, they say so.
+# fences this needs: `tcgen05.mma` reads shared memory through the async proxy). The cells
+# below show the docstring of `stages/stage7_gqa_varlen/blackwell.py`, its kernel diff against
+# Blackwell stage 6, the concept table and its compile summary.
 #
 # **Blackwell kernels are compile-checked here, not run on hardware.** This project has an H200;
 # the Blackwell files are compiled for sm_100a with fake tensors and their PTX is checked for the
@@ -430,9 +429,10 @@ bench_varlen = nb.measure_varlen(7, lens, heads=16, head_dim=128, with_fa4=True)
 #
 # Every CTA does exactly the work of MHA - same Q tile, same number of K and V tiles, same FLOPs -
 # only the K/V head coordinate of its TMA loads differs. What changes is that 4 CTAs read the same
-# K/V bytes, so HBM traffic for K and V drops by up to 4x when the L2 catches the repeats: GQA can
-# only be as fast or faster. The H200 measured 0.97-1.09x (section 7): within run-to-run noise
-# of "as fast" at S = 8k, faster at 2k. In GPU mode the cell below
+# K/V bytes, so HBM traffic for K and V drops by up to 4x when the L2 catches the repeats: GQA should
+# be as fast or faster. The `make bench` run quoted in section 7 measured 0.97-1.09x: within
+# run-to-run noise of "as fast" at S = 8k, faster at 2k; a ratio a few percent below 1, as in
+# the table below, is the same noise. In GPU mode the cell below
 # times both at S = 8k in one run.
 # </details>
 

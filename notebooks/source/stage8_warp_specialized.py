@@ -520,8 +520,8 @@ nb.table(
 # %% [markdown]
 # At D = 128 the step goes past where the FlashAttention-3 paper's ablation puts it: on an H100 at
 # head dimension 128, warp specialisation without the intra-warpgroup overlap (the next stage's
-# technique) ran 582 TFLOP/s against 661 for the full kernel, **0.88** of it. Stage 8 runs at
-# 0.93-1.00 of FA4 non-causal from S = 2k and 0.88-0.95 causal (FA4 is flash_attn.cute, whose
+# technique) ran 582 TFLOP/s against 661 for the full kernel, **0.88** of it. In the `make bench`
+# run of section 7's *Expected* (2026-12-04), stage 8 ran at 0.93-1.00 of FA4 non-causal from S = 2k and 0.88-0.95 causal (FA4 is flash_attn.cute, whose
 # Hopper path is FlashAttention-3's schedule with the intra-warpgroup overlap on by default), and
 # at 1.26-1.34x stage 5 and 1.31-1.38x stage 7 non-causal. Two of this stage's choices account for
 # part of the distance to the paper: the turn's two GEMMs issued back to back (5.3: +2-5% at
@@ -539,7 +539,7 @@ nb.table(
 # one CTA with two. Section 5.5's third consumer warpgroup answers it: in the same rounds (H200,
 # 2026-12-02, GPU time, bf16, three / two consumer warpgroups,
 # `docs/results/stage8_warpgroups_h200_2026-12-02.md`) S = 2k 457 / 404, 8k 505 / 422, 16k
-# 505 / 426, +2% at S = 512 rising to +20% at 8k. With it, stage 8 at D = 64 runs at 0.97-1.08x
+# 505 / 426, +2% at S = 512 rising to +20% at 8k. With it, in the 2026-12-04 `make bench` run, stage 8 at D = 64 ran at 0.97-1.08x
 # stage 5 and 0.94-0.96x FA4 non-causal from S = 2k, and 0.90-0.92x FA4 causal. In fp16
 # (`docs/results/bench_h200_2026-12-04_fp16.md`, the same day) stage 8 runs at 0.91-0.95x FA4
 # non-causal from 2k, and stage 7 runs as fast as stage 8 below 8k (467 and 478 against 450 and
