@@ -495,7 +495,10 @@ if not bench_masks:
 # %%
 # Exercise 1: a 1k window at S = 8k against causal.
 for label, causal_, window_ in (("window (1024, 0)", False, (1024, 0)), ("causal", True, None)):
-    print(label, masks.tile_counts(8192, 8192, *masks.resolve_window(causal_, window_, 8192, 8192)))
+    t = masks.tile_counts(8192, 8192, *masks.resolve_window(causal_, window_, 8192, 8192))
+    print(
+        f"{label}: {t['skipped']} skipped, {t['partial']} partial, {t['full']} full of {t['all']}"
+    )
 
 # Exercise 2: decode, both conventions, and the tiles the kernel loads.
 Sq2, Sk2 = 1, 700
@@ -522,14 +525,28 @@ for j0 in (0, 4):
 # Exercise 4: partial tiles of windows against causal at S = 1024.
 for window_ in ((100, 0), (128, 0), (256, 0), None):
     lr = masks.resolve_window(window_ is None, window_, 1024, 1024)
-    print(f"window {window_ or 'causal'}: {masks.tile_counts(1024, 1024, *lr)}")
+    t = masks.tile_counts(1024, 1024, *lr)
+    print(
+        f"window {window_ or 'causal'}: {t['skipped']} skipped, {t['partial']} partial, "
+        f"{t['full']} full of {t['all']}"
+    )
 
 # Exercise 5: the same PTX for every mask.
-for options in ({}, dict(causal=True), dict(window=(100, 0))):
+ptx_texts = {}
+for label, options in (
+    ("no mask", {}),
+    ("causal", dict(causal=True)),
+    ("window", dict(window=(100, 0))),
+):
     r = nb.compile_report(6, "hopper", options=options)
     if r is not None:
+        ptx_texts[label] = r.ptx
+        wgmma, ex2 = r.counts["wgmma.mma_async"], r.counts["ex2.approx"]
         regs = nb.cubin_registers(r.cubin)
-        print(options or "no mask", {k: n for k, n in r.counts.items() if n}, f"{regs} registers")
+        print(f"{label}: {wgmma} wgmma, {ex2} ex2, {regs} registers per thread")
+if len(ptx_texts) == 3:
+    same = len(set(ptx_texts.values())) == 1
+    print("the three PTX texts are", "identical" if same else "different")
 
 # Exercise 6: work per CTA, causal, at S = 2k and 8k (B * S = 16k, H = 16).
 for S in (2048, 8192):

@@ -500,18 +500,11 @@ batch_r, packed_r = (
     nb.compile_report(7, "hopper", options=dict(varlen=True)),
 )
 if batch_r is not None and packed_r is not None:
-    print(
-        {
-            k: (batch_r.counts[k], packed_r.counts[k])
-            for k in batch_r.counts
-            if batch_r.counts[k] != packed_r.counts[k]
-        }
-    )
-    print(
-        "registers (batch, packed):",
-        nb.cubin_registers(batch_r.cubin),
-        nb.cubin_registers(packed_r.cubin),
-    )
+    for k in batch_r.counts:
+        if batch_r.counts[k] != packed_r.counts[k]:
+            print(f"{k}: batch {batch_r.counts[k]}, packed {packed_r.counts[k]}")
+    regs = (nb.cubin_registers(batch_r.cubin), nb.cubin_registers(packed_r.cubin))
+    print(f"registers per thread: batch {regs[0]}, packed {regs[1]}")
 
 # Exercise 6: GQA 32/8 against MHA at B * S = 16k, S = 8k, D = 128 (GPU mode).
 if nb.MODE == "gpu" and nb.available(7, nb.TRACK):
