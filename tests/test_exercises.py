@@ -38,3 +38,29 @@ def test_a_broken_edit_is_reported_not_raised():
 def test_a_solution_that_no_longer_applies_names_the_file():
     with pytest.raises(ValueError, match="occurs 0 times"):
         exercises.load_stage_file(2, "hopper", edits=(("no such text in any kernel", ""),))
+
+
+# On an H200: what each edited Hopper kernel does to its output, as the exercises' tasks say.
+# The committed kernels are right everywhere; with each solution applied:
+GPU_EXPECTED = {
+    "2a": ("S is right",),  # a 64-key tile changes the schedule, not the answer
+    "4a": ("O is right",),  # a third slot changes the schedule, not the answer
+    "5a": ("O is wrong",),  # O is no longer rescaled when a row max grows
+    "6a": ("finite inputs: O is right", "no query sees: O holds NaN"),  # 0 x NaN = NaN
+    "7a": ("O is wrong",),  # every query head reads K/V head h, past the 8 that exist
+}
+
+
+@pytest.mark.gpu_hopper
+@pytest.mark.parametrize("id", sorted(GPU_EXPECTED))
+def test_edited_kernel_on_the_gpu_does_what_the_task_says(id):
+    ex = exercises.EXERCISES[id]
+    assert ex.track == "hopper" and ex.gpu_check is not None
+    committed = exercises.check(id, show=False)
+    assert "On this GPU" in committed.message, committed
+    gpu_part = committed.message.split("On this GPU")[1]
+    assert "wrong" not in gpu_part and "NaN" not in gpu_part.split("no query sees")[-1], committed
+    edited = exercises.check(id, edits=ex.solution, show=False)
+    gpu_part = edited.message.split("On this GPU")[1]
+    for words in GPU_EXPECTED[id]:
+        assert words in gpu_part, edited

@@ -23,6 +23,7 @@ import sys
 import tempfile
 from typing import Callable
 
+from common.arch import gpu_track_available
 from common.tools import stage_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -47,6 +48,9 @@ class Exercise:
     solution: tuple  # ((old text, new text), ...): each old text occurs once in the file
     check: Callable  # check(module) -> Result, on the stage module as loaded from disk
     hint: str = ""
+    # gpu_check(module) -> str: what the edited kernel does on a GPU of its track (its output
+    # against the fp64 reference); run only where such a GPU exists, appended to the Result.
+    gpu_check: Callable | None = None
 
     @property
     def path(self):
@@ -111,6 +115,44 @@ def compile_module(mod, track, dtype=None, shape=(2, 4, 512, 1024, 128), **optio
     return kernel, ptx, cubin
 
 
+def gpu_attention_error(mod, shape=(2, 4, 512, 1024, 128), kv_heads=None, nan_keys=0, **options):
+    """Run the (edited) module's attention on a GPU with seeded inputs and return (relative error
+    of O against the fp64 reference, whether O holds NaN). nan_keys > 0 plants NaN in the first
+    nan_keys keys of K and V, which the reference treats as 0 (they must be keys no query sees)."""
+    import torch
+
+    from common import masks
+    from common.tools import inputs, reference
+    from common.tools.verify import rel_err, run_with_deadline
+
+    B, H, Sq, Sk, D = shape
+    q, k, v = inputs.attention_inputs(B, H, Sq, Sk, D, seed=3)
+    if kv_heads:
+        _, k, v = inputs.attention_inputs(B, kv_heads, Sq, Sk, D, seed=4)
+    if nan_keys:
+        k[:, :, :nan_keys] = float("nan")
+        v[:, :, :nan_keys] = float("nan")
+    o = run_with_deadline(lambda: mod.attention(q, k, v, **options), 60, "the edited kernel")
+    torch.cuda.synchronize()
+    kr, vr = k.nan_to_num(0.0), v.nan_to_num(0.0)
+    if kv_heads:
+        kr, vr = (t.repeat_interleave(H // kv_heads, dim=1) for t in (kr, vr))
+    mask = None
+    if options.get("causal") or options.get("window"):
+        lr = masks.resolve_window(options.get("causal", False), options.get("window"), Sq, Sk)
+        mask = masks.visible(Sq, Sk, *lr, device=q.device)
+    ref, _ = reference.attention_ref(q, kr, vr, mask=mask)
+    has_nan = bool(torch.isnan(o).any())
+    return (float("nan") if has_nan else rel_err(o, ref)), has_nan
+
+
+def describe_error(err, has_nan):
+    if has_nan:
+        return "O holds NaN"
+    verdict = "right" if err < 1e-2 else "wrong"
+    return f"O is {verdict}: relative error {err:.1e} against the fp64 reference"
+
+
 # ---------------------------------------------------------------- the exercises
 # One section per stage; each exercise is a check function and its registration. Anchor a
 # solution on code, not on a comment, so that a reworded comment does not break it.
@@ -125,6 +167,19 @@ def _wgmma_shapes(ptx):
     import re
 
     return sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)))
+
+
+def _gpu_2a(mod):
+    import torch
+
+    from common.tools import inputs, reference
+    from common.tools.verify import rel_err, run_with_deadline
+
+    q, k, _ = inputs.attention_inputs(2, 4, 512, 512, 128, seed=3)
+    s = run_with_deadline(lambda: mod.qk(q, k), 60, "the edited kernel")
+    torch.cuda.synchronize()
+    err = rel_err(s, reference.qk_ref(q, k))
+    return f"S is {'right' if err < 1e-3 else 'wrong'}: relative error {err:.1e} against fp64"
 
 
 def _check_2a(mod):
@@ -166,6 +221,7 @@ _ALL.append(
             ),
         ),
         check=_check_2a,
+        gpu_check=_gpu_2a,
         hint="m64n64k16; the K slots and the fp32 S staging tile both halve: 32 + 2 x 16 + 32 + 1",
     )
 )
@@ -224,6 +280,10 @@ _ALL.append(
 # ---------------------------------------------------------------- stage 4
 
 
+def _gpu_4a(mod):
+    return describe_error(*gpu_attention_error(mod))
+
+
 def _check_4a(mod):
     # Q (128 x 128) + kv_slots K/V tiles (128 x 128), 2 bytes each, + 1 KiB of barriers.
     kernel, _, _ = compile_module(mod, "hopper")
@@ -251,6 +311,7 @@ _ALL.append(
         ),
         solution=(("        self.kv_slots = 2  #", "        self.kv_slots = 3  #"),),
         check=_check_4a,
+        gpu_check=_gpu_4a,
         hint="96 KiB + 32 KiB + 1 KiB of barriers",
     )
 )
@@ -434,6 +495,10 @@ def _ex2_multiplies(ptx):
     return out
 
 
+def _gpu_5a(mod):
+    return describe_error(*gpu_attention_error(mod))
+
+
 def _check_5a(mod):
     # row_scale = exp2((m_old - m_new) * scale_log2) of each of a thread's 2 rows multiplies its
     # D / 2 = 64 registers of acc_O (32 per row); the ex2 of P feed adds and conversions, not muls.
@@ -482,11 +547,23 @@ _ALL.append(
             ),
         ),
         check=_check_5a,
+        gpu_check=_gpu_5a,
         hint="2 rows per thread x D / 2 columns each; row_scale still feeds row_sum",
     )
 )
 
 # ---------------------------------------------------------------- stage 6
+
+
+def _gpu_6a(mod):
+    finite = describe_error(*gpu_attention_error(mod, (2, 4, 1024, 1024, 128), causal=True))
+    # Sq = 128 rows see keys i + 696 .. i + 896 of Sk = 1024: no row sees keys 0-639.
+    planted = describe_error(
+        *gpu_attention_error(
+            mod, (2, 2, 128, 1024, 64), nan_keys=640, causal=True, window=(200, None)
+        )
+    )
+    return f"causal, finite inputs: {finite}; NaN in keys 0-639, which no query sees: {planted}"
 
 
 def _check_6a(mod):
@@ -542,6 +619,7 @@ _ALL.append(
             ),
         ),
         check=_check_6a,
+        gpu_check=_gpu_6a,
         hint="64 Q tiles x 64 KV tiles; every tile outside the band crosses a mask edge",
     )
 )
@@ -567,6 +645,12 @@ def _tma_load_heads(ptx):
         m = re.search(r"^\s*(\S+)\s+" + re.escape(r) + r",\s*([^;]*);", ptx, re.M)
         defs[r] = f"{m.group(1)} {m.group(2)}" if m else "?"
     return counts, defs
+
+
+def _gpu_7a(mod):
+    return "GQA 32/8: " + describe_error(
+        *gpu_attention_error(mod, (2, 32, 512, 1024, 128), kv_heads=8)
+    )
 
 
 def _check_7a(mod):
@@ -610,6 +694,7 @@ _ALL.append(
             ),
         ),
         check=_check_7a,
+        gpu_check=_gpu_7a,
         hint="blockIdx.y is the query head; the committed K/V coordinate is a div.s32 of it",
     )
 )
@@ -626,16 +711,33 @@ def exercise(id):
         ) from None
 
 
-def check(id, edits=(), show=True):
+def check(id, edits=(), show=True, gpu=True):
     """Load the exercise's stage file as it is on disk now (plus `edits`), run its check, print
-    and return the Result. A file that no longer imports or compiles is reported, not raised."""
+    and return the Result. A file that no longer imports or compiles is reported, not raised.
+    Where a GPU of the exercise's track exists (and gpu=True), the edited kernel also runs and
+    the Result says what its output did against the fp64 reference."""
     ex = exercise(id)
     try:
         mod = load_stage_file(ex.stage, ex.track, edits)
         result = ex.check(mod)
     except Exception as e:  # the learner's edit broke the file: say so, in one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        result = Result(False, f"the edited file does not compile: {type(e).__name__}: {first}")
+        return _show(
+            id,
+            Result(False, f"the edited file does not compile: {type(e).__name__}: {first}"),
+            show,
+        )
+    if ex.gpu_check is not None and gpu and gpu_track_available(ex.track):
+        try:
+            seen = ex.gpu_check(mod)
+        except Exception as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            seen = f"the launch failed: {type(e).__name__}: {first}"
+        result = Result(result.done, f"{result.message}. On this GPU: {seen}")
+    return _show(id, result, show)
+
+
+def _show(id, result, show):
     if show:
         print(f"exercise {id}: {result}")
     return result

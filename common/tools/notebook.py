@@ -1866,7 +1866,16 @@ def exercise(id):
     _markdown(
         f"**Exercise {ex.id}** (edit `{rel}`): {ex.task}\n\nThen re-run the next cell: it loads "
         "the file as it is on disk now, compiles it without a GPU and says whether the edit did "
-        "what was asked. Undo the edit afterwards (`git checkout " + rel + "`).",
+        "what was asked"
+        + (
+            "; on a GPU of this track it also runs the edited kernel and says what its output "
+            "does against the fp64 reference"
+            if ex.gpu_check is not None
+            else ""
+        )
+        + ". Undo the edit afterwards (`git checkout "
+        + rel
+        + "`).",
         plain=f"Exercise {ex.id} (edit {rel}): {ex.task}",
     )
 
