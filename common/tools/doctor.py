@@ -9,20 +9,14 @@ def cuda_libs_advice(torch):
     """Which CUDA build of the CuTe DSL libraries is installed, against the CUDA major of torch:
     `pip install nvidia-cutlass-dsl==4.8.1` always brings the CUDA 12 libraries;
     `nvidia-cutlass-dsl[cu13]==4.8.1` adds the CUDA 13 ones, which a CUDA 13 torch needs."""
-    import importlib.metadata as md
+    from common.tools.setup import dsl_libs
 
-    have = []
-    for major in ("cu12", "cu13"):
-        try:
-            md.version(f"nvidia-cutlass-dsl-libs-{major}")
-            have.append(major)
-        except md.PackageNotFoundError:
-            pass
+    have = [f"cu{m}" for m in dsl_libs()]
     cuda = getattr(getattr(torch, "version", None), "cuda", None) if torch else None
     want = f"cu{cuda.split('.')[0]}" if cuda else None
     text = f"installed: {', '.join(have) or 'none'}; torch wants: {want or 'none (CPU torch)'}"
     if want == "cu13" and "cu13" not in have:
-        text += ' -> pip install "nvidia-cutlass-dsl[cu13]==4.8.1"'
+        text += " -> make setup (adds nvidia-cutlass-dsl[cu13]==4.8.1)"
     return text
 
 
