@@ -15,7 +15,7 @@ _SM_COUNTS = {}
 
 def device_sm_count():
     """The SMs of the current CUDA device (132 on an H100 SXM or H200), the cap on a persistent
-    grid (stages 8 and 9); 132 without a GPU (compile-only). Read once per device: every call
+    grid (stages 11 and 12); 132 without a GPU (compile-only). Read once per device: every call
     builds kernel objects, and the property lookup is a measurable part of a short call's host
     work."""
     import torch

@@ -1,12 +1,12 @@
-"""The host side of stages 7, 8 and 9 on both tracks: one copy of the argument checks, the views
+"""The host side of stages 7-12 on both tracks: one copy of the argument checks, the views
 that give packed sequences the kernels' (B, H, S, D) shape, the pack-GQA choice, the compile cache
 and the launch. Each stage file keeps its kernel class and its documented entry points, which pass
 the class here: `attention(Sm90Kernel, q, k, v, ...)`. The launch goes through TVM-FFI (the torch
 tensors passed as they are; common/compile.py, cached_compile_ffi). The kernel class is built as
 kernel_class(cutlass dtype, D, pack, **options) - options from its `launch_options` for the
-launch's sizes and mask where it has one (Hopper stage 9; kernel_options), none otherwise - and
+launch's sizes and mask where it has one (Hopper stage 12; kernel_options), none otherwise - and
 called with (q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale_log2, window_left,
-window_right, stream); a kernel object with `uses_tile_counter` (Hopper stage 9: its dynamic tile
+window_right, stream); a kernel object with `uses_tile_counter` (Hopper stages 11-12: the dynamic tile
 scheduler) takes one more tensor before the stream, tile_counter (one int32, zero at each call where the kernel reads it)."""
 
 import math
@@ -22,7 +22,7 @@ from common.pack_gqa import choose_pack
 
 def tile_rows(kernel_class, dtype, D, kernel=None):
     """Query rows per Q tile of a kernel class at head dim D: its kernel object's `tile_rows`
-    (Hopper stage 9: 192 at D = 64 with its default options, 128 under a short mask), 128 where
+    (Hopper stage 12: 192 at D = 64 with its default options, 128 under a short mask), 128 where
     it has none. Pack-GQA needs G to divide them.
     (Building the object compiles nothing; `kernel`: an object of the class built with pack 1,
     to read instead of building one.)"""
@@ -33,7 +33,7 @@ def tile_rows(kernel_class, dtype, D, kernel=None):
 def kernel_options(kernel_class, D, window_left, window_right, Sq, Sk, group, packed):
     """Keyword options for kernel_class(dtype, D, pack, ...) at one launch's head dim, resolved
     window, lengths (packed: the longest) and G = H / Hkv: the class's `launch_options` (Hopper
-    stage 9: two consumer warpgroups at D = 64 under a short mask), {} where it has none. They
+    stage 12: two consumer warpgroups at D = 64 under a short mask), {} where it has none. They
     become attributes of the kernel object, so the compile cache keys on them."""
     options = getattr(kernel_class, "launch_options", None)
     return options(D, window_left, window_right, Sq, Sk, group, packed) if options else {}
@@ -90,9 +90,9 @@ def launch(
     # exp(scale * x) = exp2(scale_log2 * x): the kernel takes the folded multiplier.
     scale_log2 = scale * math.log2(math.e)
     with torch.cuda.device(q.device):
-        # Kernel objects read the current device (Hopper stage 9: its SM count), so they are
+        # Kernel objects read the current device (Hopper stages 11-12: the SM count), so they are
         # built here; the one built for the tile rows serves unpacked launches (the common case).
-        # Options for this launch's sizes and mask (Hopper stage 9: the consumer warpgroups at
+        # Options for this launch's sizes and mask (Hopper stage 12: the consumer warpgroups at
         # D = 64), the same in the unpacked and the packed object.
         H, Hkv = q.shape[1], k.shape[1]
         packed = cu_seqlens_q is not None
@@ -120,7 +120,7 @@ def launch(
 
 
 def tile_counter(batch_mode, window_left, window_right, Sq, Sk, device):
-    """The counter a dynamic tile scheduler draws tickets from (Hopper stage 9): zero when the
+    """The counter a dynamic tile scheduler draws tickets from (Hopper stages 11-12): zero when the
     kernel reads it - packed sequences, and batch mode under a causal or window cut (left < Sk
     or right < Sq, the kernel's own test) - and left unset otherwise (no fill kernel where none
     is needed)."""

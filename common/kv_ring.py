@@ -1,4 +1,4 @@
-"""Device-side helper of the K/V ring shared by the warp-specialised Hopper stages (8 and 9)."""
+"""Device-side helper of the K/V ring of the warp-specialised Hopper stages (stage 12, tuning 3)."""
 
 import cutlass.cute as cute
 
@@ -9,7 +9,7 @@ def release_slot(kv_pipeline, state):
     empty barrier (its count is one per consumer warp, 8 or 12). The pipeline's consumer_release
     does the same from lane 0, a predicate made from tidx % 32 once, which ptxas does not keep in
     a predicate register across the loop: it re-reads %tid.x and rebuilds it at every KV tile
-    (S2R + LOP3 in the loop's SASS, sm_90a, stage 9, 2026-12-03). elect.sync picks a lane in one
-    instruction, from nothing live (measured: docs/notes/stage8.md and docs/notes/stage9.md)."""
+    (S2R + LOP3 in the loop's SASS, sm_90a, 2026-12-03). elect.sync picks a lane in one
+    instruction, from nothing live (measured: docs/notes/stage12.md)."""
     with cute.arch.elect_one():
         cute.arch.mbarrier_arrive(kv_pipeline.sync_object_empty.get_barrier(state.index))

@@ -187,12 +187,12 @@ class _FakeCuda(torch.Tensor):
 
 
 def test_tvm_ffi_key_partitions_layouts_as_the_view_key_does():
-    """Stages 7-9 launch through TVM-FFI with the torch tensors themselves, keyed on their torch
+    """Stages 7-12 launch through TVM-FFI with the torch tensors themselves, keyed on their torch
     layout (common.compile.ffi_compile_key). For every pair of argument sets below, the two keys
     must agree on whether one compiled kernel serves both: the same partition into kernels as the
     CuTe-view key (compile_key), case by case."""
     from common.compile import ffi_compile_key
-    from stages.stage9_overlap import hopper as s9_hopper
+    from stages.stage12_last_percent import hopper as s12_hopper
 
     def tensors(q, k, v):
         B, H, Sq, D = q.shape
@@ -218,10 +218,10 @@ def test_tvm_ffi_key_partitions_layouts_as_the_view_key_does():
         "GQA 8/2": (bhsd(2, 8, 384, 64), bhsd(2, 2, 384, 64), bhsd(2, 2, 384, 64)),
     }
     kernels = {
-        D: s9_hopper.Sm90Kernel(cute_dtype(dt), D, 1)
+        D: s12_hopper.Sm90Kernel(cute_dtype(dt), D, 1)
         for D, dt in ((64, torch.bfloat16), (128, torch.bfloat16))
     }
-    kernels_fp16 = s9_hopper.Sm90Kernel(cute_dtype(torch.float16), 64, 1)
+    kernels_fp16 = s12_hopper.Sm90Kernel(cute_dtype(torch.float16), 64, 1)
     old, new = {}, {}
     for name, (q, k, v) in cases.items():
         kernel = kernels_fp16 if q.dtype == torch.float16 else kernels[q.shape[-1]]
@@ -256,7 +256,7 @@ def test_tvm_ffi_key_partitions_layouts_as_the_view_key_does():
     ids=lambda x: str(x),
 )
 def test_tvm_ffi_launch_compiles_on_both_tracks(stage, track, varlen):
-    """Stages 7-9 launch through TVM-FFI (common/attention_host.py); on the CPU the launch's
+    """Stages 7-12 launch through TVM-FFI (common/attention_host.py); on the CPU the launch's
     compile is checked for both tracks, with the argument layouts a launch builds (the Blackwell
     kernels are never run here: this is what shows their launch path builds)."""
     tvm_ffi = pytest.importorskip("tvm_ffi")
@@ -285,7 +285,7 @@ def test_tvm_ffi_launch_compiles_on_both_tracks(stage, track, varlen):
     tensors = [canonical_strides(t) for t in (q, k, v, o, lse)]
     args = tensors + [cu_q, cu_k, 384, 0.125 * math.log2(math.e), 512, 0]
     kernel = kernel_class(cute_dtype(torch.bfloat16), D, 1)
-    if getattr(kernel, "uses_tile_counter", False):  # stage 9 (Hopper), as the launch adds it
+    if getattr(kernel, "uses_tile_counter", False):  # stages 11-12 (Hopper), as the launch adds it
         from common import attention_host
 
         args.append(attention_host.tile_counter(not varlen, 512, 0, 384, 512, "cpu"))

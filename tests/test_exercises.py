@@ -10,9 +10,9 @@ from common.tools import exercises
 IDS = sorted(exercises.EXERCISES)
 
 
-def test_every_stage_from_2_to_7_has_an_exercise_that_edits_its_kernel():
+def test_every_stage_from_2_to_10_has_an_exercise_that_edits_its_kernel():
     stages = {e.stage for e in exercises.EXERCISES.values()}
-    assert set(range(2, 8)) <= stages, sorted(stages)
+    assert set(range(2, 11)) <= stages, sorted(stages)
 
 
 @pytest.mark.parametrize("id", IDS)
@@ -48,6 +48,10 @@ GPU_EXPECTED = {
     "5a": ("O is wrong",),  # O is no longer rescaled when a row max grows
     "6a": ("finite inputs: O is right", "no query sees: O holds NaN"),  # 0 x NaN = NaN
     "7a": ("O is wrong",),  # every query head reads K/V head h, past the 8 that exist
+    # The edits of the barriers run in a process of their own, with a deadline:
+    "8a": ("hangs",),  # kv_empty never completes a phase: the producer waits forever
+    "9a": ("hangs",),  # warpgroup 2 waits for its last turn, warpgroup 1 at barrier 1
+    "10a": ("O is right",),  # ptxas serialises the wgmma: right, but nothing overlaps
 }
 
 
@@ -60,7 +64,28 @@ def test_edited_kernel_on_the_gpu_does_what_the_task_says(id):
     assert "On this GPU" in committed.message, committed
     gpu_part = committed.message.split("On this GPU")[1]
     assert "wrong" not in gpu_part and "NaN" not in gpu_part.split("no query sees")[-1], committed
+    assert "hang" not in gpu_part and "failed" not in gpu_part, committed
     edited = exercises.check(id, edits=ex.solution, show=False)
     gpu_part = edited.message.split("On this GPU")[1]
     for words in GPU_EXPECTED[id]:
         assert words in gpu_part, edited
+
+
+def test_a_kernel_that_hangs_runs_in_a_process_of_its_own(tmp_path):
+    """gpu_attention_in_subprocess, without a GPU: a stand-in stage file that never gets past its
+    import is reported as a hang once the deadline has passed, and its process is ended; one
+    that fails is reported as a failure. Nothing of it runs in the test's own process."""
+    import types
+
+    stuck = tmp_path / "_stuck_stage.py"
+    stuck.write_text("import time\n\ntime.sleep(600)\n")
+    msg = exercises.gpu_attention_in_subprocess(
+        types.SimpleNamespace(__file__=str(stuck)), seconds=1, compile_seconds=5
+    )
+    assert "hangs" in msg and "ended" in msg, msg
+    broken = tmp_path / "_broken_stage.py"
+    broken.write_text("raise RuntimeError('no kernel here')\n")
+    msg = exercises.gpu_attention_in_subprocess(
+        types.SimpleNamespace(__file__=str(broken)), seconds=1, compile_seconds=60
+    )
+    assert "failed" in msg and "no kernel here" in msg, msg

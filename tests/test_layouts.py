@@ -15,7 +15,7 @@ import torch
 from attention_cases import check_packed, packed_inputs
 
 from common import pack_gqa
-from common.tools import inputs, reference, verify
+from common.tools import inputs, reference, stage_table, verify
 
 ENTRIES = {
     1: ("stage1_gemm", "gemm"),
@@ -26,10 +26,15 @@ ENTRIES = {
     6: ("stage6_masks", "attention"),
     7: ("stage7_gqa_varlen", "attention"),
     8: ("stage8_warp_specialized", "attention"),
-    9: ("stage9_overlap", "attention"),
+    9: ("stage9_pingpong", "attention"),
+    10: ("stage10_overlap", "attention"),
+    11: ("stage11_persistent", "attention"),
+    12: ("stage12_last_percent", "attention"),
 }
-# Stages 8 and 9 exist on the Hopper track only.
-TRACKS = {n: ("hopper", "blackwell") for n in ENTRIES}
+# The tracks on which each stage exists (stage files land over time).
+TRACKS = {
+    n: tuple(t for t in ("hopper", "blackwell") if stage_table.available(n, t)) for n in ENTRIES
+}
 # Stage 6 cycles through these masks along the sequence, so that a kernel is also never reused
 # across masks it was not compiled for: (causal, window).
 MASKS = [(True, None), (False, (64, 0)), (False, None), (True, (100, None)), (False, (30, 30))]

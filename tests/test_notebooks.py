@@ -36,7 +36,10 @@ NOTEBOOKS = {
     6: "stage6_masks.ipynb",
     7: "stage7_gqa_varlen.ipynb",
     8: "stage8_warp_specialized.ipynb",
-    9: "stage9_overlap.ipynb",
+    9: "stage9_pingpong.ipynb",
+    10: "stage10_overlap.ipynb",
+    11: "stage11_persistent.ipynb",
+    12: "stage12_last_percent.ipynb",
 }
 # STYLE.md rule 7: the fixed order of the sections (level-2 headings).
 SECTIONS = (
@@ -497,7 +500,19 @@ def _figures():
     import torch
 
     from common.tools import plots
-    from notebooks.figures import stage1, stage2, stage3, stage4, stage5, stage6, stage7, stage8
+    from notebooks.figures import (
+        stage1,
+        stage2,
+        stage3,
+        stage4,
+        stage5,
+        stage6,
+        stage7,
+        stage8,
+        stage9,
+        stage10,
+        stage12,
+    )
 
     out = torch.zeros(2, 3, 64, 64, dtype=torch.float64)
     out[1, 2, 17, 40] = 1.0  # the worst element, in slice (b, h) = (1, 2)
@@ -543,11 +558,42 @@ def _figures():
         "warp_specialized_roles D=64": lambda: stage8.warp_specialized_roles(
             kv_slots=13, cta_tile=(128, 128, 64)
         ),
-        "pingpong_timelines": lambda: stage8.pingpong_timelines(),
-        "pingpong_timelines wait for PV": lambda: stage8.pingpong_timelines(
+        "ring_timelines": lambda: stage8.ring_timelines(),
+        "step_against_s": lambda: stage9.step_against_s(
+            _results("ablation_h200_2026-12-04.json"), "stage 8", "stage 9", "t"
+        ),
+        "pingpong_timelines": lambda: stage9.pingpong_timelines(),
+        "pingpong_timelines wait for PV": lambda: stage9.pingpong_timelines(
             compare="wait for PV", wait_latency=30
         ),
+        "pingpong_timelines overlap": lambda: stage9.pingpong_timelines(compare="overlap"),
+        "mma_issue_orders": lambda: stage9.mma_issue_orders(
+            [("stage 8", "QQPP" * 2), ("stage 9", "QQQQPPPP" * 2)], {"Q": 2, "P": 2}
+        ),
+        "register_sets": lambda: stage10.register_sets(
+            [("stage 9", 64, 0, 64, 240), ("stage 10", 64, 32, 64, 240)]
+        ),
+        "overlap_timelines": lambda: stage10.overlap_timelines(head_dim=64),
+        "measured_ratios": lambda: stage10.measured_ratios(
+            _results("ablation_h200_2026-12-04.json"),
+            [("stage 12", "FA4"), ("stage 12", "SDPA cuDNN")],
+            "t",
+        ),
+        "tunings_cumulative": lambda: stage12.tunings_cumulative(
+            _results("tunings_h200_2026-12-04.json"),
+            ["none"] + [f"+1-{k}" if k > 1 else "+1" for k in range(1, 8)],
+            "t",
+        ),
+        "against_s": lambda: stage12.against_s(
+            _results("ablation_h200_2026-12-04.json"), ["stage 12", "FA4", "SDPA cuDNN"], "t"
+        ),
     }
+
+
+def _results(name):
+    """The rows of a measured result file of docs/results/."""
+    with open(os.path.join(ROOT, "docs", "results", name)) as f:
+        return json.load(f)["rows"]
 
 
 @pytest.mark.parametrize("name", sorted(_figures()))
@@ -576,20 +622,24 @@ def test_figures_are_readable_at_notebook_size(name):
 
 
 def test_pingpong_model_follows_the_kernel():
-    """The schedule model behind stage 8's timelines replays the kernel's order of wait_turn and
-    pass_turn: the tensor cores take the turns of the docstring's picture, named barrier 2
-    completes `steps` times and barrier 3 `steps + 1`, no arrive is left over, and a lost arrive
-    (warpgroup 1's last pass) is a deadlock, not a finished schedule. Lock-step has no turns."""
-    from notebooks.figures import stage8, timelines
+    """The schedule model behind stage 9's timelines (notebooks/figures/stage9.py) replays the
+    kernel's order of wait_turn and pass_turn: the tensor cores take the turns of the
+    docstring's picture - the order of the turn model built from the kernel object
+    (common/tools/turns.py, checked against the PTX in tests/test_stage9_hopper.py) - named
+    barrier 2 completes `steps` times and barrier 3 `steps + 1`, no arrive is left over, and a
+    lost arrive (warpgroup 1's last pass) is a deadlock, not a finished schedule. Stage 8's
+    warpgroups, in step, take no turns."""
+    from common.tools import turns
+    from notebooks.figures import stage9, timelines
 
     for steps in range(0, 6):
-        r = stage8.attention_schedule(True, steps)
+        r = stage9.attention_schedule(True, steps)
         assert r["turns"] == {2: steps, 3: steps + 1 if steps else 0}, r["turns"]
         assert r["pending"] == {2: 0, 3: 0}
-        lock = stage8.attention_schedule(False, steps)
+        lock = stage9.attention_schedule(False, steps)
         assert lock["turns"] == {2: 0, 3: 0} and lock["pending"] == {2: 0, 3: 0}
     order = []
-    for _, _, wg, label in stage8.attention_schedule(True, 2)["tc"]:
+    for _, _, wg, label in stage9.attention_schedule(True, 2)["tc"]:
         if (wg, label) not in order:
             order.append((wg, label))
     assert order == [
@@ -602,30 +652,31 @@ def test_pingpong_model_follows_the_kernel():
         (1, "PV1"),
         (2, "PV1"),
     ]
+    assert [f"{w}: {label}" for w, label in order] == turns.pingpong_order(2)
     with pytest.raises(timelines.Deadlock, match="warpgroup 2"):
-        stage8.attention_schedule(True, 3, final_pass=False)
-    # Ping-pong keeps the tensor cores busier than lock-step, with the kernel's unit times.
-    qk, sm, pv = stage8.hopper_unit_times(128)
+        stage9.attention_schedule(True, 3, final_pass=False)
+    # Ping-pong keeps the tensor cores busier than stage 8 in step, with the kernel's unit times.
+    qk, sm, pv = stage9.hopper_unit_times(128)
     assert (
-        stage8.attention_schedule(True, 4, qk, sm, pv)["end"]
-        < stage8.attention_schedule(False, 4, qk, sm, pv)["end"]
+        stage9.attention_schedule(True, 4, qk, sm, pv)["end"]
+        < stage9.attention_schedule(False, 4, qk, sm, pv)["end"]
     )
 
 
 def test_pingpong_model_back_to_back_against_waiting_for_pv():
-    """Stage 8's order (PV_j and QK_(j+1) back to back, one wait) against the wait for PV_j
+    """Stage 9's order (PV_j and QK_(j+1) back to back, one wait) against the wait for PV_j
     before QK_(j+1) (FlashAttention-3's warp-specialised order): the same turns and tensor-core
     order, no arrive left over; with a cost per wait the back-to-back order finishes first and
     keeps the tensor cores busier; without one the two differ by the model's time step only."""
-    from notebooks.figures import stage8
+    from notebooks.figures import stage9
 
-    qk, sm, pv = stage8.hopper_unit_times(128)
+    qk, sm, pv = stage9.hopper_unit_times(128)
     for steps in (1, 2, 5):
         for lat in (0.0, 30.0):
-            a = stage8.attention_schedule(
+            a = stage9.attention_schedule(
                 True, steps, qk, sm, pv, wait_for_pv=True, wait_latency=lat
             )
-            b = stage8.attention_schedule(True, steps, qk, sm, pv, wait_latency=lat)
+            b = stage9.attention_schedule(True, steps, qk, sm, pv, wait_latency=lat)
             assert a["turns"] == b["turns"] == {2: steps, 3: steps + 1}
             assert a["pending"] == b["pending"] == {2: 0, 3: 0}
             # The tensor cores start the same GEMMs in the same order (each GEMM once).
@@ -641,9 +692,28 @@ def test_pingpong_model_back_to_back_against_waiting_for_pv():
                 assert abs(a["end"] - b["end"]) <= 0.02 * b["end"], (steps, a["end"], b["end"])
     # A cost per wait also reaches the waits that stand alone: more latency, a later end.
     ends = [
-        stage8.attention_schedule(True, 4, qk, sm, pv, wait_latency=x)["end"] for x in (0, 30, 60)
+        stage9.attention_schedule(True, 4, qk, sm, pv, wait_latency=x)["end"] for x in (0, 30, 60)
     ]
     assert ends == sorted(ends) and ends[0] < ends[-1]
+
+
+def test_overlap_model_follows_the_kernel():
+    """Notebook 10's timelines (attention_schedule with overlap=True) replay stage 10's turns:
+    the tensor cores take the GEMMs in the order of the turn model built from the kernel object
+    (common/tools/turns.py: 1: QK0, 2: QK0, 1: QK1, 1: PV0, ...), barrier 2 completes `steps`
+    times and barrier 3 `steps + 1`, no arrive is left over; with unit durations and with the
+    kernel's at both head dims."""
+    from common.tools import turns
+    from notebooks.figures import stage10
+
+    for D in (None, 64, 128):
+        times = () if D is None else (*stage10.hopper_unit_times(D), D // 16, 8)
+        for steps in range(0, 6):
+            r = stage10.attention_schedule(True, steps, *times, overlap=True)
+            order = list(dict.fromkeys(f"{w}: {label}" for _, _, w, label in r["tc"]))
+            assert order == turns.overlap_order(steps), (D, steps, order)
+            assert r["turns"] == {2: steps, 3: steps + 1 if steps else 0}, r["turns"]
+            assert r["pending"] == {2: 0, 3: 0}
 
 
 def test_varlen_helpers_match_the_benchmark_batch():

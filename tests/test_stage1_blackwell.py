@@ -8,6 +8,9 @@
   store C in the same 16-byte vectors as the fake tensors do.
 - TMEM is freed only after tcgen05.fence::before_thread_sync and the barrier of the warps that
   read it (PTX order: the last tcgen05.ld, the fence, the barrier, tcgen05.dealloc).
+- tcgen05 fences at the TMEM hand-offs (common/tmem.py): their exact count, and every path from
+  an mbarrier wait to a tcgen05 op, or from tcgen05.wait::ld to an arrive, fenced
+  (tests/blackwell_ptx.py), but for the k-step MMAs' waits for TMA.
 - GPU test (marker gpu_blackwell): C launched as the corner of a larger NaN buffer, through the
   kernel class itself, so that a store beyond M or N fails. As of 2026-12-01 no sm_100 GPU was
   available: it has not run yet.
@@ -18,7 +21,12 @@
 import pytest
 import torch
 from attention_cases import DTYPES, dtype_id, shape_id
-from blackwell_ptx import assert_tmem_freed_after_fence, global_stores
+from blackwell_ptx import (
+    assert_tmem_freed_after_fence,
+    global_stores,
+    tcgen05_fence_gaps,
+    tcgen05_fences,
+)
 from test_stage1 import check_gemm
 
 from common.compile import cached_compile
@@ -47,6 +55,15 @@ def test_compiles_for_sm100a(dtype, shape):
     assert counts["tcgen05.alloc"] == 1 and counts["tcgen05.dealloc"] == 1, report.summary()
     assert "tcgen05.relinquish_alloc_permit" in ptx
     assert_tmem_freed_after_fence(ptx)
+    # tcgen05 fences (common/tmem.py): after the wait for the accumulator's tcgen05.commit,
+    # before the epilogue's loads ((d)); before the accumulator's release ((a)) and before the
+    # barrier that frees TMEM.
+    assert tcgen05_fences(ptx) == (2, 1)
+    # Every path is fenced but the MMAs of a k-step: they wait only for TMA (A and B in shared
+    # memory), no TMEM hand-off, so no fence (as in CUTLASS's GEMMs).
+    gaps = tcgen05_fence_gaps(ptx)
+    assert len(gaps) == counts["tcgen05.mma"] and len({g.since for g in gaps}) == 1, gaps
+    assert all(g.statement.startswith("tcgen05.mma") for g in gaps), gaps
     # tcgen05.commit frees an A/B buffer, and marks S complete.
     assert counts["tcgen05.commit"] == 2, report.summary()
     # Epilogue: 4 loads of 32 fp32 columns per thread, each waited for before its registers are read.

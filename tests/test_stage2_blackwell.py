@@ -6,6 +6,9 @@
   tcgen05.fence::before_thread_sync and the softmax warps' barrier. Dynamic layouts: Sq and Sk
   that are not tile multiples compile to the very same PTX, and so do the layouts qk() launches
   with (to_cute of real tensors, here CPU ones). They run in CI.
+- tcgen05 fences at the TMEM hand-offs (common/tmem.py): their exact count, and every path from
+  an mbarrier wait to a tcgen05 op, or from tcgen05.wait::ld to an arrive, fenced
+  (tests/blackwell_ptx.py).
 - GPU test (marker gpu_blackwell): S launched as the corner of a larger NaN buffer, through the
   kernel class itself, so that a store past Sq or Sk fails. As of 2026-12-01 no sm_100 GPU was
   available: it has not run yet.
@@ -17,7 +20,7 @@ import attention_cases
 import pytest
 import torch
 from attention_cases import DTYPES, dtype_id, shape_id
-from blackwell_ptx import assert_tmem_freed_after_fence, global_stores
+from blackwell_ptx import assert_tcgen05_fences, assert_tmem_freed_after_fence, global_stores
 from test_stage2 import check_s
 
 from common.compile import cached_compile
@@ -44,6 +47,10 @@ def test_compiles_for_sm100a(dtype, shape):
     assert counts["wgmma.mma_async"] == 0
     assert counts["tcgen05.alloc"] == 1 and counts["tcgen05.dealloc"] == 1, report.summary()
     assert_tmem_freed_after_fence(ptx)
+    # tcgen05 fences (common/tmem.py): after the MMA warp's wait for S to be read ((a)) and the
+    # softmax warps' wait for S complete ((d)); before their release of S ((a)) and before the
+    # barrier that frees TMEM.
+    assert_tcgen05_fences(ptx, before=2, after=2)
     # tcgen05.commit: S complete and K slot free (per K tile), Q free (once).
     assert counts["tcgen05.commit"] == 3, report.summary()
     # The softmax warps read each S tile in 4 loads of 32 fp32 columns, each waited for.

@@ -12,6 +12,9 @@ exact two-pass softmax, on sm_100a.
   registers (checked when ptxas is installed); the layouts attention() launches with (to_cute
   of real tensors, here CPU ones) store O in the same 16-byte vectors as the fake tensors;
   tcgen05.dealloc comes after tcgen05.fence::before_thread_sync and the softmax warps' barrier.
+- tcgen05 fences at the TMEM hand-offs (common/tmem.py): their exact count, and every path from
+  an mbarrier wait to a tcgen05 op, or from tcgen05.wait::ld / ::st to an arrive, fenced
+  (tests/blackwell_ptx.py).
 - GPU test (marker gpu_blackwell): O launched as the first Sq rows of a longer NaN buffer,
   through the kernel class itself, so that a store past Sq fails. As of 2026-12-01 no sm_100 GPU
   was available: it has not run yet.
@@ -26,7 +29,13 @@ import attention_cases
 import pytest
 import torch
 from attention_cases import DTYPES, dtype_id, shape_id
-from blackwell_ptx import PV_MMA, QK_MMA, assert_tmem_freed_after_fence, global_stores
+from blackwell_ptx import (
+    PV_MMA,
+    QK_MMA,
+    assert_tcgen05_fences,
+    assert_tmem_freed_after_fence,
+    global_stores,
+)
 
 from common.compile import cached_compile
 from common.cute_interop import current_stream, cute_dtype, fake_stream, to_cute
@@ -57,6 +66,10 @@ def test_compiles_for_sm100a(dtype, shape):
     assert counts["tcgen05.mma"] == 2 * (D // 16) + 8, report.summary()
     assert counts["tcgen05.alloc"] == 1 and counts["tcgen05.dealloc"] == 1, report.summary()
     assert_tmem_freed_after_fence(ptx)
+    # tcgen05 fences (common/tmem.py): stage 3's, with the QK MMAs' and the loads and release of
+    # S in both passes: after a wait, before QK (2), PV, the loads of S (2) and O and the store
+    # of P; before the release of S (2) and O, the hand-over of P, the barrier that frees TMEM.
+    assert_tcgen05_fences(ptx, before=5, after=7)
     # tcgen05.ld: S in each pass (4 loads of 32 columns) and O once (D / 32), each waited for.
     assert counts["tcgen05.ld"] == 2 * (128 // 32) + D // 32, report.summary()
     assert "tcgen05.ld.sync.aligned.32x32b.x32.b32" in ptx

@@ -8,7 +8,8 @@
   1 (the row's interval has two ends now), none outside the block but LSE's -inf, and no exp2
   or tcgen05 operation inside it. The epilogue's tcgen05.ld of O each sit behind a branch (an
   empty range reads no TMEM and writes O = 0); stage 5's do not. tcgen05.dealloc after the
-  fence and the softmax warps' barrier. One kernel for every mask and shape (run-time bounds),
+  fence and the softmax warps' barrier; stage 5's tcgen05 fences at the TMEM hand-offs, every
+  path fenced (tests/blackwell_ptx.py). One kernel for every mask and shape (run-time bounds),
   no spills, within 224 registers.
 - The range on the host: the docstring's tile counts (causal, 8k) from common.masks.
 - The numerics against the fp64 reference (marker gpu_blackwell) and the bad-input tests run on
@@ -21,7 +22,13 @@ import attention_cases
 import pytest
 import torch
 from attention_cases import DTYPES, dtype_id
-from blackwell_ptx import PV_MMA, QK_MMA, assert_tmem_freed_after_fence, global_stores
+from blackwell_ptx import (
+    PV_MMA,
+    QK_MMA,
+    assert_tcgen05_fences,
+    assert_tmem_freed_after_fence,
+    global_stores,
+)
 
 from common import masks
 from common.cute_interop import cute_dtype, fake_stream, to_cute
@@ -127,6 +134,8 @@ def test_compiles_for_sm100a(dtype, D, options):
     assert len(PV_MMA.findall(ptx)) == 128 // 16, report.summary()
     assert counts["tcgen05.alloc"] == 1 and counts["tcgen05.dealloc"] == 1, report.summary()
     assert_tmem_freed_after_fence(ptx)
+    # tcgen05 fences (common/tmem.py): stage 5's, 4 before and 5 after
+    assert_tcgen05_fences(ptx, before=4, after=5)
     # The loop body of stage 5: the same MMAs, TMEM loads and stores (S: 4, rescale and epilogue
     # of O: D / 32 each; P: 2, O: D / 32), commits (S full, K free, P free, V free; Q free; O
     # full), TMA loads, arrives, exp2 of every score and row_scale.

@@ -17,7 +17,8 @@ the pack-GQA cases and their checks from here.
 - Pack-GQA (the G query heads of a KV head in one Q tile's rows): on the GPU, decode-like and
   short shapes (G = 2 ... 32, causal and window, ragged row counts) against the fp64 reference
   and equal to the unpacked kernel bit for bit; packed sequences with NaN planted around each;
-  the choice rule on the CPU. The same checks run on stages 8 and 9.
+  the choice rule on the CPU. Every test here runs on each later stage too (8-12: the same entries
+  and features, only the schedule changes; tests/tracks.py, on_gpu_stages).
 - Bad input: every check of the packed entry, the head-count rule, pack_gqa's values,
   compile_args' options.
 """
@@ -26,7 +27,7 @@ import attention_cases
 import pytest
 import torch
 from attention_cases import DTYPES, check_packed, dtype_id, gqa_reference_check, packed_inputs
-from tracks import module, on_cpu, on_gpu
+from tracks import on_cpu_stages, on_gpu_stages, stage_module, stage_package
 
 from common import pack_gqa
 from common.tools import inputs, reference, verify
@@ -35,11 +36,12 @@ from common.tools import inputs, reference, verify
 
 
 def stage7(track):
-    return module("stage7_gqa_varlen", track)
+    """The kernel module of "track:stage": stage 7's, or a later stage's (tests/tracks.py)."""
+    return stage_module(track)
 
 
 def run(track, fn):
-    return verify.run_with_deadline(fn, seconds=120, what=f"stage 7 {track}")
+    return verify.run_with_deadline(fn, seconds=120, what=f"stage {track}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
@@ -47,7 +49,7 @@ def run(track, fn):
     "H, Hkv", [(8, 8), (8, 4), (8, 2), (16, 2), (8, 1)], ids=["mha", "g2", "g4", "g8", "mqa"]
 )
 @pytest.mark.parametrize("causal, window", [(False, None), (True, None), (False, (100, 0))])
-@pytest.mark.parametrize("track", on_gpu())
+@pytest.mark.parametrize("track", on_gpu_stages())
 def test_gqa_matches_fp64_reference(track, H, Hkv, dtype, causal, window):
     q, _, _ = inputs.attention_inputs(2, H, 300, 300, 128, dtype, seed=H + Hkv)
     _, k, v = inputs.attention_inputs(2, Hkv, 300, 700, 128, dtype, seed=H * Hkv)
@@ -58,7 +60,7 @@ def test_gqa_matches_fp64_reference(track, H, Hkv, dtype, causal, window):
     gqa_reference_check("O", o, lse, q, k, v, causal, window)
 
 
-@pytest.mark.parametrize("track", on_gpu())
+@pytest.mark.parametrize("track", on_gpu_stages())
 def test_gqa_d64_decode_like(track):
     # Sq = 1 per head, 32 query heads on 8 KV heads, a long cache.
     q, _, _ = inputs.attention_inputs(4, 32, 1, 1, 64, seed=3)
@@ -67,7 +69,7 @@ def test_gqa_d64_decode_like(track):
     gqa_reference_check("O", o, lse, q, k, v, True, None)
 
 
-@pytest.mark.parametrize("track", on_gpu())
+@pytest.mark.parametrize("track", on_gpu_stages())
 def test_gqa_needs_no_expanded_copy(track):
     # The same answer as K, V expanded to H heads by stride-0 views (stage 6's way).
     q, _, _ = inputs.attention_inputs(2, 8, 256, 256, 64, seed=5)
@@ -92,7 +94,7 @@ PACKS = {
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("pack", list(PACKS))
 @pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, (77, None))])
-@pytest.mark.parametrize("track", on_gpu())
+@pytest.mark.parametrize("track", on_gpu_stages())
 def test_packed_sequences_match_per_sequence_reference(track, pack, D, dtype, causal, window):
     lens_q, lens_k = PACKS[pack]
     q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, 4, 2, D, dtype, seed=len(pack) + D)
@@ -107,7 +109,7 @@ def test_packed_sequences_match_per_sequence_reference(track, pack, D, dtype, ca
 
 
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("track", on_gpu())
+@pytest.mark.parametrize("track", on_gpu_stages())
 def test_nan_outside_a_sequence_never_reaches_it(track, D):
     # Every row of Q, K and V outside sequence b is NaN: sequence b's O and LSE must be exactly
     # what they are alone. Its last Q and KV tiles end inside the neighbours' rows, so a tile
@@ -127,7 +129,7 @@ def test_nan_outside_a_sequence_never_reaches_it(track, D):
         check_packed(o, lse, q, k, v, cu_q, cu_k, False, None, only=b)
 
 
-@pytest.mark.parametrize("track", on_gpu())
+@pytest.mark.parametrize("track", on_gpu_stages())
 def test_packed_equals_batch_mode_on_equal_lengths(track):
     B, H, S, D = 3, 4, 300, 64
     q, k, v = inputs.attention_inputs(B, H, S, S, D, seed=12)
@@ -141,7 +143,7 @@ def test_packed_equals_batch_mode_on_equal_lengths(track):
     assert torch.equal(op, pack(o))
 
 
-@pytest.mark.parametrize("track", on_gpu())
+@pytest.mark.parametrize("track", on_gpu_stages())
 def test_all_empty_and_given_max_seqlen(track):
     q, k, v, cu_q, cu_k = packed_inputs([0, 0], [5, 0], 4, 4, 64, torch.bfloat16, seed=1)
     o, lse = run(
@@ -158,10 +160,12 @@ def test_all_empty_and_given_max_seqlen(track):
     check_packed(o, lse, q, k, v, cu_q, cu_k, False, None)
 
 
-@pytest.mark.parametrize("track", on_gpu())
+@pytest.mark.parametrize("track", on_gpu_stages())
 def test_stage_package_dispatches_to_the_track(track):
-    from stages.stage7_gqa_varlen import attention, attention_varlen
-
+    attention, attention_varlen = (
+        stage_package(track).attention,
+        stage_package(track).attention_varlen,
+    )
     q, k, v = inputs.attention_inputs(1, 4, 200, 200, 64, seed=8)
     o = run(track, lambda: attention(q, k[:, :2], v[:, :2], causal=True))
     gqa_reference_check("O", o, None, q, k[:, :2], v[:, :2], True, None)
@@ -177,13 +181,13 @@ SHARED = [c for c in attention_cases.BAD_ATTENTION_INPUTS if c.id != "heads_mism
 
 
 @pytest.mark.parametrize("case", SHARED)
-@pytest.mark.parametrize("track", on_cpu())
+@pytest.mark.parametrize("track", on_cpu_stages())
 def test_rejects_bad_input(track, case):
     case.check(stage7(track).attention)
 
 
 @attention_cases.needs_cuda
-@pytest.mark.parametrize("track", on_cpu())
+@pytest.mark.parametrize("track", on_cpu_stages())
 def test_rejects_heads_that_do_not_divide(track):
     q, k, v = attention_cases.qkv("cuda", H=6)
     with pytest.raises(ValueError, match=r"H = 6 query heads must be a multiple of Hkv = 4"):
@@ -276,7 +280,7 @@ BAD_PACKED = [
 
 @attention_cases.needs_cuda
 @pytest.mark.parametrize("name, change, error, match", BAD_PACKED, ids=[c[0] for c in BAD_PACKED])
-@pytest.mark.parametrize("track", on_cpu())
+@pytest.mark.parametrize("track", on_cpu_stages())
 def test_rejects_bad_packed_input(track, name, change, error, match):
     q, k, v, cu_q, cu_k = _packed()
     args = change(dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))
@@ -390,18 +394,18 @@ def check_pack_gqa_varlen(mod, D):
 
 
 @pytest.mark.parametrize("case", PACK_GQA_CASES, ids=pack_case_id)
-@pytest.mark.parametrize("track", on_gpu())
+@pytest.mark.parametrize("track", on_gpu_stages())
 def test_pack_gqa_matches_reference_and_unpacked(track, case):
     check_pack_gqa(stage7(track), case)
 
 
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("track", on_gpu())
+@pytest.mark.parametrize("track", on_gpu_stages())
 def test_pack_gqa_packed_sequences_with_nan_around(track, D):
     check_pack_gqa_varlen(stage7(track), D)
 
 
-@pytest.mark.parametrize("track", on_gpu(["hopper"]))  # Blackwell has no such case yet
+@pytest.mark.parametrize("track", on_gpu_stages(["hopper"]))  # Blackwell has no such case yet
 def test_decode_like_unpacked_still_right(track):
     # The heuristic packs Sq = 1; the unpacked kernel on it must stay right too.
     q, _, _ = inputs.attention_inputs(2, 32, 1, 1, 128, seed=5)
@@ -410,7 +414,7 @@ def test_decode_like_unpacked_still_right(track):
     gqa_reference_check("O", o, lse, q, k, v, False, None)
 
 
-@pytest.mark.parametrize("track", on_cpu())
+@pytest.mark.parametrize("track", on_cpu_stages())
 def test_compile_args_rejects_unknown_options(track):
     with pytest.raises(TypeError, match="unknown option"):
         stage7(track).compile_args(torch.bfloat16, (1, 1, 128, 128, 64), split_kv=2)

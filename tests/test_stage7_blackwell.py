@@ -3,8 +3,9 @@
 - Compile-only (no GPU), bf16 and fp16, D = 64 and 128, batch mode and packed, with KV heads
   and a mask: stage 6's loop body (the same counts of MMAs, TMEM loads and stores, commits,
   TMA loads, arrives and exp2), its mask behind the edge branch, its epilogue that reads O only
-  after an MMA; tcgen05.dealloc after the fence; O in predicated 16-byte stores; no spills,
-  within 224 registers. Packed only: the MMA warp zeroes the keys of V past the sequence in
+  after an MMA; tcgen05.dealloc after the fence; stage 6's tcgen05 fences at the TMEM
+  hand-offs, every path fenced (tests/blackwell_ptx.py); O in predicated 16-byte stores; no
+  spills, within 224 registers. Packed only: the MMA warp zeroes the keys of V past the sequence in
   shared memory (st.shared behind a branch: the sequence's last KV tile), then
   fence.proxy.async.shared::cta and bar.warp.sync, all after the QK MMAs and before the first PV
   MMA; batch mode has none of it. One kernel for every head count (GQA groups are run-time
@@ -18,7 +19,13 @@ import re
 import pytest
 import torch
 from attention_cases import DTYPES, dtype_id
-from blackwell_ptx import PV_MMA, QK_MMA, assert_tmem_freed_after_fence, global_stores
+from blackwell_ptx import (
+    PV_MMA,
+    QK_MMA,
+    assert_tcgen05_fences,
+    assert_tmem_freed_after_fence,
+    global_stores,
+)
 from test_stage6_blackwell import (
     BRANCH,
     LOOP_FAMILIES,
@@ -55,6 +62,8 @@ def test_compiles_with_stage6_loop_body(varlen, D, dtype):
     lines, loads = epilogue_o_loads(ptx, D)
     assert all(skipped_by_branch(lines, i, i) for i in loads), loads
     assert_tmem_freed_after_fence(ptx)
+    # tcgen05 fences (common/tmem.py): stage 5's, 4 before and 5 after
+    assert_tcgen05_fences(ptx, before=4, after=5)
     # O by threads in 16-byte stores, each predicated on the sequence's rows; LSE one per row.
     assert global_stores(ptx) == ["st.global.v4.b32"] * (D // 8) + ["st.global.b32"]
     assert report.shared_memory_bytes == six.shared_memory_bytes
@@ -129,5 +138,7 @@ def test_compiles_with_pack_gqa(varlen, D):
     assert len(QK_MMA.findall(report.ptx)) == D // 16 and len(PV_MMA.findall(report.ptx)) == 8
     assert global_stores(report.ptx) == ["st.global.v4.b32"] * (D // 8) + ["st.global.b32"]
     assert_tmem_freed_after_fence(report.ptx)
+    # tcgen05 fences (common/tmem.py): stage 5's, 4 before and 5 after
+    assert_tcgen05_fences(report.ptx, before=4, after=5)
     if report.resources and "registers" in report.resources:
         assert report.resources["spill_stores"] == 0, report.summary()

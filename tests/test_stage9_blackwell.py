@@ -1,33 +1,48 @@
-"""Stage 9 (Blackwell): QK of the next KV tile issued right behind the PV of the last one (FA4's
-MMA order), and the conditional rescale of O, on sm_100a.
+"""Stage 9 (Blackwell): ping-pong - two Q tiles per CTA, two softmax warpgroups taking turns on
+the tensor core, a correction warpgroup for both, on sm_100a.
 
-- Compile-only (no GPU), bf16 and fp16, D = 64 and 128, batch mode and packed: stage 8's roles,
-  setmaxnreg counts, TMEM allocation and stores; at D = 64, where P has TMEM columns of its
-  own, the MMAs in FA4's order (a prologue of the first tile's two QKs, a loop of PV, QK, PV,
-  QK, an epilogue of two PVs); at D = 128, where P lies over S and a QK must wait for the last
-  PV to complete, stage 8's order (QK, QK, PV, PV); the threshold (8.0) compared
-  in the softmax and the correction warps' vote (vote.sync.any) around their rescale.
-- CPU: the schedule checker's model of both orders finds no hang and no unbalanced barrier
-  for every range, and no S written over a P that a P @ V may still read; it catches FA4's
-  order with P over S and no waits (an overwrite from the second KV tile on). A model of the per-row arithmetic of the conditional rescale (the kernel's rule, in
-  torch, P rounded to bf16 / fp16) checks the error bound the stage file states: P never
-  above 2^8, the error no larger than with threshold 0, also for a max that creeps up by just
-  under the threshold per tile over 300 tiles, and no fp16 overflow.
-- GPU tests (marker gpu_blackwell): stage 8's numerical tests on stage 9, plus rows whose max
-  grows across tiles (rescaled and skipped). Not run: no sm_100 GPU was available (2026-12-01).
+- Compile-only (no GPU), bf16 and fp16, D = 64 and 128, batch mode and packed: 16 warps
+  (.reqntid 512, .minnctapersm 1); setmaxnreg.inc to 168 for the two softmax warpgroups,
+  .dec to 80 for the correction warpgroup and to 96 for the MMA, TMA and idle warps; twice
+  stage 8's MMAs (QK and PV for each Q tile) and twice its exp2 count (a softmax warpgroup per
+  tile); TMEM: one tcgen05.alloc of 512 columns, freed after every warpgroup's fence and the
+  barrier of the 384 softmax and correction threads; the tcgen05 fences at the TMEM hand-offs
+  counted, every path fenced (tests/blackwell_ptx.py); batch mode stores O by TMA
+  (cp.async.bulk.tensor from shared memory, a bulk group per Q tile, waited for before the CTA
+  ends) and only LSE by threads; packed sequences and pack-GQA store O by predicated 16-byte
+  thread stores and issue no TMA store; the K/V ring's slots (4 at D = 128, 8 at D = 64) and
+  shared memory within the 227 KiB of an SM.
+- CPU: the schedule checker's model of all five roles and their hand-offs (common/tools/
+  schedule.py, cta_schedule_correction with two Q tiles) finds no hang and no unbalanced
+  barrier for ranges of 1-5 KV tiles, ranges that start past tile 0 and empty ranges, and
+  catches the near misses: the correction warpgroup waiting for O at the first tile, waiting
+  for the last O on an empty range, a softmax warpgroup not handing over its final row sum,
+  the MMA warp not waiting for the rescale. Every operation of that model is one barrier site
+  of the PTX (tcgen05.commit, mbarrier.arrive and mbarrier.try_wait counted), stages 9 and 10,
+  D = 64 and 128, batch and packed (their arrival counts: tests/test_stage8_blackwell.py).
+- GPU tests (marker gpu_blackwell) mirror stage 7's: GQA / MQA with masks against the fp64
+  reference, packed sequences per sequence, NaN planted outside a sequence, empty sequences,
+  pack-GQA; O and LSE equal to stage 8's bit for bit (each row's arithmetic is stage 8's: only
+  which warpgroup does it, and when, changes), on shapes with odd tile counts (one CTA with a
+  Q tile past Sq) and ring wraps. Each launch has a 120 s deadline. As of 2026-12-04 no sm_100
+  GPU was available: these tests have not run.
 """
 
-import math
+import importlib
 import re
 
 import attention_cases
 import pytest
 import torch
 from attention_cases import DTYPES, dtype_id
+from blackwell_ptx import FENCE_BEFORE, PV_MMA, QK_MMA, assert_tcgen05_fences, global_stores
 from test_stage7 import (
+    BAD_PACKED,
     PACK_GQA_CASES,
     PACKS,
+    _packed,
     check_pack_gqa,
+    check_pack_gqa_varlen,
     check_packed,
     gqa_reference_check,
     pack_case_id,
@@ -35,10 +50,12 @@ from test_stage7 import (
 )
 
 from common.tools import inputs, schedule, verify
-from common.tools.ptx import compile_for_arch, compile_only, tcgen05_mma_order
-from stages.stage9_overlap import blackwell
+from common.tools.ptx import compile_for_arch, compile_only, count_ptx
+from stages.stage8_warp_specialized import blackwell as stage8
+from stages.stage9_pingpong import blackwell
 
 SHAPE = (2, 8, 512, 1024, 128)
+TMA_STORE = re.compile(r"^\s*cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta")
 
 
 def compile_stage9(dtype, D, resources=True, **options):
@@ -51,61 +68,104 @@ def statements(ptx, pattern):
     return [s.strip() for s in ptx.splitlines() if re.match(pattern, s.strip())]
 
 
-def mma_order(ptx):
-    return tcgen05_mma_order(ptx)
-
-
 # ---------------------------------------------------------------- compile-only (no GPU)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("varlen", [False, True], ids=["batch", "packed"])
-def test_compiles_in_fa4_order(varlen, D, dtype):
+def test_compiles_with_five_roles(varlen, D, dtype):
     report = compile_stage9(dtype, D, kv_heads=2, varlen=varlen, causal=True)
     eight = compile_only(
         8, "blackwell", dtype=dtype, shape=(*SHAPE[:4], D), resources=False, varlen=varlen
     )
-    ptx = report.ptx
-    q, p = "Q" * (D // 16), "P" * 8
-    assert mma_order(eight.ptx) == q + q + p + p
-    if D == 64:
-        # FA4's order: a prologue (QK_0, QK_1), the loop (PV_0, QK_0, PV_1, QK_1), an epilogue
-        assert mma_order(ptx) == (q + q) + (p + q + p + q) + (p + p)
-    else:
-        # P over S: stage 8's order, whose waits for a PV's completion have work queued
-        assert mma_order(ptx) == q + q + p + p
+    ptx, counts = report.ptx, report.counts
     assert ".reqntid 512, 1, 1" in ptx and ".minnctapersm 1" in ptx
-    assert len(statements(ptx, r"setmaxnreg\.inc\.sync\.aligned\.u32\s+168;")) == 2
+    assert statements(ptx, r"setmaxnreg\.inc\.sync\.aligned\.u32\s+168;") != []
+    assert len(statements(ptx, r"setmaxnreg\.inc")) == 2  # one per softmax warpgroup
     assert len(statements(ptx, r"setmaxnreg\.dec\.sync\.aligned\.u32\s+80;")) == 1
-    # the correction warps' vote before each of the two tiles' rescale
-    assert len(statements(ptx, r"vote\.sync\.any\.pred")) == 2
-    # the threshold: (m_new - m_ref) * scale_log2 <= 8.0 in each softmax warpgroup
-    assert len(re.findall(r"setp\.le\.f32\s+%p\d+,\s*%\w+,\s*0f41000000;", ptx)) >= 2
-    assert report.counts["ex2.approx"] == eight.counts["ex2.approx"]
-    if not varlen:
-        assert len(statements(ptx, r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta")) == (
-            2 * D // 64
-        )
+    assert len(statements(ptx, r"setmaxnreg\.dec\.sync\.aligned\.u32\s+96;")) == 3
+    # QK and PV for each of the two Q tiles: twice stage 8's MMAs
+    assert len(QK_MMA.findall(ptx)) == 2 * len(QK_MMA.findall(eight.ptx)) == 2 * D // 16
+    assert len(PV_MMA.findall(ptx)) == 2 * len(PV_MMA.findall(eight.ptx)) == 2 * 8
+    # the exponentials of a row, once per softmax warpgroup (stage 8: one)
+    assert counts["ex2.approx"] == 2 * eight.counts["ex2.approx"]
+    assert statements(ptx, r"tcgen05\.alloc\.cta_group::1\.sync\.aligned\.shared::cta\.b32")
+    assert (
+        len(statements(ptx, r"tcgen05\.alloc")) == 1
+        and len(statements(ptx, r"tcgen05\.dealloc")) == 1
+    )
+    # tcgen05 fences (common/tmem.py): stage 8's per Q tile, the TMEM-free one of the correction
+    # warpgroup once: before 2 x 5 + 1, after 2 x 6
+    assert_tcgen05_fences(ptx, before=11, after=12)
+    stores = [ln for ln in ptx.splitlines() if TMA_STORE.match(ln)]
+    if varlen:
+        # per-row predicated 16-byte stores of both tiles' O, and LSE, by the correction warps
+        assert stores == [] and "cp.async.bulk.commit_group" not in ptx
+        assert global_stores(ptx) == (["st.global.v4.b32"] * (D // 8) + ["st.global.b32"]) * 2
+    else:
+        # O by TMA: one store per 64-column box of each Q tile (128-byte swizzle: 64 bf16 wide)
+        assert len(stores) == 2 * D // 64, stores
+        assert len(statements(ptx, r"cp\.async\.bulk\.commit_group")) == 2
+        assert statements(ptx, r"cp\.async\.bulk\.wait_group\.read\s+0;") != []
+        assert global_stores(ptx) == ["st.global.b32"] * 2  # LSE only
+    assert report.shared_memory_bytes <= 227 * 1024
     if report.resources and "registers" in report.resources:
-        # ptxas of CUDA 13.0 (2026-12-01): 0-104 bytes of spills across these configurations
-        # (see stage 8's test), bounded here so that they cannot grow unnoticed.
+        # 128 at launch (65536 / 512 threads); the counts after setmaxnreg are the PTX's.
+        # ptxas of CUDA 13.0 (2026-12-04) still reports 8-204 bytes of spills across these
+        # configurations (the MMA warp's region, by elimination; FA4's 192 / 80 / 48 spilled
+        # 384 B at D = 128; stage 8 has none): a known cost of this compile-checked kernel,
+        # bounded here so that it cannot grow unnoticed.
         assert report.resources["registers"] == 128, report.summary()
         assert report.resources["spill_stores"] <= 256, report.summary()
 
 
-def test_where_p_lives():
-    k64, _ = blackwell.compile_args(torch.bfloat16, (1, 1, 256, 256, 64))
-    assert k64.p_own_columns and k64.tmem_p_offset == (384, 448)
-    assert k64.tmem_p_offset[-1] + 64 == k64.num_tmem_alloc_cols
-    k128, _ = blackwell.compile_args(torch.bfloat16, (1, 1, 256, 256, 128))
-    assert not k128.p_own_columns and k128.tmem_p_offset == k128.tmem_s_offset == (0, 128)
+def test_tmem_freed_after_every_warpgroups_fence():
+    ptx = compile_stage9(torch.bfloat16, 128, resources=False).ptx
+    lines = ptx.splitlines()
+
+    def where(pattern):
+        return [i for i, ln in enumerate(lines) if re.search(pattern, ln)]
+
+    fences = where(FENCE_BEFORE.pattern)
+    (dealloc,) = where(r"tcgen05\.dealloc")
+    # 11 (the per-tile ones with them: test_compiles_with_five_roles), all before tcgen05.dealloc
+    assert len(fences) == 11 and max(fences) < dealloc
+    assert max(where(r"tcgen05\.(ld|st)\.")) < max(fences)
+    # each softmax warpgroup and the correction warpgroup: fence, then the barrier of 384, with
+    # no tcgen05 operation between
+    arrives = where(r"\bbar(rier)?\.arrive\s+3,\s*384;")
+    syncs = where(r"\bbar(rier)?\.sync\s+3,\s*384;")
+    assert len(arrives) == 2 and len(syncs) == 1
+    tcgen05_ops = where(r"tcgen05\.(ld|st|mma)\.")
+    for barrier in (*arrives, syncs[0]):
+        fence = max(f for f in fences if f < barrier)
+        assert not any(fence < i < barrier for i in tcgen05_ops)
+    assert syncs[0] < dealloc
+
+
+def test_ring_depth_and_tmem_columns():
+    for D, slots in ((128, 4), (64, 8)):
+        kernel, _ = blackwell.compile_args(torch.bfloat16, (1, 1, 256, 256, D))
+        assert kernel.kv_slots == slots
+        assert kernel.tmem_s_offset == (0, 128)
+        assert kernel.tmem_o_offset == (256, 256 + D)
+        assert kernel.tmem_o_offset[-1] + D <= kernel.num_tmem_alloc_cols == 512
+        # (2 x softmax + correction + the MMA/TMA warpgroup) x 128 threads = the register file
+        regs = 2 * kernel.softmax_registers + kernel.correction_registers
+        assert (regs + kernel.other_registers) * 128 == 65536
+
+
+def test_one_kernel_for_every_head_count_and_packing():
+    a = compile_stage9(torch.bfloat16, 128, resources=False, kv_heads=8)
+    b = compile_stage9(torch.bfloat16, 128, resources=False, kv_heads=1, causal=True)
+    assert a.ptx == b.ptx
 
 
 # ---------------------------------------------------------------- the schedule, on the CPU
 
 
-def traced_kernel(D):
+def traced_kernel(D=128):
     kernel, args = blackwell.compile_args(torch.bfloat16, (1, 2, 512, 1024, D))
     compile_for_arch(kernel, args, "sm_100a")
     return kernel
@@ -115,124 +175,103 @@ RANGES = ((0, 1), (0, 2), (0, 3), (0, 5), (2, 5), (0, 0), (3, 3))
 
 
 @pytest.mark.parametrize("D", [64, 128])
-def test_new_order_has_no_hang_and_no_early_overwrite(D):
+def test_five_roles_have_no_hang_and_balanced_hand_offs(D):
     kernel = traced_kernel(D)
     assert schedule.check_cta(kernel, ranges=RANGES) == []
     assert schedule.check_kernel(kernel) == []
+    pipes, programs = schedule.cta_schedule(kernel)
+    assert set(programs) == {"TMA", "MMA", "softmax0", "softmax1", "correction"}
+    assert len(pipes) == 2 + 4 * kernel.q_tiles
 
 
-def _mark_over_p(program):
-    """The program with each S_s commit marked as written over P_s (as if P lived over S)."""
+@pytest.mark.parametrize("stage", [9, 10])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("varlen", [False, True], ids=["batch", "packed"])
+def test_model_has_the_barrier_sites_of_the_ptx(stage, D, varlen):
+    # Every operation of the five roles' model is one barrier site in the kernel's PTX: the MMA
+    # warp's arrives are tcgen05.commit, every other role's an mbarrier.arrive (the TMA warp's
+    # with expect_tx), every wait one mbarrier.try_wait. A hand-off in the code that the model
+    # lacks, or one the model has that the code dropped, changes a count.
+    mod = blackwell if stage == 9 else importlib.import_module("stages.stage10_overlap.blackwell")
+    kernel, args = mod.compile_args(torch.bfloat16, (1, 2, 512, 1024, D), varlen=varlen)
+    ptx, _ = compile_for_arch(kernel, args, "sm_100a")
+    pipes, programs = schedule.cta_schedule(kernel)
+    arrives, waits = ("commit", "release"), ("acquire", "peek_empty", "wait")
+    counts = count_ptx(ptx)
+    assert (
+        len(schedule.barrier_sites(pipes, programs, "MMA", arrives)) == counts["tcgen05.commit"]
+    ), counts
+    others = sum(
+        len(schedule.barrier_sites(pipes, programs, r, arrives)) for r in programs if r != "MMA"
+    )
+    assert others == counts["mbarrier.arrive"], counts
+    all_waits = sum(len(schedule.barrier_sites(pipes, programs, r, waits)) for r in programs)
+    assert all_waits == counts["mbarrier.try_wait"], counts
+
+
+def _replace(program, old, new):
+    """The program with every operation equal to `old` replaced by `new` (None: removed), also
+    inside PerTile, NotFirst and IfNonEmpty."""
     out = []
     for item in program:
         if isinstance(item, (schedule.PerTile, schedule.NotFirst, schedule.IfNonEmpty)):
-            out.append(type(item)(_mark_over_p(item.ops)))
-        elif (
-            isinstance(item, schedule.Op) and item.pipe.startswith("S") and item.action == "commit"
-        ):
-            out.append(schedule.Op(item.pipe, "commit", f"over P{item.pipe[1:]}"))
+            out.append(type(item)(_replace(item.ops, old, new)))
+        elif item == old:
+            if new is not None:
+                out.append(new)
         else:
             out.append(item)
     return tuple(out)
 
 
-def test_model_catches_fa4_order_over_p_without_waits():
-    # D = 64's FA4 order has no wait for P's columns, which is right only because P has columns
-    # of its own: with P over S (D = 128's placement) the same order overwrites P while a PV
-    # may still read it, from the second KV tile on.
-    kernel = traced_kernel(64)
-    assert kernel.qk_behind_pv and kernel.p_own_columns
+def _flat_replace(program, cls, new_items):
+    """The program with each item of type `cls` replaced by new_items(item)."""
+    out = []
+    for item in program:
+        if isinstance(item, schedule.PerTile):
+            out.append(schedule.PerTile(_flat_replace(item.ops, cls, new_items)))
+        elif isinstance(item, cls):
+            out += new_items(item)
+        else:
+            out.append(item)
+    return tuple(out)
+
+
+def test_model_catches_the_near_misses():
+    kernel = traced_kernel()
     pipes, programs = schedule.cta_schedule(kernel)
-    faulty = dict(programs, MMA=_mark_over_p(programs["MMA"]))
-    found = schedule.check_cta(kernel, ranges=((0, 1), (0, 3)), programs=faulty)
-    assert any("S0 of KV tile 1 overwrites P0" in v for v in found), found
-    assert not any("[KV tiles [0, 1)]" in v for v in found), found
-    # D = 128 keeps stage 8's order and its waits
-    k128 = traced_kernel(128)
-    assert not k128.qk_behind_pv and schedule.check_cta(k128, ranges=((0, 3),)) == []
 
+    def violations(role, program, ranges=((0, 1), (0, 3), (0, 0))):
+        faulty = dict(programs, **{role: program})
+        return schedule.check_cta(kernel, ranges=ranges, programs=faulty)
 
-# ------------------------------------------- the conditional rescale's arithmetic, modelled
-
-
-def conditional_softmax_pv(s, v, scale, threshold, p_dtype, bN=128):
-    """The kernel's per-row arithmetic over KV tiles of bN keys, in torch: S (rows, keys) fp32,
-    V (keys, D). The reference max moves only when the row max grew by more than `threshold`
-    log2 units; P = exp2(scale_log2 (S - m_ref)) rounded to p_dtype; O and the row sum in fp32,
-    rescaled when m_ref moves. Returns (O, LSE, largest P, rescales per row)."""
-    scale_log2 = scale * math.log2(math.e)
-    rows = s.shape[0]
-    m = torch.full((rows,), -math.inf, dtype=torch.float32)
-    row_sum = torch.zeros(rows)
-    o = torch.zeros(rows, v.shape[1])
-    p_max = torch.tensor(0.0)
-    moves = torch.zeros(rows, dtype=torch.int64)
-    for j in range(0, s.shape[1], bN):
-        t = s[:, j : j + bN]
-        m_new = torch.maximum(m, t.max(dim=1).values)
-        grow = (m_new - m) * scale_log2 > threshold  # NaN (both -inf) is False
-        m_new = torch.where(grow, m_new, m)
-        safe = torch.where(torch.isinf(m_new) & (m_new < 0), torch.zeros_like(m_new), m_new)
-        factor = torch.where(m_new != m, torch.exp2((m - safe) * scale_log2), torch.ones_like(m))
-        p = torch.exp2(t * scale_log2 - (safe * scale_log2)[:, None])
-        p_max = torch.maximum(p_max, p.max())
-        row_sum = row_sum * factor + p.sum(dim=1)
-        o = o * factor[:, None] + p.to(p_dtype).float() @ v[j : j + bN].float()
-        moves += (m_new != m).long()
-        m = m_new
-    lse = m * scale + torch.log(row_sum)
-    return o / row_sum[:, None], lse, p_max, moves
-
-
-def _reference(s, v, scale):
-    w = torch.softmax(s.double() * scale, dim=1)
-    return w @ v.double(), torch.logsumexp(s.double() * scale, dim=1)
-
-
-@pytest.mark.parametrize("p_dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
-@pytest.mark.parametrize("kind", ["random", "creeping", "jumps"])
-def test_conditional_rescale_error_bound(kind, p_dtype):
-    g = torch.Generator().manual_seed(7)
-    rows, keys, D, scale = 64, 128 * 300, 64, 1 / 8
-    s = torch.randn(rows, keys, generator=g) * 4
-    if kind == "creeping":
-        # each tile's max 7.9 log2 units above the last: the reference moves only when the
-        # growth since it passed 8 (every other tile), and P comes close to 2^8 in between
-        step = 7.9 / (scale * math.log2(math.e))
-        ramp = torch.arange(keys // 128).repeat_interleave(128).float() * step
-        s = torch.randn(rows, keys, generator=g) + (ramp - ramp[-1])
-        # (the ramp ends at 0: logits from -300 x 7.9 log2 units up to 0)
-    elif kind == "jumps":
-        s[:, 128 * 50 :] += 200.0  # a jump far above the threshold: the reference must move
-    v = torch.randn(keys, D, generator=g)
-    ref_o, ref_lse = _reference(s, v, scale)
-    o8, lse8, p_max8, moves8 = conditional_softmax_pv(s, v, scale, 8.0, p_dtype)
-    o0, lse0, p_max0, moves0 = conditional_softmax_pv(s, v, scale, 0.0, p_dtype)
-    err8 = ((o8.double() - ref_o).norm() / ref_o.norm()).item()
-    err0 = ((o0.double() - ref_o).norm() / ref_o.norm()).item()
-    assert torch.isfinite(o8).all() and torch.isfinite(lse8).all()
-    # P never above 2^threshold (with threshold 0, never above 1)
-    assert p_max8 <= 2.0**8 and p_max0 <= 1.0
-    # Rounding P to 16 bits is relative: the same error with or without the threshold. The
-    # bound is bf16's / fp16's relative step (2^-8 / 2^-11) averaged over the keys: both runs
-    # stay within it, and the threshold costs at most 5% more than rescaling every time.
-    bound = 2.0**-8 if p_dtype == torch.bfloat16 else 2.0**-11
-    assert err0 < bound and err8 < bound, (err0, err8)
-    assert err8 <= 1.05 * err0 + 1e-6, (err0, err8)
-    assert (lse8.double() - ref_lse).abs().max() < 1e-4
-    if kind == "creeping":
-        # threshold 0 rescales on (nearly) every tile, 8 on about every other one; P reaches
-        # above 2^7 on the tiles in between (the bound is approached, not only respected)
-        assert (moves0 >= 290).all() and (moves8 <= 0.6 * moves0).all(), (moves0, moves8)
-        assert p_max8 > 2.0**7
-    if kind == "jumps":
-        assert (moves8 >= 2).all()
-
-
-def test_threshold_leaves_fp16_headroom():
-    # P <= 2^8: fp16's largest finite value (65504) is 2^15.99; 16 would be the limit.
-    kernel, _ = blackwell.compile_args(torch.float16, (1, 1, 128, 128, 64))
-    assert 2.0**kernel.rescale_threshold < torch.finfo(torch.float16).max
+    # The correction warpgroup waits for O at the first KV tile too (no O exists yet): a hang.
+    eager = _flat_replace(programs["correction"], schedule.NotFirst, lambda item: item.ops)
+    assert any("hang" in v for v in violations("correction", eager))
+    # It waits for the last O on an empty range, where no MMA commits it: a hang there only.
+    always = _flat_replace(programs["correction"], schedule.IfNonEmpty, lambda item: item.ops)
+    found = violations("correction", always)
+    assert any("[KV tiles [0, 0)] hang" in v for v in found), found
+    assert not any("[0, 3)" in v for v in found)
+    # Softmax warpgroup 1 does not hand over its final row sum and max: the epilogue hangs.
+    final = schedule.Op("stats1", "commit", "row sum and max")
+    lost = _replace(programs["softmax1"], final, None)
+    assert any("hang" in v for v in violations("softmax1", lost))
+    # The TMA warp loads Q even for an empty range (O's staging in Q's buffers would race that
+    # load): nobody waits for it or releases it there, and the TMA
+    # warp's tail hangs.
+    q_loads = next(i for i in programs["TMA"] if isinstance(i, schedule.IfNonEmpty))
+    always_q = _flat_replace(programs["TMA"], schedule.IfNonEmpty, lambda item: item.ops)
+    assert q_loads.ops and always_q != programs["TMA"]
+    found = violations("TMA", always_q)
+    assert any(
+        "[KV tiles [0, 0)] hang: the TMA warp waiting at Q.acquire (tail)" in v for v in found
+    )
+    assert not any("[0, 3)" in v for v in found), found
+    # The MMA warp does not wait for the rescale of O_0 before P_0 V_j: O_0's hand-off is
+    # unbalanced (commits nobody acquired).
+    no_wait = _replace(programs["MMA"], schedule.Op("O0", "acquire"), None)
+    assert any("O0" in v for v in violations("MMA", no_wait))
 
 
 # ---------------------------------------------------------------- numerics on an sm_100 GPU
@@ -257,42 +296,19 @@ def test_gqa_matches_fp64_reference(H, Hkv, D, dtype, causal, window):
 
 
 @pytest.mark.gpu_blackwell
-def test_ctas_with_an_empty_range_store_zeros():
-    # causal, Sq - Sk = 896: the CTAs of rows 0-767 see no key and stage O = 0 in Q's buffers
-    # (batch mode: the TMA store); no Q is loaded for them (it would race the staging)
-    q, k, v = inputs.attention_inputs(1, 2, 1024, 128, 128, seed=41)
-    o, lse = run(lambda: blackwell.attention(q, k, v, causal=True, return_lse=True))
-    gqa_reference_check("O", o, lse, q, k, v, True, None)
-    assert (o[:, :, :768] == 0).all() and torch.isinf(lse[:, :, :768]).all()
-
-
-@pytest.mark.gpu_blackwell
-@pytest.mark.parametrize("D", [64, 128])
-def test_row_max_growing_across_tiles(D):
-    # keys whose logits grow tile by tile (some by less than the threshold, some by more), many
-    # tiles: the rescale taken and skipped, and the ring wrapped
-    B, H, S = 1, 4, 4096
-    q, k, v = inputs.attention_inputs(B, H, S, S, D, seed=31)
-    ramp = torch.linspace(0, 6, S, device="cuda")[None, None, :, None]
-    k = (k.float() * (1 + ramp)).to(k.dtype)
-    o, lse = run(lambda: blackwell.attention(q, k, v, return_lse=True))
-    gqa_reference_check("O", o, lse, q, k, v, False, None)
-
-
-@pytest.mark.gpu_blackwell
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("pack", list(PACKS))
-def test_packed_sequences_match_per_sequence_reference(pack, D, dtype):
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, (77, None))])
+def test_packed_sequences_match_per_sequence_reference(pack, D, dtype, causal, window):
     lens_q, lens_k = PACKS[pack]
     q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, 4, 2, D, dtype, seed=len(pack) + D)
-    for causal, window in ((False, None), (True, None), (True, (77, None))):
-        o, lse = run(
-            lambda: blackwell.attention_varlen(
-                q, k, v, cu_q, cu_k, causal=causal, window=window, return_lse=True
-            )
+    o, lse = run(
+        lambda: blackwell.attention_varlen(
+            q, k, v, cu_q, cu_k, causal=causal, window=window, return_lse=True
         )
-        check_packed(o, lse, q, k, v, cu_q, cu_k, causal, window)
+    )
+    check_packed(o, lse, q, k, v, cu_q, cu_k, causal, window)
 
 
 @pytest.mark.gpu_blackwell
@@ -310,10 +326,73 @@ def test_nan_outside_a_sequence_never_reaches_it(D):
         check_packed(o, lse, q, k, v, cu_q, cu_k, False, None, only=b)
 
 
+SAME_AS_STAGE8 = [
+    # (B, H, Hkv, Sq, Sk, D, dtype, causal, window)
+    # 4 CTAs of 256 rows, the last half empty
+    (2, 8, 2, 1000, 1000, 128, torch.bfloat16, True, None),
+    (1, 4, 4, 4096, 4096, 64, torch.bfloat16, False, None),  # 32 KV tiles: the 8-slot ring wraps
+    (1, 4, 1, 2048, 2048, 128, torch.float16, True, None),
+    (2, 4, 2, 700, 1500, 64, torch.float16, False, (300, 0)),
+    (1, 2, 2, 129, 3000, 128, torch.bfloat16, False, (None, 10)),
+]
+
+
+@pytest.mark.gpu_blackwell
+@pytest.mark.parametrize("case", SAME_AS_STAGE8, ids=lambda c: "x".join(map(str, c[:6])))
+def test_equals_stage8_bit_for_bit(case):
+    B, H, Hkv, Sq, Sk, D, dtype, causal, window = case
+    q, _, _ = inputs.attention_inputs(B, H, Sq, Sq, D, dtype, seed=Sq + D)
+    _, k, v = inputs.attention_inputs(B, Hkv, Sq, Sk, D, dtype, seed=Sk + D)
+    kw = dict(causal=causal, window=window, return_lse=True)
+    o9, lse9 = run(lambda: blackwell.attention(q, k, v, **kw))
+    o8, lse8 = run(lambda: stage8.attention(q, k, v, **kw))
+    assert torch.equal(o9, o8), f"max |O9 - O8| = {(o9.float() - o8.float()).abs().max()}"
+    assert torch.equal(lse9, lse8), f"max |LSE9 - LSE8| = {(lse9 - lse8).abs().max()}"
+
+
+@pytest.mark.gpu_blackwell
+def test_ctas_with_an_empty_range_store_zeros():
+    # causal, Sq - Sk = 896: the CTAs of rows 0-767 see no key and stage O = 0 in Q's buffers
+    # (batch mode: the TMA store); no Q is loaded for them (it would race the staging)
+    q, k, v = inputs.attention_inputs(1, 2, 1024, 128, 128, seed=41)
+    o, lse = run(lambda: blackwell.attention(q, k, v, causal=True, return_lse=True))
+    gqa_reference_check("O", o, lse, q, k, v, True, None)
+    assert (o[:, :, :768] == 0).all() and torch.isinf(lse[:, :, :768]).all()
+
+
+@pytest.mark.gpu_blackwell
+def test_all_empty_and_given_max_seqlen():
+    q, k, v, cu_q, cu_k = packed_inputs([0, 0], [5, 0], 4, 4, 64, torch.bfloat16, seed=1)
+    o, lse = run(lambda: blackwell.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True))
+    assert o.shape == (0, 4, 64) and lse.shape == (4, 0)
+    q, k, v, cu_q, cu_k = packed_inputs([100, 30], [40, 260], 4, 4, 64, torch.bfloat16, seed=2)
+    o, lse = run(
+        lambda: blackwell.attention_varlen(
+            q, k, v, cu_q, cu_k, max_seqlen_q=512, max_seqlen_k=300, return_lse=True
+        )
+    )
+    check_packed(o, lse, q, k, v, cu_q, cu_k, False, None)
+
+
+@pytest.mark.gpu_blackwell
+def test_stage_package_dispatches_to_blackwell():
+    from stages.stage9_pingpong import attention
+
+    q, k, v = inputs.attention_inputs(1, 4, 200, 200, 64, seed=8)
+    o = run(lambda: attention(q, k[:, :2], v[:, :2], causal=True))
+    gqa_reference_check("O", o, None, q, k[:, :2], v[:, :2], True, None)
+
+
 @pytest.mark.gpu_blackwell
 @pytest.mark.parametrize("case", PACK_GQA_CASES, ids=pack_case_id)
 def test_pack_gqa_matches_reference_and_unpacked(case):
     check_pack_gqa(blackwell, case)
+
+
+@pytest.mark.gpu_blackwell
+@pytest.mark.parametrize("D", [64, 128])
+def test_pack_gqa_packed_sequences_with_nan_around(D):
+    check_pack_gqa_varlen(blackwell, D)
 
 
 # ---------------------------------------------------------------- bad input
@@ -325,3 +404,12 @@ SHARED = [c for c in attention_cases.BAD_ATTENTION_INPUTS if c.id != "heads_mism
 @pytest.mark.parametrize("case", SHARED)
 def test_rejects_bad_input(case):
     case.check(blackwell.attention)
+
+
+@attention_cases.needs_cuda
+@pytest.mark.parametrize("name, change, error, match", BAD_PACKED, ids=[c[0] for c in BAD_PACKED])
+def test_rejects_bad_packed_input(name, change, error, match):
+    q, k, v, cu_q, cu_k = _packed()
+    args = change(dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))
+    with pytest.raises(error, match=match):
+        blackwell.attention_varlen(**args)

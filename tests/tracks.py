@@ -40,3 +40,52 @@ def per_track(cases, ids=str):
 def module(stage_package, track):
     """The track's module of a stage: module("stage1_gemm", "hopper") is stages.stage1_gemm.hopper."""
     return importlib.import_module(f"stages.{stage_package}.{track}")
+
+
+# Stage 7's entries and features are those of every later attention stage (8-12: only the
+# schedule changes), so stage 7's tests run on each of them: parametrize("track", on_gpu_stages())
+# gives "hopper:7", "hopper:8", ... (id "hopper-stage8"), one per stage file that exists.
+KERNEL_STAGES = (7, 8, 9, 10, 11, 12)
+
+
+def _existing(track, stage):
+    from common.tools import stage_table
+
+    return stage_table.available(stage, track)
+
+
+def on_gpu_stages(tracks=TRACKS, stages=KERNEL_STAGES):
+    """parametrize("track", on_gpu_stages()): "track:stage" for every stage file of the track,
+    with the track's GPU marker; stage_of / track_of take it apart."""
+    return [
+        pytest.param(f"{t}:{s}", marks=GPU_MARK[t], id=f"{t}-stage{s}")
+        for t in tracks
+        for s in stages
+        if _existing(t, s)
+    ]
+
+
+def on_cpu_stages(tracks=TRACKS, stages=KERNEL_STAGES):
+    """The same without GPU markers (argument checks that fail before any compile)."""
+    return [
+        pytest.param(f"{t}:{s}", id=f"{t}-stage{s}")
+        for t in tracks
+        for s in stages
+        if _existing(t, s)
+    ]
+
+
+def stage_module(track_stage):
+    """The kernel module of "track:stage" ("hopper:9" -> stages.stage9_pingpong.hopper)."""
+    from common.tools import stage_table
+
+    track, stage = track_stage.split(":")
+    return stage_table.track_module(int(stage), track)
+
+
+def stage_package(track_stage):
+    """The stage package of "track:stage" (its attention entries dispatch to the track)."""
+    from common.tools import stage_table
+
+    _, stage = track_stage.split(":")
+    return importlib.import_module(f"stages.{stage_table.stage(int(stage)).package}")

@@ -7,10 +7,10 @@ Stages 4 and 5: the FlashAttention paper shapes (B*S = 16k tokens, H*D = 2048, S
 D = 64 and 128, non-causal) against SDPA flash, SDPA cuDNN and FA4 when importable.
 Stage 6: the same shapes causal (FLOPs halved) against the same baselines run causal, and against
 stage 6 and stage 5 without a mask.
-Stage 7 (with stages 8 and 9 beside it): GQA 32/8 against its own MHA, FA4 and cuDNN; packed
+Stage 7 (with stage 12 beside it): GQA 32/8 against its own MHA, FA4 and cuDNN; packed
 sequences against FA4's varlen and a padded SDPA batch; decode-like steps.
-Stage 9: the ablation stage 5 -> 8 -> 9 at the paper shapes, causal and not, against FA4 and cuDNN
-(--dtype fp16 for the fp16 rows).
+Stage 12: the ablation stage 5 -> 7 -> 8 -> ... -> 12 at the paper shapes, causal and not, against
+FA4 and cuDNN (--dtype fp16 for the fp16 rows); --tunings adds stage 12's tunings one by one.
 Writes docs/results/bench_<gpu>_<date>.{md,json} and attention_<gpu>_<date>.png."""
 
 import argparse
@@ -90,7 +90,7 @@ def stage7_rows(track, dtype, record):
     from common.tools import inputs, reference
 
     mods = {
-        n: stage_table.track_module(n, track) for n in (7, 8, 9) if stage_table.available(n, track)
+        n: stage_table.track_module(n, track) for n in (7, 12) if stage_table.available(n, track)
     }
     mod = mods[7]
     fa4 = None
@@ -117,14 +117,14 @@ def stage7_rows(track, dtype, record):
         torch.cuda.synchronize()
         todo[name] = (fn, sets)
 
-    later = [n for n in (8, 9) if n in mods]
+    later = [n for n in (12,) if n in mods]
     cols = ["stage 7 GQA"] + [f"stage {n} GQA" for n in later] + ["stage 7 MHA"]
-    cols += ["stage 9 MHA"] if 9 in mods else []
+    cols += ["stage 12 MHA"] if 12 in mods else []
     lines = [
         "## Stages 7, 8, 9: GQA (32 query / 8 KV heads, D = 128, B*S = 16k), TFLOP/s",
         "",
         "`7 GQA / MHA` = stage 7 GQA over stage 7 with 32 KV heads at the same shape (goal >= "
-        "0.95), `9 GQA / MHA` the same for stage 9; `9 / FA4` and `9 / cuDNN` from event time, "
+        "0.95), `12 GQA / MHA` the same for stage 12; `12 / FA4` and `12 / cuDNN` from event time, "
         "`GPU` from GPU time alone.",
         "",
         "| S | causal | "
@@ -145,7 +145,7 @@ def stage7_rows(track, dtype, record):
                 for n, m in mods.items():
                     fn = lambda q, k, v, m=m: m.attention(q, k, v, causal=causal)  # noqa: E731
                     timed(todo, f"stage {n} GQA", fn, [(q, k, v)])
-                    if n in (7, 9):
+                    if n in (7, 12):
                         timed(todo, f"stage {n} MHA", fn, [(q, kf, vf)])
                 if fa4 is not None:
                     t = [tuple(x.transpose(1, 2).contiguous() for x in (q, k, v))]
@@ -171,9 +171,9 @@ def stage7_rows(track, dtype, record):
                 lines.append(
                     f"| {S} | {causal} | "
                     + " | ".join(g(c) for c in cols)
-                    + f" | {r(tf, 'stage 7 GQA', 'stage 7 MHA')} | {r(tf, 'stage 9 GQA', 'stage 9 MHA')}"
-                    f" | {g('FA4')} | {g('SDPA cuDNN')} | {r(tf, 'stage 9 GQA', 'FA4')}"
-                    f" | {r(tf, 'stage 9 GQA', 'SDPA cuDNN')} | {r(tg, 'stage 9 GQA', 'FA4')} |"
+                    + f" | {r(tf, 'stage 7 GQA', 'stage 7 MHA')} | {r(tf, 'stage 12 GQA', 'stage 12 MHA')}"
+                    f" | {g('FA4')} | {g('SDPA cuDNN')} | {r(tf, 'stage 12 GQA', 'FA4')}"
+                    f" | {r(tf, 'stage 12 GQA', 'SDPA cuDNN')} | {r(tg, 'stage 12 GQA', 'FA4')} |"
                 )
                 print("  " + lines[-1], flush=True)
         vcols = [f"stage {n}" for n in mods]
@@ -265,17 +265,17 @@ def stage7_rows(track, dtype, record):
                 f"| {causal} | "
                 + " | ".join(gg(c) for c in vcols)
                 + f" | {gg('FA4')} | {gg('padded')} | {r(tf, 'stage 7', 'padded')}"
-                f" | {r(tf, 'stage 9', 'FA4')} | {r(tg, 'stage 9', 'FA4')} | {r(tg, 'stage 9', 'padded')} |"
+                f" | {r(tf, 'stage 12', 'FA4')} | {r(tg, 'stage 12', 'FA4')} | {r(tg, 'stage 12', 'padded')} |"
             )
             print("  " + lines[-1], flush=True)
-    lines += decode_rows(mod, fa4, dtype, record, later=mods.get(9))
+    lines += decode_rows(mod, fa4, dtype, record, later=mods.get(12))
     lines.append("")
     return lines
 
 
 def decode_rows(mod, fa4, dtype, record, later=None):
     """Decode-like shapes (B = 32, 32 query / 8 KV heads, Sk = 8192, D = 128, Sq = 1, 16, 128):
-    stage 7 with pack-GQA (its default there) and without, `later` (stage 9's module, where it
+    stage 7 with pack-GQA (its default there) and without, `later` (stage 12's module, where it
     exists) with its default, FA4 and SDPA, in microseconds and in TB/s of K and V read (the
     memory bound of a decode step)."""
     from common import masks
@@ -283,13 +283,13 @@ def decode_rows(mod, fa4, dtype, record, later=None):
 
     lines = [
         "",
-        "## Stage 7 (and 9): decode-like shapes (B = 32, H = 32, Hkv = 8, Sk = 8192, D = 128), us",
+        "## Stage 7 (and 12): decode-like shapes (B = 32, H = 32, Hkv = 8, Sk = 8192, D = 128), us",
         "",
         "`packed` = stage 7 with pack-GQA (4 query heads per Q tile, what it picks here), "
-        "`unpacked` = pack_gqa=False, `stage 9` = stage 9 with its default (pack-GQA here too); "
+        "`unpacked` = pack_gqa=False, `stage 12` = stage 12 with its default (pack-GQA here too); "
         "TB/s = bytes of K and V (1.07 GB) / time, for stage 7 packed.",
         "",
-        "| Sq | stage 7 packed | stage 7 unpacked | stage 9 | FA4 | SDPA | packed TB/s "
+        "| Sq | stage 7 packed | stage 7 unpacked | stage 12 | FA4 | SDPA | packed TB/s "
         "| packed / unpacked |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -309,7 +309,7 @@ def decode_rows(mod, fa4, dtype, record, later=None):
                 ),
             }
             if later is not None:
-                fns["stage 9"] = (lambda q: later.attention(q, k, v, causal=True), [(q,)])
+                fns["stage 12"] = (lambda q: later.attention(q, k, v, causal=True), [(q,)])
             if fa4 is not None:
                 qt = q.transpose(1, 2).contiguous()
                 fns["FA4"] = (lambda q: fa4.flash_attn_func(q, kt, vt, causal=True), [(qt,)])
@@ -331,7 +331,7 @@ def decode_rows(mod, fa4, dtype, record, later=None):
             record("7 decode", (B, H, Hkv, Sq, Sk, D), {n: (ms, 0.0) for n, ms in row.items()})
             us = lambda n: f"{row[n] * 1e3:.0f}" if n in row else "-"  # noqa: E731
             lines.append(
-                f"| {Sq} | {us('packed')} | {us('unpacked')} | {us('stage 9')} | {us('FA4')} "
+                f"| {Sq} | {us('packed')} | {us('unpacked')} | {us('stage 12')} | {us('FA4')} "
                 f"| {us('SDPA')} "
                 f"| {kv_bytes / (row['packed'] * 1e-3) / 1e12:.2f} "
                 f"| {row['unpacked'] / row['packed']:.2f}x faster |"
@@ -340,37 +340,47 @@ def decode_rows(mod, fa4, dtype, record, later=None):
     return lines
 
 
+ABLATION_STAGES = (5, 7, 8, 9, 10, 11, 12)
+
+
 def ablation_rows(track, dtype, headdims, seqlens, record):
-    """The FlashAttention-3 paper's ablation on this tutorial's stages: stage 5 (one warpgroup
-    pair, no specialisation) -> stage 8 (producer warpgroup, ping-pong) -> stage 9 (+ overlap
-    inside the warpgroup), non-causal and causal, with FA4 and SDPA cuDNN timed next to them."""
+    """The FlashAttention-3 paper's ablation on this tutorial's stages: stage 5 (no
+    specialisation) and stage 7 (its masks, GQA and packed sequences) -> 8 (warp
+    specialisation) -> 9 (ping-pong) -> 10 (overlap inside the loop) -> 11 (persistent CTAs) ->
+    12 (the last percent), non-causal and causal, with FA4 and SDPA cuDNN timed next to them."""
+    stages = [n for n in ABLATION_STAGES if stage_table.available(n, track)]
+    cols = [f"stage {n}" for n in stages] + ["FA4", "SDPA cuDNN"]
     lines = [
-        "## Stages 5 (7) -> 8 -> 9: the ablation (paper shapes, B*S = 16k, H*D = 2048), TFLOP/s",
+        "## The ablation, stages "
+        + " -> ".join(map(str, stages))
+        + " (paper shapes, B*S = 16k, H*D = 2048), TFLOP/s",
         "",
-        "Causal rows: stages 7, 8 and 9 and the baselines causal (FLOPs halved); stage 5 has no "
-        "mask, so it is left out there (stage 7, stage 5 with the masks, GQA and packed "
-        "sequences, is the step before stage 8 in both). `9 / FA4` and `9 / cuDNN` are stage 9 over the "
-        "baseline in the same row (goals: >= 1.0 FA4 at D = 128 from 2k, >= 0.95 at D = 64; "
-        ">= 1.0 cuDNN from 1k; stage 8 >= 0.88 FA4). The TFLOP/s are event-timed per call "
-        "(host work included where it is longer than the kernel), all kernels of a row in the same "
-        "interleaved rounds; the `GPU` columns are the "
-        "same ratios from GPU time alone (CUPTI kernel durations, timing.gpu_ms).",
+        "Causal rows: every stage from 7 on and the baselines causal (FLOPs halved); stage 5 has "
+        "no mask, so it is left out there. `12 / FA4` and `12 / cuDNN` are stage 12 over the "
+        "baseline in the same row (goals: >= 1.0 from S = 2k to 16k). The TFLOP/s are event-timed "
+        "per call (host work included where it is longer than the kernel), all kernels of a row "
+        "in the same interleaved rounds; the `GPU` columns are the same ratios from GPU time "
+        "alone (CUPTI kernel durations, timing.gpu_ms).",
         "",
-        "| D | causal | S | stage 5 | stage 7 | stage 8 | stage 9 | FA4 | SDPA cuDNN | 8 / FA4 | 9 / FA4 "
-        "| 9 / cuDNN | 9 / FA4 GPU | 9 / cuDNN GPU |",
-        "|" + " --- |" * 14,
+        "| D | causal | S | "
+        + " | ".join(cols)
+        + " | 12 / FA4 | 12 / cuDNN | 12 / FA4 GPU | 12 / cuDNN GPU |",
+        "|" + " --- |" * (len(cols) + 7),
     ]
+    last = f"stage {stages[-1]}"
     for D in headdims:
         for causal in (False, True):
             for S in seqlens:
                 shape = paper_shape(S, D)
                 print(f"ablation: {shape} causal={causal} ...", flush=True)
                 gpu = {}
-                also = [make_case(n, track, shape, dtype, causal=causal) for n in (7, 8)]
-                if not causal:
-                    also.append(make_case(5, track, shape, dtype))
+                also = [
+                    make_case(n, track, shape, dtype, causal=causal)
+                    for n in stages[:-1]
+                    if n >= 7 or not causal
+                ]
                 row = measure(
-                    make_case(9, track, shape, dtype, with_fa4=True, causal=causal),
+                    make_case(stages[-1], track, shape, dtype, with_fa4=True, causal=causal),
                     names=("FA4", "SDPA cuDNN"),
                     gpu=gpu,
                     also=also,
@@ -383,11 +393,64 @@ def ablation_rows(track, dtype, headdims, seqlens, record):
                 g = lambda k: f"{tf[k]:.0f}" if k in tf else "-"  # noqa: E731
                 r = lambda a, b: f"{tf[a] / tf[b]:.2f}" if a in tf and b in tf else "-"  # noqa: E731
                 lines.append(
-                    f"| {D} | {causal} | {S} | {g('stage 5')} | {g('stage 7')} | {g('stage 8')} "
-                    f"| {g('stage 9')} "
-                    f"| {g('FA4')} | {g('SDPA cuDNN')} | {r('stage 8', 'FA4')} "
-                    f"| {r('stage 9', 'FA4')} | {r('stage 9', 'SDPA cuDNN')} "
-                    f"| {rg('stage 9', 'FA4')} | {rg('stage 9', 'SDPA cuDNN')} |"
+                    f"| {D} | {causal} | {S} | "
+                    + " | ".join(g(c) for c in cols)
+                    + f" | {r(last, 'FA4')} | {r(last, 'SDPA cuDNN')} "
+                    f"| {rg(last, 'FA4')} | {rg(last, 'SDPA cuDNN')} |"
+                )
+                print("  " + lines[-1], flush=True)
+    lines.append("")
+    return lines
+
+
+def tuning_rows(track, dtype, headdims, seqlens, record):
+    """Stage 12's tunings one at a time, cumulative in TUNINGS' order: stage 11 (none), +1,
+    +1-2, ..., +1-7 (stage 12), each a kernel of its own (with_tunings), all timed in the same
+    interleaved rounds with FA4, at the paper shapes, causal and not."""
+    from common import attention_host
+
+    mod = stage_table.track_module(12, track)
+    names = mod.TUNINGS
+    labels = ["none"] + [f"+1-{i}" if i > 1 else "+1" for i in range(1, len(names) + 1)]
+    lines = [
+        "## Stage 12's tunings, cumulative (paper shapes), TFLOP/s",
+        "",
+        "`none` is stage 12 with no tuning (stage 11's code); `+1-k` has tunings 1 to k of "
+        + ", ".join(f"{i + 1}. {n}" for i, n in enumerate(names))
+        + ". All in the same interleaved rounds with FA4 (event time). `gain` is +1-7 over none.",
+        "",
+        "| D | causal | S | " + " | ".join(labels) + " | FA4 | gain |",
+        "|" + " --- |" * (len(labels) + 5),
+    ]
+    for D in headdims:
+        for causal in (False, True):
+            for S in seqlens:
+                shape = paper_shape(S, D)
+                print(f"tunings: {shape} causal={causal} ...", flush=True)
+                base = make_case(12, track, shape, dtype, with_fa4=True, causal=causal)
+                cases = []
+                for i, label in enumerate(labels):
+                    cls = mod.with_tunings(names[:i])
+
+                    def fn(q, k, v, cls=cls):
+                        return attention_host.attention(
+                            cls, q, k, v, None, causal, None, False, None
+                        )
+
+                    c = make_case(12, track, shape, dtype, causal=causal)
+                    c.stage, c.fn = f"12 {label}", fn
+                    cases.append(c)
+                first = cases[0]
+                first.baselines = base.baselines
+                row = measure(first, names=("FA4",), also=cases[1:])
+                record("tunings", (*shape, causal), row)
+                tf = {k: v[1] for k, v in row.items()}
+                g = lambda k: f"{tf[k]:.0f}" if k in tf else "-"  # noqa: E731
+                gain = tf[f"stage 12 {labels[-1]}"] / tf["stage 12 none"]
+                lines.append(
+                    f"| {D} | {causal} | {S} | "
+                    + " | ".join(g(f"stage 12 {lb}") for lb in labels)
+                    + f" | {g('FA4')} | {gain:.3f} |"
                 )
                 print("  " + lines[-1], flush=True)
     lines.append("")
@@ -398,7 +461,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--stages", default="1,2,3,4,5,6,7,8,9", help="comma-separated stage numbers")
+    ap.add_argument("--stages", default="1,2,3,4,5,6,7,12", help="comma-separated stage numbers")
+    ap.add_argument(
+        "--tunings",
+        action="store_true",
+        help="also stage 12's tunings, cumulative (--tuning-seqlens)",
+    )
+    ap.add_argument("--tuning-seqlens", default="2048,8192,16384")
     ap.add_argument("--seqlens", default=",".join(map(str, SEQLENS)))
     ap.add_argument("--headdims", default="64,128")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
@@ -412,7 +481,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     track = arch.track()
     gpu, date = timing.gpu_and_date()
-    want = [int(s) for s in args.stages.split(",")]
+    want = [int(s) for s in args.stages.split(",") if s]
     seqlens = [int(s) for s in args.seqlens.split(",")]
     headdims = [int(d) for d in args.headdims.split(",")]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
@@ -496,7 +565,7 @@ def main(argv=None):
                     f"| {shape} | {g('stage 3')} | {g('SDPA flash')} | {g('SDPA cuDNN')} |"
                 )
             lines.append("")
-    attn = [n for n in want if n in (4, 5, 8, 9) and stage_table.available(n, track)]
+    attn = [n for n in want if n in (4, 5, 12) and stage_table.available(n, track)]
     curves = {}
     if attn:
         lines += [
@@ -581,8 +650,11 @@ def main(argv=None):
             lines.append("")
     if 7 in want and stage_table.available(7, track):
         lines += stage7_rows(track, dtype, record)
-    if 9 in want and stage_table.available(9, track):
+    if 12 in want and stage_table.available(12, track):
         lines += ablation_rows(track, dtype, headdims, seqlens, record)
+    if args.tunings and stage_table.available(12, track):
+        tuning_seqlens = [int(x) for x in args.tuning_seqlens.split(",")]
+        lines += tuning_rows(track, dtype, headdims, tuning_seqlens, record)
     state = timing.gpu_state()
     results["gpu state at end"] = state
     lines += [f"GPU at the end: {state or 'not read (no nvidia-smi)'}.", ""]
@@ -615,7 +687,7 @@ def main(argv=None):
 
         plot_ablation(
             results["rows"],
-            f"Stages 5, 7 -> 8 -> 9 on {gpu}, {date} ({args.dtype}, paper shapes)",
+            f"Stages 5, 7 -> 12 on {gpu}, {date} ({args.dtype}, paper shapes)",
             os.path.join(args.out, f"ablation_{tag}.png"),
         )
     if causal_curves:

@@ -10,7 +10,7 @@ and power, and TFLOP/s per GHz (the work per cycle, the clock taken out).
 
     python -m common.tools.clock_probe [--window 2.0] [--out probe.json]
 
-Stage 9 (Hopper), FA4 where importable and SDPA cuDNN, bf16, the paper shapes at S = 8k and
+Stage 12 (Hopper), FA4 where importable and SDPA cuDNN, bf16, the paper shapes at S = 8k and
 16k, D = 128 and 64, non-causal, two rounds each. GPU only; nothing here changes the GPU's
 settings (no clock locking).
 """
@@ -107,10 +107,10 @@ def main(argv=None):
         try:
             with no_poison():
                 for shape in SHAPES:
-                    case = make_case(9, "hopper", shape, with_fa4=True)
+                    case = make_case(12, "hopper", shape, with_fa4=True)
                     sets = _rotated_sets(case)
                     fa_sets = [tuple(t.transpose(1, 2).contiguous() for t in s) for s in sets]
-                    fns = {"stage 9": (case.fn, sets)}
+                    fns = {"stage 12": (case.fn, sets)}
                     if "FA4" in case.baselines:
                         fns["FA4"] = (case.baselines["FA4"], fa_sets)
                     fns["SDPA cuDNN"] = (case.baselines["SDPA cuDNN"], sets)

@@ -18,6 +18,7 @@ import dataclasses
 import importlib.util
 import itertools
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -115,10 +116,13 @@ def compile_module(mod, track, dtype=None, shape=(2, 4, 512, 1024, 128), **optio
     return kernel, ptx, cubin
 
 
-def gpu_attention_error(mod, shape=(2, 4, 512, 1024, 128), kv_heads=None, nan_keys=0, **options):
+def gpu_attention_error(
+    mod, shape=(2, 4, 512, 1024, 128), kv_heads=None, nan_keys=0, deadline=60, **options
+):
     """Run the (edited) module's attention on a GPU with seeded inputs and return (relative error
     of O against the fp64 reference, whether O holds NaN). nan_keys > 0 plants NaN in the first
-    nan_keys keys of K and V, which the reference treats as 0 (they must be keys no query sees)."""
+    nan_keys keys of K and V, which the reference treats as 0 (they must be keys no query sees).
+    A kernel that has not finished `deadline` seconds after its launch raises TimeoutError."""
     import torch
 
     from common import masks
@@ -132,7 +136,7 @@ def gpu_attention_error(mod, shape=(2, 4, 512, 1024, 128), kv_heads=None, nan_ke
     if nan_keys:
         k[:, :, :nan_keys] = float("nan")
         v[:, :, :nan_keys] = float("nan")
-    o = run_with_deadline(lambda: mod.attention(q, k, v, **options), 60, "the edited kernel")
+    o = run_with_deadline(lambda: mod.attention(q, k, v, **options), deadline, "the edited kernel")
     torch.cuda.synchronize()
     kr, vr = k.nan_to_num(0.0), v.nan_to_num(0.0)
     if kv_heads:
@@ -151,6 +155,99 @@ def describe_error(err, has_nan):
         return "O holds NaN"
     verdict = "right" if err < 1e-2 else "wrong"
     return f"O is {verdict}: relative error {err:.1e} against the fp64 reference"
+
+
+def gpu_attention_in_subprocess(
+    mod, shape=(2, 4, 512, 1024, 128), seconds=30, compile_seconds=600, **options
+):
+    """Run the (edited) module's attention on the GPU in a Python process of its own, with a
+    deadline, and say what happened: the kernel's output against the fp64 reference
+    (describe_error), or that it did not finish. A kernel that hangs (a barrier that never
+    completes) leaves the GPU context of its process unusable, so an edit that may hang is never
+    launched in the notebook's own process; the process that ran it is ended. The deadline
+    counts from the launch; compile_seconds more are allowed for what comes before it (starting
+    Python, importing, compiling the kernel)."""
+    import json
+    import subprocess
+
+    code = (
+        "import sys\n"
+        f"sys.path.insert(0, {ROOT!r})\n"
+        "from common.tools import exercises\n"
+        f"exercises._gpu_child({mod.__file__!r}, {tuple(shape)!r}, {seconds!r}, {options!r})\n"
+    )
+    hang = (
+        f"the edited kernel did not finish within {seconds} s of its launch: it hangs (it ran in "
+        "a process of its own, which was then ended)"
+    )
+    try:
+        p = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=seconds + compile_seconds,
+        )
+    except subprocess.TimeoutExpired:
+        return hang
+    line = next((ln for ln in p.stdout.splitlines()[::-1] if ln.startswith("RESULT ")), None)
+    if line is None:
+        last = (p.stderr.strip().splitlines() or [f"exit status {p.returncode}"])[-1]
+        return f"the process running the edited kernel failed: {last}"
+    out = json.loads(line[len("RESULT ") :])
+    if out.get("hang"):
+        return hang
+    if "error" in out:
+        return f"the launch failed: {out['error']}"
+    return "the kernel finished: " + describe_error(out["err"], out["nan"])
+
+
+def _gpu_child(path, shape, seconds, options):
+    """gpu_attention_in_subprocess's other process: load the stage file at `path`, run it, print
+    one RESULT line and exit at once (os._exit: a hung kernel must not hold up the exit)."""
+    import json
+
+    name = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    try:
+        spec.loader.exec_module(mod)
+        err, has_nan = gpu_attention_error(mod, tuple(shape), deadline=seconds, **options)
+        out = {"err": err, "nan": has_nan}
+    except TimeoutError:
+        out = {"hang": True}
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        out = {"error": f"{type(e).__name__}: {first}"}
+    print("RESULT " + json.dumps(out), flush=True)
+    os._exit(0)
+
+
+def ptxas_warnings(ptx, arch="sm_90a"):
+    """The lines of `ptxas -v` that start with a warning or performance code ("(C7514) ..."), or
+    None where no ptxas on PATH assembles this PTX (none installed, or one older than the PTX
+    ISA the DSL writes). The kernels themselves are assembled by the DSL's own compiler."""
+    import re
+    import subprocess
+
+    exe = shutil.which("ptxas")
+    if exe is None:
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        p = subprocess.run(
+            [exe, f"-arch={arch}", "-v", "-o", os.path.join(d, "k.cubin"), src],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    if p.returncode != 0:
+        return None
+    text = p.stdout + p.stderr
+    return [m.group(0).strip() for m in re.finditer(r"\(C\d{4}\)[^\n]*", text)]
 
 
 # ---------------------------------------------------------------- the exercises
@@ -696,6 +793,253 @@ _ALL.append(
         check=_check_7a,
         gpu_check=_gpu_7a,
         hint="blockIdx.y is the query head; the committed K/V coordinate is a div.s32 of it",
+    )
+)
+
+# ---------------------------------------------------------------- stage 8
+
+
+def _gpu_in_own_process(mod):
+    # An edit of the barriers may hang: never in the notebook's own process.
+    return gpu_attention_in_subprocess(mod)
+
+
+def _check_8a(mod):
+    # The arrival counts the compiled kernel initialises its barriers with, and the CPU model of
+    # stage 8's barrier protocol (common/tools/barrier_protocol.py) replayed with them.
+    from common.tools import barrier_protocol
+
+    kernel, ptx, _ = compile_module(mod, "hopper")
+    n = kernel.kv_slots
+    counts = barrier_protocol.counts_from_ptx(ptx, n)
+    if counts is None:
+        return Result(
+            False,
+            f"the PTX does not initialise the 2 + 2 x {n} barriers of stage 8's protocol "
+            "(q_full, q_empty, kv_full and kv_empty of each ring slot)",
+        )
+    full = sorted({counts[f"full{i}"] for i in range(n)})
+    empty = sorted({counts[f"empty{i}"] for i in range(n)})
+    per_entry = kernel.mma_threads // 32  # consumer_release: one lane of each consumer warp
+    seen = (
+        f"the PTX initialises q_full with {counts['q_full']}, q_empty with "
+        f"{counts['q_empty']}, kv_full[0-{n - 1}] with {'/'.join(map(str, full))} and "
+        f"kv_empty[0-{n - 1}] with {'/'.join(map(str, empty))} arrivals; per ring entry "
+        f"{per_entry} arrive on kv_empty (one lane of each consumer warp)"
+    )
+    problems = set()
+    for walk in ([4], [2, 1]):  # one work tile of 4 KV tiles (8 entries), two of 2 and 1
+        problems |= barrier_protocol.explore_cta(
+            barrier_protocol.cta_programs(kernel, walk), counts
+        )
+    where = f"replayed over work tiles of 4 and of 2 + 1 KV tiles at the kernel's {n}-slot ring"
+    report = "; ".join(sorted(problems)[:3]) or "no hang, no overwrite, no arrive left over"
+    if empty == [per_entry]:
+        return Result(
+            False,
+            seen + f". The model, {where}: {report} (the exercise wants kv_empty counting every "
+            "consumer thread, as q_empty does)",
+        )
+    return Result(bool(problems), seen + f". The model with these counts, {where}: {report}")
+
+
+_ALL.append(
+    Exercise(
+        id="8a",
+        stage=8,
+        track="hopper",
+        task=(
+            "Count the wrong arrivals. q_empty counts consumer threads (every one of the 256 "
+            "arrives once the epilogue is done with Q), kv_empty counts consumer warps "
+            "(consumer_release arrives from one lane of each of the 8). In `Sm90Kernel.kernel` "
+            "of `stages/stage8_warp_specialized/hopper.py` make kv_empty count threads as "
+            "q_empty does: `consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, "
+            "self.mma_threads)`. Predict: a wrong O, a hang, or no change? The check compiles "
+            "the file, reads from the PTX the counts the barriers are initialised with, and "
+            "replays the barrier protocol with them on the CPU "
+            "(`common/tools/barrier_protocol.py`), every interleaving of the producer and the "
+            "two consumer warpgroups. On a GPU it runs the edited kernel in a process of its "
+            "own, with a deadline."
+        ),
+        solution=(
+            (
+                "pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32)",
+                "pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads)",
+            ),
+        ),
+        check=_check_8a,
+        gpu_check=_gpu_in_own_process,
+        hint="8 arrivals per ring entry against a count of 256: which wait is the first to need "
+        "a completed phase of kv_empty?",
+    )
+)
+
+# ---------------------------------------------------------------- stage 9
+
+
+def _check_9a(mod):
+    # Which of stage 9's four turn operations the compiled kernel performs (read from the
+    # PTX's order of named barriers and wgmma), and the CPU turn model (common/tools/turns.py)
+    # with those operations, every interleaving of the two consumer warpgroups.
+    from common.tools import turns
+
+    kernel, ptx, _ = compile_module(mod, "hopper")
+    present = turns.pingpong_turn_ops(ptx)
+    if present is None:
+        return Result(
+            False,
+            f"the PTX's order of barriers and wgmma ({turns.schedule_string(ptx)}) is not stage "
+            "9's with turn operations left out: the exercise deletes one turn operation and "
+            "nothing else",
+        )
+    n = kernel.mma_warpgroups
+    lost = [op for op in turns.TURN_OPS if op not in present]
+    seen = f"the PTX performs {len(present)} of stage 9's 4 turn operations" + (
+        f" (lost: {', '.join(lost)})" if lost else ""
+    )
+    problems, stuck = set(), None
+    for steps in (1, 3):
+        programs = [
+            turns.pingpong_program(kernel, wg, steps, turn_ops=present) for wg in range(1, n + 1)
+        ]
+        found = turns.explore(programs, turns.pingpong_order(steps, n))
+        problems |= {f"[{steps}] {p}" for p in found}
+        if found and stuck is None:
+            _, stuck = turns.issue_order(programs)
+    where = "the model of the two consumer warpgroups, every interleaving over 1 and 3 KV tiles"
+    if not problems:
+        return Result(
+            False,
+            seen + f"; {where}: no deadlock, every barrier balanced, the tensor cores in turn "
+            "(the exercise wants the last pass_turn deleted)",
+        )
+    report = ", ".join(turns.problem_kinds(problems)) + (
+        f"; along one interleaving: {stuck}" if stuck else ""
+    )
+    return Result(bool(lost), seen + f"; {where}: {report}")
+
+
+_ALL.append(
+    Exercise(
+        id="9a",
+        stage=9,
+        track="hopper",
+        task=(
+            "Lose the last turn. In `Sm90Kernel.mma` of `stages/stage9_pingpong/hopper.py` "
+            "delete the two lines that hand the last turn on after the loop (`if steps > 0 and "
+            "warpgroup_idx < self.mma_warpgroups:` and the `self.pass_turn(warpgroup_idx)` under "
+            "it). Before you run the check: which warpgroup then waits forever, at which named "
+            "barrier, and what does the other one wait for meanwhile? The check compiles the "
+            "file, reads from the PTX which of the four turn operations the kernel still "
+            "performs, and explores every interleaving of the two consumer warpgroups with them "
+            "on the CPU (`common/tools/turns.py`). On a GPU it runs the edited kernel in a "
+            "process of its own, with a deadline."
+        ),
+        solution=(
+            (
+                "            if steps > 0 and warpgroup_idx < self.mma_warpgroups:\n"
+                "                self.pass_turn(warpgroup_idx)\n",
+                "",
+            ),
+        ),
+        check=_check_9a,
+        gpu_check=_gpu_in_own_process,
+        hint="warpgroup 2 waits for the turn of its last PV; warpgroup 1 has gone on to the "
+        "epilogue's barrier 1, which needs warpgroup 2 too",
+    )
+)
+
+# ---------------------------------------------------------------- stage 10
+
+
+def _check_10a(mod):
+    # The kind of each wgmma group in the PTX's program order, and the CPU turn model of stage
+    # 10 (common/tools/turns.py) with the loop's pair in that order: the tensor cores' order and
+    # the reads of a GEMM's result that the waits no longer cover.
+    from common.tools import turns
+
+    kernel, ptx, _ = compile_module(mod, "hopper")
+    groups = turns.wgmma_groups(ptx)
+    if groups not in (["QK", "QK", "PV", "PV"], ["QK", "PV", "QK", "PV"]):
+        return Result(
+            False,
+            f"the PTX's wgmma groups in program order are {groups}: not stage 10's (the "
+            "prologue's QK, the loop's pair in either order, the last PV)",
+        )
+    pv_first = groups[1] == "PV"
+    n = kernel.mma_warpgroups
+    programs = [
+        turns.overlap_program(kernel, wg, 3, False, waits=True, pv_first=pv_first)
+        for wg in range(1, n + 1)
+    ]
+    plain = [turns.without_waits(p) for p in programs]
+    order, _ = turns.issue_order(plain)
+    out_of_turn = turns.explore(plain, turns.overlap_order(3, n))
+    early = turns.in_flight_reads(programs[0])
+    seen = (
+        f"the loop issues {groups[1]} then {groups[2]} (PTX); the tensor cores' order over 3 KV "
+        f"tiles: {', '.join(order)}"
+    )
+    if not pv_first:
+        return Result(
+            False,
+            seen + "; each softmax reads S_j after wait_group 1, which leaves only the newest "
+            "group, PV_{j-1}, running (the exercise wants PV_{j-1} issued first)",
+        )
+    warnings = ptxas_warnings(ptx)
+    serialised = [w for w in warnings or [] if "serialized" in w]
+    if serialised:
+        why = re.sub(r"\s+", " ", serialised[0].split(" in the function")[0])
+        compiler = (
+            f". The compiler sees it too, ptxas: {why}: it makes each wgmma wait for the one "
+            "before it, so S_j is complete when the softmax reads it and nothing overlaps"
+        )
+    elif warnings is not None:
+        compiler = ". ptxas (the CUDA toolkit's) reports no serialisation"
+    else:
+        compiler = ""
+    reads = ", ".join(gemm.split(": ")[1] for gemm, _ in early)
+    return Result(
+        bool(out_of_turn) and bool(early),
+        seen + " (stage 10's turn issues QK_j first: 1: QK1, 1: PV0, ...). The waits no longer "
+        f"cover the reads: warpgroup 1's softmax reads the results of {reads} while their wgmma "
+        "may still run, since wait_group 1 now leaves QK_j, the newest group, running" + compiler,
+    )
+
+
+_ALL.append(
+    Exercise(
+        id="10a",
+        stage=10,
+        track="hopper",
+        task=(
+            "Swap the pair. In `Sm90Kernel.mma_one_n_block` of "
+            "`stages/stage10_overlap/hopper.py` issue PV_{j-1} before QK_j: move the line "
+            "`self.issue_qk(qk_mma, acc_S, tSrQ, tSrK, k_state.index)` below "
+            "`self.issue_pv(pv_mma, acc_O, tOrP, tOrVt, v_state.index)` (the wait for V_{j-1}'s "
+            "slot stays before the PV). The math is the same. Before you run the check: what "
+            "does `warpgroup.wait_group(1)` wait for now, and what does the softmax read? The "
+            "check compiles the file, reads the order of the wgmma groups from the PTX, and "
+            "runs stage 10's turn model (`common/tools/turns.py`) with the pair in that order; "
+            "where ptxas is installed it also shows what ptxas makes of the edit. On a GPU it "
+            "runs the edited kernel (in a process of its own, with a deadline) and says "
+            "whether O is still right."
+        ),
+        solution=(
+            (
+                "        self.issue_qk(qk_mma, acc_S, tSrQ, tSrK, k_state.index)\n"
+                "        # ... and O += P_{j-1} @ V_{j-1} behind it, in the same turn.\n"
+                "        kv_pipeline.consumer_wait(v_state)\n"
+                "        self.issue_pv(pv_mma, acc_O, tOrP, tOrVt, v_state.index)\n",
+                "        kv_pipeline.consumer_wait(v_state)\n"
+                "        self.issue_pv(pv_mma, acc_O, tOrP, tOrVt, v_state.index)\n"
+                "        self.issue_qk(qk_mma, acc_S, tSrQ, tSrK, k_state.index)\n",
+            ),
+        ),
+        check=_check_10a,
+        gpu_check=_gpu_in_own_process,
+        hint="wgmma groups complete in the order they were committed; wait_group 1 waits for "
+        "all but the newest",
     )
 )
 

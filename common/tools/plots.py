@@ -234,7 +234,7 @@ def plot_attention_bench(curves, title, path=None):
 
 
 def plot_ablation(rows, title, path=None):
-    """The stage 5 -> 8 -> 9 ablation of `make bench` (rows of stage "ablation": shape (B, H, S,
+    """The stage 5, 7 -> 12 ablation of `make bench` (rows of stage "ablation": shape (B, H, S,
     S, D, causal) and TFLOP/s per kernel; stage 7 where the run has it): one panel per (D,
     causal), TFLOP/s against S, the
     stages thick and the baselines (FA4, SDPA cuDNN) thin."""
@@ -243,7 +243,7 @@ def plot_ablation(rows, title, path=None):
     fig, axes = plt.subplots(
         1, len(panels), figsize=(min(FIG_WIDTH * 1.4, 4.2 * len(panels)), 3.8), squeeze=False
     )
-    names = ("stage 5", "stage 7", "stage 8", "stage 9", "FA4", "SDPA cuDNN")
+    names = tuple(f"stage {n}" for n in (5, 7, 8, 9, 10, 11, 12)) + ("FA4", "SDPA cuDNN")
     for ax, (D, causal) in zip(axes[0], panels):
         mine = sorted(
             (r for r in rows if (r["shape"][4], bool(r["shape"][5])) == (D, causal)),

@@ -44,9 +44,13 @@ hand-off for every range; the replay reports:
   on TMEM that only this count shows (PTX orders two tcgen05.mma only when they share the
   accumulator).
 
-The two-tile kernels of stages 8-9 (Blackwell) have their own model, cta_schedule_two_tiles:
-five roles (TMA, MMA, two softmax warpgroups, the correction warpgroup) and eleven hand-offs,
-replayed the same way.
+The Blackwell kernels with a correction warpgroup (stages 8-10) have their own model,
+cta_schedule_correction: the TMA warp, the MMA warp, a softmax warpgroup per Q tile and the
+correction warpgroup, with 2 + 4 x q_tiles hand-offs (stage 8: one Q tile, stages 9-10: two),
+replayed the same way. Its pipes also carry the arrivals each barrier phase expects (the count
+mbarrier.init gives it) and the arrivals one commit or release brings (the threads that run
+it): a count that does not match the arriving threads leaves a phase incomplete (a hang) or
+completes two at once; mbarrier_init_counts reads the counts the kernel's PTX initialises.
 """
 
 import dataclasses
@@ -354,12 +358,21 @@ def timeline(ring, tiles):
 class Pipe:
     """One hand-off: `stages` entries, each with a full barrier (arrived on by the producer's
     commit: TMA bytes landed, tcgen05.commit, or the 128 softmax threads' arrive, taken as one)
-    and an empty barrier (arrived on by the consumer's release)."""
+    and an empty barrier (arrived on by the consumer's release).
+
+    full_count / empty_count: the arrivals a phase of the full / empty barrier expects (its
+    mbarrier.init count); producer_threads / consumer_threads: the arrivals one commit / release
+    brings (1 for tcgen05.commit and an elected thread's arrive, 128 for a warpgroup's). A phase
+    completes with every full_count arrivals. All 1 (the default) is the taken-as-one model."""
 
     name: str
     stages: int
     producer: str
     consumer: str
+    full_count: int = 1
+    empty_count: int = 1
+    producer_threads: int = 1
+    consumer_threads: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,10 +435,11 @@ ROLES = ("TMA", "MMA", "softmax")
 
 
 def cta_schedule(kernel):
-    """(pipes, programs) of a Blackwell kernel: cta_schedule_two_tiles for stage 8's two Q tiles
-    (kernel.q_tiles == 2), cta_schedule_one_tile for the one-pass kernels of stages 5-7."""
-    if getattr(kernel, "q_tiles", 1) == 2:
-        return cta_schedule_two_tiles(kernel)
+    """(pipes, programs) of a Blackwell kernel: cta_schedule_correction for the kernels with a
+    correction warpgroup (stages 8-10: kernel.correction_warp_ids; one or two Q tiles),
+    cta_schedule_one_tile for the one-pass kernels of stages 5-7."""
+    if getattr(kernel, "q_tiles", 1) == 2 or hasattr(kernel, "correction_warp_ids"):
+        return cta_schedule_correction(kernel)
     return cta_schedule_one_tile(kernel)
 
 
@@ -498,12 +512,21 @@ def cta_schedule_one_tile(kernel):
 
 
 def cta_schedule_two_tiles(kernel):
-    """(pipes, programs) of stage 8 on Blackwell: two Q tiles per CTA, five roles. Per Q tile s
-    (0, 1) the hand-offs S_s (MMA -> softmax warpgroup s), P_s (softmax s -> MMA), O_s (MMA ->
-    correction: O_s holds a tile; the correction warpgroup releases it rescaled, or read at the
-    end) and stats_s (softmax s -> correction: the row factor per KV tile, then the final row
-    sum and max), one entry each; Q has q_buffers entries, K/V kv_slots. Each role's barrier
-    operations in the order its code performs them."""
+    """cta_schedule_correction of a kernel with two Q tiles (stages 9-10 on Blackwell)."""
+    return cta_schedule_correction(kernel)
+
+
+def cta_schedule_correction(kernel):
+    """(pipes, programs) of the Blackwell kernels with a correction warpgroup: stage 8 (one Q
+    tile per CTA, four roles) and stages 9-10 (two Q tiles, five roles). Per Q tile s the
+    hand-offs S_s (MMA -> softmax warpgroup s), P_s (softmax s -> MMA), O_s (MMA -> correction:
+    O_s holds a tile; the correction warpgroup releases it rescaled, or read at the end) and
+    stats_s (softmax s -> correction: the row factor per KV tile, then the final row sum and
+    max), one entry each; Q has q_buffers entries, K/V kv_slots. The pipes in the order of the
+    kernel's barriers in shared memory, with the arrivals each expects: 1 for the TMA warp's
+    and the MMA warp's (tcgen05.commit), one per thread of a warpgroup (softmax_warp_ids[s],
+    correction_warp_ids) for theirs. Each role's barrier operations in the order its code
+    performs them."""
     if (
         tuple(map(tuple, kernel.kv_consumer_entries)) != (("K", "V"),)
         or len(kernel.kv_producer_entries) != 1
@@ -516,13 +539,25 @@ def cta_schedule_two_tiles(kernel):
     # With P over S, the QK that writes S_s overwrites P_s: its commit says so ("over P<s>"),
     # and simulate_cta checks that a wait for the last P_s @ V's completion came before it.
     p_over_s = tuple(kernel.tmem_p_offset) == tuple(kernel.tmem_s_offset)
+    softmax = [32 * len(kernel.softmax_warp_ids[s]) for s in tiles]  # threads, one per row
+    correction = 32 * len(kernel.correction_warp_ids)
+
+    def handoff(name, stages, producer, consumer, n_producer, n_consumer):
+        # each barrier expects as many arrivals as the role that arrives on it has threads
+        return Pipe(
+            name, stages, producer, consumer, n_producer, n_consumer, n_producer, n_consumer
+        )
+
     pipes = (
         Pipe("Q", kernel.q_buffers, "TMA", "MMA"),
         Pipe("K/V", kernel.kv_slots, "TMA", "MMA"),
-        *(Pipe(f"S{s}", kernel.s_buffers, "MMA", f"softmax{s}") for s in tiles),
-        *(Pipe(f"P{s}", 1, f"softmax{s}", "MMA") for s in tiles),
-        *(Pipe(f"O{s}", 1, "MMA", "correction") for s in tiles),
-        *(Pipe(f"stats{s}", 1, f"softmax{s}", "correction") for s in tiles),
+        *(handoff(f"S{s}", kernel.s_buffers, "MMA", f"softmax{s}", 1, softmax[s]) for s in tiles),
+        *(handoff(f"P{s}", 1, f"softmax{s}", "MMA", softmax[s], 1) for s in tiles),
+        *(handoff(f"O{s}", 1, "MMA", "correction", 1, correction) for s in tiles),
+        *(
+            handoff(f"stats{s}", 1, f"softmax{s}", "correction", softmax[s], correction)
+            for s in tiles
+        ),
     )
     softmax_roles = tuple(f"softmax{s}" for s in tiles)
     tmem = Sync("TMEM allocated", ("MMA", *softmax_roles, "correction"))
@@ -551,7 +586,7 @@ def cta_schedule_two_tiles(kernel):
     qk = tuple(op for s in tiles for op in qk_of(s))
     pv = tuple(op for s in tiles for op in pv_of(s))
     if getattr(kernel, "qk_behind_pv", False):
-        # Stage 9: S_0, S_1 of the first tile; then per later tile j, for each Q tile, P_s,j-1
+        # Stage 10: S_0, S_1 of the first tile; then per later tile j, for each Q tile, P_s,j-1
         # V_j-1 and S_s,j; then the last tile's PVs.
         mma_loop = (
             IfNonEmpty((Op("K/V", "wait", "K"), *qk, Op("K/V", "release", "K"))),
@@ -571,7 +606,7 @@ def cta_schedule_two_tiles(kernel):
             IfNonEmpty((Op("K/V", "wait", "V"), *pv, Op("K/V", "release", "V"))),
         )
     else:
-        # Stage 8, per KV tile: S_0 and S_1 (K_j), then O_0 and O_1 += P V_j.
+        # Stages 8-9, per KV tile: S_s of each Q tile (K_j), then O_s += P_s V_j of each.
         mma_loop = (
             PerTile(
                 (
@@ -585,7 +620,7 @@ def cta_schedule_two_tiles(kernel):
             ),
         )
     programs = {
-        # Q_0 and Q_1 once (not for an empty range); K_j and V_j per tile; then wait for every
+        # each Q tile once (not for an empty range); K_j and V_j per tile; then wait for every
         # release.
         "TMA": (
             IfNonEmpty(
@@ -758,15 +793,19 @@ def simulate_cta(pipes, programs, tiles, role_tiles=None):
     syncs = {r: [i for i, (op, _) in enumerate(flat[r]) if isinstance(op, Sync)] for r in roles}
 
     def completed(pcs, pipe, barrier):
-        """Phases each slot's `barrier` has completed: the arrivals so far, in slot order."""
-        S = pipe_of[pipe].stages
-        done = [0] * S
+        """Phases each slot's `barrier` has completed: the arrivals so far, in slot order, one
+        phase per `count` of them."""
+        p = pipe_of[pipe]
+        S = p.stages
+        arrived = [0] * S
         action = "commit" if barrier == "full" else "release"
+        threads = p.producer_threads if barrier == "full" else p.consumer_threads
+        count = p.full_count if barrier == "full" else p.empty_count
         for r in roles:
             n = counts[r][pcs[r]].get((pipe, action), 0)
             for s in range(S):
-                done[s] += n // S + (1 if s < n % S else 0)
-        return done
+                arrived[s] += (n // S + (1 if s < n % S else 0)) * threads
+        return [a // count for a in arrived]
 
     def can_move(pcs, r):
         op, _ = flat[r][pcs[r]]
@@ -834,3 +873,48 @@ def check_cta(kernel, ranges=((0, 1), (0, 3), (2, 5), (0, 0), (3, 3)), programs=
         for v in simulate_cta(pipes, programs or own, tiles):
             out.append(f"[{tiles_label(tiles)}] {v}")
     return out
+
+
+def barrier_counts(pipes):
+    """The arrival count of every barrier of the pipes, in the order the kernels lay their
+    barriers out in shared memory: per pipe its full barriers (one per entry), then its empty
+    ones."""
+    return [c for p in pipes for c in [p.full_count] * p.stages + [p.empty_count] * p.stages]
+
+
+def mbarrier_init_counts(ptx):
+    """[(byte offset, count)] of the PTX's mbarrier.init statements, offsets from the lowest, in
+    order of offset. Each address is a register the PTX has set as base + offset (add.s32), or
+    [base+offset]; each count an immediate or a register set by mov.b32 before it. Raises
+    ValueError for a form it cannot resolve."""
+    import re
+
+    value, offset, out, bases = {}, {}, [], set()
+    for ln in ptx.splitlines():
+        s = ln.strip()
+        m = re.match(r"mov\.b32\s+(%r\d+),\s*(-?\d+);", s)
+        if m:
+            value[m.group(1)] = int(m.group(2))
+            continue
+        m = re.match(r"add\.s32\s+(%r\d+),\s*(%r\d+),\s*(-?\d+);", s)
+        if m:
+            base, off = offset.get(m.group(2), (m.group(2), 0))
+            offset[m.group(1)] = (base, off + int(m.group(3)))
+            continue
+        if not s.startswith("mbarrier.init"):
+            continue
+        m = re.match(r"mbarrier\.init\.\S+\s+\[(%r\d+)(?:\+(\d+))?\],\s*(%r\d+|\d+);", s)
+        if not m:
+            raise ValueError(f"cannot read {s!r}")
+        base, off = offset.get(m.group(1), (m.group(1), 0))
+        count = m.group(3)
+        if count.startswith("%"):
+            if count not in value:
+                raise ValueError(f"no mov.b32 sets {count} before {s!r}")
+            count = value[count]
+        bases.add(base)
+        out.append((off + int(m.group(2) or 0), int(count)))
+    if len(bases) > 1:
+        raise ValueError(f"mbarrier.init from several base registers: {sorted(bases)}")
+    low = min((o for o, _ in out), default=0)
+    return sorted((o - low, c) for o, c in out)

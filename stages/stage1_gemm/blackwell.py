@@ -57,7 +57,7 @@ from common.cute_interop import (
     to_cute,
 )
 from common.outputs import empty_output
-from common.tmem import fence_before_thread_sync
+from common.tmem import fence_after_thread_sync, fence_before_thread_sync
 
 
 class Sm100Kernel:
@@ -339,6 +339,9 @@ class Sm100Kernel:
             # (T2R, T2R_M): 32 fp32 registers, and the same values in C's dtype
             tTR_rAcc = cute.make_rmem_tensor(tTR_gC[(None, None, 0)].shape, self.acc_dtype)
             tTR_rC = cute.make_rmem_tensor(tTR_gC[(None, None, 0)].shape, self.dtype)
+            # The accumulator complete (tcgen05.commit): order the loads after the wait
+            # (common/tmem.py, (d))
+            fence_after_thread_sync()
             for i in cutlass.range_constexpr(cute.size(tTR_tAcc, mode=[2])):
                 cute.copy(tmem_load, tTR_tAcc[(None, None, i)], tTR_rAcc)
                 # tcgen05.ld is asynchronous: tcgen05.wait::ld before the registers are read.
@@ -346,6 +349,8 @@ class Sm100Kernel:
                 # C = acc rounded to the input dtype
                 tTR_rC.store(tTR_rAcc.load().to(self.dtype))
                 self.store_row(tTR_rC, tTR_gC[(None, None, i)], tTR_cC[(None, None, i)], mC.shape)
+            # The accumulator read: order the loads before the release (common/tmem.py, (a))
+            fence_before_thread_sync()
             s_full.release()
 
             # All four softmax warps are done with TMEM before warp 0 frees it: each orders its

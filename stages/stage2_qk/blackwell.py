@@ -54,7 +54,7 @@ from common.cute_interop import (
     to_cute,
 )
 from common.outputs import empty_output
-from common.tmem import fence_before_thread_sync
+from common.tmem import fence_after_thread_sync, fence_before_thread_sync
 
 
 class Sm100Kernel:
@@ -321,6 +321,8 @@ class Sm100Kernel:
                 kv_full = kv_cons.wait_and_advance()
                 # The softmax warps have read the previous S: it may be overwritten.
                 s_empty = mma_si_prod.acquire_and_advance()
+                # S read by the softmax warps: fence after the wait (common/tmem.py, (a))
+                fence_after_thread_sync()
                 # The first MMA of each K tile overwrites S, the others accumulate over D.
                 qk_mma.set(tcgen05.Field.ACCUMULATE, False)
                 for kb in cutlass.range_constexpr(cute.size(tCrQ, mode=[2])):
@@ -371,6 +373,8 @@ class Sm100Kernel:
                 )
                 # (T2R, T2R_M): 32 fp32 registers
                 tTR_rS = cute.make_rmem_tensor(tTR_gS[(None, None, 0)].shape, self.acc_dtype)
+                # S complete (tcgen05.commit): order the loads after the wait (common/tmem.py, (d))
+                fence_after_thread_sync()
                 for i in cutlass.range_constexpr(cute.size(tTR_tS, mode=[2])):
                     cute.copy(tmem_load, tTR_tS[(None, None, i)], tTR_rS)
                     # tcgen05.ld is asynchronous: tcgen05.wait::ld before the registers are read.
@@ -381,6 +385,8 @@ class Sm100Kernel:
                         tTR_rS, tTR_gS[(None, None, i)], tTR_cS[(None, None, i)], mS.shape
                     )
                 # Every tcgen05.ld of this S has completed (wait::ld above): the MMA warp may overwrite it.
+                # S read: order the loads before the release (common/tmem.py, (a))
+                fence_before_thread_sync()
                 s_full.release()
 
             # All four softmax warps are done with TMEM before warp 0 frees it: each orders its

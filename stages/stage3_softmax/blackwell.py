@@ -61,7 +61,7 @@ from common.cute_interop import (
     to_cute,
 )
 from common.outputs import empty_output
-from common.tmem import fence_before_thread_sync
+from common.tmem import fence_after_thread_sync, fence_before_thread_sync
 
 
 class Sm100Kernel:
@@ -441,6 +441,8 @@ class Sm100Kernel:
             kv_full = kv_cons.wait_and_advance()  # ring entry: K
             # The softmax warps have read the previous S: it may be overwritten.
             s_empty = mma_si_prod.acquire_and_advance()
+            # S read by the softmax warps: fence after the wait (common/tmem.py, (a))
+            fence_after_thread_sync()
             # The first MMA overwrites S, the others accumulate over D.
             qk_mma.set(tcgen05.Field.ACCUMULATE, False)
             for kb in cutlass.range_constexpr(cute.size(tCrQ, mode=[2])):
@@ -460,6 +462,8 @@ class Sm100Kernel:
             o_empty = mma_o_prod.acquire_and_advance()
             p_full = p_mma_cons.wait_and_advance()  # the softmax warps have written P
             v_full = kv_cons.wait_and_advance()  # ring entry: V
+            # P written by the softmax warps: fence after the waits (common/tmem.py, (b))
+            fence_after_thread_sync()
             pv_mma.set(tcgen05.Field.ACCUMULATE, False)
             for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
                 # O += P[:, 16 kb : 16 kb + 16] @ V[16 kb : 16 kb + 16, :]  (128 x D x 16)
@@ -535,9 +539,13 @@ class Sm100Kernel:
 
             # Softmax of the one S tile
             s_full = mma_si_cons.wait_and_advance()
+            # S complete (tcgen05.commit): order the loads after the wait (common/tmem.py, (d))
+            fence_after_thread_sync()
             cute.copy(tmem_load, tTR_tS, tTR_rS)
             # tcgen05.ld is asynchronous: tcgen05.wait::ld before the registers are read.
             cute.arch.fence_view_async_tmem_load()
+            # S read: order the loads before the release (common/tmem.py, (a))
+            fence_before_thread_sync()
             s_full.release()
             # Keys at or beyond Sk (zeros from TMA) get S = -inf: weight exp2(-inf) = 0.
             if seqlen_k < self.qk_mma_tiler[1]:
@@ -551,20 +559,28 @@ class Sm100Kernel:
             tTR_rP.store(tTR_rS.load().to(self.dtype))
             # P's columns are free (no PV MMA still reads them): write P, then hand it to the MMA warp.
             p_empty = p_mma_prod.acquire_and_advance()
+            # P's columns free (tcgen05.commit): fence after the wait (common/tmem.py, (d))
+            fence_after_thread_sync()
             cute.copy(tmem_store, tRT_rP, tRT_tP)
             # tcgen05.st is asynchronous: tcgen05.wait::st before the MMA warp is told.
             cute.arch.fence_view_async_tmem_store()
+            # P written: order the stores before the arrive (common/tmem.py, (b))
+            fence_before_thread_sync()
             p_empty.commit()
 
             # 3. Epilogue: TMEM -> registers (tcgen05.ld) -> O / row_sum -> O in global memory
             inv_row_sum = cute.arch.rcp_approx(row_sum)
             o_full = mma_o_cons.wait_and_advance()
+            # O complete (tcgen05.commit): order the loads after the wait (common/tmem.py, (d))
+            fence_after_thread_sync()
             for i in cutlass.range_constexpr(cute.size(tTR_tO, mode=[2])):
                 cute.copy(tmem_load, tTR_tO[(None, None, i)], tTR_rAcc)
                 cute.arch.fence_view_async_tmem_load()
                 # O = (P @ V) / row_sum, in the input dtype
                 tTR_rO.store((inv_row_sum * tTR_rAcc.load()).to(self.dtype))
                 self.store_row(tTR_rO, tTR_gO[(None, None, i)], tTR_cO[(None, None, i)], mO.shape)
+            # O read: order the loads before the release (common/tmem.py, as (a))
+            fence_before_thread_sync()
             o_full.release()
 
             # All four softmax warps are done with TMEM before warp 0 frees it: each orders its

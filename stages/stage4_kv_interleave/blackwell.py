@@ -99,7 +99,7 @@ from common.cute_interop import (
     to_cute,
 )
 from common.outputs import empty_output
-from common.tmem import fence_before_thread_sync
+from common.tmem import fence_after_thread_sync, fence_before_thread_sync
 
 
 class Sm100Kernel:
@@ -492,6 +492,8 @@ class Sm100Kernel:
                 kv_full = kv_cons.wait_and_advance()  # ring entry: K_j
                 # The softmax warps have read the previous S: it may be overwritten.
                 s_empty = mma_si_prod.acquire_and_advance()
+                # S read by the softmax warps: fence after the wait (common/tmem.py, (a))
+                fence_after_thread_sync()
                 # The first MMA of each K tile overwrites S, the others accumulate over D.
                 qk_mma.set(tcgen05.Field.ACCUMULATE, False)
                 for kb in cutlass.range_constexpr(cute.size(tCrQ, mode=[2])):
@@ -518,6 +520,8 @@ class Sm100Kernel:
                 # tile j-1 have completed (PTX keeps two tcgen05.mma in issue order only when
                 # they share accumulator and shape; QK writes S, PV writes O).
                 p_free.acquire_and_advance()
+                # S read, P's columns free: fence after the waits (common/tmem.py, (a), (d))
+                fence_after_thread_sync()
                 # The first MMA of each K tile overwrites S, the others accumulate over D.
                 qk_mma.set(tcgen05.Field.ACCUMULATE, False)
                 for kb in cutlass.range_constexpr(cute.size(tCrQ, mode=[2])):
@@ -537,6 +541,8 @@ class Sm100Kernel:
                 # the softmax warps have written P_j
                 p_full = p_mma_cons.wait_and_advance()
                 v_full = kv_cons.wait_and_advance()  # ring entry: V_j
+                # P written by the softmax warps: fence after the waits (common/tmem.py, (b))
+                fence_after_thread_sync()
                 # O starts afresh with the first KV tile, then accumulates over the KV tiles.
                 pv_mma.set(tcgen05.Field.ACCUMULATE, kv_tile != 0)
                 for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
@@ -620,9 +626,13 @@ class Sm100Kernel:
             row_sum = Float32(0.0)
             for kv_tile in cutlass.range(kv_tiles, unroll=1):
                 s_full = mma_si_cons.wait_and_advance()
+                # S complete (tcgen05.commit): order the loads after the wait (common/tmem.py, (d))
+                fence_after_thread_sync()
                 cute.copy(tmem_load, tTR_tS, tTR_rS)
                 # tcgen05.ld is asynchronous: tcgen05.wait::ld before the registers are read.
                 cute.arch.fence_view_async_tmem_load()
+                # S read: order the loads before the release (common/tmem.py, (a))
+                fence_before_thread_sync()
                 s_full.release()
                 # Keys at or beyond Sk (zeros from TMA) get S = -inf: weight exp2(-inf) = 0. Only
                 # the last KV tile can reach beyond Sk.
@@ -649,8 +659,12 @@ class Sm100Kernel:
             row_max_scaled = row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)
             for kv_tile in cutlass.range(kv_tiles, unroll=1):
                 s_full = mma_si_cons.wait_and_advance()
+                # S complete (tcgen05.commit): order the loads after the wait (common/tmem.py, (d))
+                fence_after_thread_sync()
                 cute.copy(tmem_load, tTR_tS, tTR_rS)
                 cute.arch.fence_view_async_tmem_load()
+                # S read: order the loads before the release (common/tmem.py, (a))
+                fence_before_thread_sync()
                 s_full.release()
                 if (kv_tile + 1) * self.qk_mma_tiler[1] > seqlen_k:
                     self.mask_keys(tTR_rS, tTR_cS, kv_tile, seqlen_k)
@@ -662,19 +676,27 @@ class Sm100Kernel:
                 # P's columns are free once the PV MMAs of tile j-1 have completed: write P_j,
                 # then hand it to the MMA warp.
                 p_empty = p_mma_prod.acquire_and_advance()
+                # P's columns free (tcgen05.commit): fence after the wait (common/tmem.py, (d))
+                fence_after_thread_sync()
                 cute.copy(tmem_store, tRT_rP, tRT_tP)
                 # tcgen05.st is asynchronous: tcgen05.wait::st before the MMA warp is told.
                 cute.arch.fence_view_async_tmem_store()
+                # P written: order the stores before the arrive (common/tmem.py, (b))
+                fence_before_thread_sync()
                 p_empty.commit()
 
             # 3. Epilogue: TMEM -> registers (tcgen05.ld) -> O in global memory (already / row_sum)
             o_full = mma_o_cons.wait_and_advance()
+            # O complete (tcgen05.commit): order the loads after the wait (common/tmem.py, (d))
+            fence_after_thread_sync()
             for i in cutlass.range_constexpr(cute.size(tTR_tO, mode=[2])):
                 cute.copy(tmem_load, tTR_tO[(None, None, i)], tTR_rAcc)
                 cute.arch.fence_view_async_tmem_load()
                 # O = sum over KV tiles of (P_j / row_sum) @ V_j, in the input dtype
                 tTR_rO.store(tTR_rAcc.load().to(self.dtype))
                 self.store_row(tTR_rO, tTR_gO[(None, None, i)], tTR_cO[(None, None, i)], mO.shape)
+            # O read: order the loads before the release (common/tmem.py, as (a))
+            fence_before_thread_sync()
             o_full.release()
 
             # All four softmax warps are done with TMEM before warp 0 frees it: each orders its

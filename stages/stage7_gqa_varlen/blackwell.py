@@ -60,7 +60,7 @@ from cutlass.memory import SmemAllocator, TmemAllocator, get_num_tmem_alloc_cols
 
 from common import attention_host, pack_gqa
 from common.cute_interop import rows_of_16_bytes
-from common.tmem import fence_before_thread_sync
+from common.tmem import fence_after_thread_sync, fence_before_thread_sync
 
 
 class Sm100Kernel:
@@ -507,6 +507,8 @@ class Sm100Kernel:
                 # tile j-1 have completed (PTX keeps two tcgen05.mma in issue order only when
                 # they share accumulator and shape; QK writes S, PV writes O).
                 p_free.acquire_and_advance()
+                # S read, P's columns free: fence after the waits (common/tmem.py, (a), (d))
+                fence_after_thread_sync()
                 # The first MMA of each K tile overwrites S, the others accumulate over D.
                 qk_mma.set(tcgen05.Field.ACCUMULATE, False)
                 for kb in cutlass.range_constexpr(cute.size(tCrQ, mode=[2])):
@@ -531,6 +533,8 @@ class Sm100Kernel:
                 if cutlass.const_expr(mCuSeqlensK is not None):
                     if (kv_tile + 1) * self.qk_mma_tiler[1] > seqlen_k:
                         self.zero_keys(sV, v_full.index, seqlen_k - kv_tile * self.qk_mma_tiler[1])
+                # P written, O rescaled: fence after the waits (common/tmem.py, (b), (c))
+                fence_after_thread_sync()
                 # O starts afresh with the first KV tile of the range, then accumulates.
                 pv_mma.set(tcgen05.Field.ACCUMULATE, kv_tile != kv_tile_lo)
                 for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
@@ -620,9 +624,13 @@ class Sm100Kernel:
             row_sum = Float32(0.0)
             for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
                 s_full = mma_si_cons.wait_and_advance()
+                # S complete (tcgen05.commit): order the loads after the wait (common/tmem.py, (d))
+                fence_after_thread_sync()
                 cute.copy(tmem_load, tTR_tS, tTR_rS)
                 # tcgen05.ld is asynchronous: tcgen05.wait::ld before the registers are read.
                 cute.arch.fence_view_async_tmem_load()
+                # S read: order the loads before the release (common/tmem.py, (a))
+                fence_before_thread_sync()
                 s_full.release()
                 # Only a tile that crosses an edge (Sk, or the band of the window: the diagonal
                 # when causal) is masked element by element: S = -inf where row i must not see
@@ -655,6 +663,8 @@ class Sm100Kernel:
                 # The PV MMAs of tile j-1 have completed: P's columns are free, and O holds
                 # sum_(i < j) P_i @ V_i, relative to the old max.
                 p_empty = p_mma_prod.acquire_and_advance()
+                # P's columns free (tcgen05.commit): fence after the wait (common/tmem.py, (d))
+                fence_after_thread_sync()
                 if kv_tile > kv_tile_lo:
                     # O *= row_scale, in TMEM: tcgen05.ld, multiply, tcgen05.st, 32 columns at a time
                     for i in cutlass.range_constexpr(cute.size(tTR_tO, mode=[2])):
@@ -665,6 +675,8 @@ class Sm100Kernel:
                 cute.copy(tmem_store, tRT_rP, tRT_tP)
                 # tcgen05.st is asynchronous: tcgen05.wait::st (P and O) before the MMA warp is told.
                 cute.arch.fence_view_async_tmem_store()
+                # P and O written: order the stores before the arrive (common/tmem.py, (b), (c))
+                fence_before_thread_sync()
                 p_empty.commit()
 
             # 3. Epilogue: TMEM -> registers (tcgen05.ld) -> O / row_sum -> O in global memory; LSE
@@ -676,6 +688,8 @@ class Sm100Kernel:
             # A row that saw no key (row_sum = 0) keeps O = 0.
             inv_row_sum = cute.arch.rcp_approx(row_sum) if row_sum > 0.0 else 0.0
             o_full = mma_o_cons.wait_and_advance()
+            # O complete (tcgen05.commit): order the loads after the wait (common/tmem.py, (d))
+            fence_after_thread_sync()
             for i in cutlass.range_constexpr(cute.size(tTR_tO, mode=[2])):
                 if kv_tile_hi > kv_tile_lo:
                     cute.copy(tmem_load, tTR_tO[(None, None, i)], tTR_rAcc)
@@ -700,6 +714,8 @@ class Sm100Kernel:
                 if row_sum == 0.0:
                     lse_log2 = -Float32.inf
                 mLSE[(row,)] = lse_log2 * math.log(2.0)
+            # O read: order the loads before the release (common/tmem.py, as (a))
+            fence_before_thread_sync()
             o_full.release()
 
             # All four softmax warps are done with TMEM before warp 0 frees it: each orders its

@@ -1,6 +1,7 @@
-"""Stage 8 - warp specialisation. Hopper: one TMA producer warpgroup, two consumer warpgroups in
-ping-pong (three at D = 64). Blackwell: two Q tiles per CTA, two softmax warpgroups, a correction warpgroup, O by TMA
-store. `attention(q, k, v, scale=None, causal=False, window=None, return_lse=False,
+"""Stage 8 - warp specialisation. Hopper: a TMA producer warpgroup that gives its registers away
+(setmaxnreg) and two consumer warpgroups, each on its own 64 query rows. Blackwell: a load warp,
+an MMA warp, one softmax warpgroup and a correction warpgroup on one Q tile.
+`attention(q, k, v, scale=None, causal=False, window=None, return_lse=False,
 pack_gqa=None)` with k, v of Hkv heads, and `attention_varlen(q, k, v, cu_seqlens_q,
 cu_seqlens_k, ...)` run the kernel of this machine's track: hopper.py on sm_90 (H100, H200),
 blackwell.py on sm_100/sm_103 (compile-checked only: no Blackwell GPU has run it)."""
@@ -62,6 +63,6 @@ def _track_module():
     t = track()
     if importlib.util.find_spec(f"{__name__}.{t}") is None:
         raise NotImplementedError(
-            f"stage 8 has no {t} kernel yet (Hopper only); stage 7 runs on both tracks"
+            f"stage 8 has no {t} kernel yet; stages 1-10 exist on both tracks"
         )
     return importlib.import_module(f"{__name__}.{t}")

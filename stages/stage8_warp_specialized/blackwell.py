@@ -1,53 +1,40 @@
-"""Stage 8 - warp specialisation (Blackwell, sm_100a): two Q tiles per CTA, two softmax
-warpgroups, a correction warpgroup, O through shared memory and a TMA store.
+"""Stage 8 - warp specialisation (Blackwell, sm_100a): a TMA warp, an MMA warp, a softmax
+warpgroup and a correction warpgroup on one Q tile per CTA; O leaves by TMA.
 
 Changes from stage 7:
-- Why: in stage 7 one CTA owns one 128-row Q tile, and its tensor core waits for the softmax
-  of that tile twice per KV tile: S_j = Q K_j^T cannot start before P_(j-1) has been
-  multiplied (P lives in S's columns), and P_j @ V_j cannot start before the softmax warps
-  have written P_j and rescaled O. While the softmax runs, nothing else is queued. Stage 8
-  gives each CTA two Q tiles (2 x 128 rows) and one more warpgroup per job, as FA4 does.
-- Q tile s (s = 0, 1) has its own S_s, P_s (over S_s) and O_s in TMEM: columns S_0 0-127,
-  S_1 128-255, O_0 256 .. 256 + D - 1, O_1 after it; 512 columns allocated (D = 128 uses all
-  512, D = 64 384 of them).
-- Warps 0-3 are softmax warpgroup 0 (the rows of Q tile 0), 4-7 softmax warpgroup 1 (tile 1).
-  The MMA warp issues per KV tile QK_0, QK_1, then PV_0, PV_1: while warpgroup 0 computes P_0
-  the tensor core computes S_1, and while warpgroup 1 computes P_1 it multiplies P_0 @ V. The
-  two softmax warpgroups take turns on the tensor core; each waits only for its own tile.
-- Warps 8-11 are the correction warpgroup: the O rescale leaves the softmax (stage 7 did it
-  between P_j and the PV MMA, on the softmax's critical path) and so does the epilogue. Softmax
-  thread r hands row r's factor exp2(scale * (m_old - m_new)) to correction thread r through
-  shared memory (an mbarrier per tile: 128 arrivals); the correction thread waits for O_s of
-  tile j-1 to complete (tcgen05.commit), multiplies its row of O_s in TMEM, and releases O_s to
-  the MMA warp, which only then issues P_s,j @ V_j into it. At the end it reads the final row
-  sum and max the same way, normalises O_s, writes LSE, and stores O_s: in batch mode into
-  shared memory (128 x D, 128-byte swizzled) and from there by one TMA store per Q tile (TMA
-  clips at Sq); for packed sequences and pack-GQA by stage 7's predicated per-row stores, since
-  a TMA box would write the rows past a sequence, which are the next sequence's.
-- Warp 12 is the MMA warp, warp 13 the TMA warp (one each, as in stages 1-7); warps 14-15
-  only complete the fourth warpgroup. setmaxnreg applies to whole warpgroups: the softmax warpgroups take 168
-  registers per thread, the correction warpgroup 80, the MMA/TMA warpgroup 96
-  ((2 x 168 + 80 + 96) x 128 threads = 65536, the register file; at launch each thread gets
-  65536 / 512 = 128). FA4's 192 / 80 / 48 made ptxas (CUDA 13.0) spill 384 bytes at D = 128;
-  with 168 / 80 / 96 it still reports 8-236 bytes of spill stores across dtypes, D and modes
-  (100 at bf16, D = 128, batch), which follow the MMA/TMA warpgroup's count - not resolved.
-- The K/V ring runs ahead over as many slots as fit in shared memory after Q (2 tiles of
-  128 x D x 2 bytes; O is staged for its TMA store in Q's buffers, see the kernel), 227 KiB in
-  all: D = 128, 64 KiB Q and 4 slots of 32 KiB (199,680 bytes with barriers and the row
-  statistics); D = 64, 32 KiB Q and 8 slots of 16 KiB (capped at 8; 166,912 bytes).
-- A CTA covers 256 rows: its KV tile range is the union of its two tiles' ranges (the causal
-  diagonal costs up to one more KV tile for tile 0, masked to -inf element by element).
-- The per-tile hand-offs stay serialised as in stage 7 (S_s,j+1 waits for P_s,j @ V_j to
-  complete before it overwrites P_s): what stage 9 changes where TMEM has room for P of its
-  own (D = 64).
+- Why: stage 7's four softmax warps also rescale O in TMEM between P_j and the MMA warp's
+  P_j @ V_j, and store O at the end. Here each job has warps of its own, as in FA4: the softmax
+  warpgroup (warps 0-3, one thread per row of the 128-row Q tile) only reads S_j, writes P_j.
+- The correction warpgroup (warps 4-7) rescales O and runs the epilogue. Softmax thread r hands
+  row r's factor exp2(scale * (m_old - m_new)) to correction thread r through shared memory;
+  that thread waits for O of tile j-1 to complete (tcgen05.commit), multiplies its row of O in
+  TMEM and releases O to the MMA warp, which only then issues P_j @ V_j into it. At the end it
+  reads the row sum and max the same way, normalises O, writes LSE and stores O: in batch mode
+  through shared memory (Q's buffer, 128-byte swizzled) and one TMA store, which clips at Sq;
+  packed sequences and pack-GQA keep stage 7's predicated row stores (a TMA box would write
+  the next sequence's rows).
+- Warp 8 issues the MMAs, warp 9 the TMA loads; warps 10-11 complete the third warpgroup. At
+  launch each of the 384 threads holds 168 registers (65,536 / 384, rounded down to a multiple
+  of 8); setmaxnreg gives the softmax warpgroup 208, the correction warpgroup 152, the MMA/TMA
+  warpgroup 144: (208 + 152 + 144) x 128 = 64,512 = 168 x 384. ptxas (CUDA 13.0, 2026-12-04):
+  no spills in bf16 or fp16, D = 64 or 128, batch or packed (168 for all: 16-28 B in fp16).
+- Arrivals per barrier phase (full / empty): S 1 (tcgen05.commit) / 128 softmax threads, P
+  128 / 1, O 1 / 128 correction threads, row statistics 128 / 128; named barriers of 288
+  threads (TMEM allocated: MMA warp, softmax, correction), 256 (TMEM freed), 128 (O staged).
+- TMEM: S (P over it) in columns 0-127, O in 128 .. 128 + D - 1; 256 columns allocated.
+- Shared memory (227 KiB): Q, where O is staged too, and as many K/V ring slots as fit, at most
+  8: D = 128, 32 KiB Q and 5 slots of 32 KiB, 198,656 bytes with barriers and row statistics;
+  D = 64, 16 KiB Q and 8 slots of 16 KiB, 149,504 bytes.
+- What stays: the MMA warp waits for the softmax twice per KV tile (for P_j, and for P_j @ V_j
+  before S_j+1 overwrites P_j), and while the softmax runs the tensor core has nothing queued.
 
 Same entries and features as stage 7 (GQA / MQA, packed sequences, causal and window masks,
 LSE, pack-GQA, bf16 / fp16, D = 64 or 128).
 
 Compile-checked for sm_100a with fake tensors and no GPU (common.tools.ptx.compile_only(8,
-"blackwell")); PTX checks and a CPU model of every hand-off between the five roles
-(common/tools/schedule.py, cta_schedule_two_tiles) in tests; never run on Blackwell hardware,
-so neither its speed nor what the two Q tiles gain over stage 7 is known. The numerical tests
+"blackwell")); PTX checks and a CPU model of every hand-off between the roles
+(common/tools/schedule.py, cta_schedule_correction) in tests; never run on Blackwell hardware,
+so neither its speed nor what it gains over the stage before is known. The numerical tests
 run only where an sm_100 GPU is present. Measured numbers (Hopper track only):
 docs/results/README.md.
 """
@@ -64,7 +51,7 @@ from cutlass.memory import SmemAllocator, TmemAllocator
 
 from common import attention_host, pack_gqa
 from common.cute_interop import rows_of_16_bytes
-from common.tmem import fence_before_thread_sync
+from common.tmem import fence_after_thread_sync, fence_before_thread_sync
 
 try:  # the enum's home since CuTe DSL 4.8; cutlass.utils keeps a deprecated alias
     from cutlass.tensor_utils import LayoutEnum
@@ -76,8 +63,8 @@ class Sm100Kernel:
     """The device code is organised by warp role, as in FA4's flash_fwd_sm100.py. `kernel` sets up
     what the roles share (shared memory: smem_tensors; the mbarrier pipelines and named barriers:
     make_pipelines; the TMEM allocator; the CTA's tiles: gmem_tiles) and each warp then calls its
-    role's method: `load` (the TMA warp), `mma` (the MMA warp), `softmax` (softmax warpgroups 0
-    and 1, one Q tile each) and `correction` (the correction warpgroup: O's rescale per KV tile,
+    role's method: `load` (the TMA warp), `mma` (the MMA warp), `softmax` (a softmax warpgroup
+    per Q tile) and `correction` (the correction warpgroup: O's rescale per KV tile,
     then `epilogue`: O normalised and stored, and LSE). The methods after them are their
     helpers."""
 
@@ -92,37 +79,37 @@ class Sm100Kernel:
         # (bM, bN, bK) = (Q rows, D, K rows): O += P @ V; one tcgen05.mma is 128 x D x 16.
         self.pv_mma_tiler = (128, head_dim, 128)
         # Q tiles per CTA, each with its own S, P and O in TMEM and its own softmax warpgroup.
-        self.q_tiles = 2
+        self.q_tiles = 1
         self.cta_rows = self.q_tiles * self.qk_mma_tiler[0]
         self.cta_group = tcgen05.CtaGroup.ONE  # one CTA per MMA (no 2-CTA pairs)
         self.cluster_shape_mn = (1, 1)
-        # Warp roles: softmax warpgroup s (s = 0, 1) owns the rows of Q tile s; the correction
+        # Warp roles: softmax warpgroup s (s = 0 only) owns the rows of Q tile s; the correction
         # warpgroup rescales O and stores it; one MMA warp and one TMA warp as in stages 1-7;
-        # warps 14-15 only complete the fourth warpgroup (setmaxnreg acts on whole warpgroups).
-        self.softmax_warp_ids = ((0, 1, 2, 3), (4, 5, 6, 7))
-        self.correction_warp_ids = (8, 9, 10, 11)
-        self.mma_warp_id = 12
-        self.tma_warp_id = 13
-        self.idle_warp_ids = (14, 15)
-        self.threads_per_cta = 32 * 16
-        # Registers per thread after setmaxnreg: (2 x 168 + 80 + 96) x 128 = 65536. (FA4's
-        # 192 / 80 / 48 left the MMA warp too few here: ptxas spilled 384 bytes.)
-        self.softmax_registers = 168
-        self.correction_registers = 80
-        self.other_registers = 96
+        # warps 10-11 only complete the third warpgroup (setmaxnreg acts on whole warpgroups).
+        self.softmax_warp_ids = ((0, 1, 2, 3),)
+        self.correction_warp_ids = (4, 5, 6, 7)
+        self.mma_warp_id = 8
+        self.tma_warp_id = 9
+        self.idle_warp_ids = (10, 11)
+        self.threads_per_cta = 32 * 12
+        # Registers per thread after setmaxnreg: (208 + 152 + 144) x 128 = 64512 = 168 x 384,
+        # what the threads hold at launch (65536 / 384 rounded down to a multiple of 8).
+        self.softmax_registers = 208
+        self.correction_registers = 152
+        self.other_registers = 144
         # Named barriers (0 is __syncthreads): the TMEM allocation handshake (MMA, softmax and
         # correction warps), the correction warpgroup's own (O written to shared memory before
         # the TMA store), and the one before TMEM is freed (softmax and correction warps).
         self.tmem_alloc_bar_id = 1
         self.correction_bar_id = 2
         self.tmem_free_bar_id = 3
-        # Pipeline depths: the two Q tiles loaded once; a ring of K/V slots; per Q tile one S
+        # Pipeline depths: the Q tile loaded once; a ring of K/V slots; per Q tile one S
         # (and P over it), one O, one row-statistics hand-off.
         self.q_buffers = self.q_tiles
         tile_bytes = 128 * head_dim * dtype.width // 8
-        # The sm_100 opt-in limit (227 KiB), less the barriers, the row statistics (2 KiB) and
-        # the 1 KiB alignment of the buffers. O is staged for its TMA store in Q's buffers: Q is
-        # dead by then (below).
+        # The sm_100 opt-in limit (227 KiB), less the barriers, the row statistics (1 KiB per
+        # Q tile) and the 1 KiB alignment of the buffers. O is staged for its TMA store in Q's
+        # buffers: Q is dead by then (below).
         self.smem_budget = 227 * 1024 - 4 * 1024
         self.kv_slots = min((self.smem_budget - self.q_buffers * tile_bytes) // tile_bytes, 8)
         self.s_buffers = 1
@@ -130,13 +117,13 @@ class Sm100Kernel:
         # warp loads and what the MMA warp waits for. One pass: K (QK), then V (PV).
         self.kv_producer_entries = (("K", "V"),)
         self.kv_consumer_entries = (("K", "V"),)
-        # TMEM columns (32-bit cells; lane = row of the tile): S_0, S_1, then O_0, O_1; P_s over S_s.
+        # TMEM columns (32-bit cells; lane = row of the tile): S_0, then O_0; P_0 over S_0.
         self.tmem_s_offset = tuple(s * self.qk_mma_tiler[1] for s in range(self.q_tiles))
         self.tmem_o_offset = tuple(
             self.q_tiles * self.qk_mma_tiler[1] + s * head_dim for s in range(self.q_tiles)
         )
         self.tmem_p_offset = self.tmem_s_offset
-        self.num_tmem_alloc_cols = 512
+        self.num_tmem_alloc_cols = 256  # 128 + D rounded up to a power of 2
         # tcgen05.ld.32x32b.x32: each thread reads 32 fp32 columns of its row per load.
         self.tmem_load_cols = 32
         self.smem_align = 1024  # the 128-byte swizzle pattern repeats every 8 rows = 1 KiB
@@ -291,7 +278,7 @@ class Sm100Kernel:
         self.shared_storage = SharedStorage
         self.shared_memory_bytes = SharedStorage.size_in_bytes()
 
-        # One CTA per two 128-row Q tiles of one (head, sequence): as many as the longest
+        # One CTA per 128-row Q tile of one (head, sequence): as many as the longest
         # sequence needs (packed: G rows per position); the CTAs past a shorter sequence's end
         # find nothing to do.
         sequences = (
@@ -331,8 +318,8 @@ class Sm100Kernel:
         ).launch(
             grid=grid,
             block=[self.threads_per_cta, 1, 1],
-            # One CTA per SM, stated, so that ptxas allocates by setmaxnreg's counts (168, 80
-            # and 96 per thread of a warpgroup) instead of capping everything at 128.
+            # One CTA per SM, stated, so that ptxas allocates by setmaxnreg's counts (208, 152
+            # and 144 per thread of a warpgroup) instead of capping everything at 168.
             min_blocks_per_mp=1,
             stream=stream,
         )
@@ -366,7 +353,7 @@ class Sm100Kernel:
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        # blockIdx = (CTA row block: Q tiles 2 bidx and 2 bidx + 1, head, sequence). Query head
+        # blockIdx = (CTA row block: Q tile bidx, head, sequence). Query head
         # `head` reads KV head head // group. (Packed, mQ has Hkv heads, the group is 1 and
         # `head` is the KV head.)
         bidx, head, batch = cute.arch.block_idx()
@@ -377,9 +364,9 @@ class Sm100Kernel:
         offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
             batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
         )
-        # The KV tiles holding a key that some row of the CTA's 256 rows sees: one range for
-        # both Q tiles, computed before the warps split, the one the TMA warp loads, the MMA
-        # warp multiplies and every warpgroup folds (empty: no K or V is read, no MMA issued).
+        # The KV tiles holding a key that some row of the CTA's 128 rows sees, computed before
+        # the warps split, the one range the TMA warp loads, the MMA warp multiplies and every
+        # warpgroup folds (empty: no K or V is read, no MMA issued).
         kv_tile_lo, kv_tile_hi = self.kv_tile_range(
             bidx, seqlen_q, seqlen_k, window_left, window_right, self.cta_rows
         )
@@ -443,8 +430,8 @@ class Sm100Kernel:
         pipeline.pipeline_init_wait(cluster_shape_mn=cluster_layout_vmnk)
 
         # 2. Main loop by warp role
-        # The MMA, TMA and idle warps form the fourth warpgroup: its registers go to the softmax
-        # warpgroups. Each role's branch lowers or raises its own count first, so that ptxas
+        # The MMA, TMA and idle warps form the third warpgroup: its registers go to the softmax
+        # warpgroup. Each role's branch lowers or raises its own count first, so that ptxas
         # knows the count of every branch.
         if warp_idx >= self.idle_warp_ids[0]:
             cute.arch.setmaxregister_decrease(self.other_registers)
@@ -515,14 +502,14 @@ class Sm100Kernel:
                 tmem_free_bar.arrive()
 
         if warp_idx // 4 == self.correction_warp_ids[0] // 4:
-            # Correction warpgroup: allocates TMEM, rescales O_0 and O_1 per KV tile, normalises
-            # and stores them, writes LSE, frees TMEM.
+            # Correction warpgroup: allocates TMEM, rescales O_0 per KV tile, normalises and
+            # stores it, writes LSE, frees TMEM.
             cute.arch.setmaxregister_decrease(self.correction_registers)
             tmem.allocate(self.num_tmem_alloc_cols)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
             self.correction(
-                tidx % correction_threads,  # this thread's row, in both Q tiles
+                tidx % correction_threads,  # this thread's row of the Q tile
                 tmem_ptr,
                 tOtO_layout,
                 pv_thr,
@@ -546,7 +533,7 @@ class Sm100Kernel:
                 scale_log2,
             )
 
-            # Every softmax and correction warp is done with TMEM before warp 8 frees it: each
+            # Every softmax and correction warp is done with TMEM before warp 4 frees it: each
             # orders its tcgen05.ld and tcgen05.st before the barrier
             # (tcgen05.fence::before_thread_sync). The MMA warp's last MMAs completed before
             # the O_s commits waited for above.
@@ -557,7 +544,7 @@ class Sm100Kernel:
 
     @cute.jit
     def load(self, q_load, k_load, v_load, q_prod, kv_prod, q_tile0, kv_tile_lo, kv_tile_hi):
-        """The TMA warp: Q_0 and Q_1 once, then every K and V tile, each tile its own ring entry.
+        """The TMA warp: Q once, then every K and V tile, each tile its own ring entry.
         x_load = (TMA atom, the tiles in global memory, the buffers in shared memory)."""
         tma_q, tQgQ, tQsQ = q_load
         # An empty range loads no Q either: nothing reads it, and the correction warpgroup
@@ -611,8 +598,8 @@ class Sm100Kernel:
         seqlen_k,
         mCuSeqlensK,
     ):
-        """The MMA warp; one thread issues, per KV tile j: S_0,j = Q_0 K_j^T and S_1,j = Q_1 K_j^T,
-        then O_0 += P_0,j V_j and O_1 += P_1,j V_j."""
+        """The MMA warp; one thread issues, per KV tile j: S_0,j = Q_0 K_j^T, then
+        O_0 += P_0,j V_j."""
         # MMA operands, as shared-memory descriptors (made here, where they are used).
         # (MMA, MMA_M, MMA_K, q_buffers)
         tCrQ = qk_mma.make_fragment_A(sQ)
@@ -634,18 +621,17 @@ class Sm100Kernel:
         ]
         # One variable per Q tile and hand-off: the DSL carries a pipeline's state (slot
         # index, phase) through a loop only for a name it sees the loop call methods on.
-        s_prod0, s_prod1 = (p.make_producer() for p in s_pipes)
-        p_cons0, p_cons1 = (p.make_consumer() for p in p_pipes)
-        o_prod0, o_prod1 = (p.make_producer() for p in o_pipes)
+        s_prod0 = s_pipes[0].make_producer()
+        p_cons0 = p_pipes[0].make_consumer()
+        o_prod0 = o_pipes[0].make_producer()
         # Waits, like the softmax warps, until P_s,j-1 @ V_j-1 has completed
-        p_free0, p_free1 = (p.make_producer() for p in p_pipes)
+        p_free0 = p_pipes[0].make_producer()
         # An empty range: no Q was loaded, no MMA is issued.
         if kv_tile_hi > kv_tile_lo:
             q_full0 = q_cons.wait_and_advance()
-            q_full1 = q_cons.wait_and_advance()
             for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
                 kv_full = kv_cons.wait_and_advance()  # ring entry: K_j
-                # Q tile 0, then Q tile 1: softmax warpgroup s has read S_s,j-1, and S_s,j may
+                # Q tile 0: softmax warpgroup s has read S_s,j-1, and S_s,j may
                 # overwrite P_s,j-1 once P_s,j-1 @ V_j-1 has completed (two tcgen05.mma are kept
                 # in issue order only when they share accumulator and shape; QK writes S, PV O).
                 s_empty0 = s_prod0.acquire_and_advance()
@@ -653,11 +639,7 @@ class Sm100Kernel:
                 qk_mma = self.issue_qk(qk_mma, tStS[0], tCrQ, q_full0.index, tCrK, kv_full.index)
                 # tcgen05.commit: S_0 is full once these MMAs have completed
                 s_empty0.commit()
-                s_empty1 = s_prod1.acquire_and_advance()
-                p_free1.acquire_and_advance()
-                qk_mma = self.issue_qk(qk_mma, tStS[1], tCrQ, q_full1.index, tCrK, kv_full.index)
-                s_empty1.commit()
-                # The K slot is empty once both tiles' MMAs have read it.
+                # The K slot is empty once these MMAs have read it.
                 kv_full.release()
                 v_full = kv_cons.wait_and_advance()  # ring entry: V_j
                 # Packed sequences: the last tile's keys past seqlen_k are the next sequence's V.
@@ -667,7 +649,7 @@ class Sm100Kernel:
                         self.zero_keys(sV, v_full.index, seqlen_k - kv_tile * self.qk_mma_tiler[1])
                 # O_s starts afresh with the first KV tile of the range, then accumulates.
                 accumulate = kv_tile != kv_tile_lo
-                # Q tile 0, then 1: the correction warpgroup is done with O_s (has rescaled it
+                # Q tile 0: the correction warpgroup is done with O_s (has rescaled it
                 # for tile j) and softmax warpgroup s has written P_s,j.
                 o_empty0 = o_prod0.acquire_and_advance()
                 p_full0 = p_cons0.wait_and_advance()
@@ -675,16 +657,10 @@ class Sm100Kernel:
                 # P_0's columns are free, and O_0 holds tile j, once these MMAs have completed.
                 p_full0.release()
                 o_empty0.commit()
-                o_empty1 = o_prod1.acquire_and_advance()
-                p_full1 = p_cons1.wait_and_advance()
-                pv_mma = self.issue_pv(pv_mma, tOtO[1], tOrP[1], tCrV, v_full.index, accumulate)
-                p_full1.release()
-                o_empty1.commit()
-                # The V slot is empty once both tiles' PV MMAs have read it.
+                # The V slot is empty once the PV MMAs have read it.
                 v_full.release()
             # Q stays resident until the last MMA; then its buffers are released too.
             q_full0.release()
-            q_full1.release()
 
     @cute.jit
     def softmax(
@@ -750,9 +726,13 @@ class Sm100Kernel:
         row_sum = Float32(0.0)
         for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
             s_full = s_cons.wait_and_advance()
+            # S complete (tcgen05.commit): order the loads after the wait (common/tmem.py, (d))
+            fence_after_thread_sync()
             cute.copy(tmem_load, tTR_tS, tTR_rS)
             # tcgen05.ld is asynchronous: tcgen05.wait::ld before the registers are read.
             cute.arch.fence_view_async_tmem_load()
+            # S read: order the loads before the release (common/tmem.py, (a))
+            fence_before_thread_sync()
             s_full.release()
             # Only a tile that crosses an edge (Sk, or the band of the window: the diagonal
             # when causal) is masked element by element: S = -inf where row i must not see
@@ -787,9 +767,13 @@ class Sm100Kernel:
             # P_s,j-1 @ V_j-1 has completed: P's columns are free (the MMA warp waited for that
             # too, before it wrote S_s,j there).
             p_empty = p_prod.acquire_and_advance()
+            # P's columns free (tcgen05.commit): fence after the wait (common/tmem.py, (d))
+            fence_after_thread_sync()
             cute.copy(tmem_store, tRT_rP, tRT_tP)
             # tcgen05.st is asynchronous: tcgen05.wait::st before the MMA warp is told.
             cute.arch.fence_view_async_tmem_store()
+            # P written: order the stores before the arrive (common/tmem.py, (b))
+            fence_before_thread_sync()
             p_empty.commit()
         # The final row sum and max, for the epilogue (an empty range: 0 and -inf).
         stats_empty = stats_prod.acquire_and_advance()
@@ -823,7 +807,7 @@ class Sm100Kernel:
         seqlen_q,
         scale_log2,
     ):
-        """The correction warpgroup: thread `row` owns that row of O_0 and O_1; per KV tile it
+        """The correction warpgroup: thread `row` owns that row of O_0; per KV tile it
         rescales its row of O_s by the factor softmax thread `row` of warpgroup s handed over,
         then (epilogue) normalises and stores O_s and writes LSE."""
         # (MMA, MMA_M, MMA_N, Q tiles) and (MMA, MMA_M, MMA_N, q_tiles): O's tiles in global
@@ -855,8 +839,8 @@ class Sm100Kernel:
         )[(None, None, 0)].shape
         tTR_rAcc = cute.make_rmem_tensor(row_shape, self.acc_dtype)
         tTR_rO = cute.make_rmem_tensor(row_shape, self.dtype)
-        stats_cons0, stats_cons1 = (p.make_consumer() for p in stats_pipes)
-        o_cons0, o_cons1 = (p.make_consumer() for p in o_pipes)
+        stats_cons0 = stats_pipes[0].make_consumer()
+        o_cons0 = o_pipes[0].make_consumer()
 
         for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
             # Q tile 0: the row factor of tile j, from softmax thread `row` of warpgroup 0;
@@ -869,14 +853,6 @@ class Sm100Kernel:
                 o_full0 = o_cons0.wait_and_advance()
                 self.rescale_o(tmem_load, tmem_store, tTR_tO[0], tRT_tO[0], tTR_rAcc, row_scale0)
                 o_full0.release()
-            # Q tile 1, the same
-            stats_full1 = stats_cons1.wait_and_advance()
-            row_scale1 = sStats[row, 0, 1]
-            stats_full1.release()
-            if kv_tile > kv_tile_lo:
-                o_full1 = o_cons1.wait_and_advance()
-                self.rescale_o(tmem_load, tmem_store, tTR_tO[1], tRT_tO[1], tTR_rAcc, row_scale1)
-                o_full1.release()
 
         self.epilogue(
             row,
@@ -892,9 +868,7 @@ class Sm100Kernel:
             sO,
             sStats,
             stats_cons0,
-            stats_cons1,
             o_cons0,
-            o_cons1,
             correction_bar,
             tma_o,
             mO_tma,
@@ -925,9 +899,7 @@ class Sm100Kernel:
         sO,
         sStats,
         stats_cons0,
-        stats_cons1,
         o_cons0,
-        o_cons1,
         correction_bar,
         tma_o,
         mO_tma,
@@ -967,8 +939,7 @@ class Sm100Kernel:
                 tmem_load,
             )
         for s in cutlass.range_constexpr(self.q_tiles):
-            stats_cons = stats_cons0 if s == 0 else stats_cons1
-            o_cons = o_cons0 if s == 0 else o_cons1
+            stats_cons, o_cons = stats_cons0, o_cons0
             stats_full = stats_cons.wait_and_advance()
             row_sum = sStats[row, 0, s]
             row_max = sStats[row, 1, s]
@@ -993,6 +964,8 @@ class Sm100Kernel:
                 tTR_dO = thr_load.partition_D(
                     cute.zipped_divide(tCgO[(None, None, None, q_tile0 + s)], epi_tiler)
                 )
+            # O complete (tcgen05.commit): order the loads after the wait (common/tmem.py, (d))
+            fence_after_thread_sync()
             for i in cutlass.range_constexpr(cute.size(tTR_tO[s], mode=[2])):
                 if kv_tile_hi > kv_tile_lo:
                     cute.copy(tmem_load, tTR_tO[s][(None, None, i)], tTR_rAcc)
@@ -1011,6 +984,8 @@ class Sm100Kernel:
                         tTR_cO[(None, None, i)],
                         (q_rows, mO.shape[1]),
                     )
+            # O read: order the loads before the release (common/tmem.py, as (a))
+            fence_before_thread_sync()
             if kv_tile_hi > kv_tile_lo:
                 o_last.release()
             # LSE = log(sum_j exp(scale * S_j)) = scale * row_max + log(row_sum), natural
@@ -1044,7 +1019,7 @@ class Sm100Kernel:
         barriers."""
         softmax_threads = 32 * len(self.softmax_warp_ids[0])  # 128: one per row of a Q tile
         correction_threads = 32 * len(self.correction_warp_ids)
-        # Q buffers (Q_0, Q_1) and K/V ring: the TMA warp fills (full = the tile's bytes
+        # Q buffer and K/V ring: the TMA warp fills (full = the tile's bytes
         # landed), the MMA warp's tcgen05.commit empties (one arrive).
         q_prod, q_cons = pipeline.PipelineTmaUmma.create(
             barrier_storage=storage.q_bar.data_ptr(),
@@ -1127,15 +1102,14 @@ class Sm100Kernel:
             )
         tmem_alloc_bar = pipeline.NamedBarrier(
             barrier_id=self.tmem_alloc_bar_id,
-            num_threads=32
-            * (1 + 2 * len(self.softmax_warp_ids[0]) + len(self.correction_warp_ids)),
+            num_threads=32 * (1 + len(self.softmax_warp_ids[0]) + len(self.correction_warp_ids)),
         )
         correction_bar = pipeline.NamedBarrier(
             barrier_id=self.correction_bar_id, num_threads=correction_threads
         )
         tmem_free_bar = pipeline.NamedBarrier(
             barrier_id=self.tmem_free_bar_id,
-            num_threads=32 * (2 * len(self.softmax_warp_ids[0]) + len(self.correction_warp_ids)),
+            num_threads=32 * (len(self.softmax_warp_ids[0]) + len(self.correction_warp_ids)),
         )
         return (
             (q_prod, q_cons),
@@ -1155,7 +1129,7 @@ class Sm100Kernel:
         # (MMA, MMA_N=D, MMA_K, kv_slots): the same slots viewed as V tiles (V's own swizzle)
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, v_smem_s.inner), v_smem_s.outer)
         # (bM, D, q_tiles): O staged for the TMA store, row-major, swizzled, in Q's buffers (the
-        # same bytes: 2 x 128 x D x 2). The correction warpgroup writes O_s there only after the
+        # same bytes: 128 x D x 2). The correction warpgroup writes O_s there only after the
         # last PV MMA of tile s has completed, and a tcgen05.commit tracks every MMA the MMA
         # thread issued before it: all QK MMAs, the only readers of Q, are done by then (and
         # the MMA warp waited for Q's loads before its first MMA). An empty range loads no Q.
@@ -1183,7 +1157,7 @@ class Sm100Kernel:
             cute.domain_offset((q_offset, 0), mO[(None, None, (head, batch))]),
         )
         mLSE = cute.domain_offset((q_offset,), mLSE[(None, (head, batch))])
-        # (bM, D, q_tiles): the CTA's two Q tiles
+        # (bM, D, q_tiles): the CTA's Q tile
         gQ = cute.local_tile(mQ, self.qk_mma_tiler, (None, 0, 0), proj=(1, None, 1))
         # (bN, D, kv_tiles)
         gK = cute.local_tile(mK, self.qk_mma_tiler, (0, None, 0), proj=(None, 1, 1))
@@ -1199,6 +1173,9 @@ class Sm100Kernel:
     @cute.jit
     def issue_qk(self, qk_mma, tStS, tCrQ, q_slot, tCrK, k_slot):
         """S = Q @ K_j^T into TMEM: bK / 16 tcgen05.mma of 128 x 128 x 16, the first overwriting S."""
+        # The caller has waited for S's columns (the softmax warps have read S; where P lies over
+        # S, the PV MMAs have read P): order these MMAs after the waits (common/tmem.py, (a), (d))
+        fence_after_thread_sync()
         qk_mma.set(tcgen05.Field.ACCUMULATE, False)
         for kb in cutlass.range_constexpr(cute.size(tCrQ, mode=[2])):
             # S += Q[:, 16 kb : 16 kb + 16] @ K_j[:, 16 kb : 16 kb + 16]^T  (128 x 128 x 16)
@@ -1214,6 +1191,9 @@ class Sm100Kernel:
     def issue_pv(self, pv_mma, tOtO, tOrP, tCrV, v_slot, accumulate):
         """O += P_j @ V_j in TMEM (O = P_j @ V_j when not accumulate): bN / 16 tcgen05.mma of
         128 x D x 16, A = P from TMEM."""
+        # The caller has waited for P (written by the softmax warps) and O (rescaled by the
+        # correction warps): order these MMAs after the waits (common/tmem.py, (b), (c))
+        fence_after_thread_sync()
         pv_mma.set(tcgen05.Field.ACCUMULATE, accumulate)
         for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
             # O += P_j[:, 16 kb : 16 kb + 16] @ V_j[16 kb : 16 kb + 16, :]  (128 x D x 16)
@@ -1224,13 +1204,18 @@ class Sm100Kernel:
     @cute.jit
     def rescale_o(self, tmem_load, tmem_store, tTR_tO, tRT_tO, tTR_rAcc, row_scale):
         """This thread's row of O *= row_scale, in TMEM: tcgen05.ld, multiply, tcgen05.st, 32
-        columns at a time; then tcgen05.wait::st, so that the MMA warp, told next, sees it."""
+        columns at a time; then tcgen05.wait::st, so that the MMA warp, told next, sees it. The
+        caller waits for O before and releases it after; the tcgen05 fences are in here."""
+        # O complete (tcgen05.commit): order the loads after the caller's wait (common/tmem.py, (d))
+        fence_after_thread_sync()
         for i in cutlass.range_constexpr(cute.size(tTR_tO, mode=[2])):
             cute.copy(tmem_load, tTR_tO[(None, None, i)], tTR_rAcc)
             cute.arch.fence_view_async_tmem_load()
             tTR_rAcc.store(row_scale * tTR_rAcc.load())
             cute.copy(tmem_store, tTR_rAcc, tRT_tO[(None, None, i)])
         cute.arch.fence_view_async_tmem_store()
+        # O rescaled: order the stores before the caller's release (common/tmem.py, (c))
+        fence_before_thread_sync()
 
     @cute.jit
     def store_row(self, tTR_rX, tTR_gX, tTR_cX, shape):
@@ -1289,7 +1274,7 @@ class Sm100Kernel:
     @cute.jit
     def q_positions(self, q_tile, seqlen_q, bM: cutlass.Constexpr = 128):
         """The first and last query position of row block q_tile (of bM rows: a Q tile, or a CTA's
-        2 x 128 rows) inside the sequence: rows q_tile * bM .. q_tile * bM + bM - 1, G rows per
+        q_tiles x 128 rows) inside the sequence: rows q_tile * bM .. q_tile * bM + bM - 1, G rows per
         position when packed (G = 1 otherwise)."""
         first_row = q_tile * bM
         last_row = cutlass.min(first_row + bM, seqlen_q * self.pack_gqa) - 1
@@ -1354,7 +1339,7 @@ def compile_args(dtype, shape, scale=None, **options):
     """(kernel, args) for cute.compile with fake tensors, shape = (B, H, Sq, Sk, D); options
     causal, window, kv_heads (Hkv, default H), varlen (True: packed sequences, B of them,
     through cu_seqlens) and pack_gqa (None, True, False: as attention's). The host side of
-    stages 7-9 is one copy, common/attention_host.py."""
+    stages 7-10 is one copy, common/attention_host.py."""
     return attention_host.compile_args(Sm100Kernel, dtype, shape, scale, **options)
 
 

@@ -1,48 +1,31 @@
 """Stage 8 - warp specialisation (Hopper, sm_90a).
 
 Changes from stage 7:
-- Warp roles: 384 threads (512 at D = 64: below). Warpgroup 0 is the producer: one elected
-  thread of its warp 0 issues every TMA load (Q, then K_j and V_j of each tile). Consumer
-  warpgroup w owns query rows [64 (w - 1), 64 w) of the Q tile and never stops to issue a load.
-- Registers: 65,536 / 384 threads leaves 168 each at entry. The producer gives its warpgroup's
-  down to 24 (setmaxnreg.dec), the consumers raise theirs to 240 (setmaxnreg.inc): 128 x 24 +
-  256 x 240 = 64,512, FlashAttention-3's split; 24 / 160 with three consumers. ptxas 13.0,
-  2026-12-01, bf16, no spills: the consumer code names 170 registers (packed, D = 128), 155
-  (batch, D = 128), 137 and 127 (D = 64, two consumers) of its 240 (nvdisasm; stage 7: 188, 164,
-  128, 133).
-- The ring runs ahead: kv_slots = as many 128-key tiles as fit in 227 KB (232,448 B) next to Q,
-  O's buffer and 1 KB of barriers. D = 128, 32 KB tiles: 5 slots, 1 + 2 x 32 + 160 = 225 KB;
-  D = 64, 16 KB tiles: 11 slots next to the 192-row Q tile and O, 1 + 2 x 24 + 176 = 225 KB.
-  Ring entry 2 t is K of step t and 2 t + 1 its V, in slot entry % kv_slots: V_j takes the next
-  slot, not K_j's, which under ping-pong frees only about when V_j is needed (a whole TMA load
-  on the consumer's path at every tile). The producer waits only for the release of the entry
-  kv_slots back: 2.5 KV tiles at D = 128, 5.5 at D = 64.
-- Ping-pong (FlashAttention-3's warp-scheduler barriers): named barriers 2 and 3 (2, 3 and 4 with
-  three consumer warpgroups, the turns going round) hand the tensor cores from one consumer
-  warpgroup to the next, so that one's softmax runs while another's GEMMs hold them. A turn is
-  the PV of one tile and the QK^T of the next, issued back to back, one wait after both (rather
-  than a wait for PV_j before QK_{j+1} is issued). wait_turn / pass_turn count every barrier in
-  their comments; the consumers' own syncs use named barrier 1.
-- Three consumer warpgroups at D = 64 (a 192-row Q tile; pack-GQA needs G to divide 192): D = 64
-  is bound by the exponentials, and a third warpgroup computes them while two others hold the
-  tensor cores.
-- Short masks keep two (launch_options): where a causal or window mask leaves no row more than
-  SHORT_MASK_KEYS = 1024 keys, a 192-row tile would do more masked work.
-- Persistent CTAs: a grid of at most one CTA per SM walks work tiles (a Q tile of one (head,
-  sequence)) in a loop, paying its set-up once per SM and loading the next tile during this
-  one's last GEMMs and epilogue. The tile scheduler: no mask (batch mode), CTA c takes tiles
-  c, c + gridDim.x, ...; under a mask and for packed sequences, the producer draws the next from
-  an atomic counter (next_tile) and hands it to the consumers with Q (q_full, q_empty). Longest
-  first, under a mask in sections of (head, sequence) pairs whose K and V fit in the 50 MB L2
-  (tile_coords). O has a buffer of its own (32 KB at D = 128, 24 KB at D = 64), so the next Q
-  lands while O is stored.
-- A kernel without the mask code for launches that mask nothing (no causal or window cut, batch
-  mode, Sk a multiple of 128: edge_masks=False): the unused branch would keep values live
-  across the loop.
-- A K/V slot is released by one elected lane per consumer warp (common/kv_ring.py,
-  release_slot), not by lane 0, whose predicate ptxas rebuilds at every tile.
-- Not changed: tiles, masks, the online softmax, the epilogue. Each warpgroup runs stage 7's
-  arithmetic on its rows, so O and LSE are meant to be stage 7's bit for bit (tested).
+- Warp roles: 384 threads. Warpgroup 0 is the producer: one elected thread of its warp 0 issues
+  every TMA load (Q, then K_j and V_j of each KV tile) and does nothing else. Consumer
+  warpgroup w = 1, 2 owns query rows [64 (w - 1), 64 w) of the 128-row Q tile, stage 7's rows
+  and arithmetic, and never stops to issue a load. `kernel` prepares what both roles share and
+  calls the role's method: load (the producer) or mma (the consumers: one mma_one_n_block per
+  KV tile, then epilogue).
+- Registers: 65,536 / 384 threads leaves 168 each at entry. The producer needs few: it gives its
+  warpgroup's down to 24 (setmaxnreg.dec), the consumers raise theirs to 240
+  (setmaxnreg.inc): 128 x 24 + 256 x 240 = 64,512 of 65,536 (FlashAttention-3's split).
+- The ring runs ahead. Stage 7 had 2 slots, V_j loaded into K_j's slot once QK_j was done. Here
+  every K and V tile takes the next ring entry: entry 2 t is K of step t, 2 t + 1 its V, in slot
+  entry % kv_slots, as many slots as fit in 227 KB (232,448 B) next to Q and 1 KB of barriers:
+  D = 128, 6 x 32 KB next to 32 KB (225 KB); D = 64, 13 x 16 KB next to 16 KB (225 KB). The
+  producer waits only for the release of the entry kv_slots back: 3 KV tiles ahead at D = 128.
+- Barriers: kv_full[i] completes on 1 arrive (the producer's expect_tx) + the TMA bytes of one
+  tile; kv_empty[i] on 8 arrives, one per consumer warp; q_full on 1 arrive + Q's bytes; q_empty
+  on 256 arrives, every consumer thread, once sO (over Q) is stored.
+- The work-tile loop: load and mma each walk work tiles (a Q tile of one head and sequence),
+  counting tiles and ring entries, so the ring's phases carry from one tile to the next. Here a
+  CTA has one tile (grid = tiles) and the loop runs once; stage 11 changes which tiles it visits.
+- Each consumer warpgroup runs stage 7's step: QK_j, wait, mask and online softmax, PV_j, wait.
+  The two warpgroups are not coordinated: their GEMMs reach the tensor cores as they are issued
+  (stage 9 makes them take turns).
+- Not changed: tiles, masks, the online softmax, the epilogue; O and LSE are stage 7's bit for
+  bit (tested).
 
 attention(q, k, v, ...) and attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...) as in
 stage 7: GQA / MQA, packed sequences, causal and window masks (bottom-right aligned per
@@ -64,9 +47,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from common import attention_host, pack_gqa
-from common.arch import device_sm_count
 from common.cute_interop import rows_of_16_bytes
-from common.kv_ring import release_slot
 
 
 class Sm90Kernel:
@@ -81,87 +62,28 @@ class Sm90Kernel:
         dtype,
         head_dim,
         pack_gqa=1,
-        persistent=True,
-        o_buffer=True,
-        sm_count=None,
-        mma_warpgroups=None,
-        edge_masks=True,
     ):
         self.dtype = dtype  # element type of Q, K, V and O: cutlass.BFloat16 or cutlass.Float16
         # Query heads per Q tile (pack-GQA, common/pack_gqa.py): 1, or G = H / Hkv when the
         # G heads of a group share the tile's rows (row r: position r // G, head r % G).
         self.pack_gqa = pack_gqa
         self.acc_dtype = cutlass.Float32
-        # Consumer warpgroup w = 1 .. mma_warpgroups computes query rows [64 (w - 1), 64 w) of
-        # the tile: two at D = 128 (a 128-row Q tile), three at D = 64 (192 rows,
-        # FlashAttention-3's configuration: see the docstring); mma_warpgroups overrides it (the
-        # launch passes 2 at D = 64 under short masks: launch_options).
-        self.mma_warpgroups = mma_warpgroups or self.warpgroups_for(head_dim)
-        # False: compiled without the element-mask code, for launches that mask nothing
-        # (launch_options; a compile of its own, the compile cache keys on it).
-        self.edge_masks = edge_masks
+        # Consumer warpgroup w = 1, 2 computes query rows [64 (w - 1), 64 w) of the 128-row tile.
+        self.mma_warpgroups = 2
         # (bM, bN, bK): query rows, keys per KV tile, head dim
         self.cta_tile = (64 * self.mma_warpgroups, 128, head_dim)
         self.tile_rows = self.cta_tile[0]  # what pack-GQA's G must divide (common/pack_gqa.py)
         self.mma_threads = 128 * self.mma_warpgroups
         self.threads = 128 + self.mma_threads  # warpgroup 0: the TMA producer
-        # setmaxnreg: 128 x 24 + 256 x 240 = 64,512 of the SM's 65,536 registers (two consumer
-        # warpgroups), 128 x 24 + 384 x 160 = 64,512 (three).
+        # setmaxnreg: 128 x 24 + 256 x 240 = 64,512 of the SM's 65,536 registers.
         self.load_registers = 24
-        self.mma_registers = {2: 240, 3: 160}[self.mma_warpgroups]
-        # As many K or V tiles as fit in 227 KB next to Q, O and 1 KB of barriers: 5 x 32 KB
-        # next to 2 x 32 KB (D = 128), 11 x 16 KB next to 2 x 24 KB (D = 64, 192 rows).
+        self.mma_registers = 240
+        # As many K or V tiles as fit in 227 KB next to Q and 1 KB of barriers: 6 x 32 KB next to
+        # 32 KB (D = 128), 13 x 16 KB next to 16 KB (D = 64).
         q_bytes = self.cta_tile[0] * head_dim * dtype.width // 8
         tile_bytes = self.cta_tile[1] * head_dim * dtype.width // 8
-        # Persistent CTAs: a grid of at most one CTA per SM (1 fits: 225 KB of shared memory),
-        # each walking work tiles: blockIdx.x, blockIdx.x + gridDim.x, ... in batch mode without
-        # a mask, drawn from an atomic counter under one and for packed sequences (see __call__,
-        # load and mma).
-        # Off: one CTA per tile, the same loop run once. o_buffer: O staged in its own buffer
-        # instead of over Q, so that the next tile's Q can land during this tile's epilogue (one
-        # K/V slot less).
-        self.persistent = persistent
-        self.o_buffer = o_buffer
-        self.sm_count = sm_count if sm_count is not None else device_sm_count()
-        o_bytes = q_bytes if o_buffer else 0
-        self.kv_slots = (227 * 1024 - 1024 - q_bytes - o_bytes) // tile_bytes
+        self.kv_slots = (227 * 1024 - 1024 - q_bytes) // tile_bytes
         self.smem_align = 1024  # the 128-byte swizzle repeats every 8 rows of 128 B
-        self.longest_first = True  # Q tiles in reverse order: see tile_coords
-        # Under a mask (batch mode) the work tiles go longest first across as many (head,
-        # sequence) pairs as fit their K and V in L2 (tile_coords); off: head by head.
-        self.l2_sections = True
-        self.l2_bytes = 50 * 1024 * 1024  # L2 of the H100 and the H200: 50 MB
-        # The launch passes tile_counter (common/attention_host.py): the dynamic scheduler's.
-        self.uses_tile_counter = True
-
-    @staticmethod
-    def warpgroups_for(head_dim):
-        """Consumer warpgroups at head dim D: 3 at D = 64 (192-row Q tile), 2 at D = 128."""
-        return 3 if head_dim == 64 else 2
-
-    # A query row that sees at most this many keys under a mask takes two consumer warpgroups
-    # at D = 64 (launch_options).
-    SHORT_MASK_KEYS = 1024
-
-    @staticmethod
-    def launch_options(head_dim, window_left, window_right, seqlen_q, seqlen_k, group, packed):
-        """Options for the kernel of one launch (common/attention_host.py builds it with them):
-        {"mma_warpgroups": 2} at D = 64 where a causal or window mask leaves no query row more
-        than SHORT_MASK_KEYS keys, min(Sk, left + right + 1) (packed: of the longest sequence),
-        and G = H / Hkv divides 64 (then both tiles, 128 and 192 rows, allow the same pack-GQA
-        choices: the argument checks do not depend on the lengths). {"edge_masks": False} where
-        the launch masks no element: no causal or window cut, batch mode (packed, a sequence's
-        last tile may end inside it; `packed`) and Sk a multiple of the 128-key tile. {}
-        otherwise. A 192-row tile does more of the masked work where the visible band is short;
-        the mask code costs registers and time even where no tile takes it (measured:
-        docs/notes/stage8.md)."""
-        masked = window_left < seqlen_k or window_right < seqlen_q
-        keys = min(seqlen_k, window_left + window_right + 1)
-        if head_dim == 64 and masked and keys <= Sm90Kernel.SHORT_MASK_KEYS and 64 % group == 0:
-            return {"mma_warpgroups": 2}
-        if not masked and not packed and seqlen_k % 128 == 0:  # no tile crosses an edge
-            return {"edge_masks": False}
-        return {}
 
     @cute.jit
     def __call__(
@@ -177,7 +99,6 @@ class Sm90Kernel:
         scale_log2: cutlass.Float32,
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
-        tile_counter: cute.Tensor,
         stream,
     ):
         bM, bN, bK = self.cta_tile
@@ -254,8 +175,6 @@ class Sm90Kernel:
         @cute.struct
         class SharedStorage:
             q_full: cute.struct.MemRange[cutlass.Int64, 1]
-            # The work tile the producer hands to the consumers with each q_full (see load, mma).
-            tile_id: cute.struct.MemRange[cutlass.Int32, 2]
             q_empty: cute.struct.MemRange[cutlass.Int64, 1]
             kv_full: cute.struct.MemRange[cutlass.Int64, self.kv_slots]
             kv_empty: cute.struct.MemRange[cutlass.Int64, self.kv_slots]
@@ -265,49 +184,20 @@ class Sm90Kernel:
             sKV: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(kv_smem_layout)], self.smem_align
             ]
-            sO: cute.struct.Align[
-                cute.struct.MemRange[
-                    self.dtype, cute.cosize(o_smem_layout) if self.o_buffer else 0
-                ],
-                self.smem_align,
-            ]
 
         self.shared_storage = SharedStorage
         self.shared_memory_bytes = SharedStorage.size_in_bytes()
 
         # The work tiles: one per Q tile (bM rows) of one (head, sequence), as many Q tiles as the
-        # longest sequence has (packed: G rows per position); the tiles past a shorter
-        # sequence's end have nothing to do (the producer skips them: live_tile). Persistent:
-        # min(tiles, SMs) CTAs share them out; persistent off: one CTA per tile.
+        # longest sequence has (packed: G rows per position; the tiles past a shorter sequence's
+        # end find an empty KV range and store nothing). One CTA per tile: the loop over work
+        # tiles in load and mma runs once.
         sequences = (
             q.shape[3] if cutlass.const_expr(cu_seqlens_q is None) else cu_seqlens_q.shape[0] - 1
         )
         tiles_m = cute.ceil_div(max_seqlen_q * self.pack_gqa, bM)
         tiles = tiles_m * q.shape[2] * sequences
         grid = (tiles, 1, 1)
-        # Under a mask (batch mode), the tiles go longest first across sections of l2_heads
-        # (head, sequence) pairs whose K and V fit in L2 together (tile_coords; 1: head by head),
-        # and, persistent, they are handed out at run time (dynamic = 1): a CTA that finishes a
-        # tile takes the next one not yet taken, from tile_counter (zeroed by the host).
-        l2_heads = cutlass.Int32(1)
-        dynamic = cutlass.Int32(0)
-        if cutlass.const_expr(self.persistent):
-            # At most one CTA per SM. Equal tiles (batch mode without a causal or window cut:
-            # left >= Sk and right >= Sq) are shared out in a fixed order, CTA c taking tiles
-            # c, c + gridDim.x, ...; unequal ones as CTAs free up, longest first.
-            grid = (cutlass.min(tiles, self.sm_count), 1, 1)
-            if cutlass.const_expr(cu_seqlens_q is not None):
-                # Packed sequences: the tiles differ with the lengths (and past a shorter
-                # sequence's end they are empty, skipped by the producer: live_tile). They go
-                # head by head, sequence after sequence (longest first only inside a (head,
-                # sequence)): a long sequence late in cu_seqlens is drawn last.
-                dynamic = cutlass.Int32(1)
-        if cutlass.const_expr(cu_seqlens_q is None):
-            if window_left < k.shape[0] or window_right < max_seqlen_q:
-                if cutlass.const_expr(self.persistent):
-                    dynamic = cutlass.Int32(1)
-                if cutlass.const_expr(self.l2_sections):
-                    l2_heads = self.l2_section_heads(k.shape[0], q.shape[2] * q.shape[3])
         self.kernel(
             qk_mma,
             pv_mma,
@@ -326,9 +216,6 @@ class Sm90Kernel:
             vt_smem_layout,
             o_smem_layout,
             tiles_m,
-            l2_heads,
-            dynamic,
-            tile_counter,
             scale_log2,
             window_left,
             window_right,
@@ -354,9 +241,6 @@ class Sm90Kernel:
         vt_smem_layout: cute.ComposedLayout,
         o_smem_layout: cute.ComposedLayout,
         tiles_m: cutlass.Int32,
-        l2_heads: cutlass.Int32,
-        dynamic: cutlass.Int32,
-        tile_counter: cute.Tensor,
         scale_log2: cutlass.Float32,
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
@@ -384,21 +268,17 @@ class Sm90Kernel:
         sVt = cute.make_tensor(
             cute.recast_ptr(sKV.iterator, vt_smem_layout.inner), vt_smem_layout.outer
         )
-        # (bM, bK): O's own buffer, or over sQ's bytes, used only after the last wgmma reading Q
-        o_bytes_at = storage.sO.data_ptr() if cutlass.const_expr(self.o_buffer) else sQ.iterator
+        # (bM, bK): over sQ's bytes, used only after the last wgmma reading Q
         sO = cute.make_tensor(
-            cute.recast_ptr(o_bytes_at, o_smem_layout.inner, dtype=self.dtype),
+            cute.recast_ptr(sQ.iterator, o_smem_layout.inner, dtype=self.dtype),
             cute.select(o_smem_layout.outer, mode=[0, 1]),
         )
 
         # q_full: 1 arrive (the producer's expect_tx of Q's bytes) + the TMA writes of Q, once
-        # per work tile. q_empty: 1 arrive from each of the 256 (384) consumer threads once they are
-        # done with the tile's Q (and with sO, when it lies over Q), once per work tile.
+        # per work tile. q_empty: 1 arrive from each of the 256 consumer threads once they are
+        # done with the tile's Q and with sO over it, once per work tile.
         q_full = storage.q_full.data_ptr()
         q_empty = storage.q_empty.data_ptr()
-        # The number of the tile whose Q q_full announces (the producer writes it before its
-        # arrive, the consumers read it after their wait).
-        tile_id = storage.tile_id.get_tensor(cute.make_layout(2))
         q_bytes = cute.size_in_bytes(
             self.dtype, cute.select(q_smem_layout, mode=[0, 1])
         )  # 32 KB (D = 128)
@@ -441,24 +321,16 @@ class Sm90Kernel:
         row_max = cute.make_rmem_tensor(cute.size(self.rows_view(acc_S), mode=[0]), self.acc_dtype)
         row_sum = cute.make_rmem_tensor_like(row_max)
 
-        # 2. The work tiles. Tile t is (Q tile, head, sequence) by tile_coords; CTA c starts with
-        # tile c, and its producer picks the next one (next_tile: c + gridDim.x, ..., or drawn from
-        # tile_counter under a mask) and hands each to the consumers with its Q (tile_id, q_full).
-        # Producer and consumers walk the same tiles and count what they have walked: `tiles_done`
-        # gives the phase of q_full and q_empty, `entries` (2 per KV tile) the ring position.
-        # The ring: entry 2 t holds K of step t (KV tile kv_tile_lo + t), entry 2 t + 1 its V;
-        # entry e takes slot e % kv_slots, and its barriers are waited for the parity
-        # (e / kv_slots) % 2 (consumers) or its flip (the producer: 1 passes a fresh empty
-        # barrier), from one tile to the next as within one. Every consumer warpgroup reads every
-        # entry: its slot is free again once all 8 (three warpgroups: 12) consumer warps have
-        # released it. The producer's walk is load, the consumers' mma.
+        # 2. The work tiles. Tile t is (Q tile, head, sequence) by tile_coords; CTA c takes tile c
+        # and then next_tile's (here none: one CTA per tile). Producer and consumers walk the same
+        # tiles and count what they have walked: `tiles_done` gives the phase of q_full and
+        # q_empty, `entries` (2 per KV tile) the ring position. The ring: entry 2 t holds K of
+        # step t (KV tile kv_tile_lo + t), entry 2 t + 1 its V; entry e takes slot e % kv_slots,
+        # and its barriers are waited for the parity (e / kv_slots) % 2 (consumers) or its flip
+        # (the producer: 1 passes a fresh empty barrier). Every consumer warpgroup reads every
+        # entry: its slot is free again once all 8 consumer warps have released it. The
+        # producer's walk is load, the consumers' mma.
         heads = mQ.shape[2]
-        if cutlass.const_expr(mCuSeqlensQ is not None):
-            # Packed sequences: head by head, handed out at run time when persistent (the values
-            # __call__ passes, as constants: fewer live registers in the 24 of the producer).
-            l2_heads = 1
-            if cutlass.const_expr(self.persistent):
-                dynamic = 1
         total_tiles = tiles_m * heads * self.sequences(mQ, mCuSeqlensQ)
         if warpgroup_idx == 0:
             # The producer warpgroup needs few registers to issue TMA: it gives them up (all 4
@@ -480,20 +352,15 @@ class Sm90Kernel:
                     kv_pipeline,
                     q_full,
                     q_empty,
-                    tile_id,
                     q_bytes,
                     total_tiles,
                     tiles_m,
                     heads,
-                    l2_heads,
-                    dynamic,
-                    tile_counter,
                     window_left,
                     window_right,
                 )
         else:
-            # The consumer warpgroups take the registers the producer gave up (168 -> 240; with
-            # three consumer warpgroups, 128 -> 160).
+            # The consumer warpgroups take the registers the producer gave up (168 -> 240).
             cute.arch.setmaxregister_increase(self.mma_registers)
             self.mma(
                 qk_mma,
@@ -509,7 +376,6 @@ class Sm90Kernel:
                 kv_pipeline,
                 q_full,
                 q_empty,
-                tile_id,
                 tSrQ,
                 tSrK,
                 tOrVt,
@@ -522,7 +388,6 @@ class Sm90Kernel:
                 total_tiles,
                 tiles_m,
                 heads,
-                l2_heads,
                 scale_log2,
                 window_left,
                 window_right,
@@ -547,26 +412,20 @@ class Sm90Kernel:
         kv_pipeline,
         q_full,
         q_empty,
-        tile_id,
         q_bytes,
         total_tiles,
         tiles_m,
         heads,
-        l2_heads,
-        dynamic,
-        tile_counter,
         window_left,
         window_right,
     ):
         """The producer: warp 0 of warpgroup 0 walks the work tiles and issues every TMA load
-        of each, Q (with the tile's number, for the consumers) and then K_j and V_j of every
-        KV tile of its range into the ring; at the end, a tile number past the last."""
+        of each, Q and then K_j and V_j of every KV tile of its range into the ring."""
         tiles_done = cutlass.Int32(0)
         entries = cutlass.Int32(0)
-        live = (tiles_m, heads, l2_heads, dynamic, tile_counter, mCuSeqlensQ)
-        tile = self.live_tile(cute.arch.block_idx()[0], total_tiles, *live)
+        tile = cute.arch.block_idx()[0]
         while tile < total_tiles:
-            pid_m, head, batch = self.tile_coords(tile, tiles_m, heads, l2_heads)
+            pid_m, head, batch = self.tile_coords(tile, tiles_m, heads)
             kv_head = head // (mQ.shape[2] // mK.shape[2])
             offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
                 batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
@@ -589,10 +448,8 @@ class Sm90Kernel:
             # the fresh barrier), then K_j and V_j of every tile of the range, each into
             # the next entry: the wait in load_tiles is for the release of the entry
             # kv_slots before, possibly one of the previous tile's.
-            # With Q comes the tile's number, for the consumers (released by the arrive).
             cute.arch.mbarrier_wait(q_empty, self.q_empty_parity(tiles_done))
             with cute.arch.elect_one():
-                tile_id[0] = tile
                 cute.arch.mbarrier_arrive_and_expect_tx(q_full, q_bytes)
             cute.copy(tma_atom_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_full)
             producer_state = self.ring_state(entries, pipeline.PipelineUserType.Producer)
@@ -603,15 +460,7 @@ class Sm90Kernel:
                 producer_state.advance()
             entries += 2 * (kv_tile_hi - kv_tile_lo)
             tiles_done += 1
-            # Every load of this tile is issued (the consumers are a few KV tiles behind):
-            # take the next tile now (packed sequences: the next one with rows of Q).
-            tile = self.live_tile(self.next_tile(tile, dynamic, tile_counter), total_tiles, *live)
-        # No tile left: tell the consumers with a tile number past the end and a q_full
-        # of its own (an arrive without bytes), once they are done with the last Q.
-        cute.arch.mbarrier_wait(q_empty, self.q_empty_parity(tiles_done))
-        with cute.arch.elect_one():
-            tile_id[0] = tile
-            cute.arch.mbarrier_arrive(q_full)
+            tile = self.next_tile(tile)
         # Exit only after the consumers have released the last kv_slots entries (waits
         # on the empty barriers of the next kv_slots entries): no arrive on the ring is
         # outstanding then. The consumers' waits alone already keep shared memory alive
@@ -635,7 +484,6 @@ class Sm90Kernel:
         kv_pipeline,
         q_full,
         q_empty,
-        tile_id,
         tSrQ,
         tSrK,
         tOrVt,
@@ -648,7 +496,6 @@ class Sm90Kernel:
         total_tiles,
         tiles_m,
         heads,
-        l2_heads,
         scale_log2,
         window_left,
         window_right,
@@ -661,11 +508,9 @@ class Sm90Kernel:
         the online softmax, O += P V) and the epilogue."""
         tiles_done = cutlass.Int32(0)
         entries = cutlass.Int32(0)
-        # Each tile's number comes with its Q (q_full); a number past the end ends the loop.
-        cute.arch.mbarrier_wait(q_full, self.q_full_parity(tiles_done))
-        tile = tile_id[0]
+        tile = cute.arch.block_idx()[0]
         while tile < total_tiles:
-            pid_m, head, batch = self.tile_coords(tile, tiles_m, heads, l2_heads)
+            pid_m, head, batch = self.tile_coords(tile, tiles_m, heads)
             offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
                 batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
             )
@@ -675,7 +520,8 @@ class Sm90Kernel:
             steps = kv_tile_hi - kv_tile_lo
             consumer_state = self.ring_state(entries, pipeline.PipelineUserType.Consumer)
 
-            # This tile's Q has landed (the wait before the loop or at the end of the last tile).
+            # Wait until this tile's Q has landed.
+            cute.arch.mbarrier_wait(q_full, self.q_full_parity(tiles_done))
             row_max.fill(-cutlass.Float32.inf)
             row_sum.fill(0.0)
             # A row that sees no key keeps O = 0 (and so does a Q tile with no KV tile at all).
@@ -685,31 +531,15 @@ class Sm90Kernel:
             # previous tile's last P would stay live through that tile's epilogue, 64
             # registers more, and ptxas serialises the wgmma (warning C7512) at D = 128.
             acc_S.fill(0.0)
-            # One pass: S, the running row_max and row_sum, O rescaled, O += P @ V. Ping-pong:
-            # the consumer warpgroups take turns on the tensor cores. A turn is the PV of one
-            # tile and the QK^T of the next (turn 0: QK_0 alone; the last: the last PV); a
-            # warpgroup waits for its turn before the pair and passes it on right after issuing
-            # the QK^T, so its softmax runs during the others' turns. With steps = 2:
-            #   tensor cores | 1: QK0  | 2: QK0  | 1: PV0 QK1 | 2: PV0 QK1 | 1: PV1  | 2: PV1
-            #   warpgroup 1  |         | softmax |            | softmax    |         |
-            #   warpgroup 2  |         |         | softmax    |            | softmax |
-            # With three warpgroups (D = 64) the turns go round 1, 2, 3, 1, ... on barriers 2, 3
-            # and 4. All warpgroups have the same steps (one tile range per work tile), so each
-            # takes steps + 1 turns (none when steps = 0). Warpgroup 1 starts without waiting,
-            # the last warpgroup passes nothing after its last turn; then warpgroup 1's barrier
-            # (2) completes steps times (steps waits, steps passes from the last warpgroup) and
-            # every other warpgroup's steps + 1 times, and none is left with a pending arrive
-            # when the CTA ends.
-            pv_mma.set(warpgroup.Field.ACCUMULATE, False)
-            # The ring entry of the V that the previous step's PV reads (released once the wait
-            # after this step's QK^T has seen that PV complete).
-            v_state = consumer_state.clone()
+            # One pass: S, the running row_max and row_sum, O rescaled, O += P @ V, each consumer
+            # warpgroup on its own rows and at its own pace: it issues a GEMM as soon as its
+            # operands are ready, and the tensor cores take the two warpgroups' GEMMs as they
+            # come. Every PV accumulates into acc_O, which starts at 0.
+            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
             for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
-                v_state, consumer_state, pv_mma = self.mma_one_n_block(
+                consumer_state = self.mma_one_n_block(
                     kv_tile,
-                    kv_tile_lo,
                     consumer_state,
-                    v_state,
                     qk_mma,
                     pv_mma,
                     mCuSeqlensK,
@@ -730,17 +560,8 @@ class Sm90Kernel:
                     scale_log2,
                     window_left,
                     window_right,
-                    warpgroup_idx,
                     mma_tidx,
                 )
-            # The last turn (the last PV) goes round too; the last warpgroup's hands over to
-            # nobody. Then V of the last tile is released once its PV has completed. (The wait
-            # stands outside the branch: on no path may the epilogue read acc_O before it.)
-            if steps > 0 and warpgroup_idx < self.mma_warpgroups:
-                self.pass_turn(warpgroup_idx)
-            warpgroup.wait_group(0)
-            if steps > 0:
-                release_slot(kv_pipeline, v_state)
 
             self.epilogue(
                 pv_mma,
@@ -763,16 +584,13 @@ class Sm90Kernel:
             )
             entries += 2 * steps
             tiles_done += 1
-            cute.arch.mbarrier_wait(q_full, self.q_full_parity(tiles_done))
-            tile = tile_id[0]
+            tile = self.next_tile(tile)
 
     @cute.jit
     def mma_one_n_block(
         self,
         kv_tile,
-        kv_tile_lo,
         consumer_state,
-        v_state,
         qk_mma,
         pv_mma,
         mCuSeqlensK,
@@ -793,64 +611,36 @@ class Sm90Kernel:
         scale_log2,
         window_left,
         window_right,
-        warpgroup_idx,
         mma_tidx,
     ):
-        """One step of the pass, KV tile kv_tile (step kv_tile - kv_tile_lo): S = Q K_j^T, the
-        mask and the online softmax, O rescaled, P_j, then O += P_j V_j issued (not waited for).
-        Returns (v_state, consumer_state, pv_mma), the values the loop carries: V_j's ring entry
-        (released by the next step), the ring position after V_j, and pv_mma, whose ACCUMULATE
-        flag is on after the very first PV."""
+        """One step of the pass, KV tile kv_tile = j: S = Q K_j^T, the mask and the online
+        softmax, O rescaled, P_j, then O += P_j V_j. Returns consumer_state, the ring position
+        after V_j, which the loop carries."""
         _, bN, _ = self.cta_tile
-        k_blocks = cute.size(tSrQ, mode=[2])  # bK / 16 wgmma for S
-        kv_blocks = cute.size(tOrP, mode=[2])  # bN / 16 wgmma for O
-        step = kv_tile - kv_tile_lo
         k_state = consumer_state.clone()
         consumer_state.advance()
         # Wait until TMA has written K_j.
         kv_pipeline.consumer_wait(k_state)
-        # Turn 0 (QK_0) goes round from warpgroup 1: every other warpgroup waits for it;
-        # any later turn was taken before the previous tile's PV.
-        if step == 0 and warpgroup_idx > 1:
-            self.wait_turn(warpgroup_idx)
+        self.issue_qk(qk_mma, acc_S, tSrQ, tSrK, k_state.index)
 
-        # S = Q @ K_j^T: bK / 16 asynchronous m64n128k16 steps, the first overwrites acc_S.
-        warpgroup.fence()
-        qk_mma.set(warpgroup.Field.ACCUMULATE, False)
-        for k_block in cutlass.range_constexpr(k_blocks):
-            coord = (None, None, k_block, k_state.index)
-            cute.gemm(qk_mma, acc_S, tSrQ[None, None, k_block, 0], tSrK[coord], acc_S)
-            qk_mma.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
-        # Issued: the next warpgroup's turn (its PV_{j-1} and QK_j) queues behind it.
-        self.pass_turn(warpgroup_idx)
-
-        # The hazard: the producer refills a slot as soon as all 8 (12) consumer warps have
-        # released it. Wait until the wgmmas reading K_j - and PV_{j-1}, issued just before them
-        # in the same turn, reading V_{j-1} - have completed, and only then release their slots.
+        # The hazard: the producer refills a slot as soon as all 8 consumer warps have released
+        # it. Wait until the wgmmas reading K_j have completed, and only then release its slot.
         warpgroup.wait_group(0)
-        release_slot(kv_pipeline, k_state)
-        if step > 0:
-            release_slot(kv_pipeline, v_state)
-
-        # Only a tile that crosses an edge (Sk, or the band of the window: the diagonal when
-        # causal) is masked element by element: S = -inf where row i must not see key j.
-        if cutlass.const_expr(self.edge_masks):
-            if self.crosses_mask_edge(
-                pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right
-            ):
-                self.mask_keys(
-                    acc_S, tScS, pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right
-                )
-
-        # Fold this tile into row_max and row_sum; P = exp(scale * (S - row_max)) in place of S.
-        row_scale = self.online_softmax(acc_S, row_max, row_sum, scale_log2)
-        # O *= row_scale: what O holds so far was weighted against the previous row_max.
-        acc_O_mn = self.rows_view(acc_O)
-        for r in cutlass.range_constexpr(cute.size(row_scale)):
-            acc_O_mn[r, None].store(acc_O_mn[r, None].load() * row_scale[r])
-        # P rounded to the input dtype, in the register layout of wgmma's A operand.
-        tOrP.store(self.acc_as_operand_a(acc_S).load().to(self.dtype))
+        kv_pipeline.consumer_release(k_state)
+        row_scale = self.softmax_step(
+            acc_S,
+            tScS,
+            row_max,
+            row_sum,
+            scale_log2,
+            pid_m,
+            kv_tile,
+            seqlen_q,
+            seqlen_k,
+            window_left,
+            window_right,
+        )
+        self.rescale_o_and_convert_p(acc_O, row_scale, acc_S, tOrP)
 
         v_state = consumer_state.clone()
         consumer_state.advance()
@@ -858,27 +648,16 @@ class Sm90Kernel:
         kv_pipeline.consumer_wait(v_state)
         # Packed sequences: the last tile's rows past seqlen_k are the next sequence's V. P is
         # 0 there, but 0 x NaN = NaN: zero those rows before P @ V reads them. (Its barrier
-        # joins all consumer warpgroups, so it stands between turns: a warpgroup holding the
-        # turn there would wait for the others, which wait for the turn.)
+        # joins both consumer warpgroups.)
         if cutlass.const_expr(mCuSeqlensK is not None):
             if (kv_tile + 1) * bN > seqlen_k:
                 self.zero_rows(sKV, v_state.index, seqlen_k - kv_tile * bN, mma_tidx)
 
-        # This warpgroup's next turn: PV_j, then QK_{j+1} at the top of the next step.
-        self.wait_turn(warpgroup_idx)
-        # O += P @ V_j: bN / 16 asynchronous m64nDk16 steps (the very first overwrites acc_O).
-        warpgroup.fence()
-        for kv_block in cutlass.range_constexpr(kv_blocks):
-            coord = (None, None, kv_block, v_state.index)
-            cute.gemm(pv_mma, acc_O, tOrP[None, None, kv_block], tOrVt[coord], acc_O)
-            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
-        # No wait here: QK_{j+1} (the next step) is issued right behind PV_j, so the tensor
-        # cores run the turn's two GEMMs back to back; the wait after QK_{j+1} covers both.
-        # (Waiting for PV_j first, as FlashAttention-3's kernel without intra-warpgroup overlap
-        # does, leaves the tensor cores idle between them while this warpgroup, holding the
-        # turn, sees PV_j complete and issues QK_{j+1}.)
-        return v_state, consumer_state, pv_mma
+        self.issue_pv(pv_mma, acc_O, tOrP, tOrVt, v_state.index)
+        # V_j is read once PV_j has completed: release its slot.
+        warpgroup.wait_group(0)
+        kv_pipeline.consumer_release(v_state)
+        return consumer_state
 
     @cute.jit
     def epilogue(
@@ -905,10 +684,6 @@ class Sm90Kernel:
         LSE, then O rounded to the input dtype and stored through shared memory (sO) to global
         memory, only the rows inside the sequence."""
         bM = self.cta_tile[0]
-        # O has its own buffer: every wgmma reading this tile's Q is complete, so the
-        # next tile's Q may land while the epilogue runs (this thread's arrive on q_empty).
-        if cutlass.const_expr(self.o_buffer):
-            cute.arch.mbarrier_arrive(q_empty)
         # Each thread's row_sum covers its 32 columns of every tile: add up the 4 of the quad.
         for r in cutlass.range_constexpr(cute.size(row_sum)):
             row_sum[r] = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
@@ -937,9 +712,8 @@ class Sm90Kernel:
                         g, pos = row % self.pack_gqa, row // self.pack_gqa
                         mLSE[(g, offset_q + pos), head, batch] = lse_ln
 
-        # All consumer warpgroups are done with the previous tile's sO (store_rows) and,
-        # when sO lies over Q, with this tile's sQ. (Named barrier 1: the 256 or 384
-        # consumer threads; the producer takes no part.)
+        # All consumer warpgroups are done with this tile's sQ, which sO overwrites. (Named
+        # barrier 1: the 256 consumer threads; the producer takes no part.)
         cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
 
         # O rounded to the input dtype, written to shared memory by stmatrix.
@@ -974,121 +748,91 @@ class Sm90Kernel:
             gO,
             seqlen_q * self.pack_gqa - pid_m * bM,
             mma_tidx,
-            None if cutlass.const_expr(self.o_buffer) else q_empty,
+            q_empty,
         )
 
     def q_full_parity(self, tiles_done):
-        """The consumers' wait on q_full for the tile after `tiles_done` tiles (or the end):
-        the phase of that tile, tiles_done % 2 (one completion per tile: the producer's arrive
-        with Q's bytes, or its arrive alone at the end). Plain arithmetic, shared with the CPU
-        model of the hand-over in the tests."""
+        """The consumers' wait on q_full for the tile after `tiles_done` tiles: the phase of that
+        tile, tiles_done % 2 (one completion per tile: the producer's arrive with Q's bytes).
+        Plain arithmetic, shared with the CPU model of the hand-over in the tests."""
         return tiles_done % 2
 
     def q_empty_parity(self, tiles_done):
-        """The producer's wait on q_empty before it writes the next tile number and Q: the
-        consumers are done with the previous tile's (one completion per tile, all consumer
-        threads); (tiles_done + 1) % 2, which a fresh barrier passes for the first tile."""
+        """The producer's wait on q_empty before it writes the next tile's Q: the consumers are
+        done with the previous tile's (one completion per tile, all consumer threads);
+        (tiles_done + 1) % 2, which a fresh barrier passes for the first tile."""
         return (tiles_done + 1) % 2
 
     @cute.jit
-    def next_tile(self, tile, dynamic, tile_counter):
-        """The producer's next work tile after `tile`: tile + gridDim.x (a fixed share), or, with
-        dynamic = 1, gridDim.x + the ticket that lane 0 draws from tile_counter (an atomic add:
-        tickets 0, 1, ... in the order the CTAs ask, after the first gridDim.x tiles that the
-        CTAs start with), broadcast to the warp."""
-        grid = cute.arch.grid_dim()[0]
-        nxt = tile + grid
-        if dynamic != 0:
-            ticket = cutlass.Int32(0)
-            if cute.arch.lane_idx() == 0:
-                ticket = cute.arch.atomic_add(tile_counter.iterator, cutlass.Int32(1))
-            nxt = grid + cute.arch.shuffle_sync(ticket, 0)
-        return nxt
+    def next_tile(self, tile):
+        """The work tile after `tile` for this CTA: tile + gridDim.x. With one CTA per tile that
+        is past the last: the loop runs once."""
+        return tile + cute.arch.grid_dim()[0]
 
     @cute.jit
-    def live_tile(
-        self, tile, total_tiles, tiles_m, heads, l2_heads, dynamic, tile_counter, mCuSeqlensQ
+    def issue_qk(self, qk_mma, acc_S, tSrQ, tSrK, slot):
+        """S = Q @ K^T from K in ring slot `slot`: bK / 16 asynchronous m64n128k16 steps, the first
+        overwriting acc_S, as one wgmma group (committed, not waited for)."""
+        warpgroup.fence()
+        qk_mma.set(warpgroup.Field.ACCUMULATE, False)
+        for k_block in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            coord = (None, None, k_block, slot)
+            cute.gemm(qk_mma, acc_S, tSrQ[None, None, k_block, 0], tSrK[coord], acc_S)
+            qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def issue_pv(self, pv_mma, acc_O, tOrP, tOrVt, slot):
+        """O += P @ V from V in ring slot `slot`: bN / 16 asynchronous m64nDk16 steps, all
+        accumulating (pv_mma's ACCUMULATE is set once, acc_O starts at 0), as one wgmma group
+        (committed, not waited for)."""
+        warpgroup.fence()
+        for kv_block in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+            coord = (None, None, kv_block, slot)
+            cute.gemm(pv_mma, acc_O, tOrP[None, None, kv_block], tOrVt[coord], acc_O)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def softmax_step(
+        self,
+        acc_S,
+        tScS,
+        row_max,
+        row_sum,
+        scale_log2,
+        pid_m,
+        kv_tile,
+        seqlen_q,
+        seqlen_k,
+        window_left,
+        window_right,
     ):
-        """The first work tile from `tile` on (taking next_tile past each one skipped) that has
-        rows of Q, or a number past the end. Packed sequences only: the grid counts as many Q
-        tiles per (head, sequence) as the longest sequence has, so a shorter sequence's last
-        ones are empty (16 tiles of 128 rows for 2047 tokens, one for 64), and a CTA that took
-        one would load Q and run an epilogue for nothing. In batch mode every tile has rows."""
-        if cutlass.const_expr(mCuSeqlensQ is not None):
-            searching = cutlass.Int32(1)
-            while searching != 0:
-                searching = cutlass.Int32(0)
-                if tile < total_tiles:
-                    pid_m, _, batch = self.tile_coords(tile, tiles_m, heads, l2_heads)
-                    if self.tile_is_empty(pid_m, mCuSeqlensQ[batch + 1] - mCuSeqlensQ[batch]):
-                        tile = self.next_tile(tile, dynamic, tile_counter)
-                        searching = cutlass.Int32(1)
-        return tile
-
-    def tile_is_empty(self, pid_m, seqlen_q):
-        """Whether Q tile pid_m starts past the end of a sequence of seqlen_q positions (G rows
-        per position when packed): its first row, pid_m * bM, is not below seqlen_q * G. Plain
-        arithmetic, shared with the CPU model of the ticket walk in the tests."""
-        return pid_m * self.cta_tile[0] >= seqlen_q * self.pack_gqa
+        """The softmax of one tile: the element mask on a tile that crosses an edge (Sk, or the
+        band of the window: the diagonal when causal), then the fold into row_max and row_sum,
+        P = exp(scale * (S - row_max)) in place of S. Returns row_scale."""
+        if self.crosses_mask_edge(pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right):
+            self.mask_keys(
+                acc_S, tScS, pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right
+            )
+        return self.online_softmax(acc_S, row_max, row_sum, scale_log2)
 
     @cute.jit
-    def wait_turn(self, warpgroup_idx):
-        """Ping-pong: block consumer warpgroup w until the one before it (w - 1, warpgroup 1's:
-        the last) has passed it the tensor cores. Its named barrier (turn_barrier) counts 256
-        threads: this warpgroup's 128 (bar.sync, here) and the previous one's 128 (bar.arrive,
-        in pass_turn); each completion is one turn. The turns go strictly round (1, 2, 1, 2, ...
-        or 1, 2, 3, 1, ...), so no barrier sees two passes before a wait."""
-        cute.arch.barrier(barrier_id=self.turn_barrier(warpgroup_idx), number_of_threads=2 * 128)
+    def rescale_o_and_convert_p(self, acc_O, row_scale, acc_S, tOrP):
+        """O *= row_scale (O holds P_0 V_0 + ... + P_{j-1} V_{j-1}, weighted against the previous
+        row_max), then P_j rounded to the input dtype, in the register layout of wgmma's A
+        operand. After the wait for PV_{j-1}: it writes acc_O and tOrP."""
+        acc_O_mn = self.rows_view(acc_O)
+        for r in cutlass.range_constexpr(cute.size(row_scale)):
+            acc_O_mn[r, None].store(acc_O_mn[r, None].load() * row_scale[r])
+        tOrP.store(self.acc_as_operand_a(acc_S).load().to(self.dtype))
 
-    @cute.jit
-    def pass_turn(self, warpgroup_idx):
-        """Ping-pong: consumer warpgroup w hands the tensor cores to the next one
-        (next_warpgroup): an arrive, without waiting, on that warpgroup's turn barrier."""
-        barrier = self.turn_barrier(self.next_warpgroup(warpgroup_idx))
-        cute.arch.barrier_arrive(barrier_id=barrier, number_of_threads=2 * 128)
-
-    def turn_barrier(self, warpgroup):
-        """The named barrier of consumer warpgroup w's turns: 1 + w (barrier 1 is all consumers').
-        Plain arithmetic, on a warpgroup number or the kernel's run-time warpgroup_idx alike; the
-        CPU model in the tests uses these two methods."""
-        return 1 + warpgroup
-
-    def next_warpgroup(self, warpgroup):
-        """The consumer warpgroup after w of N = mma_warpgroups: w % N + 1 (N = 2: 1 <-> 2)."""
-        return warpgroup % self.mma_warpgroups + 1
-
-    def tile_coords(self, tile, tiles_m, heads, l2_heads):
-        """(Q tile, head, sequence) of work tile `tile`. The (head, sequence) pairs hb = head +
-        H sequence are cut into sections of l2_heads pairs (which divides their number); inside
-        a section the pair varies fastest and the Q tile slowest, so the tiles run block by
-        block across the section's heads: with longest first, every head's last Q tile (under
-        a causal mask the one with the most KV tiles), then every head's second last, and so on.
-        The CTAs running at one time read the K and V of one section, which fit in L2 together
-        (l2_section_heads). l2_heads = 1 (no mask, packed sequences): head by head, the Q tile
-        fastest. (Without a mask every tile has the same work.)"""
-        section_tiles = l2_heads * tiles_m
-        section = tile // section_tiles
-        in_section = tile - section * section_tiles
-        block = in_section // l2_heads
-        hb = section * l2_heads + in_section - block * l2_heads
-        pid_m = block
-        if cutlass.const_expr(self.longest_first):
-            pid_m = tiles_m - 1 - block
+    def tile_coords(self, tile, tiles_m, heads):
+        """(Q tile, head, sequence) of work tile `tile`: the Q tile varies fastest, then the
+        head, then the sequence (stage 7's grid, blockIdx = (Q tile, head, sequence), in one
+        number)."""
+        pid_m = tile % tiles_m
+        hb = tile // tiles_m
         return pid_m, hb % heads, hb // heads
-
-    @cute.jit
-    def l2_section_heads(self, seqlen_k, pairs):
-        """How many (head, sequence) pairs' K and V fit in L2 together: 50 MB (the H100's L2;
-        the H200's too) over Sk x 2 D bytes of K and V per head (fp16/bf16), rounded down to a
-        power of two (as FlashAttention's LPT tile scheduler), at least 1, and at most the
-        largest power of two dividing the number of pairs (pairs & -pairs), so that every
-        section is whole."""
-        per_key = 2 * self.cta_tile[2] * self.dtype.width // 8  # bytes of K and V per key
-        fit = (self.l2_bytes // per_key) // seqlen_k
-        heads = cutlass.Int32(1)
-        for _ in cutlass.range_constexpr(24):
-            heads = heads * 2 if heads * 2 <= fit else heads
-        return cutlass.min(heads, pairs & -pairs)
 
     @staticmethod
     def sequences(mQ, mCuSeqlensQ):
@@ -1345,9 +1089,11 @@ def attention(q, k, v, scale=None, causal=False, window=None, return_lse=False, 
 
     pack_gqa: the G = H / Hkv query heads of a KV head share one Q tile (common/pack_gqa.py).
     None (default) packs where a tile would otherwise be mostly empty, Sq short against the
-    128-row tile (decode-like shapes: Sq = 1 uses 1 of 128 rows unpacked, G packed); True /
-    False force it. The same answer either way (the same arithmetic per row); the speed is in
-    docs/results/README.md."""
+    Q tile (128 rows, 192 at D = 64 but 128 under a mask of at most 1024 keys per row with G
+    dividing 64;
+    decode-like shapes: Sq = 1 uses 1 row unpacked, G packed); True / False force it (True
+    needs G to divide the tile's rows). The same answer either way (the same arithmetic per
+    row); the speed is in docs/results/README.md."""
     return attention_host.attention(
         Sm90Kernel, q, k, v, scale, causal, window, return_lse, pack_gqa
     )

@@ -1,43 +1,32 @@
-"""Stage 9 - overlap inside the loop (Hopper, sm_90a).
+"""Stage 12 - the last percent (Hopper, sm_90a).
 
-Changes from stage 8:
-- Software pipelining inside each consumer warpgroup (FlashAttention-3's intra-warpgroup
-  overlap; its paper reports +14% for this step on an H100). In stage 8 a warpgroup's own work
-  is serial: QK_j, wait, softmax_j, PV_j; its exponentials run only while the other warpgroup
-  holds the tensor cores. Stage 9 issues QK_j and then PV_{j-1} as one turn and runs softmax_j
-  while PV_{j-1} is still on the tensor cores:
-    prologue: QK_lo, wait, softmax_lo, P_lo
-    step j:   QK_j, PV_{j-1}, wait for QK_j (wait_group 1), softmax_j, wait for PV_{j-1}
-              (wait_group 0), O *= row_scale_j, P_j
-    last:     PV_{hi-1}, wait
-- Where the wait lands: ptxas moves a wgmma wait up to the top of its block (sm_90a SASS of
-  the DSL's CUDA 13 build), ahead of the row max and the 66 exponentials, so in the plain PTX
-  order only the mask runs under PV_{j-1}. At D = 128 (max_before_wait) the row max (and
-  row_scale) comes first, then a branch on an always-true, warp-uniform test that neither
-  compiler can fold (always_true_after: inline PTX, setp and vote.any), and behind it the
-  wait, the exponentials, O *= row_scale and P_j. D = 64 keeps the PTX order.
-- Registers: two S-sized sets live across the GEMMs, acc_S (S_j, 64 fp32 per thread) and tOrP
-  (P_{j-1}, 32 registers of bf16 pairs), next to acc_O (D / 2 fp32), in the 240 registers per
-  consumer thread from setmaxnreg: nvdisasm counts 207 (batch, D = 128; packed 201; D = 64 206
-  and 213) against stage 8's 155 (170, 127, 137), no spills (sm_90a, bf16, 2026-12-01). The K/V
-  ring and O's own buffer are stage 8's: 5 slots at D = 128, 11 at D = 64 (225 KB).
-- The ping-pong's turns are (QK_j, PV_{j-1}) pairs, QK_lo alone first, PV_{hi-1} alone last:
-  steps + 1 per warpgroup, so the turn barriers complete as in stage 8, steps times for
-  warpgroup 1's, steps + 1 for the others' (the tests' CPU model checks every interleaving).
-- The same operations on O in the same order (O *= row_scale_j, then O += P_j V_j), so O and
-  LSE are stage 8's bit for bit (tested).
-- Three consumer warpgroups at D = 64, as stage 8 (FlashAttention-3's configuration): a 192-row
-  Q tile, setmaxnreg 24 / 160, 156-157 registers, no spills (sm_90a, 2026-12-01). Short masks
-  (<= SHORT_MASK_KEYS = 1024 keys per query row) keep two, as stage 8 (launch_options).
-- The mask of an edge tile is one interval of columns per row, [col_lo, col_hi), against each
-  element's column offset, a constant of the layout (mask_keys): two compares per element where
-  stage 8 made three; the same elements (tested). Launches that mask nothing take a kernel
-  without the mask code at D = 64 only (with stage 8's elected slot release, release_slot), not
-  at D = 128, where the kernel with the mask code is the faster (launch_options).
-- Fewer instructions per KV tile: the GEMMs index the ring slot once, before the k-blocks
-  (issue_qk, issue_pv), and at D = 128 the row max runs in four independent fmax chains
-  (quad_row_max, fmax_row_max), as FA4's; D = 64 keeps the reduce.
-- Persistent CTAs, the tile scheduler and the tile order are stage 8's.
+Changes from stage 11: seven tunings, each a switch (TUNINGS; with_tunings(names) builds the
+kernel with some of them, with_tunings(()) is stage 11's) and each with its row in the ablation
+(make bench). They were found by reading the loop's SASS (cuobjdump -sass) and by counting
+instructions per KV tile in Nsight Compute against FA4's kernel. None changes the arithmetic:
+O and LSE are stage 11's bit for bit (tested).
+1. three_warpgroups (D = 64): a 192-row Q tile, three consumer warpgroups, setmaxnreg 24 / 160
+   (128 x 24 + 384 x 160 = 64,512), the turns going round 1, 2, 3 on barriers 2, 3, 4
+   (FlashAttention-3's configuration). D = 64 is bound by the exponentials, and a third
+   warpgroup computes them while the other two hold the tensor cores. Where a mask leaves no
+   query row more than SHORT_MASK_KEYS = 1024 keys, launches keep two (launch_options): a
+   192-row tile would do more masked work.
+2. mask_free_kernel (D = 64): launches that mask nothing (no causal or window cut, batch mode,
+   Sk a multiple of 128) take a kernel compiled without the mask code, whose unused branch
+   kept values live across the loop.
+3. elected_release: a K/V slot is released by one elected lane per consumer warp
+   (common/kv_ring.py), not by lane 0, whose predicate ptxas rebuilt at every KV tile.
+4. slot_first: the GEMMs index the ring slot once, before the k-blocks (issue_qk, issue_pv):
+   each k-block's descriptor is then the slot's plus a constant.
+5. fmax_chains (D = 128): the row max in four independent fmax chains (quad_row_max), as FA4's,
+   instead of one reduction.
+6. wait_after_row_max (D = 128): ptxas moves a wgmma wait up to the top of its block, ahead of
+   the row max and the exponentials, so in the PTX order only the mask ran under PV_{j-1}. The
+   row max comes first, then a branch on an always-true, warp-uniform test neither compiler can
+   fold (always_true_after: inline PTX), and behind it the wait and the exponentials.
+7. interval_mask: an edge tile's mask as one interval of columns per row, [col_lo, col_hi),
+   compared against each element's column offset, a constant of the layout: two compares per
+   element where mask_keys makes three; the same elements (tested).
 
 attention(q, k, v, ...) and attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...) as in
 stage 7: GQA / MQA, packed sequences, causal and window masks (bottom-right aligned per
@@ -45,7 +34,7 @@ sequence), LSE, bf16/fp16, D = 64 or 128, and stage 7's pack-GQA for short Sq.
 
 Shapes: B, H, Hkv, Sq, Sk >= 1 (packed: any lengths >= 0), D in {64, 128}.
 
-Measured speed: docs/results/README.md; what each choice gains: docs/notes/stage9.md.
+Measured speed: docs/results/README.md; what each tuning gains: docs/notes/stage12.md.
 """
 
 import math
@@ -64,6 +53,19 @@ from common import attention_host, pack_gqa
 from common.arch import device_sm_count
 from common.cute_interop import rows_of_16_bytes
 from common.kv_ring import release_slot
+
+# Stage 12's tunings, each switchable (Sm90Kernel.TUNINGS, with_tunings) and each with its row
+# in the ablation (make bench). The first two change which kernel a launch gets, the rest the
+# instructions of the loop; all keep O and LSE bit for bit.
+TUNINGS = (
+    "three_warpgroups",  # 1. D = 64: three consumer warpgroups on a 192-row Q tile
+    "mask_free_kernel",  # 2. D = 64: a kernel without the mask code where nothing is masked
+    "elected_release",  # 3. a K/V slot released by an elected lane, not lane 0
+    "slot_first",  # 4. wgmma descriptors: the ring slot indexed once, before the k-blocks
+    "fmax_chains",  # 5. D = 128: the row max in four independent fmax chains
+    "wait_after_row_max",  # 6. D = 128: the wait for PV_{j-1} placed after the row max
+    "interval_mask",  # 7. an edge tile's mask as one interval of columns per row
+)
 
 
 class Sm90Kernel:
@@ -86,15 +88,15 @@ class Sm90Kernel:
         mma_warpgroups=None,
         edge_masks=True,
     ):
+        self.tunings = frozenset(self.TUNINGS)
         self.dtype = dtype  # element type of Q, K, V and O: cutlass.BFloat16 or cutlass.Float16
         # Query heads per Q tile (pack-GQA, common/pack_gqa.py): 1, or G = H / Hkv when the
         # G heads of a group share the tile's rows (row r: position r // G, head r % G).
         self.pack_gqa = pack_gqa
         self.acc_dtype = cutlass.Float32
         # Consumer warpgroup w = 1 .. mma_warpgroups computes query rows [64 (w - 1), 64 w) of
-        # the tile: two at D = 128 (a 128-row Q tile), three at D = 64 (192 rows,
-        # FlashAttention-3's configuration: see the docstring); mma_warpgroups overrides it (the
-        # launch passes 2 at D = 64 under short masks: launch_options).
+        # the tile: two (a 128-row Q tile), three at D = 64 (192 rows: tuning 1);
+        # mma_warpgroups overrides it (the launch passes 2 under short masks: launch_options).
         self.mma_warpgroups = mma_warpgroups or self.warpgroups_for(head_dim)
         # (bM, bN, bK): query rows, keys per KV tile, head dim
         self.cta_tile = (64 * self.mma_warpgroups, 128, head_dim)
@@ -106,7 +108,8 @@ class Sm90Kernel:
         self.load_registers = 24
         self.mma_registers = {2: 240, 3: 160}[self.mma_warpgroups]
         # As many K or V tiles as fit in 227 KB next to Q, O and 1 KB of barriers: 5 x 32 KB
-        # next to 2 x 32 KB (D = 128), 11 x 16 KB next to 2 x 24 KB (D = 64, 192 rows).
+        # next to 2 x 32 KB (D = 128), 12 x 16 KB next to 2 x 16 KB (D = 64; 11 next to 2 x 24 KB
+        # with three consumer warpgroups).
         q_bytes = self.cta_tile[0] * head_dim * dtype.width // 8
         tile_bytes = self.cta_tile[1] * head_dim * dtype.width // 8
         # Persistent CTAs: a grid of at most one CTA per SM (1 fits: 225 KB of shared memory),
@@ -119,7 +122,7 @@ class Sm90Kernel:
         self.persistent = persistent
         self.o_buffer = o_buffer
         self.sm_count = sm_count if sm_count is not None else device_sm_count()
-        o_bytes = q_bytes if o_buffer else 0
+        o_bytes = q_bytes if self.o_buffer else 0
         self.kv_slots = (227 * 1024 - 1024 - q_bytes - o_bytes) // tile_bytes
         self.smem_align = 1024  # the 128-byte swizzle repeats every 8 rows of 128 B
         self.longest_first = True  # Q tiles in reverse order: see tile_coords
@@ -129,39 +132,45 @@ class Sm90Kernel:
         self.l2_bytes = 50 * 1024 * 1024  # L2 of the H100 and the H200: 50 MB
         # The launch passes tile_counter (common/attention_host.py): the dynamic scheduler's.
         self.uses_tile_counter = True
-        # D = 128: the row max of S_j before the wait for PV_{j-1}, the exponentials after it,
-        # in a block ptxas cannot hoist the wait out of (mma_one_n_block, the module docstring);
-        # D = 64 (three consumer warpgroups) keeps the PTX order (docs/notes/stage9.md).
-        self.max_before_wait = head_dim == 128
-        self.fmax_row_max = head_dim == 128  # quad_row_max: see the module docstring
+        # The tunings of the loop (the module's TUNINGS, numbered as there).
+        self.release_elected = "elected_release" in self.tunings  # 3
+        self.slot_first = "slot_first" in self.tunings  # 4
+        self.fmax_row_max = "fmax_chains" in self.tunings and head_dim == 128  # 5
+        self.max_before_wait = "wait_after_row_max" in self.tunings and head_dim == 128  # 6
+        self.interval_mask = "interval_mask" in self.tunings  # 7
         # False: compiled without the element-mask code, for launches that mask nothing
-        # (launch_options; a compile of its own, the compile cache keys on it).
+        # (tuning 2, launch_options; a compile of its own, the compile cache keys on it).
         self.edge_masks = edge_masks
 
-    @staticmethod
-    def warpgroups_for(head_dim):
-        """Consumer warpgroups at head dim D: 3 at D = 64 (192-row Q tile), 2 at D = 128."""
-        return 3 if head_dim == 64 else 2
+    TUNINGS = TUNINGS  # all on; with_tunings(names) makes a class with fewer
+
+    @classmethod
+    def warpgroups_for(cls, head_dim):
+        """Consumer warpgroups at head dim D: 3 at D = 64 (192-row Q tile) with tuning 1, else 2."""
+        return 3 if head_dim == 64 and "three_warpgroups" in cls.TUNINGS else 2
 
     # A query row that sees at most this many keys under a mask takes two consumer warpgroups
     # at D = 64 (launch_options).
     SHORT_MASK_KEYS = 1024
 
-    @staticmethod
-    def launch_options(head_dim, window_left, window_right, seqlen_q, seqlen_k, group, packed):
-        """Options for the kernel of one launch (common/attention_host.py builds it with them):
-        {"mma_warpgroups": 2} at D = 64 where a causal or window mask leaves no query row more
-        than SHORT_MASK_KEYS keys, min(Sk, left + right + 1) (packed: of the longest sequence),
-        and G = H / Hkv divides 64 (then both tiles, 128 and 192 rows, allow the same pack-GQA
-        choices: the argument checks do not depend on the lengths). {"edge_masks": False} at
-        D = 64 where the launch masks no element (stage 8's rule: no causal or window cut, batch
-        mode, Sk a multiple of the 128-key tile); at D = 128 this stage keeps the mask code,
-        which measured faster there (docs/notes/stage9.md). {} otherwise."""
+    @classmethod
+    def launch_options(cls, head_dim, window_left, window_right, seqlen_q, seqlen_k, group, packed):
+        """Options for the kernel of one launch (common/attention_host.py builds it with them).
+        Tuning 1: {"mma_warpgroups": 2} at D = 64 where a causal or window mask leaves no query
+        row more than SHORT_MASK_KEYS keys, min(Sk, left + right + 1) (packed: of the longest
+        sequence), and G = H / Hkv divides 64 (then both tiles, 128 and 192 rows, allow the same
+        pack-GQA choices: the argument checks do not depend on the lengths): a 192-row tile does
+        more of the masked work where the visible band is short. Tuning 2: {"edge_masks": False}
+        at D = 64 where the launch masks no element (no causal or window cut, batch mode, Sk a
+        multiple of the 128-key tile): the unused mask code keeps values live across the loop;
+        at D = 128 the kernel with the mask code measured the faster. {} otherwise."""
         masked = window_left < seqlen_k or window_right < seqlen_q
         keys = min(seqlen_k, window_left + window_right + 1)
-        if head_dim == 64 and masked and keys <= Sm90Kernel.SHORT_MASK_KEYS and 64 % group == 0:
+        three = cls.warpgroups_for(head_dim) == 3
+        if three and masked and keys <= cls.SHORT_MASK_KEYS and 64 % group == 0:
             return {"mma_warpgroups": 2}
-        if head_dim == 64 and not masked and not packed and seqlen_k % 128 == 0:
+        mask_free = "mask_free_kernel" in cls.TUNINGS
+        if mask_free and head_dim == 64 and not masked and not packed and seqlen_k % 128 == 0:
             return {"edge_masks": False}
         return {}
 
@@ -435,9 +444,9 @@ class Sm90Kernel:
         acc_S = cute.make_rmem_tensor(qk_thr.partition_shape_C(self.cta_tile[:2]), self.acc_dtype)
         # (MMA, MMA_M, MMA_N): (query row, key) within the tile of this thread's elements of acc_S
         tScS = qk_mma.get_slice(mma_tidx).partition_C(cute.make_identity_tensor((bM, bN)))
-        # The same for thread 0, whose first element is (0, 0): every thread's elements sit at
-        # the same offsets from its first one, so these are those offsets, constants of the
-        # layout (Python ints), which the mask compares against (mask_keys).
+        # Tuning 7: the same for thread 0, whose first element is (0, 0): every thread's
+        # elements sit at the same offsets from its first one, so these are those offsets,
+        # constants of the layout (Python ints), which the interval mask compares against.
         tScS_offsets = qk_mma.get_slice(0).partition_C(cute.make_identity_tensor((bM, bN)))
         # (MMA, MMA_M, MMA_K): P in the input dtype, 32 registers per thread
         tOrP = cute.make_rmem_tensor(pv_thr.partition_shape_A((bM, bN)), self.dtype)
@@ -702,18 +711,17 @@ class Sm90Kernel:
             #   step j (lo < j < hi): QK_j, PV_{j-1}     | wait QK  | softmax_j | wait PV,
             #                                                           O *= row_scale_j, P_j
             #   after the loop      : PV_{hi-1}          | wait all
-            # O gets the same operations in the same order as in stage 8 (O *= row_scale_j, then
-            # O += P_j V_j), so O and LSE are stage 8's bit for bit (tested).
-            # Ping-pong as in stage 8, but a turn is now the pair issued together, QK_j and
+            # O gets the same operations in the same order as in stage 9 (O *= row_scale_j, then
+            # O += P_j V_j), so O and LSE are stage 9's bit for bit (tested).
+            # Ping-pong as in stage 9, but a turn is now the pair issued together, QK_j and
             # PV_{j-1} (turn 0: QK_lo; the last: PV_{hi-1}); steps + 1 turns per warpgroup, the
             # same counts on the turn barriers. With steps = 3:
             #   tensor cores | 1: QK0 | 2: QK0 | 1: QK1 PV0 | 2: QK1 PV0 | 1: QK2 PV1 | ...
             #   warpgroup 1  |        | sm0    |            | sm1        |            |
             #   warpgroup 2  |        |        | sm0        |            | sm1        |
             # where sm_j (softmax_j) also runs under the warpgroup's own PV_{j-1}. With three
-            # warpgroups (D = 64) the turns go round 1, 2, 3, 1, ... on barriers 2, 3 and 4.
-            # Every PV accumulates into acc_O, which starts at 0 (stage 8's first PV overwrote
-            # it instead: the same values, since x + 0 = x).
+            # warpgroups (stage 12, D = 64) the turns go round 1, 2, 3, 1, ... on barriers 2, 3
+            # and 4. Every PV accumulates into acc_O, which starts at 0.
             pv_mma.set(warpgroup.Field.ACCUMULATE, True)
             if steps > 0:
                 v_state, consumer_state = self.first_half_block_overlap(
@@ -839,7 +847,7 @@ class Sm90Kernel:
         self.issue_qk(qk_mma, acc_S, tSrQ, tSrK, k_state.index)
         self.pass_turn(warpgroup_idx)
         warpgroup.wait_group(0)
-        release_slot(kv_pipeline, k_state)
+        self.release(kv_pipeline, k_state)
         # O = 0 so far: the first row_scale has nothing to rescale.
         self.softmax_step(
             acc_S,
@@ -903,7 +911,7 @@ class Sm90Kernel:
         # wgmma groups complete in order: one still pending (PV_{j-1}) means S_j is complete.
         # K_j is read: release its slot.
         warpgroup.wait_group(1)
-        release_slot(kv_pipeline, k_state)
+        self.release(kv_pipeline, k_state)
         # softmax_j, under PV_{j-1}: it reads acc_S, never acc_O or tOrP.
         softmax_args = (
             (tScS, tScS_offsets),
@@ -918,23 +926,23 @@ class Sm90Kernel:
             window_right,
         )
         if cutlass.const_expr(self.max_before_wait):
-            # The mask and the row max (and row_scale) here, under PV_{j-1}; the exponentials
-            # after the wait. ptxas moves a wait up to the top of its block (in the PTX order it
-            # sits after all of softmax_j, in the SASS before the row max); behind this
-            # always-true, warp-uniform test on row_scale (inline PTX: see always_true_after) the
-            # wait starts a block of its own, after the row max.
+            # Tuning 6: the mask and the row max (and row_scale) here, under PV_{j-1}; the
+            # exponentials after the wait. ptxas moves a wait up to the top of its block (in the
+            # PTX order it sits after all of softmax_j, in the SASS before the row max); behind
+            # this always-true, warp-uniform test on row_scale (inline PTX: always_true_after)
+            # the wait starts a block of its own, after the row max.
             row_scale, max_scaled = self.softmax_step(acc_S, *softmax_args, exponentiate=False)
             if always_true_after(*[row_scale[r] for r in range(cute.size(row_scale))]):
                 # PV_{j-1} complete: V_{j-1} is read, acc_O and tOrP are free.
                 warpgroup.wait_group(0)
-                release_slot(kv_pipeline, v_state)
+                self.release(kv_pipeline, v_state)
                 self.exponentiate(acc_S, row_sum, row_scale, max_scaled, scale_log2)
                 self.rescale_o_and_convert_p(acc_O, row_scale, acc_S, tOrP)
         else:
             row_scale = self.softmax_step(acc_S, *softmax_args)
             # PV_{j-1} complete: V_{j-1} is read, and acc_O and tOrP are free.
             warpgroup.wait_group(0)
-            release_slot(kv_pipeline, v_state)
+            self.release(kv_pipeline, v_state)
             self.rescale_o_and_convert_p(acc_O, row_scale, acc_S, tOrP)
         v_state = consumer_state.clone()  # V_j, read by the next step's PV
         consumer_state.advance()
@@ -963,7 +971,7 @@ class Sm90Kernel:
         # Packed sequences: the last tile's rows past seqlen_k are the next sequence's V. P is
         # 0 there, but 0 x NaN = NaN: zero those rows before P @ V reads them. Only the range's
         # last tile can reach past seqlen_k. (Its barrier joins all consumer warpgroups, so it
-        # stands between turns, as in stage 8.)
+        # stands between turns, as in stage 9.)
         if cutlass.const_expr(mCuSeqlensK is not None):
             if kv_tile_hi * bN > seqlen_k:
                 self.zero_rows(sKV, v_state.index, seqlen_k - (kv_tile_hi - 1) * bN, mma_tidx)
@@ -973,7 +981,17 @@ class Sm90Kernel:
         if warpgroup_idx < self.mma_warpgroups:
             self.pass_turn(warpgroup_idx)
         warpgroup.wait_group(0)
-        release_slot(kv_pipeline, v_state)
+        self.release(kv_pipeline, v_state)
+
+    @cute.jit
+    def release(self, kv_pipeline, state):
+        """This consumer warp is done with ring slot state.index. Tuning 3: one elected lane
+        arrives (common/kv_ring.py, release_slot); else the pipeline's consumer_release, from
+        lane 0."""
+        if cutlass.const_expr(self.release_elected):
+            release_slot(kv_pipeline, state)
+        else:
+            kv_pipeline.consumer_release(state)
 
     @cute.jit
     def epilogue(
@@ -1158,13 +1176,21 @@ class Sm90Kernel:
         overwriting acc_S, as one wgmma group (committed, not waited for)."""
         warpgroup.fence()
         qk_mma.set(warpgroup.Field.ACCUMULATE, False)
-        # The ring slot first, then the k-blocks: each k-block's descriptor is then the slot's
-        # plus a constant (one 64-bit add in the SASS, as in FA4's kernel), where indexing
-        # (k_block, slot) together had ptxas rebuild both halves of every descriptor.
-        tSrQ0, tSrKs = tSrQ[None, None, None, 0], tSrK[None, None, None, slot]
-        for k_block in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-            cute.gemm(qk_mma, acc_S, tSrQ0[None, None, k_block], tSrKs[None, None, k_block], acc_S)
-            qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+        if cutlass.const_expr(self.slot_first):
+            # Tuning 4: the ring slot first, then the k-blocks: each k-block's descriptor is then
+            # the slot's plus a constant (one 64-bit add in the SASS, as in FA4's kernel), where
+            # indexing (k_block, slot) together had ptxas rebuild both halves of every one.
+            tSrQ0, tSrKs = tSrQ[None, None, None, 0], tSrK[None, None, None, slot]
+            for k_block in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                cute.gemm(
+                    qk_mma, acc_S, tSrQ0[None, None, k_block], tSrKs[None, None, k_block], acc_S
+                )
+                qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+        else:
+            for k_block in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                coord = (None, None, k_block, slot)
+                cute.gemm(qk_mma, acc_S, tSrQ[None, None, k_block, 0], tSrK[coord], acc_S)
+                qk_mma.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
 
     @cute.jit
@@ -1173,9 +1199,16 @@ class Sm90Kernel:
         accumulating (pv_mma's ACCUMULATE is set once, acc_O starts at 0), as one wgmma group
         (committed, not waited for)."""
         warpgroup.fence()
-        tOrVs = tOrVt[None, None, None, slot]  # the slot first, as in issue_qk
-        for kv_block in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-            cute.gemm(pv_mma, acc_O, tOrP[None, None, kv_block], tOrVs[None, None, kv_block], acc_O)
+        if cutlass.const_expr(self.slot_first):  # tuning 4, as in issue_qk
+            tOrVs = tOrVt[None, None, None, slot]
+            for kv_block in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                cute.gemm(
+                    pv_mma, acc_O, tOrP[None, None, kv_block], tOrVs[None, None, kv_block], acc_O
+                )
+        else:
+            for kv_block in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                coord = (None, None, kv_block, slot)
+                cute.gemm(pv_mma, acc_O, tOrP[None, None, kv_block], tOrVt[coord], acc_O)
         warpgroup.commit_group()
 
     @cute.jit
@@ -1194,16 +1227,32 @@ class Sm90Kernel:
         window_right,
         exponentiate: cutlass.Constexpr = True,
     ):
-        """Stage 8's softmax of one tile: the element mask on a tile that crosses an edge (Sk, or
-        the band of the window: the diagonal when causal), then the fold into row_max and
-        row_sum, P = exp(scale * (S - row_max)) in place of S. Returns row_scale. tScS: (this
-        thread's coordinates, thread 0's: the offsets). exponentiate=False stops after the row
-        max: returns (row_scale, row_max * scale_log2) for exponentiate()."""
-        if cutlass.const_expr(self.edge_masks):
+        """The softmax of one tile: the element mask on a tile that crosses an edge (Sk, or the
+        band of the window: the diagonal when causal), then the fold into row_max and row_sum,
+        P = exp(scale * (S - row_max)) in place of S. Returns row_scale. tScS: (this thread's
+        coordinates, thread 0's: the offsets). Tuning 2: no mask code (edge_masks False).
+        Tuning 6: exponentiate=False stops after the row max and returns (row_scale,
+        row_max * scale_log2) for exponentiate()."""
+        tScS, tScS_offsets = tScS
+        if cutlass.const_expr(self.edge_masks and self.interval_mask):
             right, left = self.mask_edges(
                 pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right
             )
             if right or left:
+                self.mask_interval(
+                    acc_S,
+                    (tScS, tScS_offsets),
+                    pid_m,
+                    kv_tile,
+                    seqlen_q,
+                    seqlen_k,
+                    window_left,
+                    window_right,
+                )
+        elif cutlass.const_expr(self.edge_masks):
+            if self.crosses_mask_edge(
+                pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right
+            ):
                 self.mask_keys(
                     acc_S, tScS, pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right
                 )
@@ -1438,11 +1487,39 @@ class Sm90Kernel:
         return lo, hi
 
     @cute.jit
+    def crosses_mask_edge(self, pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right):
+        """Whether tile (pid_m, kv_tile) holds a (row, key) pair that must not be seen: a key at
+        or beyond Sk, right of the band (j - i > band_hi for the tile's first row) or left of
+        it (j - i < band_lo for its last row). Every other tile of the range is seen whole."""
+        bM, bN, _ = self.cta_tile
+        band_lo, band_hi = seqlen_k - seqlen_q - window_left, seqlen_k - seqlen_q + window_right
+        first_row, last_row = self.q_positions(pid_m, seqlen_q)
+        first_key, last_key = kv_tile * bN, kv_tile * bN + bN - 1
+        crosses = last_key >= seqlen_k
+        crosses = crosses or last_key - first_row > band_hi
+        crosses = crosses or first_key - last_row < band_lo
+        return crosses
+
+    @cute.jit
+    def mask_keys(self, acc_S, tScS, pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right):
+        """S = -inf where row i of Q tile pid_m must not see key j of KV tile kv_tile: j >= Sk,
+        or j - i outside [band_lo, band_hi]."""
+        bM, bN, _ = self.cta_tile
+        band_lo, band_hi = seqlen_k - seqlen_q - window_left, seqlen_k - seqlen_q + window_right
+        acc_S_mn, tScS_mn = self.rows_view(acc_S), self.rows_view(tScS)
+        for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                row = (pid_m * bM + tScS_mn[r, c][0]) // self.pack_gqa  # its position
+                key = kv_tile * bN + tScS_mn[r, c][1]
+                if key >= seqlen_k or key - row > band_hi or key - row < band_lo:
+                    acc_S_mn[r, c] = -cutlass.Float32.inf
+
+    @cute.jit
     def mask_edges(self, pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right):
         """Which edges tile (pid_m, kv_tile) crosses, (right, left): right when it holds a key at
         or beyond Sk or right of the band (j - i > band_hi for the tile's first row), left when
         it holds a key left of the band (j - i < band_lo for its last row). A tile crossing
-        neither is seen whole (stage 8's crosses_mask_edge is right or left)."""
+        neither is seen whole (crosses_mask_edge is right or left)."""
         bM, bN, _ = self.cta_tile
         band_lo, band_hi = seqlen_k - seqlen_q - window_left, seqlen_k - seqlen_q + window_right
         first_row, last_row = self.q_positions(pid_m, seqlen_q)
@@ -1452,9 +1529,11 @@ class Sm90Kernel:
         return right, left
 
     @cute.jit
-    def mask_keys(self, acc_S, tScS, pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right):
+    def mask_interval(
+        self, acc_S, tScS, pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right
+    ):
         """S = -inf where row i of Q tile pid_m must not see key j of KV tile kv_tile: j >= Sk,
-        or j - i outside [band_lo, band_hi] (stage 8's mask, the same elements). Per row, the
+        or j - i outside [band_lo, band_hi] (mask_keys' elements; tuning 7). Per row, the
         keys seen are one interval, j in [i + band_lo, min(i + band_hi + 1, Sk)); counted from
         this thread's first key it is [col_lo, col_hi), and element c of the row is masked
         when its column offset (a constant: tScS_offsets) lies outside: two compares per
@@ -1505,7 +1584,7 @@ class Sm90Kernel:
         """m = max(init, max_c S[r, c]) over this thread's columns, then over the 4 threads of
         the quad. With fmax_row_max (D = 128) in four independent chains of fmax (FMNMX, which
         ignores a NaN operand; a NaN in S still makes P, row_sum and O NaN), as FA4 does; else
-        TensorSSA.reduce (FMNMX.NAN), stages 3-8's form (measured: docs/notes/stage9.md)."""
+        TensorSSA.reduce (FMNMX.NAN), stages 3-11's form (tuning 5)."""
         m_new = init
         if cutlass.const_expr(self.fmax_row_max):
             n = cute.size(acc_S_mn, mode=[1])
@@ -1573,6 +1652,31 @@ def always_true_after(*values, loc=None, ip=None):
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
     return cutlass.Int32(flag) != 0
+
+
+_TUNED_CLASSES = {}
+
+
+def with_tunings(names):
+    """Sm90Kernel with only the tunings `names` (a subset of TUNINGS, any order) switched on: a
+    class of its own per set, made once, so that the compile cache tells the kernels apart and
+    keeps each. with_tunings(()) is stage 11's kernel; with_tunings(TUNINGS) is Sm90Kernel."""
+    if isinstance(names, str):
+        raise TypeError(f"argument 'names': expected a collection of tuning names, got {names!r}")
+    unknown = set(names) - set(TUNINGS)
+    if unknown:
+        raise ValueError(
+            f"argument 'names': unknown tunings {sorted(unknown)}; allowed: {', '.join(TUNINGS)}"
+        )
+    names = tuple(n for n in TUNINGS if n in set(names))
+    if names == TUNINGS:
+        return Sm90Kernel
+    if names not in _TUNED_CLASSES:
+        label = "_".join(str(TUNINGS.index(n) + 1) for n in names) or "none"
+        _TUNED_CLASSES[names] = type(
+            f"Sm90KernelTunings_{label}", (Sm90Kernel,), {"TUNINGS": names}
+        )
+    return _TUNED_CLASSES[names]
 
 
 def compile_args(dtype, shape, scale=None, **options):

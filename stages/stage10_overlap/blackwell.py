@@ -1,48 +1,34 @@
-"""Stage 9 - overlap inside the loop (Blackwell, sm_100a): the MMA warp issues QK of the next KV
-tile right behind the PV of the last one (D = 64), and O is rescaled only when a row's max has
-grown by more than 2^8.
+"""Stage 10 - overlap inside the loop (Blackwell, sm_100a): the MMA warp issues QK of the next
+KV tile right behind the PV of the last one (D = 64), and O is rescaled only when a row's max
+has grown by more than 2^8.
 
-Changes from stage 8:
-- The MMA warp's order, FA4's mma(). Stage 8 issues per KV tile j: S_0,j, S_1,j, then
-  P_0,j V_j, P_1,j V_j, so P_s,j @ V_j waits for softmax warpgroup s's P_s,j, and while one
-  warpgroup computes its P the tensor core has at most one GEMM queued. Stage 9 issues, for
-  Q tile s = 0, 1 in turn: P_s,j-1 @ V_j-1 and then S_s,j = Q_s K_j^T, the QK of the next
-  tile without waiting for the softmax of this one. S_s,j is queued as soon as P_s,j-1 has
-  been handed over, so softmax warpgroup s finds its next S ready after two GEMMs (its PV and
-  its QK), and while it works the tensor core has the other tile's two GEMMs queued. A
-  prologue issues S_0 and S_1 of the range's first tile, an epilogue the last tile's PVs.
-- Where P lives. S_s,j is written into TMEM columns; P_s,j-1 must not be among them while
-  P_s,j-1 @ V_j-1 still reads it. PTX keeps two tcgen05.mma of one thread in issue order only
-  when they share accumulator and shape (QK writes S, PV writes O), so this stage does not
-  assume the PV has read P before the QK overwrites it:
-  * D = 64: TMEM has room for P of its own (S_0, S_1 128 columns each, O_0, O_1 64 each, P_0,
-    P_1 64 each: 512), and S_s,j is issued without waiting for P_s,j-1 @ V_j-1.
-  * D = 128: S and O fill all 512 columns, P stays over S_s, and S_s,j may be issued only
-    once P_s,j-1 @ V_j-1 has completed (its tcgen05.commit). Right behind that PV the wait
-    would leave the tensor core with nothing queued, twice per KV tile, so at D = 128 this
-    stage keeps stage 8's order (QK_0, QK_1, PV_0, PV_1), in which each such wait has the other
-    tile's GEMM queued. FA4 issues this order without the wait, trusting the tensor core to
-    run one thread's MMAs in order; this tutorial keeps to what PTX promises. The way to FA4's
-    order at D = 128 within it: split S_s,j into two N = 64 halves, issue the half whose
-    columns P does not use (keys 64-127) right behind the PV, and wait only before the other.
-- Conditional rescale (FA4's). The softmax subtracts a reference max m_ref from S, not the
-  running max m: m_ref moves to m only when (m - m_ref) * scale * log2(e) > 8, that is when
-  the row max has grown by more than a factor 2^8 in exp2 units. Otherwise the row factor is
-  exactly 1 and a correction warp whose 32 rows all have factor 1 skips its TMEM round trip of
-  O (vote.any). Error bound: every P = exp2(scale (S - m_ref)) then lies in [0, 2^8] (0 where
-  masked), so the relative rounding of P to bf16 (2^-8) or fp16 (2^-11) is bounded as before
-  for normal values (a floating-point format's relative step does not depend on the
-  magnitude; with a lower reference P is larger, so fp16 has fewer subnormals, not more),
-  nothing overflows (fp16's largest finite value is 65504 > 2^8), and the row sum (fp32, at
-  most 2^8 x Sk) and O (fp32) keep their relative precision; O and LSE are computed against
-  the same m_ref, so the answer is softmax(S) V up to those roundings. tests/test_stage9_blackwell.py checks this on a model
-  of the per-row arithmetic (P never above 2^8, error as with threshold 0, also when the max
-  creeps up by just under 8 units per tile for hundreds of tiles).
+Changes from stage 9:
+- The MMA warp's order, FA4's mma(). Stage 9 issues per KV tile j: S_0,j, S_1,j, then
+  P_0,j V_j, P_1,j V_j, so while one softmax warpgroup computes its P the tensor core has at
+  most one GEMM queued. Stage 10 issues, for Q tile s = 0, 1 in turn, P_s,j-1 @ V_j-1 and then
+  S_s,j = Q_s K_j^T: softmax warpgroup s finds its next S ready after two GEMMs, and while it
+  works the tensor core has the other tile's two queued. A prologue issues S_0 and S_1 of the
+  range's first tile, an epilogue the last tile's PVs.
+- Where P lives. PTX keeps two tcgen05.mma of one thread in issue order only when they share
+  accumulator and shape (QK writes S, PV writes O), so S_s,j must not overwrite P_s,j-1 while
+  P_s,j-1 @ V_j-1 may still read it. D = 64: TMEM has room for P of its own (S 2 x 128, O
+  2 x 64, P 2 x 64 = 512 columns), and S_s,j is issued without waiting. D = 128: S and O fill
+  all 512 columns, P stays over S, and S_s,j could be issued only once that PV has completed,
+  which would leave the tensor core idle twice per KV tile; so D = 128 keeps stage 9's order.
+  (FA4 issues the new order at D = 128 too, trusting the tensor core to run one thread's MMAs
+  in order; this tutorial keeps to what PTX promises.)
+- Conditional rescale (FA4's). The softmax subtracts a reference max m_ref, which moves to the
+  running max m only when (m - m_ref) * scale * log2(e) > 8. Otherwise the row factor is exactly
+  1, and a correction warp whose 32 rows all have factor 1 skips its TMEM round trip of O
+  (vote.any). Every P = exp2(scale (S - m_ref)) then lies in [0, 2^8]: nothing overflows (fp16's
+  largest value is 65504), rounding P to bf16 / fp16 keeps its relative error, and O and LSE
+  are computed against the same m_ref, so the answer is softmax(S) V up to those roundings
+  (tests/test_stage10_blackwell.py checks a model of the per-row arithmetic).
 
-Same entries and features as stages 7-8 (GQA / MQA, packed sequences, causal and window masks,
+Same entries and features as stages 7-9 (GQA / MQA, packed sequences, causal and window masks,
 LSE, pack-GQA, bf16 / fp16, D = 64 or 128).
 
-Compile-checked for sm_100a with fake tensors and no GPU (common.tools.ptx.compile_only(9,
+Compile-checked for sm_100a with fake tensors and no GPU (common.tools.ptx.compile_only(10,
 "blackwell")); PTX checks and the schedule checker's model of the five roles in the new MMA
 order (common/tools/schedule.py) in tests; never run on Blackwell hardware, so how often rows
 skip the rescale on real data, and what the new order gains, are open. The numerical tests
@@ -62,7 +48,7 @@ from cutlass.memory import SmemAllocator, TmemAllocator
 
 from common import attention_host, pack_gqa
 from common.cute_interop import rows_of_16_bytes
-from common.tmem import fence_before_thread_sync
+from common.tmem import fence_after_thread_sync, fence_before_thread_sync
 
 try:  # the enum's home since CuTe DSL 4.8; cutlass.utils keeps a deprecated alias
     from cutlass.tensor_utils import LayoutEnum
@@ -74,8 +60,8 @@ class Sm100Kernel:
     """The device code is organised by warp role, as in FA4's flash_fwd_sm100.py. `kernel` sets up
     what the roles share (shared memory: smem_tensors; the mbarrier pipelines and named barriers:
     make_pipelines; the TMEM allocator; the CTA's tiles: gmem_tiles) and each warp then calls its
-    role's method: `load` (the TMA warp), `mma` (the MMA warp), `softmax` (softmax warpgroups 0
-    and 1, one Q tile each) and `correction` (the correction warpgroup: O's rescale per KV tile,
+    role's method: `load` (the TMA warp), `mma` (the MMA warp), `softmax` (a softmax warpgroup
+    per Q tile) and `correction` (the correction warpgroup: O's rescale per KV tile,
     then `epilogue`: O normalised and stored, and LSE). The methods after them are their
     helpers."""
 
@@ -118,9 +104,9 @@ class Sm100Kernel:
         # (and P, over it or in columns of its own), one O, one row-statistics hand-off.
         self.q_buffers = self.q_tiles
         tile_bytes = 128 * head_dim * dtype.width // 8
-        # The sm_100 opt-in limit (227 KiB), less the barriers, the row statistics (2 KiB) and
-        # the 1 KiB alignment of the buffers. O is staged for its TMA store in Q's buffers: Q is
-        # dead by then (below).
+        # The sm_100 opt-in limit (227 KiB), less the barriers, the row statistics (1 KiB per
+        # Q tile) and the 1 KiB alignment of the buffers. O is staged for its TMA store in Q's
+        # buffers: Q is dead by then (below).
         self.smem_budget = 227 * 1024 - 4 * 1024
         self.kv_slots = min((self.smem_budget - self.q_buffers * tile_bytes) // tile_bytes, 8)
         self.s_buffers = 1
@@ -148,7 +134,7 @@ class Sm100Kernel:
         # than this many log2 units (P stays within (0, 2^8]).
         self.rescale_threshold = 8.0
         # The MMA warp issues P_s,j-1 @ V_j-1 and then S_s,j (FA4's order) where P has columns
-        # of its own; with P over S it keeps stage 8's order (the file's docstring says why).
+        # of its own; with P over S it keeps stage 9's order (the file's docstring says why).
         # Also the schedule checker's cue.
         self.qk_behind_pv = self.p_own_columns
         # tcgen05.ld.32x32b.x32: each thread reads 32 fp32 columns of its row per load.
@@ -626,7 +612,7 @@ class Sm100Kernel:
         mCuSeqlensK,
     ):
         """The MMA warp; one thread issues S_s,j = Q_s K_j^T and O_s += P_s,j V_j for both Q
-        tiles, in FA4's order (D = 64) or stage 8's (D = 128), below."""
+        tiles, in FA4's order (D = 64) or stage 9's (D = 128), below."""
         # MMA operands, as shared-memory descriptors (made here, where they are used).
         # (MMA, MMA_M, MMA_K, q_buffers)
         tCrQ = qk_mma.make_fragment_A(sQ)
@@ -725,7 +711,7 @@ class Sm100Kernel:
             else:
                 # D = 128: P sits over S_s, and S_s,j must wait for P_s,j-1 @ V_j-1 to
                 # complete. Right behind PV_s,j-1 that wait would leave the tensor core with
-                # nothing queued, twice per tile; stage 8's order keeps work queued across it.
+                # nothing queued, twice per tile; stage 9's order keeps work queued across it.
                 for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
                     kv_full = kv_cons.wait_and_advance()  # ring entry: K_j
                     # Q tile 0, then Q tile 1: softmax warpgroup s has read S_s,j-1, and S_s,j may
@@ -797,7 +783,7 @@ class Sm100Kernel:
     ):
         """Softmax warpgroup s over Q tile q_tile: thread `row` owns that row of S_s, reads it
         from TMEM per KV tile, writes P_s, and hands its row statistics to correction thread
-        `row`. Stage 8's softmax, with the conditional rescale: P and the row sum are relative to
+        `row`. Stage 9's softmax, with the conditional rescale: P and the row sum are relative to
         a reference max that moves only when the row max has grown by more than
         rescale_threshold log2 units."""
         # Thread t of warp w owns row 32 (w % 4) + t (a warp may only read its own 32 TMEM lanes).
@@ -841,9 +827,13 @@ class Sm100Kernel:
         row_sum = Float32(0.0)
         for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
             s_full = s_cons.wait_and_advance()
+            # S complete (tcgen05.commit): order the loads after the wait (common/tmem.py, (d))
+            fence_after_thread_sync()
             cute.copy(tmem_load, tTR_tS, tTR_rS)
             # tcgen05.ld is asynchronous: tcgen05.wait::ld before the registers are read.
             cute.arch.fence_view_async_tmem_load()
+            # S read: order the loads before the release (common/tmem.py, (a))
+            fence_before_thread_sync()
             s_full.release()
             # Only a tile that crosses an edge (Sk, or the band of the window: the diagonal
             # when causal) is masked element by element: S = -inf where row i must not see
@@ -888,9 +878,13 @@ class Sm100Kernel:
             # P_s,j-1 @ V_j-1 has completed: P's columns are free (with P over S, the MMA warp
             # waited for that too, before it wrote S_s,j there).
             p_empty = p_prod.acquire_and_advance()
+            # P's columns free (tcgen05.commit): fence after the wait (common/tmem.py, (d))
+            fence_after_thread_sync()
             cute.copy(tmem_store, tRT_rP, tRT_tP)
             # tcgen05.st is asynchronous: tcgen05.wait::st before the MMA warp is told.
             cute.arch.fence_view_async_tmem_store()
+            # P written: order the stores before the arrive (common/tmem.py, (b))
+            fence_before_thread_sync()
             p_empty.commit()
         # The final row sum and max, for the epilogue (an empty range: 0 and -inf).
         stats_empty = stats_prod.acquire_and_advance()
@@ -1102,6 +1096,8 @@ class Sm100Kernel:
                 tTR_dO = thr_load.partition_D(
                     cute.zipped_divide(tCgO[(None, None, None, q_tile0 + s)], epi_tiler)
                 )
+            # O complete (tcgen05.commit): order the loads after the wait (common/tmem.py, (d))
+            fence_after_thread_sync()
             for i in cutlass.range_constexpr(cute.size(tTR_tO[s], mode=[2])):
                 if kv_tile_hi > kv_tile_lo:
                     cute.copy(tmem_load, tTR_tO[s][(None, None, i)], tTR_rAcc)
@@ -1120,6 +1116,8 @@ class Sm100Kernel:
                         tTR_cO[(None, None, i)],
                         (q_rows, mO.shape[1]),
                     )
+            # O read: order the loads before the release (common/tmem.py, as (a))
+            fence_before_thread_sync()
             if kv_tile_hi > kv_tile_lo:
                 o_last.release()
             # LSE = log(sum_j exp(scale * S_j)) = scale * row_max + log(row_sum), natural
@@ -1308,6 +1306,9 @@ class Sm100Kernel:
     @cute.jit
     def issue_qk(self, qk_mma, tStS, tCrQ, q_slot, tCrK, k_slot):
         """S = Q @ K_j^T into TMEM: bK / 16 tcgen05.mma of 128 x 128 x 16, the first overwriting S."""
+        # The caller has waited for S's columns (the softmax warps have read S; where P lies over
+        # S, the PV MMAs have read P): order these MMAs after the waits (common/tmem.py, (a), (d))
+        fence_after_thread_sync()
         qk_mma.set(tcgen05.Field.ACCUMULATE, False)
         for kb in cutlass.range_constexpr(cute.size(tCrQ, mode=[2])):
             # S += Q[:, 16 kb : 16 kb + 16] @ K_j[:, 16 kb : 16 kb + 16]^T  (128 x 128 x 16)
@@ -1323,6 +1324,9 @@ class Sm100Kernel:
     def issue_pv(self, pv_mma, tOtO, tOrP, tCrV, v_slot, accumulate):
         """O += P_j @ V_j in TMEM (O = P_j @ V_j when not accumulate): bN / 16 tcgen05.mma of
         128 x D x 16, A = P from TMEM."""
+        # The caller has waited for P (written by the softmax warps) and O (rescaled by the
+        # correction warps): order these MMAs after the waits (common/tmem.py, (b), (c))
+        fence_after_thread_sync()
         pv_mma.set(tcgen05.Field.ACCUMULATE, accumulate)
         for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
             # O += P_j[:, 16 kb : 16 kb + 16] @ V_j[16 kb : 16 kb + 16, :]  (128 x D x 16)
@@ -1333,13 +1337,18 @@ class Sm100Kernel:
     @cute.jit
     def rescale_o(self, tmem_load, tmem_store, tTR_tO, tRT_tO, tTR_rAcc, row_scale):
         """This thread's row of O *= row_scale, in TMEM: tcgen05.ld, multiply, tcgen05.st, 32
-        columns at a time; then tcgen05.wait::st, so that the MMA warp, told next, sees it."""
+        columns at a time; then tcgen05.wait::st, so that the MMA warp, told next, sees it. The
+        caller waits for O before and releases it after; the tcgen05 fences are in here."""
+        # O complete (tcgen05.commit): order the loads after the caller's wait (common/tmem.py, (d))
+        fence_after_thread_sync()
         for i in cutlass.range_constexpr(cute.size(tTR_tO, mode=[2])):
             cute.copy(tmem_load, tTR_tO[(None, None, i)], tTR_rAcc)
             cute.arch.fence_view_async_tmem_load()
             tTR_rAcc.store(row_scale * tTR_rAcc.load())
             cute.copy(tmem_store, tTR_rAcc, tRT_tO[(None, None, i)])
         cute.arch.fence_view_async_tmem_store()
+        # O rescaled: order the stores before the caller's release (common/tmem.py, (c))
+        fence_before_thread_sync()
 
     @cute.jit
     def store_row(self, tTR_rX, tTR_gX, tTR_cX, shape):
@@ -1398,7 +1407,7 @@ class Sm100Kernel:
     @cute.jit
     def q_positions(self, q_tile, seqlen_q, bM: cutlass.Constexpr = 128):
         """The first and last query position of row block q_tile (of bM rows: a Q tile, or a CTA's
-        2 x 128 rows) inside the sequence: rows q_tile * bM .. q_tile * bM + bM - 1, G rows per
+        q_tiles x 128 rows) inside the sequence: rows q_tile * bM .. q_tile * bM + bM - 1, G rows per
         position when packed (G = 1 otherwise)."""
         first_row = q_tile * bM
         last_row = cutlass.min(first_row + bM, seqlen_q * self.pack_gqa) - 1
@@ -1463,7 +1472,7 @@ def compile_args(dtype, shape, scale=None, **options):
     """(kernel, args) for cute.compile with fake tensors, shape = (B, H, Sq, Sk, D); options
     causal, window, kv_heads (Hkv, default H), varlen (True: packed sequences, B of them,
     through cu_seqlens) and pack_gqa (None, True, False: as attention's). The host side of
-    stages 7-9 is one copy, common/attention_host.py."""
+    stages 7-10 is one copy, common/attention_host.py."""
     return attention_host.compile_args(Sm100Kernel, dtype, shape, scale, **options)
 
 

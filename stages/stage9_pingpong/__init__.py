@@ -1,10 +1,10 @@
-"""Stage 9 - overlap inside the loop. Hopper: QK^T of tile j+1 issued before the softmax of tile j.
-Blackwell: the MMA warp issues QK of the next KV tile right behind the PV of the last one, and O is
-rescaled only when a row's max grows by more than 2^8. `attention(q, k, v, scale=None,
-causal=False, window=None, return_lse=False, pack_gqa=None)` with k, v of Hkv heads, and
-`attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)` run the kernel of this machine's
-track: hopper.py on sm_90 (H100, H200), blackwell.py on sm_100/sm_103 (compile-checked only: no
-Blackwell GPU has run it)."""
+"""Stage 9 - ping-pong. Hopper: the two consumer warpgroups take turns on the tensor cores
+(named barriers), one's softmax under the other's GEMMs. Blackwell: two Q tiles in TMEM, two
+softmax warpgroups taking turns.
+`attention(q, k, v, scale=None, causal=False, window=None, return_lse=False,
+pack_gqa=None)` with k, v of Hkv heads, and `attention_varlen(q, k, v, cu_seqlens_q,
+cu_seqlens_k, ...)` run the kernel of this machine's track: hopper.py on sm_90 (H100, H200),
+blackwell.py on sm_100/sm_103 (compile-checked only: no Blackwell GPU has run it)."""
 
 import importlib
 import importlib.util
@@ -63,6 +63,6 @@ def _track_module():
     t = track()
     if importlib.util.find_spec(f"{__name__}.{t}") is None:
         raise NotImplementedError(
-            f"stage 9 has no {t} kernel yet (Hopper only); stage 7 runs on both tracks"
+            f"stage 9 has no {t} kernel yet; stages 1-10 exist on both tracks"
         )
     return importlib.import_module(f"{__name__}.{t}")
