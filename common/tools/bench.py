@@ -80,10 +80,10 @@ def measure(case, names=None, gpu=None, also=()):
 
 
 def stage7_rows(track, dtype, record):
-    """GQA 32 query / 8 KV heads (D = 128, B x S = 16k) on stages 7, 8 and 9 against each one's
+    """GQA 32 query / 8 KV heads (D = 128, B x S = 16k) on stages 7 and 12 against each one's
     own MHA at the same shape (stages 7 and 9), FA4 and SDPA cuDNN with enable_gqa; packed
     sequences (16 of 64-2047 tokens, fixed seed, H = 16, D = 128, FLOPs of the real tokens
-    only) on stages 7, 8 and 9 against FA4's varlen and the same batch padded to the longest
+    only) on stages 7 and 12 against FA4's varlen and the same batch padded to the longest
     sequence through SDPA cuDNN. Each row is event-timed and, for the `GPU` ratios, timed from
     GPU time alone (timing.gpu_ms: the varlen rows' kernels are about as short as a call's host
     work)."""
@@ -121,7 +121,7 @@ def stage7_rows(track, dtype, record):
     cols = ["stage 7 GQA"] + [f"stage {n} GQA" for n in later] + ["stage 7 MHA"]
     cols += ["stage 12 MHA"] if 12 in mods else []
     lines = [
-        "## Stages 7, 8, 9: GQA (32 query / 8 KV heads, D = 128, B*S = 16k), TFLOP/s",
+        "## Stages 7 and 12: GQA (32 query / 8 KV heads, D = 128, B*S = 16k), TFLOP/s",
         "",
         "`7 GQA / MHA` = stage 7 GQA over stage 7 with 32 KV heads at the same shape (goal >= "
         "0.95), `12 GQA / MHA` the same for stage 12; `12 / FA4` and `12 / cuDNN` from event time, "
@@ -179,7 +179,7 @@ def stage7_rows(track, dtype, record):
         vcols = [f"stage {n}" for n in mods]
         lines += [
             "",
-            "## Stages 7, 8, 9: packed sequences (16 of 64-2047 tokens, H = 16, D = 128), useful TFLOP/s",
+            "## Stages 7 and 12: packed sequences (16 of 64-2047 tokens, H = 16, D = 128), useful TFLOP/s",
             "",
             "FLOPs of the real tokens only; `padded SDPA` runs the same batch padded to the longest "
             "sequence (B = 16) through SDPA cuDNN with a key-padding mask (goal: stage 7 >= 2x it). "

@@ -276,7 +276,7 @@ def plot_ablation(rows, title, path=None):
 
 
 def plot_stage7_bench(rows, title, path=None):
-    """Stage 7's rows of a `make bench` run (the json's "rows"; stages 8 and 9 beside stage 7
+    """Stage 7's rows of a `make bench` run (the json's "rows"; stage 12 beside stage 7
     where the run has them): GQA against MHA and the
     baselines (TFLOP/s), packed sequences against FA4's varlen and the padded batch (useful
     TFLOP/s), decode-like steps with and without pack-GQA (microseconds). One panel each."""
@@ -301,12 +301,12 @@ def plot_stage7_bench(rows, title, path=None):
     it = iter(axes[0])
     if gqa:
         groups = [f"S={r['shape'][3]}" + (" causal" if r["shape"][5] else "") for r in gqa]
-        names = ("stage 7 GQA", "stage 8 GQA", "stage 9 GQA", "stage 7 MHA", "FA4", "SDPA cuDNN")
+        names = ("stage 7 GQA", "stage 12 GQA", "stage 7 MHA", "stage 12 MHA", "FA4", "SDPA cuDNN")
         labels = [n for n in names if n in gqa[0]["tflops"]]
         bars(next(it), groups, labels, [r["tflops"] for r in gqa], "TFLOP/s", "GQA 32/8, D = 128")
     if var:
         groups = ["causal" if r["shape"][4] else "non-causal" for r in var]
-        names = {f"stage {n}": f"stage {n} varlen" for n in (7, 8, 9)}
+        names = {f"stage {n}": f"stage {n} varlen" for n in (7, 12)}
         names |= {"FA4": "FA4 varlen", "padded": "padded SDPA cuDNN"}
         names = {k: n for k, n in names.items() if k in var[0]["tflops"]}
         vals = [{names[k]: v for k, v in r["tflops"].items() if k in names} for r in var]
@@ -316,7 +316,7 @@ def plot_stage7_bench(rows, title, path=None):
         names = {
             "packed": "stage 7 pack-GQA",
             "unpacked": "stage 7 unpacked",
-            "stage 9": "stage 9",
+            "stage 12": "stage 12",
             "FA4": "FA4",
             "SDPA": "SDPA",
         }

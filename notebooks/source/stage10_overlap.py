@@ -16,10 +16,10 @@
 #
 # This notebook walks through `stages/stage10_overlap/hopper.py`: stage 9's kernel (a TMA
 # producer warpgroup, two consumer warpgroups taking turns on the tensor cores, every feature of
-# stage 7) with FlashAttention-3's second speed technique, the *intra-warpgroup overlap*: each
-# consumer warpgroup issues $QK_j$ and $PV_{j-1}$ in one turn and runs the softmax of tile $j$
-# while $PV_{j-1}$ is still on the tensor cores. The notebook imports the stage file and displays
-# it; it never pastes kernel code.
+# stage 7) with the next of FlashAttention-3's schedule techniques, the *intra-warpgroup
+# overlap*: each consumer warpgroup issues $QK_j$ and $PV_{j-1}$ in one turn and runs the softmax
+# of tile $j$ while $PV_{j-1}$ is still on the tensor cores. The notebook imports the stage file
+# and displays it; it never pastes kernel code.
 #
 # **How to run.** As stage 1: in Jupyter from `notebooks/`, or `make notebooks`. Without an
 # H100/H200 the cells of *Run and verify* and *Measure* say they are skipped; everything else (the
@@ -228,7 +228,7 @@ assert problems
 # %% [markdown]
 # ### 5.4 Before and after, in the model
 #
-# The schedule model of notebook 8 (`figures.attention_schedule`) with durations from the
+# The schedule model of notebook 9 (`figures.attention_schedule`) with durations from the
 # FlashAttention-3 paper's H100 throughputs (989 TFLOP/s of matrix multiply, 3.9 T exponentials
 # per second, 132 SMs) for this kernel's tile, counting only the exponentials of the softmax.
 # Top: stage 9; bottom: stage 10; D = 64, where a softmax takes about twice as long as a GEMM.

@@ -562,10 +562,11 @@ fig = nb.error_picture(12, result)
 #
 # ### 7.1 The tunings one by one
 #
-# `make bench --tunings` on an NVIDIA H200 (2026-12-04, bf16, paper shapes B·S = 16k,
-# H·D = 2048; `docs/results/tunings_h200_2026-12-04.md`): stage 12 with no tuning (stage 11's
-# code), then +1, +1-2, ..., +1-7 (stage 12), all and FA4 in the same interleaved rounds,
-# event-timed. The cell reads the run's `.json` file, prints the table and draws it.
+# `python -m common.tools.bench --stages "" --tunings` on an NVIDIA H200 (2026-12-04, bf16,
+# paper shapes B·S = 16k, H·D = 2048; `docs/results/tunings_h200_2026-12-04.md`): stage 12 with
+# no tuning (stage 11's code), then +1, +1-2, ..., +1-7 (stage 12), all and FA4 in the same
+# interleaved rounds, event-timed. The cell reads the run's `.json` file, prints the table and
+# draws it.
 
 # %%
 nb.table(

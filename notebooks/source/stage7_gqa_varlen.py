@@ -249,7 +249,7 @@ nb.table(
 )
 
 # %% [markdown]
-# Measured on the H200 (2026-12-02, `make bench --stages 7`,
+# Measured on the H200 (2026-12-02, `python -m common.tools.bench --stages 7`,
 # `docs/results/gqa_varlen_decode_h200_2026-12-02.md`; B = 32, 32 query / 8 KV heads, Sk = 8192,
 # D = 128): Sq = 1 340 us packed against 1085 us unpacked, Sq = 16 343 against 1095 (3.2x; FA4
 # 240 and 244 us, SDPA 237 and 1383). Packed, the kernel reads 1.07 GB of K and V at 3.16 TB/s,
@@ -327,7 +327,7 @@ fig = nb.error_picture(7, result)
 # %% [markdown]
 # ## 7. Measure
 #
-# **Expected**, from `make bench --stages 7` on the H200 (2026-12-02, bf16,
+# **Expected**, from `python -m common.tools.bench --stages 7` on the H200 (2026-12-02, bf16,
 # `docs/results/gqa_varlen_decode_h200_2026-12-02.md`): GQA 32/8 at D = 128, B·S = 16k ran at
 # 0.97-1.09x the stage's own MHA at the same shape (509 / 521 TFLOP/s against 472 / 539 at
 # S = 2k / 8k; causal 442 / 484 against 404 / 499), FA4 661 / 678 and cuDNN 644 / 620 there

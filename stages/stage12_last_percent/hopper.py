@@ -1,10 +1,10 @@
 """Stage 12 - the last percent (Hopper, sm_90a).
 
 Changes from stage 11: seven tunings, each a switch (TUNINGS; with_tunings(names) builds the
-kernel with some of them, with_tunings(()) is stage 11's) and each with its row in the ablation
-(make bench). They were found by reading the loop's SASS (cuobjdump -sass) and by counting
-instructions per KV tile in Nsight Compute against FA4's kernel. None changes the arithmetic:
-O and LSE are stage 11's bit for bit (tested).
+kernel with some of them, with_tunings(()) is stage 11's) and each with its row in the tunings
+run (python -m common.tools.bench --tunings). They were found by reading the loop's SASS
+(cuobjdump -sass) and by counting instructions per KV tile in Nsight Compute against FA4's
+kernel. None changes the arithmetic: O and LSE are stage 11's bit for bit (tested).
 1. three_warpgroups (D = 64): a 192-row Q tile, three consumer warpgroups, setmaxnreg 24 / 160
    (128 x 24 + 384 x 160 = 64,512), the turns going round 1, 2, 3 on barriers 2, 3, 4
    (FlashAttention-3's configuration). D = 64 is bound by the exponentials, and a third
@@ -55,8 +55,8 @@ from common.cute_interop import rows_of_16_bytes
 from common.kv_ring import release_slot
 
 # Stage 12's tunings, each switchable (Sm90Kernel.TUNINGS, with_tunings) and each with its row
-# in the ablation (make bench). The first two change which kernel a launch gets, the rest the
-# instructions of the loop; all keep O and LSE bit for bit.
+# in the tunings run (python -m common.tools.bench --tunings). The first two change which kernel
+# a launch gets, the rest the instructions of the loop; all keep O and LSE bit for bit.
 TUNINGS = (
     "three_warpgroups",  # 1. D = 64: three consumer warpgroups on a 192-row Q tile
     "mask_free_kernel",  # 2. D = 64: a kernel without the mask code where nothing is masked
@@ -1683,7 +1683,7 @@ def compile_args(dtype, shape, scale=None, **options):
     """(kernel, args) for cute.compile with fake tensors, shape = (B, H, Sq, Sk, D); options
     causal, window, kv_heads (Hkv, default H), varlen (True: packed sequences, B of them,
     through cu_seqlens) and pack_gqa (None, True, False: as attention's). The host side of
-    stages 7-9 is one copy, common/attention_host.py."""
+    stages 7-12 is one copy, common/attention_host.py."""
     return attention_host.compile_args(Sm90Kernel, dtype, shape, scale, **options)
 
 
