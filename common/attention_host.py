@@ -7,13 +7,20 @@ kernel_class(cutlass dtype, D, pack, **options) - options from its `launch_optio
 launch's sizes and mask where it has one (Hopper stage 12; kernel_options), none otherwise - and
 called with (q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale_log2, window_left,
 window_right, stream); a kernel object with `uses_tile_counter` (Hopper stages 11-12: the dynamic tile
-scheduler) takes one more tensor before the stream, tile_counter (one int32, zero at each call where the kernel reads it)."""
+scheduler) takes one more tensor before the stream, tile_counter (one int32, zero at each call where the kernel reads it).
+A kernel class with `takes_splits` (stage 13 on: split-KV) also takes seqused_k (or None) and
+num_splits; with more than one split it is built with split_kv=True, writes fp32 partial
+outputs with a leading split mode, and common/combine.py merges them into O and LSE."""
 
+import contextlib
 import math
 
 import torch
 
 from common import checks, masks
+from common import compile as compile_cache
+from common.arch import device_sm_count
+from common.combine import compiled_combine
 from common.compile import cached_compile_ffi
 from common.cute_interop import canonical_strides, cute_dtype, fake_stream, fake_tensor
 from common.outputs import empty_output
@@ -43,8 +50,12 @@ def compile_args(kernel_class, dtype, shape, scale=None, **options):
     """(kernel, args) for cute.compile with fake tensors, shape = (B, H, Sq, Sk, D); options
     causal, window, kv_heads (Hkv, default H), varlen (True: packed sequences, B of them,
     through cu_seqlens; the tensors are then (1, H, B * S, D) views) and pack_gqa (None, True,
-    False: as attention's)."""
-    checks.check_options(options, allowed=("causal", "window", "kv_heads", "varlen", "pack_gqa"))
+    False: as attention's); for a class with takes_splits also num_splits (default 1; more:
+    the split_kv kernel) and seqused_k (True: with the seqused_k tensor)."""
+    allowed = ("causal", "window", "kv_heads", "varlen", "pack_gqa")
+    if getattr(kernel_class, "takes_splits", False):
+        allowed += ("num_splits", "seqused_k")
+    checks.check_options(options, allowed=allowed)
     B, H, Sq, Sk, D = shape
     Hkv = options.get("kv_heads", H)
     varlen = options.get("varlen", False)
@@ -57,14 +68,24 @@ def compile_args(kernel_class, dtype, shape, scale=None, **options):
     cu_q = cu_k = None
     if varlen:
         cu_q, cu_k = (fake_tensor(torch.int32, (B + 1,), dynamic=True) for _ in range(2))
-    opts = kernel_options(kernel_class, D, window_left, window_right, Sq, Sk, H // Hkv, varlen)
+    seqused = options.get("seqused_k", False)
+    opts = kernel_options(
+        kernel_class, D, window_left, window_right, Sq, Sk, H // Hkv, varlen or seqused
+    )
     rows = tile_rows(kernel_class, dtype, D, kernel_class(cute_dtype(dtype), D, 1, **opts))
     pack = choose_pack(H, Hkv, Sq, rows, options.get("pack_gqa"))
+    splits = options.get("num_splits", 1)
+    if splits > 1:
+        opts["split_kv"] = True
+        o = fake_tensor(torch.float32, (splits, B, H, Sq, D), dynamic=True)
+        lse = fake_tensor(torch.float32, (splits, B, H, Sq), dynamic=True)
     kernel = kernel_class(cute_dtype(dtype), D, pack, **opts)
     args = [q, k, v, o, lse, cu_q, cu_k, Sq, checks.check_scale(scale, D) * math.log2(math.e)]
     args += [window_left, window_right]
     if getattr(kernel, "uses_tile_counter", False):
         args.append(fake_tensor(torch.int32, (1,), dynamic=True))
+    if getattr(kernel, "takes_splits", False):
+        args += [fake_tensor(torch.int32, (B,), dynamic=True) if seqused else None, splits]
     return kernel, (*args, fake_stream())
 
 
@@ -83,64 +104,322 @@ def launch(
     window,
     max_seqlen_k,
     pack=None,
+    seqused_k=None,
+    num_splits=None,
 ):
-    """Both entries: (B, H, S, D)-shaped views (packed sequences as B = 1), launch."""
-    D = q.shape[3]
-    window_left, window_right = masks.resolve_window(causal, window, max_seqlen_q, max_seqlen_k)
-    # exp(scale * x) = exp2(scale_log2 * x): the kernel takes the folded multiplier.
-    scale_log2 = scale * math.log2(math.e)
-    with torch.cuda.device(q.device):
-        # Kernel objects read the current device (Hopper stages 11-12: the SM count), so they are
-        # built here; the one built for the tile rows serves unpacked launches (the common case).
-        # Options for this launch's sizes and mask (Hopper stage 12: the consumer warpgroups at
-        # D = 64), the same in the unpacked and the packed object.
-        H, Hkv = q.shape[1], k.shape[1]
-        packed = cu_seqlens_q is not None
-        opts = kernel_options(
-            kernel_class, D, window_left, window_right, max_seqlen_q, max_seqlen_k, H // Hkv, packed
-        )
-        unpacked = kernel_class(cute_dtype(q.dtype), D, 1, **opts)
-        rows = tile_rows(kernel_class, q.dtype, D, unpacked)
-        pack = choose_pack(H, Hkv, max_seqlen_q, rows, pack)
-        kernel = unpacked if pack == 1 else kernel_class(cute_dtype(q.dtype), D, pack, **opts)
-        # Dynamic shapes and strides: one compile per (dtype, D, batch or packed, kernel
-        # options) serves every shape and head count. The torch tensors go to the compiled
-        # function as they are (TVM-FFI, common/compile.py), on the current stream; size-1 modes
-        # get canonical strides.
-        args = [canonical_strides(t.detach()) for t in (q, k, v, o, lse)]
-        args += [cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale_log2, window_left, window_right]
-        if getattr(kernel, "uses_tile_counter", False):
-            batch_mode = cu_seqlens_q is None
-            args.append(
-                tile_counter(
-                    batch_mode, window_left, window_right, max_seqlen_q, max_seqlen_k, q.device
-                )
-            )
-        cached_compile_ffi(kernel, *args)(*args)
+    """Both entries: (B, H, S, D)-shaped views (packed sequences as B = 1), launch. Split-KV
+    (kernel classes with takes_splits): num_splits (None: splits_for's choice), the partial
+    outputs, then the combine.
+
+    Everything decided from the launch's types, shapes and options - the kernel object, its
+    compiled function, pack-GQA, the split count, the mask bounds - is a LaunchPlan, made once
+    per plan_key and kept: a later call with the same key only allocates and launches (host
+    work per call: docs/notes/stage13.md)."""
+    key = plan_key(
+        kernel_class, q, k, v, o, lse, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
+        causal, window, pack, num_splits,
+    )  # fmt: skip
+    plan = _PLANS.get(key)
+    device = q.device
+    switch = device.type == "cuda" and device.index != torch.cuda.current_device()
+    with torch.cuda.device(device) if switch else contextlib.nullcontext():
+        if plan is None:
+            plan = make_plan(
+                kernel_class, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                max_seqlen_k, causal, window, pack, seqused_k, num_splits,
+            )  # fmt: skip
+            if len(_PLANS) >= _PLANS_KEEP:
+                _PLANS.pop(next(iter(_PLANS)))
+            _PLANS[key] = plan
+        plan.run(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, seqused_k)
+
+
+_PLANS = {}
+_PLANS_KEEP = 256
+compile_cache.CLEAR_WITH_CACHE.append(_PLANS.clear)
+
+
+def plan_key(
+    kernel_class, q, k, v, o, lse, cu_q, seqused_k, max_seqlen_q, max_seqlen_k, causal, window,
+    pack, num_splits,
+):  # fmt: skip
+    """What a LaunchPlan depends on: the kernel class, the tensors' dtype, device, shapes and
+    strides (the compiled code's assumptions follow from them, common/compile.py), packed or
+    not (and how many sequences), seqused_k given or not, the longest lengths, the mask and
+    the options."""
+    return (
+        kernel_class,
+        q.dtype,
+        q.device,
+        q.shape,
+        q.stride(),
+        k.shape,
+        k.stride(),
+        v.stride(),
+        o.stride(),
+        lse.stride(),
+        None if cu_q is None else cu_q.shape[0],
+        seqused_k is None,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal,
+        window if window is None else tuple(window),
+        pack,
+        num_splits,
+    )
+
+
+class LaunchPlan:
+    """One launch configuration, decided once: `fn` the compiled kernel (TVM-FFI), the mask
+    bounds, the split count, which inputs need canonical strides, the tile counter (None: the
+    kernel takes none; else tile_counter's arguments: a fresh zeroed one per call where the
+    dynamic scheduler reads it, the device's unread one otherwise) and the compiled combine for
+    split launches."""
+
+    def __init__(self, fn, window, splits, canonical, counter, takes_splits, combine_fn, partials):
+        self.fn = fn
+        self.window_left, self.window_right = window
+        self.splits = splits
+        self.canonical = canonical
+        self.counter = counter
+        self.takes_splits = takes_splits
+        self.combine_fn = combine_fn
+        # Split launches: (elements, O_partial's and LSE_partial's (shape, stride, offset)) in
+        # one fp32 buffer, strides already canonical.
+        self.partials = partials
+
+    def run(self, q, k, v, o, lse, cu_q, cu_k, max_seqlen_q, scale, seqused_k):
+        """Allocate what the call needs (split partials, a zeroed tile counter) and launch, on
+        the current stream."""
+        o_out, lse_out = o, lse
+        if self.splits > 1:
+            elements, o_view, lse_view = self.partials
+            buffer = empty_output((elements,), torch.float32, q.device)
+            o_out, lse_out = buffer.as_strided(*o_view), buffer.as_strided(*lse_view)
+        tensors = (q, k, v, o_out, lse_out)
+        args = [
+            canonical_strides(t.detach()) if c else (t.detach() if t.requires_grad else t)
+            for t, c in zip(tensors, self.canonical)
+        ]
+        # exp(scale * x) = exp2(scale_log2 * x): the kernel takes the folded multiplier.
+        args += [cu_q, cu_k, max_seqlen_q, scale * LOG2_E, self.window_left, self.window_right]
+        if self.counter is not None:
+            args.append(tile_counter(*self.counter, q.device))
+        if self.takes_splits:
+            args += [seqused_k, self.splits]
+        self.fn(*args)
+        if self.splits > 1:
+            self.combine_fn(o_out, lse_out, o, lse)
+
+
+LOG2_E = math.log2(math.e)
+_UNREAD_COUNTERS = {}
+
+
+def unread_counter(device):
+    """The tile-counter argument of a launch whose kernel never reads it (batch mode, no mask
+    cut: the fixed share), one per device."""
+    t = _UNREAD_COUNTERS.get(device)
+    if t is None:
+        t = _UNREAD_COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return t
+
+
+def reads_tile_counter(batch_mode, window_left, window_right, Sq, Sk):
+    """Whether a kernel with a dynamic tile scheduler (Hopper stages 11 on) draws from the tile
+    counter: packed sequences, and batch mode under a causal or window cut (left < Sk or
+    right < Sq, the kernel's own test)."""
+    return not batch_mode or window_left < Sk or window_right < Sq
 
 
 def tile_counter(batch_mode, window_left, window_right, Sq, Sk, device):
-    """The counter a dynamic tile scheduler draws tickets from (Hopper stages 11-12): zero when the
-    kernel reads it - packed sequences, and batch mode under a causal or window cut (left < Sk
-    or right < Sq, the kernel's own test) - and left unset otherwise (no fill kernel where none
-    is needed)."""
-    if not batch_mode or window_left < Sk or window_right < Sq:
+    """The counter a launch passes: zero where the kernel reads it (reads_tile_counter), the
+    device's unread one otherwise (no fill kernel where none is needed)."""
+    if reads_tile_counter(batch_mode, window_left, window_right, Sq, Sk):
         return torch.zeros(1, dtype=torch.int32, device=device)
-    return torch.empty(1, dtype=torch.int32, device=device)
+    return unread_counter(device)
+
+
+def make_plan(
+    kernel_class, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    causal, window, pack, seqused_k, num_splits,
+):  # fmt: skip
+    """The LaunchPlan of a launch (see launch), compiling what it needs."""
+    D = q.shape[3]
+    window_left, window_right = masks.resolve_window(causal, window, max_seqlen_q, max_seqlen_k)
+    # A bound that cuts no row is written as none: a left bound of at least Sk - 1 lets the
+    # last row see key 0 (and every row before it too), a right bound of at least Sq - 1 lets
+    # row 0 see key Sk - 1 (packed: of the longest sequences, which covers every shorter one).
+    # Sq = 1 under causal is then no mask at all: no tile scheduler, no mask code.
+    if window_left >= max_seqlen_k - 1:
+        window_left = max_seqlen_k
+    if window_right >= max_seqlen_q - 1:
+        window_right = max_seqlen_q
+    # Kernel objects read the current device (Hopper stages 11 on: the SM count), so they are
+    # built here; the one built for the tile rows serves unpacked launches (the common case).
+    # Options for this launch's sizes and mask (Hopper stage 12 on: the consumer warpgroups at
+    # D = 64), the same in the unpacked and the packed object.
+    H, Hkv = q.shape[1], k.shape[1]
+    packed = cu_seqlens_q is not None
+    # Per-sequence key counts (packed, seqused_k): no mask-free kernel (launch_options).
+    opts = kernel_options(
+        kernel_class,
+        D,
+        window_left,
+        window_right,
+        max_seqlen_q,
+        max_seqlen_k,
+        H // Hkv,
+        packed or seqused_k is not None,
+    )
+    unpacked = kernel_class(cute_dtype(q.dtype), D, 1, **opts)
+    rows = tile_rows(kernel_class, q.dtype, D, unpacked)
+    pack = choose_pack(H, Hkv, max_seqlen_q, rows, pack)
+    splits = 1
+    takes_splits = getattr(kernel_class, "takes_splits", False)
+    if takes_splits:
+        sequences = q.shape[0] if not packed else cu_seqlens_q.shape[0] - 1
+        tiles = -(-max_seqlen_q * pack // rows) * (H // pack) * sequences
+        splits = num_splits or splits_for(tiles, -(-max_seqlen_k // 128), device_sm_count())
+    if splits > 1:
+        opts = {**opts, "split_kv": True}
+    if pack == 1 and splits == 1:
+        kernel = unpacked
+    else:
+        kernel = kernel_class(cute_dtype(q.dtype), D, pack, **opts)
+    # Dynamic shapes and strides: one compile per (dtype, D, batch or packed, kernel options)
+    # serves every shape and head count. The torch tensors go to the compiled function as they
+    # are (TVM-FFI, common/compile.py), on the current stream; size-1 modes get canonical
+    # strides. Split-KV: each split's O and LSE in fp32, with a leading split mode.
+    o_out, lse_out, partials = o, lse, None
+    if splits > 1:
+        # O_partial (splits, *O's shape) and LSE_partial (splits, *LSE's shape), one buffer
+        o_elements, lse_elements = splits * o.numel(), splits * lse.numel()
+        buffer = torch.empty(o_elements + lse_elements, dtype=torch.float32, device=q.device)
+        o_out = canonical_strides(buffer[:o_elements].view(splits, *o.shape))
+        lse_out = canonical_strides(buffer[o_elements:].view(splits, *lse.shape))
+        partials = (
+            o_elements + lse_elements,
+            (o_out.shape, o_out.stride(), 0),
+            (lse_out.shape, lse_out.stride(), o_elements),
+        )
+    tensors = [t.detach() for t in (q, k, v, o_out, lse_out)]
+    canonical = tuple(canonical_strides(t) is not t for t in tensors)
+    if splits > 1:
+        canonical = canonical[:3] + (False, False)  # the partials are made canonical
+    args = [canonical_strides(t) for t in tensors]
+    args += [cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 1.0, window_left, window_right]
+    counter = None
+    if getattr(kernel, "uses_tile_counter", False):
+        # Zeroed where the kernel reads it (its dynamic scheduler): packed sequences, and batch
+        # mode under a causal or window cut (left < Sk or right < Sq, the kernel's own test).
+        # (batch mode, left, right, Sq, Sk) for tile_counter at each call
+        counter = (not packed, window_left, window_right, max_seqlen_q, max_seqlen_k)
+        args.append(torch.zeros(1, dtype=torch.int32, device=q.device))
+    if takes_splits:
+        args += [seqused_k, splits]
+    fn = cached_compile_ffi(kernel, *args)
+    combine_fn = compiled_combine(o_out, lse_out, o, lse) if splits > 1 else None
+    return LaunchPlan(
+        fn,
+        (window_left, window_right),
+        splits,
+        canonical,
+        counter,
+        takes_splits,
+        combine_fn,
+        partials,
+    )
+
+
+# splits_for: no split once the work tiles fill this share of the SMs (one wave is then mostly
+# full already; a split only adds partial outputs and the combine).
+FILLED_SHARE = 0.8
+MAX_SPLITS = 64
+
+
+def splits_for(tiles, kv_tiles, sm_count):
+    """How many splits a launch of `tiles` work tiles, each over at most kv_tiles KV tiles,
+    gets on sm_count SMs: 1 when the tiles fill FILLED_SHARE of the SMs; else as many as fit
+    in one wave, sm_count // tiles, at most one per KV tile and at most MAX_SPLITS (stage 13's
+    docstring). B = 1, Hkv = 8 (packed heads), Sk = 32k on 132 SMs: 132 // 8 = 16."""
+    if tiles == 0 or tiles >= FILLED_SHARE * sm_count:
+        return 1
+    return max(1, min(sm_count // tiles, kv_tiles, MAX_SPLITS))
+
+
+_CHECKED = {}
+
+
+def checked_dims(q, k, v):
+    """checks.check_attention_args(q, k, v, kv_heads=True), remembered: everything it checks
+    but the data pointers' alignment follows from the tensors' types, shapes, strides, devices
+    and whether autograd would track them, so a call with the same ones as a checked call only
+    checks the alignment again (16 bytes, for TMA). Returns (B, H, Sq, Sk, D)."""
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    key = (q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, grad)
+    key += (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride())
+    dims = _CHECKED.get(key)
+    if dims is None or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
+        dims = checks.check_attention_args(q, k, v, kv_heads=True)
+        if len(_CHECKED) >= 1024:
+            _CHECKED.clear()
+        _CHECKED[key] = dims
+    return dims
+
+
+def split_args(kernel_class, num_splits, seqused_k):
+    """Split-KV's arguments are refused by a kernel class without takes_splits (stages 7-12)."""
+    if not getattr(kernel_class, "takes_splits", False):
+        if num_splits is not None or seqused_k is not None:
+            raise TypeError("num_splits and seqused_k need a split-KV stage (13 on)")
+        return
+    checks.check_num_splits(num_splits)
 
 
 def attention(
-    kernel_class, q, k, v, scale=None, causal=False, window=None, return_lse=False, pack_gqa=None
+    kernel_class,
+    q,
+    k,
+    v,
+    scale=None,
+    causal=False,
+    window=None,
+    return_lse=False,
+    pack_gqa=None,
+    num_splits=None,
+    seqused_k=None,
 ):
-    """Batch mode (stage 7's attention): checks, outputs (poisoned under test), launch."""
+    """Batch mode (stage 7's attention): checks, outputs (poisoned under test), launch. Stage 13
+    on: num_splits, seqused_k."""
     if not isinstance(return_lse, bool):
         raise TypeError(f"argument 'return_lse': expected a bool, got {type(return_lse).__name__}")
     masks.check_mask_args(causal, window)
-    B, H, Sq, Sk, D = checks.check_attention_args(q, k, v, kv_heads=True)
+    B, H, Sq, Sk, D = checked_dims(q, k, v)
     scale = checks.check_scale(scale, D)
+    split_args(kernel_class, num_splits, seqused_k)
+    if seqused_k is not None:
+        checks.check_seqused_k(seqused_k, q, [Sk] * B)
     o = empty_output((B, H, Sq, D), q.dtype, q.device)
     lse = empty_output((B, H, Sq), torch.float32, q.device)
-    launch(kernel_class, q, k, v, o, lse, None, None, Sq, scale, causal, window, Sk, pack_gqa)
+    launch(
+        kernel_class,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        None,
+        None,
+        Sq,
+        scale,
+        causal,
+        window,
+        Sk,
+        pack_gqa,
+        seqused_k,
+        num_splits,
+    )
     return (o, lse) if return_lse else o
 
 
@@ -158,9 +437,12 @@ def attention_varlen(
     window=None,
     return_lse=False,
     pack_gqa=None,
+    num_splits=None,
+    seqused_k=None,
 ):
     """Packed sequences (stage 7's attention_varlen): checks (cu_seqlens read to the host once
-    per pair, common/checks.py), outputs, the (1, H, total, D) views, launch."""
+    per pair, common/checks.py), outputs, the (1, H, total, D) views, launch. Stage 13 on:
+    num_splits, seqused_k."""
     if not isinstance(return_lse, bool):
         raise TypeError(f"argument 'return_lse': expected a bool, got {type(return_lse).__name__}")
     masks.check_mask_args(causal, window)
@@ -172,6 +454,9 @@ def attention_varlen(
         q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     )
     scale = checks.check_scale(scale, D)
+    split_args(kernel_class, num_splits, seqused_k)
+    if seqused_k is not None:
+        checks.check_seqused_k(seqused_k, q, cu_seqlens_k)
     o = empty_output((total_q, H, D), q.dtype, q.device)
     lse = empty_output((H, total_q), torch.float32, q.device)
     if total_q == 0 or k.shape[0] == 0:
@@ -197,5 +482,7 @@ def attention_varlen(
         window,
         max_seqlen_k,
         pack_gqa,
+        seqused_k,
+        num_splits,
     )
     return (o, lse) if return_lse else o

@@ -333,3 +333,75 @@ def check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             )
         out.append(given)
     return tuple(out)
+
+
+def check_num_splits(num_splits):
+    """num_splits: None (the launch chooses) or an int 1 .. MAX_NUM_SPLITS."""
+    if num_splits is None:
+        return
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise TypeError(
+            f"argument 'num_splits': expected an int or None, got {type(num_splits).__name__}"
+        )
+    if not 1 <= num_splits <= MAX_NUM_SPLITS:
+        raise ValueError(
+            f"argument 'num_splits': must be in 1 .. {MAX_NUM_SPLITS}, got {num_splits}"
+        )
+
+
+MAX_NUM_SPLITS = 256
+
+_SEQUSED_SEEN = {}
+
+
+def check_seqused_k(seqused_k, q, key_counts):
+    """seqused_k: an int32 CUDA tensor on q's device, rank 1, one entry per sequence, each in
+    0 .. that sequence's key count (key_counts: a list of ints, or cu_seqlens_k). The values
+    are read to the host (a copy and a synchronisation) once per tensor and version, as
+    cu_seqlens are (check_cu_seqlens). While a CUDA graph is being captured nothing can be read:
+    the values are not checked then, and the kernel clamps each to 0 .. the sequence's key count
+    (it never reads past it)."""
+    name = "seqused_k"
+    if not isinstance(seqused_k, torch.Tensor):
+        raise TypeError(
+            f"argument '{name}': expected a torch.Tensor, got {type(seqused_k).__name__}"
+        )
+    if seqused_k.dtype != torch.int32:
+        raise TypeError(
+            f"argument '{name}': dtype must be int32, got "
+            f"{str(seqused_k.dtype).replace('torch.', '')}"
+        )
+    batch = len(key_counts) if isinstance(key_counts, list) else key_counts.shape[0] - 1
+    if seqused_k.dim() != 1 or seqused_k.shape[0] != batch:
+        raise ValueError(
+            f"argument '{name}': expected shape ({batch},), one entry per sequence, got "
+            f"{tuple(seqused_k.shape)}"
+        )
+    if seqused_k.device != q.device:
+        raise ValueError(
+            f"argument '{name}': must be on q's device {q.device}, got {seqused_k.device}"
+        )
+    if seqused_k.stride(0) != 1 and batch > 1:
+        raise ValueError(f"argument '{name}': must be contiguous, got stride {seqused_k.stride(0)}")
+    if torch.cuda.is_current_stream_capturing():
+        return
+    tracked = not _untracked(seqused_k) and isinstance(key_counts, list)
+    key = (id(seqused_k), tuple(key_counts)) if tracked else None
+    hit = _SEQUSED_SEEN.get(key) if tracked else None
+    if hit is not None and hit[0]() is seqused_k and hit[1] == seqused_k._version:
+        return
+    counts = (
+        key_counts
+        if isinstance(key_counts, list)
+        else [b - a for a, b in zip(key_counts.tolist(), key_counts.tolist()[1:])]
+    )
+    for b, (used, count) in enumerate(zip(seqused_k.tolist(), counts)):
+        if not 0 <= used <= count:
+            raise ValueError(
+                f"argument '{name}': seqused_k[{b}] = {used} is outside 0 .. {count}, the keys "
+                f"sequence {b} has"
+            )
+    if tracked:
+        if len(_SEQUSED_SEEN) >= _CU_SEQLENS_KEEP:
+            _SEQUSED_SEEN.pop(next(iter(_SEQUSED_SEEN)))
+        _SEQUSED_SEEN[key] = (weakref.ref(seqused_k), seqused_k._version)

@@ -168,9 +168,16 @@ def cached_compile_ffi(kernel, *args):
     return fn
 
 
+# Caches that hold compiled functions too (common/attention_host.py's launch plans): emptied
+# with this one.
+CLEAR_WITH_CACHE = []
+
+
 def clear_cache():
     """Forget every compiled kernel (the next launch of each compiles again)."""
     _CACHE.clear()
+    for clear in CLEAR_WITH_CACHE:
+        clear()
 
 
 def cache_size():

@@ -1,11 +1,21 @@
-"""How every entry point allocates its outputs: torch.empty filled with NaN, so that an element
-a kernel fails to write can never pass a check; benchmarks turn the fill off (no_poison)."""
+"""How every entry point allocates its outputs: torch.empty, filled with NaN under test, so that
+an element a kernel fails to write can never pass a check. The tests turn the fill on
+(tests/conftest.py), as does POISON_OUTPUTS=1 in the environment; elsewhere it is off, since each
+fill is one more kernel launch on every call (a decode step's host work is measured in
+microseconds: docs/notes/stage13.md). Benchmarks also turn it off inside a test run (no_poison)."""
 
 import contextlib
+import os
 
 import torch
 
-_POISON = True
+_POISON = os.environ.get("POISON_OUTPUTS", "0") == "1"
+
+
+def set_poison(on):
+    """Turn the NaN fill of fresh outputs on or off (the tests turn it on)."""
+    global _POISON
+    _POISON = bool(on)
 
 
 @contextlib.contextmanager

@@ -186,9 +186,9 @@ def test_ptx_counter_counts_statements_and_ignores_comments():
 
 
 def test_stage_table_is_consistent():
-    assert [s.number for s in stage_table.STAGES] == list(range(1, 13))
-    with pytest.raises(ValueError, match="stage 13 does not exist"):
-        stage_table.stage(13)
+    assert [s.number for s in stage_table.STAGES] == list(range(1, 14))
+    with pytest.raises(ValueError, match="stage 14 does not exist"):
+        stage_table.stage(14)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (any)")

@@ -460,7 +460,9 @@ def test_launch_builds_what_launch_options_ask_for(monkeypatch):
         ((False, 4, 4, 1100, 1100, True, None, 64), (3, 1)),
         ((False, 4, 4, 700, 700, False, None, 64), (3, 1)),
         ((False, 4, 4, 4000, 4000, False, (200, 0), 64), (2, 1)),
-        ((False, 8, 2, 1, 900, True, None, 64), (2, 4)),  # decode-like: pack-GQA, 128 rows
+        # decode-like: causal at Sq = 1 cuts nothing (the launch drops it), pack-GQA, 192 rows
+        ((False, 8, 2, 1, 900, True, None, 64), (3, 4)),
+        ((False, 8, 2, 1, 900, False, (100, 0), 64), (2, 4)),  # a window: 128 rows
         ((False, 8, 2, 1, 2000, True, None, 64), (3, 4)),
         ((False, 4, 4, 700, 700, True, None, 128), (2, 1)),
         ((True, 4, 2, 600, 1000, True, None, 64), (2, 1)),  # packed: the longest sequence

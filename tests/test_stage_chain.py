@@ -1,9 +1,10 @@
-"""Stages 7-12 (Hopper): where the math does not change, O and LSE do not change either.
+"""Stages 7-13 (Hopper): where the math does not change, O and LSE do not change either.
 
 Stages 8-12 change only the schedule (warp roles, turns, the overlap inside the loop, persistent
 CTAs, the tunings); every query row gets stage 7's operations in stage 7's order. So each stage's
 O and LSE must equal the previous stage's bit for bit, and stage 12 with any one tuning must
-equal stage 11 (a tuning that changed a bit would be a bug, not noise). GPU tests (marker
+equal stage 11 (a tuning that changed a bit would be a bug, not noise). Stage 13 with
+num_splits=1 (no split, no combine) must equal stage 12 bit for bit. GPU tests (marker
 gpu_hopper), outputs poisoned with NaN before each launch (common/outputs.py under pytest), each
 launch under a 120 s deadline. The cases cover what schedule bugs break: ranges of 1 and 2 KV
 tiles, a range long enough to wrap the ring many times, Q tiles with no KV tile at all (empty
@@ -46,13 +47,18 @@ def case_id(c):
     return "x".join(map(str, c[:6])) + ("-causal" if c[7] else "") + ("-win" if c[8] else "")
 
 
+def unsplit(stage):
+    """Stage 13 on: the keyword that keeps every KV range whole (stage 12's arithmetic)."""
+    return {"num_splits": 1} if stage >= 13 else {}
+
+
 def batch_outputs(stage_or_class, case):
     B, H, Hkv, Sq, Sk, D, dtype, causal, window = case
     q, _, _ = inputs.attention_inputs(B, H, Sq, Sq, D, dtype, seed=Sq + D)
     _, k, v = inputs.attention_inputs(B, Hkv, Sq, Sk, D, dtype, seed=Sk + D)
     if isinstance(stage_or_class, int):
         fn = lambda: module(stage_or_class).attention(  # noqa: E731
-            q, k, v, causal=causal, window=window, return_lse=True
+            q, k, v, causal=causal, window=window, return_lse=True, **unsplit(stage_or_class)
         )
     else:
         from common import attention_host
@@ -67,7 +73,9 @@ def packed_outputs(stage, pack, D, causal):
     lens_q, lens_k = PACKS[pack]
     q, k, v, cu_q, cu_k = packed_inputs(lens_q, lens_k, 4, 2, D, torch.bfloat16, seed=21 + D)
     return run(
-        lambda: module(stage).attention_varlen(q, k, v, cu_q, cu_k, causal=causal, return_lse=True),
+        lambda: module(stage).attention_varlen(
+            q, k, v, cu_q, cu_k, causal=causal, return_lse=True, **unsplit(stage)
+        ),
         f"stage {stage} packed {pack}",
     )
 
@@ -79,7 +87,7 @@ def assert_same(got, ref, what):
 
 
 @pytest.mark.parametrize("case", BATCH_CASES, ids=case_id)
-@pytest.mark.parametrize("stage", [8, 9, 10, 11, 12])
+@pytest.mark.parametrize("stage", [8, 9, 10, 11, 12, 13])
 def test_equals_the_stage_before_bit_for_bit(stage, case):
     assert_same(batch_outputs(stage, case), batch_outputs(stage - 1, case), f"stage {stage}")
 
@@ -87,7 +95,7 @@ def test_equals_the_stage_before_bit_for_bit(stage, case):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("pack", list(PACKS))
-@pytest.mark.parametrize("stage", [8, 9, 10, 11, 12])
+@pytest.mark.parametrize("stage", [8, 9, 10, 11, 12, 13])
 def test_packed_equals_the_stage_before_bit_for_bit(stage, pack, D, causal):
     assert_same(
         packed_outputs(stage, pack, D, causal),

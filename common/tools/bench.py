@@ -11,6 +11,8 @@ Stage 7 (with stage 12 beside it): GQA 32/8 against its own MHA, FA4 and cuDNN; 
 sequences against FA4's varlen and a padded SDPA batch; decode-like steps.
 Stage 12: the ablation stage 5 -> 7 -> 8 -> ... -> 12 at the paper shapes, causal and not, against
 FA4 and cuDNN (--dtype fp16 for the fp16 rows); --tunings adds stage 12's tunings one by one.
+Stage 13: decode steps (Sq = 1) in GB/s of K and V against stage 12, FA4 and SDPA's backends;
+--decode-sweep adds B = 1 ... 64 x Sk = 4k ... 256k.
 Writes docs/results/bench_<gpu>_<date>.{md,json} and attention_<gpu>_<date>.png."""
 
 import argparse
@@ -340,6 +342,112 @@ def decode_rows(mod, fa4, dtype, record, later=None):
     return lines
 
 
+# Stage 13: decode steps, (B, query heads, KV heads, Sk); Sq = 1, D = 128.
+SPLIT_KV_ROWS = [
+    (1, 32, 8, 8192),
+    (1, 32, 8, 32768),
+    (1, 32, 8, 131072),
+    (1, 32, 32, 32768),
+    (8, 32, 8, 32768),
+    (32, 32, 8, 8192),
+]
+SPLIT_KV_SWEEP = [(B, 32, 8, Sk) for B in (1, 4, 16, 64) for Sk in (4096, 16384, 65536, 262144)]
+
+
+def split_kv_rows(dtype, record, sweep=False):
+    """Decode steps (Sq = 1, D = 128) with stages 12 and 13, FA4 and SDPA's backends, all in the
+    same interleaved rounds, inputs rotated past L2: GB/s of K and V read per call (the bound of
+    a decode step: the H200's HBM gives about 4,800). sweep: also B = 1, 4, 16, 64 x Sk = 4k ...
+    256k (rows above 4 GB of K and V skipped)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from common.tools import inputs
+
+    s12 = stage_table.track_module(12, arch.track())
+    s13 = stage_table.track_module(13, arch.track())
+    fa4 = timing.fa4_fn(False)
+    names = ["stage 12", "stage 13", "FA4", "SDPA cuDNN", "SDPA flash", "SDPA efficient"]
+    head = [
+        "| B | heads q/kv | Sk | splits | " + " | ".join(names) + " | 13 / cuDNN |",
+        "| --- | --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- |",
+    ]
+    lines = [
+        "",
+        "## Stage 13: decode steps (Sq = 1, D = 128), GB/s of K and V read",
+        "",
+        "GB/s = 2 Sk Hkv D 2 bytes B / time, inputs rotated past L2; `splits` = the number stage "
+        "13's launch chose. First by the calls' time back to back between CUDA events (what a "
+        "model sees, host work included), then by GPU time alone (the kernels' durations as "
+        "the profiler records them: what the kernels do with the memory).",
+        "",
+        "### Calls back to back (CUDA events)",
+        "",
+        *head,
+    ]
+    gpu_lines = ["", "### GPU time alone", "", *head]
+    backends = {
+        "SDPA cuDNN": SDPBackend.CUDNN_ATTENTION,
+        "SDPA flash": SDPBackend.FLASH_ATTENTION,
+        "SDPA efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }
+
+    def sdpa(backend):
+        def run(q, k, v):
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+        return run
+
+    rows = SPLIT_KV_ROWS + ([r for r in SPLIT_KV_SWEEP if r not in SPLIT_KV_ROWS] if sweep else [])
+    D = 128
+    with no_poison():
+        for B, H, Hkv, Sk in rows:
+            kv_bytes = 2 * B * Hkv * Sk * D * 2
+            if kv_bytes > 4e9:
+                continue
+            q, k, v = inputs.attention_inputs(B, Hkv, 1, Sk, D, dtype, seed=Sk + B)
+            q = torch.randn(B, H, 1, D, device="cuda", dtype=dtype)
+            n_sets = timing.rotation_count(kv_bytes)
+            sets = [(q, k, v)] + [(q.clone(), k.clone(), v.clone()) for _ in range(n_sets - 1)]
+            fns = {
+                "stage 12": (lambda q, k, v: s12.attention(q, k, v), sets),
+                "stage 13": (lambda q, k, v: s13.attention(q, k, v), sets),
+            }
+            if fa4 is not None:
+                bshd = [tuple(t.transpose(1, 2).contiguous() for t in st) for st in sets]
+                fns["FA4"] = (fa4, bshd)
+            for name, backend in backends.items():
+                fns[name] = (sdpa(backend), sets)
+            for name in list(fns):
+                fn, st = fns[name]
+                try:
+                    fn(*st[0])
+                except Exception as e:  # a backend that cannot run this shape: reported
+                    print(f"    {name}: not available ({type(e).__name__}: {str(e)[:60]})")
+                    del fns[name]
+            torch.cuda.synchronize()
+            row, gpu_row = timing.interleaved(fns, gpu=True)
+            from common import attention_host
+            from common.arch import device_sm_count
+
+            splits = attention_host.splits_for(Hkv * B, -(-Sk // 128), device_sm_count())
+            for out, times, label in (
+                (lines, row, "13 decode"),
+                (gpu_lines, gpu_row, "13 decode GPU"),
+            ):
+                gbs = {n: kv_bytes / (ms * 1e-3) / 1e9 for n, ms in times.items()}
+                record(label, (B, H, Hkv, 1, Sk, D), {n: (ms, gbs[n]) for n, ms in times.items()})
+                cells = [f"{gbs[n]:,.0f}" if n in gbs else "-" for n in names]
+                cudnn = gbs.get("SDPA cuDNN", float("nan"))
+                out.append(
+                    f"| {B} | {H}/{Hkv} | {Sk // 1024}k | {splits} | "
+                    + " | ".join(cells)
+                    + f" | {gbs['stage 13'] / cudnn:.2f} |"
+                )
+                print("  " + out[-1], flush=True)
+    return lines + gpu_lines
+
+
 ABLATION_STAGES = (5, 7, 8, 9, 10, 11, 12)
 
 
@@ -461,13 +569,18 @@ def main(argv=None):
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--stages", default="1,2,3,4,5,6,7,12", help="comma-separated stage numbers")
+    ap.add_argument("--stages", default="1,2,3,4,5,6,7,12,13", help="comma-separated stage numbers")
     ap.add_argument(
         "--tunings",
         action="store_true",
         help="also stage 12's tunings, cumulative (--tuning-seqlens)",
     )
     ap.add_argument("--tuning-seqlens", default="2048,8192,16384")
+    ap.add_argument(
+        "--decode-sweep",
+        action="store_true",
+        help="stage 13: also B = 1, 4, 16, 64 x Sk = 4k ... 256k",
+    )
     ap.add_argument("--seqlens", default=",".join(map(str, SEQLENS)))
     ap.add_argument("--headdims", default="64,128")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
@@ -652,6 +765,8 @@ def main(argv=None):
         lines += stage7_rows(track, dtype, record)
     if 12 in want and stage_table.available(12, track):
         lines += ablation_rows(track, dtype, headdims, seqlens, record)
+    if 13 in want and stage_table.available(13, track):
+        lines += split_kv_rows(dtype, record, sweep=args.decode_sweep)
     if args.tunings and stage_table.available(12, track):
         tuning_seqlens = [int(x) for x in args.tuning_seqlens.split(",")]
         lines += tuning_rows(track, dtype, headdims, tuning_seqlens, record)

@@ -125,6 +125,15 @@ STAGES = (
         (2, 4, 512, 1024, 128),
         (2, 16, 8192, 8192, 128),
     ),
+    Stage(
+        13,
+        "stage13_split_kv",
+        "attention",
+        "split-KV (FlashDecoding)",
+        "a work tile's KV range cut into splits, fp32 partial O and LSE, the combine kernel",
+        (2, 4, 512, 1024, 128),
+        (2, 16, 8192, 8192, 128),
+    ),
 )
 
 BY_NUMBER = {s.number: s for s in STAGES}

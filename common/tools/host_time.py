@@ -1,0 +1,86 @@
+"""Host work per call: how long an entry point keeps the CPU busy at a tiny shape, where the GPU
+work is negligible, so that back-to-back calls run at the speed of the host code.
+
+    python -m common.tools.host_time [--calls 2000] [--profile]
+
+For each entry (stages 12 and 13, the custom op of common/ops.py, SDPA, FA4 where importable):
+the microseconds per call of N calls back to back, between two CUDA events (the GPU waits for
+the host the whole time, so this is the host's time per call), after warm-up (compiles). A
+decode step at batch 1: Q (1, 32, 1, 128), K and V (1, 8, 256, 128), bf16, causal.
+--profile adds cProfile's top functions (by own time) for stage 13's call."""
+
+import argparse
+import cProfile
+import pstats
+
+import torch
+
+from common.tools import stage_table
+
+
+def per_call_us(fn, calls):
+    """Microseconds per call of fn() over `calls` calls back to back (CUDA events)."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls
+
+
+def entries(q, k, v):
+    """{label: callable} of the entries that exist here."""
+    from common import arch
+
+    out = {}
+    for n in (12, 13):
+        if stage_table.available(n, arch.track()):
+            mod = stage_table.track_module(n, arch.track())
+            out[f"stage {n}"] = lambda mod=mod: mod.attention(q, k, v, causal=True)
+    try:
+        from common import ops
+
+        out["custom op (common/ops.py)"] = lambda: ops.attention(q, k, v, causal=True)
+    except Exception as e:  # reported, not fatal
+        print(f"custom op: not available ({type(e).__name__}: {e})")
+    out["SDPA"] = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    try:
+        from flash_attn.cute import flash_attn_func
+
+        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        out["FA4"] = lambda: flash_attn_func(qt, kt, vt, causal=True)
+    except Exception:
+        pass
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args(argv)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 32, 1, 128, generator=g, device="cuda").bfloat16()
+    k, v = (torch.randn(1, 8, 256, 128, generator=g, device="cuda").bfloat16() for _ in range(2))
+    gpu = torch.cuda.get_device_name()
+    print(f"host work per call on {gpu}: Q (1, 32, 1, 128), K, V (1, 8, 256, 128), bf16, causal")
+    with torch.inference_mode():
+        fns = entries(q, k, v)
+        for label, fn in fns.items():
+            print(f"  {label:28s} {per_call_us(fn, args.calls):7.1f} us per call", flush=True)
+        if args.profile and "stage 13" in fns:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.calls):
+                fns["stage 13"]()
+            prof.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
+if __name__ == "__main__":
+    main()
