@@ -51,6 +51,12 @@ replayed the same way. Its pipes also carry the arrivals each barrier phase expe
 mbarrier.init gives it) and the arrivals one commit or release brings (the threads that run
 it): a count that does not match the arriving threads leaves a phase incomplete (a hang) or
 completes two at once; mbarrier_init_counts reads the counts the kernel's PTX initialises.
+
+Stage 11 (persistent CTAs) runs those programs once per work tile with every pipeline state
+running on (cta_schedule_persistent adds the tile-number hand-over); simulate_cta then takes a
+list of KV ranges, one per work tile, and also reports a wait that passes on parity before its
+phase has completed (a state whose count is off by one phase), which the single-tile replays
+cannot show.
 """
 
 import dataclasses
@@ -373,6 +379,17 @@ class Pipe:
     empty_count: int = 1
     producer_threads: int = 1
     consumer_threads: int = 1
+    # (role, threads) pairs: the arrivals one commit or release of that role brings, where
+    # several roles arrive on one barrier (stage 11's tile hand-over: 32 and 128 threads).
+    role_threads: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Restart:
+    """A fault to plant (tests): the role's state of `pipe` made anew here, its entry count
+    (and so its parity) back to 0, as a state created per work tile would be."""
+
+    pipe: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -438,6 +455,8 @@ def cta_schedule(kernel):
     """(pipes, programs) of a Blackwell kernel: cta_schedule_correction for the kernels with a
     correction warpgroup (stages 8-10: kernel.correction_warp_ids; one or two Q tiles),
     cta_schedule_one_tile for the one-pass kernels of stages 5-7."""
+    if getattr(kernel, "uses_tile_counter", False):
+        return cta_schedule_persistent(kernel)
     if getattr(kernel, "q_tiles", 1) == 2 or hasattr(kernel, "correction_warp_ids"):
         return cta_schedule_correction(kernel)
     return cta_schedule_one_tile(kernel)
@@ -682,6 +701,44 @@ def cta_schedule_correction(kernel):
     return pipes, programs
 
 
+def cta_schedule_persistent(kernel):
+    """(pipes, programs) of Blackwell stage 11: stage 10's (cta_schedule_correction) run per
+    work tile, plus the tile number's hand-over: per tile the TMA warp acquires the one-entry
+    tile pipe and commits (32 threads), every other role waits and releases (the MMA warp's 32
+    threads, each warpgroup's 128: 416 arrivals); after the last tile one more hand-over (the
+    number past the end). The TMEM syncs and the tails stay once per CTA."""
+    pipes, programs = cta_schedule_correction(kernel)
+    others = [r for r in programs if r != "TMA"]
+    threads = {"MMA": 32, "correction": 32 * len(kernel.correction_warp_ids)}
+    threads.update({f"softmax{s}": 32 * len(w) for s, w in enumerate(kernel.softmax_warp_ids)})
+    tile = Pipe(
+        "tile", 1, "TMA", "others", 32, kernel.tile_threads, 32, 1,
+        tuple((r, threads[r]) for r in others),
+    )  # fmt: skip
+    out = {}
+    for role, program in programs.items():
+        items = list(program)
+        head = [items.pop(0)] if isinstance(items[0], Sync) else []
+        end = [items.pop()] if isinstance(items[-1], Sync) else []
+        tails = [op for op in items if isinstance(op, Tail)]
+        body = tuple(op for op in items if not isinstance(op, Tail))
+        if role == "TMA":
+            hand = (Op("tile", "acquire"), Op("tile", "commit"))
+            tails.append(Tail("tile"))
+        else:
+            hand = (Op("tile", "wait"), Op("tile", "release"))
+        out[role] = (*head, PerWorkTile((*hand, *body)), *hand, *tails, *end)
+    return (*pipes, tile), out
+
+
+@dataclasses.dataclass(frozen=True)
+class PerWorkTile:
+    """Operations repeated once per work tile of a persistent CTA, each with its own KV range
+    (simulate_cta given a list of ranges); once, with the range, otherwise."""
+
+    ops: tuple
+
+
 def barrier_sites(pipes, programs, role, actions):
     """The operations of `role` with one of `actions`, each site in the code once, whatever the
     trip count: the bodies of PerTile, NotFirst and IfNonEmpty once, a Tail one acquire per
@@ -692,7 +749,7 @@ def barrier_sites(pipes, programs, role, actions):
 
     def walk(items):
         for item in items:
-            if isinstance(item, (PerTile, NotFirst, IfNonEmpty)):
+            if isinstance(item, (PerTile, NotFirst, IfNonEmpty, PerWorkTile)):
                 walk(item.ops)
             elif isinstance(item, Tail):
                 ops.extend([Op(item.pipe, "acquire", "tail")] * stages[item.pipe])
@@ -708,7 +765,12 @@ def _flatten(program, tiles, pipes):
     stages = {p.name: p.stages for p in pipes}
     out = []
     for item in program:
-        if isinstance(item, PerTile):
+        if isinstance(item, PerWorkTile):
+            for work in tiles if isinstance(tiles, list) else [tiles]:
+                out += _flatten(item.ops, work, pipes)
+        elif isinstance(item, Restart):
+            out.append((item, None))
+        elif isinstance(item, PerTile):
             for i, t in enumerate(kv_tiles_of(tiles)):
                 for op in item.ops:
                     if isinstance(op, NotFirst):
@@ -752,14 +814,17 @@ def simulate_cta(pipes, programs, tiles, role_tiles=None):
             violations.append(msg)
 
     # Per role and position: how many operations of each (pipe, action) came before it.
-    counts = {}
+    counts, bases = {}, {}
     for r in roles:
-        acc, seq = {}, [{}]
+        acc, seq, base, bseq = {}, [{}], {}, [{}]
         for op, _ in flat[r]:
             if isinstance(op, Op):
                 acc[(op.pipe, op.action)] = acc.get((op.pipe, op.action), 0) + 1
+            elif isinstance(op, Restart):
+                base = {**base, **{k: v for k, v in acc.items() if k[0] == op.pipe}}
             seq.append(dict(acc))
-        counts[r] = seq
+            bseq.append(base)
+        counts[r], bases[r] = seq, bseq
         # A role arrives only on entries it holds: no commit before its acquire, no release
         # before its wait.
         for i, (op, t) in enumerate(flat[r]):
@@ -803,8 +868,9 @@ def simulate_cta(pipes, programs, tiles, role_tiles=None):
         count = p.full_count if barrier == "full" else p.empty_count
         for r in roles:
             n = counts[r][pcs[r]].get((pipe, action), 0)
+            n_threads = dict(p.role_threads).get(r, threads)
             for s in range(S):
-                arrived[s] += (n // S + (1 if s < n % S else 0)) * threads
+                arrived[s] += (n // S + (1 if s < n % S else 0)) * n_threads
         return [a // count for a in arrived]
 
     def can_move(pcs, r):
@@ -812,12 +878,26 @@ def simulate_cta(pipes, programs, tiles, role_tiles=None):
         if isinstance(op, Sync):
             k = syncs[r].index(pcs[r])
             return all(len(syncs[o]) > k and pcs[o] >= syncs[o][k] for o in op.roles if o in roles)
+        if isinstance(op, Restart):
+            return True
         if op.action in _WAITS:
             barrier, initial = _WAITS[op.action]
-            k = counts[r][pcs[r]].get((op.pipe, op.action), 0)
+            n = counts[r][pcs[r]].get((op.pipe, op.action), 0)
+            k = n - bases[r][pcs[r]].get((op.pipe, op.action), 0)  # what the state counts
             S = pipe_of[op.pipe].stages
             parity = initial ^ ((k // S) & 1)
-            return completed(pcs, op.pipe, barrier)[k % S] % 2 != parity
+            done = completed(pcs, op.pipe, barrier)[n % S]
+            passes = done % 2 != parity
+            # The phase this wait is for: the (n // S + 1)-th completion of a full barrier, the
+            # (n // S)-th of an empty one (a fresh barrier counts as completed for producers).
+            need = n // S + (1 if barrier == "full" else 0)
+            if passes and done != need:
+                report(
+                    f"{_ROLE_NAMES.get(r, r)}: {op} entry {n + 1} passes with {done} phase(s) "
+                    f"of its barrier completed, not {need}: its parity is off by "
+                    f"{need - done} phase(s)"
+                )
+            return passes
         return True
 
     start = tuple(0 for _ in roles)
@@ -855,6 +935,10 @@ def simulate_cta(pipes, programs, tiles, role_tiles=None):
                 1 for r in roles for op, _ in flat[r] if op == Op(p.name, "acquire", "tail")
             )
             made, used = n["commit"], n["wait"]
+            waiters = {r for r in roles for op, _ in flat[r] if op == Op(p.name, "wait")}
+            if len(waiters) > 1:  # each role that waits takes every entry once
+                used //= len(waiters)
+                n["release"] //= len(waiters)
             if made != used or n["release"] != used or n["acquire"] - tails != made:
                 report(
                     f"{p.name}: unbalanced hand-off: {made} commit(s), {used} wait(s), "

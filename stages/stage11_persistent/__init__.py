@@ -3,7 +3,8 @@ atomic tile scheduler, longest first in L2-sized sections, O in its own buffer.
 `attention(q, k, v, scale=None, causal=False, window=None, return_lse=False,
 pack_gqa=None)` with k, v of Hkv heads, and `attention_varlen(q, k, v, cu_seqlens_q,
 cu_seqlens_k, ...)` run the kernel of this machine's track: hopper.py on sm_90 (H100, H200),
-blackwell.py on sm_100/sm_103 (compile-checked only: no Blackwell GPU has run it)."""
+blackwell.py on sm_100/sm_103 (compile-checked only: no Blackwell GPU has run it).
+Both tracks have this stage."""
 
 import importlib
 import importlib.util
@@ -62,6 +63,6 @@ def _track_module():
     t = track()
     if importlib.util.find_spec(f"{__name__}.{t}") is None:
         raise NotImplementedError(
-            f"stage 11 has no {t} kernel yet; stages 1-10 exist on both tracks"
+            f"stage 11 has no {t} kernel yet; stages 1-11 exist on both tracks"
         )
     return importlib.import_module(f"{__name__}.{t}")

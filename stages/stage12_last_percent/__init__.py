@@ -3,8 +3,8 @@ warpgroups at D = 64, the mask-free kernel, elected slot release, slot-first des
 chains, the wait placement, the interval mask).
 `attention(q, k, v, scale=None, causal=False, window=None, return_lse=False,
 pack_gqa=None)` with k, v of Hkv heads, and `attention_varlen(q, k, v, cu_seqlens_q,
-cu_seqlens_k, ...)` run the kernel of this machine's track: hopper.py on sm_90 (H100, H200),
-blackwell.py on sm_100/sm_103 (compile-checked only: no Blackwell GPU has run it)."""
+cu_seqlens_k, ...)` run the kernel of this machine's track: hopper.py on sm_90 (H100, H200);
+the Blackwell track has no stage 12 yet (its last stage is 11, compile-checked only)."""
 
 import importlib
 import importlib.util
@@ -63,6 +63,6 @@ def _track_module():
     t = track()
     if importlib.util.find_spec(f"{__name__}.{t}") is None:
         raise NotImplementedError(
-            f"stage 12 has no {t} kernel yet; stages 1-10 exist on both tracks"
+            f"stage 12 has no {t} kernel yet; stages 1-11 exist on both tracks"
         )
     return importlib.import_module(f"{__name__}.{t}")
