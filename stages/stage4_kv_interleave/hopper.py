@@ -304,21 +304,16 @@ class Sm90Kernel:
         tOrP = cute.make_rmem_tensor(pv_thr.partition_shape_A((bM, bN)), self.dtype)
         # (MMA, MMA_M, MMA_N): bK / 2 fp32 per thread
         acc_O = cute.make_rmem_tensor(pv_thr.partition_shape_C((bM, bK)), self.acc_dtype)
-        k_blocks = cute.size(tSrQ, mode=[2])  # bK / 16 wgmma for S
-        kv_blocks = cute.size(tOrP, mode=[2])  # bN / 16 wgmma for O
         # One value per row this thread holds (2): m and l of the softmax
         row_max = cute.make_rmem_tensor(cute.size(self.rows_view(acc_S), mode=[0]), self.acc_dtype)
         row_sum = cute.make_rmem_tensor_like(row_max)
 
-        # 2. Main loop
-        # Step t of the ring: K tile t in pass 1 (t < kv_tiles), then K and V tile t - kv_tiles in
-        # pass 2. Step t uses slot t % kv_slots; bit i of slot_phase is the phase parity the next
-        # use of slot i waits for.
+        # Warp 0 starts the ring: Q once, then the K tiles of the first kv_slots
+        # steps, one per slot (a fresh slot needs no wait: the producer's parity 1 is already
+        # "complete" on a new barrier). Then every warpgroup computes its rows of the tile (mma),
+        # warp 0 also issuing the loads that refill the ring (refills: what it needs for them).
         steps = 2 * kv_tiles
-        slot_phase = cutlass.Int32(0)
-
-        # Q once, then the K tiles of the first kv_slots steps, one per slot. A fresh slot needs no
-        # wait: the producer's parity 1 is already "complete" on a new barrier.
+        refills = (warp_idx, steps, tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV)
         if warp_idx == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(q_full, q_bytes)
@@ -326,6 +321,64 @@ class Sm90Kernel:
             for step in cutlass.range(cutlass.min(self.kv_slots, steps), unroll=1):
                 fresh_slot = self.slot_state(step % self.kv_slots, 1)
                 self.load_tiles(kv_pipeline, fresh_slot, step % kv_tiles, tma_atom_k, tKgK, tKsK)
+        self.mma(
+            qk_mma,
+            pv_mma,
+            gO,
+            sO,
+            kv_pipeline,
+            q_full,
+            tSrQ,
+            tSrK,
+            tOrVt,
+            acc_S,
+            tScS,
+            tOrP,
+            acc_O,
+            row_max,
+            row_sum,
+            tma_atom_o,
+            seqlen_k,
+            kv_tiles,
+            scale_log2,
+            refills,
+            tidx,
+        )
+
+    @cute.jit
+    def mma(
+        self,
+        qk_mma,
+        pv_mma,
+        gO,
+        sO,
+        kv_pipeline,
+        q_full,
+        tSrQ,
+        tSrK,
+        tOrVt,
+        acc_S,
+        tScS,
+        tOrP,
+        acc_O,
+        row_max,
+        row_sum,
+        tma_atom_o,
+        seqlen_k,
+        kv_tiles,
+        scale_log2,
+        refills,
+        tidx,
+    ):
+        """Every warpgroup, for its 64 rows of the Q tile: pass 1 over the tile's KV tiles
+        (S = Q K^T, row_max and row_sum), pass 2 (S again, P, O += P V) and the epilogue."""
+        # 2. Main loop
+        _, bN, _ = self.cta_tile
+        warp_idx, steps, tma_atom_k, tKgK, tKsK, _, _, _ = refills
+        # Step t of the ring: K tile t in pass 1 (t < kv_tiles), then K and V tile t - kv_tiles in
+        # pass 2. Step t uses slot t % kv_slots; bit i of slot_phase is the phase parity the next
+        # use of slot i waits for.
+        slot_phase = cutlass.Int32(0)
 
         # Q has landed (the one and only phase of q_full).
         cute.arch.mbarrier_wait(q_full, 0)
@@ -344,7 +397,7 @@ class Sm90Kernel:
             # S = Q @ K_j^T: bK / 16 asynchronous m64n128k16 steps, the first overwrites acc_S.
             warpgroup.fence()
             qk_mma.set(warpgroup.Field.ACCUMULATE, False)
-            for k_block in cutlass.range_constexpr(k_blocks):
+            for k_block in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
                 coord = (None, None, k_block, k_state.index)
                 cute.gemm(qk_mma, acc_S, tSrQ[None, None, k_block, 0], tSrK[coord], acc_S)
                 qk_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -370,63 +423,100 @@ class Sm90Kernel:
         for r in cutlass.range_constexpr(cute.size(row_sum)):
             row_sum[r] = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
 
-        # Pass 2: S again, the final P, O += P @ V. K_j and V_j take turns in one slot.
+        # Pass 2: S again, the final P, O += P @ V. K_j and V_j take turns in one slot. The first
+        # PV of the pass overwrites acc_O.
         pv_mma.set(warpgroup.Field.ACCUMULATE, False)
         for kv_tile in cutlass.range(kv_tiles, unroll=1):
-            step = kv_tiles + kv_tile
-            slot = step % self.kv_slots
-            k_state = self.slot_state(slot, (slot_phase >> slot) & 1)
-            slot_phase ^= 1 << slot
-            # Wait until TMA has written K_j.
-            kv_pipeline.consumer_wait(k_state)
+            slot_phase = self.mma_one_n_block(
+                kv_tile,
+                slot_phase,
+                qk_mma,
+                pv_mma,
+                kv_pipeline,
+                tSrQ,
+                tSrK,
+                tOrVt,
+                acc_S,
+                tScS,
+                tOrP,
+                acc_O,
+                row_max,
+                row_sum,
+                seqlen_k,
+                scale_log2,
+                kv_tiles,
+                refills,
+            )
+            # From the second KV tile on, P V accumulates into acc_O (the loop carries the flag).
+            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
 
-            # S = Q @ K_j^T: bK / 16 asynchronous m64n128k16 steps, the first overwrites acc_S.
-            warpgroup.fence()
-            qk_mma.set(warpgroup.Field.ACCUMULATE, False)
-            for k_block in cutlass.range_constexpr(k_blocks):
-                coord = (None, None, k_block, k_state.index)
-                cute.gemm(qk_mma, acc_S, tSrQ[None, None, k_block, 0], tSrK[coord], acc_S)
-                qk_mma.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.commit_group()
+        self.epilogue(pv_mma, acc_O, sO, gO, tma_atom_o, tidx)
 
-            # The hazard: V_j will overwrite K_j in this slot. Wait until the wgmmas reading K_j
-            # have completed, and only then release the slot. The producer loads V_j once all
-            # 8 warps have released it (same parity: this use of the slot is over).
-            warpgroup.wait_group(0)
-            kv_pipeline.consumer_release(k_state)
-            if warp_idx == 0:
-                self.load_tiles(kv_pipeline, k_state, kv_tile, tma_atom_v, tVgV, tVsV)
+    @cute.jit
+    def mma_one_n_block(
+        self,
+        kv_tile,
+        slot_phase,
+        qk_mma,
+        pv_mma,
+        kv_pipeline,
+        tSrQ,
+        tSrK,
+        tOrVt,
+        acc_S,
+        tScS,
+        tOrP,
+        acc_O,
+        row_max,
+        row_sum,
+        seqlen_k,
+        scale_log2,
+        kv_tiles,
+        refills,
+    ):
+        """One step of pass 2, KV tile kv_tile = j: S = Q K_j^T, the mask and the softmax, P_j,
+        then O += P_j V_j; warp 0 loads V_j into K_j's slot and then the K tile of step +
+        kv_slots into it. Returns slot_phase, the slots' phase bits after V_j, which the loop
+        carries."""
+        warp_idx, steps, tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV = refills
+        step = kv_tiles + kv_tile
+        slot = step % self.kv_slots
+        k_state = self.slot_state(slot, (slot_phase >> slot) & 1)
+        slot_phase ^= 1 << slot
+        # Wait until TMA has written K_j.
+        kv_pipeline.consumer_wait(k_state)
+        self.issue_qk(qk_mma, acc_S, tSrQ, tSrK, k_state.index)
 
-            # Keys at or beyond Sk (zeros from TMA) get S = -inf: weight exp2(-inf) = 0.
-            if (kv_tile + 1) * bN > seqlen_k:
-                self.mask_keys(acc_S, tScS, kv_tile, seqlen_k)
+        # The hazard: V_j will overwrite K_j in this slot. Wait until the wgmmas reading K_j
+        # have completed, and only then release the slot. The producer loads V_j once all
+        # 8 warps have released it (same parity: this use of the slot is over).
+        warpgroup.wait_group(0)
+        kv_pipeline.consumer_release(k_state)
+        if warp_idx == 0:
+            self.load_tiles(kv_pipeline, k_state, kv_tile, tma_atom_v, tVgV, tVsV)
+        self.softmax_step(acc_S, tScS, row_max, row_sum, scale_log2, kv_tile, seqlen_k)
+        # P rounded to the input dtype, in the register layout of wgmma's A operand.
+        tOrP.store(self.acc_as_operand_a(acc_S).load().to(self.dtype))
 
-            # P = exp(scale * (S - row_max)) / row_sum in place of S: the softmax itself.
-            self.softmax(acc_S, row_max, row_sum, scale_log2)
-            # P rounded to the input dtype, in the register layout of wgmma's A operand.
-            tOrP.store(self.acc_as_operand_a(acc_S).load().to(self.dtype))
+        v_state = self.slot_state(slot, (slot_phase >> slot) & 1)
+        slot_phase ^= 1 << slot
+        # Wait until TMA has written V_j.
+        kv_pipeline.consumer_wait(v_state)
 
-            v_state = self.slot_state(slot, (slot_phase >> slot) & 1)
-            slot_phase ^= 1 << slot
-            # Wait until TMA has written V_j.
-            kv_pipeline.consumer_wait(v_state)
+        self.issue_pv(pv_mma, acc_O, tOrP, tOrVt, v_state.index)
+        # V_j is read: release the slot, and refill it with the K tile of step + kv_slots.
+        warpgroup.wait_group(0)
+        kv_pipeline.consumer_release(v_state)
+        if warp_idx == 0 and step + self.kv_slots < steps:
+            self.load_tiles(
+                kv_pipeline, v_state, (step + self.kv_slots) % kv_tiles, tma_atom_k, tKgK, tKsK
+            )
+        return slot_phase
 
-            # O += P @ V_j: bN / 16 asynchronous m64nDk16 steps (the very first overwrites acc_O).
-            warpgroup.fence()
-            for kv_block in cutlass.range_constexpr(kv_blocks):
-                coord = (None, None, kv_block, v_state.index)
-                cute.gemm(pv_mma, acc_O, tOrP[None, None, kv_block], tOrVt[coord], acc_O)
-                pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.commit_group()
-
-            # V_j is read: release the slot, and refill it with the K tile of step + kv_slots.
-            warpgroup.wait_group(0)
-            kv_pipeline.consumer_release(v_state)
-            if warp_idx == 0 and step + self.kv_slots < steps:
-                self.load_tiles(
-                    kv_pipeline, v_state, (step + self.kv_slots) % kv_tiles, tma_atom_k, tKgK, tKsK
-                )
-
+    @cute.jit
+    def epilogue(self, pv_mma, acc_O, sO, gO, tma_atom_o, tidx):
+        """The epilogue of the Q tile: O (already normalised: P was) rounded to the input dtype
+        and stored through shared memory (sO) to global memory by TMA."""
         # 3. Epilogue
         # Both warpgroups have finished reading sQ, which sO overwrites.
         cute.arch.sync_threads()
@@ -463,6 +553,38 @@ class Sm90Kernel:
             cute.arch.cp_async_bulk_commit_group()
             # The CTA's shared memory must outlive TMA's reads of it.
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def issue_qk(self, qk_mma, acc_S, tSrQ, tSrK, slot):
+        """S = Q @ K^T from K in ring slot `slot`: bK / 16 asynchronous m64n128k16 steps, the first
+        overwriting acc_S, as one wgmma group (committed, not waited for)."""
+        warpgroup.fence()
+        qk_mma.set(warpgroup.Field.ACCUMULATE, False)
+        for k_block in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            coord = (None, None, k_block, slot)
+            cute.gemm(qk_mma, acc_S, tSrQ[None, None, k_block, 0], tSrK[coord], acc_S)
+            qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def issue_pv(self, pv_mma, acc_O, tOrP, tOrVt, slot):
+        """O += P @ V from V in ring slot `slot`: bN / 16 asynchronous m64nDk16 steps (the very
+        first of the pass overwrites acc_O), as one wgmma group (committed, not waited for)."""
+        warpgroup.fence()
+        for kv_block in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+            coord = (None, None, kv_block, slot)
+            cute.gemm(pv_mma, acc_O, tOrP[None, None, kv_block], tOrVt[coord], acc_O)
+            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def softmax_step(self, acc_S, tScS, row_max, row_sum, scale_log2, kv_tile, seqlen_k):
+        """The softmax of one tile in pass 2: keys at or beyond Sk (zeros from TMA) get S = -inf,
+        weight exp2(-inf) = 0; then P = exp(scale * (S - row_max)) / row_sum in place of S."""
+        _, bN, _ = self.cta_tile
+        if (kv_tile + 1) * bN > seqlen_k:
+            self.mask_keys(acc_S, tScS, kv_tile, seqlen_k)
+        self.softmax(acc_S, row_max, row_sum, scale_log2)
 
     @cute.jit
     def load_tiles(self, kv_pipeline, producer_state, kv_tile, tma_atom, tXgX, tXsX):

@@ -44,12 +44,21 @@ from common.outputs import empty_output
 
 
 class Sm90Kernel:
+    """The device code is organised as stage 8's will be by warp role (FA4's
+    flash_attn/cute/flash_fwd_sm90.py): kernel prepares what every warpgroup shares (shared
+    memory, barriers, the K/V ring, the wgmma views) and calls load (warp 0: Q and the first K
+    tiles) and mma (every warpgroup: the pass over the KV tiles, one mma_one_n_block per KV
+    tile, then epilogue: O normalised and stored, LSE)."""
+
     def __init__(self, dtype, head_dim):
         self.dtype = dtype  # element type of Q, K, V and O: cutlass.BFloat16 or cutlass.Float16
         self.acc_dtype = cutlass.Float32
-        self.cta_tile = (128, 128, head_dim)  # (bM, bN, bK): query rows, keys per KV tile, head dim
-        self.mma_warpgroups = 2  # warpgroup w computes query rows [64 w, 64 w + 64) of the tile
-        self.threads = 128 * self.mma_warpgroups
+        # Warpgroup w = 0, 1 computes query rows [64 w, 64 w + 64) of the 128-row tile.
+        self.mma_warpgroups = 2
+        # (bM, bN, bK): query rows, keys per KV tile, head dim
+        self.cta_tile = (64 * self.mma_warpgroups, 128, head_dim)
+        self.mma_threads = 128 * self.mma_warpgroups
+        self.threads = self.mma_threads  # every warpgroup computes; warp 0 also loads
         self.kv_slots = 2  # K_j then V_j in one slot, K_{j+1} in the other: 2 x 32 KB (D = 128)
         self.smem_align = 1024  # the 128-byte swizzle repeats every 8 rows of 128 B
 
@@ -181,7 +190,9 @@ class Sm90Kernel:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        # Every warpgroup computes: the threads that compute count from mma_tidx = tidx.
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // 128)
+        mma_tidx = tidx
         bM, bN, bK = self.cta_tile
 
         # 1. Prepare
@@ -226,7 +237,7 @@ class Sm90Kernel:
         kv_pipeline = pipeline.PipelineTmaAsync.create(
             num_stages=self.kv_slots,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads // 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32),
             tx_count=kv_bytes,
             barrier_storage=storage.kv_full.data_ptr(),
         )
@@ -287,101 +298,259 @@ class Sm90Kernel:
         # (MMA, MMA_M, MMA_N): 64 fp32 per thread
         acc_S = cute.make_rmem_tensor(qk_thr.partition_shape_C(self.cta_tile[:2]), self.acc_dtype)
         # (MMA, MMA_M, MMA_N): (query row, key) within the tile of this thread's elements of acc_S
-        tScS = qk_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((bM, bN)))
+        tScS = qk_mma.get_slice(mma_tidx).partition_C(cute.make_identity_tensor((bM, bN)))
         # (MMA, MMA_M, MMA_K): P in the input dtype, 32 registers per thread
         tOrP = cute.make_rmem_tensor(pv_thr.partition_shape_A((bM, bN)), self.dtype)
         # (MMA, MMA_M, MMA_N): bK / 2 fp32 per thread
         acc_O = cute.make_rmem_tensor(pv_thr.partition_shape_C((bM, bK)), self.acc_dtype)
-        k_blocks = cute.size(tSrQ, mode=[2])  # bK / 16 wgmma for S
-        kv_blocks = cute.size(tOrP, mode=[2])  # bN / 16 wgmma for O
         # One value per row this thread holds (2): m and l of the softmax
         row_max = cute.make_rmem_tensor(cute.size(self.rows_view(acc_S), mode=[0]), self.acc_dtype)
         row_sum = cute.make_rmem_tensor_like(row_max)
 
+        # Warp 0 starts the ring (load: Q, then K of the first kv_slots KV tiles);
+        # then every warpgroup computes its rows of the tile (mma), warp 0 also issuing, from
+        # each mma_one_n_block, the loads that refill the ring (refills: what it needs for them).
+        steps = kv_tiles
+        refills = (warp_idx, steps, tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV)
+        if warp_idx == 0:
+            self.load(
+                tma_atom_q,
+                tma_atom_k,
+                kv_pipeline,
+                q_full,
+                q_bytes,
+                tQsQ,
+                tQgQ,
+                tKsK,
+                tKgK,
+                steps,
+            )
+        self.mma(
+            qk_mma,
+            pv_mma,
+            gO,
+            mLSE,
+            sO,
+            kv_pipeline,
+            q_full,
+            tSrQ,
+            tSrK,
+            tOrVt,
+            acc_S,
+            tScS,
+            tOrP,
+            acc_O,
+            row_max,
+            row_sum,
+            pid_m,
+            head,
+            batch,
+            tma_atom_o,
+            seqlen_q,
+            seqlen_k,
+            kv_tiles,
+            scale_log2,
+            refills,
+            tidx,
+            mma_tidx,
+        )
+
+    @cute.jit
+    def load(
+        self,
+        tma_atom_q,
+        tma_atom_k,
+        kv_pipeline,
+        q_full,
+        q_bytes,
+        tQsQ,
+        tQgQ,
+        tKsK,
+        tKgK,
+        steps,
+    ):
+        """Warp 0's first loads: Q, then the K tiles of the first kv_slots steps, one per slot.
+        A fresh slot needs no wait: the producer's parity 1 is already "complete" on a new
+        barrier. The ring's later loads are issued from mma_one_n_block."""
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(q_full, q_bytes)
+        cute.copy(tma_atom_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_full)
+        for step in cutlass.range(cutlass.min(self.kv_slots, steps), unroll=1):
+            fresh_slot = self.slot_state(step % self.kv_slots, 1)
+            self.load_tiles(kv_pipeline, fresh_slot, step % steps, tma_atom_k, tKgK, tKsK)
+
+    @cute.jit
+    def mma(
+        self,
+        qk_mma,
+        pv_mma,
+        gO,
+        mLSE,
+        sO,
+        kv_pipeline,
+        q_full,
+        tSrQ,
+        tSrK,
+        tOrVt,
+        acc_S,
+        tScS,
+        tOrP,
+        acc_O,
+        row_max,
+        row_sum,
+        pid_m,
+        head,
+        batch,
+        tma_atom_o,
+        seqlen_q,
+        seqlen_k,
+        kv_tiles,
+        scale_log2,
+        refills,
+        tidx,
+        mma_tidx,
+    ):
+        """Every warpgroup, for its 64 rows of the Q tile: the pass over the tile's KV tiles
+        (S = Q K^T, the online softmax, O += P V) and the epilogue."""
         # 2. Main loop
         # Step t of the ring: K and V tile t. Step t uses slot t % kv_slots; bit i of slot_phase
         # is the phase parity the next use of slot i waits for.
-        steps = kv_tiles
         slot_phase = cutlass.Int32(0)
-
-        # Q once, then the K tiles of the first kv_slots steps, one per slot. A fresh slot needs no
-        # wait: the producer's parity 1 is already "complete" on a new barrier.
-        if warp_idx == 0:
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(q_full, q_bytes)
-            cute.copy(tma_atom_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_full)
-            for step in cutlass.range(cutlass.min(self.kv_slots, steps), unroll=1):
-                fresh_slot = self.slot_state(step % self.kv_slots, 1)
-                self.load_tiles(kv_pipeline, fresh_slot, step % kv_tiles, tma_atom_k, tKgK, tKsK)
 
         # Q has landed (the one and only phase of q_full).
         cute.arch.mbarrier_wait(q_full, 0)
         row_max.fill(-cutlass.Float32.inf)
         row_sum.fill(0.0)
-
         # One pass: S, the running row_max and row_sum, O rescaled, O += P @ V. K_j and V_j take
-        # turns in one slot.
+        # turns in one slot. The first PV of the pass overwrites acc_O.
         pv_mma.set(warpgroup.Field.ACCUMULATE, False)
         for kv_tile in cutlass.range(kv_tiles, unroll=1):
-            step = kv_tile
-            slot = step % self.kv_slots
-            k_state = self.slot_state(slot, (slot_phase >> slot) & 1)
-            slot_phase ^= 1 << slot
-            # Wait until TMA has written K_j.
-            kv_pipeline.consumer_wait(k_state)
+            slot_phase = self.mma_one_n_block(
+                kv_tile,
+                slot_phase,
+                qk_mma,
+                pv_mma,
+                kv_pipeline,
+                tSrQ,
+                tSrK,
+                tOrVt,
+                acc_S,
+                tScS,
+                tOrP,
+                acc_O,
+                row_max,
+                row_sum,
+                seqlen_k,
+                scale_log2,
+                refills,
+            )
+            # From the second KV tile on, P V accumulates into acc_O (the loop carries the flag).
+            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
 
-            # S = Q @ K_j^T: bK / 16 asynchronous m64n128k16 steps, the first overwrites acc_S.
-            warpgroup.fence()
-            qk_mma.set(warpgroup.Field.ACCUMULATE, False)
-            for k_block in cutlass.range_constexpr(k_blocks):
-                coord = (None, None, k_block, k_state.index)
-                cute.gemm(qk_mma, acc_S, tSrQ[None, None, k_block, 0], tSrK[coord], acc_S)
-                qk_mma.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.commit_group()
+        self.epilogue(
+            pv_mma,
+            acc_O,
+            row_max,
+            row_sum,
+            scale_log2,
+            tScS,
+            sO,
+            gO,
+            mLSE,
+            pid_m,
+            head,
+            batch,
+            tma_atom_o,
+            seqlen_q,
+            tidx,
+            mma_tidx,
+        )
 
-            # The hazard: V_j will overwrite K_j in this slot. Wait until the wgmmas reading K_j
-            # have completed, and only then release the slot. The producer loads V_j once all
-            # 8 warps have released it (same parity: this use of the slot is over).
-            warpgroup.wait_group(0)
-            kv_pipeline.consumer_release(k_state)
-            if warp_idx == 0:
-                self.load_tiles(kv_pipeline, k_state, kv_tile, tma_atom_v, tVgV, tVsV)
+    @cute.jit
+    def mma_one_n_block(
+        self,
+        kv_tile,
+        slot_phase,
+        qk_mma,
+        pv_mma,
+        kv_pipeline,
+        tSrQ,
+        tSrK,
+        tOrVt,
+        acc_S,
+        tScS,
+        tOrP,
+        acc_O,
+        row_max,
+        row_sum,
+        seqlen_k,
+        scale_log2,
+        refills,
+    ):
+        """One step of the pass, KV tile kv_tile = j: S = Q K_j^T, the mask and the online
+        softmax, O rescaled, P_j, then O += P_j V_j; warp 0 loads V_j into K_j's slot and then
+        K_{j + kv_slots} into it. Returns slot_phase, the slots' phase bits after V_j, which the
+        loop carries."""
+        _, bN, _ = self.cta_tile
+        warp_idx, steps, tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV = refills
+        step = kv_tile
+        slot = step % self.kv_slots
+        k_state = self.slot_state(slot, (slot_phase >> slot) & 1)
+        slot_phase ^= 1 << slot
+        # Wait until TMA has written K_j.
+        kv_pipeline.consumer_wait(k_state)
+        self.issue_qk(qk_mma, acc_S, tSrQ, tSrK, k_state.index)
 
-            # Keys at or beyond Sk (zeros from TMA) get S = -inf: weight exp2(-inf) = 0.
-            if (kv_tile + 1) * bN > seqlen_k:
-                self.mask_keys(acc_S, tScS, kv_tile, seqlen_k)
+        # The hazard: V_j will overwrite K_j in this slot. Wait until the wgmmas reading K_j
+        # have completed, and only then release the slot. The producer loads V_j once all
+        # 8 warps have released it (same parity: this use of the slot is over).
+        warpgroup.wait_group(0)
+        kv_pipeline.consumer_release(k_state)
+        if warp_idx == 0:
+            self.load_tiles(kv_pipeline, k_state, kv_tile, tma_atom_v, tVgV, tVsV)
+        row_scale = self.softmax_step(acc_S, tScS, row_max, row_sum, scale_log2, kv_tile, seqlen_k)
+        self.rescale_o_and_convert_p(acc_O, row_scale, acc_S, tOrP)
 
-            # Fold this tile into row_max and row_sum; P = exp(scale * (S - row_max)) in place of S.
-            row_scale = self.online_softmax(acc_S, row_max, row_sum, scale_log2)
-            # O *= row_scale: what O holds so far was weighted against the previous row_max.
-            acc_O_mn = self.rows_view(acc_O)
-            for r in cutlass.range_constexpr(cute.size(row_scale)):
-                acc_O_mn[r, None].store(acc_O_mn[r, None].load() * row_scale[r])
-            # P rounded to the input dtype, in the register layout of wgmma's A operand.
-            tOrP.store(self.acc_as_operand_a(acc_S).load().to(self.dtype))
+        v_state = self.slot_state(slot, (slot_phase >> slot) & 1)
+        slot_phase ^= 1 << slot
+        # Wait until TMA has written V_j.
+        kv_pipeline.consumer_wait(v_state)
 
-            v_state = self.slot_state(slot, (slot_phase >> slot) & 1)
-            slot_phase ^= 1 << slot
-            # Wait until TMA has written V_j.
-            kv_pipeline.consumer_wait(v_state)
+        self.issue_pv(pv_mma, acc_O, tOrP, tOrVt, v_state.index)
+        # V_j is read: release the slot, and refill it with the K tile of step + kv_slots.
+        warpgroup.wait_group(0)
+        kv_pipeline.consumer_release(v_state)
+        if warp_idx == 0 and step + self.kv_slots < steps:
+            self.load_tiles(
+                kv_pipeline, v_state, (step + self.kv_slots) % steps, tma_atom_k, tKgK, tKsK
+            )
+        return slot_phase
 
-            # O += P @ V_j: bN / 16 asynchronous m64nDk16 steps (the very first overwrites acc_O).
-            warpgroup.fence()
-            for kv_block in cutlass.range_constexpr(kv_blocks):
-                coord = (None, None, kv_block, v_state.index)
-                cute.gemm(pv_mma, acc_O, tOrP[None, None, kv_block], tOrVt[coord], acc_O)
-                pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.commit_group()
-
-            # V_j is read: release the slot, and refill it with the K tile of step + kv_slots.
-            warpgroup.wait_group(0)
-            kv_pipeline.consumer_release(v_state)
-            if warp_idx == 0 and step + self.kv_slots < steps:
-                self.load_tiles(
-                    kv_pipeline, v_state, (step + self.kv_slots) % kv_tiles, tma_atom_k, tKgK, tKsK
-                )
-
+    @cute.jit
+    def epilogue(
+        self,
+        pv_mma,
+        acc_O,
+        row_max,
+        row_sum,
+        scale_log2,
+        tScS,
+        sO,
+        gO,
+        mLSE,
+        pid_m,
+        head,
+        batch,
+        tma_atom_o,
+        seqlen_q,
+        tidx,
+        mma_tidx,
+    ):
+        """The epilogue of the Q tile, in each thread for its rows: O = O / row_sum, LSE, then O
+        rounded to the input dtype and stored through shared memory (sO) to global memory by
+        TMA."""
         # 3. Epilogue
+        bM = self.cta_tile[0]
         # Each thread's row_sum covers its 32 columns of every tile: add up the 4 of the quad.
         for r in cutlass.range_constexpr(cute.size(row_sum)):
             row_sum[r] = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
@@ -409,7 +578,7 @@ class Sm90Kernel:
             sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, self.acc_dtype),
             pv_mma,
         )
-        thr_r2s = r2s_copy.get_slice(tidx)
+        thr_r2s = r2s_copy.get_slice(mma_tidx)
         # (R2S, R2S_M, R2S_N)
         tRS_acc = r2s_copy.retile(acc_O)
         # (R2S, R2S_M, R2S_N)
@@ -436,6 +605,49 @@ class Sm90Kernel:
             cute.arch.cp_async_bulk_commit_group()
             # The CTA's shared memory must outlive TMA's reads of it.
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def issue_qk(self, qk_mma, acc_S, tSrQ, tSrK, slot):
+        """S = Q @ K^T from K in ring slot `slot`: bK / 16 asynchronous m64n128k16 steps, the first
+        overwriting acc_S, as one wgmma group (committed, not waited for)."""
+        warpgroup.fence()
+        qk_mma.set(warpgroup.Field.ACCUMULATE, False)
+        for k_block in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            coord = (None, None, k_block, slot)
+            cute.gemm(qk_mma, acc_S, tSrQ[None, None, k_block, 0], tSrK[coord], acc_S)
+            qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def issue_pv(self, pv_mma, acc_O, tOrP, tOrVt, slot):
+        """O += P @ V from V in ring slot `slot`: bN / 16 asynchronous m64nDk16 steps (the very
+        first of the pass overwrites acc_O), as one wgmma group (committed, not waited for)."""
+        warpgroup.fence()
+        for kv_block in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+            coord = (None, None, kv_block, slot)
+            cute.gemm(pv_mma, acc_O, tOrP[None, None, kv_block], tOrVt[coord], acc_O)
+            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def softmax_step(self, acc_S, tScS, row_max, row_sum, scale_log2, kv_tile, seqlen_k):
+        """The softmax of one tile: keys at or beyond Sk (zeros from TMA) get S = -inf, weight
+        exp2(-inf) = 0; then the fold into row_max and row_sum, P = exp(scale * (S - row_max)) in
+        place of S. Returns row_scale."""
+        _, bN, _ = self.cta_tile
+        if (kv_tile + 1) * bN > seqlen_k:
+            self.mask_keys(acc_S, tScS, kv_tile, seqlen_k)
+        return self.online_softmax(acc_S, row_max, row_sum, scale_log2)
+
+    @cute.jit
+    def rescale_o_and_convert_p(self, acc_O, row_scale, acc_S, tOrP):
+        """O *= row_scale (O holds P_0 V_0 + ... + P_{j-1} V_{j-1}, weighted against the previous
+        row_max), then P_j rounded to the input dtype, in the register layout of wgmma's A
+        operand. After the wait for PV_{j-1}: it writes acc_O and tOrP."""
+        acc_O_mn = self.rows_view(acc_O)
+        for r in cutlass.range_constexpr(cute.size(row_scale)):
+            acc_O_mn[r, None].store(acc_O_mn[r, None].load() * row_scale[r])
+        tOrP.store(self.acc_as_operand_a(acc_S).load().to(self.dtype))
 
     @cute.jit
     def load_tiles(self, kv_pipeline, producer_state, kv_tile, tma_atom, tXgX, tXsX):
