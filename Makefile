@@ -6,21 +6,21 @@ PYTEST = $(PYTHON) -m pytest
 # Tests run on every core (pytest-xdist); JOBS=1 runs them in one process.
 JOBS ?= auto
 
-.PHONY: help setup lint format test tour bench model notebooks notebooks-source sanitize clocks doctor stage-1 stage-2 stage-3 stage-4 stage-5 stage-6 stage-7 stage-8 stage-9 stage-10 stage-11 stage-12 stage-13 diff-2 diff-3 diff-4 diff-5 diff-6 diff-7 diff-8 diff-9 diff-10 diff-11 diff-12 diff-13 host-time
+.PHONY: help setup lint format test tour bench model notebooks notebooks-source sanitize clocks doctor stage-1 stage-2 stage-3 stage-4 stage-5 stage-6 stage-7 stage-8 stage-9 stage-10 stage-11 stage-12 stage-13 stage-14 diff-2 diff-3 diff-4 diff-5 diff-6 diff-7 diff-8 diff-9 diff-10 diff-11 diff-12 diff-13 diff-14 host-time
 
 help:
 	@echo "make setup      install what is missing: torch (CPU build without a GPU), requirements.txt, the DSL libs for torch's CUDA"
 	@echo "make tour       every stage on this machine's track: compile, instructions, correctness, TFLOP/s"
 	@echo "make lint       ruff format --check and ruff check (what CI runs; make format rewrites)"
 	@echo "make test       all tests (GPU tests skip with a reason when the GPU is absent)"
-	@echo "make stage-N    the tests of stage N (1..13)"
+	@echo "make stage-N    the tests of stage N (1..14)"
 	@echo "make diff-N     what stage N changes over stage N-1 (TRACK=hopper|blackwell)"
 	@echo "make bench      benchmarks against cuBLAS / torch SDPA / FA4, timed in the same run"
 	@echo "make host-time  host work per call of the entry points at a tiny shape (GPU)"
 	@echo "make model      a Llama-style transformers model on the latest stage's kernel: logits vs SDPA, prefill tokens/s vs SDPA and FA4"
 	@echo "make notebooks  execute every notebook (compile-only mode without a GPU)"
 	@echo "make notebooks-source  rewrite notebooks/*.ipynb from notebooks/source/ (their single source)"
-	@echo "make sanitize   compute-sanitizer racecheck + synccheck on stages 4-12 (GPU)"
+	@echo "make sanitize   compute-sanitizer racecheck + synccheck on stages 4-14 (GPU)"
 	@echo "make clocks     stage 12, FA4 and cuDNN run back to back at the power cap: SM clock, power and work per cycle (GPU)"
 	@echo "make doctor     versions, GPU, driver, arch"
 
@@ -67,10 +67,10 @@ clocks: setup
 doctor:
 	@$(PYTHON) -m common.tools.doctor
 
-$(addprefix stage-,1 2 3 4 5 6 7 8 9 10 11 12 13): stage-%: setup
+$(addprefix stage-,1 2 3 4 5 6 7 8 9 10 11 12 13 14): stage-%: setup
 	$(PYTEST) -q $(wildcard tests/test_stage$*.py tests/test_stage$*_*.py)
 
-$(addprefix diff-,2 3 4 5 6 7 8 9 10 11 12 13): diff-%:
+$(addprefix diff-,2 3 4 5 6 7 8 9 10 11 12 13 14): diff-%:
 	@n=$*; p=$$((n-1)); \
 	a=$$(ls -d stages/stage$${p}_*); b=$$(ls -d stages/stage$${n}_*); \
 	if [ ! -f $$b/$(TRACK).py ]; then echo "stage $$n has no $(TRACK) kernel yet ($$b/$(TRACK).py)"; exit 0; fi; \

@@ -55,6 +55,8 @@ def compile_args(kernel_class, dtype, shape, scale=None, **options):
     allowed = ("causal", "window", "kv_heads", "varlen", "pack_gqa")
     if getattr(kernel_class, "takes_splits", False):
         allowed += ("num_splits", "seqused_k")
+    if getattr(kernel_class, "takes_pages", False):
+        allowed += ("page_size",)
     checks.check_options(options, allowed=allowed)
     B, H, Sq, Sk, D = shape
     Hkv = options.get("kv_heads", H)
@@ -68,7 +70,7 @@ def compile_args(kernel_class, dtype, shape, scale=None, **options):
     cu_q = cu_k = None
     if varlen:
         cu_q, cu_k = (fake_tensor(torch.int32, (B + 1,), dynamic=True) for _ in range(2))
-    seqused = options.get("seqused_k", False)
+    seqused = options.get("seqused_k", False) or bool(options.get("page_size"))
     opts = kernel_options(
         kernel_class, D, window_left, window_right, Sq, Sk, H // Hkv, varlen or seqused
     )
@@ -79,6 +81,11 @@ def compile_args(kernel_class, dtype, shape, scale=None, **options):
         opts["split_kv"] = True
         o = fake_tensor(torch.float32, (splits, B, H, Sq, D), dynamic=True)
         lse = fake_tensor(torch.float32, (splits, B, H, Sq), dynamic=True)
+    page_size = options.get("page_size")
+    if page_size:
+        # A paged cache: (num_pages, Hkv, page_size, D) with seqused_k and a page table
+        opts["page_size"] = page_size
+        k, v = (fake_tensor(dtype, (B * 8, Hkv, page_size, D), dynamic=True) for _ in range(2))
     kernel = kernel_class(cute_dtype(dtype), D, pack, **opts)
     args = [q, k, v, o, lse, cu_q, cu_k, Sq, checks.check_scale(scale, D) * math.log2(math.e)]
     args += [window_left, window_right]
@@ -86,6 +93,8 @@ def compile_args(kernel_class, dtype, shape, scale=None, **options):
         args.append(fake_tensor(torch.int32, (1,), dynamic=True))
     if getattr(kernel, "takes_splits", False):
         args += [fake_tensor(torch.int32, (B,), dynamic=True) if seqused else None, splits]
+    if getattr(kernel, "takes_pages", False):
+        args.append(fake_tensor(torch.int32, (B, 64), dynamic=True) if page_size else None)
     return kernel, (*args, fake_stream())
 
 
@@ -106,8 +115,10 @@ def launch(
     pack=None,
     seqused_k=None,
     num_splits=None,
+    page_table=None,
 ):
-    """Both entries: (B, H, S, D)-shaped views (packed sequences as B = 1), launch. Split-KV
+    """Both entries: (B, H, S, D)-shaped views (packed sequences as B = 1; a paged cache as
+    (num_pages, Hkv, page_size, D) with page_table, stage 14 on), launch. Split-KV
     (kernel classes with takes_splits): num_splits (None: splits_for's choice), the partial
     outputs, then the combine.
 
@@ -117,7 +128,7 @@ def launch(
     work per call: docs/notes/stage13.md)."""
     key = plan_key(
         kernel_class, q, k, v, o, lse, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
-        causal, window, pack, num_splits,
+        causal, window, pack, num_splits, page_table,
     )  # fmt: skip
     plan = _PLANS.get(key)
     device = q.device
@@ -126,12 +137,14 @@ def launch(
         if plan is None:
             plan = make_plan(
                 kernel_class, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                max_seqlen_k, causal, window, pack, seqused_k, num_splits,
+                max_seqlen_k, causal, window, pack, seqused_k, num_splits, page_table,
             )  # fmt: skip
             if len(_PLANS) >= _PLANS_KEEP:
                 _PLANS.pop(next(iter(_PLANS)))
             _PLANS[key] = plan
-        plan.run(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, seqused_k)
+        plan.run(
+            q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, seqused_k, page_table
+        )
 
 
 _PLANS = {}
@@ -141,7 +154,7 @@ compile_cache.CLEAR_WITH_CACHE.append(_PLANS.clear)
 
 def plan_key(
     kernel_class, q, k, v, o, lse, cu_q, seqused_k, max_seqlen_q, max_seqlen_k, causal, window,
-    pack, num_splits,
+    pack, num_splits, page_table=None,
 ):  # fmt: skip
     """What a LaunchPlan depends on: the kernel class, the tensors' dtype, device, shapes and
     strides (the compiled code's assumptions follow from them, common/compile.py), packed or
@@ -166,6 +179,7 @@ def plan_key(
         window if window is None else tuple(window),
         pack,
         num_splits,
+        None if page_table is None else (page_table.shape, page_table.stride()),
     )
 
 
@@ -176,7 +190,10 @@ class LaunchPlan:
     dynamic scheduler reads it, the device's unread one otherwise) and the compiled combine for
     split launches."""
 
-    def __init__(self, fn, window, splits, canonical, counter, takes_splits, combine_fn, partials):
+    def __init__(
+        self, fn, window, splits, canonical, counter, takes_splits, combine_fn, partials,
+        takes_pages=False,
+    ):  # fmt: skip
         self.fn = fn
         self.window_left, self.window_right = window
         self.splits = splits
@@ -184,11 +201,12 @@ class LaunchPlan:
         self.counter = counter
         self.takes_splits = takes_splits
         self.combine_fn = combine_fn
+        self.takes_pages = takes_pages
         # Split launches: (elements, O_partial's and LSE_partial's (shape, stride, offset)) in
         # one fp32 buffer, strides already canonical.
         self.partials = partials
 
-    def run(self, q, k, v, o, lse, cu_q, cu_k, max_seqlen_q, scale, seqused_k):
+    def run(self, q, k, v, o, lse, cu_q, cu_k, max_seqlen_q, scale, seqused_k, page_table=None):
         """Allocate what the call needs (split partials, a zeroed tile counter) and launch, on
         the current stream."""
         o_out, lse_out = o, lse
@@ -207,6 +225,8 @@ class LaunchPlan:
             args.append(tile_counter(*self.counter, q.device))
         if self.takes_splits:
             args += [seqused_k, self.splits]
+        if self.takes_pages:
+            args.append(page_table)
         self.fn(*args)
         if self.splits > 1:
             self.combine_fn(o_out, lse_out, o, lse)
@@ -242,7 +262,7 @@ def tile_counter(batch_mode, window_left, window_right, Sq, Sk, device):
 
 def make_plan(
     kernel_class, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-    causal, window, pack, seqused_k, num_splits,
+    causal, window, pack, seqused_k, num_splits, page_table=None,
 ):  # fmt: skip
     """The LaunchPlan of a launch (see launch), compiling what it needs."""
     D = q.shape[3]
@@ -283,7 +303,10 @@ def make_plan(
         splits = num_splits or splits_for(tiles, -(-max_seqlen_k // 128), device_sm_count())
     if splits > 1:
         opts = {**opts, "split_kv": True}
-    if pack == 1 and splits == 1:
+    takes_pages = getattr(kernel_class, "takes_pages", False)
+    if page_table is not None:
+        opts = {**opts, "page_size": k.shape[2]}  # k: (num_pages, Hkv, page_size, D)
+    if pack == 1 and splits == 1 and page_table is None:
         kernel = unpacked
     else:
         kernel = kernel_class(cute_dtype(q.dtype), D, pack, **opts)
@@ -318,6 +341,8 @@ def make_plan(
         args.append(torch.zeros(1, dtype=torch.int32, device=q.device))
     if takes_splits:
         args += [seqused_k, splits]
+    if takes_pages:
+        args.append(page_table)
     fn = cached_compile_ffi(kernel, *args)
     combine_fn = compiled_combine(o_out, lse_out, o, lse) if splits > 1 else None
     return LaunchPlan(
@@ -329,6 +354,7 @@ def make_plan(
         takes_splits,
         combine_fn,
         partials,
+        takes_pages,
     )
 
 
@@ -484,5 +510,84 @@ def attention_varlen(
         pack_gqa,
         seqused_k,
         num_splits,
+    )
+    return (o, lse) if return_lse else o
+
+
+def checked_paged_dims(q, k_cache, v_cache, page_table):
+    """checks.check_paged_args, remembered as checked_dims does: only the data pointers'
+    alignment is checked again for tensors of the types, shapes and strides of a checked call."""
+    ts = (q, k_cache, v_cache, page_table)
+    if not all(isinstance(t, torch.Tensor) for t in ts):
+        return checks.check_paged_args(*ts)
+    grad = torch.is_grad_enabled() and (
+        q.requires_grad or k_cache.requires_grad or v_cache.requires_grad
+    )
+    key = ("paged", grad) + tuple((t.dtype, t.device, t.shape, t.stride()) for t in ts)
+    dims = _CHECKED.get(key)
+    if dims is None or (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % 16:
+        dims = checks.check_paged_args(*ts)
+        if len(_CHECKED) >= 1024:
+            _CHECKED.clear()
+        _CHECKED[key] = dims
+    return dims
+
+
+def attention_paged(
+    kernel_class,
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    seqused_k,
+    scale=None,
+    causal=False,
+    window=None,
+    return_lse=False,
+    pack_gqa=None,
+    num_splits=None,
+):
+    """A paged KV cache (stage 14 on): checks (the page table and seqused_k read to the host once
+    per tensor and version, common/checks.py), outputs, the cache as (num_pages, Hkv, page_size,
+    D) views, launch with page_table."""
+    if not getattr(kernel_class, "takes_pages", False):
+        raise TypeError("a paged KV cache needs a paged stage (14 on)")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"argument 'return_lse': expected a bool, got {type(return_lse).__name__}")
+    masks.check_mask_args(causal, window)
+    B, H, Sq, D, page_size = checked_paged_dims(q, k_cache, v_cache, page_table)
+    scale = checks.check_scale(scale, D)
+    checks.check_num_splits(num_splits)
+    if seqused_k is None:
+        raise TypeError(
+            "argument 'seqused_k': required with a paged cache (int32 (B,), the keys of each "
+            "sequence)"
+        )
+    max_seqlen_k = page_table.shape[1] * page_size
+    checks.check_seqused_k(seqused_k, q, [max_seqlen_k] * B)
+    checks.check_page_table(page_table, seqused_k, page_size, k_cache.shape[0])
+    o = empty_output((B, H, Sq, D), q.dtype, q.device)
+    lse = empty_output((B, H, Sq), torch.float32, q.device)
+    # (num_pages, page_size, Hkv, D) -> (num_pages, Hkv, page_size, D): the kernel's (B, H, S, D)
+    # with the page as B
+    k, v = (t.permute(0, 2, 1, 3) for t in (k_cache, v_cache))
+    launch(
+        kernel_class,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        None,
+        None,
+        Sq,
+        scale,
+        causal,
+        window,
+        max_seqlen_k,
+        pack_gqa,
+        seqused_k,
+        num_splits,
+        page_table,
     )
     return (o, lse) if return_lse else o

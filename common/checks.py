@@ -405,3 +405,99 @@ def check_seqused_k(seqused_k, q, key_counts):
         if len(_SEQUSED_SEEN) >= _CU_SEQLENS_KEEP:
             _SEQUSED_SEEN.pop(next(iter(_SEQUSED_SEEN)))
         _SEQUSED_SEEN[key] = (weakref.ref(seqused_k), seqused_k._version)
+
+
+def check_paged_args(q, k_cache, v_cache, page_table, *, head_dims=(64, 128)):
+    """A paged cache: q (B, H, Sq, D); k_cache and v_cache (num_pages, page_size, Hkv, D) in q's
+    dtype and device, H % Hkv == 0; page_size 16, 32, 64 or a multiple of 128; page_table an
+    int32 (B, max_pages) tensor on q's device, rows contiguous. Returns (B, H, Sq, D,
+    page_size). The values of page_table are checked by check_page_table."""
+    check_tensor("q", q, rank=4)
+    check_tensor("k_cache", k_cache, rank=4)
+    check_tensor("v_cache", v_cache, rank=4)
+    check_same_dtype(["q", "k_cache", "v_cache"], [q, k_cache, v_cache])
+    check_same_device(["q", "k_cache", "v_cache"], [q, k_cache, v_cache])
+    check_inference_only(
+        ["q", "k_cache", "v_cache"], [q, k_cache, v_cache], "this attention kernel"
+    )
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"arguments 'k_cache' and 'v_cache' must have the same shape (num_pages, page_size, "
+            f"Hkv, D), got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    B, H, Sq, D = q.shape
+    num_pages, page_size, Hkv, Dk = k_cache.shape
+    if Dk != D:
+        raise ValueError(f"argument 'k_cache': head dim {Dk} != q's {D}")
+    check_choice("head dim D", D, head_dims, "the tile configuration is specialised per head dim")
+    check_head_groups(H, Hkv)
+    check_positive("Sq = q.shape[2]", Sq)
+    check_positive("num_pages = k_cache.shape[0]", num_pages)
+    if not (page_size in (16, 32, 64) or (page_size > 0 and page_size % 128 == 0)):
+        raise ValueError(
+            f"argument 'k_cache': page_size = k_cache.shape[1] = {page_size}; allowed: 16, 32, 64 "
+            "or a multiple of 128 (a KV tile of 128 keys is loaded as whole pages or whole tiles)"
+        )
+    if not isinstance(page_table, torch.Tensor):
+        raise TypeError(
+            f"argument 'page_table': expected a torch.Tensor, got {type(page_table).__name__}"
+        )
+    if page_table.dtype != torch.int32:
+        raise TypeError(
+            f"argument 'page_table': dtype must be int32, got "
+            f"{str(page_table.dtype).replace('torch.', '')}"
+        )
+    if page_table.dim() != 2 or page_table.shape[0] != B or page_table.shape[1] < 1:
+        raise ValueError(
+            f"argument 'page_table': expected shape ({B}, max_pages >= 1), one row per sequence, "
+            f"got {tuple(page_table.shape)}"
+        )
+    if page_table.device != q.device:
+        raise ValueError(
+            f"argument 'page_table': must be on q's device {q.device}, got {page_table.device}"
+        )
+    if page_table.stride(1) != 1:
+        raise ValueError(
+            f"argument 'page_table': rows must be contiguous, got strides {page_table.stride()}"
+        )
+    return B, H, Sq, D, page_size
+
+
+_PAGES_SEEN = {}
+
+
+def check_page_table(page_table, seqused_k, page_size, num_pages):
+    """Every page a sequence uses - the first ceil(seqused_k[b] / page_size) entries of row b -
+    is a page of the cache, 0 .. num_pages - 1. The entries after them are never read (they may
+    hold anything, -1 say). Read to the host once per pair of tensors and versions (as
+    check_cu_seqlens); not while a CUDA graph is being captured, when nothing can be read: a page
+    index out of range then reads zeros (TMA fills what lies outside the cache with zeros)."""
+    if torch.cuda.is_current_stream_capturing():
+        return
+    tracked = not _untracked(page_table, seqused_k)
+    key = (id(page_table), id(seqused_k), page_size, num_pages)
+    hit = _PAGES_SEEN.get(key) if tracked else None
+    if (
+        hit is not None
+        and hit[0]() is page_table
+        and hit[1]() is seqused_k
+        and hit[2] == (page_table._version, seqused_k._version)
+    ):
+        return
+    rows, used = page_table.tolist(), seqused_k.tolist()
+    for b, (row, n) in enumerate(zip(rows, used)):
+        for i in range(-(-n // page_size)):
+            if not 0 <= row[i] < num_pages:
+                raise ValueError(
+                    f"argument 'page_table': page_table[{b}, {i}] = {row[i]} is not a page of the "
+                    f"cache (0 .. {num_pages - 1}); sequence {b} uses its first "
+                    f"{-(-n // page_size)} entries (seqused_k[{b}] = {n})"
+                )
+    if tracked:
+        if len(_PAGES_SEEN) >= _CU_SEQLENS_KEEP:
+            _PAGES_SEEN.pop(next(iter(_PAGES_SEEN)))
+        _PAGES_SEEN[key] = (
+            weakref.ref(page_table),
+            weakref.ref(seqused_k),
+            (page_table._version, seqused_k._version),
+        )

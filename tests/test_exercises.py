@@ -89,3 +89,25 @@ def test_a_kernel_that_hangs_runs_in_a_process_of_its_own(tmp_path):
         types.SimpleNamespace(__file__=str(broken)), seconds=1, compile_seconds=60
     )
     assert "failed" in msg and "no kernel here" in msg, msg
+
+
+def test_13a_split_reads_on_the_committed_and_the_edited_split_range():
+    """Exercise 13a on the CPU, the numbers its task and notebook 13 state: the committed
+    split_range reads each KV tile of a range once and none past it (65 tiles cut 16 ways: 3
+    empty splits; 8 cut 16 ways: 8), and the solution's reads 15 tiles past 65 cut 16 ways and 8
+    past 8 cut 16 ways, with no empty split."""
+    import torch
+
+    ex = exercises.EXERCISES["13a"]
+    for edits, want in (((), {(65, 16): (0, 3), (8, 16): (0, 8)}),
+                        (ex.solution, {(65, 16): (15, 0), (8, 16): (8, 0)})):  # fmt: skip
+        mod = exercises.load_stage_file(13, "hopper", edits)
+        kernel = mod.compile_args(torch.bfloat16, (1, 32, 1, 8269, 128), kv_heads=8, num_splits=16)[
+            0
+        ]
+        split_range = type(kernel).split_range.__wrapped__
+        for (tiles, num_splits), (past, empty) in want.items():
+            _, outside, not_once, got_empty = exercises.split_reads(
+                split_range, kernel, tiles, num_splits
+            )
+            assert (outside, got_empty, not_once) == (past, empty, 0), (edits, tiles, num_splits)

@@ -186,9 +186,9 @@ def test_ptx_counter_counts_statements_and_ignores_comments():
 
 
 def test_stage_table_is_consistent():
-    assert [s.number for s in stage_table.STAGES] == list(range(1, 14))
-    with pytest.raises(ValueError, match="stage 14 does not exist"):
-        stage_table.stage(14)
+    assert [s.number for s in stage_table.STAGES] == list(range(1, 15))
+    with pytest.raises(ValueError, match="stage 15 does not exist"):
+        stage_table.stage(15)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (any)")

@@ -31,6 +31,7 @@ ENTRIES = {
     11: ("stage11_persistent", "attention"),
     12: ("stage12_last_percent", "attention"),
     13: ("stage13_split_kv", "attention"),
+    14: ("stage14_paged_kv", "attention"),
 }
 # The tracks on which each stage exists (stage files land over time).
 TRACKS = {
@@ -134,7 +135,7 @@ def attention_sequence(max_sk=None, sk_multiple=1):
 
 # What each stage accepts (the same on both tracks): stage 3 is a single KV tile (Sk <= 128),
 # stage 2 writes fp32 rows of S that TMA stores from 16-byte boundaries (Sk % 4 == 0).
-LIMITS = {2: {"sk_multiple": 4}, 3: {"max_sk": 128}, **{n: {} for n in range(4, 14)}}
+LIMITS = {2: {"sk_multiple": 4}, 3: {"max_sk": 128}, **{n: {} for n in range(4, 15)}}
 
 
 def check_output(stage, out, q, k, v, label, mask=None):
@@ -155,7 +156,7 @@ def check_output(stage, out, q, k, v, label, mask=None):
     "stage, track",
     [
         pytest.param(s, t, marks=TRACK_MARK[t], id=f"stage{s}-{t}")
-        for s in range(2, 14)
+        for s in range(2, 15)
         for t in TRACKS[s]
     ],
 )
@@ -190,7 +191,7 @@ def test_attention_entry_alternating_layouts(stage, track):
     "stage, track",
     [
         pytest.param(s, t, marks=TRACK_MARK[t], id=f"stage{s}-{t}")
-        for s in range(2, 14)
+        for s in range(2, 15)
         for t in TRACKS[s]
     ],
 )

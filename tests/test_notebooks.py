@@ -40,6 +40,7 @@ NOTEBOOKS = {
     10: "stage10_overlap.ipynb",
     11: "stage11_persistent.ipynb",
     12: "stage12_last_percent.ipynb",
+    13: "stage13_split_kv.ipynb",
 }
 # STYLE.md rule 7: the fixed order of the sections (level-2 headings).
 SECTIONS = (

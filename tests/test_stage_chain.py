@@ -1,10 +1,11 @@
-"""Stages 7-13 (Hopper): where the math does not change, O and LSE do not change either.
+"""Stages 7-14 (Hopper): where the math does not change, O and LSE do not change either.
 
 Stages 8-12 change only the schedule (warp roles, turns, the overlap inside the loop, persistent
 CTAs, the tunings); every query row gets stage 7's operations in stage 7's order. So each stage's
 O and LSE must equal the previous stage's bit for bit, and stage 12 with any one tuning must
 equal stage 11 (a tuning that changed a bit would be a bug, not noise). Stage 13 with
-num_splits=1 (no split, no combine) must equal stage 12 bit for bit. GPU tests (marker
+num_splits=1 (no split, no combine) must equal stage 12 bit for bit, and stage 14 (unpaged)
+stage 13. GPU tests (marker
 gpu_hopper), outputs poisoned with NaN before each launch (common/outputs.py under pytest), each
 launch under a 120 s deadline. The cases cover what schedule bugs break: ranges of 1 and 2 KV
 tiles, a range long enough to wrap the ring many times, Q tiles with no KV tile at all (empty
@@ -87,7 +88,7 @@ def assert_same(got, ref, what):
 
 
 @pytest.mark.parametrize("case", BATCH_CASES, ids=case_id)
-@pytest.mark.parametrize("stage", [8, 9, 10, 11, 12, 13])
+@pytest.mark.parametrize("stage", [8, 9, 10, 11, 12, 13, 14])
 def test_equals_the_stage_before_bit_for_bit(stage, case):
     assert_same(batch_outputs(stage, case), batch_outputs(stage - 1, case), f"stage {stage}")
 
@@ -95,7 +96,7 @@ def test_equals_the_stage_before_bit_for_bit(stage, case):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("pack", list(PACKS))
-@pytest.mark.parametrize("stage", [8, 9, 10, 11, 12, 13])
+@pytest.mark.parametrize("stage", [8, 9, 10, 11, 12, 13, 14])
 def test_packed_equals_the_stage_before_bit_for_bit(stage, pack, D, causal):
     assert_same(
         packed_outputs(stage, pack, D, causal),

@@ -354,6 +354,26 @@ SPLIT_KV_ROWS = [
 SPLIT_KV_SWEEP = [(B, 32, 8, Sk) for B in (1, 4, 16, 64) for Sk in (4096, 16384, 65536, 262144)]
 
 
+PAGE_SIZES = (16, 64, 128, 256)
+
+
+def paged_copy(k, v, page_size, seed=0):
+    """k, v (B, Hkv, Sk, D) as a paged cache: (k_cache, v_cache, page_table, seqused_k), the
+    pages of all sequences in one random order."""
+    B, Hkv, Sk, D = k.shape
+    per_seq = -(-Sk // page_size)
+    order = torch.randperm(B * per_seq, generator=torch.Generator().manual_seed(seed))
+    table = order.view(B, per_seq).to(torch.int32).cuda()
+    k_cache = torch.empty(B * per_seq, page_size, Hkv, D, device=k.device, dtype=k.dtype)
+    v_cache = torch.empty_like(k_cache)
+    pad = per_seq * page_size - Sk
+    for src, dst in ((k, k_cache), (v, v_cache)):
+        pages = torch.nn.functional.pad(src, (0, 0, 0, pad)).view(B, Hkv, per_seq, page_size, D)
+        dst[table.long().flatten()] = pages.permute(0, 2, 3, 1, 4).reshape(-1, page_size, Hkv, D)
+    seqused = torch.full((B,), Sk, dtype=torch.int32, device=k.device)
+    return k_cache, v_cache, table, seqused
+
+
 def split_kv_rows(dtype, record, sweep=False):
     """Decode steps (Sq = 1, D = 128) with stages 12 and 13, FA4 and SDPA's backends, all in the
     same interleaved rounds, inputs rotated past L2: GB/s of K and V read per call (the bound of
@@ -365,8 +385,13 @@ def split_kv_rows(dtype, record, sweep=False):
 
     s12 = stage_table.track_module(12, arch.track())
     s13 = stage_table.track_module(13, arch.track())
+    s14 = None
+    if stage_table.available(14, arch.track()):
+        s14 = stage_table.track_module(14, arch.track())
     fa4 = timing.fa4_fn(False)
-    names = ["stage 12", "stage 13", "FA4", "SDPA cuDNN", "SDPA flash", "SDPA efficient"]
+    names = ["stage 12", "stage 13"]
+    names += [f"14 p{p}" for p in PAGE_SIZES] if s14 is not None else []
+    names += ["FA4", "SDPA cuDNN", "SDPA flash", "SDPA efficient"]
     head = [
         "| B | heads q/kv | Sk | splits | " + " | ".join(names) + " | 13 / cuDNN |",
         "| --- | --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- |",
@@ -376,7 +401,8 @@ def split_kv_rows(dtype, record, sweep=False):
         "## Stage 13: decode steps (Sq = 1, D = 128), GB/s of K and V read",
         "",
         "GB/s = 2 Sk Hkv D 2 bytes B / time, inputs rotated past L2; `splits` = the number stage "
-        "13's launch chose. First by the calls' time back to back between CUDA events (what a "
+        "13's launch chose; `14 pN` = stage 14 on a paged cache of N keys per page, pages in "
+        "random order. First by the calls' time back to back between CUDA events (what a "
         "model sees, host work included), then by GPU time alone (the kernels' durations as "
         "the profiler records them: what the kernels do with the memory).",
         "",
@@ -413,6 +439,12 @@ def split_kv_rows(dtype, record, sweep=False):
                 "stage 12": (lambda q, k, v: s12.attention(q, k, v), sets),
                 "stage 13": (lambda q, k, v: s13.attention(q, k, v), sets),
             }
+            if s14 is not None:
+                for p in PAGE_SIZES:
+                    paged = [
+                        (st[0], *paged_copy(st[1], st[2], p, seed=i)) for i, st in enumerate(sets)
+                    ]
+                    fns[f"14 p{p}"] = (s14.attention_paged, paged)
             if fa4 is not None:
                 bshd = [tuple(t.transpose(1, 2).contiguous() for t in st) for st in sets]
                 fns["FA4"] = (fa4, bshd)

@@ -628,7 +628,7 @@ _ALL.append(
         stage=5,
         track="hopper",
         task=(
-            "Forget alpha in the kernel: in the main loop of `Sm90Kernel.kernel` of "
+            "Forget alpha in the kernel: in `Sm90Kernel.rescale_o_and_convert_p` of "
             "`stages/stage5_online_softmax/hopper.py`, delete the loop that multiplies `acc_O` "
             "by `row_scale` (the two lines after `acc_O_mn = self.rows_view(acc_O)`). Predict "
             "how many `mul.f32` per thread per KV tile disappear at D = 128, and whether the "
@@ -638,8 +638,8 @@ _ALL.append(
         ),
         solution=(
             (
-                "            for r in cutlass.range_constexpr(cute.size(row_scale)):\n"
-                "                acc_O_mn[r, None].store(acc_O_mn[r, None].load() * row_scale[r])\n",
+                "        for r in cutlass.range_constexpr(cute.size(row_scale)):\n"
+                "            acc_O_mn[r, None].store(acc_O_mn[r, None].load() * row_scale[r])\n",
                 "",
             ),
         ),
@@ -1040,6 +1040,97 @@ _ALL.append(
         gpu_check=_gpu_in_own_process,
         hint="wgmma groups complete in the order they were committed; wait_group 1 waits for "
         "all but the newest",
+    )
+)
+
+# ---------------------------------------------------------------- stage 13
+
+# (KV tiles of a work tile's range, splits) on which 13a runs the kernel's split_range: a decode
+# step of 8,269 keys (65 KV tiles) cut 16 ways (the launch's count for B = 1, 8 KV heads on 132
+# SMs), 3 ways, and 64 ways (more splits than KV tiles), and 8 KV tiles cut 16 ways.
+SPLIT_CASES = ((65, 16), (65, 3), (65, 64), (8, 16))
+
+
+def split_reads(split_range, kernel, tiles, num_splits, lo=0):
+    """The KV tiles each split of [lo, lo + tiles) reads, by the given split_range (a kernel's, run
+    on ints): [(split lo, split hi)], the tiles read past hi (or before lo), the tiles of
+    [lo, hi) read other than once, and the splits that read nothing."""
+    hi = lo + tiles
+    ranges = [
+        tuple(int(x) for x in split_range(kernel, (lo, hi), s, num_splits))
+        for s in range(num_splits)
+    ]
+    reads = [t for a, b in ranges for t in range(a, b)]
+    outside = sum(1 for t in reads if t >= hi or t < lo)
+    not_once = sum(1 for t in range(lo, hi) if reads.count(t) != 1)
+    empty = sum(1 for a, b in ranges if b <= a)
+    return ranges, outside, not_once, empty
+
+
+def _check_13a(mod):
+    # The kernel's own split_range (the Python under @cute.jit, run on ints) on the ranges of
+    # SPLIT_CASES, from the compiled split-KV kernel of a decode step.
+    kernel, _, _ = compile_module(
+        mod, "hopper", shape=(1, 32, 1, 8269, 128), kv_heads=8, num_splits=16
+    )
+    split_range = type(kernel).split_range.__wrapped__
+    seen, past, wrong = [], 0, 0
+    for tiles, num_splits in SPLIT_CASES:
+        ranges, outside, not_once, empty = split_reads(split_range, kernel, tiles, num_splits)
+        past += outside
+        wrong += not_once
+        reaching = [s for s, (a, b) in enumerate(ranges) if b > tiles]
+        text = f"[0, {tiles}) cut {num_splits} ways: {empty} empty splits, {outside} tile reads past hi"
+        if reaching:
+            a, b = ranges[reaching[-1]]
+            text += f" (split {reaching[-1]} reads [{a}, {b}))"
+        seen.append(text)
+    report = "; ".join(seen)
+    if wrong:
+        return Result(
+            False,
+            report + f"; {wrong} tiles of some range are read other than once: the exercise "
+            "keeps n = ceil((hi - lo) / num_splits) and each split's start lo + s n",
+        )
+    if past == 0:
+        return Result(
+            False,
+            report + ": every split stays inside [lo, hi) (the exercise wants the two "
+            "cutlass.min(..., hi) gone)",
+        )
+    return Result(
+        True,
+        report + f": {past} KV tiles loaded and multiplied past the end of their ranges, keys "
+        "past Sk or past seqused_k, or under a mask no row of the tile passes",
+    )
+
+
+_ALL.append(
+    Exercise(
+        id="13a",
+        stage=13,
+        track="hopper",
+        task=(
+            "Drop the clamps. In `Sm90Kernel.split_range` of `stages/stage13_split_kv/hopper.py` "
+            "give split s the KV tiles [lo + s n, lo + (s + 1) n) without clamping either end to "
+            "hi: `split_lo = lo + split * per_split` and `return split_lo, split_lo + "
+            "per_split`. Before you run the check: a decode step of 8,269 keys has 65 KV tiles; "
+            "cut 16 ways, which splits read past hi, and how many KV tiles past it? And 8 KV "
+            "tiles cut 16 ways? Then think about what those tiles hold: zeros past the end of K "
+            "and V in batch mode (TMA fills them), the next sequence's keys when packed, "
+            "anything - even NaN - past seqused_k. The check compiles the file and runs the "
+            "kernel's own `split_range` (the Python under `@cute.jit`) on integers."
+        ),
+        solution=(
+            (
+                "        split_lo = cutlass.min(lo + split * per_split, hi)\n"
+                "        return split_lo, cutlass.min(split_lo + per_split, hi)\n",
+                "        split_lo = lo + split * per_split\n"
+                "        return split_lo, split_lo + per_split\n",
+            ),
+        ),
+        check=_check_13a,
+        hint="n = ceil(65 / 16) = 5: 16 x 5 = 80 tiles asked for, 65 there",
     )
 )
 

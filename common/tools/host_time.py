@@ -3,7 +3,7 @@ work is negligible, so that back-to-back calls run at the speed of the host code
 
     python -m common.tools.host_time [--calls 2000] [--profile]
 
-For each entry (stages 12 and 13, the custom op of common/ops.py, SDPA, FA4 where importable):
+For each entry (stages 12 and 13, stage 14 on a paged cache, the custom op of common/ops.py, SDPA, FA4 where importable):
 the microseconds per call of N calls back to back, between two CUDA events (the GPU waits for
 the host the whole time, so this is the host's time per call), after warm-up (compiles). A
 decode step at batch 1: Q (1, 32, 1, 128), K and V (1, 8, 256, 128), bf16, causal.
@@ -41,6 +41,14 @@ def entries(q, k, v):
         if stage_table.available(n, arch.track()):
             mod = stage_table.track_module(n, arch.track())
             out[f"stage {n}"] = lambda mod=mod: mod.attention(q, k, v, causal=True)
+    if stage_table.available(14, arch.track()):
+        from common.tools.bench import paged_copy
+
+        mod = stage_table.track_module(14, arch.track())
+        kc, vc, table, used = paged_copy(k, v, 64)
+        out["stage 14, paged (64 keys a page)"] = lambda: mod.attention_paged(
+            q, kc, vc, table, used, causal=True
+        )
     try:
         from common import ops
 

@@ -1,4 +1,4 @@
-"""`make sanitize`: compute-sanitizer racecheck and synccheck on the pipelined stages (4-12) at
+"""`make sanitize`: compute-sanitizer racecheck and synccheck on the pipelined stages (4-14) at
 small shapes that reuse every ring slot; stages 6-12 run causal, so the tile range starts past 0
 for some Q tiles. Each (tool, stage) runs in its own process under the sanitizer; any reported
 hazard fails. `python -m common.tools.sanitize --stages 6,8` picks stages."""
@@ -13,7 +13,7 @@ SHAPES = {n: (1, 2, 256, 768, 64) for n in (6, 7)}
 SHAPES.update({4: (1, 2, 128, 512, 64), 5: (1, 2, 128, 512, 64)})
 # Stages 8-12 have rings of 11-13 slots at D = 64: 768 keys give 12 K and V entries, so use more
 # keys there (2048: 32 entries, every slot used more than once).
-SHAPES.update({n: (1, 2, 256, 2048, 64) for n in (8, 9, 10, 11, 12)})
+SHAPES.update({n: (1, 2, 256, 2048, 64) for n in (8, 9, 10, 11, 12, 13, 14)})
 # Stage 12 also on its two-warpgroup tile of D = 64 (a causal mask over 1024 keys:
 # launch_options) with its 12 slots: 8 KV tiles, 16 entries.
 SHORT_MASK_12 = (1, 2, 256, 1024, 64)
@@ -48,6 +48,32 @@ def target(n):
         print(
             f"stage 12 (two consumer warpgroups, D = 64, causal over 1024 keys) under the sanitizer: {r}"
         )
+    if n >= 13:
+        # Split-KV (4 splits of 16 KV tiles; the combine kernel after it) on a decode step with
+        # seqused_k; stage 14 also on paged caches of 16 keys per page (8 TMA boxes per slot)
+        # and of 128.
+        from common.tools import inputs, stage_table
+
+        mod = stage_table.track_module(n, track())
+        g = torch.Generator(device="cuda").manual_seed(3)
+        q = torch.randn(2, 8, 1, 64, generator=g, device="cuda").bfloat16()
+        _, k, v = inputs.attention_inputs(2, 2, 1, 2048, 64, seed=4)
+        used = torch.tensor([2048, 1000], dtype=torch.int32, device="cuda")
+        ref = reference_decode(q, k, v, [2048, 1000])
+        runs = {"split": lambda: mod.attention(q, k, v, num_splits=4, seqused_k=used)}
+        if n >= 14:
+            from common.tools.bench import paged_copy
+
+            for page in (16, 128):
+                kc, vc, table, _ = paged_copy(k, v, page, seed=page)
+                runs[f"paged {page}"] = lambda kc=kc, vc=vc, table=table: mod.attention_paged(
+                    q, kc, vc, table, used, num_splits=4
+                )
+        for label, fn in runs.items():
+            out = run_with_deadline(fn, 600, f"stage {n}, {label}")
+            r = check_close(f"stage {n}, {label}", out, ref, rtol=0.02)
+            torch.cuda.synchronize()
+            print(f"stage {n} ({label} decode, 4 splits) under the sanitizer: {r}")
     if n in PERSISTENT and track() == "hopper":
         from common import attention_host
         from common.tools import stage_table
@@ -101,11 +127,25 @@ def target(n):
             print(f"{what} (2 CTAs, causal) under the sanitizer: equal")
 
 
+def reference_decode(q, k, v, used):
+    """fp64 attention of each sequence over its first used[b] keys, K and V of Hkv heads."""
+    import torch
+
+    from common.tools.reference import attention_ref
+
+    group = q.shape[1] // k.shape[1]
+    outs = []
+    for b, n in enumerate(used):
+        kb, vb = (t[b : b + 1, :, :n].repeat_interleave(group, dim=1) for t in (k, v))
+        outs.append(attention_ref(q[b : b + 1], kb, vb)[0])
+    return torch.cat(outs).to(q.dtype)
+
+
 def main(argv=None):
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--stages", default="4,5,6,7,8,9,10,11,12")
+    ap.add_argument("--stages", default="4,5,6,7,8,9,10,11,12,13,14")
     args = ap.parse_args(argv)
     wanted = [int(x) for x in args.stages.split(",")]
     exe = shutil.which("compute-sanitizer")

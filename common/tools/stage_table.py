@@ -134,6 +134,15 @@ STAGES = (
         (2, 4, 512, 1024, 128),
         (2, 16, 8192, 8192, 128),
     ),
+    Stage(
+        14,
+        "stage14_paged_kv",
+        "attention",
+        "a paged KV cache",
+        "K and V in pages listed by a page table, loaded by TMA a page or a tile at a time",
+        (2, 4, 512, 1024, 128),
+        (2, 16, 8192, 8192, 128),
+    ),
 )
 
 BY_NUMBER = {s.number: s for s in STAGES}

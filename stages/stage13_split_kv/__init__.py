@@ -3,7 +3,8 @@ cannot fill the GPU, each split's O and LSE in fp32, merged by common/combine.py
 `attention(q, k, v, scale=None, causal=False, window=None, return_lse=False, pack_gqa=None,
 num_splits=None, seqused_k=None)` with k, v of Hkv heads, and `attention_varlen(q, k, v,
 cu_seqlens_q, cu_seqlens_k, ..., num_splits=None, seqused_k=None)` run the kernel of this machine's track: hopper.py on sm_90 (H100, H200),
-blackwell.py on sm_100/sm_103 (compile-checked only: no Blackwell GPU has run it)."""
+blackwell.py on sm_100/sm_103 (compile-checked only: no Blackwell GPU has run it).
+Both tracks have this stage."""
 
 import importlib
 import importlib.util
@@ -79,6 +80,6 @@ def _track_module():
     t = track()
     if importlib.util.find_spec(f"{__name__}.{t}") is None:
         raise NotImplementedError(
-            f"stage 13 has no {t} kernel yet; stages 1-10 exist on both tracks"
+            f"stage 13 has no {t} kernel yet; stages 1-11 and 13 exist on both tracks"
         )
     return importlib.import_module(f"{__name__}.{t}")

@@ -1,0 +1,115 @@
+"""Stage 14 - a paged KV cache: K and V in pages of page_size keys, sequence b's pages listed in
+page_table[b], loaded by TMA a page (or a tile of a page) at a time.
+`attention_paged(q, k_cache, v_cache, page_table, seqused_k, scale=None, causal=False,
+window=None, return_lse=False, pack_gqa=None, num_splits=None)`; and as stage 13:
+`attention(q, k, v, scale=None, causal=False, window=None, return_lse=False, pack_gqa=None,
+num_splits=None, seqused_k=None)` with k, v of Hkv heads, and `attention_varlen(q, k, v,
+cu_seqlens_q, cu_seqlens_k, ..., num_splits=None, seqused_k=None)` run the kernel of this machine's track: hopper.py on sm_90 (H100, H200),
+blackwell.py on sm_100/sm_103 (compile-checked only: no Blackwell GPU has run it)."""
+
+import importlib
+import importlib.util
+
+from common.arch import track
+
+
+def attention(
+    q,
+    k,
+    v,
+    scale=None,
+    causal=False,
+    window=None,
+    return_lse=False,
+    pack_gqa=None,
+    num_splits=None,
+    seqused_k=None,
+):
+    """O = softmax(scale * Q @ K^T + mask) @ V with K, V of Hkv heads (H % Hkv == 0); see
+    hopper.py / blackwell.py."""
+    return _track_module().attention(
+        q,
+        k,
+        v,
+        scale=scale,
+        causal=causal,
+        window=window,
+        return_lse=return_lse,
+        pack_gqa=pack_gqa,
+        num_splits=num_splits,
+        seqused_k=seqused_k,
+    )
+
+
+def attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    scale=None,
+    causal=False,
+    window=None,
+    return_lse=False,
+    pack_gqa=None,
+    num_splits=None,
+    seqused_k=None,
+):
+    """Packed sequences (flash_attn_varlen_func's layout); see hopper.py / blackwell.py."""
+    return _track_module().attention_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        scale=scale,
+        causal=causal,
+        window=window,
+        return_lse=return_lse,
+        pack_gqa=pack_gqa,
+        num_splits=num_splits,
+        seqused_k=seqused_k,
+    )
+
+
+def attention_paged(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    seqused_k,
+    scale=None,
+    causal=False,
+    window=None,
+    return_lse=False,
+    pack_gqa=None,
+    num_splits=None,
+):
+    """A paged KV cache (FlashAttention's and vLLM's layout); see hopper.py / blackwell.py."""
+    return _track_module().attention_paged(
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        seqused_k,
+        scale=scale,
+        causal=causal,
+        window=window,
+        return_lse=return_lse,
+        pack_gqa=pack_gqa,
+        num_splits=num_splits,
+    )
+
+
+def _track_module():
+    """This machine's track file (hopper.py or blackwell.py)."""
+    t = track()
+    if importlib.util.find_spec(f"{__name__}.{t}") is None:
+        raise NotImplementedError(
+            f"stage 14 has no {t} kernel yet; stages 1-11 exist on both tracks"
+        )
+    return importlib.import_module(f"{__name__}.{t}")
