@@ -77,7 +77,10 @@ $(addprefix stage-,1 2 3 4 5 6 7 8 9 10 11 12 13 14): stage-%: setup
 
 $(addprefix diff-,2 3 4 5 6 7 8 9 10 11 12 13 14): diff-%:
 	@n=$*; p=$$((n-1)); \
-	a=$$(ls -d stages/stage$${p}_*); b=$$(ls -d stages/stage$${n}_*); \
+	b=$$(ls -d stages/stage$${n}_*); \
 	if [ ! -f $$b/$(TRACK).py ]; then echo "stage $$n has no $(TRACK) kernel yet ($$b/$(TRACK).py)"; exit 0; fi; \
+	while [ $$p -gt 1 ] && [ ! -f $$(ls -d stages/stage$${p}_*)/$(TRACK).py ]; do \
+	  echo "stage $$p has no $(TRACK) kernel: the diff is against stage $$((p-1))"; p=$$((p-1)); done; \
+	a=$$(ls -d stages/stage$${p}_*); \
 	git --no-pager diff --no-index --stat $$a/$(TRACK).py $$b/$(TRACK).py; \
 	git --no-pager diff --no-index $$a/$(TRACK).py $$b/$(TRACK).py; true

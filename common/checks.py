@@ -352,6 +352,9 @@ def check_num_splits(num_splits):
 MAX_NUM_SPLITS = 256
 
 _SEQUSED_SEEN = {}
+# A decode loop passes a new seqused_k (and page table) each step, a benchmark cycles a few sets:
+# remember more of them than of cu_seqlens pairs.
+_LENGTHS_KEEP = 64
 
 
 def check_seqused_k(seqused_k, q, key_counts):
@@ -402,7 +405,7 @@ def check_seqused_k(seqused_k, q, key_counts):
                 f"sequence {b} has"
             )
     if tracked:
-        if len(_SEQUSED_SEEN) >= _CU_SEQLENS_KEEP:
+        if len(_SEQUSED_SEEN) >= _LENGTHS_KEEP:
             _SEQUSED_SEEN.pop(next(iter(_SEQUSED_SEEN)))
         _SEQUSED_SEEN[key] = (weakref.ref(seqused_k), seqused_k._version)
 
@@ -494,7 +497,7 @@ def check_page_table(page_table, seqused_k, page_size, num_pages):
                     f"{-(-n // page_size)} entries (seqused_k[{b}] = {n})"
                 )
     if tracked:
-        if len(_PAGES_SEEN) >= _CU_SEQLENS_KEEP:
+        if len(_PAGES_SEEN) >= _LENGTHS_KEEP:
             _PAGES_SEEN.pop(next(iter(_PAGES_SEEN)))
         _PAGES_SEEN[key] = (
             weakref.ref(page_table),

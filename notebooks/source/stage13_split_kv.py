@@ -92,7 +92,7 @@ split_range = type(kernel).split_range.__wrapped__
 # head into one tile (pack-GQA, stage 7): a decode step with 32 / 8 heads puts 4 rows (one
 # token, four heads) in a 128-row tile, so each work tile reads its KV head's K and V once. Its
 # speed on the paper shapes is 0.94-1.02x FA4 (H200, 2026-12-04). On a decode step at batch 1 it
-# reads K and V at 359-384 GB/s (H200, 2026-12-04, section 7), a tenth of what the GPU's memory
+# reads K and V at 359-384 GB/s (H200, 2026-12-04, section 7), under 10% of what the GPU's memory
 # can deliver: the loop is not the problem, the number of CTAs is.
 #
 # ## 3. The math
@@ -480,7 +480,8 @@ fig = nb.error_picture(13, result)
 # L2. A decode step is bound by memory, so the unit is GB/s of K and V read,
 # $2 S_k H_{kv} D \cdot 2\,\text{B} \cdot B$ / time. Two timings: calls back to back between CUDA
 # events (what a model sees, host work included) and GPU time alone (the kernels' durations; for
-# stage 13 the attention kernel and the combine). The cell reads the run's `.json` file.
+# stage 13 the attention kernel and the combine). The cell reads the run's `.json` file (which
+# also holds stage 14 on paged caches: `docs/notes/stage14.md`).
 
 # %%
 with open(os.path.join(nb.ROOT, "docs/results/decode_h200_2026-12-04.json")) as f:
@@ -523,25 +524,26 @@ fig = figures.decode_bars(
 # Read from the table (H200, 2026-12-04):
 #
 # - **The split pays where the tiles are few.** At batch 1 with 8 KV heads stage 12 stays at
-#   359-384 GB/s whatever $S_k$ (8 CTAs); stage 13, cut 16 ways, reads 580 GB/s at 8k, 1,850 at
-#   32k and 3,930 at 128k: 1.6x, 4.9x and 10.2x stage 12. FA4 stays level with stage 12 on
-#   these rows (331-403 GB/s). With 32 KV heads (4 splits) or a batch of 8 (2 splits) stage 13 reaches
-#   4,107-4,289 GB/s; at a batch of 32 the launch does not split, and stage 13 is stage 12.
+#   359-384 GB/s whatever $S_k$ (8 CTAs); stage 13, cut 16 ways, reads 491 GB/s at 8k, 1,732 at
+#   32k and 3,998 at 128k: 1.4x, 4.6x and 10.4x stage 12. FA4 stays near stage 12 on these rows
+#   (279-403 GB/s). With 32 KV heads (4 splits) or a batch of 8 (2 splits) stage 13 reaches
+#   4,202-4,399 GB/s; at a batch of 32 the launch does not split, and stage 13 is stage 12.
 # - **Against SDPA's cuDNN backend it misses the goal of 1.0.** Back to back, stage 13 is
-#   0.92-1.02x cuDNN (0.92 at 8k, 1.02 at 32k, 0.95 at 128k at batch 1); in GPU time alone
-#   0.71-0.99x, the furthest behind on the shortest caches (0.71 at 8k, 0.83 at 32k): there
-#   cuDNN's kernels take 14 us and 37 us against stage 13's 20 us and 45 us (the attention
+#   0.91-1.01x cuDNN (0.91 at 8k, 1.01 at 32k, 0.95 at 128k at batch 1); in GPU time alone
+#   0.65-0.99x, the furthest behind on the shortest caches (0.65 at 8k, 0.83 at 32k): there
+#   cuDNN's kernels take 14 us and 37 us against stage 13's 22 us and 44 us (the attention
 #   kernel and the combine together; `docs/notes/stage13.md`).
 # - **Short caches are host-bound.** At 8k and 32k a call back to back takes longer than its
-#   GPU work (32k: 73 us against 45 us), so the event-timed GB/s measure the host: 1,850 GB/s
-#   at 32k where the GPU time gives 3,015. The next section is the host's side.
+#   GPU work (32k: 77 us against 44 us), so the event-timed GB/s measure the host: 1,732 GB/s
+#   at 32k where the GPU time gives 3,063. The next section is the host's side.
 #
 # ### 7.2 Host work per call
 #
-# `python -m common.tools.host_time --calls 3000 --profile` on the H200 (2026-12-04,
+# `python -m common.tools.host_time --calls 2000` on the H200 (2026-12-04,
 # `docs/results/host_time_h200_2026-12-04.txt`): microseconds of host work per call of a tiny
 # decode step (K and V of 256 keys, so that the GPU work is negligible: stage 13 splits it 2
-# ways), and where stage 13's call spends them. The cell prints the file.
+# ways), then an earlier measurement of the same day with cProfile's view of where stage 13's
+# call spent them. The cell prints the file.
 
 # %%
 with open(os.path.join(nb.ROOT, "docs/results/host_time_h200_2026-12-04.txt")) as f:
@@ -549,8 +551,10 @@ with open(os.path.join(nb.ROOT, "docs/results/host_time_h200_2026-12-04.txt")) a
 print("stage 13's split launch of this shape:", attention_host.splits_for(8, 2, SMS), "splits")
 
 # %% [markdown]
-# A split call costs the host 81.8 us against stage 12's 44.8 and SDPA's 17.5 (H200,
-# 2026-12-04); the goal of 25 us is missed by more than 3x. The profile shows where it goes:
+# A split call costs the host 58.4 us against stage 12's 32.9 and SDPA's 25.0 (H200,
+# 2026-12-04); the goal of 25 us is missed by more than 2x. The profile (of the earlier
+# measurement, 81.8 us per call, before the NaN fill of the outputs moved to the tests and the
+# argument checks came to be remembered) shows where it goes:
 # three allocations (O, LSE and the partials' buffer), two launches through TVM-FFI's call
 # wrappers (the kernel and the combine), the plan's own Python (`launch`, `LaunchPlan.run`,
 # `attention`), the canonical strides of Q's size-1 modes, and the argument checks that remain

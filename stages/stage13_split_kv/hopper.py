@@ -6,7 +6,7 @@ for the H200's 132 SMs: 124 SMs idle while 8 stream all of K and V. Cut 16 ways,
 stream it. Split s of a tile whose KV tiles are [lo, hi) takes [lo + s n, min(lo + (s + 1) n,
 hi)) with n = ceil((hi - lo) / num_splits) (split_range; empty when past hi). It writes its O,
 normalised by its own row sum, in fp32 to O_partial[s] and its LSE to LSE_partial[s]
-(store_partial: from registers, no shared memory). common/combine.py merges the splits:
+(epilogue_partial: from registers, no shared memory). common/combine.py merges the splits:
 lse = log sum_s exp(lse_s), O = sum_s exp(lse_s - lse) O_s, in fp32, then O in the input
 dtype. A split that sees no key has lse_s = -inf and weight 0.
 Work tile t is split t % num_splits of stage 12's tile t / num_splits. num_splits = 1 is stage
