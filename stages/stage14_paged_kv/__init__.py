@@ -5,7 +5,7 @@ window=None, return_lse=False, pack_gqa=None, num_splits=None)`; and as stage 13
 `attention(q, k, v, scale=None, causal=False, window=None, return_lse=False, pack_gqa=None,
 num_splits=None, seqused_k=None)` with k, v of Hkv heads, and `attention_varlen(q, k, v,
 cu_seqlens_q, cu_seqlens_k, ..., num_splits=None, seqused_k=None)` run the kernel of this machine's track: hopper.py on sm_90 (H100, H200),
-blackwell.py on sm_100/sm_103 (Blackwell has no stage 14 yet)."""
+blackwell.py on sm_100/sm_103 (compile-checked only: no Blackwell GPU has run it)."""
 
 import importlib
 import importlib.util
@@ -110,6 +110,6 @@ def _track_module():
     t = track()
     if importlib.util.find_spec(f"{__name__}.{t}") is None:
         raise NotImplementedError(
-            f"stage 14 has no {t} kernel yet; stages 1-11 and 13 exist on both tracks"
+            f"stage 14 has no {t} kernel; it exists on the hopper and blackwell tracks"
         )
     return importlib.import_module(f"{__name__}.{t}")
