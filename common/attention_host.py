@@ -145,6 +145,7 @@ def launch(
         plan.run(
             q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, seqused_k, page_table
         )
+    return plan
 
 
 _PLANS = {}
@@ -376,6 +377,54 @@ def splits_for(tiles, kv_tiles, sm_count):
 
 _CHECKED = {}
 
+# The entries' fast path: a call whose tensors have the types, devices, shapes and strides of a
+# call made before, with the same options (and option types), reuses that call's checked sizes,
+# scale and LaunchPlan; only what can differ between such calls is looked at again (the data
+# pointers' 16-byte alignment, seqused_k and page_table values). Host time per call:
+# docs/notes/stage13.md.
+_CALLS = {}
+_CALLS_KEEP = 256
+compile_cache.CLEAR_WITH_CACHE.append(_CALLS.clear)
+
+
+def call_key(options, tensors):
+    """The fast path's key: options (a tuple of the entry's non-tensor arguments, with their
+    types) and each tensor's dtype, device, shape and strides, and whether autograd would track
+    the call. None when an argument cannot be a key (the slow path then checks it)."""
+    try:
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        key = (options, grad) + tuple((t.dtype, t.device, t.shape, t.stride()) for t in tensors)
+        hash(key)
+    except (AttributeError, TypeError):
+        return None
+    return key
+
+
+def options_key(kernel_class, scale, causal, window, return_lse, pack_gqa, num_splits, *more):
+    """The option part of call_key, each value with its type (True and 1 are equal keys, but the
+    checks accept only one of them)."""
+    if window is not None:
+        window = tuple((type(w), w) for w in window) if isinstance(window, (tuple, list)) else []
+    values = (scale, causal, return_lse, pack_gqa, num_splits) + more
+    return (kernel_class, window) + tuple((type(x), x) for x in values)
+
+
+def remember_call(key, entry):
+    if key is not None:
+        if len(_CALLS) >= _CALLS_KEEP:
+            _CALLS.pop(next(iter(_CALLS)))
+        _CALLS[key] = entry
+
+
+def run_plan(plan, q, k, v, o, lse, max_seqlen_q, scale, seqused_k, page_table=None):
+    """A remembered plan's launch, on q's device (batch mode and paged caches)."""
+    device = q.device
+    if device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            plan.run(q, k, v, o, lse, None, None, max_seqlen_q, scale, seqused_k, page_table)
+    else:
+        plan.run(q, k, v, o, lse, None, None, max_seqlen_q, scale, seqused_k, page_table)
+
 
 def checked_dims(q, k, v):
     """checks.check_attention_args(q, k, v, kv_heads=True), remembered: everything it checks
@@ -417,7 +466,22 @@ def attention(
     seqused_k=None,
 ):
     """Batch mode (stage 7's attention): checks, outputs (poisoned under test), launch. Stage 13
-    on: num_splits, seqused_k."""
+    on: num_splits, seqused_k. A call like one made before takes the fast path (call_key)."""
+    key = call_key(
+        options_key(
+            kernel_class, scale, causal, window, return_lse, pack_gqa, num_splits, seqused_k is None
+        ),
+        (q, k, v),
+    )
+    hit = _CALLS.get(key) if key is not None else None
+    if hit is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
+        (B, H, Sq, Sk, D), scale, plan = hit
+        if seqused_k is not None:
+            checks.check_seqused_k(seqused_k, q, [Sk] * B)
+        o = empty_output((B, H, Sq, D), q.dtype, q.device)
+        lse = empty_output((B, H, Sq), torch.float32, q.device)
+        run_plan(plan, q, k, v, o, lse, Sq, scale, seqused_k)
+        return (o, lse) if return_lse else o
     if not isinstance(return_lse, bool):
         raise TypeError(f"argument 'return_lse': expected a bool, got {type(return_lse).__name__}")
     masks.check_mask_args(causal, window)
@@ -428,7 +492,7 @@ def attention(
         checks.check_seqused_k(seqused_k, q, [Sk] * B)
     o = empty_output((B, H, Sq, D), q.dtype, q.device)
     lse = empty_output((B, H, Sq), torch.float32, q.device)
-    launch(
+    plan = launch(
         kernel_class,
         q,
         k,
@@ -446,6 +510,7 @@ def attention(
         seqused_k,
         num_splits,
     )
+    remember_call(key, ((B, H, Sq, Sk, D), scale, plan))
     return (o, lse) if return_lse else o
 
 
@@ -546,10 +611,36 @@ def attention_paged(
     return_lse=False,
     pack_gqa=None,
     num_splits=None,
+    check_values=True,
 ):
-    """A paged KV cache (stage 14 on): checks (the page table and seqused_k read to the host once
-    per tensor and version, common/checks.py), outputs, the cache as (num_pages, Hkv, page_size,
-    D) views, launch with page_table."""
+    """A paged KV cache (stage 14 on): checks, outputs, the cache as (num_pages, Hkv, page_size,
+    D) views, launch with page_table. A call like one made before takes the fast path
+    (call_key).
+
+    check_values: read page_table and seqused_k to the host and check every page a sequence
+    uses is a page of the cache and every seqused_k[b] fits its pages (common/checks.py). The
+    read is a copy and a synchronisation, made once per tensor and version - which in a decode
+    loop, whose table and lengths change every step, is once per step. check_values=False skips
+    it (for a caller whose own allocator wrote the table): a page index out of range then reads
+    zeros (TMA fills what lies outside the cache with zeros) and seqused_k is clamped to the
+    table's pages - never a read outside the cache, but a wrong answer for wrong input."""
+    if not isinstance(check_values, bool):
+        raise TypeError(
+            f"argument 'check_values': expected a bool, got {type(check_values).__name__}"
+        )
+    key = call_key(
+        options_key(kernel_class, scale, causal, window, return_lse, pack_gqa, num_splits),
+        (q, k_cache, v_cache, page_table),
+    )
+    hit = _CALLS.get(key) if key is not None else None
+    if hit is not None and not (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % 16:
+        (B, H, Sq, D, page_size), scale, plan = hit
+        checked_lengths(seqused_k, q, page_table, page_size, k_cache.shape[0], check_values)
+        o = empty_output((B, H, Sq, D), q.dtype, q.device)
+        lse = empty_output((B, H, Sq), torch.float32, q.device)
+        k, v = (t.permute(0, 2, 1, 3) for t in (k_cache, v_cache))
+        run_plan(plan, q, k, v, o, lse, Sq, scale, seqused_k, page_table)
+        return (o, lse) if return_lse else o
     if not getattr(kernel_class, "takes_pages", False):
         raise TypeError("a paged KV cache needs a paged stage (14 on)")
     if not isinstance(return_lse, bool):
@@ -558,20 +649,14 @@ def attention_paged(
     B, H, Sq, D, page_size = checked_paged_dims(q, k_cache, v_cache, page_table)
     scale = checks.check_scale(scale, D)
     checks.check_num_splits(num_splits)
-    if seqused_k is None:
-        raise TypeError(
-            "argument 'seqused_k': required with a paged cache (int32 (B,), the keys of each "
-            "sequence)"
-        )
     max_seqlen_k = page_table.shape[1] * page_size
-    checks.check_seqused_k(seqused_k, q, [max_seqlen_k] * B)
-    checks.check_page_table(page_table, seqused_k, page_size, k_cache.shape[0])
+    checked_lengths(seqused_k, q, page_table, page_size, k_cache.shape[0], check_values)
     o = empty_output((B, H, Sq, D), q.dtype, q.device)
     lse = empty_output((B, H, Sq), torch.float32, q.device)
     # (num_pages, page_size, Hkv, D) -> (num_pages, Hkv, page_size, D): the kernel's (B, H, S, D)
     # with the page as B
     k, v = (t.permute(0, 2, 1, 3) for t in (k_cache, v_cache))
-    launch(
+    plan = launch(
         kernel_class,
         q,
         k,
@@ -590,4 +675,19 @@ def attention_paged(
         num_splits,
         page_table,
     )
+    remember_call(key, ((B, H, Sq, D, page_size), scale, plan))
     return (o, lse) if return_lse else o
+
+
+def checked_lengths(seqused_k, q, page_table, page_size, num_pages, check_values):
+    """seqused_k of a paged call: its type, dtype, shape and device always (no host read);
+    with check_values its values and page_table's (common/checks.py)."""
+    if seqused_k is None:
+        raise TypeError(
+            "argument 'seqused_k': required with a paged cache (int32 (B,), the keys of each "
+            "sequence)"
+        )
+    max_seqlen_k = page_table.shape[1] * page_size
+    checks.check_seqused_k(seqused_k, q, [max_seqlen_k] * q.shape[0], read_values=check_values)
+    if check_values:
+        checks.check_page_table(page_table, seqused_k, page_size, num_pages)

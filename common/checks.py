@@ -357,13 +357,13 @@ _SEQUSED_SEEN = {}
 _LENGTHS_KEEP = 64
 
 
-def check_seqused_k(seqused_k, q, key_counts):
+def check_seqused_k(seqused_k, q, key_counts, read_values=True):
     """seqused_k: an int32 CUDA tensor on q's device, rank 1, one entry per sequence, each in
     0 .. that sequence's key count (key_counts: a list of ints, or cu_seqlens_k). The values
     are read to the host (a copy and a synchronisation) once per tensor and version, as
     cu_seqlens are (check_cu_seqlens). While a CUDA graph is being captured nothing can be read:
     the values are not checked then, and the kernel clamps each to 0 .. the sequence's key count
-    (it never reads past it)."""
+    (it never reads past it). read_values=False: the same without the values."""
     name = "seqused_k"
     if not isinstance(seqused_k, torch.Tensor):
         raise TypeError(
@@ -386,7 +386,7 @@ def check_seqused_k(seqused_k, q, key_counts):
         )
     if seqused_k.stride(0) != 1 and batch > 1:
         raise ValueError(f"argument '{name}': must be contiguous, got stride {seqused_k.stride(0)}")
-    if torch.cuda.is_current_stream_capturing():
+    if not read_values or torch.cuda.is_current_stream_capturing():
         return
     tracked = not _untracked(seqused_k) and isinstance(key_counts, list)
     key = (id(seqused_k), tuple(key_counts)) if tracked else None

@@ -273,6 +273,33 @@ def test_glue_decode_step_on_the_cache(tiny_model):
     torch.testing.assert_close(out[REF], out["sdpa"], rtol=1e-5, atol=1e-5)
 
 
+def test_paged_cache_decode_gives_dynamic_cache_logits(tiny_model):
+    """The decode run's glue on the CPU (common/tools/model_decode.py): a PagedKVCache with pages
+    in random order, attention over it in plain torch, fed sdpa's tokens - the logits of the
+    prompt's last position and of every step equal sdpa's with its DynamicCache, the pages past
+    what was written stay NaN, and the glue refuses a forward without the cache."""
+    from common.tools import model_decode as MD
+
+    MD.register_paged(MD.paged_attend_reference)
+    rows = MD.decode_run(
+        tiny_model, [1, 3], prompt_len=37, steps=12, page_size=16, warmup=3, log=lambda m: None
+    )
+    for r in rows:
+        assert r["finite"] and r["rel"] < 1e-5 and r["agree"] == 1.0, r
+    cache = MD.PagedKVCache(2, 2, 2, 64, 40, 16, torch.float32, "cpu")
+    assert sorted(cache.page_table.flatten().tolist()) != list(range(6))  # drawn, not in order
+    cache.begin(5)
+    cache.update(torch.ones(2, 2, 5, 64), torch.ones(2, 2, 5, 64), 0)
+    first = cache.page_table[:, 0].long()
+    assert (cache.k[0][first, :5] == 1).all() and cache.k[0][first, 5:].isnan().all()
+    assert cache.seqused_k.tolist() == [5, 5]
+    with pytest.raises(ValueError, match="exceed"):
+        cache.begin(100)
+    M.set_attention(tiny_model, MD.PAGED)
+    with torch.no_grad(), pytest.raises(M.UnsupportedAttention, match="paged_cache"):
+        tiny_model(input_ids=torch.zeros(1, 4, dtype=torch.long), use_cache=False)
+
+
 def test_padded_batch_is_refused(tiny_model):
     M.set_attention(tiny_model, REF)
     ids = torch.randint(0, 128, (2, 20))
@@ -356,12 +383,26 @@ def test_tolerances():
 def test_make_model_short_run(tf, tmp_path, capsys):
     rc = M.main(
         ["--layers", "2", "--check-shape", "2x1024", "--shapes", "1x2048", "--reps", "3"]
-        + ["--warmup", "1", "--no-eager", "--out", str(tmp_path)]
+        + ["--warmup", "1", "--no-eager", "--decode-batches", "", "--out", str(tmp_path)]
     )
     out = capsys.readouterr().out
     assert rc == 0, out
     written = list(tmp_path.glob("model_*.md"))
     assert len(written) == 1 and "PASS" in written[0].read_text()
+
+
+@pytest.mark.gpu_hopper
+def test_make_model_decode_short_run(tf, tmp_path, capsys):
+    """The decode run with stage 14 on the paged cache: a prompt that is not a page multiple,
+    teacher-forced steps crossing page boundaries, logits within make model's tolerance."""
+    rc = M.main(
+        ["--layers", "2", "--decode-only", "--decode-batches", "1,3", "--decode-prompt", "1000"]
+        + ["--decode-steps", "40", "--page-size", "16", "--out", str(tmp_path)]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    text = list(tmp_path.glob("model_*.md"))[0].read_text()
+    assert text.count("| PASS |") == 2, text
 
 
 @pytest.mark.gpu_hopper

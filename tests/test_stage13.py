@@ -321,6 +321,43 @@ def test_rejects_bad_split_arguments(track, name, kw, error, match):
         stage_module(track).attention(q, k, v, **kw)
 
 
+@pytest.mark.parametrize("track", on_gpu_stages(stages=STAGES))
+def test_fast_path_checks_what_can_change(track):
+    """A call with the types, shapes and options of an earlier call takes attention_host's fast
+    path (that call's checked sizes and launch plan). New tensors of the same shapes must give
+    their own answers, and what can differ between such calls must still be checked: the data
+    pointers' alignment, seqused_k's values, an option of another type."""
+    mod = stage_module(track)
+    used = torch.tensor([100, 256], dtype=torch.int32, device="cuda")
+    for seed in (0, 1, 2):  # the first call takes the slow path, the others the fast one
+        q, k, v = decode_inputs(2, 8, 2, 1, 256, 64, torch.bfloat16, seed=seed)
+        o, lse = run(track, lambda: mod.attention(q, k, v, causal=True, return_lse=True))
+        gqa_reference_check(f"O seed {seed}", o, lse, q, k, v, True, None)
+        o, lse = run(
+            track, lambda: mod.attention(q, k, v, causal=True, return_lse=True, seqused_k=used)
+        )
+        for b, n in enumerate(used.tolist()):
+            gqa_reference_check(
+                f"O seed {seed} sequence {b}",
+                o[b : b + 1],
+                lse[b : b + 1],
+                q[b : b + 1],
+                k[b : b + 1, :, :n],
+                v[b : b + 1, :, :n],
+                True,
+                None,
+            )
+    # The same shape and strides one element off a 16-byte boundary.
+    base = torch.empty(q.numel() + 8, dtype=q.dtype, device="cuda")
+    q_off = base[1 : 1 + q.numel()].view(q.shape).copy_(q)
+    with pytest.raises(ValueError, match="'q': data pointer must be 16-byte aligned"):
+        mod.attention(q_off, k, v, causal=True, return_lse=True)
+    with pytest.raises(ValueError, match=r"seqused_k\[1\] = 257"):
+        mod.attention(q, k, v, causal=True, return_lse=True, seqused_k=used + 1)
+    with pytest.raises(TypeError, match="causal"):
+        mod.attention(q, k, v, causal=1, return_lse=True)
+
+
 @needs_cuda
 def test_stage12_refuses_split_arguments():
     from common.tools import stage_table

@@ -203,6 +203,42 @@ BAD = [
 @pytest.mark.parametrize("track", on_cpu_stages(stages=STAGES))
 @needs_cuda
 def test_rejects_bad_paged_input(track, name, change, error, match):
+    # A good call with the same shapes first: the bad one then meets the fast path, which must
+    # check what can differ between calls of one shape (the table's and seqused_k's values).
+    mod = stage_module(track)
+    good = bad_paged(lambda a: None)
+    run(track, lambda: mod.attention_paged(**good))
     args = bad_paged(change)
     with pytest.raises(error, match=match):
-        stage_module(track).attention_paged(**args)
+        mod.attention_paged(**args)
+
+
+@pytest.mark.parametrize("track", on_gpu_stages(stages=STAGES))
+def test_check_values_false(track, monkeypatch):
+    """check_values=False: the same answer bit for bit with nothing read to the host; a page
+    index out of range then reads zeros (TMA's fill outside the cache), never memory outside it."""
+    from common import checks
+
+    mod = stage_module(track)
+    q, k, v, kc, vc, table, seqused = paged_case(2, 8, 2, 1, [100, 300], 64, 64, torch.bfloat16, 3)
+    o1, lse1 = run(track, lambda: mod.attention_paged(q, kc, vc, table, seqused, return_lse=True))
+
+    def no_read(*args, **kw):
+        raise AssertionError("check_values=False read page_table to the host")
+
+    monkeypatch.setattr(checks, "check_page_table", no_read)
+    for _ in range(2):  # the slow path, then the fast one
+        o, lse = run(
+            track,
+            lambda: mod.attention_paged(
+                q, kc, vc, table, seqused, return_lse=True, check_values=False
+            ),
+        )
+        assert torch.equal(o, o1) and torch.equal(lse, lse1)
+    bad = table.clone()
+    bad[1, 1] = kc.shape[0] + 1000  # a page past the cache's end
+    o = run(track, lambda: mod.attention_paged(q, kc, vc, bad, seqused, check_values=False))
+    torch.cuda.synchronize()
+    assert torch.isfinite(o).all()  # zeros for that page's keys, no fault, no NaN
+    with pytest.raises(TypeError, match="'check_values'"):
+        mod.attention_paged(q, kc, vc, table, seqused, check_values=None)

@@ -7,7 +7,8 @@ For each entry (stages 12 and 13, stage 14 on a paged cache, the custom op of co
 the microseconds per call of N calls back to back, between two CUDA events (the GPU waits for
 the host the whole time, so this is the host's time per call), after warm-up (compiles). A
 decode step at batch 1: Q (1, 32, 1, 128), K and V (1, 8, 256, 128), bf16, causal.
---profile adds cProfile's top functions (by own time) for stage 13's call."""
+--profile adds cProfile's top functions (by own time) for the calls of stages 13 and 14 and the
+custom op."""
 
 import argparse
 import cProfile
@@ -80,14 +81,17 @@ def main(argv=None):
         fns = entries(q, k, v)
         for label, fn in fns.items():
             print(f"  {label:28s} {per_call_us(fn, args.calls):7.1f} us per call", flush=True)
-        if args.profile and "stage 13" in fns:
+        for label in [
+            name for name in fns if args.profile and not name.startswith(("SDPA", "FA4"))
+        ]:
+            print(f"\ncProfile of {args.calls} calls: {label}")
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(args.calls):
-                fns["stage 13"]()
+                fns[label]()
             prof.disable()
             torch.cuda.synchronize()
-            pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(22)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,10 @@ heads as they come (no repeat_kv), once per stage with that API (7: GQA and pack
 2. prefill tokens/s for each stage, sdpa, and FA4 (flash_attn.cute) when importable, with a
    floor (an attention function that returns its query: the time of everything but attention),
    CUDA-event medians after warm-up;
-3. a table on stdout and in docs/results/model_<gpu>_<date>.md.
+3. a decode run (common/tools/model_decode.py): 256 tokens generated after a 32k-token prompt at
+   B = 1 and 8, stage 14's kernel on this repository's paged KV cache against sdpa with
+   transformers' own cache, tokens/s and the logits of every step compared;
+4. a table on stdout and in docs/results/model_<gpu>_<date>.md.
 
 The model (`model_config`): 4 layers, hidden 4096, 32/8 heads of 128, intermediate 4096, vocabulary
 8192. Attention is exactly Llama-3-8B's per layer; the MLP (14336 there) and the vocabulary
@@ -410,6 +413,11 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-eager", action="store_true", help="skip the eager-vs-sdpa yardstick")
+    ap.add_argument("--decode-batches", default="1,8", help="B of the decode run ('' to skip it)")
+    ap.add_argument("--decode-prompt", type=int, default=32768, help="prompt tokens, decode run")
+    ap.add_argument("--decode-steps", type=int, default=256, help="tokens generated, decode run")
+    ap.add_argument("--page-size", type=int, default=64, help="keys per page, decode run")
+    ap.add_argument("--decode-only", action="store_true", help="only the decode run")
     ap.add_argument("--out", default="docs/results", help="folder of the .md ('' to not write)")
     args = ap.parse_args(argv)
 
@@ -444,7 +452,13 @@ def main(argv=None):
         print("FA4: flash_attn.cute does not import here; its column is skipped", flush=True)
     floor_impl = {"key": "floor", "name": NO_ATTENTION, "stage": None, "label": "no attention"}
 
-    config = model_config(layers=args.layers, intermediate=args.intermediate, vocab=args.vocab)
+    max_positions = max(32768, args.decode_prompt + args.decode_steps)
+    config = model_config(
+        layers=args.layers,
+        intermediate=args.intermediate,
+        vocab=args.vocab,
+        max_positions=max_positions,
+    )
     layers, vocab = config.num_hidden_layers, config.vocab_size
     print(
         f"building LlamaForCausalLM: {layers} layers, hidden {config.hidden_size}, "
@@ -456,72 +470,95 @@ def main(argv=None):
     n_params = sum(p.numel() for p in model.parameters())
     print(f"  {n_params / 1e6:.0f} M parameters ({time.time() - t0:.0f} s)", flush=True)
 
-    # 1. Logits against sdpa, each stage gated by the tolerance.
+    rows, verdicts, speed, ok = [], [], [], True
     B, S = parse_shapes(args.check_shape)[0]
+    tol = logits_tolerance(layers)
     g = torch.Generator(device="cuda")
     g.manual_seed(1)
-    ids = torch.randint(0, vocab, (B, S), generator=g, device="cuda")
-    print(f"logits at B = {B}, S = {S}: sdpa ...", flush=True)
-    ref = logits(model, ids, "sdpa")
-    tol = logits_tolerance(layers)
-    rows, verdicts = [], []
-    for impl in impls:
-        if impl["name"] == "sdpa":
-            continue
-        ours = impl["stage"] is not None
-        print(
-            f"  {impl['label']}"
-            + (" (the first call compiles the kernel)" if ours else "")
-            + " ...",
-            flush=True,
-        )
-        t1 = time.time()
-        try:
-            with _run_as(impl):
-                out = logits(model, ids, impl["name"])
-        except Exception as e:
-            if ours:
-                raise
-            print(f"  {impl['label']}: failed ({type(e).__name__}: {str(e)[:120]})", flush=True)
-            continue
-        rel, agree, mx = compare(out, ref)
-        finite = bool(torch.isfinite(out.float()).all())
-        del out
-        print(f"  rel {rel:.2e}, argmax {agree * 100:.2f}% ({time.time() - t1:.0f} s)", flush=True)
-        rows.append((f"{impl['label']} vs sdpa", rel, agree, mx))
-        if ours:
-            floor = argmax_floor(rel, vocab)
-            verdicts.append(
-                (impl["label"], rel, agree, floor, finite and rel <= tol and agree >= floor)
+    if not args.decode_only:
+        # 1. Logits against sdpa, each stage gated by the tolerance.
+        ids = torch.randint(0, vocab, (B, S), generator=g, device="cuda")
+        print(f"logits at B = {B}, S = {S}: sdpa ...", flush=True)
+        ref = logits(model, ids, "sdpa")
+        for impl in impls:
+            if impl["name"] == "sdpa":
+                continue
+            ours = impl["stage"] is not None
+            print(
+                f"  {impl['label']}"
+                + (" (the first call compiles the kernel)" if ours else "")
+                + " ...",
+                flush=True,
             )
-    if not args.no_eager:
-        print("  eager (yardstick) ...", flush=True)
-        rows.append(("eager vs sdpa (yardstick)", *compare(logits(model, ids, "eager"), ref)))
-    del ref
-    torch.cuda.empty_cache()
-    ok = all(v[-1] for v in verdicts)
-
-    # 2. Prefill tokens/s.
-    speed = []
-    for Bt, St in parse_shapes(args.shapes):
-        ids_t = torch.randint(0, vocab, (Bt, St), generator=g, device="cuda")
-        row = {}
-        for impl in impls + [floor_impl]:
-            print(f"prefill B = {Bt}, S = {St}: {impl['label']} ...", flush=True)
+            t1 = time.time()
             try:
-                # As make bench: the NaN fill of the kernel's fresh outputs is not timed.
-                with no_poison(), _run_as(impl):
-                    row[impl["key"]] = prefill_ms(
-                        model, ids_t, impl["name"], args.warmup, args.reps
-                    )
-            except Exception as e:  # a column that cannot run this shape is reported
+                with _run_as(impl):
+                    out = logits(model, ids, impl["name"])
+            except Exception as e:
+                if ours:
+                    raise
                 print(f"  {impl['label']}: failed ({type(e).__name__}: {str(e)[:120]})", flush=True)
                 continue
-            ms = row[impl["key"]]
-            print(f"  {ms:.2f} ms, {Bt * St / ms * 1e3:,.0f} tokens/s", flush=True)
-        speed.append(((Bt, St), row))
-        del ids_t
+            rel, agree, mx = compare(out, ref)
+            finite = bool(torch.isfinite(out.float()).all())
+            del out
+            print(
+                f"  rel {rel:.2e}, argmax {agree * 100:.2f}% ({time.time() - t1:.0f} s)", flush=True
+            )
+            rows.append((f"{impl['label']} vs sdpa", rel, agree, mx))
+            if ours:
+                floor = argmax_floor(rel, vocab)
+                verdicts.append(
+                    (impl["label"], rel, agree, floor, finite and rel <= tol and agree >= floor)
+                )
+        if not args.no_eager:
+            print("  eager (yardstick) ...", flush=True)
+            rows.append(("eager vs sdpa (yardstick)", *compare(logits(model, ids, "eager"), ref)))
+        del ref
         torch.cuda.empty_cache()
+        ok = all(v[-1] for v in verdicts)
+
+        # 2. Prefill tokens/s.
+        speed = []
+        for Bt, St in parse_shapes(args.shapes):
+            ids_t = torch.randint(0, vocab, (Bt, St), generator=g, device="cuda")
+            row = {}
+            for impl in impls + [floor_impl]:
+                print(f"prefill B = {Bt}, S = {St}: {impl['label']} ...", flush=True)
+                try:
+                    # As make bench: the NaN fill of the kernel's fresh outputs is not timed.
+                    with no_poison(), _run_as(impl):
+                        row[impl["key"]] = prefill_ms(
+                            model, ids_t, impl["name"], args.warmup, args.reps
+                        )
+                except Exception as e:  # a column that cannot run this shape is reported
+                    print(
+                        f"  {impl['label']}: failed ({type(e).__name__}: {str(e)[:120]})",
+                        flush=True,
+                    )
+                    continue
+                ms = row[impl["key"]]
+                print(f"  {ms:.2f} ms, {Bt * St / ms * 1e3:,.0f} tokens/s", flush=True)
+            speed.append(((Bt, St), row))
+            del ids_t
+            torch.cuda.empty_cache()
+
+    # 3. Decode with the paged cache.
+    decode_rows = []
+    batches = [int(x) for x in args.decode_batches.split(",") if x]
+    if batches:
+        from common.tools import model_decode
+
+        model_decode.register_paged(model_decode.paged_attend_stage14())
+        with no_poison():
+            decode_rows = model_decode.decode_run(
+                model,
+                batches,
+                args.decode_prompt,
+                args.decode_steps,
+                args.page_size,
+                log=lambda m: print(m, flush=True),
+            )
 
     latest = f"stage {stage_list[-1]}"
     lines = [
@@ -538,6 +575,47 @@ def main(argv=None):
         "(flash_attn.cute.flash_attn_func) through the same glue; sdpa and eager are "
         "transformers' own.",
         "",
+    ]
+    if not args.decode_only:
+        lines += prefill_lines(args, B, S, rows, verdicts, speed, tol, impls, latest)
+    if decode_rows:
+        dec, dec_ok = model_decode.decode_lines(
+            decode_rows,
+            args.decode_prompt,
+            args.decode_steps,
+            args.page_size,
+            tol,
+            lambda rel: argmax_floor(rel, vocab),
+        )
+        lines += dec + [""]
+        ok &= dec_ok
+    lines += [f"Took {time.time() - t0:.0f} s."]
+    text = "\n".join(lines) + "\n"
+    print("\n" + text, flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        tag = f"{gpu.replace('NVIDIA ', '').replace(' ', '_').lower()}_{date}"
+        path = os.path.join(args.out, f"model_{tag}.md")
+        with open(path, "w") as f:
+            f.write(text)
+        print(f"written to {path}", flush=True)
+    if not ok:
+        for lab, rel, agree, fl, good in verdicts:
+            if not good:
+                print(
+                    f"FAIL: {lab} vs sdpa rel {rel:.2e} (tolerance {tol:.2e}), argmax agreement "
+                    f"{agree * 100:.2f}% (floor {fl * 100:.2f}%), or non-finite logits",
+                    flush=True,
+                )
+        if decode_rows and not dec_ok:
+            print("FAIL: the decode run's logits (its table says which batch size)", flush=True)
+        return 1
+    return 0
+
+
+def prefill_lines(args, B, S, rows, verdicts, speed, tol, impls, latest):
+    """The logits and prefill sections of make model's .md."""
+    lines = [
         f"## Logits against transformers' sdpa (B = {B}, S = {S}, all positions)",
         "",
         "| comparison | rel. error ‖a − b‖/‖b‖ (fp32) | argmax agreement | max abs diff |",
@@ -583,26 +661,8 @@ def main(argv=None):
         ratio = f"{row['sdpa'] / row[latest]:.2f}x" if latest in row and "sdpa" in row else "-"
         floor_txt = f"{floor_ms:.2f}" if floor_ms is not None else "-"
         lines.append(f"| {Bt} x {St} | " + " | ".join(cells) + f" | {floor_txt} | {ratio} |")
-    lines += ["", f"Took {time.time() - t0:.0f} s."]
-    text = "\n".join(lines) + "\n"
-    print("\n" + text, flush=True)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        tag = f"{gpu.replace('NVIDIA ', '').replace(' ', '_').lower()}_{date}"
-        path = os.path.join(args.out, f"model_{tag}.md")
-        with open(path, "w") as f:
-            f.write(text)
-        print(f"written to {path}", flush=True)
-    if not ok:
-        for lab, rel, agree, fl, good in verdicts:
-            if not good:
-                print(
-                    f"FAIL: {lab} vs sdpa rel {rel:.2e} (tolerance {tol:.2e}), argmax agreement "
-                    f"{agree * 100:.2f}% (floor {fl * 100:.2f}%), or non-finite logits",
-                    flush=True,
-                )
-        return 1
-    return 0
+    lines.append("")
+    return lines
 
 
 if __name__ == "__main__":

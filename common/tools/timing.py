@@ -3,6 +3,7 @@ baselines timed in the same run (cuBLAS via torch.matmul; torch SDPA flash and c
 FA4 when importable)."""
 
 import statistics
+import time
 import warnings
 
 import torch
@@ -39,6 +40,23 @@ def time_ms(fn, arg_sets, warmup=5, reps=30):
         ends[i].record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def elapsed_ms(fn):
+    """Milliseconds from before fn() is issued to when the GPU finishes what it issued (one
+    CUDA-event pair around the call; for a loop that runs once, as a decode run is). Without
+    CUDA, the wall time of the call."""
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def gpu_ms(fn, arg_sets, reps=10):

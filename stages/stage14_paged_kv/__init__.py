@@ -88,6 +88,7 @@ def attention_paged(
     return_lse=False,
     pack_gqa=None,
     num_splits=None,
+    check_values=True,
 ):
     """A paged KV cache (FlashAttention's and vLLM's layout); see hopper.py / blackwell.py."""
     return _track_module().attention_paged(
@@ -102,6 +103,7 @@ def attention_paged(
         return_lse=return_lse,
         pack_gqa=pack_gqa,
         num_splits=num_splits,
+        check_values=check_values,
     )
 
 

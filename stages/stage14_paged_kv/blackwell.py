@@ -1862,6 +1862,7 @@ def attention_paged(
     return_lse=False,
     pack_gqa=None,
     num_splits=None,
+    check_values=True,
 ):
     """O = softmax(scale * Q @ K^T + mask) @ V over a paged cache: q (B, H, Sq, D), k_cache and
     v_cache (num_pages, page_size, Hkv, D), page_table int32 (B, max_pages): sequence b's key t
@@ -1870,8 +1871,9 @@ def attention_paged(
     window bottom-right aligned against seqused_k[b]; pack_gqa and num_splits as attention's.
     Entries of page_table past a sequence's pages, pages nobody uses, and rows past seqused_k in
     a sequence's last page are never read into O (they may hold anything, NaN included). O
-    (B, H, Sq, D); with return_lse also LSE (B, H, Sq). On this track compile-checked only: no
-    Blackwell GPU has run it."""
+    (B, H, Sq, D); with return_lse also LSE (B, H, Sq). check_values=False skips reading page_table
+    and seqused_k to the host (common/attention_host.py's attention_paged says what that costs).
+    On this track compile-checked only: no Blackwell GPU has run it."""
     return attention_host.attention_paged(
         Sm100Kernel,
         q,
@@ -1885,6 +1887,7 @@ def attention_paged(
         return_lse,
         pack_gqa,
         num_splits,
+        check_values,
     )
 
 
