@@ -300,7 +300,9 @@ def make_plan(
     takes_splits = getattr(kernel_class, "takes_splits", False)
     if takes_splits:
         sequences = q.shape[0] if not packed else cu_seqlens_q.shape[0] - 1
-        tiles = -(-max_seqlen_q * pack // rows) * (H // pack) * sequences
+        # A work tile's query rows: Blackwell's CTA takes two Q tiles (cta_rows = 256).
+        work_rows = getattr(unpacked, "cta_rows", rows)
+        tiles = -(-max_seqlen_q * pack // work_rows) * (H // pack) * sequences
         splits = num_splits or splits_for(tiles, -(-max_seqlen_k // 128), device_sm_count())
     if splits > 1:
         opts = {**opts, "split_kv": True}

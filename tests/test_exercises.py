@@ -111,3 +111,38 @@ def test_13a_split_reads_on_the_committed_and_the_edited_split_range():
                 split_range, kernel, tiles, num_splits
             )
             assert (outside, got_empty, not_once) == (past, empty, 0), (edits, tiles, num_splits)
+
+
+def test_14a_box_reads_on_the_committed_and_the_edited_load_tiles():
+    """Exercise 14a on the CPU, the numbers its task and notebook 14 state: the committed
+    load_tiles reads no page_table entry past a sequence's pages (a box past the last page reads
+    the last page again), and the solution's reads entries 69-71 for 1,100 keys in pages of 16,
+    entry 17 for 1,040 keys in pages of 64, entries 33-35 past a full row of 33 pages of 32, and
+    entries 1-7 for one key; pages of 256 read the same either way. An edit that loads the
+    wrong rows of the right page is reported as wrong, not as done."""
+    import torch
+
+    ex = exercises.EXERCISES["14a"]
+    want_edited = {
+        (1100, 16, 72): (0, 3, 0),
+        (1040, 64, 20): (0, 1, 0),
+        (1056, 32, 33): (0, 0, 3),
+        (1, 16, 4): (0, 3, 4),
+        (1100, 256, 5): (0, 0, 0),
+    }
+    assert set(want_edited) == set(exercises.PAGE_CASES)
+    for edits, want in (((), {c: (0, 0, 0) for c in want_edited}), (ex.solution, want_edited)):
+        mod = exercises.load_stage_file(14, "hopper", edits)
+        for (seqused_k, page_size, max_pages), counts in want.items():
+            kernel = mod.compile_args(
+                torch.bfloat16, (1, 8, 1, max_pages * page_size, 128), page_size=page_size
+            )[0]
+            used = -(-seqused_k // page_size)
+            row = list(range(used)) + [-1] * (max_pages - used)
+            reads = exercises.box_reads(kernel, seqused_k, row)
+            assert len(reads) == -(-seqused_k // 128) * (128 // min(page_size, 128))
+            got = exercises.page_reads_summary(reads, seqused_k, page_size, max_pages)
+            assert got == counts, (bool(edits), seqused_k, page_size, got)
+    wrong_rows = (("tXgX[None, (key % self.page_size) // r, page]", "tXgX[None, 0, page]"),)
+    r = exercises.check("14a", edits=ex.solution + wrong_rows, show=False)
+    assert not r.done and "wrong page or rows" in r.message, r

@@ -41,6 +41,7 @@ NOTEBOOKS = {
     11: "stage11_persistent.ipynb",
     12: "stage12_last_percent.ipynb",
     13: "stage13_split_kv.ipynb",
+    14: "stage14_paged_kv.ipynb",
 }
 # STYLE.md rule 7: the fixed order of the sections (level-2 headings).
 SECTIONS = (
@@ -513,6 +514,7 @@ def _figures():
         stage9,
         stage10,
         stage12,
+        stage14,
     )
 
     out = torch.zeros(2, 3, 64, 64, dtype=torch.float64)
@@ -587,6 +589,22 @@ def _figures():
         ),
         "against_s": lambda: stage12.against_s(
             _results("ablation_h200_2026-12-04.json"), ["stage 12", "FA4", "SDPA cuDNN"], "t"
+        ),
+        "page_table_map": lambda: stage14.page_table_map(
+            [40, 75, 18],
+            16,
+            [[5, 12, 3, -1, -1, -1], [11, 10, 9, 0, 6, -1], [4, 2, -1, -1, -1, -1]],
+            13,
+        ),
+        "tile_boxes": lambda: stage14.tile_boxes(
+            [
+                ("pages of 16", 16, 1100, [(8, c, min(64 + c, 68), 0, 0) for c in range(8)], 69),
+                ("pages of 64, one box past", 64, 1040, [(8, 0, 16, 0, 0), (8, 1, 17, 0, 0)], 17),
+                ("pages of 256", 256, 1100, [(3, 0, 1, 0, 128)], 5),
+            ]
+        ),
+        "paged_ratios": lambda: stage14.paged_ratios(
+            _results("decode_h200_2026-12-04.json"), (16, 64, 128, 256), "t"
         ),
     }
 

@@ -22,6 +22,7 @@ import re
 import shutil
 import sys
 import tempfile
+import types
 from typing import Callable
 
 from common.arch import gpu_track_available
@@ -1131,6 +1132,188 @@ _ALL.append(
         ),
         check=_check_13a,
         hint="n = ceil(65 / 16) = 5: 16 x 5 = 80 tiles asked for, 65 there",
+    )
+)
+
+# ---------------------------------------------------------------- stage 14
+
+# (seqused_k, page_size, max_pages) on which 14a runs the kernel's load_tiles, one sequence each,
+# a decode step over KV tiles [0, ceil(seqused_k / 128)): 1,100 keys in pages of 16 (the last
+# tile's boxes 5-7 lie past the keys), 1,040 keys in pages of 64 (box 1 of the last tile), a
+# full row of 33 pages of 32 (the last tile reaches past the row's end), one key, and pages of
+# 256 (whole tiles: nothing lies past the last page).
+PAGE_CASES = ((1100, 16, 72), (1040, 64, 20), (1056, 32, 33), (1, 16, 4), (1100, 256, 5))
+
+
+class _Overlay:
+    """A module seen through a few replaced names (the DSL's loop and copy, for load_tiles)."""
+
+    def __init__(self, module, **names):
+        self._module, self._names = module, names
+
+    def __getattr__(self, name):
+        return self._names[name] if name in self._names else getattr(self._module, name)
+
+
+class _Recorder:
+    """A tensor stand-in: `read(index)` answers each subscript and every index is recorded."""
+
+    def __init__(self, read, log=None):
+        self._read, self.log = read, log
+
+    def __getitem__(self, index):
+        if self.log is not None:
+            self.log.append(index)
+        return self._read(index)
+
+
+def plain_method(cls, name, **names):
+    """Method `name` of kernel class `cls` as plain Python: its source, read from the file the
+    class was loaded from, compiled without its decorators (no @cute.jit) in the module's globals
+    with `names` replacing some of them. (The DSL rewrites a @cute.jit function once it has
+    compiled it, so its __wrapped__ cannot be relied on to stay plain.)"""
+    import ast
+
+    module = sys.modules[cls.__module__]
+    with open(module.__file__) as f:
+        tree = ast.parse(f.read())
+    body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+    fn = next(n for n in body.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    fn.decorator_list = []
+    scope = dict(vars(module), **names)
+    exec(compile(ast.Module([fn], type_ignores=[]), module.__file__, "exec"), scope)
+    return scope[name]
+
+
+def box_reads(kernel, seqused_k, table_row):
+    """What the producer loads for one sequence of a decode step: the kernel's load_tiles (its
+    source run as plain Python, cutlass.range and the TMA cute.copy replaced by Python's range and
+    a recorder) for K of every KV tile [0, ceil(seqused_k / bN)), with pages = (the table,
+    sequence 0, last_page = (seqused_k - 1) // page_size) as `load` passes them. table_row: the
+    sequence's page_table row (a list). Returns [(kv_tile, box c, entry read, page, first row of
+    the box in its page)]; an entry past the row reads page None."""
+    import cutlass
+    import cutlass.cute as cute
+
+    bN, page_size = kernel.cta_tile[1], kernel.page_size
+    copies, entries = [], []
+
+    def entry_page(index):
+        _, e = index
+        return table_row[e] if 0 <= e < len(table_row) else None
+
+    run = plain_method(
+        type(kernel),
+        "load_tiles",
+        cutlass=_Overlay(cutlass, range=lambda *a, unroll=None: range(*a)),
+        cute=_Overlay(
+            cute, copy=lambda atom, src, dst, tma_bar_ptr=None: copies.append((src, dst))
+        ),
+    )
+    pipe = types.SimpleNamespace(producer_acquire=lambda s: None, producer_get_barrier=lambda s: 0)
+    state = types.SimpleNamespace(index=0, phase=0)
+    # (None, box of the page, page) -> (box of the page, page); (None, c, slot) -> c
+    g_boxes = _Recorder(lambda i: (i[1], i[2]))
+    s_boxes = _Recorder(lambda i: i[1])
+    table = _Recorder(entry_page, entries)
+    reads = []
+    for kv_tile in range(-(-seqused_k // bN)):
+        copies.clear()
+        entries.clear()
+        pages = (table, 0, (seqused_k - 1) // page_size)
+        run(kernel, pipe, state, kv_tile, None, g_boxes, s_boxes, pages)
+        for (_, e), ((box, page), c) in zip(entries, copies, strict=True):
+            reads.append((kv_tile, int(c), int(e), page, int(box) * kernel.page_rows))
+    return reads
+
+
+def page_reads_summary(reads, seqused_k, page_size, max_pages):
+    """(boxes holding a key that read the wrong page or rows, table entries read past the
+    sequence's ceil(seqused_k / page_size) pages but inside its row, entries read past the row's
+    max_pages) of box_reads' list."""
+    r = min(page_size, 128)
+    used = -(-seqused_k // page_size)
+    wrong = unchecked = past_row = 0
+    for kv_tile, c, entry, _, row in reads:
+        key = kv_tile * 128 + c * r
+        if key < seqused_k and (entry != key // page_size or row != key % page_size):
+            wrong += 1
+        if used <= entry < max_pages:
+            unchecked += 1
+        elif entry >= max_pages:
+            past_row += 1
+    return wrong, unchecked, past_row
+
+
+def _check_14a(mod):
+    # The edited file must still compile (the paged decode kernel, pages of 16); then its
+    # load_tiles runs on ints for each case of PAGE_CASES, the sequence's pages 100, 101, ... in
+    # its row and -1 in the entries after them.
+    import torch
+
+    compile_module(mod, "hopper", shape=(1, 32, 1, 1100, 128), kv_heads=8, page_size=16)
+    seen, wrong, unchecked, past_row = [], 0, 0, 0
+    for seqused_k, page_size, max_pages in PAGE_CASES:
+        kernel = mod.compile_args(
+            torch.bfloat16, (1, 32, 1, max_pages * page_size, 128), kv_heads=8, page_size=page_size
+        )[0]
+        used = -(-seqused_k // page_size)
+        row = [100 + i for i in range(used)] + [-1] * (max_pages - used)
+        reads = box_reads(kernel, seqused_k, row)
+        w, u, p = page_reads_summary(reads, seqused_k, page_size, max_pages)
+        wrong, unchecked, past_row = wrong + w, unchecked + u, past_row + p
+        top = max(e for _, _, e, _, _ in reads)
+        seen.append(
+            f"{seqused_k:,} key{'s' if seqused_k > 1 else ''} in pages of {page_size} ({used} of "
+            f"{max_pages} entries its own): entries 0-{top} read"
+        )
+    report = "; ".join(seen)
+    if wrong:
+        return Result(
+            False,
+            report + f"; {wrong} boxes holding keys read the wrong page or rows: the exercise "
+            "changes only which entry a box past the last page reads",
+        )
+    if unchecked + past_row == 0:
+        return Result(
+            False,
+            report + ": no entry past a sequence's pages is read (the exercise wants the "
+            "cutlass.min(..., last_page) gone)",
+        )
+    return Result(
+        True,
+        report + f": {unchecked} reads of entries past a sequence's pages, which the host never "
+        "checks (-1 here; in a serving stack a freed page or another sequence's), and "
+        f"{past_row} past the end of its row (the next sequence's row, or past the table), "
+        "counted for K; V's loads read the same",
+    )
+
+
+_ALL.append(
+    Exercise(
+        id="14a",
+        stage=14,
+        track="hopper",
+        task=(
+            "Drop the clamp to the last page. In `Sm90Kernel.load_tiles` of "
+            "`stages/stage14_paged_kv/hopper.py` let box c read the page_table entry of its first "
+            "key whatever the sequence's length: `page = page_table[batch, key // "
+            "self.page_size]`. Before you run the check: a sequence of 1,100 keys in pages of 16 "
+            "owns entries 0-68 of its row; its last KV tile (keys 1,024-1,151) is 8 boxes; which "
+            "entries do they read with the clamp and without it? The same for 1,056 keys in a "
+            "row of 33 pages of 32, and for 1,100 keys in pages of 256. Then think about what "
+            "those entries hold: the host checks only a sequence's own entries. The check "
+            "compiles the file and runs the kernel's own `load_tiles` (the Python under "
+            "`@cute.jit`, its TMA copy replaced by a recorder) on integers."
+        ),
+        solution=(
+            (
+                "page = page_table[batch, cutlass.min(key // self.page_size, last_page)]",
+                "page = page_table[batch, key // self.page_size]",
+            ),
+        ),
+        check=_check_14a,
+        hint="the last page holds keys (seqused_k - 1) // page_size x page_size .. seqused_k - 1",
     )
 )
 
