@@ -8,8 +8,8 @@ inside `torch.compile(fullgraph=True)` and PyTorch knows their output shapes wit
         -> (o, lse)    q (total_q, H, D), k and v (total_k, Hkv, D); o (total_q, H, D), lse (H, total_q)
 
 Which stage runs: the latest one with stage 7's API (`attention(..., causal, window, return_lse)`
-with K/V of Hkv heads, and `attention_varlen`): stage 12 (the last percent) now, stages 11 down
-to 7 before it; the environment variable FLASH_TUTORIAL_STAGE=7 or `with use_stage(7):` pins another
+with K/V of Hkv heads, and `attention_varlen`): stage 14 (the paged KV cache, whose unpaged
+entries are stage 13's split-KV launch) now, stages 13 down to 7 before it; the environment variable FLASH_TUTORIAL_STAGE=7 or `with use_stage(7):` pins another
 (read at each call, so also inside a compiled graph). The stage's package is imported on the
 first real call, so importing this module needs neither a GPU nor the CuTe DSL. Each op has a
 fake implementation (`register_fake`: shapes, dtypes and devices from the inputs' metadata alone)
@@ -70,10 +70,10 @@ def current_stage():
     env = os.environ.get(STAGE_ENV)
     if env:
         n = int(env)
-        if n not in stage_numbers():
+        if n not in _stage_numbers():
             raise ValueError(f"{STAGE_ENV}={env}: stages with the ops' API are {stage_numbers()}")
         return n
-    return stage_numbers()[-1]
+    return _stage_numbers()[-1]
 
 
 @contextlib.contextmanager
@@ -88,11 +88,18 @@ def use_stage(n):
         _pinned.pop()
 
 
+_STAGE_MODULES = {}  # stage number -> its package: the lookup is on every call's path
+
+
 def stage_module(n=None):
     """The package stages.<stage n> (default: current_stage()), which dispatches to the track."""
-    from common.tools import stage_table as table
+    n = n or current_stage()
+    mod = _STAGE_MODULES.get(n)
+    if mod is None:
+        from common.tools import stage_table as table
 
-    return importlib.import_module(f"stages.{table.stage(n or current_stage()).package}")
+        mod = _STAGE_MODULES[n] = importlib.import_module(f"stages.{table.stage(n).package}")
+    return mod
 
 
 def _stage():

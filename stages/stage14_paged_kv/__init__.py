@@ -107,11 +107,17 @@ def attention_paged(
     )
 
 
+_TRACK_MODULES = {}  # track -> its module: the lookup is on every call's path
+
+
 def _track_module():
     """This machine's track file (hopper.py or blackwell.py)."""
     t = track()
-    if importlib.util.find_spec(f"{__name__}.{t}") is None:
-        raise NotImplementedError(
-            f"stage 14 has no {t} kernel; it exists on the hopper and blackwell tracks"
-        )
-    return importlib.import_module(f"{__name__}.{t}")
+    mod = _TRACK_MODULES.get(t)
+    if mod is None:
+        if importlib.util.find_spec(f"{__name__}.{t}") is None:
+            raise NotImplementedError(
+                f"stage 14 has no {t} kernel; it exists on the hopper and blackwell tracks"
+            )
+        mod = _TRACK_MODULES[t] = importlib.import_module(f"{__name__}.{t}")
+    return mod
