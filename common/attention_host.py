@@ -421,7 +421,7 @@ def remember_call(key, entry):
 def run_plan(plan, q, k, v, o, lse, max_seqlen_q, scale, seqused_k, page_table=None):
     """A remembered plan's launch, on q's device (batch mode and paged caches)."""
     device = q.device
-    if device.index != torch.cuda.current_device():
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):
             plan.run(q, k, v, o, lse, None, None, max_seqlen_q, scale, seqused_k, page_table)
     else:

@@ -1,0 +1,161 @@
+"""common/attention_host.py's fast path, on the CPU: the launch is replaced by a recorder, so what
+is checked, planned and launched at each call of a sequence can be seen without a GPU.
+
+A call whose tensors have the dtypes, devices, shapes and strides of an earlier call, with the same
+options of the same types, reuses that call's checked sizes, scale and LaunchPlan. These tests
+pin down that such a call still launches with its own tensors and fresh outputs, that what can
+differ between two calls of one shape is still checked (alignment, seqused_k, page-table values),
+that an option equal in value but not in type (causal=1 after causal=True) goes through the
+checks again, and that clearing the compile cache forgets the remembered calls. The GPU tests of
+stages 13 and 14 run the same sequences with the kernels (test_fast_path_checks_what_can_change,
+test_rejects_bad_paged_input, test_check_values_false)."""
+
+import pytest
+import torch
+
+from common import attention_host as AH
+from common import checks
+from common import compile as compile_cache
+
+
+class Recorder:
+    """Stands in for make_plan (counted) and for the LaunchPlans it returns (each run recorded)."""
+
+    def __init__(self):
+        self.plans_made = 0
+        self.runs = []
+
+    def make_plan(self, *args, **kwargs):
+        self.plans_made += 1
+        rec = self
+
+        class Plan:
+            def run(self, q, k, v, o, lse, cu_q, cu_k, max_seqlen_q, scale, seqused_k, pages=None):
+                rec.runs.append(dict(q=q, k=k, v=v, o=o, lse=lse, scale=scale, pages=pages))
+
+        return Plan()
+
+
+class Kernel:  # a kernel class as the entries see it (stage 14's attributes)
+    takes_splits = True
+    takes_pages = True
+
+
+@pytest.fixture
+def rec(monkeypatch):
+    r = Recorder()
+    checked = []
+
+    def dims(q, k, v):  # checks.check_attention_args without its CUDA-device check
+        checked.append(q)
+        B, H, Sq, D = q.shape
+        if q.data_ptr() % 16:
+            raise ValueError("argument 'q': data pointer must be 16-byte aligned for TMA")
+        return B, H, Sq, k.shape[2], D
+
+    def paged_dims(q, k_cache, v_cache, page_table):
+        checked.append(q)
+        return (*q.shape, k_cache.shape[1])
+
+    def cuda_free_seqused(seqused_k, q, key_counts, read_values=True):
+        if not isinstance(seqused_k, torch.Tensor) or seqused_k.dtype != torch.int32:
+            raise TypeError("argument 'seqused_k': expected an int32 tensor")
+        if read_values:
+            for b, (n, c) in enumerate(zip(seqused_k.tolist(), key_counts)):
+                if not 0 <= n <= c:
+                    raise ValueError(f"argument 'seqused_k': seqused_k[{b}] = {n}")
+
+    monkeypatch.setattr(AH, "make_plan", r.make_plan)
+    monkeypatch.setattr(AH, "checked_dims", dims)
+    monkeypatch.setattr(AH, "checked_paged_dims", paged_dims)
+    monkeypatch.setattr(checks, "check_seqused_k", cuda_free_seqused)
+    AH._CALLS.clear()
+    AH._PLANS.clear()
+    r.checked = checked
+    yield r
+    AH._CALLS.clear()
+    AH._PLANS.clear()
+
+
+def qkv(seed, B=2, H=8, Hkv=2, Sq=1, Sk=256, D=64):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Sq, D, generator=g).bfloat16()
+    k = torch.randn(B, Hkv, Sk, D, generator=g).bfloat16()
+    return q, k, k.clone()
+
+
+def test_same_shape_reuses_the_plan_with_its_own_tensors(rec):
+    outs = []
+    for seed in range(3):
+        q, k, v = qkv(seed)
+        outs.append(AH.attention(Kernel, q, k, v, causal=True))
+        run = rec.runs[-1]
+        assert run["q"] is q and run["k"] is k and run["v"] is v and run["o"] is outs[-1]
+        assert run["scale"] == 64**-0.5
+    assert rec.plans_made == 1 and len(rec.runs) == 3
+    assert len(rec.checked) == 1  # only the first call ran the shape checks
+    assert len({id(o) for o in outs}) == 3  # fresh outputs each call
+    # Another shape, another mask: each a new plan; another scale: the same plan (the scale is
+    # a launch argument), launched with that scale.
+    AH.attention(Kernel, *qkv(0, Sk=512), causal=True)
+    AH.attention(Kernel, *qkv(0), causal=False)
+    AH.attention(Kernel, *qkv(0), causal=True, scale=0.5)
+    assert rec.plans_made == 3 and rec.runs[-1]["scale"] == 0.5
+    AH.attention(Kernel, *qkv(1), causal=True, scale=0.5)
+    assert rec.runs[-1]["scale"] == 0.5 and len(rec.checked) == 4
+
+
+def test_what_can_change_is_checked_again(rec):
+    q, k, v = qkv(0)
+    used = torch.tensor([100, 256], dtype=torch.int32)
+    AH.attention(Kernel, q, k, v, causal=True, seqused_k=used)
+    with pytest.raises(ValueError, match=r"seqused_k\[1\] = 257"):
+        AH.attention(Kernel, q, k, v, causal=True, seqused_k=used + 1)
+    with pytest.raises(TypeError, match="seqused_k"):
+        AH.attention(Kernel, q, k, v, causal=True, seqused_k=used.long())
+    base = torch.empty(q.numel() + 8, dtype=q.dtype)
+    q_off = base[1 : 1 + q.numel()].view(q.shape)  # same shape and strides, 2 bytes off
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        AH.attention(Kernel, q_off, k, v, causal=True, seqused_k=used)
+    AH.attention(Kernel, q, k, v, causal=True)
+    with pytest.raises(TypeError, match="causal"):  # equal to True, but not a bool
+        AH.attention(Kernel, q, k, v, causal=1)
+    with pytest.raises(TypeError, match="return_lse"):
+        AH.attention(Kernel, q, k, v, causal=True, return_lse=1)
+    assert rec.plans_made == 2  # with and without seqused_k
+
+
+def test_paged_calls_recheck_values_unless_told_not_to(rec, monkeypatch):
+    q, _, _ = qkv(0)
+    kc = torch.zeros(12, 64, 2, 64, dtype=torch.bfloat16)
+    table = torch.arange(12, dtype=torch.int32).view(2, 6)
+    used = torch.tensor([100, 300], dtype=torch.int32)
+    reads = []
+    monkeypatch.setattr(checks, "check_page_table", lambda *a: reads.append(a))
+    for _ in range(2):
+        AH.attention_paged(Kernel, q, kc, kc, table, used)
+    assert len(reads) == 2 and rec.plans_made == 1  # the values at every call, one plan
+    assert rec.runs[-1]["pages"] is table
+    assert rec.runs[-1]["k"].shape == (12, 2, 64, 64)  # (num_pages, Hkv, page_size, D)
+    AH.attention_paged(Kernel, q, kc, kc, table, used, check_values=False)
+    assert len(reads) == 2 and len(rec.runs) == 3
+    with pytest.raises(TypeError, match="seqused_k"):
+        AH.attention_paged(Kernel, q, kc, kc, table, None)
+    with pytest.raises(TypeError, match="check_values"):
+        AH.attention_paged(Kernel, q, kc, kc, table, used, check_values=0)
+
+
+def test_clearing_the_compile_cache_forgets_calls(rec):
+    q, k, v = qkv(0)
+    AH.attention(Kernel, q, k, v)
+    compile_cache.clear_cache()
+    AH.attention(Kernel, q, k, v)
+    assert rec.plans_made == 2
+
+
+def test_unhashable_options_take_the_checked_path(rec):
+    q, k, v = qkv(0)
+    AH.attention(Kernel, q, k, v, window=[16, 0])
+    AH.attention(Kernel, q, k, v, window=[16, 0])  # a list: keyed as its values
+    assert rec.plans_made == 1 and len(rec.runs) == 2
+    assert AH.call_key(("x", {}), (q,)) is None  # a dict cannot be a key: the slow path
