@@ -3,8 +3,8 @@ tcgen05_fence_gaps, which every Blackwell stage's compile test runs) catches a m
 
 - On small PTX programs: a fence on one side of a branch only, and a loop whose back edge
   carries a wait to the MMA at its head, are gaps; a fence on every path is none.
-- In the PTX of every Blackwell stage (bf16, the stage's compile shape, batch mode; stages 10, 11,
-  13 and 14 also at D = 64, their other MMA order; stage 13's split kernel, its unsplit one being
+- In the PTX of every Blackwell stage (bf16, the stage's compile shape, batch mode; stages 10-14
+  also at D = 64, their other MMA order; stage 13's split kernel, its unsplit one being
   stage 11's PTX; stage 14's split kernel over pages of 16 keys, its unpaged one being stage
   13's PTX): deleting any one tcgen05 fence from the PTX text leaves a gap,
   but for the fences right before the named barriers that free TMEM (one per warp role that
@@ -92,7 +92,7 @@ def test_gaps_along_every_path(ptx, gaps):
 
 # Per stage: how many fences sit right before a barrier that frees TMEM (the softmax warps' bar
 # 1 in stages 1-7; each softmax warpgroup's and the correction warpgroup's bar 3 in stages 8-14)
-TMEM_FREE_FENCES = {s: 1 for s in range(1, 8)} | {8: 2, 9: 3, 10: 3, 11: 3, 13: 3, 14: 3}
+TMEM_FREE_FENCES = {s: 1 for s in range(1, 8)} | {8: 2, 9: 3, 10: 3, 11: 3, 12: 3, 13: 3, 14: 3}
 # Compile options per stage: stage 13's split kernel; stage 14's split kernel over pages of 16
 STAGE_OPTIONS = {13: {"num_splits": 4}, 14: {"num_splits": 4, "page_size": 16}}
 TMEM_FREE_BARRIER = re.compile(r"^bar(rier)?\.(sync|arrive)\s+(1,\s*128|3,\s*\d+);")
@@ -100,8 +100,8 @@ TMEM_FREE_BARRIER = re.compile(r"^bar(rier)?\.(sync|arrive)\s+(1,\s*128|3,\s*\d+
 
 @pytest.mark.parametrize(
     "stage, D",
-    [(s, 128) for s in range(1, 12)]
-    + [(10, 64), (11, 64), (13, 128), (13, 64), (14, 128), (14, 64)],
+    [(s, 128) for s in range(1, 13)]
+    + [(10, 64), (11, 64), (12, 64), (13, 128), (13, 64), (14, 128), (14, 64)],
     ids=lambda x: str(x),
 )
 def test_every_per_tile_fence_deleted_from_the_ptx_is_caught(stage, D):

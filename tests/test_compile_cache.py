@@ -252,6 +252,8 @@ def test_tvm_ffi_key_partitions_layouts_as_the_view_key_does():
         (8, "blackwell", False),
         (9, "blackwell", False),
         (9, "blackwell", True),
+        (12, "blackwell", False),
+        (12, "blackwell", True),
     ],
     ids=lambda x: str(x),
 )
@@ -285,7 +287,7 @@ def test_tvm_ffi_launch_compiles_on_both_tracks(stage, track, varlen):
     tensors = [canonical_strides(t) for t in (q, k, v, o, lse)]
     args = tensors + [cu_q, cu_k, 384, 0.125 * math.log2(math.e), 512, 0]
     kernel = kernel_class(cute_dtype(torch.bfloat16), D, 1)
-    if getattr(kernel, "uses_tile_counter", False):  # stages 11-12 (Hopper), as the launch adds it
+    if getattr(kernel, "uses_tile_counter", False):  # stages 11-12, as the launch adds it
         from common import attention_host
 
         args.append(attention_host.tile_counter(not varlen, 512, 0, 384, 512, "cpu"))

@@ -43,8 +43,10 @@ def module(stage_package, track):
 
 
 # Stage 7's entries and features are those of every later attention stage (8-12: only the
-# schedule changes; 13 adds split-KV, chosen by the launch wherever the tiles leave SMs idle), so stage 7's tests run on each of them: parametrize("track", on_gpu_stages())
-# gives "hopper:7", "hopper:8", ... (id "hopper-stage8"), one per stage file that exists.
+# schedule changes, and on Blackwell stage 12 one in 8 of P's exp2 is a cubic; 13 adds
+# split-KV, chosen by the launch wherever the tiles leave SMs idle), so stage 7's tests run on
+# each of them: parametrize("track", on_gpu_stages()) gives "hopper:7", "hopper:8", ... (id
+# "hopper-stage8"), one per stage file that exists: Hopper 7-14, Blackwell 7-14.
 KERNEL_STAGES = (7, 8, 9, 10, 11, 12, 13, 14)
 
 

@@ -121,7 +121,7 @@ STAGES = (
         "stage12_last_percent",
         "attention",
         "the last percent",
-        "each measured tuning as its own switchable change",
+        "each tuning as its own switchable change (Blackwell: FA4's, compile-checked)",
         (2, 4, 512, 1024, 128),
         (2, 16, 8192, 8192, 128),
     ),

@@ -1,10 +1,12 @@
-"""Stage 12 - the last percent: each measured tuning as its own switchable change (three consumer
-warpgroups at D = 64, the mask-free kernel, elected slot release, slot-first descriptors, fmax
-chains, the wait placement, the interval mask).
+"""Stage 12 - the last percent: each tuning as its own switchable change (Hopper, measured:
+three consumer warpgroups at D = 64, the mask-free kernel, elected slot release, slot-first
+descriptors, fmax chains, the wait placement, the interval mask; Blackwell, FA4's: exp2 on the
+FMA pipe for a share of P, f32x2 arithmetic, the MMA's k-blocks in a loop, the register split).
 `attention(q, k, v, scale=None, causal=False, window=None, return_lse=False,
 pack_gqa=None)` with k, v of Hkv heads, and `attention_varlen(q, k, v, cu_seqlens_q,
-cu_seqlens_k, ...)` run the kernel of this machine's track: hopper.py on sm_90 (H100, H200);
-the Blackwell track has no stage 12 yet (its last stage is 11, compile-checked only)."""
+cu_seqlens_k, ...)` run the kernel of this machine's track: hopper.py on sm_90 (H100, H200),
+blackwell.py on sm_100/sm_103 (compile-checked only: no Blackwell GPU has run it).
+Both tracks have this stage."""
 
 import importlib
 import importlib.util
