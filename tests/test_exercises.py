@@ -146,3 +146,31 @@ def test_14a_box_reads_on_the_committed_and_the_edited_load_tiles():
     wrong_rows = (("tXgX[None, (key % self.page_size) // r, page]", "tXgX[None, 0, page]"),)
     r = exercises.check("14a", edits=ex.solution + wrong_rows, show=False)
     assert not r.done and "wrong page or rows" in r.message, r
+
+
+def test_15a_schedule_on_the_committed_and_the_swapped_pieces():
+    """Exercise 15a on the CPU, the numbers notebook 15 states: ring.py as committed covers every
+    pair the causal mask allows once and no other, on zig-zag chunks of RING_CASES, and its ring
+    equals one attention over the sequence to 1e-5; with each rank's two pieces swapped, 24 of
+    the 36 pairs of 8 tokens over 2 ranks are missed and 24 forbidden ones computed (448 of 528
+    at 32 tokens over 4 ranks), none twice, and O is wrong; contiguous chunks (one piece each)
+    are untouched. An edit that cuts other pieces is reported as not the exercise's."""
+    ex = exercises.EXERCISES["15a"]
+    assert ex.path.endswith("stages/stage15_context_parallel/ring.py")
+    want_edited = {(8, 2): (24, 0, 24), (32, 4): (448, 0, 448), (37, 3): (570, 0, 570)}
+    want_edited[(5, 4)] = (10, 0, 10)
+    assert set(want_edited) == set(exercises.RING_CASES)
+    for edits, want in (((), {c: (0, 0, 0) for c in want_edited}), (ex.solution, want_edited)):
+        mod = exercises.load_stage_file(15, None, edits, path=ex.path)
+        for (seqlen, world), counts in want.items():
+            got = exercises.schedule_coverage(mod, seqlen, world, True, True)
+            assert got == counts, (bool(edits), seqlen, world, got)
+            assert exercises.schedule_coverage(mod, seqlen, world, True, False) == (0, 0, 0)
+        err_o, err_lse = exercises.ring_error(mod, *exercises.RING_RUN)
+        if edits:
+            assert err_o > 0.5 and err_lse > 0.5, (err_o, err_lse)
+        else:
+            assert err_o < 1e-5 and err_lse < 1e-5, (err_o, err_lse)
+    other = (("[piece[r], piece[count - 1 - r]] if zigzag", "[piece[r], piece[r]] if zigzag"),)
+    r = exercises.check("15a", edits=other, show=False)
+    assert not r.done and "neither" in r.message, r

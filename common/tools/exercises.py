@@ -53,10 +53,13 @@ class Exercise:
     # gpu_check(module) -> str: what the edited kernel does on a GPU of its track (its output
     # against the fp64 reference); run only where such a GPU exists, appended to the Result.
     gpu_check: Callable | None = None
+    # The file the learner edits, relative to the repository root, where it is not the track's
+    # kernel file: stage 15's ring.py, the same on both tracks (track None).
+    file: str = ""
 
     @property
     def path(self):
-        return stage_path(self.stage, self.track)
+        return os.path.join(ROOT, self.file) if self.file else stage_path(self.stage, self.track)
 
 
 def stage_path(stage, track):
@@ -1317,6 +1320,166 @@ _ALL.append(
     )
 )
 
+# ---------------------------------------------------------------- stage 15
+
+# (S, N) on which 15a runs the ring's causal schedule on zig-zag chunks: pieces of 2 tokens over
+# 2 ranks, notebook 15's 32 tokens over 4 ranks, uneven pieces (37 tokens over 3 ranks: pieces
+# of 7 and 6), and S < 2N (5 tokens over 4 ranks: empty pieces). RING_RUN: the ring itself.
+RING_CASES = ((8, 2), (32, 4), (37, 3), (5, 4))
+RING_RUN = (37, 3)
+
+
+def schedule_coverage(module, seqlen, world, causal, zigzag):
+    """How the ring schedule of `module` (ring.py, or an edited copy: its Chunks and step_work)
+    covers the (query, key) pairs of a sequence of `seqlen` tokens over `world` ranks: (pairs
+    the mask allows that no step computes, pairs computed at more than one step, pairs the mask
+    forbids that some step computes). Rank r at step t holds the K/V chunk of rank (r - t) mod
+    N; a causal block is square and computes its lower triangle."""
+    import torch
+
+    chunks = module.Chunks(seqlen, world, zigzag)
+    seen = torch.zeros(seqlen, seqlen, dtype=torch.int64)  # (query position, key position)
+    for rank in range(world):
+        qpos = chunks.positions(rank)
+        for step in range(world):
+            src = (rank - step) % world
+            work = module.step_work(chunks, rank, src, causal)
+            if work is None:
+                continue
+            q_rows, kv_rows, step_causal = work
+            qi, ki = qpos[q_rows], chunks.positions(src)[kv_rows]
+            block = torch.ones(len(qi), len(ki), dtype=torch.int64)  # (rows, keys) of the call
+            if step_causal:
+                block = torch.tril(block)
+            rows, cols = qi[:, None].expand_as(block), ki[None, :].expand_as(block)
+            seen.index_put_((rows, cols), block, accumulate=True)
+    allowed = torch.ones(seqlen, seqlen, dtype=torch.bool)
+    if causal:
+        allowed = torch.tril(allowed)
+    missed = int(((seen == 0) & allowed).sum())
+    repeated = int((seen > 1).sum())
+    forbidden = int(((seen > 0) & ~allowed).sum())
+    return missed, repeated, forbidden
+
+
+def ring_error(module, seqlen, world, causal=True, zigzag=True, seed=15):
+    """attention_cp of `module` on `world` thread ranks (its FakeRing), each rank's chunk cut by
+    its chunk_of, an fp64 attention in place of the kernel, against one fp64 attention over the
+    whole sequence: (max |O - O_ref|, max |LSE - LSE_ref|), the ranks' outputs put back in
+    sequence order by the module's Chunks. (1, 2, S, 8) queries, keys and values."""
+    import torch
+
+    from common.tools.reference import attention_gqa_ref
+
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 2, seqlen, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    o_ref, lse_ref = attention_gqa_ref(q, k, v, causal)
+    ring = module.FakeRing(world, timeout=60)
+    results = ring.run(
+        lambda r: module.attention_cp(
+            *(module.chunk_of(t, r.rank, world, zigzag) for t in (q, k, v)),
+            group=r,
+            causal=causal,
+            zigzag=zigzag,
+            attention=attention_gqa_ref,
+            return_lse=True,
+            seqlen=seqlen,
+        )
+    )
+    chunks = module.Chunks(seqlen, world, zigzag)
+    o, lse = torch.zeros_like(o_ref), torch.full_like(lse_ref, float("nan"))
+    for r, (o_r, lse_r) in enumerate(results):
+        pos = chunks.positions(r)
+        o[:, :, pos], lse[:, :, pos] = o_r.double(), lse_r.double()
+    err_o = (o - o_ref).abs().max()
+    err_lse = (lse - lse_ref).abs().nan_to_num(nan=float("inf")).max()  # a token no rank returns
+    return float(err_o), float(err_lse)
+
+
+def _check_15a(mod):
+    # The edited ring.py's zig-zag cut against torch.tensor_split's pieces in both orders, its
+    # causal schedule's coverage on RING_CASES, and its ring on RING_RUN against one attention.
+    import torch
+
+    kept = swapped = True
+    seen, missed, repeated, forbidden = [], 0, 0, 0
+    for seqlen, world in RING_CASES:
+        count = 2 * world
+        piece = [(int(p[0]), int(p[-1]) + 1) if len(p) else None for p in
+                 torch.arange(seqlen).tensor_split(count)]  # fmt: skip
+        got = [[(a, b) if b > a else None for a, b in pieces] for pieces in
+               mod.Chunks(seqlen, world, True).pieces]  # fmt: skip
+        kept &= got == [[piece[r], piece[count - 1 - r]] for r in range(world)]
+        swapped &= got == [[piece[count - 1 - r], piece[r]] for r in range(world)]
+        m, t, f = schedule_coverage(mod, seqlen, world, True, True)
+        missed, repeated, forbidden = missed + m, repeated + t, forbidden + f
+        seen.append(f"S = {seqlen} over {world}: {m} missed, {t} twice, {f} masked yet computed")
+    err_o, err_lse = ring_error(mod, *RING_RUN)
+    report = (
+        "pairs of the causal schedule on zig-zag chunks: " + "; ".join(seen) + f". The ring of "
+        f"{RING_RUN[1]} ranks over {RING_RUN[0]} tokens against one attention: max |O - O_ref| = "
+        f"{err_o:.1e}, max |LSE - LSE_ref| = {err_lse:.1e}"
+    )
+    wrong = missed + repeated + forbidden > 0 or err_o > 1e-5 or err_lse > 1e-5
+    if kept:
+        return Result(
+            False,
+            "rank r holds pieces r and 2N - 1 - r, in that order; "
+            + report
+            + (
+                ": the edit changed something other than the cut"
+                if wrong
+                else " (the exercise wants the two pieces of each chunk swapped)"
+            ),
+        )
+    if not swapped:
+        return Result(
+            False,
+            "the zig-zag pieces are neither in ring.py's order nor swapped (the exercise swaps "
+            "the two pieces of each rank's chunk, nothing else); " + report,
+        )
+    if not wrong:
+        return Result(
+            True,
+            "rank r holds pieces 2N - 1 - r, then r; " + report + ": the schedule follows the "
+            "new order, so ring_step was changed to match it",
+        )
+    return Result(
+        True,
+        "rank r holds pieces 2N - 1 - r, then r; " + report + ": ring_step still reads a "
+        "chunk's first piece as the earlier one",
+    )
+
+
+_ALL.append(
+    Exercise(
+        id="15a",
+        stage=15,
+        track=None,
+        file="stages/stage15_context_parallel/ring.py",
+        task=(
+            "Swap the zig-zag pieces. In `Chunks.__init__` of "
+            "`stages/stage15_context_parallel/ring.py` give rank r its two pieces in the other "
+            "order, `[piece[count - 1 - r], piece[r]]`: every rank still holds the same tokens, "
+            "only their order in its chunk changes, and `ring_step` is left as it is. Before you "
+            "run the check: with 8 tokens over 2 ranks (pieces of 2 tokens), rank 0's chunk is "
+            "then tokens 6, 7, 0, 1. Which (query, key) pairs does its step 0 - its own chunk, "
+            "causal over the chunk as one block - compute, which does it miss, and which does "
+            "it compute that the mask forbids? The check runs the edited file's own `Chunks` and "
+            "`step_work` on integers and its `attention_cp` on threads (`FakeRing`) with an "
+            "fp64 attention in place of the kernel, against one attention over the sequence."
+        ),
+        solution=(
+            (
+                "[piece[r], piece[count - 1 - r]] if zigzag else [piece[r]]",
+                "[piece[count - 1 - r], piece[r]] if zigzag else [piece[r]]",
+            ),
+        ),
+        check=_check_15a,
+        hint="a causal block of Sq = Sk keys is the lower triangle of the chunk's own order",
+    )
+)
+
 EXERCISES = {e.id: e for e in _ALL}
 
 
@@ -1336,7 +1499,7 @@ def check(id, edits=(), show=True, gpu=True):
     the Result says what its output did against the fp64 reference."""
     ex = exercise(id)
     try:
-        mod = load_stage_file(ex.stage, ex.track, edits)
+        mod = load_stage_file(ex.stage, ex.track, edits, path=ex.path)
         result = ex.check(mod)
     except Exception as e:  # the learner's edit broke the file: say so, in one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
