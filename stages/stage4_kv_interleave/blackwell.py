@@ -103,6 +103,11 @@ from common.tmem import fence_after_thread_sync, fence_before_thread_sync
 
 
 class Sm100Kernel:
+    """The device code takes stage 8's names (FA4's flash_fwd_sm100.py) where it is stage 8's
+    code: `kernel` sets up what the warp roles share and branches by warp, the TMA warp calling
+    `load`; the MMA warp's and the softmax warps' code is inline in `kernel` (stage 8's `mma`,
+    `softmax`, `correction` and `epilogue`). The methods after `load` are helpers."""
+
     def __init__(self, dtype, head_dim):
         self.dtype = dtype  # element type of Q, K, V and O: cutlass.BFloat16 or cutlass.Float16
         self.acc_dtype = Float32
@@ -386,12 +391,7 @@ class Sm100Kernel:
         )
         pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
 
-        # (MMA, MMA_M, MMA_K, q_buffers)
-        sQ = storage.sQ.get_tensor(q_smem_s.outer, swizzle=q_smem_s.inner)
-        # (MMA, MMA_N, MMA_K, kv_slots)
-        sK = storage.sK.get_tensor(k_smem_s.outer, swizzle=k_smem_s.inner)
-        # (MMA, MMA_N=D, MMA_K, kv_slots): the same slots viewed as V tiles (V's own swizzle)
-        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, v_smem_s.inner), v_smem_s.outer)
+        sQ, sK, sV = self.smem_tensors(storage, q_smem_s, k_smem_s, v_smem_s)
 
         # This CTA's (b, h): Q (Sq, D), K (Sk, D), V (D, Sk) and O (Sq, D).
         mQ, mK, mV, mO = (
@@ -448,27 +448,14 @@ class Sm100Kernel:
 
         # 2. Main loop by warp role
         if warp_idx == self.tma_warp_id:
-            # TMA warp: Q once, then pass 1 streams every K tile and pass 2 every K and V tile,
-            # each tile its own ring entry.
-            q_empty = q_prod.acquire_and_advance()
-            cute.copy(tma_q, tQgQ, tQsQ[(None, q_empty.index)], tma_bar_ptr=q_empty.barrier)
-            kv_loads = {"K": (tma_k, tKgK, tKsK), "V": (tma_v, tVgV, tVsV)}
-            for sweep in cutlass.range_constexpr(len(self.kv_producer_entries)):
-                for kv_tile in cutlass.range(kv_tiles, unroll=1):
-                    for name in self.kv_producer_entries[sweep]:
-                        tma, src, dst = kv_loads[name]
-                        # The next slot, once the MMAs that read its previous tile have completed;
-                        # its full barrier expects exactly this tile's bytes.
-                        kv_empty = kv_prod.acquire_and_advance(expected_tx=self.kv_tma_bytes[name])
-                        cute.copy(
-                            tma,
-                            src[(None, kv_tile)],
-                            dst[(None, kv_empty.index)],
-                            tma_bar_ptr=kv_empty.barrier,
-                        )
-            # Every buffer released by the MMA warp before this warp exits.
-            kv_prod.tail()
-            q_prod.tail()
+            self.load(
+                (tma_q, tQgQ, tQsQ),
+                (tma_k, tKgK, tKsK),
+                (tma_v, tVgV, tVsV),
+                q_prod,
+                kv_prod,
+                kv_tiles,
+            )
 
         if warp_idx == self.mma_warp_id:
             # MMA warp, one thread issues: pass 1 S_j = Q @ K_j^T for every K tile; pass 2 S_j
@@ -492,20 +479,7 @@ class Sm100Kernel:
                 kv_full = kv_cons.wait_and_advance()  # ring entry: K_j
                 # The softmax warps have read the previous S: it may be overwritten.
                 s_empty = mma_si_prod.acquire_and_advance()
-                # S read by the softmax warps: fence after the wait (common/tmem.py, (a))
-                fence_after_thread_sync()
-                # The first MMA of each K tile overwrites S, the others accumulate over D.
-                qk_mma.set(tcgen05.Field.ACCUMULATE, False)
-                for kb in cutlass.range_constexpr(cute.size(tCrQ, mode=[2])):
-                    # S += Q[:, 16 kb : 16 kb + 16] @ K_j[:, 16 kb : 16 kb + 16]^T  (128 x 128 x 16)
-                    cute.gemm(
-                        qk_mma,
-                        tStS,
-                        tCrQ[(None, None, kb, q_full.index)],
-                        tCrK[(None, None, kb, kv_full.index)],
-                        tStS,
-                    )
-                    qk_mma.set(tcgen05.Field.ACCUMULATE, True)
+                qk_mma = self.issue_qk(qk_mma, tStS, tCrQ, q_full.index, tCrK, kv_full.index)
                 # tcgen05.commit: S is full once these MMAs have completed ...
                 s_empty.commit()
                 # ... and the K slot is empty once they have read it.
@@ -520,20 +494,7 @@ class Sm100Kernel:
                 # tile j-1 have completed (PTX keeps two tcgen05.mma in issue order only when
                 # they share accumulator and shape; QK writes S, PV writes O).
                 p_free.acquire_and_advance()
-                # S read, P's columns free: fence after the waits (common/tmem.py, (a), (d))
-                fence_after_thread_sync()
-                # The first MMA of each K tile overwrites S, the others accumulate over D.
-                qk_mma.set(tcgen05.Field.ACCUMULATE, False)
-                for kb in cutlass.range_constexpr(cute.size(tCrQ, mode=[2])):
-                    # S += Q[:, 16 kb : 16 kb + 16] @ K_j[:, 16 kb : 16 kb + 16]^T  (128 x 128 x 16)
-                    cute.gemm(
-                        qk_mma,
-                        tStS,
-                        tCrQ[(None, None, kb, q_full.index)],
-                        tCrK[(None, None, kb, kv_full.index)],
-                        tStS,
-                    )
-                    qk_mma.set(tcgen05.Field.ACCUMULATE, True)
+                qk_mma = self.issue_qk(qk_mma, tStS, tCrQ, q_full.index, tCrK, kv_full.index)
                 # tcgen05.commit: S is full once these MMAs have completed ...
                 s_empty.commit()
                 # ... and the K slot is empty once they have read it.
@@ -541,20 +502,9 @@ class Sm100Kernel:
                 # the softmax warps have written P_j
                 p_full = p_mma_cons.wait_and_advance()
                 v_full = kv_cons.wait_and_advance()  # ring entry: V_j
-                # P written by the softmax warps: fence after the waits (common/tmem.py, (b))
-                fence_after_thread_sync()
                 # O starts afresh with the first KV tile, then accumulates over the KV tiles.
-                pv_mma.set(tcgen05.Field.ACCUMULATE, kv_tile != 0)
-                for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-                    # O += P_j[:, 16 kb : 16 kb + 16] @ V_j[16 kb : 16 kb + 16, :]  (128 x D x 16)
-                    cute.gemm(
-                        pv_mma,
-                        tOtO,
-                        tOrP[(None, None, kb)],
-                        tCrV[(None, None, kb, v_full.index)],
-                        tOtO,
-                    )
-                    pv_mma.set(tcgen05.Field.ACCUMULATE, True)
+                accumulate = kv_tile != 0
+                pv_mma = self.issue_pv(pv_mma, tOtO, tOrP, tCrV, v_full.index, accumulate)
                 # P's columns and the V slot are free once these MMAs have completed.
                 p_full.release()
                 v_full.release()
@@ -706,6 +656,74 @@ class Sm100Kernel:
             fence_before_thread_sync()
             epilog_sync_bar.arrive_and_wait()
             tmem.free(tmem_ptr)
+
+    @cute.jit
+    def load(self, q_load, k_load, v_load, q_prod, kv_prod, kv_tiles):
+        """The TMA warp: Q once, then pass 1 streams every K tile and pass 2 every K and V tile,
+        each tile its own ring entry. x_load = (TMA atom, the tiles in global memory, the
+        buffers in shared memory)."""
+        tma_q, tQgQ, tQsQ = q_load
+        q_empty = q_prod.acquire_and_advance()
+        cute.copy(tma_q, tQgQ, tQsQ[(None, q_empty.index)], tma_bar_ptr=q_empty.barrier)
+        kv_loads = {"K": k_load, "V": v_load}
+        for sweep in cutlass.range_constexpr(len(self.kv_producer_entries)):
+            for kv_tile in cutlass.range(kv_tiles, unroll=1):
+                for name in self.kv_producer_entries[sweep]:
+                    tma, src, dst = kv_loads[name]
+                    # The next slot, once the MMAs that read its previous tile have completed;
+                    # its full barrier expects exactly this tile's bytes.
+                    kv_empty = kv_prod.acquire_and_advance(expected_tx=self.kv_tma_bytes[name])
+                    cute.copy(
+                        tma,
+                        src[(None, kv_tile)],
+                        dst[(None, kv_empty.index)],
+                        tma_bar_ptr=kv_empty.barrier,
+                    )
+        # Every buffer released by the MMA warp before this warp exits.
+        kv_prod.tail()
+        q_prod.tail()
+
+    @cute.jit
+    def smem_tensors(self, storage, q_smem_s, k_smem_s, v_smem_s):
+        """The CTA's buffers in shared memory: Q, the K/V ring (as K and as V)."""
+        # (MMA, MMA_M, MMA_K, q_buffers)
+        sQ = storage.sQ.get_tensor(q_smem_s.outer, swizzle=q_smem_s.inner)
+        # (MMA, MMA_N, MMA_K, kv_slots)
+        sK = storage.sK.get_tensor(k_smem_s.outer, swizzle=k_smem_s.inner)
+        # (MMA, MMA_N=D, MMA_K, kv_slots): the same slots viewed as V tiles (V's own swizzle)
+        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, v_smem_s.inner), v_smem_s.outer)
+        return sQ, sK, sV
+
+    @cute.jit
+    def issue_qk(self, qk_mma, tStS, tCrQ, q_slot, tCrK, k_slot):
+        """S = Q @ K_j^T into TMEM: bK / 16 tcgen05.mma of 128 x 128 x 16, the first overwriting S."""
+        # The caller has waited for S's columns (the softmax warps have read S; where P lies over
+        # S, the PV MMAs have read P): order these MMAs after the waits (common/tmem.py, (a), (d))
+        fence_after_thread_sync()
+        qk_mma.set(tcgen05.Field.ACCUMULATE, False)
+        for kb in cutlass.range_constexpr(cute.size(tCrQ, mode=[2])):
+            # S += Q[:, 16 kb : 16 kb + 16] @ K_j[:, 16 kb : 16 kb + 16]^T  (128 x 128 x 16)
+            cute.gemm(
+                qk_mma, tStS, tCrQ[(None, None, kb, q_slot)], tCrK[(None, None, kb, k_slot)], tStS
+            )
+            qk_mma.set(tcgen05.Field.ACCUMULATE, True)
+        # Returned for the caller to rebind: the DSL carries the MMA's ACCUMULATE field through
+        # the loop only for a name the loop assigns.
+        return qk_mma
+
+    @cute.jit
+    def issue_pv(self, pv_mma, tOtO, tOrP, tCrV, v_slot, accumulate):
+        """O += P_j @ V_j in TMEM (O = P_j @ V_j when not accumulate): bN / 16 tcgen05.mma of
+        128 x D x 16, A = P from TMEM."""
+        # The caller has waited for P (written by the softmax warps): order these MMAs after the
+        # waits (common/tmem.py, (b))
+        fence_after_thread_sync()
+        pv_mma.set(tcgen05.Field.ACCUMULATE, accumulate)
+        for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+            # O += P_j[:, 16 kb : 16 kb + 16] @ V_j[16 kb : 16 kb + 16, :]  (128 x D x 16)
+            cute.gemm(pv_mma, tOtO, tOrP[(None, None, kb)], tCrV[(None, None, kb, v_slot)], tOtO)
+            pv_mma.set(tcgen05.Field.ACCUMULATE, True)
+        return pv_mma
 
     @cute.jit
     def store_row(self, tTR_rX, tTR_gX, tTR_cX, shape):

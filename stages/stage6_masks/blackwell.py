@@ -78,6 +78,11 @@ from common.tmem import fence_after_thread_sync, fence_before_thread_sync
 
 
 class Sm100Kernel:
+    """The device code takes stage 8's names (FA4's flash_fwd_sm100.py) where it is stage 8's
+    code: `kernel` sets up what the warp roles share and branches by warp, the TMA warp calling
+    `load`; the MMA warp's and the softmax warps' code is inline in `kernel` (stage 8's `mma`,
+    `softmax`, `correction` and `epilogue`). The methods after `load` are helpers."""
+
     def __init__(self, dtype, head_dim):
         self.dtype = dtype  # element type of Q, K, V and O: cutlass.BFloat16 or cutlass.Float16
         self.acc_dtype = Float32
@@ -94,9 +99,9 @@ class Sm100Kernel:
         self.threads_per_cta = 32 * len(
             (*self.softmax_warp_ids, self.mma_warp_id, self.tma_warp_id)
         )
-        # Named barriers (0 is __syncthreads): the softmax warps among themselves, and the TMEM
-        # allocation handshake between the softmax warps and the MMA warp.
-        self.epilog_sync_bar_id = 1
+        # Named barriers (0 is __syncthreads): the one before TMEM is freed (the softmax warps
+        # among themselves), and the TMEM allocation handshake (MMA and softmax warps).
+        self.tmem_free_bar_id = 1
         self.tmem_alloc_bar_id = 2
         # Pipeline depths: Q loaded once; a ring of 2 K/V slots; one S tile in TMEM.
         self.q_buffers = 1
@@ -224,9 +229,9 @@ class Sm100Kernel:
         class SharedStorage:
             q_bar: cute.struct.MemRange[Int64, self.q_buffers * 2]
             kv_bar: cute.struct.MemRange[Int64, self.kv_slots * 2]
-            mma_si_bar: cute.struct.MemRange[Int64, self.s_buffers * 2]
-            p_mma_bar: cute.struct.MemRange[Int64, 2]
-            mma_o_bar: cute.struct.MemRange[Int64, 2]
+            s_bar: cute.struct.MemRange[Int64, self.s_buffers * 2]
+            p_bar: cute.struct.MemRange[Int64, 2]
+            o_bar: cute.struct.MemRange[Int64, 2]
             tmem_holding: Int32
             sQ: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(q_smem_s)], self.smem_align
@@ -291,8 +296,6 @@ class Sm100Kernel:
         tidx, _, _ = cute.arch.thread_idx()
         # blockIdx = (Q tile, head, batch)
         bidx, head, batch = cute.arch.block_idx()
-        tile_coord = (bidx, None, 0)  # (Q tile, every K tile, the one D tile)
-        pv_tile_coord = (bidx, 0, None)  # (Q tile, the one D tile, every KV tile)
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         # The KV tiles holding a key that some row of this Q tile sees: [kv_tile_lo, kv_tile_hi),
         # computed once, before the warps split: the one range the TMA warp loads, the MMA warp
@@ -308,70 +311,19 @@ class Sm100Kernel:
             cpasync.prefetch_descriptor(tma_v)
 
         storage = SmemAllocator().allocate(self.shared_storage)
-        # Q buffer and K/V ring: the TMA warp fills (full = the tile's bytes landed), the MMA
-        # warp's tcgen05.commit empties (one arrive). Each has its own barriers and byte count;
-        # a ring entry holds one K or one V tile and arms kv_tma_bytes of it (below).
-        q_prod, q_cons = pipeline.PipelineTmaUmma.create(
-            barrier_storage=storage.q_bar.data_ptr(),
-            num_stages=self.q_buffers,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            tx_count=self.q_tma_bytes,
-            cta_layout_vmnk=cluster_layout_vmnk,
-            defer_sync=True,
-        ).make_participants()
-        kv_prod, kv_cons = pipeline.PipelineTmaUmma.create(
-            barrier_storage=storage.kv_bar.data_ptr(),
-            num_stages=self.kv_slots,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            tx_count=self.kv_tma_bytes["K"],
-            cta_layout_vmnk=cluster_layout_vmnk,
-            defer_sync=True,
-        ).make_participants()
-        # S hand-off, MMA -> softmax warps: tcgen05.commit marks S complete (full); the 128
-        # softmax threads each arrive once they have read it (empty).
-        mma_si_prod, mma_si_cons = pipeline.PipelineUmmaAsync.create(
-            barrier_storage=storage.mma_si_bar.data_ptr(),
-            num_stages=self.s_buffers,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, 32 * len(self.softmax_warp_ids)
-            ),
-            cta_layout_vmnk=cluster_layout_vmnk,
-            defer_sync=True,
-        ).make_participants()
-        # P hand-off, softmax warps -> MMA: the 128 threads arrive once P is in TMEM (full);
-        # tcgen05.commit after the PV MMAs marks P's columns free again (empty).
-        p_mma_pipeline = pipeline.PipelineAsyncUmma.create(
-            barrier_storage=storage.p_mma_bar.data_ptr(),
-            num_stages=1,
-            producer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, 32 * len(self.softmax_warp_ids)
-            ),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            cta_layout_vmnk=cluster_layout_vmnk,
-            defer_sync=True,
-        )
-        p_mma_prod, p_mma_cons = p_mma_pipeline.make_participants()
-        # O hand-off, MMA -> epilogue: tcgen05.commit after the last PV MMA (full).
-        mma_o_prod, mma_o_cons = pipeline.PipelineUmmaAsync.create(
-            barrier_storage=storage.mma_o_bar.data_ptr(),
-            num_stages=1,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, 32 * len(self.softmax_warp_ids)
-            ),
-            cta_layout_vmnk=cluster_layout_vmnk,
-            defer_sync=True,
-        ).make_participants()
-        epilog_sync_bar = pipeline.NamedBarrier(
-            barrier_id=self.epilog_sync_bar_id, num_threads=32 * len(self.softmax_warp_ids)
-        )
-        tmem_alloc_bar = pipeline.NamedBarrier(
-            barrier_id=self.tmem_alloc_bar_id,
-            num_threads=32 * len((self.mma_warp_id, *self.softmax_warp_ids)),
-        )
+        (
+            (q_prod, q_cons),
+            kv_ring,
+            (s_pipe, p_pipe, o_pipe),
+            (tmem_alloc_bar, tmem_free_bar),
+        ) = self.make_pipelines(storage, cluster_layout_vmnk)
+        # Unpacked on a line of its own: the DSL carries a pipeline's state through a loop (the
+        # MMA warp's, below) only for a name it sees assigned, and not for one in a nested tuple.
+        kv_prod, kv_cons = kv_ring
+        mma_si_prod, mma_si_cons = s_pipe.make_participants()
+        p_mma_prod, p_mma_cons = p_pipe.make_participants()
+        mma_o_prod, mma_o_cons = o_pipe.make_participants()
+        # Softmax warp 0 allocates and frees TMEM: the softmax warps are the last to read it.
         tmem = TmemAllocator(
             storage.tmem_holding.ptr,
             barrier_for_retrieve=tmem_alloc_bar,
@@ -379,32 +331,13 @@ class Sm100Kernel:
         )
         pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
 
-        # (MMA, MMA_M, MMA_K, q_buffers)
-        sQ = storage.sQ.get_tensor(q_smem_s.outer, swizzle=q_smem_s.inner)
-        # (MMA, MMA_N, MMA_K, kv_slots)
-        sK = storage.sK.get_tensor(k_smem_s.outer, swizzle=k_smem_s.inner)
-        # (MMA, MMA_N=D, MMA_K, kv_slots): the same slots viewed as V tiles (V's own swizzle)
-        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, v_smem_s.inner), v_smem_s.outer)
+        sQ, sK, sV = self.smem_tensors(storage, q_smem_s, k_smem_s, v_smem_s)
 
-        # This CTA's (b, h): Q (Sq, D), K (Sk, D), V (D, Sk), O (Sq, D) and LSE (Sq).
-        mQ, mK, mV, mO = (
-            mQ[(None, None, (head, batch))],
-            mK[(None, None, (head, batch))],
-            mV[(None, None, (head, batch))],
-            mO[(None, None, (head, batch))],
-        )
-        mLSE = mLSE[(None, (head, batch))]
-        # (bM, D)
-        gQ = cute.local_tile(mQ, self.qk_mma_tiler, tile_coord, proj=(1, None, 1))
-        # (bN, D, kv_tiles)
-        gK = cute.local_tile(mK, self.qk_mma_tiler, tile_coord, proj=(None, 1, 1))
-        # (D, bN, kv_tiles)
-        gV = cute.local_tile(mV, self.pv_mma_tiler, pv_tile_coord, proj=(None, 1, 1))
+        mO, mLSE, gQ, gK, gV, gO, cO = self.gmem_tiles(mQ, mK, mV, mO, mLSE, head, batch)
+        # (bM, D): the CTA's Q tile
+        gQ = gQ[(None, None, bidx)]
         # (bM, D): O's tile, and the (query, d) coordinates of its elements in O
-        gO = cute.local_tile(mO, self.pv_mma_tiler, pv_tile_coord, proj=(1, 1, None))
-        cO = cute.local_tile(
-            cute.make_identity_tensor(mO.shape), self.pv_mma_tiler, pv_tile_coord, proj=(1, 1, None)
-        )
+        gO, cO = (t[(None, None, bidx)] for t in (gO, cO))
 
         qk_thr = qk_mma.get_slice(0)
         pv_thr = pv_mma.get_slice(0)
@@ -441,26 +374,15 @@ class Sm100Kernel:
 
         # 2. Main loop by warp role
         if warp_idx == self.tma_warp_id:
-            # TMA warp: Q once, then every K and V tile, each tile its own ring entry.
-            q_empty = q_prod.acquire_and_advance()
-            cute.copy(tma_q, tQgQ, tQsQ[(None, q_empty.index)], tma_bar_ptr=q_empty.barrier)
-            kv_loads = {"K": (tma_k, tKgK, tKsK), "V": (tma_v, tVgV, tVsV)}
-            for sweep in cutlass.range_constexpr(len(self.kv_producer_entries)):
-                for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
-                    for name in self.kv_producer_entries[sweep]:
-                        tma, src, dst = kv_loads[name]
-                        # The next slot, once the MMAs that read its previous tile have completed;
-                        # its full barrier expects exactly this tile's bytes.
-                        kv_empty = kv_prod.acquire_and_advance(expected_tx=self.kv_tma_bytes[name])
-                        cute.copy(
-                            tma,
-                            src[(None, kv_tile)],
-                            dst[(None, kv_empty.index)],
-                            tma_bar_ptr=kv_empty.barrier,
-                        )
-            # Every buffer released by the MMA warp before this warp exits.
-            kv_prod.tail()
-            q_prod.tail()
+            self.load(
+                (tma_q, tQgQ, tQsQ),
+                (tma_k, tKgK, tKsK),
+                (tma_v, tVgV, tVsV),
+                q_prod,
+                kv_prod,
+                kv_tile_lo,
+                kv_tile_hi,
+            )
 
         if warp_idx == self.mma_warp_id:
             # MMA warp, one thread issues: S_j = Q @ K_j^T, then O += P_j @ V_j, per KV tile.
@@ -476,7 +398,7 @@ class Sm100Kernel:
                 cute.recast_ptr(tmem_ptr + self.tmem_p_offset, dtype=self.dtype), tOrP.layout
             )
             # Waits, like the softmax warps, until the PV MMAs of the previous tile have read P
-            p_free = p_mma_pipeline.make_producer()
+            p_free = p_pipe.make_producer()
             q_full = q_cons.wait_and_advance()
             o_empty = mma_o_prod.acquire_and_advance()
             for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
@@ -487,20 +409,7 @@ class Sm100Kernel:
                 # tile j-1 have completed (PTX keeps two tcgen05.mma in issue order only when
                 # they share accumulator and shape; QK writes S, PV writes O).
                 p_free.acquire_and_advance()
-                # S read, P's columns free: fence after the waits (common/tmem.py, (a), (d))
-                fence_after_thread_sync()
-                # The first MMA of each K tile overwrites S, the others accumulate over D.
-                qk_mma.set(tcgen05.Field.ACCUMULATE, False)
-                for kb in cutlass.range_constexpr(cute.size(tCrQ, mode=[2])):
-                    # S += Q[:, 16 kb : 16 kb + 16] @ K_j[:, 16 kb : 16 kb + 16]^T  (128 x 128 x 16)
-                    cute.gemm(
-                        qk_mma,
-                        tStS,
-                        tCrQ[(None, None, kb, q_full.index)],
-                        tCrK[(None, None, kb, kv_full.index)],
-                        tStS,
-                    )
-                    qk_mma.set(tcgen05.Field.ACCUMULATE, True)
+                qk_mma = self.issue_qk(qk_mma, tStS, tCrQ, q_full.index, tCrK, kv_full.index)
                 # tcgen05.commit: S is full once these MMAs have completed ...
                 s_empty.commit()
                 # ... and the K slot is empty once they have read it.
@@ -508,20 +417,9 @@ class Sm100Kernel:
                 # the softmax warps have written P_j and rescaled O
                 p_full = p_mma_cons.wait_and_advance()
                 v_full = kv_cons.wait_and_advance()  # ring entry: V_j
-                # P written, O rescaled: fence after the waits (common/tmem.py, (b), (c))
-                fence_after_thread_sync()
                 # O starts afresh with the first KV tile of the range, then accumulates.
-                pv_mma.set(tcgen05.Field.ACCUMULATE, kv_tile != kv_tile_lo)
-                for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-                    # O += P_j[:, 16 kb : 16 kb + 16] @ V_j[16 kb : 16 kb + 16, :]  (128 x D x 16)
-                    cute.gemm(
-                        pv_mma,
-                        tOtO,
-                        tOrP[(None, None, kb)],
-                        tCrV[(None, None, kb, v_full.index)],
-                        tOtO,
-                    )
-                    pv_mma.set(tcgen05.Field.ACCUMULATE, True)
+                accumulate = kv_tile != kv_tile_lo
+                pv_mma = self.issue_pv(pv_mma, tOtO, tOrP, tCrV, v_full.index, accumulate)
                 # P's columns and the V slot are free once these MMAs have completed.
                 p_full.release()
                 v_full.release()
@@ -641,12 +539,7 @@ class Sm100Kernel:
                 # P's columns free (tcgen05.commit): fence after the wait (common/tmem.py, (d))
                 fence_after_thread_sync()
                 if kv_tile > kv_tile_lo:
-                    # O *= row_scale, in TMEM: tcgen05.ld, multiply, tcgen05.st, 32 columns at a time
-                    for i in cutlass.range_constexpr(cute.size(tTR_tO, mode=[2])):
-                        cute.copy(tmem_load, tTR_tO[(None, None, i)], tTR_rAcc)
-                        cute.arch.fence_view_async_tmem_load()
-                        tTR_rAcc.store(row_scale * tTR_rAcc.load())
-                        cute.copy(tmem_store_o, tTR_rAcc, tRT_tO[(None, None, i)])
+                    self.rescale_o(tmem_load, tmem_store_o, tTR_tO, tRT_tO, tTR_rAcc, row_scale)
                 cute.copy(tmem_store, tRT_rP, tRT_tP)
                 # tcgen05.st is asynchronous: tcgen05.wait::st (P and O) before the MMA warp is told.
                 cute.arch.fence_view_async_tmem_store()
@@ -688,8 +581,182 @@ class Sm100Kernel:
             # then they meet.
             tmem.relinquish_alloc_permit()
             fence_before_thread_sync()
-            epilog_sync_bar.arrive_and_wait()
+            tmem_free_bar.arrive_and_wait()
             tmem.free(tmem_ptr)
+
+    @cute.jit
+    def load(self, q_load, k_load, v_load, q_prod, kv_prod, kv_tile_lo, kv_tile_hi):
+        """The TMA warp: Q once, then every K and V tile, each tile its own ring entry.
+        x_load = (TMA atom, the tiles in global memory, the buffers in shared memory)."""
+        tma_q, tQgQ, tQsQ = q_load
+        q_empty = q_prod.acquire_and_advance()
+        cute.copy(tma_q, tQgQ, tQsQ[(None, q_empty.index)], tma_bar_ptr=q_empty.barrier)
+        kv_loads = {"K": k_load, "V": v_load}
+        for sweep in cutlass.range_constexpr(len(self.kv_producer_entries)):
+            for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
+                for name in self.kv_producer_entries[sweep]:
+                    tma, src, dst = kv_loads[name]
+                    # The next slot, once the MMAs that read its previous tile have completed;
+                    # its full barrier expects exactly this tile's bytes.
+                    kv_empty = kv_prod.acquire_and_advance(expected_tx=self.kv_tma_bytes[name])
+                    cute.copy(
+                        tma,
+                        src[(None, kv_tile)],
+                        dst[(None, kv_empty.index)],
+                        tma_bar_ptr=kv_empty.barrier,
+                    )
+        # Every buffer released by the MMA warp before this warp exits.
+        kv_prod.tail()
+        q_prod.tail()
+
+    @cute.jit
+    def make_pipelines(self, storage, cluster_layout_vmnk):
+        """The CTA's hand-offs: the mbarrier pipelines over the barriers in `storage` (initialised
+        here; pipeline_init_arrive and pipeline_init_wait follow in the kernel) and the named
+        barriers."""
+        softmax_threads = 32 * len(self.softmax_warp_ids)  # 128: one per row of the Q tile
+        # Q buffer and K/V ring: the TMA warp fills (full = the tile's bytes
+        # landed), the MMA warp's tcgen05.commit empties (one arrive). Each has barriers and a
+        # byte count of its own: a ring entry holds one K or one V tile and arms its bytes.
+        q_prod, q_cons = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.q_bar.data_ptr(),
+            num_stages=self.q_buffers,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            tx_count=self.q_tma_bytes,
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        ).make_participants()
+        kv_prod, kv_cons = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.kv_bar.data_ptr(),
+            num_stages=self.kv_slots,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            tx_count=self.kv_tma_bytes["K"],
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        ).make_participants()
+        # Three hand-offs of one entry each (two mbarriers apiece):
+        # S, MMA -> softmax warps: tcgen05.commit marks S complete; the 128 softmax threads
+        #   arrive once they have read it.
+        # P, softmax warps -> MMA: 128 arrivals once P is in TMEM (and O rescaled);
+        #   tcgen05.commit after the PV MMAs marks P's columns free again.
+        # O, MMA -> epilogue: tcgen05.commit after the last PV MMA.
+        s_pipe = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.s_bar.data_ptr(),
+            num_stages=self.s_buffers,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, softmax_threads),
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        )
+        p_pipe = pipeline.PipelineAsyncUmma.create(
+            barrier_storage=storage.p_bar.data_ptr(),
+            num_stages=1,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, softmax_threads),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        )
+        o_pipe = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.o_bar.data_ptr(),
+            num_stages=1,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, softmax_threads),
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        )
+        tmem_alloc_bar = pipeline.NamedBarrier(
+            barrier_id=self.tmem_alloc_bar_id,
+            num_threads=32 * (1 + len(self.softmax_warp_ids)),
+        )
+        tmem_free_bar = pipeline.NamedBarrier(
+            barrier_id=self.tmem_free_bar_id, num_threads=softmax_threads
+        )
+        return (
+            (q_prod, q_cons),
+            (kv_prod, kv_cons),
+            (s_pipe, p_pipe, o_pipe),
+            (tmem_alloc_bar, tmem_free_bar),
+        )
+
+    @cute.jit
+    def smem_tensors(self, storage, q_smem_s, k_smem_s, v_smem_s):
+        """The CTA's buffers in shared memory: Q, the K/V ring (as K and as V)."""
+        # (MMA, MMA_M, MMA_K, q_buffers)
+        sQ = storage.sQ.get_tensor(q_smem_s.outer, swizzle=q_smem_s.inner)
+        # (MMA, MMA_N, MMA_K, kv_slots)
+        sK = storage.sK.get_tensor(k_smem_s.outer, swizzle=k_smem_s.inner)
+        # (MMA, MMA_N=D, MMA_K, kv_slots): the same slots viewed as V tiles (V's own swizzle)
+        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, v_smem_s.inner), v_smem_s.outer)
+        return sQ, sK, sV
+
+    @cute.jit
+    def gmem_tiles(self, mQ, mK, mV, mO, mLSE, head, batch):
+        """The CTA's (head, batch) of the tensors in global memory, O and LSE, and their tiles:
+        (mO, mLSE, gQ, gK, gV, gO, cO)."""
+        # This CTA's (b, h): Q (Sq, D), K (Sk, D), V (D, Sk), O (Sq, D) and LSE (Sq).
+        mQ, mK, mV, mO = (
+            mQ[(None, None, (head, batch))],
+            mK[(None, None, (head, batch))],
+            mV[(None, None, (head, batch))],
+            mO[(None, None, (head, batch))],
+        )
+        mLSE = mLSE[(None, (head, batch))]
+        # (bM, D, Q tiles)
+        gQ = cute.local_tile(mQ, self.qk_mma_tiler, (None, 0, 0), proj=(1, None, 1))
+        # (bN, D, kv_tiles)
+        gK = cute.local_tile(mK, self.qk_mma_tiler, (0, None, 0), proj=(None, 1, 1))
+        # (D, bN, kv_tiles)
+        gV = cute.local_tile(mV, self.pv_mma_tiler, (0, 0, None), proj=(None, 1, 1))
+        # (bM, D, Q tiles): O's tiles, and the (query, d) coordinates of their elements in O
+        gO = cute.local_tile(mO, self.pv_mma_tiler, (None, 0, 0), proj=(1, 1, None))
+        cO = cute.local_tile(
+            cute.make_identity_tensor(mO.shape), self.pv_mma_tiler, (None, 0, 0), proj=(1, 1, None)
+        )
+        return mO, mLSE, gQ, gK, gV, gO, cO
+
+    @cute.jit
+    def issue_qk(self, qk_mma, tStS, tCrQ, q_slot, tCrK, k_slot):
+        """S = Q @ K_j^T into TMEM: bK / 16 tcgen05.mma of 128 x 128 x 16, the first overwriting S."""
+        # The caller has waited for S's columns (the softmax warps have read S; where P lies over
+        # S, the PV MMAs have read P): order these MMAs after the waits (common/tmem.py, (a), (d))
+        fence_after_thread_sync()
+        qk_mma.set(tcgen05.Field.ACCUMULATE, False)
+        for kb in cutlass.range_constexpr(cute.size(tCrQ, mode=[2])):
+            # S += Q[:, 16 kb : 16 kb + 16] @ K_j[:, 16 kb : 16 kb + 16]^T  (128 x 128 x 16)
+            cute.gemm(
+                qk_mma, tStS, tCrQ[(None, None, kb, q_slot)], tCrK[(None, None, kb, k_slot)], tStS
+            )
+            qk_mma.set(tcgen05.Field.ACCUMULATE, True)
+        # Returned for the caller to rebind: the DSL carries the MMA's ACCUMULATE field through
+        # the loop only for a name the loop assigns.
+        return qk_mma
+
+    @cute.jit
+    def issue_pv(self, pv_mma, tOtO, tOrP, tCrV, v_slot, accumulate):
+        """O += P_j @ V_j in TMEM (O = P_j @ V_j when not accumulate): bN / 16 tcgen05.mma of
+        128 x D x 16, A = P from TMEM."""
+        # The caller has waited for P (written by the softmax warps) and O (rescaled by the
+        # softmax warps too): order these MMAs after the waits (common/tmem.py, (b), (c))
+        fence_after_thread_sync()
+        pv_mma.set(tcgen05.Field.ACCUMULATE, accumulate)
+        for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+            # O += P_j[:, 16 kb : 16 kb + 16] @ V_j[16 kb : 16 kb + 16, :]  (128 x D x 16)
+            cute.gemm(pv_mma, tOtO, tOrP[(None, None, kb)], tCrV[(None, None, kb, v_slot)], tOtO)
+            pv_mma.set(tcgen05.Field.ACCUMULATE, True)
+        return pv_mma
+
+    @cute.jit
+    def rescale_o(self, tmem_load, tmem_store, tTR_tO, tRT_tO, tTR_rAcc, row_scale):
+        """This thread's row of O *= row_scale, in TMEM: tcgen05.ld, multiply, tcgen05.st, 32
+        columns at a time. The caller waits for P's columns (and O) before and, after its store
+        of P, waits for the stores and tells the MMA warp; the tcgen05 fences are its."""
+        for i in cutlass.range_constexpr(cute.size(tTR_tO, mode=[2])):
+            cute.copy(tmem_load, tTR_tO[(None, None, i)], tTR_rAcc)
+            cute.arch.fence_view_async_tmem_load()
+            tTR_rAcc.store(row_scale * tTR_rAcc.load())
+            cute.copy(tmem_store, tTR_rAcc, tRT_tO[(None, None, i)])
 
     @cute.jit
     def store_row(self, tTR_rX, tTR_gX, tTR_cX, shape):
