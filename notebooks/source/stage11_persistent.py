@@ -19,8 +19,8 @@
 # of the last - launched on at most one CTA per SM instead of one CTA per work tile. Each CTA
 # walks work tiles: a fixed share where the tiles are equal, tiles drawn from an atomic counter
 # where a mask makes them unequal, longest first, in sections whose K and V fit in L2. The
-# notebook imports the stage file and displays it; it never pastes kernel code. Stage 11 exists
-# on the Hopper track only: there is no Blackwell stage 11 yet (section 5.8).
+# notebook imports the stage file and displays it; it never pastes kernel code. The Blackwell
+# stage 11, compile-checked only, is section 5.8.
 #
 # **How to run.** As stage 1: in Jupyter from `notebooks/`, or `make notebooks`. Without an
 # H100/H200 the cells of *Run and verify* and *Measure* say they are skipped; everything else (the
@@ -528,12 +528,23 @@ if report is not None and report10 is not None:
 # %% [markdown]
 # ### 5.8 The same stage on Blackwell
 #
-# There is no Blackwell stage 11 yet: `stages/stage11_persistent/blackwell.py` does not exist, and
-# the two cells below say so. The Blackwell kernels of stages 1-10 are
-# **compile-checked here, not run on hardware** (this project has an H200; they are compiled for
-# sm_100a with fake tensors and their PTX is checked). A Blackwell stage 11 would walk the same tiles in the same order; its
-# tile number would have to reach every role of Blackwell stage 10's CTA (the TMA and MMA warps,
-# two softmax warpgroups, the correction warpgroup), not only two consumer warpgroups.
+# `stages/stage11_persistent/blackwell.py` walks the same tiles in the same order (a fixed share
+# without a mask, tickets from `tile_counter` otherwise, longest first in 50 MiB L2 sections),
+# but the tile number must reach every role of Blackwell stage 10's CTA - the TMA and MMA warps,
+# two softmax warpgroups, the correction warpgroup - not only two consumer warpgroups. So the
+# TMA warp picks the tiles and writes each number to shared memory under a one-entry pipeline
+# (`hand_over`: 32 arrivals full, 416 empty), every other role reads it (`handed_tile`), and a
+# number past the end ends every loop. Every pipeline state lives across tiles, and O gets
+# buffers of its own (at D = 128 one for both Q tiles: a ring of 3 slots instead of 4). The
+# loops' live values make ptxas (CUDA 13.0, 2026-12-04) spill 148-352 bytes per thread; the
+# Blackwell stage 12 removes them. The cells below show the concept table of the two tracks and
+# the compile summary; the executed copy in `docs/notebooks/` (H200, 2026-12-04) was run before
+# this file existed, and shows a note in their place.
+#
+# **Blackwell kernels are compile-checked here, not run on hardware.** This project has an H200;
+# the Blackwell files are compiled for sm_100a with fake tensors, their PTX is checked and the
+# hand-offs between their roles are replayed on the CPU (`common/tools/schedule.py`). Their
+# numerics are tested only where an sm_100 GPU exists.
 
 # %%
 rows = nb.cross_track_table(11)

@@ -26,9 +26,10 @@
 # anywhere else they say they are skipped. Everything else - the compile summaries (PTX,
 # registers, shared memory) of both tracks included - needs no GPU and appears in both modes. The
 # single source of this notebook is `notebooks/source/stage1_gemm.py` (jupytext percent format;
-# it also runs as a script); edit it there and run `make notebooks-source`. Copies of the nine
-# notebooks with the outputs of an H200 run, figures included, go to `docs/notebooks/`
-# (`python -m common.tools.nbrun --execute-to docs/notebooks notebooks/*.ipynb`).
+# it also runs as a script); edit it there and run `make notebooks-source`. Copies of the
+# notebooks with the outputs of one run, figures included, go to `docs/notebooks/`
+# (`python -m common.tools.nbrun --execute-to docs/notebooks notebooks/*.ipynb`); each copy's
+# first cell names the GPU, the mode and the date of its run.
 
 # %%
 import os

@@ -261,8 +261,8 @@ fig = nb.error_picture(5, result)
 # `docs/results/bench_h200_2026-11-29.md`) measured stage 5 at 435 / 491 / 524 TFLOP/s at
 # S = 1k / 4k / 8k, D = 128: 1.36x / 1.36x / 1.43x stage 4, and up to 1.63x at D = 64, S = 2k;
 # above SDPA flash (336 / 347 / 345) and below cuDNN and FA4 (589-711) in the same run. The
-# 2026-12-04 run on the H200 (`docs/results/bench_h200_2026-12-04.md`, no stage 4) measured stage
-# 5 at 523 at S = 8k, D = 128. Stage 5 is FA2's algorithm
+# ablation run of 2026-12-04 on the H200 (`docs/results/ablation_h200_2026-12-04.md`, no stage 4)
+# measured stage 5 at 513 at S = 8k, D = 128. Stage 5 is FA2's algorithm
 # without FA3's scheduling (warp specialisation, ping-pong warpgroups, softmax overlapped with the
 # next $QK^{\top}$). The table below is this run - its numbers, not the quoted ones, are the
 # comparison - and the cell after it prints this run's speed-up over stage 4.

@@ -367,8 +367,8 @@ fig = nb.error_picture(6, result)
 # causal. In that run the skipping did not pay at S = 2k, D = 128: 263 causal against 511 without
 # a mask, i.e. the causal run took $0.5 \cdot 511 / 263 = 0.97$ of the full time for 0.53 of the
 # tiles (D = 64: 353 against 491, 0.70). Other runs did not repeat it: stage 7, which keeps stage
-# 6's tile range and mask, ran 401 causal against 478 at S = 2k, D = 128 on the H200 on 2026-12-04
-# (`docs/results/bench_h200_2026-12-04.md`), 0.60 of the full time. At this shape the ratio moves
+# 6's tile range and mask, ran 399 causal against 466 at S = 2k, D = 128 on the H200 on 2026-12-04
+# (`docs/results/ablation_h200_2026-12-04.md`), 0.58 of the full time. At this shape the ratio moves
 # between runs; exercise 6 looks at what differs between 2k and 8k. Without a mask, stage 6 stayed
 # within a few percent of stage 5 in the 2026-12-01 run from S = 2k up (D = 128, S = 8k: 544
 # against 555). The tables below are this run's: the column "time / stage 6 no-mask time" of the

@@ -255,7 +255,7 @@ nb.table(
 # 240 and 244 us, SDPA 237 and 1383). Packed, the kernel reads 1.07 GB of K and V at 3.16 TB/s,
 # about two thirds of the H200's 4.8 TB/s: 256 CTAs (32 sequences x 8 KV heads) on 132 SMs, each
 # streaming one head's 8192 keys alone. FA4 also splits the keys over several CTAs
-# (split-KV) to fill the machine - a technique this tutorial does not teach yet. O and LSE are the
+# (split-KV) to fill the machine - the technique of stage 13. O and LSE are the
 # unpacked kernel's bit for bit (tested).
 
 # %% [markdown]
