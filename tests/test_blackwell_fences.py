@@ -5,7 +5,7 @@ tcgen05_fence_gaps, which every Blackwell stage's compile test runs) catches a m
   carries a wait to the MMA at its head, are gaps; a fence on every path is none.
 - In the PTX of every Blackwell stage (bf16, the stage's compile shape, batch mode; stages 10-14
   also at D = 64, their other MMA order; stage 13's split kernel, its unsplit one being
-  stage 11's PTX; stage 14's split kernel over pages of 16 keys, its unpaged one being stage
+  stage 12's PTX; stage 14's split kernel over pages of 16 keys, its unpaged one being stage
   13's PTX): deleting any one tcgen05 fence from the PTX text leaves a gap,
   but for the fences right before the named barriers that free TMEM (one per warp role that
   touched TMEM). The per-tile fences before them cover those barriers on every path already;

@@ -428,7 +428,7 @@ if report is not None and all(r is not None for r in reports.values()):
 # and compile it for sm_100a; where the file is not there, they say so. The paging is the same
 # on both tracks: boxes of `page_rows` = min(page_size, 128) keys from the page that holds them,
 # all on the slot's one full barrier, the entry clamped to the sequence's last page. On
-# Blackwell the boxes are issued by the TMA warp's `load`, which keeps 80 registers, with plain
+# Blackwell the boxes are issued by the TMA warp's `load`, which keeps 48 registers, with plain
 # tiled TMA atoms laid over the slot's layout (a slot holds K as the MMA reads it); its output
 # and the page sizes' cost have not been measured on this track.
 

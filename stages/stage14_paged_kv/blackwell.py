@@ -1,6 +1,6 @@
 """Stage 14 - a paged KV cache (Blackwell, sm_100a).
 
-Built on Blackwell stage 13 (split-KV on stage 11's persistent kernel). Changes from stage 13,
+Built on Blackwell stage 13 (split-KV on stage 12's tuned kernel). Changes from stage 13,
 Hopper stage 14's in this track's TMA warp (the other four roles are stage 13's):
 - K and V may live in pages. k_cache and v_cache are (num_pages, page_size, Hkv, D); sequence
   b's key t is row t % page_size of page page_table[b, t / page_size] (page_table int32
@@ -14,7 +14,7 @@ Hopper stage 14's in this track's TMA warp (the other four roles are stage 13's)
   coordinate; page_size = 16, 32 or 64, a gather of 128 / page_size boxes into one ring slot,
   all counted on the slot's one full barrier (its 128 x D x 2 bytes, 32 KB at D = 128, arrive
   in pieces of r x D x 2: 4 KB at D = 128, page 16). The boxes are issued by a loop that is
-  not unrolled: the TMA warp has 80 registers.
+  not unrolled: the TMA warp has 48 registers.
 - The boxes' TMA atoms are plain tiled ones (cpasync.make_tiled_tma_atom), not the MMA's B
   atoms: a slot holds key n, column d of K at n + bN d and of V at d + D n, so a box is the
   slot's layout composed with (r, D):(1, bN) for K and (D, r):(1, D) for V. r is a multiple of
@@ -26,9 +26,10 @@ Hopper stage 14's in this track's TMA warp (the other four roles are stage 13's)
   ceil(seqused_k / page_size) is read, so nothing another sequence owns or nobody owns (which
   may hold NaN) is loaded. seq_info takes seqlen_k = max_pages x page_size before the
   seqused_k clamp, and the launch's scheduler test uses that key count.
-- Registers: stage 11's 168 / 80 / 96. ptxas of CUDA 13.0 spills 220-372 bytes in the paged
-  kernels across the tested configurations (stage 13: 180-356); the unpaged kernel is stage
-  13's.
+- Registers: stage 13's 176 / 112 / 48. ptxas of CUDA 13.0 (2026-12-04): no spill in any
+  tested configuration (pages of 16 to 256 keys, split and not, MQA, causal, window, a paged
+  decode step; bf16 and fp16, D = 64 and 128); the unpaged kernel is stage 13's.
+  with_tunings(()) (stage 11's 168 / 80 / 96) spills 220-372 bytes in the paged kernels.
 
 attention_paged(q, k_cache, v_cache, page_table, seqused_k, ...) with stage 13's options
 (causal, window bottom-right against seqused_k, LSE, pack_gqa, num_splits); attention and
@@ -49,7 +50,9 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 from cutlass import Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator, TmemAllocator
 
 from common import attention_host, pack_gqa
@@ -62,6 +65,23 @@ try:  # the enum's home since CuTe DSL 4.8; cutlass.utils keeps a deprecated ali
 except ImportError:  # pragma: no cover
     from cutlass.utils import LayoutEnum
 
+# Stage 12's tunings, each switchable (Sm100Kernel.TUNINGS, with_tunings); all on by default.
+TUNINGS = (
+    "ex2_emulation",  # 1. 16 of a row's 128 exp2 as a cubic on the FMA pipe, not on MUFU
+    "packed_f32x2",  # 2. P's scale-and-subtract and the row sum two columns per instruction
+    "kblock_loop",  # 3. the MMA warp issues a GEMM's k-blocks in a loop, not unrolled
+    "register_split",  # 4. setmaxnreg 176 / 112 / 48 for softmax / correction / MMA and TMA
+)
+# 2^f = 1 + f (c1 + f (c2 + f c3)) for f in [0, 1): FA4's cubic (flash_attn/cute/utils.py,
+# POLY_EX2[3]); its largest relative error is 8.8e-5, below the 2^-8 of rounding P to bf16 and
+# the 2^-11 of fp16.
+EX2_CUBIC = (
+    1.0,
+    0.695146143436431884765625,
+    0.227564394474029541015625,
+    0.077119089663028717041015625,
+)
+
 
 class Sm100Kernel:
     """The device code is organised by warp role, as in FA4's flash_fwd_sm100.py. `kernel` sets up
@@ -73,6 +93,7 @@ class Sm100Kernel:
     helpers."""
 
     def __init__(self, dtype, head_dim, pack_gqa=1, sm_count=None, split_kv=False, page_size=None):
+        self.tunings = frozenset(self.TUNINGS)
         self.dtype = dtype  # element type of Q, K, V and O: cutlass.BFloat16 or cutlass.Float16
         # Query heads per Q tile (pack-GQA, common/pack_gqa.py): 1, or G = H / Hkv when the
         # G heads of a group share the tile's rows (row r: position r // G, head r % G).
@@ -101,6 +122,13 @@ class Sm100Kernel:
         self.softmax_registers = 168
         self.correction_registers = 80
         self.other_registers = 96
+        if "register_split" in self.tunings:
+            # Tuning 4: (2 x 176 + 112 + 48) x 128 = 65536. The softmax warps need 176 with
+            # tunings 1-2, the correction warpgroup 104 (D = 64), the MMA warp with its
+            # k-blocks in a loop (tuning 3) under 48 (the file's docstring has the arithmetic).
+            self.softmax_registers = 176
+            self.correction_registers = 112
+            self.other_registers = 48
         # Named barriers (0 is __syncthreads): the TMEM allocation handshake (MMA, softmax and
         # correction warps), the correction warpgroup's own (O written to shared memory before
         # the TMA store), and the one before TMEM is freed (softmax and correction warps).
@@ -144,6 +172,10 @@ class Sm100Kernel:
         # Conditional rescale: the reference max moves only when the row max has grown by more
         # than this many log2 units (P stays within (0, 2^8]).
         self.rescale_threshold = 8.0
+        # The tunings of the loops (the module's TUNINGS, numbered as there).
+        self.ex2_emulation = "ex2_emulation" in self.tunings  # 1
+        self.packed_f32x2 = "packed_f32x2" in self.tunings  # 2
+        self.kblock_loop = "kblock_loop" in self.tunings  # 3
         # The MMA warp issues P_s,j-1 @ V_j-1 and then S_s,j (FA4's order) where P has columns
         # of its own; with P over S it keeps stage 9's order (the file's docstring says why).
         # Also the schedule checker's cue.
@@ -174,6 +206,8 @@ class Sm100Kernel:
     takes_splits = True
     # ... and the page table of a paged cache (attention_paged).
     takes_pages = True
+
+    TUNINGS = TUNINGS  # all on; with_tunings(names) makes a class with fewer
 
     @cute.jit
     def __call__(
@@ -453,7 +487,7 @@ class Sm100Kernel:
         # The work tiles: tiles_m CTA row blocks x heads x sequences x splits. What a role needs
         # of a tile (its Q tiles, head, sequence, KV range, split) it takes from work_tile.
         # The unsplit kernel is launched with num_splits = 1: a constant here, so that the split
-        # arithmetic folds away (stage 11's kernel).
+        # arithmetic folds away (stage 12's kernel).
         if cutlass.const_expr(not self.split_kv):
             num_splits = 1
         work = (tiles_m, l2_heads, num_splits, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
@@ -773,7 +807,7 @@ class Sm100Kernel:
                             tma_bar_ptr=kv_empty.barrier,
                         )
                     else:
-                        # a loop, not unrolled: the TMA warp has 80 registers (8 boxes at
+                        # a loop, not unrolled: the TMA warp has 48 registers (8 boxes at
                         # page_size 16)
                         page_table, batch, last_page = pages
                         for c in cutlass.range(bN // r, unroll=1):
@@ -1098,11 +1132,19 @@ class Sm100Kernel:
             stats_empty.commit()
             # P_j = exp(scale * (S_j - new max))
             row_max_scaled = row_max_safe * scale_log2
-            for i in cutlass.range(cute.size(tTR_rS), unroll_full=True):
-                tTR_rS[i] = cute.math.exp2(tTR_rS[i] * scale_log2 - row_max_scaled, fastmath=True)
-            row_sum = row_sum * row_scale + tTR_rS.load().reduce(
-                cute.ReductionOp.ADD, Float32(0.0), 0
-            )
+            if cutlass.const_expr(self.ex2_emulation or self.packed_f32x2):
+                self.exponentiate(tTR_rS, scale_log2, row_max_scaled)  # tunings 1, 2
+            else:
+                for i in cutlass.range(cute.size(tTR_rS), unroll_full=True):
+                    tTR_rS[i] = cute.math.exp2(
+                        tTR_rS[i] * scale_log2 - row_max_scaled, fastmath=True
+                    )
+            if cutlass.const_expr(self.packed_f32x2):
+                row_sum = self.packed_row_sum(tTR_rS, row_sum * row_scale)  # tuning 2
+            else:
+                row_sum = row_sum * row_scale + tTR_rS.load().reduce(
+                    cute.ReductionOp.ADD, Float32(0.0), 0
+                )
             row_max = row_max_new
             tTR_rP.store(tTR_rS.load().to(self.dtype))
             # P_s,j-1 @ V_j-1 has completed: P's columns are free (with P over S, the MMA warp
@@ -1562,6 +1604,15 @@ class Sm100Kernel:
         # The caller has waited for S's columns (the softmax warps have read S; where P lies over
         # S, the PV MMAs have read P): order these MMAs after the waits (common/tmem.py, (a), (d))
         fence_after_thread_sync()
+        if cutlass.const_expr(self.kblock_loop):
+            # Tuning 3: a loop over the k-blocks; each one's descriptors are made in it, from
+            # the slots' (MMA, MMA_M / MMA_N, MMA_K) views.
+            tCrQs, tCrKs = tCrQ[(None, None, None, q_slot)], tCrK[(None, None, None, k_slot)]
+            for kb in cutlass.range(cute.size(tCrQ, mode=[2]), unroll=1):
+                # S (+)= Q[:, 16 kb : 16 kb + 16] @ K_j[:, 16 kb : 16 kb + 16]^T, kb = 0 overwrites
+                qk_mma.set(tcgen05.Field.ACCUMULATE, kb != 0)
+                cute.gemm(qk_mma, tStS, tCrQs[(None, None, kb)], tCrKs[(None, None, kb)], tStS)
+            return qk_mma
         qk_mma.set(tcgen05.Field.ACCUMULATE, False)
         for kb in cutlass.range_constexpr(cute.size(tCrQ, mode=[2])):
             # S += Q[:, 16 kb : 16 kb + 16] @ K_j[:, 16 kb : 16 kb + 16]^T  (128 x 128 x 16)
@@ -1580,12 +1631,79 @@ class Sm100Kernel:
         # The caller has waited for P (written by the softmax warps) and O (rescaled by the
         # correction warps): order these MMAs after the waits (common/tmem.py, (b), (c))
         fence_after_thread_sync()
+        if cutlass.const_expr(self.kblock_loop):
+            # Tuning 3, as in issue_qk
+            tCrVs = tCrV[(None, None, None, v_slot)]
+            for kb in cutlass.range(cute.size(tOrP, mode=[2]), unroll=1):
+                # O (+)= P_j[:, 16 kb : 16 kb + 16] @ V_j[16 kb : 16 kb + 16, :]  (128 x D x 16)
+                pv_mma.set(tcgen05.Field.ACCUMULATE, accumulate or kb != 0)
+                cute.gemm(pv_mma, tOtO, tOrP[(None, None, kb)], tCrVs[(None, None, kb)], tOtO)
+            return pv_mma
         pv_mma.set(tcgen05.Field.ACCUMULATE, accumulate)
         for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
             # O += P_j[:, 16 kb : 16 kb + 16] @ V_j[16 kb : 16 kb + 16, :]  (128 x D x 16)
             cute.gemm(pv_mma, tOtO, tOrP[(None, None, kb)], tCrV[(None, None, kb, v_slot)], tOtO)
             pv_mma.set(tcgen05.Field.ACCUMULATE, True)
         return pv_mma
+
+    @cute.jit
+    def exponentiate(self, tTR_rS, scale_log2, row_max_scaled):
+        """P = exp2(S scale_log2 - row_max_scaled) over this thread's row of S, in place, a pair
+        of columns at a time. Tuning 2: the scale-and-subtract as one fma.rn.f32x2 per pair
+        (stage 11: mul.f32 and sub.f32 per column). Tuning 1: columns 14 and 15 of every 16, 16
+        of 128, on the FMA pipe (exp2_emulated), the others on MUFU (ex2.approx). Spread out,
+        they fit 176 registers; FA4's columns (12-15 of every 16 in columns 32-95) took 8 more."""
+        for j in cutlass.range_constexpr(cute.size(tTR_rS) // 16):
+            for i in cutlass.range_constexpr(16 * j, 16 * j + 16, 2):
+                x, y = tTR_rS[i], tTR_rS[i + 1]
+                if cutlass.const_expr(self.packed_f32x2):  # tuning 2
+                    x, y = cute.arch.fma_packed_f32x2(
+                        (x, y), (scale_log2, scale_log2), (-row_max_scaled, -row_max_scaled)
+                    )
+                else:
+                    x, y = x * scale_log2 - row_max_scaled, y * scale_log2 - row_max_scaled
+                if cutlass.const_expr(self.ex2_emulation and i % 16 == 14):  # tuning 1
+                    x, y = self.exp2_emulated(x, y)
+                else:
+                    x, y = cute.math.exp2(x, fastmath=True), cute.math.exp2(y, fastmath=True)
+                tTR_rS[i], tTR_rS[i + 1] = x, y
+
+    @cute.jit
+    def exp2_emulated(self, x, y):
+        """(2^x, 2^y) for x, y <= 127 without MUFU (tuning 1), in f32x2 pairs as FA4's
+        ex2_emulation_2: 2^x = 2^n 2^f with n = floor(x), f = x - n in [0, 1). Adding 1.5 x 2^23
+        rounded down (add.rm) leaves n in the low bits of the sum; 2^f is the cubic EX2_CUBIC;
+        n << 23 added to 2^f's bits adds n to its exponent. x is clamped at -127, where f = 0
+        and the bits come to exactly 0.0: a masked S (-inf) still gives P = 0."""
+        shift = 1.5 * 2**23
+        xy = (cute.arch.fmax(x, -127.0), cute.arch.fmax(y, -127.0))
+        n_bits = cute.arch.add_packed_f32x2(xy, (shift, shift), rnd="rm")
+        n = cute.arch.sub_packed_f32x2(n_bits, (shift, shift))
+        f = cute.arch.sub_packed_f32x2(xy, n)
+        c0, c1, c2, c3 = EX2_CUBIC
+        p = cute.arch.fma_packed_f32x2((c3, c3), f, (c2, c2))
+        p = cute.arch.fma_packed_f32x2(p, f, (c1, c1))
+        p = cute.arch.fma_packed_f32x2(p, f, (c0, c0))
+        return tuple(
+            f32_of_bits(bits_of_f32(p[k]) + (bits_of_f32(n_bits[k]) << 23)) for k in (0, 1)
+        )
+
+    @cute.jit
+    def packed_row_sum(self, tTR_rP, init):
+        """init + the sum of this thread's row of P (tuning 2), as FA4's fadd_reduce: four
+        independent chains of add.f32x2 over columns (8 c, 8 c + 1) ... (8 c + 6, 8 c + 7),
+        two columns per instruction, folded at the end: 63 add.f32x2 (stage 11: a chain of
+        128 add.f32)."""
+        chains = [(tTR_rP[i], tTR_rP[i + 1]) for i in range(0, 8, 2)]
+        for i in cutlass.range_constexpr(8, cute.size(tTR_rP), 8):
+            for c in cutlass.range_constexpr(4):
+                pair = (tTR_rP[i + 2 * c], tTR_rP[i + 2 * c + 1])
+                chains[c] = cute.arch.add_packed_f32x2(chains[c], pair)
+        both = cute.arch.add_packed_f32x2(
+            cute.arch.add_packed_f32x2(chains[0], chains[1]),
+            cute.arch.add_packed_f32x2(chains[2], chains[3]),
+        )
+        return init + both[0] + both[1]
 
     @cute.jit
     def rescale_o(self, tmem_load, tmem_store, tTR_tO, tRT_tO, tTR_rAcc, row_scale):
@@ -1843,6 +1961,44 @@ class Sm100Kernel:
             tTR_rS[i] = -Float32.inf if key < keys_first or key >= keys_end else tTR_rS[i]
 
 
+@dsl_user_op
+def bits_of_f32(x, *, loc=None, ip=None):
+    """The 32 bits of fp32 x, as an Int32 (no conversion)."""
+    return Int32(llvm.bitcast(T.i32(), Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def f32_of_bits(bits, *, loc=None, ip=None):
+    """The fp32 whose 32 bits are the Int32 `bits` (no conversion)."""
+    return Float32(llvm.bitcast(T.f32(), Int32(bits).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+_TUNED_CLASSES = {}
+
+
+def with_tunings(names):
+    """Sm100Kernel with only the tunings `names` (a subset of TUNINGS, any order) switched on:
+    a class of its own per set, made once, so that the compile cache tells the kernels apart.
+    with_tunings(()) is this stage without stage 12's tunings; with_tunings(TUNINGS) is
+    Sm100Kernel."""
+    if isinstance(names, str):
+        raise TypeError(f"argument 'names': expected a collection of tuning names, got {names!r}")
+    unknown = set(names) - set(TUNINGS)
+    if unknown:
+        raise ValueError(
+            f"argument 'names': unknown tunings {sorted(unknown)}; allowed: {', '.join(TUNINGS)}"
+        )
+    names = tuple(n for n in TUNINGS if n in set(names))
+    if names == TUNINGS:
+        return Sm100Kernel
+    if names not in _TUNED_CLASSES:
+        label = "_".join(str(TUNINGS.index(n) + 1) for n in names) or "none"
+        _TUNED_CLASSES[names] = type(
+            f"Sm100KernelTunings_{label}", (Sm100Kernel,), {"TUNINGS": names}
+        )
+    return _TUNED_CLASSES[names]
+
+
 def compile_args(dtype, shape, scale=None, **options):
     """(kernel, args) for cute.compile with fake tensors, shape = (B, H, Sq, Sk, D); options as
     stage 13's, and page_size (a paged cache of that many keys per page, with seqused_k and a
@@ -1903,9 +2059,9 @@ def attention(
     num_splits=None,
     seqused_k=None,
 ):
-    """Stage 11's attention (Q (B, H, Sq, D), K and V (B, Hkv, Sk, D), causal, window, LSE,
+    """Stage 12's attention (Q (B, H, Sq, D), K and V (B, Hkv, Sk, D), causal, window, LSE,
     pack_gqa) with split-KV: num_splits None lets the launch choose (splits_for in
-    common/attention_host.py), 1 is stage 11's kernel, 2 .. 256 cut every work tile's KV range
+    common/attention_host.py), 1 is stage 12's kernel, 2 .. 256 cut every work tile's KV range
     that many ways (a split may get no keys). seqused_k: int32 (B,), sequence b uses its first
     seqused_k[b] keys (0 .. Sk); the masks align to that length. O (B, H, Sq, D); with
     return_lse also LSE (B, H, Sq) in fp32. A row that sees no key gets O = 0, LSE = -inf.
@@ -1931,7 +2087,7 @@ def attention_varlen(
     num_splits=None,
     seqused_k=None,
 ):
-    """Stage 11's attention_varlen (q (total_q, H, D), k and v (total_k, Hkv, D), cu_seqlens)
+    """Stage 12's attention_varlen (q (total_q, H, D), k and v (total_k, Hkv, D), cu_seqlens)
     with num_splits and seqused_k as attention's: sequence b uses the first seqused_k[b] of its
     cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys."""
     return attention_host.attention_varlen(
