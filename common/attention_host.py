@@ -382,8 +382,8 @@ _CHECKED = {}
 # The entries' fast path: a call whose tensors have the types, devices, shapes and strides of a
 # call made before, with the same options (and option types), reuses that call's checked sizes,
 # scale and LaunchPlan; only what can differ between such calls is looked at again (the data
-# pointers' 16-byte alignment, seqused_k and page_table values). Host time per call:
-# docs/notes/stage13.md.
+# pointers' 16-byte alignment, page_table's and seqused_k's included, and their values). Host
+# time per call: docs/notes/stage13.md.
 _CALLS = {}
 _CALLS_KEEP = 256
 compile_cache.CLEAR_WITH_CACHE.append(_CALLS.clear)
@@ -391,8 +391,10 @@ compile_cache.CLEAR_WITH_CACHE.append(_CALLS.clear)
 
 def call_key(options, tensors):
     """The fast path's key: options (a tuple of the entry's non-tensor arguments, with their
-    types) and each tensor's dtype, device, shape and strides, and whether autograd would track
-    the call. None when an argument cannot be a key (the slow path then checks it)."""
+    types; None: no key) and each tensor's dtype, device, shape and strides, and whether autograd
+    would track the call. None when an argument cannot be a key (the slow path then checks it)."""
+    if options is None:
+        return None
     try:
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
         key = (options, grad) + tuple((t.dtype, t.device, t.shape, t.stride()) for t in tensors)
@@ -404,7 +406,11 @@ def call_key(options, tensors):
 
 def options_key(kernel_class, scale, causal, window, return_lse, pack_gqa, num_splits, *more):
     """The option part of call_key, each value with its type (True and 1 are equal keys, but the
-    checks accept only one of them)."""
+    checks accept only one of them). None (no fast path) for a scale that is not a plain number:
+    a tensor (0-dim, say) can be written in place between two calls, and the remembered float
+    would then launch with the old value."""
+    if scale is not None and not isinstance(scale, (int, float)):
+        return None
     if window is not None:
         window = tuple((type(w), w) for w in window) if isinstance(window, (tuple, list)) else []
     values = (scale, causal, return_lse, pack_gqa, num_splits) + more
@@ -583,7 +589,8 @@ def attention_varlen(
 
 def checked_paged_dims(q, k_cache, v_cache, page_table):
     """checks.check_paged_args, remembered as checked_dims does: only the data pointers'
-    alignment is checked again for tensors of the types, shapes and strides of a checked call."""
+    alignment (page_table's too) is checked again for tensors of the types, shapes and strides
+    of a checked call."""
     ts = (q, k_cache, v_cache, page_table)
     if not all(isinstance(t, torch.Tensor) for t in ts):
         return checks.check_paged_args(*ts)
@@ -592,7 +599,8 @@ def checked_paged_dims(q, k_cache, v_cache, page_table):
     )
     key = ("paged", grad) + tuple((t.dtype, t.device, t.shape, t.stride()) for t in ts)
     dims = _CHECKED.get(key)
-    if dims is None or (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % 16:
+    ptrs = q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr() | page_table.data_ptr()
+    if dims is None or ptrs % 16:
         dims = checks.check_paged_args(*ts)
         if len(_CHECKED) >= 1024:
             _CHECKED.clear()
@@ -635,7 +643,9 @@ def attention_paged(
         (q, k_cache, v_cache, page_table),
     )
     hit = _CALLS.get(key) if key is not None else None
-    if hit is not None and not (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % 16:
+    if hit is not None:
+        ptrs = q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr() | page_table.data_ptr()
+    if hit is not None and not ptrs % 16:
         (B, H, Sq, D, page_size), scale, plan = hit
         checked_lengths(seqused_k, q, page_table, page_size, k_cache.shape[0], check_values)
         o = empty_output((B, H, Sq, D), q.dtype, q.device)

@@ -58,6 +58,17 @@ def check_tensor(name, t, *, rank, dtypes=HALF_DTYPES, contiguous_last=True, bro
     return t
 
 
+def check_aligned(name, t):
+    """An int32 argument the kernel reads (cu_seqlens, seqused_k, page_table): the compiled
+    function assumes a 16-byte aligned base, as for every tensor it takes, and its TVM-FFI entry
+    refuses any other (common/compile.py); refused here first, by the argument's name."""
+    if t.data_ptr() % 16 != 0:
+        raise ValueError(
+            f"argument '{name}': data pointer must be 16-byte aligned (a view that starts inside "
+            "another tensor may not be); pass a fresh tensor or .clone() it"
+        )
+
+
 def check_same_dtype(names, tensors):
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) > 1:
@@ -276,6 +287,7 @@ def check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             raise ValueError(f"argument '{name}': needs batch + 1 >= 2 offsets, got {cu.shape[0]}")
         if cu.stride(0) != 1:
             raise ValueError(f"argument '{name}': must be contiguous, got stride {cu.stride(0)}")
+        check_aligned(name, cu)
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
         raise ValueError(
             f"arguments 'cu_seqlens_q' and 'cu_seqlens_k' must describe the same number of "
@@ -386,6 +398,7 @@ def check_seqused_k(seqused_k, q, key_counts, read_values=True):
         )
     if seqused_k.stride(0) != 1 and batch > 1:
         raise ValueError(f"argument '{name}': must be contiguous, got stride {seqused_k.stride(0)}")
+    check_aligned(name, seqused_k)
     if not read_values or torch.cuda.is_current_stream_capturing():
         return
     tracked = not _untracked(seqused_k) and isinstance(key_counts, list)
@@ -463,6 +476,7 @@ def check_paged_args(q, k_cache, v_cache, page_table, *, head_dims=(64, 128)):
         raise ValueError(
             f"argument 'page_table': rows must be contiguous, got strides {page_table.stride()}"
         )
+    check_aligned("page_table", page_table)
     return B, H, Sq, D, page_size
 
 

@@ -159,3 +159,51 @@ def test_unhashable_options_take_the_checked_path(rec):
     AH.attention(Kernel, q, k, v, window=[16, 0])  # a list: keyed as its values
     assert rec.plans_made == 1 and len(rec.runs) == 2
     assert AH.call_key(("x", {}), (q,)) is None  # a dict cannot be a key: the slow path
+
+
+def test_a_tensor_scale_is_read_at_every_call(rec):
+    # A 0-dim tensor as the scale is accepted (float(scale)) but may be written in place between
+    # two calls of one shape: each call must launch with the value it holds then.
+    q, k, v = qkv(0)
+    scale = torch.tensor(0.5)
+    AH.attention(Kernel, q, k, v, scale=scale)
+    scale.fill_(0.25)
+    AH.attention(Kernel, q, k, v, scale=scale)
+    kc = torch.zeros(12, 64, 2, 64, dtype=torch.bfloat16)
+    table = torch.arange(12, dtype=torch.int32).view(2, 6)
+    used = torch.tensor([100, 300], dtype=torch.int32)
+    AH.attention_paged(Kernel, q, kc, kc, table, used, scale=scale, check_values=False)
+    scale.fill_(0.125)
+    AH.attention_paged(Kernel, q, kc, kc, table, used, scale=scale, check_values=False)
+    assert [r["scale"] for r in rec.runs] == [0.5, 0.25, 0.25, 0.125]
+    # A plain float still takes the fast path.
+    AH.attention(Kernel, q, k, v, scale=0.5)
+    AH.attention(Kernel, q, k, v, scale=0.5)
+    assert len(rec.checked) == 5 and rec.runs[-1]["scale"] == 0.5
+
+
+def test_int32_arguments_must_be_aligned():
+    # The compiled function assumes a 16-byte aligned base for every tensor it takes, seqused_k,
+    # cu_seqlens and page_table too (its TVM-FFI entry refuses others): the checks refuse them
+    # first, by name.
+    q, _, _ = qkv(0)
+    pool = torch.zeros(8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="'seqused_k': data pointer must be 16-byte aligned"):
+        checks.check_seqused_k(pool[1:3], q, [256, 256], read_values=False)
+    checks.check_seqused_k(pool[4:6], q, [256, 256], read_values=False)  # 16 bytes in: fine
+    cu = torch.tensor([0, 0, 1, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="'cu_seqlens_q': data pointer must be 16-byte aligned"):
+        checks.check_cu_seqlens(q[0, 0], q[0, 0], cu[1:], cu[:3].clone(), None, None)
+
+
+def test_a_misaligned_page_table_leaves_the_fast_path(rec):
+    q, _, _ = qkv(0)
+    kc = torch.zeros(12, 64, 2, 64, dtype=torch.bfloat16)
+    tables = torch.arange(21, dtype=torch.int32).view(3, 7) % 12
+    used = torch.tensor([100, 300], dtype=torch.int32)
+    AH.attention_paged(Kernel, q, kc, kc, tables[:2], used, check_values=False)
+    AH.attention_paged(Kernel, q, kc, kc, tables[:2].clone(), used, check_values=False)
+    assert len(rec.checked) == 1 and rec.plans_made == 1
+    # One row into the table: 28 bytes in, the same shape and strides - the checks again.
+    AH.attention_paged(Kernel, q, kc, kc, tables[1:], used, check_values=False)
+    assert len(rec.checked) == 2
