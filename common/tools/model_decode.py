@@ -28,7 +28,6 @@ which transformers hands on to the attention function. check_values=False: the c
 table itself, and a per-step read of it to the host would make the host wait for the GPU each
 step (common/attention_host.py, attention_paged)."""
 
-import math
 import time
 
 import torch
@@ -118,21 +117,16 @@ def paged_attend_stage14():
 
 
 def paged_attend_reference(q, k_cache, v_cache, cache, scale):
-    """The same in plain torch (fp32, gathered pages), for tests without a GPU kernel."""
-    B, H, Sq, D = q.shape
+    """The same from the pages in plain torch (common/tools/reference.py, fp64), for tests
+    without a GPU kernel."""
+    from common.tools.reference import attention_gqa_ref
+
     n = cache.length
-    pages = cache.page_table[:, : -(-n // cache.page_size)].long()
-    out = []
-    for b in range(B):
-        k = k_cache[pages[b]].flatten(0, 1)[:n].transpose(0, 1).float()  # (Hkv, n, D)
-        v = v_cache[pages[b]].flatten(0, 1)[:n].transpose(0, 1).float()
-        g = H // k.shape[0]
-        k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
-        s = (q[b].float() @ k.transpose(1, 2)) * scale  # (H, Sq, n)
-        rows = torch.arange(Sq, device=q.device)[:, None] + n - Sq
-        s = s.masked_fill(torch.arange(n, device=q.device)[None, :] > rows, float("-inf"))
-        out.append((s.softmax(-1) @ v).to(q.dtype))
-    return torch.stack(out)
+    pages = cache.page_table[:, : -(-n // cache.page_size)].long()  # (B, pages used)
+    # (B, pages, page_size, Hkv, D) -> (B, Hkv, n, D)
+    k, v = (c[pages].flatten(1, 2)[:, :n].transpose(1, 2) for c in (k_cache, v_cache))
+    o, _ = attention_gqa_ref(q, k, v, causal=True, scale=scale)
+    return o.to(q.dtype)
 
 
 def register_paged(attend):
@@ -332,7 +326,3 @@ def decode_lines(rows, prompt_len, steps, page_size, tol, floor_of):
             f"{'PASS' if good else 'FAIL'} |"
         )
     return lines, ok
-
-
-def pages_needed(prompt_len, steps, page_size):
-    return math.ceil((prompt_len + steps) / page_size)

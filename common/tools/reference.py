@@ -56,13 +56,15 @@ def gemm_flops(M, N, K):
     return 2 * M * N * K
 
 
-def attention_gqa_ref(q, k, v, causal=False):
+def attention_gqa_ref(q, k, v, causal=False, scale=None):
     """(O, LSE) in fp64 for K and V of Hkv heads (query head h reads KV head h // (H / Hkv)),
-    causal bottom-right aligned: the stand-in for the kernel in stage 15's CPU runs."""
+    causal bottom-right aligned: the stand-in for the kernel in stage 15's CPU runs and in
+    make model's paged decode glue on the CPU."""
     group = q.shape[1] // k.shape[1]
     k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
     mask = None
     if causal:
         Sq, Sk = q.shape[2], k.shape[2]
-        mask = torch.arange(Sk)[None, :] - (Sk - Sq) <= torch.arange(Sq)[:, None]
-    return attention_ref(q, k, v, mask=mask)
+        keys, rows = torch.arange(Sk, device=q.device), torch.arange(Sq, device=q.device)
+        mask = keys[None, :] - (Sk - Sq) <= rows[:, None]
+    return attention_ref(q, k, v, scale=scale, mask=mask)
