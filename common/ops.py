@@ -23,6 +23,10 @@ Python wrappers below before anything is launched, and through the op's autograd
 when torch.ops is called directly (after the kernel ran: autograd sees the call only then). Use
 them under torch.no_grad() / torch.inference_mode().
 
+The wrappers `attention` and `attention_varlen` (what a model should call) take the op while
+torch.compile traces, and call the stage directly in eager mode on plain CUDA tensors
+(`eager_direct`), where the op's dispatch would only add host time.
+
 `TutorialAttention` is a GQA self-attention block (projections, the op, the output projection)
 that torch.compile(fullgraph=True) traces without a graph break; `opcheck_all()` runs
 torch.library.opcheck on representative GPU inputs (GQA, causal, window, packed sequences)."""
@@ -279,10 +283,34 @@ def _split_window(window):
     return window[0], window[1]
 
 
+def eager_direct(tensors, device_type="cuda"):
+    """Whether a wrapper call may go straight to the stage's function instead of through the
+    custom op. The op's eager path (the dispatcher, the custom-op layer's Python, its autograd
+    wrapper) costs tens of microseconds of host time per call and adds nothing to an eager call
+    on plain CUDA tensors. So the wrappers skip it only then: not while torch.compile traces
+    (the op is what the graph must hold), not under a dispatch mode, a torch-function mode or a
+    functorch transform (FakeTensorMode, FlopCounterMode, vmap: they must see the op), and only
+    for tensors of type torch.Tensor on `device_type` (fake, meta and subclass tensors take the
+    op). Both ways run the same kernel on the same arguments."""
+    if torch.compiler.is_compiling():
+        return False
+    if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
+        return False
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    return all(type(t) is torch.Tensor and t.device.type == device_type for t in tensors)
+
+
 def attention(q, k, v, scale=None, causal=False, window=None, return_lse=False):
     """The stages' `attention` signature through the custom op (what a model should call). Refuses
-    inputs that require grad under grad mode before launching anything."""
+    inputs that require grad under grad mode before launching anything. An eager call on plain
+    CUDA tensors calls the stage directly (eager_direct): the same kernel, without the op's host
+    time."""
     checks.check_inference_only(("q", "k", "v"), (q, k, v), "this attention kernel")
+    if eager_direct((q, k, v)):
+        return _stage().attention(
+            q, k, v, scale=scale, causal=causal, window=window, return_lse=return_lse
+        )
     left, right = _split_window(window)
     o, lse = attention_op(q, k, v, scale, causal, left, right)
     return (o, lse) if return_lse else o
@@ -301,8 +329,23 @@ def attention_varlen(
     window=None,
     return_lse=False,
 ):
-    """The stages' `attention_varlen` signature through the custom op."""
+    """The stages' `attention_varlen` signature through the custom op (eager calls on plain CUDA
+    tensors: directly, as attention's)."""
     checks.check_inference_only(("q", "k", "v"), (q, k, v), "this attention kernel")
+    if eager_direct((q, k, v, cu_seqlens_q, cu_seqlens_k)):
+        return _stage().attention_varlen(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+            scale=scale,
+            causal=causal,
+            window=window,
+            return_lse=return_lse,
+        )
     left, right = _split_window(window)
     o, lse = attention_varlen_op(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, left, right
@@ -330,9 +373,10 @@ class TutorialAttention(nn.Module):
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
 
     def attend(self, q, k, v):
-        """(B, H, S, D) q and (B, Hkv, S, D) k, v -> (B, H, S, D): the op alone."""
-        o, _ = attention_op(q, k, v, None, self.causal, self.window_left, self.window_right)
-        return o
+        """(B, H, S, D) q and (B, Hkv, S, D) k, v -> (B, H, S, D): the op alone (traced as the
+        op; eager, the wrapper's direct call)."""
+        window = _window(self.window_left, self.window_right)
+        return attention(q, k, v, causal=self.causal, window=window)
 
     def forward(self, x):
         B, S, _ = x.shape

@@ -1,6 +1,8 @@
 """The custom ops of common/ops.py (torch.ops.flash_tutorial.attention / attention_varlen).
 
-- CPU: importing common.ops loads no stage and no CuTe DSL; which stage the ops run (the latest
+- CPU: importing common.ops loads no stage and no CuTe DSL; the wrappers call the stage directly
+  only in eager mode on plain tensors (no fake, meta or subclass tensor, no dispatch or
+  torch-function mode, no vmap), with the caller's arguments; which stage the ops run (the latest
   with stage 7's API; FLASH_TUTORIAL_STAGE and use_stage pin another); the schemas; the fake
   implementations under FakeTensorMode (CUDA fake tensors: shapes, dtypes, devices, contiguous
   outputs whatever the input strides) and on meta tensors, and their refusals; an input that
@@ -8,8 +10,8 @@
   torch.ops directly; torch.compile(fullgraph=True) of TutorialAttention traces in one graph with
   the op as one node (backends that run the graph on meta tensors, so no kernel is needed).
 - GPU (marker gpu_hopper): torch.library.opcheck on every sample of opcheck_samples(), for every
-  stage with the ops' API (7 and 8); the ops give bit-identical results to those stages' plain
-  entries; a torch.compile(fullgraph=True)
+  stage with the ops' API; the ops and the wrappers' direct calls give bit-identical results to
+  those stages' plain entries; a torch.compile(fullgraph=True)
   (inductor) function and module calling the op against eager and against SDPA; the grad
   refusal on real CUDA tensors.
 """
@@ -37,6 +39,71 @@ def grad_message():
 
 
 # ---------------------------------------------------------------- registration
+
+
+def test_eager_direct_only_for_plain_tensors_in_eager():
+    """The wrappers skip the op only for plain tensors of the kernel's device, in eager mode with
+    no mode or transform that must see the op."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class PassDispatch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class PassFunction(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class Sub(torch.Tensor):
+        pass
+
+    t = torch.zeros(2, 3)
+    assert ops.eager_direct((t, t), device_type="cpu")
+    assert not ops.eager_direct((t, t))  # CPU tensors, the kernel's device is CUDA
+    assert not ops.eager_direct((t, torch.zeros(2, 3, device="meta")), device_type="cpu")
+    assert not ops.eager_direct((t, t.as_subclass(Sub)), device_type="cpu")
+    with PassDispatch():
+        assert not ops.eager_direct((t, t), device_type="cpu")
+    with PassFunction():
+        assert not ops.eager_direct((t, t), device_type="cpu")
+    with FakeTensorMode() as mode:
+        f = mode.from_tensor(t)
+    assert not ops.eager_direct((f, f), device_type="cpu")
+    seen = []
+    torch.vmap(lambda x: seen.append(ops.eager_direct((x,), device_type="cpu")) or x)(t)
+    assert seen == [False]
+    assert ops.eager_direct((t, t), device_type="cpu")  # nothing left active
+
+
+def test_wrappers_call_the_stage_directly_with_the_same_arguments(monkeypatch):
+    """In eager mode on plain tensors the wrappers call the stage's own functions with the
+    caller's arguments (recorded here: CPU tensors stand in for CUDA ones)."""
+    calls = []
+
+    class Recorder:
+        def attention(self, *args, **kwargs):
+            calls.append(("attention", args, kwargs))
+            return "o"
+
+        def attention_varlen(self, *args, **kwargs):
+            calls.append(("attention_varlen", args, kwargs))
+            return "o"
+
+    direct = ops.eager_direct
+    monkeypatch.setattr(ops, "eager_direct", lambda ts: direct(ts, device_type="cpu"))
+    monkeypatch.setattr(ops, "_stage", Recorder)
+    q, k = torch.zeros(1, 2, 3, 64), torch.zeros(1, 1, 3, 64)
+    assert ops.attention(q, k, k, 0.5, True, (8, None), return_lse=True) == "o"
+    name, args, kwargs = calls.pop()
+    assert name == "attention" and all(a is b for a, b in zip(args, (q, k, k)))
+    assert kwargs == dict(scale=0.5, causal=True, window=(8, None), return_lse=True)
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    assert ops.attention_varlen(q[0], k[0], k[0], cu, cu, 3, 3, causal=True) == "o"
+    name, args, kwargs = calls.pop()
+    assert name == "attention_varlen" and args[3] is cu and args[4] is cu
+    assert kwargs["max_seqlen_q"] == 3 and kwargs["causal"] is True
+    assert kwargs["return_lse"] is False and kwargs["window"] is None
 
 
 def test_import_loads_no_stage_and_no_cute():
@@ -317,9 +384,18 @@ def test_ops_match_the_plain_entries(stage):
             )
         with ops.use_stage(stage):
             got = op(*args)
-        for g, w, what in zip(got, want, ("O", "LSE")):
+            # The wrappers, which in eager mode call the stage directly (eager_direct).
+            assert ops.eager_direct(args[:3])
+            if op is ops.attention_op:
+                direct = ops.attention(q, k, v, scale, causal, window, return_lse=True)
+            else:
+                direct = ops.attention_varlen(
+                    q, k, v, cu_q, cu_k, mq, mk, scale, causal, window, return_lse=True
+                )
+        for g, d, w, what in zip(got, direct, want, ("O", "LSE")):
             assert g.shape == w.shape and g.dtype == w.dtype, (label, what)
             assert torch.equal(g, w), (label, what)
+            assert torch.equal(d, w), (label, what, "wrapper")
 
 
 @pytest.mark.gpu_hopper
