@@ -9,13 +9,10 @@ Changes from stage 9:
     step j:   QK_j, PV_{j-1}, wait for QK_j (wait_group 1), softmax_j, wait for PV_{j-1}
               (wait_group 0), O *= row_scale_j, P_j             (mma_one_n_block)
     last:     PV_{hi-1}, wait                                  (last_half_block_overlap)
-- Registers: two S-sized sets live across the GEMMs, acc_S (S_j, 64 fp32 per thread) and tOrP
-  (P_{j-1}, 32 registers of bf16 pairs), next to acc_O (D / 2 fp32), in the 240 per consumer
-  thread that setmaxnreg gives.
+- Registers: acc_S (S_j, 64 fp32) and tOrP (P_{j-1}, 32 registers) both live across the GEMMs,
+  next to acc_O (D / 2 fp32), in the 240 per consumer thread.
 - The turns are (QK_j, PV_{j-1}) pairs, QK_lo alone first, PV_{hi-1} alone last: still steps + 1
-  per warpgroup, so the turn barriers complete as in stage 9.
-- The same operations on O in the same order (O *= row_scale_j, then O += P_j V_j), so O and
-  LSE are stage 9's bit for bit (tested).
+  per warpgroup. O and LSE are stage 9's bit for bit (the same operations in the same order).
 
 attention(q, k, v, ...) and attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...) as in
 stage 7: GQA / MQA, packed sequences, causal and window masks (bottom-right aligned per

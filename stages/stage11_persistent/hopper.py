@@ -1,27 +1,20 @@
 """Stage 11 - persistent CTAs (Hopper, sm_90a).
 
 Changes from stage 10:
-- Why: with one CTA per work tile, every CTA pays its set-up (barriers, descriptors, setmaxnreg,
-  the first Q and K loads) with the tensor cores idle, and under a causal mask the tiles differ
-  in work (the last Q tile sees every KV tile, the first one), so the grid's tail runs a few long
-  tiles on a mostly idle GPU.
-- Persistent CTAs: a grid of min(tiles, SMs) CTAs (one per SM: 225 KB of shared memory fits one),
-  each walking work tiles in the loop that stage 8 put there. The set-up is paid once per SM, and
-  the producer loads the next tile's Q and first K/V tiles during this tile's last GEMMs.
-- The tile scheduler (next_tile). No mask in batch mode, equal tiles: CTA c takes c,
-  c + gridDim.x, ... Under a mask and for packed sequences the producer draws the next tile from
-  an atomic counter (tile_counter, zeroed by the host): a CTA that finishes early takes more.
-  The producer hands each tile number to the consumers with its Q (tile_id, written before the
-  q_full arrive, read after the wait); a number past the end ends both loops. Packed sequences:
-  tiles past a shorter sequence's end are skipped (live_tile).
-- The order (tile_coords): longest first (under a causal mask the last Q tile has the most KV
-  tiles), across sections of (head, sequence) pairs whose K and V fit in the 50 MB L2 together
-  (l2_section_heads, a power of two), so the CTAs running at one time share K and V in L2.
-- O gets a buffer of its own (32 KB at D = 128, 16 KB at D = 64) instead of lying over Q: the
-  consumers arrive on q_empty as soon as their last GEMM has read Q, so the next tile's Q lands
-  while this tile's O is stored. The ring has one slot less: 5 x 32 KB next to 2 x 32 KB
-  (D = 128), 12 x 16 KB next to 2 x 16 KB (D = 64), 225 KB both.
-- Not changed: the loop inside a tile; O and LSE are stage 10's bit for bit (tested).
+- Why: a CTA per tile pays its set-up (barriers, setmaxnreg, the first loads) with the tensor
+  cores idle, and under a causal mask the tiles differ in work, so the grid's tail runs a few
+  long tiles on a mostly idle GPU.
+- Persistent CTAs: min(tiles, SMs) CTAs (225 KB of shared memory: one per SM), each walking
+  tiles in stage 8's loop; the producer loads the next tile's Q and K/V under this tile's GEMMs.
+- The scheduler (next_tile): no mask, batch mode: CTA c takes c, c + gridDim.x, ...; under a
+  mask or for packed sequences the producer draws the next tile from an atomic counter and hands
+  its number to the consumers with Q (tile_id); a number past the end ends both loops.
+- The order (tile_coords): longest first, in sections of (head, sequence) pairs whose K and V
+  fit in the 50 MB L2 together (l2_section_heads).
+- O gets its own buffer (32 KB at D = 128, 16 KB at D = 64): the consumers release Q after
+  their last GEMM, so the next tile's Q lands while O is stored. The ring loses a slot:
+  5 x 32 KB (D = 128), 12 x 16 KB (D = 64), 225 KB both.
+- O and LSE are stage 10's bit for bit (tested).
 
 attention(q, k, v, ...) and attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...) as in
 stage 7: GQA / MQA, packed sequences, causal and window masks (bottom-right aligned per
@@ -988,24 +981,22 @@ class Sm90Kernel:
         )
 
     def q_full_parity(self, tiles_done):
-        """The consumers' wait on q_full for the tile after `tiles_done` tiles (or the end):
-        the phase of that tile, tiles_done % 2 (one completion per tile: the producer's arrive
-        with Q's bytes, or its arrive alone at the end). Plain arithmetic, shared with the CPU
-        model of the hand-over in the tests."""
+        """The consumers' wait on q_full for the tile after `tiles_done` tiles: the phase of that
+        tile, tiles_done % 2 (one completion per tile: the producer's arrive with Q's bytes).
+        Plain arithmetic, shared with the CPU model of the hand-over in the tests."""
         return tiles_done % 2
 
     def q_empty_parity(self, tiles_done):
-        """The producer's wait on q_empty before it writes the next tile number and Q: the
-        consumers are done with the previous tile's (one completion per tile, all consumer
-        threads); (tiles_done + 1) % 2, which a fresh barrier passes for the first tile."""
+        """The producer's wait on q_empty before it writes the next tile's Q: the consumers are
+        done with the previous tile's (one completion per tile, all consumer threads);
+        (tiles_done + 1) % 2, which a fresh barrier passes for the first tile."""
         return (tiles_done + 1) % 2
 
     @cute.jit
     def next_tile(self, tile, dynamic, tile_counter):
-        """The producer's next work tile after `tile`: tile + gridDim.x (a fixed share), or, with
-        dynamic = 1, gridDim.x + the ticket that lane 0 draws from tile_counter (an atomic add:
-        tickets 0, 1, ... in the order the CTAs ask, after the first gridDim.x tiles that the
-        CTAs start with), broadcast to the warp."""
+        """The producer's next work tile after `tile`: tile + gridDim.x (a fixed share), or with
+        dynamic = 1, gridDim.x + a ticket that lane 0 draws from tile_counter (an atomic add, in
+        the order the CTAs ask), broadcast to the warp."""
         grid = cute.arch.grid_dim()[0]
         nxt = tile + grid
         if dynamic != 0:
@@ -1019,11 +1010,9 @@ class Sm90Kernel:
     def live_tile(
         self, tile, total_tiles, tiles_m, heads, l2_heads, dynamic, tile_counter, mCuSeqlensQ
     ):
-        """The first work tile from `tile` on (taking next_tile past each one skipped) that has
-        rows of Q, or a number past the end. Packed sequences only: the grid counts as many Q
-        tiles per (head, sequence) as the longest sequence has, so a shorter sequence's last
-        ones are empty (16 tiles of 128 rows for 2047 tokens, one for 64), and a CTA that took
-        one would load Q and run an epilogue for nothing. In batch mode every tile has rows."""
+        """The first work tile from `tile` on (next_tile past each one skipped) that has rows of
+        Q, or a number past the end. Packed sequences only: the grid counts the longest
+        sequence's Q tiles for every sequence, and a shorter one's last tiles are empty."""
         if cutlass.const_expr(mCuSeqlensQ is not None):
             searching = cutlass.Int32(1)
             while searching != 0:
@@ -1036,9 +1025,8 @@ class Sm90Kernel:
         return tile
 
     def tile_is_empty(self, pid_m, seqlen_q):
-        """Whether Q tile pid_m starts past the end of a sequence of seqlen_q positions (G rows
-        per position when packed): its first row, pid_m * bM, is not below seqlen_q * G. Plain
-        arithmetic, shared with the CPU model of the ticket walk in the tests."""
+        """Whether Q tile pid_m starts past a sequence of seqlen_q positions (G rows each when
+        packed): pid_m * bM >= seqlen_q * G. Shared with the CPU model of the ticket walk."""
         return pid_m * self.cta_tile[0] >= seqlen_q * self.pack_gqa
 
     @cute.jit
@@ -1126,13 +1114,10 @@ class Sm90Kernel:
 
     def tile_coords(self, tile, tiles_m, heads, l2_heads):
         """(Q tile, head, sequence) of work tile `tile`. The (head, sequence) pairs hb = head +
-        H sequence are cut into sections of l2_heads pairs (which divides their number); inside
-        a section the pair varies fastest and the Q tile slowest, so the tiles run block by
-        block across the section's heads: with longest first, every head's last Q tile (under
-        a causal mask the one with the most KV tiles), then every head's second last, and so on.
-        The CTAs running at one time read the K and V of one section, which fit in L2 together
-        (l2_section_heads). l2_heads = 1 (no mask, packed sequences): head by head, the Q tile
-        fastest. (Without a mask every tile has the same work.)"""
+        H sequence are cut into sections of l2_heads pairs; inside a section the pair varies
+        fastest and the Q tile slowest, longest first: every head's last Q tile (under a causal
+        mask the one with the most KV tiles), then every head's second last, and so on; the
+        CTAs running at one time read one section's K and V. l2_heads = 1: head by head."""
         section_tiles = l2_heads * tiles_m
         section = tile // section_tiles
         in_section = tile - section * section_tiles
@@ -1145,11 +1130,10 @@ class Sm90Kernel:
 
     @cute.jit
     def l2_section_heads(self, seqlen_k, pairs):
-        """How many (head, sequence) pairs' K and V fit in L2 together: 50 MB (the H100's L2;
-        the H200's too) over Sk x 2 D bytes of K and V per head (fp16/bf16), rounded down to a
-        power of two (as FlashAttention's LPT tile scheduler), at least 1, and at most the
-        largest power of two dividing the number of pairs (pairs & -pairs), so that every
-        section is whole."""
+        """How many (head, sequence) pairs' K and V (Sk x 2 D bytes each) fit in the 50 MB L2
+        together (the H100's and the H200's), rounded down to a power of two as FlashAttention's
+        LPT scheduler, at least 1 and at most the largest power of two dividing the number of
+        pairs (pairs & -pairs), so that every section is whole."""
         per_key = 2 * self.cta_tile[2] * self.dtype.width // 8  # bytes of K and V per key
         fit = (self.l2_bytes // per_key) // seqlen_k
         heads = cutlass.Int32(1)

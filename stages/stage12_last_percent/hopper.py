@@ -1,32 +1,16 @@
 """Stage 12 - the last percent (Hopper, sm_90a).
 
-Changes from stage 11: seven tunings, each a switch (TUNINGS; with_tunings(names) builds the
-kernel with some of them, with_tunings(()) is stage 11's) and each with its row in the tunings
-run (python -m common.tools.bench --tunings). They were found by reading the loop's SASS
-(cuobjdump -sass) and by counting instructions per KV tile in Nsight Compute against FA4's
-kernel. None changes the arithmetic: O and LSE are stage 11's bit for bit (tested).
-1. three_warpgroups (D = 64): a 192-row Q tile, three consumer warpgroups, setmaxnreg 24 / 160
-   (128 x 24 + 384 x 160 = 64,512), the turns going round 1, 2, 3 on barriers 2, 3, 4
-   (FlashAttention-3's configuration). D = 64 is bound by the exponentials, and a third
-   warpgroup computes them while the other two hold the tensor cores. Where a mask leaves no
-   query row more than SHORT_MASK_KEYS = 1024 keys, launches keep two (launch_options): a
-   192-row tile would do more masked work.
-2. mask_free_kernel (D = 64): launches that mask nothing (no causal or window cut, batch mode,
-   Sk a multiple of 128) take a kernel compiled without the mask code, whose unused branch
-   kept values live across the loop.
-3. elected_release: a K/V slot is released by one elected lane per consumer warp
-   (common/kv_ring.py), not by lane 0, whose predicate ptxas rebuilt at every KV tile.
-4. slot_first: the GEMMs index the ring slot once, before the k-blocks (issue_qk, issue_pv):
-   each k-block's descriptor is then the slot's plus a constant.
-5. fmax_chains (D = 128): the row max in four independent fmax chains (quad_row_max), as FA4's,
-   instead of one reduction.
-6. wait_after_row_max (D = 128): ptxas moves a wgmma wait up to the top of its block, ahead of
-   the row max and the exponentials, so in the PTX order only the mask ran under PV_{j-1}. The
-   row max comes first, then a branch on an always-true, warp-uniform test neither compiler can
-   fold (always_true_after: inline PTX), and behind it the wait and the exponentials.
-7. interval_mask: an edge tile's mask as one interval of columns per row, [col_lo, col_hi),
-   compared against each element's column offset, a constant of the layout: two compares per
-   element where mask_keys makes three; the same elements (tested).
+Changes from stage 11: seven tunings, each a switch (TUNINGS, with_tunings) with its row in
+`python -m common.tools.bench --tunings`, found in the loop's SASS and in Nsight Compute's
+instruction counts per KV tile against FA4's. O and LSE are stage 11's bit for bit.
+1. three_warpgroups (D = 64): a 192-row Q tile, three consumer warpgroups taking turns, setmaxnreg
+   24 / 160 (128 x 24 + 384 x 160 = 64,512): a third computes exponentials while two hold the MMA.
+2. mask_free_kernel (D = 64): a kernel without mask code for launches that mask nothing.
+3. elected_release: one elected lane per consumer warp releases a K/V slot (common/kv_ring.py).
+4. slot_first: the GEMMs index the ring slot once, before the k-blocks.
+5. fmax_chains (D = 128): the row max in four independent fmax chains, as FA4's.
+6. wait_after_row_max (D = 128): an unfoldable branch keeps a wgmma wait below the row max.
+7. interval_mask: an edge tile's mask as one interval of columns per row, two compares per element.
 
 attention(q, k, v, ...) and attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...) as in
 stage 7: GQA / MQA, packed sequences, causal and window masks (bottom-right aligned per
@@ -156,19 +140,20 @@ class Sm90Kernel:
     @classmethod
     def launch_options(cls, head_dim, window_left, window_right, seqlen_q, seqlen_k, group, packed):
         """Options for the kernel of one launch (common/attention_host.py builds it with them).
-        Tuning 1: {"mma_warpgroups": 2} at D = 64 where a causal or window mask leaves no query
-        row more than SHORT_MASK_KEYS keys, min(Sk, left + right + 1) (packed: of the longest
-        sequence), and G = H / Hkv divides 64 (then both tiles, 128 and 192 rows, allow the same
-        pack-GQA choices: the argument checks do not depend on the lengths): a 192-row tile does
-        more of the masked work where the visible band is short. Tuning 2: {"edge_masks": False}
-        at D = 64 where the launch masks no element (no causal or window cut, batch mode, Sk a
-        multiple of the 128-key tile): the unused mask code keeps values live across the loop;
-        at D = 128 the kernel with the mask code measured the faster. {} otherwise."""
+        Tuning 1: {"mma_warpgroups": 2} at D = 64 where a mask leaves no row more than
+        SHORT_MASK_KEYS keys and G = H / Hkv divides 64. Tuning 2: {"edge_masks": False} at
+        D = 64 where the launch masks nothing. {} otherwise (the reasons: the comments below)."""
         masked = window_left < seqlen_k or window_right < seqlen_q
         keys = min(seqlen_k, window_left + window_right + 1)
         three = cls.warpgroups_for(head_dim) == 3
+        # A 192-row tile does more of the masked work where the visible band is short. (keys:
+        # of the longest sequence when packed; G dividing 64 lets both tiles, 128 and 192 rows,
+        # allow the same pack-GQA choices, so the argument checks do not depend on the lengths.)
         if three and masked and keys <= cls.SHORT_MASK_KEYS and 64 % group == 0:
             return {"mma_warpgroups": 2}
+        # No causal or window cut, batch mode, Sk a multiple of the 128-key tile: the unused mask
+        # code keeps values live across the loop at D = 64 (at D = 128 the kernel with the mask
+        # code measured the faster).
         mask_free = "mask_free_kernel" in cls.TUNINGS
         if mask_free and head_dim == 64 and not masked and not packed and seqlen_k % 128 == 0:
             return {"edge_masks": False}
@@ -985,9 +970,8 @@ class Sm90Kernel:
 
     @cute.jit
     def release(self, kv_pipeline, state):
-        """This consumer warp is done with ring slot state.index. Tuning 3: one elected lane
-        arrives (common/kv_ring.py, release_slot); else the pipeline's consumer_release, from
-        lane 0."""
+        """This consumer warp is done with ring slot state.index: one elected lane arrives
+        (tuning 3, common/kv_ring.py), else lane 0 (the pipeline's consumer_release)."""
         if cutlass.const_expr(self.release_elected):
             release_slot(kv_pipeline, state)
         else:
@@ -1091,24 +1075,22 @@ class Sm90Kernel:
         )
 
     def q_full_parity(self, tiles_done):
-        """The consumers' wait on q_full for the tile after `tiles_done` tiles (or the end):
-        the phase of that tile, tiles_done % 2 (one completion per tile: the producer's arrive
-        with Q's bytes, or its arrive alone at the end). Plain arithmetic, shared with the CPU
-        model of the hand-over in the tests."""
+        """The consumers' wait on q_full for the tile after `tiles_done` tiles: the phase of that
+        tile, tiles_done % 2 (one completion per tile: the producer's arrive with Q's bytes).
+        Plain arithmetic, shared with the CPU model of the hand-over in the tests."""
         return tiles_done % 2
 
     def q_empty_parity(self, tiles_done):
-        """The producer's wait on q_empty before it writes the next tile number and Q: the
-        consumers are done with the previous tile's (one completion per tile, all consumer
-        threads); (tiles_done + 1) % 2, which a fresh barrier passes for the first tile."""
+        """The producer's wait on q_empty before it writes the next tile's Q: the consumers are
+        done with the previous tile's (one completion per tile, all consumer threads);
+        (tiles_done + 1) % 2, which a fresh barrier passes for the first tile."""
         return (tiles_done + 1) % 2
 
     @cute.jit
     def next_tile(self, tile, dynamic, tile_counter):
-        """The producer's next work tile after `tile`: tile + gridDim.x (a fixed share), or, with
-        dynamic = 1, gridDim.x + the ticket that lane 0 draws from tile_counter (an atomic add:
-        tickets 0, 1, ... in the order the CTAs ask, after the first gridDim.x tiles that the
-        CTAs start with), broadcast to the warp."""
+        """The producer's next work tile after `tile`: tile + gridDim.x (a fixed share), or with
+        dynamic = 1, gridDim.x + a ticket that lane 0 draws from tile_counter (an atomic add, in
+        the order the CTAs ask), broadcast to the warp."""
         grid = cute.arch.grid_dim()[0]
         nxt = tile + grid
         if dynamic != 0:
@@ -1122,11 +1104,9 @@ class Sm90Kernel:
     def live_tile(
         self, tile, total_tiles, tiles_m, heads, l2_heads, dynamic, tile_counter, mCuSeqlensQ
     ):
-        """The first work tile from `tile` on (taking next_tile past each one skipped) that has
-        rows of Q, or a number past the end. Packed sequences only: the grid counts as many Q
-        tiles per (head, sequence) as the longest sequence has, so a shorter sequence's last
-        ones are empty (16 tiles of 128 rows for 2047 tokens, one for 64), and a CTA that took
-        one would load Q and run an epilogue for nothing. In batch mode every tile has rows."""
+        """The first work tile from `tile` on (next_tile past each one skipped) that has rows of
+        Q, or a number past the end. Packed sequences only: the grid counts the longest
+        sequence's Q tiles for every sequence, and a shorter one's last tiles are empty."""
         if cutlass.const_expr(mCuSeqlensQ is not None):
             searching = cutlass.Int32(1)
             while searching != 0:
@@ -1139,9 +1119,8 @@ class Sm90Kernel:
         return tile
 
     def tile_is_empty(self, pid_m, seqlen_q):
-        """Whether Q tile pid_m starts past the end of a sequence of seqlen_q positions (G rows
-        per position when packed): its first row, pid_m * bM, is not below seqlen_q * G. Plain
-        arithmetic, shared with the CPU model of the ticket walk in the tests."""
+        """Whether Q tile pid_m starts past a sequence of seqlen_q positions (G rows each when
+        packed): pid_m * bM >= seqlen_q * G. Shared with the CPU model of the ticket walk."""
         return pid_m * self.cta_tile[0] >= seqlen_q * self.pack_gqa
 
     @cute.jit
@@ -1229,10 +1208,8 @@ class Sm90Kernel:
     ):
         """The softmax of one tile: the element mask on a tile that crosses an edge (Sk, or the
         band of the window: the diagonal when causal), then the fold into row_max and row_sum,
-        P = exp(scale * (S - row_max)) in place of S. Returns row_scale. tScS: (this thread's
-        coordinates, thread 0's: the offsets). Tuning 2: no mask code (edge_masks False).
-        Tuning 6: exponentiate=False stops after the row max and returns (row_scale,
-        row_max * scale_log2) for exponentiate()."""
+        P = exp(scale * (S - row_max)) in place of S. Returns row_scale. tScS: (coordinates,
+        offsets). Tuning 6: exponentiate=False returns after the row max (fold_row_max's values)."""
         tScS, tScS_offsets = tScS
         if cutlass.const_expr(self.edge_masks and self.interval_mask):
             right, left = self.mask_edges(
@@ -1272,13 +1249,10 @@ class Sm90Kernel:
 
     def tile_coords(self, tile, tiles_m, heads, l2_heads):
         """(Q tile, head, sequence) of work tile `tile`. The (head, sequence) pairs hb = head +
-        H sequence are cut into sections of l2_heads pairs (which divides their number); inside
-        a section the pair varies fastest and the Q tile slowest, so the tiles run block by
-        block across the section's heads: with longest first, every head's last Q tile (under
-        a causal mask the one with the most KV tiles), then every head's second last, and so on.
-        The CTAs running at one time read the K and V of one section, which fit in L2 together
-        (l2_section_heads). l2_heads = 1 (no mask, packed sequences): head by head, the Q tile
-        fastest. (Without a mask every tile has the same work.)"""
+        H sequence are cut into sections of l2_heads pairs; inside a section the pair varies
+        fastest and the Q tile slowest, longest first: every head's last Q tile (under a causal
+        mask the one with the most KV tiles), then every head's second last, and so on; the
+        CTAs running at one time read one section's K and V. l2_heads = 1: head by head."""
         section_tiles = l2_heads * tiles_m
         section = tile // section_tiles
         in_section = tile - section * section_tiles
@@ -1291,11 +1265,10 @@ class Sm90Kernel:
 
     @cute.jit
     def l2_section_heads(self, seqlen_k, pairs):
-        """How many (head, sequence) pairs' K and V fit in L2 together: 50 MB (the H100's L2;
-        the H200's too) over Sk x 2 D bytes of K and V per head (fp16/bf16), rounded down to a
-        power of two (as FlashAttention's LPT tile scheduler), at least 1, and at most the
-        largest power of two dividing the number of pairs (pairs & -pairs), so that every
-        section is whole."""
+        """How many (head, sequence) pairs' K and V (Sk x 2 D bytes each) fit in the 50 MB L2
+        together (the H100's and the H200's), rounded down to a power of two as FlashAttention's
+        LPT scheduler, at least 1 and at most the largest power of two dividing the number of
+        pairs (pairs & -pairs), so that every section is whole."""
         per_key = 2 * self.cta_tile[2] * self.dtype.width // 8  # bytes of K and V per key
         fit = (self.l2_bytes // per_key) // seqlen_k
         heads = cutlass.Int32(1)
@@ -1517,9 +1490,8 @@ class Sm90Kernel:
     @cute.jit
     def mask_edges(self, pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right):
         """Which edges tile (pid_m, kv_tile) crosses, (right, left): right when it holds a key at
-        or beyond Sk or right of the band (j - i > band_hi for the tile's first row), left when
-        it holds a key left of the band (j - i < band_lo for its last row). A tile crossing
-        neither is seen whole (crosses_mask_edge is right or left)."""
+        or beyond Sk or with j - i > band_hi (its first row), left when it holds one with
+        j - i < band_lo (its last row). crosses_mask_edge is right or left."""
         bM, bN, _ = self.cta_tile
         band_lo, band_hi = seqlen_k - seqlen_q - window_left, seqlen_k - seqlen_q + window_right
         first_row, last_row = self.q_positions(pid_m, seqlen_q)
@@ -1532,13 +1504,9 @@ class Sm90Kernel:
     def mask_interval(
         self, acc_S, tScS, pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right
     ):
-        """S = -inf where row i of Q tile pid_m must not see key j of KV tile kv_tile: j >= Sk,
-        or j - i outside [band_lo, band_hi] (mask_keys' elements; tuning 7). Per row, the
-        keys seen are one interval, j in [i + band_lo, min(i + band_hi + 1, Sk)); counted from
-        this thread's first key it is [col_lo, col_hi), and element c of the row is masked
-        when its column offset (a constant: tScS_offsets) lies outside: two compares per
-        element. (A second version with the right bound alone, for tiles that cross only that
-        edge, spilled at D = 64: not kept.)"""
+        """mask_keys' elements (tuning 7): row i sees the keys j in [i + band_lo, min(i + band_hi
+        + 1, Sk)), from this thread's first key [col_lo, col_hi), and element c is masked when its
+        column offset (a constant: tScS_offsets) lies outside: two compares per element."""
         bM, bN, _ = self.cta_tile
         band_lo, band_hi = seqlen_k - seqlen_q - window_left, seqlen_k - seqlen_q + window_right
         tScS, tScS_offsets = tScS
@@ -1581,10 +1549,9 @@ class Sm90Kernel:
 
     @cute.jit
     def quad_row_max(self, acc_S_mn, r, init):
-        """m = max(init, max_c S[r, c]) over this thread's columns, then over the 4 threads of
-        the quad. With fmax_row_max (D = 128) in four independent chains of fmax (FMNMX, which
-        ignores a NaN operand; a NaN in S still makes P, row_sum and O NaN), as FA4 does; else
-        TensorSSA.reduce (FMNMX.NAN), stages 3-11's form (tuning 5)."""
+        """m = max(init, max_c S[r, c]) over this thread's columns and the quad. Tuning 5
+        (D = 128): four independent fmax chains, as FA4's (a NaN in S still makes O NaN); else
+        TensorSSA.reduce, stages 3-11's form."""
         m_new = init
         if cutlass.const_expr(self.fmax_row_max):
             n = cute.size(acc_S_mn, mode=[1])
@@ -1601,9 +1568,8 @@ class Sm90Kernel:
 
     @cute.jit
     def fold_row_max(self, acc_S, row_max, scale_log2):
-        """online_softmax's first half: m_new = max(row_max, max_j S_j) (over the quad),
-        row_scale = exp2((row_max - m_new) * scale_log2), row_max = m_new. Returns (row_scale,
-        m_safe * scale_log2) per row (m_safe: m_new, or 0 for a row that has seen no key)."""
+        """online_softmax's first half: row_max = max(row_max, max_j S_j); returns (row_scale,
+        m_safe * scale_log2) per row (m_safe: the new max, or 0 for a row that saw no key)."""
         acc_S_mn = self.rows_view(acc_S)
         row_scale = cute.make_rmem_tensor_like(row_max)
         max_scaled = cute.make_rmem_tensor_like(row_max)
@@ -1617,9 +1583,8 @@ class Sm90Kernel:
 
     @cute.jit
     def exponentiate(self, acc_S, row_sum, row_scale, max_scaled, scale_log2):
-        """online_softmax's second half: P_j = exp2(S_j * scale_log2 - m_safe * scale_log2)
-        written over S, row_sum = row_sum * row_scale + sum_j P_j (the same operations in the
-        same order: the same bits)."""
+        """online_softmax's second half: P_j = exp2(S_j * scale_log2 - m_safe * scale_log2) over
+        S, row_sum = row_sum * row_scale + sum_j P_j (online_softmax's operations: the same bits)."""
         acc_S_mn = self.rows_view(acc_S)
         for r in cutlass.range_constexpr(cute.size(row_sum)):
             p = cute.math.exp2(acc_S_mn[r, None].load() * scale_log2 - max_scaled[r], fastmath=True)
@@ -1631,11 +1596,9 @@ class Sm90Kernel:
 
 @dsl_user_op
 def always_true_after(*values, loc=None, ip=None):
-    """True, for every input, but neither compiler can tell: inline PTX adds the values (each
-    exp2 of something: >= 0, or NaN), tests the sum with setp.geu (true for >= 0 and for NaN)
-    and votes across the warp (vote.any: a warp-uniform result, so that ptxas keeps the code
-    behind the test on the uniform datapath). A branch on it makes a block boundary after the
-    values are computed, which ptxas does not move a wgmma wait across (see mma_one_n_block)."""
+    """True for every input, but neither compiler can tell: inline PTX adds the values (each >= 0
+    or NaN), tests the sum with setp.geu and votes across the warp (warp-uniform). A branch on it
+    is a block boundary that ptxas does not move a wgmma wait across (see mma_one_n_block)."""
     asm = (
         "{ .reg .pred p; .reg .f32 t; mov.f32 t, 0f00000000; "
         + " ".join(f"add.f32 t, t, ${i + 1};" for i in range(len(values)))
@@ -1658,9 +1621,8 @@ _TUNED_CLASSES = {}
 
 
 def with_tunings(names):
-    """Sm90Kernel with only the tunings `names` (a subset of TUNINGS, any order) switched on: a
-    class of its own per set, made once, so that the compile cache tells the kernels apart and
-    keeps each. with_tunings(()) is stage 11's kernel; with_tunings(TUNINGS) is Sm90Kernel."""
+    """Sm90Kernel with only the tunings `names` (a subset of TUNINGS) on, a class per set (the
+    compile cache tells them apart). with_tunings(()) is stage 11's kernel."""
     if isinstance(names, str):
         raise TypeError(f"argument 'names': expected a collection of tuning names, got {names!r}")
     unknown = set(names) - set(TUNINGS)

@@ -1,31 +1,22 @@
 """Stage 8 - warp specialisation (Hopper, sm_90a).
 
 Changes from stage 7:
-- Warp roles: 384 threads. Warpgroup 0 is the producer: one elected thread of its warp 0 issues
-  every TMA load (Q, then K_j and V_j of each KV tile) and does nothing else. Consumer
-  warpgroup w = 1, 2 owns query rows [64 (w - 1), 64 w) of the 128-row Q tile, stage 7's rows
-  and arithmetic, and never stops to issue a load. `kernel` prepares what both roles share and
-  calls the role's method: load (the producer) or mma (the consumers: one mma_one_n_block per
-  KV tile, then epilogue).
-- Registers: 65,536 / 384 threads leaves 168 each at entry. The producer needs few: it gives its
-  warpgroup's down to 24 (setmaxnreg.dec), the consumers raise theirs to 240
-  (setmaxnreg.inc): 128 x 24 + 256 x 240 = 64,512 of 65,536 (FlashAttention-3's split).
-- The ring runs ahead. Stage 7 had 2 slots, V_j loaded into K_j's slot once QK_j was done. Here
-  every K and V tile takes the next ring entry: entry 2 t is K of step t, 2 t + 1 its V, in slot
-  entry % kv_slots, as many slots as fit in 227 KB (232,448 B) next to Q and 1 KB of barriers:
-  D = 128, 6 x 32 KB next to 32 KB (225 KB); D = 64, 13 x 16 KB next to 16 KB (225 KB). The
-  producer waits only for the release of the entry kv_slots back: 3 KV tiles ahead at D = 128.
-- Barriers: kv_full[i] completes on 1 arrive (the producer's expect_tx) + the TMA bytes of one
-  tile; kv_empty[i] on 8 arrives, one per consumer warp; q_full on 1 arrive + Q's bytes; q_empty
-  on 256 arrives, every consumer thread, once sO (over Q) is stored.
-- The work-tile loop: load and mma each walk work tiles (a Q tile of one head and sequence),
-  counting tiles and ring entries, so the ring's phases carry from one tile to the next. Here a
-  CTA has one tile (grid = tiles) and the loop runs once; stage 11 changes which tiles it visits.
-- Each consumer warpgroup runs stage 7's step: QK_j, wait, mask and online softmax, PV_j, wait.
-  The two warpgroups are not coordinated: their GEMMs reach the tensor cores as they are issued
-  (stage 9 makes them take turns).
-- Not changed: tiles, masks, the online softmax, the epilogue; O and LSE are stage 7's bit for
-  bit (tested).
+- Warp roles (384 threads, FlashAttention-3's): warpgroup 0 is the producer, one elected thread
+  of its warp 0 issuing every TMA load; consumer warpgroup w = 1, 2 computes query rows
+  [64 (w - 1), 64 w) with stage 7's arithmetic and never stops to load. `kernel` calls the role's
+  method: load (the producer) or mma (the consumers: mma_one_n_block per KV tile, then epilogue).
+- Registers (setmaxnreg): 168 per thread at entry (65,536 / 384); the producer drops to 24, the
+  consumers rise to 240: 128 x 24 + 256 x 240 = 64,512 of 65,536.
+- The ring runs ahead: each K or V tile takes the next entry (2 t: K of step t, 2 t + 1: its V),
+  in slot entry % kv_slots, as many slots as fit in 227 KB next to Q and 1 KB of barriers:
+  6 x 32 KB (D = 128) or 13 x 16 KB (D = 64). The producer runs up to 3 KV tiles ahead (D = 128).
+- Arrivals per barrier phase: kv_full 1 (expect_tx) + the tile's TMA bytes, kv_empty 8 (one per
+  consumer warp), q_full 1 + Q's bytes, q_empty 256 (every consumer thread, once sO is stored).
+- The work-tile loop: load and mma walk work tiles, counting tiles and ring entries, so the
+  ring's phases carry from one tile to the next. One tile per CTA here (the loop runs once);
+  stage 11 changes which tiles a CTA visits.
+- The consumer warpgroups are not coordinated: their GEMMs reach the tensor cores as issued
+  (stage 9 makes them take turns). O and LSE are stage 7's bit for bit (tested).
 
 attention(q, k, v, ...) and attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...) as in
 stage 7: GQA / MQA, packed sequences, causal and window masks (bottom-right aligned per
