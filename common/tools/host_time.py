@@ -3,12 +3,13 @@ work is negligible, so that back-to-back calls run at the speed of the host code
 
     python -m common.tools.host_time [--calls 2000] [--profile]
 
-For each entry (stages 12 and 13, stage 14 on a paged cache, the custom op of common/ops.py, SDPA, FA4 where importable):
+For each entry (stages 12 and 13, stage 14 on a paged cache, common/ops.py's wrapper, which calls
+the stage directly in eager mode, and its custom op through torch.ops; SDPA, FA4 where importable):
 the microseconds per call of N calls back to back, between two CUDA events (the GPU waits for
 the host the whole time, so this is the host's time per call), after warm-up (compiles). A
 decode step at batch 1: Q (1, 32, 1, 128), K and V (1, 8, 256, 128), bf16, causal.
---profile adds cProfile's top functions (by own time) for the calls of stages 13 and 14 and the
-custom op."""
+--profile adds cProfile's top functions (by own time) for the calls of stages 12-14 and of the
+ops."""
 
 import argparse
 import cProfile
@@ -53,7 +54,9 @@ def entries(q, k, v):
     try:
         from common import ops
 
-        out["custom op (common/ops.py)"] = lambda: ops.attention(q, k, v, causal=True)
+        out["ops.attention (eager: direct)"] = lambda: ops.attention(q, k, v, causal=True)
+        op = torch.ops.flash_tutorial.attention
+        out["torch.ops.flash_tutorial.attention"] = lambda: op(q, k, v, None, True, None, None)
     except Exception as e:  # reported, not fatal
         print(f"custom op: not available ({type(e).__name__}: {e})")
     out["SDPA"] = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
@@ -80,7 +83,7 @@ def main(argv=None):
     with torch.inference_mode():
         fns = entries(q, k, v)
         for label, fn in fns.items():
-            print(f"  {label:28s} {per_call_us(fn, args.calls):7.1f} us per call", flush=True)
+            print(f"  {label:36s} {per_call_us(fn, args.calls):7.1f} us per call", flush=True)
         for label in [
             name for name in fns if args.profile and not name.startswith(("SDPA", "FA4"))
         ]:
