@@ -1047,6 +1047,85 @@ _ALL.append(
     )
 )
 
+# ---------------------------------------------------------------- stage 11
+
+
+def _check_11a(mod):
+    # The edited kernel's own tile_coords (its plain Python, on ints) numbers the work tiles of a
+    # causal launch; the CPU walk of common/tools/tile_scheduler.py hands them to 132 SMs in that
+    # order, against the same tiles handed out longest first.
+    import dataclasses
+
+    from common.tools import tile_scheduler
+
+    B, H, S = 2, 16, 8192
+    kernel, _, _ = compile_module(mod, "hopper", shape=(B, H, S, S, 128), causal=True)
+    plan = tile_scheduler.launch_plan(kernel, B, H, S, S, causal=True)
+    coords = {(t.q_tile, t.head, t.sequence) for t in plan.tiles}
+    tiles_m = -(-S // kernel.cta_tile[0])
+    if len(coords) != len(plan.tiles) or len(coords) != tiles_m * H * B:
+        return Result(
+            False,
+            f"tile_coords gives {len(coords)} distinct (Q tile, head, sequence) for "
+            f"{tiles_m * H * B} tile numbers: some tile would run twice and another never (the "
+            "exercise keeps every tile, only the order changes)",
+        )
+    lpt = sorted(plan.tiles, key=lambda t: -t.kv_tiles)
+    longest = dataclasses.replace(
+        plan, tiles=[dataclasses.replace(t, number=i) for i, t in enumerate(lpt)]
+    )
+    lead = kernel.kv_slots / 2
+    got = tile_scheduler.walk(plan, 132, 1.0, lead)
+    ref = tile_scheduler.walk(longest, 132, 1.0, lead)
+    starts = sorted((seg for row in got.rows for seg in row if seg.tile), key=lambda s: s.start)
+    first = [t.kv_tiles for t in plan.tiles[:5]]
+    last = [seg.tile.kv_tiles for seg in starts[-5:]]
+    seen = (
+        f"causal, B = {B}, H = {H}, S = {S}, 132 SMs: the first five tiles handed out have "
+        f"{first} KV tiles, the last five to start {last}; the walk ends at {got.end:g} KV tiles "
+        f"(SMs busy {got.busy:.1%}), longest first at {ref.end:g} ({ref.busy:.1%})"
+    )
+    if got.end <= ref.end:
+        return Result(False, seen + " (the exercise hands the Q tiles out first to last)")
+    return Result(
+        True,
+        seen + f": {got.end - ref.end:g} KV tiles of tail, the longest tiles running last on a few "
+        "SMs while the others have nothing left to draw",
+    )
+
+
+_ALL.append(
+    Exercise(
+        id="11a",
+        stage=11,
+        track="hopper",
+        task=(
+            "Shortest first. In `Sm90Kernel.tile_coords` of "
+            "`stages/stage11_persistent/hopper.py` hand the Q tiles out in their own order: "
+            "delete the two lines that reverse them (`if cutlass.const_expr(self.longest_first):` "
+            "and `pid_m = tiles_m - 1 - block`), so that `pid_m = block`. Every tile still runs "
+            "once; under a causal mask the first Q tiles see the fewest keys. Before you run the "
+            "check: which tiles does the atomic counter hand out last, and what do the other SMs "
+            "do meanwhile? The check compiles the file, numbers the tiles of a causal launch with "
+            "the edited `tile_coords` and walks them over 132 SMs on the CPU "
+            "(`common/tools/tile_scheduler.py`), against the same tiles longest first. On a GPU "
+            "it runs the edited kernel and says whether O is still right."
+        ),
+        solution=(
+            (
+                "        pid_m = block\n"
+                "        if cutlass.const_expr(self.longest_first):\n"
+                "            pid_m = tiles_m - 1 - block\n",
+                "        pid_m = block\n",
+            ),
+        ),
+        check=_check_11a,
+        gpu_check=_gpu_in_own_process,
+        hint="the counter serves the tiles in tile-number order; a tile of 64 KV tiles drawn last "
+        "ends 64 KV tiles after its draw",
+    )
+)
+
 # ---------------------------------------------------------------- stage 13
 
 # (KV tiles of a work tile's range, splits) on which 13a runs the kernel's split_range: a decode

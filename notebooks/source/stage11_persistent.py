@@ -710,6 +710,9 @@ bench_causal = nb.measure(
 #    reverse=True)`) and walk both orders with `tile_scheduler.ticket_walk`: do the same tiles get
 #    handed out? Why can the order of `cu_seqlens` change the tail of a packed launch, although
 #    the tiles drawn are the same?
+# 7. **Shortest first, in the kernel** (exercise 11a, an edit of the Hopper stage file): exercise
+#    3 with the order changed in `tile_coords` itself. The cells at the end of the notebook give
+#    the task and check the edit.
 #
 # ### Answers and checks
 #
@@ -763,6 +766,15 @@ bench_causal = nb.measure(
 # draw, where few tiles are left to balance them. Sorted longest first, the last tiles drawn
 # belong to the shortest sequence. The cell below adds up the KV tiles (causal) of the last 132
 # live tiles in tile-number order for both orders: the work the grid's last round holds.
+# </details>
+#
+# <details><summary>7. Shortest first, in the kernel (11a)</summary>
+#
+# Without the two lines, tile t of a section is Q tile t / l2_heads counted from the first: under
+# a causal mask the counter hands out the 1-KV-tile tiles first and the longest last, exercise
+# 3's order. The check prints both walks: the edited one ends later, with the last tiles to start
+# the longest. O is the same (the same tiles run, in another order); on a GPU the check runs the
+# edited kernel against the fp64 reference.
 # </details>
 
 # %%
@@ -838,3 +850,16 @@ for order in (lens, sorted(lens, reverse=True)):
         f"tiles hold {sum(last_round)} KV tiles (longest {max(last_round)})"
     )
 print("the same (length, Q tile, head) tiles in both orders:", sets[0] == sets[1])
+
+# %% [markdown]
+# ### Exercise 11a: shortest first
+#
+# The first cell gives the task; the second loads the stage file as it is on disk now, compiles
+# it (no GPU needed), numbers the tiles with its `tile_coords` and walks them on the CPU. On the
+# committed file it says "not yet".
+
+# %%
+nb.exercise("11a")
+
+# %%
+nb.check_exercise("11a")
