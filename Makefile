@@ -6,7 +6,7 @@ PYTEST = $(PYTHON) -m pytest
 # Tests run on every core (pytest-xdist); JOBS=1 runs them in one process.
 JOBS ?= auto
 
-.PHONY: help setup lint format test tour bench model notebooks notebooks-source sanitize clocks doctor stage-1 stage-2 stage-3 stage-4 stage-5 stage-6 stage-7 stage-8 stage-9 stage-10 stage-11 stage-12 stage-13 stage-14 stage-15 diff-2 diff-3 diff-4 diff-5 diff-6 diff-7 diff-8 diff-9 diff-10 diff-11 diff-12 diff-13 diff-14 host-time cp
+.PHONY: help setup lint format test tour bench model notebooks notebooks-source sanitize clocks doctor stage-1 stage-2 stage-3 stage-4 stage-5 stage-6 stage-7 stage-8 stage-9 stage-10 stage-11 stage-12 stage-13 stage-14 stage-15 diff-2 diff-3 diff-4 diff-5 diff-6 diff-7 diff-8 diff-9 diff-10 diff-11 diff-12 diff-13 diff-14 diff-sizes host-time cp
 
 help:
 	@echo "make setup      install what is missing: torch (CPU build without a GPU), requirements.txt, the DSL libs for torch's CUDA"
@@ -15,6 +15,7 @@ help:
 	@echo "make test       all tests (GPU tests skip with a reason when the GPU is absent)"
 	@echo "make stage-N    the tests of stage N (1..15)"
 	@echo "make diff-N     what stage N changes over stage N-1 (N = 2..14; TRACK=hopper|blackwell)"
+	@echo "make diff-sizes lines added + removed (docstring lines) of every diff-N, both tracks"
 	@echo "make bench      benchmarks against cuBLAS / torch SDPA / FA4, timed in the same run"
 	@echo "make host-time  host work per call of the entry points at a tiny shape (GPU)"
 	@echo "make cp GPUS=N  stage 15: ring attention over N GPUs (torchrun; CP_ARGS=--cpu runs it on CPU processes)"
@@ -53,6 +54,9 @@ model: setup
 GPUS ?= 2
 cp: setup
 	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node $(GPUS) -m common.tools.cp_run $(CP_ARGS)
+
+diff-sizes:
+	$(PYTHON) -m common.tools.diff_sizes
 
 host-time: setup
 	$(PYTHON) -m common.tools.host_time

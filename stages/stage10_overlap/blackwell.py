@@ -3,37 +3,28 @@ KV tile right behind the PV of the last one (D = 64), and O is rescaled only whe
 has grown by more than 2^8.
 
 Changes from stage 9:
-- The MMA warp's order, FA4's mma(). Stage 9 issues per KV tile j: S_0,j, S_1,j, then
-  P_0,j V_j, P_1,j V_j, so while one softmax warpgroup computes its P the tensor core has at
-  most one GEMM queued. Stage 10 issues, for Q tile s = 0, 1 in turn, P_s,j-1 @ V_j-1 and then
-  S_s,j = Q_s K_j^T: softmax warpgroup s finds its next S ready after two GEMMs, and while it
-  works the tensor core has the other tile's two queued. A prologue issues S_0 and S_1 of the
-  range's first tile, an epilogue the last tile's PVs.
-- Where P lives. PTX keeps two tcgen05.mma of one thread in issue order only when they share
-  accumulator and shape (QK writes S, PV writes O), so S_s,j must not overwrite P_s,j-1 while
-  P_s,j-1 @ V_j-1 may still read it. D = 64: TMEM has room for P of its own (S 2 x 128, O
-  2 x 64, P 2 x 64 = 512 columns), and S_s,j is issued without waiting. D = 128: S and O fill
-  all 512 columns, P stays over S, and S_s,j could be issued only once that PV has completed,
-  which would leave the tensor core idle twice per KV tile; so D = 128 keeps stage 9's order.
-  (FA4 issues the new order at D = 128 too, trusting the tensor core to run one thread's MMAs
-  in order; this tutorial keeps to what PTX promises.)
-- Conditional rescale (FA4's). The softmax subtracts a reference max m_ref, which moves to the
-  running max m only when (m - m_ref) * scale * log2(e) > 8. Otherwise the row factor is exactly
-  1, and a correction warp whose 32 rows all have factor 1 skips its TMEM round trip of O
-  (vote.any). Every P = exp2(scale (S - m_ref)) then lies in [0, 2^8]: nothing overflows (fp16's
-  largest value is 65504), rounding P to bf16 / fp16 keeps its relative error, and O and LSE
-  are computed against the same m_ref, so the answer is softmax(S) V up to those roundings
-  (tests/test_stage10_blackwell.py checks a model of the per-row arithmetic).
+- The MMA warp's order, FA4's mma(): for Q tile s = 0, 1 in turn, P_s,j-1 @ V_j-1 and then
+  S_s,j = Q_s K_j^T, so softmax warpgroup s finds its next S ready and, while it works, the
+  tensor core has the other tile's two GEMMs queued (stage 9: at most one). A prologue issues
+  the range's first S_0 and S_1, an epilogue the last tile's PVs.
+- Where P lives: PTX keeps two tcgen05.mma of one thread in order only when they share
+  accumulator and shape, so S_s,j must not overwrite P_s,j-1 while its PV may read it. D = 64:
+  P gets columns of its own (S 2 x 128, O 2 x 64, P 2 x 64 = 512). D = 128: S and O fill all
+  512 columns, P stays over S, and stage 9's order stays (docs/notes/stage10.md: FA4's choice).
+- Conditional rescale (FA4's): the softmax subtracts a reference max m_ref that moves to the
+  running max only when (m - m_ref) * scale * log2(e) > 8; otherwise the factor is exactly 1,
+  and a correction warp whose 32 rows all have factor 1 skips O's TMEM round trip (vote.any).
+  Every P lies in [0, 2^8], nothing overflows fp16, and O and LSE use the same m_ref
+  (tests/test_stage10_blackwell.py models the per-row arithmetic).
 
-Same entries and features as stages 7-9 (GQA / MQA, packed sequences, causal and window masks,
+Same entries and features as stage 7 (GQA / MQA, packed sequences, causal and window masks,
 LSE, pack-GQA, bf16 / fp16, D = 64 or 128).
 
 Compile-checked for sm_100a with fake tensors and no GPU (common.tools.ptx.compile_only(10,
-"blackwell")); PTX checks and the schedule checker's model of the five roles in the new MMA
-order (common/tools/schedule.py) in tests; never run on Blackwell hardware, so how often rows
-skip the rescale on real data, and what the new order gains, are open. The numerical tests
-run only where an sm_100 GPU is present. Measured numbers (Hopper track only):
-docs/results/README.md.
+"blackwell")); PTX checks and a CPU model of every hand-off between the roles
+(common/tools/schedule.py) in tests; never run on Blackwell hardware, so neither its speed nor
+what it gains over the stage before is known. The numerical tests run only where an sm_100 GPU
+is present. Measured numbers (Hopper track only): docs/results/README.md.
 """
 
 import math

@@ -4,40 +4,31 @@ buffers.
 
 Changes from stage 10 (Hopper stage 11's, on this track's five roles):
 - Grid: min(tiles, SMs) CTAs (227 KiB of shared memory: one per SM); a work tile is a CTA's
-  2 x 128 rows of one (head, sequence). Set-up (barriers, TMEM allocation, setmaxnreg) is paid
-  once per SM, and the TMA warp loads the next tile's Q and K/V during this tile's last MMAs.
-- The tiles (next_tile): batch mode without a mask, CTA c takes c, c + gridDim.x, ...; under a
-  mask and for packed sequences the TMA warp draws gridDim.x + a ticket from tile_counter (an
-  atomic add). Batch mode under a mask goes longest first in sections of (head, sequence)
-  pairs whose K and V fit in 50 MiB (tile_coords, l2_section_heads). Packed, a tile past its
-  sequence's end is skipped. Blackwell stages 8-10 have no work-tile loop: each role's branch
-  (mma: its own method, after its TMEM set-up) now walks the tiles.
-- The hand-over: the TMA warp writes the tile number to shared memory (hand_over) under a
-  one-entry pipeline; the MMA, softmax and correction warps read it (handed_tile). Full: 32
-  arrivals (the TMA warp), empty: 416 (13 warps). A number past the end ends every loop.
-- Phases across tiles: TMEM, every mbarrier and every pipeline state live across tiles (no
-  state made per tile). Entry n of a pipe of k stages is slot n % k; consumers wait for parity
-  (n // k) % 2, producers for its flip (a fresh barrier passes). n runs on across tiles: after
-  tiles with KV ranges r_1 .. r_t, K/V is at 2 sum r_i, S_s, P_s at sum r_i, O_s at sum r_i
-  (r_i - 1 rescales + 1 epilogue read; the epilogue now advances O_s), stats_s at
-  sum (r_i + 1), Q at 2 x (tiles with r_i > 0), the tile pipe at t. A per-tile method
-  returns the states it advanced (the DSL carries a loop's state only through names the loop
-  assigns). common/tools/schedule.py replays the roles over several work tiles.
-- O: D = 64, one 16 KiB buffer per Q tile, the ring keeps 8 slots; D = 128, one 32 KiB buffer
-  for both Q tiles (two would leave a 2-slot ring): 3 slots, not 4. Before staging into a
-  buffer, row 0 waits for the TMA store that last read it, then the warpgroup's barrier.
-- Registers: stage 10's 168 / 80 / 96. The loop's live values make ptxas spill 148-352 bytes
-  (stage 10: 4-204), in the MMA warp (D = 64) and the correction warpgroup.
+  2 x 128 rows of one (head, sequence). The set-up is paid once per SM, and the TMA warp loads
+  the next tile's Q and K/V during this tile's last MMAs.
+- The tiles (next_tile): batch mode without a mask, a fixed share (c, c + gridDim.x, ...); under
+  a mask or packed, gridDim.x + a ticket from tile_counter (an atomic add); longest first in L2
+  sections under a mask (tile_coords, l2_section_heads); empty packed tiles skipped. Stages 8-10
+  have no work-tile loop on this track: each role's branch now walks the tiles.
+- The hand-over: the TMA warp writes the tile number to shared memory under a one-entry pipeline
+  (full: 32 arrivals, empty: 416, 13 warps); a number past the end ends every loop.
+- Phases across tiles: every barrier and pipeline state lives across tiles. After tiles with KV
+  ranges r_1 .. r_t, K/V is at entry 2 sum r_i, S_s, P_s and O_s at sum r_i, stats_s at
+  sum (r_i + 1), Q at 2 x (tiles with r_i > 0), the tile pipe at t; a per-tile method returns
+  the states it advanced (common/tools/schedule.py replays the roles over several work tiles).
+- O: D = 64, a 16 KiB buffer per Q tile (8 ring slots); D = 128, one 32 KiB buffer for both Q
+  tiles (3 slots, not 4), reused after the TMA store that last read it.
+- Registers: stage 10's 168 / 80 / 96; the loop's live values spill 148-352 bytes (stage 10:
+  4-204), in the MMA warp (D = 64) and the correction warpgroup.
 
-Same entries and features as stages 7-10 (GQA / MQA, packed sequences, causal and window masks,
+Same entries and features as stage 7 (GQA / MQA, packed sequences, causal and window masks,
 LSE, pack-GQA, bf16 / fp16, D = 64 or 128).
 
 Compile-checked for sm_100a with fake tensors and no GPU (common.tools.ptx.compile_only(11,
-"blackwell")); PTX checks and the schedule checker's model of the five roles over several work
-tiles (common/tools/schedule.py) in tests; never run on Blackwell hardware, so what the
-persistent grid gains is open. The numerical tests
-run only where an sm_100 GPU is present. Measured numbers (Hopper track only):
-docs/results/README.md.
+"blackwell")); PTX checks and a CPU model of every hand-off between the roles
+(common/tools/schedule.py) in tests; never run on Blackwell hardware, so neither its speed nor
+what it gains over the stage before is known. The numerical tests run only where an sm_100 GPU
+is present. Measured numbers (Hopper track only): docs/results/README.md.
 """
 
 import math
@@ -625,8 +616,7 @@ class Sm100Kernel:
     @cute.jit
     def load(self, atoms, tiles, q_prod, kv_prod, q_tile0, kv_tile_lo, kv_tile_hi):
         """The TMA warp, per work tile: Q_0 and Q_1 once, then every K and V tile, each tile its
-        own ring entry. atoms = (the TMA atoms, the MMA slices), tiles = (the work tile's tiles in
-        global memory, the buffers in shared memory)."""
+        own ring entry. atoms = (TMA atoms, MMA slices), tiles = (global tiles, shared buffers)."""
         tma_q, tma_k, tma_v, qk_thr, pv_thr = atoms
         gQ, gK, gV, sQ, sK, sV = tiles
         # (MMA, MMA_M, MMA_K, Q tiles)
@@ -1546,9 +1536,8 @@ class Sm100Kernel:
 
     @cute.jit
     def next_tile(self, tile, dynamic, tile_counter):
-        """The TMA warp's next work tile after `tile`: tile + gridDim.x (a fixed share), or, with
-        dynamic = 1, gridDim.x + the ticket lane 0 draws from tile_counter (an atomic add:
-        tickets 0, 1, ... in the order the CTAs ask), broadcast to the warp."""
+        """The TMA warp's next work tile after `tile`: tile + gridDim.x (a fixed share), or with
+        dynamic = 1, gridDim.x + a ticket lane 0 draws from tile_counter, broadcast to the warp."""
         grid = cute.arch.grid_dim()[0]
         nxt = tile + grid
         if dynamic != 0:
@@ -1559,10 +1548,9 @@ class Sm100Kernel:
         return nxt
 
     def tile_coords(self, tile, tiles_m, heads, l2_heads):
-        """(CTA row block, head, sequence) of work tile `tile`, Hopper stage 11's order: the
-        (head, sequence) pairs in sections of l2_heads, inside a section the pair fastest and
-        the row block slowest, last first (under a causal mask the one with the most KV
-        tiles). l2_heads = 1: head by head. Plain arithmetic, run on ints by the tests."""
+        """(CTA row block, head, sequence) of work tile `tile`, Hopper stage 11's order: pairs in
+        sections of l2_heads, inside a section the pair fastest and the row block slowest, last
+        (longest) first. l2_heads = 1: head by head. Plain arithmetic, run on ints by the tests."""
         section_tiles = l2_heads * tiles_m
         section = tile // section_tiles
         in_section = tile - section * section_tiles

@@ -3,45 +3,31 @@ arithmetic and of the register split, each a switch (TUNINGS; with_tunings(names
 kernel with some of them; with_tunings(()) compiles to stage 11's PTX), and no spill.
 
 Changes from stage 11:
-1. ex2_emulation: 16 of a row's 128 exp2 of P (one column pair in every 16) on the FMA pipe
-   as FA4's cubic (exp2_emulated), 112 on MUFU. FA4's reason: B200's MUFU does 16 exp2 per
-   clock per SM, as H100's, while the tensor core doubled to 8192 flop per clock. Per KV tile
-   a CTA's 2 x 128 x 128 exponentials take 2048 MUFU clocks, as long as its four MMAs at
-   D = 128 (4 x 128 x 128 x 128 x 2 flop / 8192), twice as long at D = 64; with 12.5% of
-   them emulated (FA4: 10-25%), 1792. The cubic's relative error, 8.8e-5, is below the
-   rounding of P to bf16 (2^-8) or fp16 (2^-11); P is no longer stage 11's bit for bit.
-   Per emulated pair: 3 add/sub.f32x2, 3 fma.f32x2, 2 integer multiply-adds (n << 23 + bits).
-2. packed_f32x2: S scale_log2 - row_max_scaled as one fma.rn.f32x2 per column pair (stage 11:
-   a mul.f32 and a sub.f32 per column, one FFMA in the SASS), the row sum in four chains of
-   add.f32x2 as FA4's fadd_reduce, 63 in all (stage 11: a chain of 128 add.f32). FA4's
-   reason: from H100 to B200 the floating-point units did not grow either, and the softmax
-   warps issue all of a row's arithmetic; an f32x2 instruction does two columns. O's rescale
-   and normalisation were mul.f32x2 already (the DSL packs a product of a TensorSSA).
-3. kblock_loop: the MMA warp issues a GEMM's k-blocks in a loop (as FA4's gemm_w_idx can),
-   not unrolled. Unrolled, ptxas made every k-block's descriptors, TMEM addresses and
-   instruction descriptor once, before the tile loop, and kept them all: 272 of stage 11's
-   352 bytes of spill at D = 64 (96 registers). In the loop the MMA warp fits in 48.
-4. register_split: setmaxnreg 176 / 112 / 48 for each softmax warpgroup / the correction
-   warpgroup / the MMA, TMA and idle warps: (2 x 176 + 112 + 48) x 128 = 65536 (stage 11:
-   168 / 80 / 96; FA4: 192 / 80 / 48 at D = 128, 200 / 64 / 48 at D = 64). A softmax
-   thread holds its row of S (128 fp32) and P (64 registers of two 16-bit values); tunings
-   1-2 take it from 160 to 176 (with the emulated columns where FA4 puts them, 12-15 of every
-   16 in columns 32-95, 176 spilled 32-64 bytes). The correction warpgroup keeps the
-   epilogue's addresses across the tile loop: it spilled below 104 at D = 64.
-Tuning 4 relies on 3: alone it leaves the unrolled MMA warp 48 registers (560-572 bytes spill).
+1. ex2_emulation: 16 of a row's 128 exp2 (one column pair in every 16) on the FMA pipe as FA4's
+   cubic (exp2_emulated), 112 on MUFU. FA4's reason: B200's MUFU does 16 exp2 per clock per SM,
+   as H100's, while the tensor core doubled to 8192 flop per clock: a CTA's 2 x 128 x 128
+   exponentials per KV tile take 2048 MUFU clocks, as long as its four MMAs at D = 128; 12.5%
+   emulated (FA4: 10-25%) leaves 1792. The cubic's relative error, 8.8e-5, is below P's
+   rounding to bf16 (2^-8) or fp16 (2^-11); P is no longer stage 11's bit for bit.
+2. packed_f32x2: S scale_log2 - row_max_scaled as one fma.rn.f32x2 per column pair, the row sum
+   in four chains of add.f32x2 (63, not 128 add.f32). FA4's reason: the floating-point units
+   did not grow from H100 to B200 either, and an f32x2 instruction does two columns.
+3. kblock_loop: the MMA warp's k-blocks in a loop, not unrolled: unrolled, ptxas kept every
+   k-block's descriptors live across the tile loop, 272 of stage 11's 352 bytes of spill.
+4. register_split: setmaxnreg 176 / 112 / 48 (each softmax warpgroup / correction / MMA, TMA
+   and idle warps): (2 x 176 + 112 + 48) x 128 = 65,536 (stage 11: 168 / 80 / 96; FA4: 192 /
+   80 / 48 at D = 128). Tuning 4 relies on 3 (alone: 560-572 bytes of spill).
+ptxas of CUDA 13.0 (2026-12-04), bf16 and fp16, D = 64 and 128, every mask and layout: no spill
+with every tuning (stage 11: 148-352 bytes). The numbers behind each: docs/notes/stage12.md.
 
-ptxas of CUDA 13.0 (2026-12-04), bf16 and fp16, D = 64 and 128, no mask, causal, window,
-packed, pack-GQA: no spill with every tuning (stage 11: 148-352 bytes).
-
-Same entries and features as stages 7-11 (GQA / MQA, packed sequences, causal and window masks,
+Same entries and features as stage 7 (GQA / MQA, packed sequences, causal and window masks,
 LSE, pack-GQA, bf16 / fp16, D = 64 or 128).
 
 Compile-checked for sm_100a with fake tensors and no GPU (common.tools.ptx.compile_only(12,
-"blackwell")); PTX checks and the schedule checker's model of the five roles over several work
-tiles (common/tools/schedule.py) in tests; never run on Blackwell hardware, so what the
-tunings gain is open. The numerical tests
-run only where an sm_100 GPU is present. Measured numbers (Hopper track only):
-docs/results/README.md.
+"blackwell")); PTX checks and a CPU model of every hand-off between the roles
+(common/tools/schedule.py) in tests; never run on Blackwell hardware, so neither its speed nor
+what it gains over the stage before is known. The numerical tests run only where an sm_100 GPU
+is present. Measured numbers (Hopper track only): docs/results/README.md.
 """
 
 import math
@@ -662,8 +648,7 @@ class Sm100Kernel:
     @cute.jit
     def load(self, atoms, tiles, q_prod, kv_prod, q_tile0, kv_tile_lo, kv_tile_hi):
         """The TMA warp, per work tile: Q_0 and Q_1 once, then every K and V tile, each tile its
-        own ring entry. atoms = (the TMA atoms, the MMA slices), tiles = (the work tile's tiles in
-        global memory, the buffers in shared memory)."""
+        own ring entry. atoms = (TMA atoms, MMA slices), tiles = (global tiles, shared buffers)."""
         tma_q, tma_k, tma_v, qk_thr, pv_thr = atoms
         gQ, gK, gV, sQ, sK, sV = tiles
         # (MMA, MMA_M, MMA_K, Q tiles)
@@ -1517,10 +1502,9 @@ class Sm100Kernel:
     @cute.jit
     def exponentiate(self, tTR_rS, scale_log2, row_max_scaled):
         """P = exp2(S scale_log2 - row_max_scaled) over this thread's row of S, in place, a pair
-        of columns at a time. Tuning 2: the scale-and-subtract as one fma.rn.f32x2 per pair
-        (stage 11: mul.f32 and sub.f32 per column). Tuning 1: columns 14 and 15 of every 16, 16
-        of 128, on the FMA pipe (exp2_emulated), the others on MUFU (ex2.approx). Spread out,
-        they fit 176 registers; FA4's columns (12-15 of every 16 in columns 32-95) took 8 more."""
+        of columns at a time. Tuning 2: the scale-and-subtract as one fma.rn.f32x2 per pair.
+        Tuning 1: columns 14 and 15 of every 16 on the FMA pipe (exp2_emulated), the others on
+        MUFU (ex2.approx); spread out so, they fit 176 registers (docs/notes/stage12.md)."""
         for j in cutlass.range_constexpr(cute.size(tTR_rS) // 16):
             for i in cutlass.range_constexpr(16 * j, 16 * j + 16, 2):
                 x, y = tTR_rS[i], tTR_rS[i + 1]
@@ -1539,10 +1523,9 @@ class Sm100Kernel:
     @cute.jit
     def exp2_emulated(self, x, y):
         """(2^x, 2^y) for x, y <= 127 without MUFU (tuning 1), in f32x2 pairs as FA4's
-        ex2_emulation_2: 2^x = 2^n 2^f with n = floor(x), f = x - n in [0, 1). Adding 1.5 x 2^23
-        rounded down (add.rm) leaves n in the low bits of the sum; 2^f is the cubic EX2_CUBIC;
-        n << 23 added to 2^f's bits adds n to its exponent. x is clamped at -127, where f = 0
-        and the bits come to exactly 0.0: a masked S (-inf) still gives P = 0."""
+        ex2_emulation_2: 2^x = 2^n 2^f, n = floor(x) in the low bits of x + 1.5 x 2^23 rounded
+        down (add.rm), 2^f the cubic EX2_CUBIC, n << 23 added to its bits. x is clamped at -127,
+        where the bits come to exactly 0.0: a masked S (-inf) still gives P = 0."""
         shift = 1.5 * 2**23
         xy = (cute.arch.fmax(x, -127.0), cute.arch.fmax(y, -127.0))
         n_bits = cute.arch.add_packed_f32x2(xy, (shift, shift), rnd="rm")
@@ -1559,9 +1542,8 @@ class Sm100Kernel:
     @cute.jit
     def packed_row_sum(self, tTR_rP, init):
         """init + the sum of this thread's row of P (tuning 2), as FA4's fadd_reduce: four
-        independent chains of add.f32x2 over columns (8 c, 8 c + 1) ... (8 c + 6, 8 c + 7),
-        two columns per instruction, folded at the end: 63 add.f32x2 (stage 11: a chain of
-        128 add.f32)."""
+        independent chains of add.f32x2 over column pairs (8 c, 8 c + 1) ... (8 c + 6, 8 c + 7),
+        folded at the end: 63 add.f32x2 (stage 11: a chain of 128 add.f32)."""
         chains = [(tTR_rP[i], tTR_rP[i + 1]) for i in range(0, 8, 2)]
         for i in cutlass.range_constexpr(8, cute.size(tTR_rP), 8):
             for c in cutlass.range_constexpr(4):
@@ -1667,9 +1649,8 @@ class Sm100Kernel:
 
     @cute.jit
     def next_tile(self, tile, dynamic, tile_counter):
-        """The TMA warp's next work tile after `tile`: tile + gridDim.x (a fixed share), or, with
-        dynamic = 1, gridDim.x + the ticket lane 0 draws from tile_counter (an atomic add:
-        tickets 0, 1, ... in the order the CTAs ask), broadcast to the warp."""
+        """The TMA warp's next work tile after `tile`: tile + gridDim.x (a fixed share), or with
+        dynamic = 1, gridDim.x + a ticket lane 0 draws from tile_counter, broadcast to the warp."""
         grid = cute.arch.grid_dim()[0]
         nxt = tile + grid
         if dynamic != 0:
@@ -1680,10 +1661,9 @@ class Sm100Kernel:
         return nxt
 
     def tile_coords(self, tile, tiles_m, heads, l2_heads):
-        """(CTA row block, head, sequence) of work tile `tile`, Hopper stage 11's order: the
-        (head, sequence) pairs in sections of l2_heads, inside a section the pair fastest and
-        the row block slowest, last first (under a causal mask the one with the most KV
-        tiles). l2_heads = 1: head by head. Plain arithmetic, run on ints by the tests."""
+        """(CTA row block, head, sequence) of work tile `tile`, Hopper stage 11's order: pairs in
+        sections of l2_heads, inside a section the pair fastest and the row block slowest, last
+        (longest) first. l2_heads = 1: head by head. Plain arithmetic, run on ints by the tests."""
         section_tiles = l2_heads * tiles_m
         section = tile // section_tiles
         in_section = tile - section * section_tiles
@@ -1806,9 +1786,8 @@ _TUNED_CLASSES = {}
 
 
 def with_tunings(names):
-    """Sm100Kernel with only the tunings `names` (a subset of TUNINGS, any order) switched on:
-    a class of its own per set, made once, so that the compile cache tells the kernels apart.
-    with_tunings(()) is stage 11's kernel; with_tunings(TUNINGS) is Sm100Kernel."""
+    """Sm100Kernel with only the tunings `names` (a subset of TUNINGS) on, a class per set (the
+    compile cache tells them apart). with_tunings(()) is stage 11's kernel."""
     if isinstance(names, str):
         raise TypeError(f"argument 'names': expected a collection of tuning names, got {names!r}")
     unknown = set(names) - set(TUNINGS)

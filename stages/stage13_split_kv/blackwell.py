@@ -690,8 +690,7 @@ class Sm100Kernel:
     @cute.jit
     def load(self, atoms, tiles, q_prod, kv_prod, q_tile0, kv_tile_lo, kv_tile_hi):
         """The TMA warp, per work tile: Q_0 and Q_1 once, then every K and V tile, each tile its
-        own ring entry. atoms = (the TMA atoms, the MMA slices), tiles = (the work tile's tiles in
-        global memory, the buffers in shared memory)."""
+        own ring entry. atoms = (TMA atoms, MMA slices), tiles = (global tiles, shared buffers)."""
         tma_q, tma_k, tma_v, qk_thr, pv_thr = atoms
         gQ, gK, gV, sQ, sK, sV = tiles
         # (MMA, MMA_M, MMA_K, Q tiles)
@@ -1558,10 +1557,9 @@ class Sm100Kernel:
     @cute.jit
     def exponentiate(self, tTR_rS, scale_log2, row_max_scaled):
         """P = exp2(S scale_log2 - row_max_scaled) over this thread's row of S, in place, a pair
-        of columns at a time. Tuning 2: the scale-and-subtract as one fma.rn.f32x2 per pair
-        (stage 11: mul.f32 and sub.f32 per column). Tuning 1: columns 14 and 15 of every 16, 16
-        of 128, on the FMA pipe (exp2_emulated), the others on MUFU (ex2.approx). Spread out,
-        they fit 176 registers; FA4's columns (12-15 of every 16 in columns 32-95) took 8 more."""
+        of columns at a time. Tuning 2: the scale-and-subtract as one fma.rn.f32x2 per pair.
+        Tuning 1: columns 14 and 15 of every 16 on the FMA pipe (exp2_emulated), the others on
+        MUFU (ex2.approx); spread out so, they fit 176 registers (docs/notes/stage12.md)."""
         for j in cutlass.range_constexpr(cute.size(tTR_rS) // 16):
             for i in cutlass.range_constexpr(16 * j, 16 * j + 16, 2):
                 x, y = tTR_rS[i], tTR_rS[i + 1]
@@ -1580,10 +1578,9 @@ class Sm100Kernel:
     @cute.jit
     def exp2_emulated(self, x, y):
         """(2^x, 2^y) for x, y <= 127 without MUFU (tuning 1), in f32x2 pairs as FA4's
-        ex2_emulation_2: 2^x = 2^n 2^f with n = floor(x), f = x - n in [0, 1). Adding 1.5 x 2^23
-        rounded down (add.rm) leaves n in the low bits of the sum; 2^f is the cubic EX2_CUBIC;
-        n << 23 added to 2^f's bits adds n to its exponent. x is clamped at -127, where f = 0
-        and the bits come to exactly 0.0: a masked S (-inf) still gives P = 0."""
+        ex2_emulation_2: 2^x = 2^n 2^f, n = floor(x) in the low bits of x + 1.5 x 2^23 rounded
+        down (add.rm), 2^f the cubic EX2_CUBIC, n << 23 added to its bits. x is clamped at -127,
+        where the bits come to exactly 0.0: a masked S (-inf) still gives P = 0."""
         shift = 1.5 * 2**23
         xy = (cute.arch.fmax(x, -127.0), cute.arch.fmax(y, -127.0))
         n_bits = cute.arch.add_packed_f32x2(xy, (shift, shift), rnd="rm")
@@ -1600,9 +1597,8 @@ class Sm100Kernel:
     @cute.jit
     def packed_row_sum(self, tTR_rP, init):
         """init + the sum of this thread's row of P (tuning 2), as FA4's fadd_reduce: four
-        independent chains of add.f32x2 over columns (8 c, 8 c + 1) ... (8 c + 6, 8 c + 7),
-        two columns per instruction, folded at the end: 63 add.f32x2 (stage 11: a chain of
-        128 add.f32)."""
+        independent chains of add.f32x2 over column pairs (8 c, 8 c + 1) ... (8 c + 6, 8 c + 7),
+        folded at the end: 63 add.f32x2 (stage 11: a chain of 128 add.f32)."""
         chains = [(tTR_rP[i], tTR_rP[i + 1]) for i in range(0, 8, 2)]
         for i in cutlass.range_constexpr(8, cute.size(tTR_rP), 8):
             for c in cutlass.range_constexpr(4):
@@ -1727,9 +1723,8 @@ class Sm100Kernel:
 
     @cute.jit
     def next_tile(self, tile, dynamic, tile_counter):
-        """The TMA warp's next work tile after `tile`: tile + gridDim.x (a fixed share), or, with
-        dynamic = 1, gridDim.x + the ticket lane 0 draws from tile_counter (an atomic add:
-        tickets 0, 1, ... in the order the CTAs ask), broadcast to the warp."""
+        """The TMA warp's next work tile after `tile`: tile + gridDim.x (a fixed share), or with
+        dynamic = 1, gridDim.x + a ticket lane 0 draws from tile_counter, broadcast to the warp."""
         grid = cute.arch.grid_dim()[0]
         nxt = tile + grid
         if dynamic != 0:
@@ -1742,9 +1737,9 @@ class Sm100Kernel:
     def tile_coords(self, tile, tiles_m, heads, l2_heads, num_splits):
         """(CTA row block, head, sequence, split) of work tile `tile`: split tile % num_splits
         of tile / num_splits, whose (row block, head, sequence) follow Hopper stage 11's order:
-        the (head, sequence) pairs in sections of l2_heads, inside a section the pair fastest and
-        the row block slowest, last first (under a causal mask the one with the most KV
-        tiles). l2_heads = 1: head by head. Plain arithmetic, run on ints by the tests."""
+        pairs in sections of l2_heads, inside a section the pair fastest and the row block
+        slowest, last (longest) first. l2_heads = 1: head by head. Plain arithmetic, run on ints
+        by the tests."""
         split = tile % num_splits
         tile = tile // num_splits
         section_tiles = l2_heads * tiles_m
@@ -1881,10 +1876,8 @@ _TUNED_CLASSES = {}
 
 
 def with_tunings(names):
-    """Sm100Kernel with only the tunings `names` (a subset of TUNINGS, any order) switched on:
-    a class of its own per set, made once, so that the compile cache tells the kernels apart.
-    with_tunings(()) is this stage without stage 12's tunings; with_tunings(TUNINGS) is
-    Sm100Kernel."""
+    """Sm100Kernel with only the tunings `names` (a subset of TUNINGS) on, a class per set (the
+    compile cache tells them apart). with_tunings(()) is this stage without stage 12's tunings."""
     if isinstance(names, str):
         raise TypeError(f"argument 'names': expected a collection of tuning names, got {names!r}")
     unknown = set(names) - set(TUNINGS)

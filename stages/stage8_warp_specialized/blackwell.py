@@ -33,10 +33,9 @@ LSE, pack-GQA, bf16 / fp16, D = 64 or 128).
 
 Compile-checked for sm_100a with fake tensors and no GPU (common.tools.ptx.compile_only(8,
 "blackwell")); PTX checks and a CPU model of every hand-off between the roles
-(common/tools/schedule.py, cta_schedule_correction) in tests; never run on Blackwell hardware,
-so neither its speed nor what it gains over the stage before is known. The numerical tests
-run only where an sm_100 GPU is present. Measured numbers (Hopper track only):
-docs/results/README.md.
+(common/tools/schedule.py) in tests; never run on Blackwell hardware, so neither its speed nor
+what it gains over the stage before is known. The numerical tests run only where an sm_100 GPU
+is present. Measured numbers (Hopper track only): docs/results/README.md.
 """
 
 import math

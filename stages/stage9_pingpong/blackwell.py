@@ -12,10 +12,9 @@ Changes from stage 8:
   warpgroup waits only for its own tile; each tile has its own S, P, O and statistics barriers
   (arrivals as in stage 8). The correction warpgroup (now warps 8-11) rescales and stores both.
 - Warp 12 issues the MMAs, warp 13 the TMA loads; 14-15 complete the fourth warpgroup. 512
-  threads hold 128 registers each at launch; setmaxnreg: softmax 168, correction 80, MMA/TMA
-  96 ((2 x 168 + 80 + 96) x 128 = 65,536); the TMEM barriers count 416 and 384 threads. ptxas
-  (CUDA 13.0, 2026-12-04) reports 8-204 bytes of spill stores across dtypes, D and modes (12 at
-  bf16, D = 128, batch), from the MMA/TMA warpgroup's count by elimination - not resolved.
+  threads hold 128 registers each at launch; setmaxnreg: softmax 168, correction 80, MMA/TMA 96
+  ((2 x 168 + 80 + 96) x 128 = 65,536); the TMEM barriers count 416 and 384 threads. ptxas
+  (CUDA 13.0, 2026-12-04): 8-204 bytes of spill stores across dtypes, D and modes.
 - Shared memory: two Q tiles leave room for 4 ring slots at D = 128 (199,680 bytes), 8 at D = 64
   (166,912 bytes). A CTA's KV tile range is the union of its two tiles' ranges (causal: up to
   one more KV tile for tile 0, masked to -inf element by element).
@@ -27,10 +26,9 @@ LSE, pack-GQA, bf16 / fp16, D = 64 or 128).
 
 Compile-checked for sm_100a with fake tensors and no GPU (common.tools.ptx.compile_only(9,
 "blackwell")); PTX checks and a CPU model of every hand-off between the roles
-(common/tools/schedule.py, cta_schedule_correction) in tests; never run on Blackwell hardware,
-so neither its speed nor what it gains over the stage before is known. The numerical tests
-run only where an sm_100 GPU is present. Measured numbers (Hopper track only):
-docs/results/README.md.
+(common/tools/schedule.py) in tests; never run on Blackwell hardware, so neither its speed nor
+what it gains over the stage before is known. The numerical tests run only where an sm_100 GPU
+is present. Measured numbers (Hopper track only): docs/results/README.md.
 """
 
 import math

@@ -1,0 +1,88 @@
+"""How big each stage's diff is: for every pair of consecutive stages of a track, the lines that
+`make diff-N` shows added or removed, and how many of them fall inside docstrings (a module's,
+a class's or a function's).
+
+    python -m common.tools.diff_sizes [--track hopper|blackwell]
+
+The schedule stages (8-12) aim at a diff of at most 400 lines, at most 60 of them docstring:
+one technique per stage, explained in the file and measured in docs/. Pairs over either bound
+are marked."""
+
+import argparse
+import ast
+import os
+import re
+import subprocess
+
+from common.tools import stage_table
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LIMITS = {"lines": 400, "docstring": 60, "stages": range(8, 13)}
+
+
+def docstring_lines(path):
+    """The 1-based line numbers of every docstring in the file."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    lines = set()
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    for node in ast.walk(tree):
+        if isinstance(node, kinds) and node.body:
+            first = node.body[0]
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
+                lines.update(range(first.lineno, first.end_lineno + 1))
+    return lines
+
+
+def diff_size(old, new):
+    """(lines added + removed, of which docstring lines) of `git diff --no-index old new`."""
+    out = subprocess.run(
+        ["git", "diff", "--no-index", "-U0", old, new], capture_output=True, text=True
+    ).stdout
+    doc_old, doc_new = docstring_lines(old), docstring_lines(new)
+    total = doc = 0
+    for line in out.splitlines():
+        hunk = re.match(r"^@@ -(\d+)(?:,\d+)? \+(\d+)(?:,\d+)? @@", line)
+        if hunk:
+            at_old, at_new = int(hunk.group(1)), int(hunk.group(2))
+        elif line.startswith(("---", "+++")):
+            continue
+        elif line.startswith("-"):
+            total, doc, at_old = total + 1, doc + (at_old in doc_old), at_old + 1
+        elif line.startswith("+"):
+            total, doc, at_new = total + 1, doc + (at_new in doc_new), at_new + 1
+    return total, doc
+
+
+def table(track):
+    """[(N, lines, docstring lines, over a bound)] for each stage N of the track after the first."""
+    rows = []
+    for st in stage_table.STAGES:
+        n = st.number
+        if n < 2 or not stage_table.available(n, track) or not stage_table.available(n - 1, track):
+            continue
+        old = os.path.join(ROOT, "stages", stage_table.stage(n - 1).package, f"{track}.py")
+        new = os.path.join(ROOT, "stages", st.package, f"{track}.py")
+        lines, doc = diff_size(old, new)
+        over = n in LIMITS["stages"] and (lines > LIMITS["lines"] or doc > LIMITS["docstring"])
+        rows.append((n, lines, doc, over))
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--track", choices=("hopper", "blackwell"), action="append")
+    args = ap.parse_args(argv)
+    for track in args.track or ("hopper", "blackwell"):
+        print(f"{track}: stage N-1 -> N, lines added + removed (docstring lines)")
+        for n, lines, doc, over in table(track):
+            mark = "  over the schedule stages' bound" if over else ""
+            print(f"  {n - 1:2d} -> {n:2d}  {lines:5d}  ({doc}){mark}")
+
+
+if __name__ == "__main__":
+    main()
