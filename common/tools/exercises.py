@@ -1126,6 +1126,77 @@ _ALL.append(
     )
 )
 
+# ---------------------------------------------------------------- stage 12
+
+
+def fmax_chain_depth(ptx):
+    """(statements, longest chain) of the PTX's `max.f32`: each statement's depth is one more than
+    the deepest `max.f32` that wrote one of its operands (registers followed by name), so the
+    longest chain is how many of them must run one after the other."""
+    depth, longest, count = {}, 0, 0
+    for line in ptx.splitlines():
+        m = re.match(r"\s*(?:@!?%p\d+\s+)?max\.f32\s+(%\w+),\s*(%\w+),\s*(%\w+);", line)
+        if m:
+            dst, a, b = m.groups()
+            depth[dst] = 1 + max(depth.get(a, 0), depth.get(b, 0))
+            longest, count = max(longest, depth[dst]), count + 1
+    return count, longest
+
+
+def _check_12a(mod):
+    # The compiled kernel at D = 128 (tuning 5 on): the max.f32 statements of the PTX and the
+    # longest chain of them through their registers.
+    kernel, ptx, _ = compile_module(mod, "hopper", shape=(2, 4, 512, 1024, 128))
+    count, longest = fmax_chain_depth(ptx)
+    columns = kernel.cta_tile[1] // 4  # a row's columns in one thread: 128 keys over a quad
+    seen = (
+        f"D = 128: {count} max.f32 in the PTX, the longest chain of them {longest} deep; a "
+        f"thread holds {columns} columns of each of its rows"
+    )
+    if count == 0:
+        return Result(False, seen + ": no max.f32 at all (tuning 5's four chains are gone?)")
+    if longest < columns * 3 // 4:
+        return Result(
+            False,
+            seen + ": the columns still run in independent chains (the exercise folds every "
+            "column into chains[0])",
+        )
+    return Result(
+        True,
+        seen + ": the same fmax, but one after the other through chains[0], each waiting for "
+        "the one before, where the four chains let the scheduler interleave four at a time",
+    )
+
+
+_ALL.append(
+    Exercise(
+        id="12a",
+        stage=12,
+        track="hopper",
+        task=(
+            "One chain. In `Sm90Kernel.quad_row_max` of `stages/stage12_last_percent/hopper.py` "
+            "(tuning 5, the D = 128 path) fold every column into the first chain: replace "
+            "`chains[c % 4] = cute.arch.fmax(chains[c % 4], acc_S_mn[r, c])` by `chains[0] = "
+            "cute.arch.fmax(chains[0], acc_S_mn[r, c])`. The row max is the same number. Before "
+            "you run the check: how many fmax does a thread issue per row before and after the "
+            "edit, and how many of them wait for the result of the one before? The check "
+            "compiles the file at D = 128 and follows the `max.f32` of the PTX through their "
+            "registers: how many there are, and the longest chain of them. On a GPU it runs "
+            "the edited kernel and says whether O is still right."
+        ),
+        solution=(
+            (
+                "                chains[c % 4] = cute.arch.fmax(chains[c % 4], acc_S_mn[r, c])\n",
+                "                chains[0] = cute.arch.fmax(chains[0], acc_S_mn[r, c])\n",
+            ),
+        ),
+        check=_check_12a,
+        gpu_check=_gpu_in_own_process,
+        hint="a thread's 32 columns of a row: four chains of 8, folded in 2 + 1 steps, against "
+        "one chain of 32",
+    )
+)
+
 # ---------------------------------------------------------------- stage 13
 
 # (KV tiles of a work tile's range, splits) on which 13a runs the kernel's split_range: a decode

@@ -722,6 +722,9 @@ bench = nb.measure(
 # 5. **Where the wait goes.** Switch on tuning 6 together with tuning 7
 #    (`tuned(("wait_after_row_max", "interval_mask"), 128, causal=True)`) and count the
 #    exponentials around the wait as in 5.7. Does the mask change where they stand?
+# 6. **One chain** (exercise 12a, an edit of the Hopper stage file): fold tuning 5's four fmax
+#    chains into one in `quad_row_max`. The cells at the end of the notebook give the task and
+#    check the edit.
 #
 # ### Answers and checks
 #
@@ -769,6 +772,17 @@ bench = nb.measure(
 # P's 64 after `wait_group 0`. The mask runs before the row max in either form, so it stays
 # ahead of the wait. The cell below prints them.
 # </details>
+#
+# <details><summary>6. One chain (12a)</summary>
+#
+# The same `max.f32`, as many as before: a thread folds each of its rows' 32 columns (and the
+# quad's and the running max) either way. With four chains, column c goes into chain c % 4, so
+# four independent fmax can be in flight and a chain is 8 deep, plus 2 steps to fold the chains
+# and 1 for the running max; with one chain every fmax waits for the one before, about 32 deep.
+# The check prints the longest chain it finds in the PTX for both. The row max is the same
+# number, so O is unchanged; what changes is the latency of the row max, which the softmax and,
+# with tuning 6, the wait for $PV_{j-1}$ stand behind.
+# </details>
 
 # %%
 # Exercise 1: registers live during the softmax at D = 128 against three warpgroups' 160.
@@ -812,3 +826,16 @@ print(
     "tuning 6 and 7, causal:",
     ex2_around_the_wait(tuned(("wait_after_row_max", "interval_mask"), 128, causal=True)[1]),
 )
+
+# %% [markdown]
+# ### Exercise 12a: one chain
+#
+# The first cell gives the task; the second loads the stage file as it is on disk now, compiles
+# it (no GPU needed) and says "done" or "not yet" with the chains it found in the PTX. On the
+# committed file it says "not yet".
+
+# %%
+nb.exercise("12a")
+
+# %%
+nb.check_exercise("12a")
