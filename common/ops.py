@@ -39,7 +39,7 @@ import os
 import torch
 from torch import nn
 
-from common import checks
+from common import checks, masks
 
 NAMESPACE = "flash_tutorial"
 STAGE_ENV = "FLASH_TUTORIAL_STAGE"
@@ -287,12 +287,13 @@ def eager_direct(tensors, device_type="cuda"):
     """Whether a wrapper call may go straight to the stage's function instead of through the
     custom op. The op's eager path (the dispatcher, the custom-op layer's Python, its autograd
     wrapper) costs tens of microseconds of host time per call and adds nothing to an eager call
-    on plain CUDA tensors. So the wrappers skip it only then: not while torch.compile traces
-    (the op is what the graph must hold), not under a dispatch mode, a torch-function mode or a
+    on plain CUDA tensors. So the wrappers skip it only then: not while torch.compile or
+    torch.jit.trace traces (the op is what the graph must hold; a trace would record the
+    output's allocation and not the launch, which does not go through the dispatcher), not under a dispatch mode, a torch-function mode or a
     functorch transform (FakeTensorMode, FlopCounterMode, vmap: they must see the op), and only
     for tensors of type torch.Tensor on `device_type` (fake, meta and subclass tensors take the
     op). Both ways run the same kernel on the same arguments."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
         return False
     if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
         return False
@@ -301,12 +302,21 @@ def eager_direct(tensors, device_type="cuda"):
     return all(type(t) is torch.Tensor and t.device.type == device_type for t in tensors)
 
 
+def _check_options(causal, window, return_lse):
+    """The options' types, checked before either path: the op's schema would turn causal=1 into
+    True and window=(True, None) into (1, None), where the stages refuse both."""
+    masks.check_mask_args(causal, window)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"argument 'return_lse': expected a bool, got {type(return_lse).__name__}")
+
+
 def attention(q, k, v, scale=None, causal=False, window=None, return_lse=False):
     """The stages' `attention` signature through the custom op (what a model should call). Refuses
     inputs that require grad under grad mode before launching anything. An eager call on plain
     CUDA tensors calls the stage directly (eager_direct): the same kernel, without the op's host
     time."""
     checks.check_inference_only(("q", "k", "v"), (q, k, v), "this attention kernel")
+    _check_options(causal, window, return_lse)
     if eager_direct((q, k, v)):
         return _stage().attention(
             q, k, v, scale=scale, causal=causal, window=window, return_lse=return_lse
@@ -332,6 +342,7 @@ def attention_varlen(
     """The stages' `attention_varlen` signature through the custom op (eager calls on plain CUDA
     tensors: directly, as attention's)."""
     checks.check_inference_only(("q", "k", "v"), (q, k, v), "this attention kernel")
+    _check_options(causal, window, return_lse)
     if eager_direct((q, k, v, cu_seqlens_q, cu_seqlens_k)):
         return _stage().attention_varlen(
             q,

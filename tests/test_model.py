@@ -421,3 +421,40 @@ def test_compiled_model_with_the_kernel(tf):
     assert rel < 1e-2 and agree > 0.95, (rel, agree)
     rel, _, _ = M.compare(want, ref)
     assert rel < M.logits_tolerance(2), rel
+
+
+def test_paged_glue_refuses_a_padding_mask():
+    """A padding mask given with the paged cache is refused by name, not dropped: transformers
+    passes an implementation without a mask function no mask at all."""
+    pytest.importorskip("transformers", reason="transformers is optional (make model)")
+    from common.tools import model as M
+    from common.tools import model_decode as MD
+
+    config = M.model_config(
+        layers=2,
+        hidden=256,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        intermediate=256,
+        vocab=128,
+        max_positions=512,
+    )
+    model = M.build_model(config, device="cpu", dtype=torch.float32)
+    MD.register_paged(MD.paged_attend_reference)
+    M.set_attention(model, MD.PAGED)
+    B, P = 2, 10
+    ids = torch.randint(0, 128, (B, P), generator=torch.Generator().manual_seed(0))
+    padding = torch.ones(B, P, dtype=torch.long)
+    padding[1, :4] = 0  # sequence 1 left-padded by 4 tokens
+    cache = MD.PagedKVCache(2, B, 2, 64, 16, 16, torch.float32, "cpu")
+    cache.begin(P)
+    with torch.no_grad(), pytest.raises(M.UnsupportedAttention, match="mask"):
+        model(
+            input_ids=ids,
+            attention_mask=padding,
+            past_key_values=cache,
+            position_ids=torch.arange(P).expand(B, P),
+            use_cache=True,
+            paged_cache=cache,
+        )

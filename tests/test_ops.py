@@ -24,7 +24,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from common import checks, ops
+from common import checks, masks, ops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BF, FP = torch.bfloat16, torch.float16
@@ -451,3 +451,73 @@ def test_grad_refused_on_cuda_before_and_after_launch():
         with pytest.raises(RuntimeError) as e:
             call()
         assert str(e.value) == grad_message()
+
+
+# ---------------------------------------------------------------- the two paths agree
+
+
+class CheckingStage:
+    """A stand-in for the stage's entries that checks its arguments as attention_host does
+    (masks.check_mask_args, return_lse a bool) and computes with traced torch ops."""
+
+    def attention(self, q, k, v, scale=None, causal=False, window=None, return_lse=False):
+        if not isinstance(return_lse, bool):
+            raise TypeError(
+                f"argument 'return_lse': expected a bool, got {type(return_lse).__name__}"
+            )
+        masks.check_mask_args(causal, window)
+        o = q * 1.0
+        lse = q.float().sum(-1)
+        return (o, lse) if return_lse else o
+
+
+def small_qkv():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 3, 64, generator=g).bfloat16()
+    k = torch.randn(1, 1, 3, 64, generator=g).bfloat16()
+    return q, k, k.clone()
+
+
+def test_jit_trace_records_the_op_not_the_direct_call(monkeypatch):
+    """Inside torch.jit.trace the wrappers take the op: the tracer records only dispatcher ops,
+    and the direct path's launch goes through TVM-FFI, which it never sees (the trace would hold
+    the output's allocation and not the kernel)."""
+    direct = ops.eager_direct
+    monkeypatch.setattr(ops, "eager_direct", lambda ts: direct(ts, device_type="cpu"))
+    monkeypatch.setattr(ops, "_stage", CheckingStage)
+    q, k, v = small_qkv()
+    seen = []
+
+    def probe(q, k, v):
+        seen.append(ops.eager_direct((q, k, v)))
+        return q
+
+    torch.jit.trace(probe, (q, k, v), check_trace=False)
+    assert seen == [False], "eager_direct takes the direct path inside torch.jit.trace"
+    traced = torch.jit.trace(lambda q, k, v: ops.attention(q, k, v), (q, k, v), check_trace=False)
+    assert "flash_tutorial::attention" in str(traced.graph)
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(causal=1), "causal"),
+        (dict(window=(True, None)), "window"),
+        (dict(return_lse=1), "return_lse"),
+    ],
+)
+def test_op_path_refuses_what_the_direct_path_refuses(monkeypatch, kwargs, name):
+    """The wrappers check causal, window and return_lse before choosing a path: the op's schema
+    would turn causal=1 into True and window=(True, None) into (1, None), which the stages
+    refuse, so the same call would fail in eager mode and run under torch.compile."""
+    monkeypatch.setattr(ops, "_stage", CheckingStage)
+    q, k, v = small_qkv()
+    direct = ops.eager_direct
+    # The direct path (CPU tensors standing in for CUDA ones): the stage's own TypeError.
+    monkeypatch.setattr(ops, "eager_direct", lambda ts: direct(ts, device_type="cpu"))
+    with pytest.raises(TypeError, match=name):
+        ops.attention(q, k, v, **kwargs)
+    # The op path (what torch.compile and tensor subclasses get): the same call must fail alike.
+    monkeypatch.setattr(ops, "eager_direct", lambda ts: False)
+    with pytest.raises(TypeError, match=name):
+        ops.attention(q, k, v, **kwargs)

@@ -41,8 +41,9 @@ class PagedKVCache:
     """K and V of every layer in pages of page_size keys: k[layer] and v[layer] are (num_pages,
     page_size, Hkv, D); page_table int32 (B, pages per sequence); seqused_k int32 (B,), the keys
     each sequence has (all sequences here have the same length, `length`). Follows the part of
-    transformers' Cache protocol that a decoder's forward uses with an explicit position_ids and
-    an attention implementation without a mask function: update() and get_seq_length()."""
+    transformers' Cache protocol that a decoder's forward uses with an explicit position_ids:
+    update(), get_seq_length() (the keys including this forward's, once begin() has run), and the
+    sizes transformers' mask builder asks for (get_query_offset, get_mask_sizes)."""
 
     def __init__(self, layers, batch, kv_heads, head_dim, max_tokens, page_size, dtype, device):
         self.page_size = page_size
@@ -60,6 +61,7 @@ class PagedKVCache:
         ]
         self.seqused_k = torch.zeros(batch, dtype=torch.int32, device=device)
         self.length = 0
+        self.new = 0  # tokens of the forward begin() prepared
         self.capacity = per_sequence * page_size
         self._pages = self._rows = None
 
@@ -75,12 +77,14 @@ class PagedKVCache:
         self._pages = self.page_table[:, pos // self.page_size].long()  # (B, new)
         self._rows = (pos % self.page_size).expand_as(self._pages)  # (B, new)
         self.length += new
+        self.new = new
         self.seqused_k.fill_(self.length)
 
     def rewind(self, length):
         """Forget the tokens after `length` (their pages keep stale keys, never read again:
         seqused_k stops before them)."""
         self.length = length
+        self.new = 0
         self.seqused_k.fill_(length)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -92,6 +96,14 @@ class PagedKVCache:
 
     def get_seq_length(self, layer_idx=0):
         return self.length
+
+    def get_query_offset(self, layer_idx=0):
+        """Where this forward's queries start: the keys before begin()'s tokens."""
+        return self.length - self.new
+
+    def get_mask_sizes(self, query_length, layer_idx=0):
+        """(kv_length, kv_offset) for transformers' mask builder: every key of the cache, from 0."""
+        return self.length, 0
 
 
 def paged_attend_stage14():
@@ -130,11 +142,28 @@ def paged_attend_reference(q, k_cache, v_cache, cache, scale):
 
 
 def register_paged(attend):
-    """Register the paged glue as transformers' attn_implementation PAGED (no mask function:
-    transformers then passes no mask)."""
+    """Register the paged glue as transformers' attn_implementation PAGED, with a mask function
+    that passes no mask on and refuses a padding mask: the glue computes plain causal attention
+    over each sequence's seqused_k keys. (Without a mask function of its own, transformers would
+    drop the caller's 2D mask before the glue could see it.)"""
     from transformers import AttentionInterface
 
     from common.tools.model import UnsupportedAttention
+
+    def refuse_padding(*args, attention_mask=None, **kwargs):
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise UnsupportedAttention(
+                f"attn_implementation '{PAGED}': an attention mask with padding was passed; the "
+                "paged glue computes plain causal attention over each sequence's seqused_k keys"
+            )
+        return None
+
+    try:  # transformers >= 4.53: mask functions per implementation
+        from transformers.masking_utils import AttentionMaskInterface
+
+        AttentionMaskInterface.register(PAGED, refuse_padding)
+    except ImportError:  # before: the glue gets the 4D mask and refuses it below
+        pass
 
     def forward(
         module,
