@@ -13,7 +13,7 @@ nbformat 4.5 notebooks, written with the json module alone (no Jupyter needed), 
 slim_outputs: palette PNGs, no long text/plain twin of a Markdown output). To slim copies
 written before, in place:
 
-    python -c "from common import nbrun; nbrun.slim_notebooks('docs/notebooks/*.ipynb')"
+    python -c "from common.tools import nbrun; nbrun.slim_notebooks('docs/notebooks/*.ipynb')"
 """
 
 import argparse

@@ -553,8 +553,8 @@ print("stage 13's split launch of this shape:", attention_host.splits_for(8, 2, 
 # %% [markdown]
 # A split call costs the host 58.4 us against stage 12's 32.9 and SDPA's 25.0 (H200,
 # 2026-12-04); the goal of 25 us is missed by more than 2x. The profile (of the earlier
-# measurement, 81.8 us per call, before the NaN fill of the outputs moved to the tests and the
-# argument checks came to be remembered) shows where it goes:
+# measurement, 81.8 us per call, of a launch that also filled the outputs with NaN and checked
+# every argument at every call) shows where it goes:
 # three allocations (O, LSE and the partials' buffer), two launches through TVM-FFI's call
 # wrappers (the kernel and the combine), the plan's own Python (`launch`, `LaunchPlan.run`,
 # `attention`), the canonical strides of Q's size-1 modes, and the argument checks that remain

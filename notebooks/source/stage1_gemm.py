@@ -259,7 +259,7 @@ fig = figures.barrier_phases(uses=3)
 # >   works).
 # > - **Run-time values** exist only on the GPU: `cute.arch.thread_idx()`, `warp_idx`,
 # >   `block_idx`, loop counters, `cutlass.Int32` variables, the extents of a dynamic layout
-# >   (stages 2-5). `cute.printf` prints them at run time.
+# >   (from stage 2 on). `cute.printf` prints them at run time.
 # > - `for k_block in cutlass.range_constexpr(k_blocks):` is a Python loop, unrolled while
 # >   tracing: its 4 `cute.gemm` calls are 4 `wgmma` instructions in the PTX. Its bound must be a
 # >   trace-time value.
@@ -554,7 +554,7 @@ bench = nb.measure(1, [(4096, 4096, 4096), (8192, 8192, 8192)])
 #
 # `k_blocks` (4) is a trace-time value. `k_tiles` is known at trace time here because stage 1
 # compiles one kernel per shape (static layouts), but it is used as the bound of a run-time loop;
-# with dynamic layouts (stages 2-5) the same code would read it on the GPU. `pid_m`, `warp_idx`
+# with dynamic layouts (from stage 2 on) the same code would read it on the GPU. `pid_m`, `warp_idx`
 # and `read_state.index` are run-time values. `if warp_idx == 0:`, `if k_tile > 0:` and
 # `if warp_idx == 0 and producer_state.count < k_tiles:` are run-time branches; the
 # `cutlass.range_constexpr` loop leaves no loop at all.

@@ -419,8 +419,9 @@ if not bench_masks:
 #    and a window (`nb.compile_report(6, "hopper", options=dict(causal=True))`, `...
 #    options=dict(window=(100, 0))`): what differs, and why does that let one compiled kernel serve
 #    all masks?
-# 6. **Short sequences.** At S = 2k, D = 128 the causal run's time ratio has ranged from 0.60 to
-#    0.97 of the no-mask time on the H200 (section 7) for 0.53 of the tiles. Compute, for causal
+# 6. **Short sequences.** At S = 2k, D = 128 the causal run's time ratio has ranged from 0.58
+#    (stage 7, the same tile range and mask, 2026-12-04) to 0.97 (stage 6, 2026-12-01) of the
+#    no-mask time on the H200 (section 7) for 0.53 of the tiles. Compute, for causal
 #    at S = 2k and 8k, how many KV tiles the CTAs of Q tiles 0, the middle one and the last one
 #    compute, and the total number of CTAs (B·H·Q tiles at B·S = 16k, H = 16). Which of these
 #    numbers differ between 2k and 8k? (This only starts the question: the cause of the 2k
