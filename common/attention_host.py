@@ -126,6 +126,7 @@ def launch(
     compiled function, pack-GQA, the split count, the mask bounds - is a LaunchPlan, made once
     per plan_key and kept: a later call with the same key only allocates and launches (host
     work per call: docs/notes/stage13.md)."""
+    seqused_k = one_entry_unit_stride(seqused_k)
     key = plan_key(
         kernel_class, q, k, v, o, lse, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
         causal, window, pack, num_splits, page_table,
@@ -139,9 +140,7 @@ def launch(
                 kernel_class, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                 max_seqlen_k, causal, window, pack, seqused_k, num_splits, page_table,
             )  # fmt: skip
-            if len(_PLANS) >= _PLANS_KEEP:
-                _PLANS.pop(next(iter(_PLANS)))
-            _PLANS[key] = plan
+            checks.remember(_PLANS, _PLANS_KEEP, key, plan)
         plan.run(
             q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, seqused_k, page_table
         )
@@ -419,13 +418,21 @@ def options_key(kernel_class, scale, causal, window, return_lse, pack_gqa, num_s
 
 def remember_call(key, entry):
     if key is not None:
-        if len(_CALLS) >= _CALLS_KEEP:
-            _CALLS.pop(next(iter(_CALLS)))
-        _CALLS[key] = entry
+        checks.remember(_CALLS, _CALLS_KEEP, key, entry)
+
+
+def one_entry_unit_stride(seqused_k):
+    """seqused_k with stride 1. Only a tensor of one entry (B = 1) may have another stride
+    (check_seqused_k): its stride moves no address, and the kernel is compiled with stride 1,
+    so a stray stride neither compiles again nor reaches a kernel compiled for another."""
+    if seqused_k is None or seqused_k.stride(0) == 1:
+        return seqused_k
+    return seqused_k.as_strided((1,), (1,))
 
 
 def run_plan(plan, q, k, v, o, lse, max_seqlen_q, scale, seqused_k, page_table=None):
     """A remembered plan's launch, on q's device (batch mode and paged caches)."""
+    seqused_k = one_entry_unit_stride(seqused_k)
     device = q.device
     if device.type == "cuda" and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):

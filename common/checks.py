@@ -8,6 +8,18 @@ import torch
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def remember(cache, keep, key, value):
+    """cache[key] = value, first dropping the oldest entry once `keep` are held. Safe when
+    threads share the cache: another thread may drop the same oldest entry, or insert, between
+    the two steps (the entry is then gone already, or the next insert drops one)."""
+    if len(cache) >= keep:
+        try:
+            cache.pop(next(iter(cache)), None)
+        except (StopIteration, RuntimeError):  # emptied, or changed while read
+            pass
+    cache[key] = value
+
+
 def _dtype_names(dtypes):
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
@@ -319,13 +331,16 @@ def check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             longest.append(max(steps))
         longest = tuple(longest)
     if read and not _untracked(cu_seqlens_q, cu_seqlens_k):
-        if len(_CU_SEQLENS_SEEN) >= _CU_SEQLENS_KEEP:
-            _CU_SEQLENS_SEEN.pop(next(iter(_CU_SEQLENS_SEEN)))
-        _CU_SEQLENS_SEEN[(id(cu_seqlens_q), id(cu_seqlens_k))] = (
-            (weakref.ref(cu_seqlens_q), weakref.ref(cu_seqlens_k)),
-            (cu_seqlens_q._version, cu_seqlens_k._version),
-            totals,
-            longest,
+        remember(
+            _CU_SEQLENS_SEEN,
+            _CU_SEQLENS_KEEP,
+            (id(cu_seqlens_q), id(cu_seqlens_k)),
+            (
+                (weakref.ref(cu_seqlens_q), weakref.ref(cu_seqlens_k)),
+                (cu_seqlens_q._version, cu_seqlens_k._version),
+                totals,
+                longest,
+            ),
         )
     out = []
     for name, given, most in (
@@ -418,9 +433,7 @@ def check_seqused_k(seqused_k, q, key_counts, read_values=True):
                 f"sequence {b} has"
             )
     if tracked:
-        if len(_SEQUSED_SEEN) >= _LENGTHS_KEEP:
-            _SEQUSED_SEEN.pop(next(iter(_SEQUSED_SEEN)))
-        _SEQUSED_SEEN[key] = (weakref.ref(seqused_k), seqused_k._version)
+        remember(_SEQUSED_SEEN, _LENGTHS_KEEP, key, (weakref.ref(seqused_k), seqused_k._version))
 
 
 def check_paged_args(q, k_cache, v_cache, page_table, *, head_dims=(64, 128)):
@@ -511,10 +524,13 @@ def check_page_table(page_table, seqused_k, page_size, num_pages):
                     f"{-(-n // page_size)} entries (seqused_k[{b}] = {n})"
                 )
     if tracked:
-        if len(_PAGES_SEEN) >= _LENGTHS_KEEP:
-            _PAGES_SEEN.pop(next(iter(_PAGES_SEEN)))
-        _PAGES_SEEN[key] = (
-            weakref.ref(page_table),
-            weakref.ref(seqused_k),
-            (page_table._version, seqused_k._version),
+        remember(
+            _PAGES_SEEN,
+            _LENGTHS_KEEP,
+            key,
+            (
+                weakref.ref(page_table),
+                weakref.ref(seqused_k),
+                (page_table._version, seqused_k._version),
+            ),
         )

@@ -27,11 +27,14 @@ class Recorder:
 
     def make_plan(self, *args, **kwargs):
         self.plans_made += 1
+        self.seqused_compiled = args[13]  # what the kernel would be compiled with
         rec = self
 
         class Plan:
             def run(self, q, k, v, o, lse, cu_q, cu_k, max_seqlen_q, scale, seqused_k, pages=None):
-                rec.runs.append(dict(q=q, k=k, v=v, o=o, lse=lse, scale=scale, pages=pages))
+                rec.runs.append(
+                    dict(q=q, k=k, v=v, o=o, lse=lse, scale=scale, pages=pages, seqused=seqused_k)
+                )
 
         return Plan()
 
@@ -125,6 +128,28 @@ def test_what_can_change_is_checked_again(rec):
     assert rec.plans_made == 2  # with and without seqused_k
 
 
+def test_one_sequence_seqused_k_goes_with_stride_1(rec, monkeypatch):
+    """B = 1: seqused_k of one entry may carry any stride (a column of a larger tensor, say); the
+    plan is made and each launch made with the same byte at stride 1, whatever the first call's
+    stride was, so the compiled kernel is one and is never handed a stride it was not built for."""
+    q, k, v = qkv(0, B=1)
+    table = torch.tensor([[256, 7, 7], [3, 5, 9]], dtype=torch.int32)
+    strided = table[:1, 0]  # (1,), stride 3
+    assert strided.stride() == (3,)
+    for used in (strided, torch.tensor([256], dtype=torch.int32), strided):
+        AH.attention(Kernel, q, k, v, causal=True, seqused_k=used)
+        run = rec.runs[-1]["seqused"]
+        assert run.stride() == (1,) and run.data_ptr() == used.data_ptr()
+    assert rec.plans_made == 1 and rec.seqused_compiled.stride() == (1,)
+    monkeypatch.setattr(checks, "check_page_table", lambda *a: None)  # needs CUDA
+    kc = torch.zeros(4, 64, 2, 64, dtype=torch.bfloat16)
+    pages = torch.arange(4, dtype=torch.int32).view(1, 4)
+    AH.attention_paged(Kernel, q, kc, kc, pages, table[1:, 1])  # 5 keys, stride 3
+    assert rec.plans_made == 2 and rec.seqused_compiled.stride() == (1,)
+    AH.attention_paged(Kernel, q, kc, kc, pages, table[1:, 2])  # the fast path
+    assert rec.runs[-1]["seqused"].stride() == (1,) and rec.plans_made == 2
+
+
 def test_paged_calls_recheck_values_unless_told_not_to(rec, monkeypatch):
     q, _, _ = qkv(0)
     kc = torch.zeros(12, 64, 2, 64, dtype=torch.bfloat16)
@@ -207,3 +232,38 @@ def test_a_misaligned_page_table_leaves_the_fast_path(rec):
     # One row into the table: 28 bytes in, the same shape and strides - the checks again.
     AH.attention_paged(Kernel, q, kc, kc, tables[1:], used, check_values=False)
     assert len(rec.checked) == 2
+
+
+def test_remembered_calls_survive_threads():
+    """The entries' caches drop their oldest entry when full (checks.remember). Between finding
+    that entry and dropping it another thread may have dropped it already: the second drop is
+    then a no-op, not a KeyError in the caller's attention call."""
+
+    class Racy(dict):  # another thread drops the oldest entry while this one reads it
+        def __iter__(self):
+            oldest = next(super().__iter__())
+            del self[oldest]
+            return iter([oldest])
+
+    racy = Racy(a=1, b=2)
+    checks.remember(racy, 2, "c", 3)
+    assert dict(racy) == {"b": 2, "c": 3}
+    checks.remember({}, 0, "x", 1)  # full when empty: nothing to drop
+
+    import threading
+
+    cache, errors = {}, []
+
+    def fill(t):
+        try:
+            for i in range(20000):
+                checks.remember(cache, 4, (t, i), i)
+        except Exception as e:  # noqa: BLE001 - any error is the failure
+            errors.append(e)
+
+    threads = [threading.Thread(target=fill, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors and 1 <= len(cache) <= 4 + len(threads)

@@ -300,6 +300,42 @@ def test_paged_cache_decode_gives_dynamic_cache_logits(tiny_model):
         tiny_model(input_ids=torch.zeros(1, 4, dtype=torch.long), use_cache=False)
 
 
+def test_paged_cache_positions_without_position_ids(tiny_model):
+    """transformers starts the positions it is not given at cache.get_seq_length(): the keys
+    cached before this forward. The same prompt and steps, fed without position_ids, give the
+    logits of the run that passes them (a count that included the forward's own tokens would
+    shift every position by that many)."""
+    from common.tools import model_decode as MD
+
+    MD.register_paged(MD.paged_attend_reference)
+    M.set_attention(tiny_model, MD.PAGED)
+    B, P, steps = 2, 11, 3
+    ids = torch.randint(0, 128, (B, P + steps), generator=torch.Generator().manual_seed(4))
+    logits = {}
+    for given in (True, False):
+        cache = MD.PagedKVCache(2, B, 2, 64, P + steps, 8, torch.float32, "cpu")
+        out = []
+        with torch.no_grad():
+            for start, stop in [(0, P)] + [(P + i, P + i + 1) for i in range(steps)]:
+                cache.begin(stop - start)
+                assert cache.get_seq_length() == start
+                extra = dict(position_ids=torch.arange(start, stop).expand(B, -1)) if given else {}
+                out.append(
+                    tiny_model(
+                        input_ids=ids[:, start:stop],
+                        past_key_values=cache,
+                        use_cache=True,
+                        paged_cache=cache,
+                        **extra,
+                    ).logits[:, -1]
+                )
+                assert [cache.get_seq_length(i) for i in range(2)] == [stop, stop]
+        logits[given] = torch.stack(out)
+    torch.testing.assert_close(logits[False], logits[True], rtol=0, atol=0)
+    cache.rewind(P)
+    assert cache.get_seq_length() == P and cache.get_seq_length(1) == P
+
+
 def test_padded_batch_is_refused(tiny_model):
     M.set_attention(tiny_model, REF)
     ids = torch.randint(0, 128, (2, 20))

@@ -41,9 +41,10 @@ class PagedKVCache:
     """K and V of every layer in pages of page_size keys: k[layer] and v[layer] are (num_pages,
     page_size, Hkv, D); page_table int32 (B, pages per sequence); seqused_k int32 (B,), the keys
     each sequence has (all sequences here have the same length, `length`). Follows the part of
-    transformers' Cache protocol that a decoder's forward uses with an explicit position_ids:
-    update(), get_seq_length() (the keys including this forward's, once begin() has run), and the
-    sizes transformers' mask builder asks for (get_query_offset, get_mask_sizes)."""
+    transformers' Cache protocol that a decoder's forward uses: update(), get_seq_length() (the
+    keys a layer holds: before a forward's update the tokens of the forwards before it, which is
+    where transformers starts positions it is not given), and the sizes transformers' mask
+    builder asks for (get_query_offset, get_mask_sizes)."""
 
     def __init__(self, layers, batch, kv_heads, head_dim, max_tokens, page_size, dtype, device):
         self.page_size = page_size
@@ -63,6 +64,7 @@ class PagedKVCache:
         self.length = 0
         self.new = 0  # tokens of the forward begin() prepared
         self.capacity = per_sequence * page_size
+        self.written = [0] * layers  # keys each layer holds (update() sets it to `length`)
         self._pages = self._rows = None
 
     def begin(self, new):
@@ -85,6 +87,7 @@ class PagedKVCache:
         seqused_k stops before them)."""
         self.length = length
         self.new = 0
+        self.written = [length] * len(self.written)
         self.seqused_k.fill_(length)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -92,10 +95,13 @@ class PagedKVCache:
         layer's (k_cache, v_cache)."""
         self.k[layer_idx][self._pages, self._rows] = key_states.transpose(1, 2)
         self.v[layer_idx][self._pages, self._rows] = value_states.transpose(1, 2)
+        self.written[layer_idx] = self.length
         return self.k[layer_idx], self.v[layer_idx]
 
     def get_seq_length(self, layer_idx=0):
-        return self.length
+        """The keys layer `layer_idx` holds (DynamicCache's meaning): a forward asks before its
+        first update, and gets the tokens of the forwards before it."""
+        return self.written[layer_idx]
 
     def get_query_offset(self, layer_idx=0):
         """Where this forward's queries start: the keys before begin()'s tokens."""
