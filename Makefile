@@ -6,20 +6,21 @@ PYTEST = $(PYTHON) -m pytest
 # Tests run on every core (pytest-xdist); JOBS=1 runs them in one process.
 JOBS ?= auto
 
-.PHONY: help setup lint format test tour bench model notebooks notebooks-source sanitize clocks doctor stage-1 stage-2 stage-3 stage-4 stage-5 stage-6 stage-7 stage-8 stage-9 stage-10 stage-11 stage-12 stage-13 stage-14 stage-15 diff-2 diff-3 diff-4 diff-5 diff-6 diff-7 diff-8 diff-9 diff-10 diff-11 diff-12 diff-13 diff-14 diff-sizes host-time cp
+.PHONY: help setup lint format test tour bench model test-gpu notebooks notebooks-source sanitize clocks doctor stage-1 stage-2 stage-3 stage-4 stage-5 stage-6 stage-7 stage-8 stage-9 stage-10 stage-11 stage-12 stage-13 stage-14 stage-15 diff-2 diff-3 diff-4 diff-5 diff-6 diff-7 diff-8 diff-9 diff-10 diff-11 diff-12 diff-13 diff-14 diff-sizes host-time cp
 
 help:
 	@echo "make setup      install what is missing: torch (CPU build without a GPU), requirements.txt, the DSL libs for torch's CUDA"
 	@echo "make tour       every stage on this machine's track: compile, instructions, correctness, TFLOP/s"
 	@echo "make lint       ruff format --check and ruff check (what CI runs; make format rewrites)"
 	@echo "make test       all tests (GPU tests skip with a reason when the GPU is absent)"
+	@echo "make test-gpu   only the tests that launch kernels (what a GPU adds to CI's compile-only run)"
 	@echo "make stage-N    the tests of stage N (1..15)"
 	@echo "make diff-N     what stage N changes over stage N-1 (N = 2..14; TRACK=hopper|blackwell)"
 	@echo "make diff-sizes lines added + removed (docstring lines) of every diff-N, both tracks"
 	@echo "make bench      benchmarks against cuBLAS / torch SDPA / FA4, timed in the same run"
 	@echo "make host-time  host work per call of the entry points at a tiny shape (GPU)"
 	@echo "make cp GPUS=N  stage 15: ring attention over N GPUs (torchrun; CP_ARGS=--cpu runs it on CPU processes)"
-	@echo "make model      a Llama-style transformers model on the latest stage's kernel: logits vs SDPA, prefill tokens/s vs SDPA and FA4, a decode run on the paged KV cache (needs transformers)"
+	@echo "make model      a Llama-style transformers model on each stage's kernel from 7 on: logits vs SDPA, prefill tokens/s vs SDPA and FA4; a decode run on stage 14's paged KV cache (needs transformers)"
 	@echo "make notebooks  execute every notebook (compile-only mode without a GPU)"
 	@echo "make notebooks-source  rewrite notebooks/*.ipynb from notebooks/source/ (their single source)"
 	@echo "make sanitize   compute-sanitizer racecheck + synccheck on stages 4-14 (GPU)"
@@ -39,6 +40,9 @@ format: setup
 
 test: setup
 	$(PYTEST) -q -n $(JOBS) $(PYTEST_ARGS)
+
+test-gpu: setup
+	$(PYTEST) -q -n $(JOBS) -m "gpu_hopper or gpu_blackwell" $(PYTEST_ARGS)
 
 tour: setup
 	$(PYTHON) -m common.tools.tour
