@@ -128,7 +128,7 @@ def test_structure(stage):
     code = "\n".join(cell_text(c) for c in nb["cells"] if c["cell_type"] == "code")
     kernel = KERNEL_OF.get(stage, stage)
     for fn, args in (
-        ("start", f"{kernel}\\)"),
+        ("start", f"{kernel}(\\)|, heading=)"),
         ("run_and_verify", f"{kernel}\\b"),
         ("measure", f"{kernel}\\b"),
         # the compile summary of both tracks, in both modes

@@ -203,9 +203,12 @@ def available(stage, track):
     return False
 
 
-def start(stage):
-    """First cell of every notebook: where we are, what will run, which files exist."""
+def start(stage, heading=None):
+    """First cell of every notebook: where we are, what will run, which files exist. heading:
+    the notebook's own "Stage N - title" where it has no kernel of its own and `stage` names
+    the kernel it runs (stage 15 runs stage 14's)."""
     st = stage_table.stage(stage)
+    heading = heading or f"Stage {stage} - {st.title}"
     for k in LOG:
         LOG[k] = [] if isinstance(LOG[k], list) else None
     LOG["stage"] = stage
@@ -227,10 +230,8 @@ def start(stage):
             ok = os.path.exists(stage_path(n, t))
             have.append(f"`{stage_path(n, t, True)}` {'present' if ok else 'not written yet'}")
     _markdown(
-        f"Stage {stage} - {st.title}. {what}\n\n" + "; ".join(have) + ".",
-        f"Stage {stage} - {st.title}. {what.replace('**', '')}\n"
-        + "; ".join(have).replace("`", "")
-        + ".",
+        f"{heading}. {what}\n\n" + "; ".join(have) + ".",
+        f"{heading}. {what.replace('**', '')}\n" + "; ".join(have).replace("`", "") + ".",
     )
 
 

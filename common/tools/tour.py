@@ -2,6 +2,7 @@
 correctness against the reference and TFLOP/s against the baseline, as one table. With no GPU
 (or a GPU of neither track) it prints the compile-only summary of both tracks."""
 
+import argparse
 import shutil
 import sys
 import time
@@ -138,7 +139,12 @@ def _failed(rows):
     ]
 
 
-def main():
+def main(argv=None):
+    argparse.ArgumentParser(
+        prog="python -m common.tools.tour",
+        description=__doc__.split("\n\n")[0],
+        epilog="No options: the track is this machine's GPU's (both tracks compile-only without one).",
+    ).parse_args(argv)
     t0 = time.time()
     failed = []
     t = arch.track_of_capability(arch.compute_capability())

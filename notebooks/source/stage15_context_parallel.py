@@ -62,7 +62,7 @@ from notebooks.figures import stage15 as figures  # noqa: E402
 from stages.stage15_context_parallel import ring  # noqa: E402
 
 # Stage 15 has no kernel of its own: start() names the mode and the files of stage 14's kernel.
-nb.start(14)
+nb.start(14, heading="Stage 15 - context parallelism: ring attention over several GPUs")
 # H200 NVLink: 900 GB/s per GPU, both directions together (NVIDIA's published figure). A hop
 # sends one buffer to the next rank and receives one from the previous: each in one direction.
 NVLINK_GBS = 900

@@ -13,8 +13,8 @@ page_rows):
   page: the same single TMA load as stage 13, from a page-dependent coordinate;
 - page_size = 16, 32 or 64: a gather of 128 / page_size boxes into one ring slot, all
   counted on the slot's one full barrier (its 32 KB at D = 128 arrive in pieces).
-Each box is 16 x D x 2 bytes or more (4 KB at D = 128, page 16): TMA's cost per box is in
-docs/notes/stage14.md. A box past the sequence's last page takes that last page instead (it
+Each box is 16 x D x 2 bytes or more (4 KB at D = 128, page 16); what pages of 16 keys cost
+is measured in docs/notes/stage14.md. A box past the sequence's last page takes that last page instead (it
 holds keys at or past seqused_k, masked like stage 13's tail); no page_table entry past
 ceil(seqused_k / page_size) is read, so nothing another sequence owns or nobody owns (which may
 hold NaN) is loaded.
