@@ -159,7 +159,8 @@ def plan_key(
     """What a LaunchPlan depends on: the kernel class, the tensors' dtype, device, shapes and
     strides (the compiled code's assumptions follow from them, common/compile.py), packed or
     not (and how many sequences), seqused_k given or not, the longest lengths, the mask and
-    the options."""
+    the options. pack_gqa goes in with its type: 1 is an equal key to True, and only make_plan
+    checks it (a bool or None), so a plan made for True must not take 1 past that check."""
     return (
         kernel_class,
         q.dtype,
@@ -177,7 +178,7 @@ def plan_key(
         max_seqlen_k,
         causal,
         window if window is None else tuple(window),
-        pack,
+        (type(pack), pack),
         num_splits,
         None if page_table is None else (page_table.shape, page_table.stride()),
     )

@@ -130,15 +130,32 @@ def check_choice(name, value, allowed, why=""):
         )
 
 
+def check_scale_type(scale):
+    """A bool or a string is not a scale, though float() takes both (True as 1.0, "0.5")."""
+    if isinstance(scale, (bool, str, bytes)):
+        raise TypeError(f"argument 'scale': expected a float or None, got {type(scale).__name__}")
+
+
+def check_optional_int(name, value):
+    """An int or None (a bool is not one, though it is an int to Python)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise TypeError(f"argument '{name}': expected an int or None, got {type(value).__name__}")
+
+
 def check_scale(scale, head_dim):
     """scale defaults to 1/sqrt(D); an explicit one must be a finite positive float."""
     if scale is None:
         return head_dim**-0.5
+    check_scale_type(scale)
     try:
         scale = float(scale)
     except (TypeError, ValueError):
         raise TypeError(
             f"argument 'scale': expected a float or None, got {type(scale).__name__}"
+        ) from None
+    except OverflowError:
+        raise ValueError(
+            f"argument 'scale': must be a finite positive number, got {scale}"
         ) from None
     if not (scale > 0 and scale != float("inf")):
         raise ValueError(f"argument 'scale': must be a finite positive number, got {scale}")
@@ -350,10 +367,7 @@ def check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         if given is None:
             out.append(most)
             continue
-        if isinstance(given, bool) or not isinstance(given, int):
-            raise TypeError(
-                f"argument '{name}': expected an int or None, got {type(given).__name__}"
-            )
+        check_optional_int(name, given)
         if given < most:
             raise ValueError(
                 f"argument '{name}' = {given} is smaller than the longest sequence ({most})"

@@ -302,12 +302,16 @@ def eager_direct(tensors, device_type="cuda"):
     return all(type(t) is torch.Tensor and t.device.type == device_type for t in tensors)
 
 
-def _check_options(causal, window, return_lse):
+def _check_options(causal, window, return_lse, scale, max_seqlen_q=None, max_seqlen_k=None):
     """The options' types, checked before either path: the op's schema would turn causal=1 into
-    True and window=(True, None) into (1, None), where the stages refuse both."""
+    True, window=(True, None) into (1, None), scale=True into 1.0 and max_seqlen_k=True or
+    numpy.int64(3) into an int, where the stages refuse each."""
     masks.check_mask_args(causal, window)
     if not isinstance(return_lse, bool):
         raise TypeError(f"argument 'return_lse': expected a bool, got {type(return_lse).__name__}")
+    checks.check_scale_type(scale)
+    checks.check_optional_int("max_seqlen_q", max_seqlen_q)
+    checks.check_optional_int("max_seqlen_k", max_seqlen_k)
 
 
 def attention(q, k, v, scale=None, causal=False, window=None, return_lse=False):
@@ -316,7 +320,7 @@ def attention(q, k, v, scale=None, causal=False, window=None, return_lse=False):
     CUDA tensors calls the stage directly (eager_direct): the same kernel, without the op's host
     time."""
     checks.check_inference_only(("q", "k", "v"), (q, k, v), "this attention kernel")
-    _check_options(causal, window, return_lse)
+    _check_options(causal, window, return_lse, scale)
     if eager_direct((q, k, v)):
         return _stage().attention(
             q, k, v, scale=scale, causal=causal, window=window, return_lse=return_lse
@@ -342,7 +346,7 @@ def attention_varlen(
     """The stages' `attention_varlen` signature through the custom op (eager calls on plain CUDA
     tensors: directly, as attention's)."""
     checks.check_inference_only(("q", "k", "v"), (q, k, v), "this attention kernel")
-    _check_options(causal, window, return_lse)
+    _check_options(causal, window, return_lse, scale, max_seqlen_q, max_seqlen_k)
     if eager_direct((q, k, v, cu_seqlens_q, cu_seqlens_k)):
         return _stage().attention_varlen(
             q,
