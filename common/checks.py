@@ -209,6 +209,8 @@ def check_attention_args(
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
     check_choice("head dim D", D, head_dims, "the tile configuration is specialised per head dim")
+    check_positive("B = q.shape[0]", B)
+    check_positive("H = q.shape[1]", H)
     check_positive("Sq = q.shape[2]", Sq)
     check_positive("Sk = k.shape[2]", Sk)
     return B, H, Sq, Sk, D
@@ -474,6 +476,8 @@ def check_paged_args(q, k_cache, v_cache, page_table, *, head_dims=(64, 128)):
         raise ValueError(f"argument 'k_cache': head dim {Dk} != q's {D}")
     check_choice("head dim D", D, head_dims, "the tile configuration is specialised per head dim")
     check_head_groups(H, Hkv)
+    check_positive("B = q.shape[0]", B)
+    check_positive("H = q.shape[1]", H)
     check_positive("Sq = q.shape[2]", Sq)
     check_positive("num_pages = k_cache.shape[0]", num_pages)
     if not (page_size in (16, 32, 64) or (page_size > 0 and page_size % 128 == 0)):

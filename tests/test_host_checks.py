@@ -4,6 +4,8 @@ the direct path refuses. The launch is stood in for as in tests/test_host_path.p
 make_plan itself runs here (with a kernel class that compiles nothing and a compile step that only
 records), so that what make_plan checks is seen too."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -127,3 +129,23 @@ def test_scale_refuses_what_is_not_a_number(bad):
     float raises OverflowError: each is refused naming the argument."""
     with pytest.raises((TypeError, ValueError), match="argument 'scale'"):
         checks.check_scale(bad, 64)
+
+
+# --------------------------------------------------------------------------- empty batch or heads
+
+
+@pytest.mark.parametrize("shape", [(0, 8, 4, 64), (2, 0, 4, 64)], ids=["B=0", "H=0"])
+def test_no_batch_or_no_heads_is_refused_by_name(monkeypatch, shape):
+    """B = 0 or H = 0 would reach the compile and TMA, which cannot describe an empty tensor: the
+    shape checks refuse it by name, as they refuse Sq = 0 and Sk = 0 (the CUDA-device check is
+    stood in for)."""
+    monkeypatch.setattr(checks, "check_tensor", lambda *a, **k: None)
+    q = torch.zeros(shape, dtype=torch.bfloat16)
+    k = torch.zeros(shape[0], 2 if shape[1] else 1, 16, 64, dtype=torch.bfloat16)
+    name = "B = q.shape[0]" if shape[0] == 0 else "H = q.shape[1]"
+    with pytest.raises(ValueError, match=re.escape(f"{name} = 0 must be positive")):
+        checks.check_attention_args(q, k, k, kv_heads=True)
+    kc = torch.zeros(4, 16, 1, 64, dtype=torch.bfloat16)
+    table = torch.zeros(shape[0], 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=re.escape(f"{name} = 0 must be positive")):
+        checks.check_paged_args(q, kc, kc, table)
