@@ -12,6 +12,7 @@ import torch
 
 from common import attention_host as AH
 from common import checks, ops
+from tests.test_host_path import qkv  # the same seeded (q, k, v)
 
 
 class FakeKernel:
@@ -51,13 +52,6 @@ def real_plans(monkeypatch):
     yield launches
     AH._CALLS.clear()
     AH._PLANS.clear()
-
-
-def qkv(seed, B=2, H=8, Hkv=2, Sq=1, Sk=256, D=64):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, Sq, D, generator=g).bfloat16()
-    k = torch.randn(B, Hkv, Sk, D, generator=g).bfloat16()
-    return q, k, k.clone()
 
 
 # --------------------------------------------------------------------------- pack_gqa
