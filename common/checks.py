@@ -244,6 +244,7 @@ def check_varlen_args(q, k, v, *, head_dims=(64, 128)):
     check_same_dtype(("q", "k", "v"), (q, k, v))
     check_same_device(("q", "k", "v"), (q, k, v))
     check_inference_only(("q", "k", "v"), (q, k, v), "this attention kernel")
+    check_positive("H = q.shape[1]", q.shape[1])
     check_head_groups(q.shape[1], k.shape[1])
     check_dim_eq("q", q, 2, "k", k, 2, "head dim")
     for d, what in ((0, "key tokens"), (1, "KV heads"), (2, "head dim")):
@@ -259,6 +260,12 @@ def check_varlen_args(q, k, v, *, head_dims=(64, 128)):
 # model reuses one pair for every layer of a batch.
 _CU_SEQLENS_SEEN = {}
 _CU_SEQLENS_KEEP = 8
+
+
+def capturing(t):
+    """Whether t's stream is being captured into a CUDA graph (nothing may be read to the host
+    then). Only asked for CUDA tensors: a CPU-only torch cannot answer."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _untracked(*tensors):
@@ -326,6 +333,14 @@ def check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         )
     longest = _cu_seqlens_lookup(cu_seqlens_q, cu_seqlens_k, totals)
     read = longest is None
+    if read and capturing(cu_seqlens_q):
+        # Reading the offsets would synchronise with a stream that is being captured.
+        raise RuntimeError(
+            "arguments 'cu_seqlens_q' and 'cu_seqlens_k': their values are checked on the host, "
+            "which cannot happen while a CUDA graph is being captured. Call once with these two "
+            "tensors before the capture (a warm-up); the capture then reuses that check, as long "
+            "as they are not written in place in between."
+        )
     if read:
         longest = []
         for name, cu, total in (
@@ -403,8 +418,8 @@ _LENGTHS_KEEP = 64
 def check_seqused_k(seqused_k, q, key_counts, read_values=True):
     """seqused_k: an int32 CUDA tensor on q's device, rank 1, one entry per sequence, each in
     0 .. that sequence's key count (key_counts: a list of ints, or cu_seqlens_k). The values
-    are read to the host (a copy and a synchronisation) once per tensor and version, as
-    cu_seqlens are (check_cu_seqlens). While a CUDA graph is being captured nothing can be read:
+    are read to the host (a copy and a synchronisation) once per tensor and version (and, packed,
+    per cu_seqlens_k object and version), as cu_seqlens are (check_cu_seqlens). While a CUDA graph is being captured nothing can be read:
     the values are not checked then, and the kernel clamps each to 0 .. the sequence's key count
     (it never reads past it). read_values=False: the same without the values."""
     name = "seqused_k"
@@ -430,12 +445,19 @@ def check_seqused_k(seqused_k, q, key_counts, read_values=True):
     if seqused_k.stride(0) != 1 and batch > 1:
         raise ValueError(f"argument '{name}': must be contiguous, got stride {seqused_k.stride(0)}")
     check_aligned(name, seqused_k)
-    if not read_values or torch.cuda.is_current_stream_capturing():
+    if not read_values or capturing(seqused_k):
         return
-    tracked = not _untracked(seqused_k) and isinstance(key_counts, list)
-    key = (id(seqused_k), tuple(key_counts)) if tracked else None
+    # Remembered per (seqused_k, key counts): the counts themselves, or cu_seqlens_k's object and
+    # version (a packed call), as check_cu_seqlens remembers its pair.
+    counted_by = [] if isinstance(key_counts, list) else [key_counts]
+    tracked = not _untracked(seqused_k, *counted_by)
+    key = (id(seqused_k), tuple(key_counts) if not counted_by else ("cu", id(key_counts)))
+    stamp = tuple((weakref.ref(t), t._version) for t in [seqused_k, *counted_by]) if tracked else ()
     hit = _SEQUSED_SEEN.get(key) if tracked else None
-    if hit is not None and hit[0]() is seqused_k and hit[1] == seqused_k._version:
+    if hit is not None and all(
+        ref() is t and version == t._version
+        for (ref, version), t in zip(hit, [seqused_k, *counted_by])
+    ):
         return
     counts = (
         key_counts
@@ -449,7 +471,7 @@ def check_seqused_k(seqused_k, q, key_counts, read_values=True):
                 f"sequence {b} has"
             )
     if tracked:
-        remember(_SEQUSED_SEEN, _LENGTHS_KEEP, key, (weakref.ref(seqused_k), seqused_k._version))
+        remember(_SEQUSED_SEEN, _LENGTHS_KEEP, key, stamp)
 
 
 def check_paged_args(q, k_cache, v_cache, page_table, *, head_dims=(64, 128)):
@@ -520,7 +542,7 @@ def check_page_table(page_table, seqused_k, page_size, num_pages):
     hold anything, -1 say). Read to the host once per pair of tensors and versions (as
     check_cu_seqlens); not while a CUDA graph is being captured, when nothing can be read: a page
     index out of range then reads zeros (TMA fills what lies outside the cache with zeros)."""
-    if torch.cuda.is_current_stream_capturing():
+    if capturing(page_table):
         return
     tracked = not _untracked(page_table, seqused_k)
     key = (id(page_table), id(seqused_k), page_size, num_pages)

@@ -146,6 +146,14 @@ def _check_meta(q, k, v, rank):
     checks.check_choice(
         "head dim D", q.shape[-1], HEAD_DIMS, "the tile configuration is specialised per head dim"
     )
+    # Empty dimensions, refused by the kernels' checks (TMA cannot describe an empty tensor);
+    # packed sequences may be empty, their heads may not.
+    sizes = (("B = q.shape[0]", q.shape[0]),) if rank == 4 else ()
+    sizes += (("H = q.shape[1]", q.shape[1]),)
+    if rank == 4:
+        sizes += (("Sq = q.shape[2]", q.shape[2]), ("Sk = k.shape[2]", k.shape[2]))
+    for name, size in sizes:
+        checks.check_positive(name, size)
 
 
 def _refuse_grad(ctx, inputs, output):

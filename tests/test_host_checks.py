@@ -143,3 +143,58 @@ def test_no_batch_or_no_heads_is_refused_by_name(monkeypatch, shape):
     table = torch.zeros(shape[0], 1, dtype=torch.int32)
     with pytest.raises(ValueError, match=re.escape(f"{name} = 0 must be positive")):
         checks.check_paged_args(q, kc, kc, table)
+
+
+# ------------------------------------------------------------- values read to the host
+
+
+def test_packed_seqused_k_is_read_once_per_version_of_both_tensors(monkeypatch):
+    """Packed calls check seqused_k against cu_seqlens_k's sequence lengths. The values are read
+    once for a (seqused_k, cu_seqlens_k) pair and version, as in batch mode: a decode loop that
+    passes the same tensors each step pays no copy after the first. An in-place write to either
+    tensor is seen (a now-invalid count is refused)."""
+    q = torch.zeros(9, 4, 64, dtype=torch.bfloat16)
+    cu_k = torch.tensor([0, 4, 9], dtype=torch.int32)
+    used = torch.tensor([3, 5], dtype=torch.int32)
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t) or tolist(t))
+    checks._SEQUSED_SEEN.clear()
+    checks.check_seqused_k(used, q, cu_k)
+    first = len(reads)
+    assert first > 0
+    checks.check_seqused_k(used, q, cu_k)
+    assert len(reads) == first, "the second call of the same pair read the values again"
+    cu_k[1] = 2  # sequence 0 now has 2 keys: seqused_k[0] = 3 no longer fits
+    with pytest.raises(ValueError, match=r"seqused_k\[0\] = 3 is outside 0 .. 2"):
+        checks.check_seqused_k(used, q, cu_k)
+    cu_k[1] = 4
+    checks.check_seqused_k(used, q, cu_k)
+    used[1] = 6  # sequence 1 has 5 keys
+    with pytest.raises(ValueError, match=r"seqused_k\[1\] = 6 is outside 0 .. 5"):
+        checks.check_seqused_k(used, q, cu_k)
+    other = cu_k.clone()  # another tensor object with the same values is read again
+    used[1] = 5
+    checks.check_seqused_k(used, q, cu_k)
+    before = len(reads)
+    checks.check_seqused_k(used, q, other)
+    assert len(reads) > before
+    checks._SEQUSED_SEEN.clear()
+
+
+def test_cu_seqlens_first_seen_during_a_capture_is_refused_by_name(monkeypatch):
+    """The offsets are checked on the host, which a CUDA graph capture forbids: a pair first seen
+    during a capture gets an error that says what to do (a warm-up call before the capture); a
+    pair checked before the capture passes without a read."""
+    q = torch.zeros(9, 4, 64, dtype=torch.bfloat16)
+    cu_q = torch.tensor([0, 4, 9], dtype=torch.int32)
+    cu_k = torch.tensor([0, 4, 9], dtype=torch.int32)
+    checks._CU_SEQLENS_SEEN.clear()
+    monkeypatch.setattr(checks, "capturing", lambda t: True)
+    with pytest.raises(RuntimeError, match="cu_seqlens_q.*warm-up"):
+        checks.check_cu_seqlens(q, q, cu_q, cu_k, None, None)
+    monkeypatch.setattr(checks, "capturing", lambda t: False)
+    assert checks.check_cu_seqlens(q, q, cu_q, cu_k, None, None) == (5, 5)
+    monkeypatch.setattr(checks, "capturing", lambda t: True)
+    assert checks.check_cu_seqlens(q, q, cu_q, cu_k, None, None) == (5, 5)
+    checks._CU_SEQLENS_SEEN.clear()

@@ -235,6 +235,10 @@ def test_opcheck_on_meta_tensors():
         (((2, 8, 64, 128), (3, 8, 64, 128)), BF, ValueError, "batch"),
         (((2, 8, 64, 128), (2, 8, 64, 64)), BF, ValueError, "head dim"),
         (((8, 64, 128), (8, 64, 128)), BF, ValueError, "rank-4"),
+        (((0, 8, 64, 128), (0, 8, 64, 128)), BF, ValueError, r"B = q.shape\[0\] = 0"),
+        (((2, 0, 64, 128), (2, 2, 64, 128)), BF, ValueError, r"H = q.shape\[1\] = 0"),
+        (((2, 8, 0, 128), (2, 8, 64, 128)), BF, ValueError, r"Sq = q.shape\[2\] = 0"),
+        (((2, 8, 64, 128), (2, 8, 0, 128)), BF, ValueError, r"Sk = k.shape\[2\] = 0"),
     ],
 )
 def test_fake_refuses_what_the_kernel_refuses(shapes, dtype, error, match):
@@ -243,6 +247,24 @@ def test_fake_refuses_what_the_kernel_refuses(shapes, dtype, error, match):
         k = torch.empty(shapes[1], device="cuda", dtype=dtype)
         with pytest.raises(error, match=match):
             torch.ops.flash_tutorial.attention(q, k, k, None, False, None, None)
+
+
+def test_fake_varlen_refuses_no_heads_and_takes_no_tokens():
+    """Packed: zero heads is refused, as check_varlen_args refuses it; zero tokens is allowed
+    (every sequence empty: the entry returns O = 0 and LSE = -inf without a launch)."""
+    with FakeTensorMode():
+        cu = torch.zeros(3, device="cuda", dtype=torch.int32)
+        q = torch.empty(10, 0, 128, device="cuda", dtype=BF)
+        k = torch.empty(10, 2, 128, device="cuda", dtype=BF)
+        with pytest.raises(ValueError, match=r"H = q.shape\[1\] = 0"):
+            torch.ops.flash_tutorial.attention_varlen(
+                q, k, k, cu, cu, None, None, None, False, None, None
+            )
+        q = torch.empty(0, 4, 128, device="cuda", dtype=BF)
+        o, lse = torch.ops.flash_tutorial.attention_varlen(
+            q, q, q, cu, cu, None, None, None, False, None, None
+        )
+        assert o.shape == (0, 4, 128) and lse.shape == (4, 0)
 
 
 def test_fake_varlen_refuses_bad_cu_seqlens():
