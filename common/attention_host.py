@@ -1,4 +1,4 @@
-"""The host side of stages 7-12 on both tracks: one copy of the argument checks, the views
+"""The host side of stages 7-14 on both tracks: one copy of the argument checks, the views
 that give packed sequences the kernels' (B, H, S, D) shape, the pack-GQA choice, the compile cache
 and the launch. Each stage file keeps its kernel class and its documented entry points, which pass
 the class here: `attention(Sm90Kernel, q, k, v, ...)`. The launch goes through TVM-FFI (the torch

@@ -1,9 +1,10 @@
 """The combine of split-KV (stage 13 on, both tracks): the splits of one KV range merged by their
 LSE weights, FlashDecoding's second kernel.
 
-Split s of a query row saw keys K_s only; it wrote O_s = sum_{j in K_s} p_j v_j / l_s, normalised
-by its own row sum l_s, and lse_s = m_s + ln l_s (m_s its row max times the scale). Over all keys,
-l = sum_s l_s e^{m_s} (with the same reference) and so
+Split s of a query row saw keys K_s only. With x_j the scaled scores, m_s the split's row max
+and p_j = e^{x_j - m_s}, it wrote O_s = sum_{j in K_s} p_j v_j / l_s, normalised by its own row
+sum l_s = sum_{j in K_s} p_j, and lse_s = m_s + ln l_s = ln sum_{j in K_s} e^{x_j}. Over all keys
+the row sum is sum_j e^{x_j} = sum_s e^{m_s} l_s = sum_s e^{lse_s}, and so
 
     lse = ln sum_s e^{lse_s},    O = sum_s e^{lse_s - lse} O_s.
 

@@ -8,9 +8,10 @@ inside `torch.compile(fullgraph=True)` and PyTorch knows their output shapes wit
         -> (o, lse)    q (total_q, H, D), k and v (total_k, Hkv, D); o (total_q, H, D), lse (H, total_q)
 
 Which stage runs: the latest one with stage 7's API (`attention(..., causal, window, return_lse)`
-with K/V of Hkv heads, and `attention_varlen`): stage 14 (the paged KV cache, whose unpaged
-entries are stage 13's split-KV launch) now, stages 13 down to 7 before it; the environment variable FLASH_TUTORIAL_STAGE=7 or `with use_stage(7):` pins another
-(read at each call, so also inside a compiled graph). The stage's package is imported on the
+with K/V of Hkv heads, and `attention_varlen`), which is stage 14 (the paged KV cache, whose
+unpaged entries are stage 13's split-KV launch); the environment variable FLASH_TUTORIAL_STAGE=7
+or `with use_stage(7):` pins another of stages 7-14 (read at each call, so also inside a
+compiled graph). The stage's package is imported on the
 first real call, so importing this module needs neither a GPU nor the CuTe DSL. Each op has a
 fake implementation (`register_fake`: shapes, dtypes and devices from the inputs' metadata alone)
 which FakeTensorMode, meta tensors and torch.compile's tracing use instead of the kernel.

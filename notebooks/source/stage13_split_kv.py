@@ -104,7 +104,7 @@ split_range = type(kernel).split_range.__wrapped__
 #
 # $$\text{tiles} = \lceil 1 \cdot 4 / 128 \rceil \cdot H_{kv} \cdot B = 8,$$
 #
-# each streaming $2 \cdot S_k \cdot D \cdot 2$ bytes of K and V (8 MiB at $S_k$ = 32k, D = 128):
+# each streaming $2 \cdot S_k \cdot D \cdot 2$ bytes of K and V (16 MiB at $S_k$ = 32k, D = 128):
 # the step is bound by memory, and 8 SMs cannot draw the memory system's bandwidth. Cutting each
 # tile's $n$ KV tiles into $s$ splits gives $8 s$ work tiles of $\lceil n / s \rceil$ KV tiles
 # each; $s = 16$ gives 128 CTAs on the 132 SMs.
@@ -137,7 +137,8 @@ split_range = type(kernel).split_range.__wrapped__
 # (65 KV tiles of 128), cut 16 ways with the kernel's own `split_range`, each split's
 # $(O_s, \text{lse}_s)$ computed directly from its keys, merged by `combine_reference` (the fp64
 # twin of the combine kernel, `common/combine.py`), against one softmax over all keys - then
-# the same with scores around $10^4$, and the fp32 merge with and without $\text{lse}_{\max}$.
+# the same with every score multiplied by 1,000 (the row labelled "scores around 1e4": its LSEs
+# are in the thousands), and the fp32 merge with and without $\text{lse}_{\max}$.
 
 # %%
 g = torch.Generator().manual_seed(13)
@@ -390,8 +391,8 @@ if report is not None and report_split is not None:
 # %% [markdown]
 # ### 5.8 The same stage on Blackwell
 #
-# The Blackwell kernels are **compile-checked here, not run on hardware** (this project has an
-# H200; they are compiled for sm_100a with fake tensors and their PTX is checked). The two cells
+# The Blackwell kernels are **compile-checked here, not run on hardware** (no sm_100 GPU has run
+# them; they are compiled for sm_100a with fake tensors and their PTX is checked). The two cells
 # below compare the concepts of `stages/stage13_split_kv/blackwell.py` with the Hopper file's
 # and compile it for sm_100a; where the file is not there, they say so. The split is the same
 # on both tracks: the same ranges from a `split_range` of the same arithmetic, the same

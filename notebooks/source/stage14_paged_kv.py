@@ -113,7 +113,7 @@ def paged_cache(k, v, used, page_size, spare_pages=3, seed=14):
 # the first `seqused_k[b]` keys of a cache allocated longer, the keys past it masked and their
 # V rows zeroed in shared memory. On a decode step at batch 1 with 32 query and 8 KV heads and
 # 32k keys it reads K and V at 1,732 GB/s with calls back to back and 3,063 GB/s in GPU time
-# alone (H200, 2026-12-04, section 7). Its K and V are contiguous tensors (B, Hkv, Sk, D): a
+# alone (H200, 2026-12-04, section 7 of notebook 13). Its K and V are contiguous tensors (B, Hkv, Sk, D): a
 # server would allocate every sequence's longest length up front, or copy its cache as it grows.
 #
 # ## 3. The math
@@ -422,8 +422,8 @@ if report is not None and all(r is not None for r in reports.values()):
 # %% [markdown]
 # ### 5.7 The same stage on Blackwell
 #
-# The Blackwell kernels are **compile-checked here, not run on hardware** (this project has an
-# H200; they are compiled for sm_100a with fake tensors and their PTX is checked). The two cells
+# The Blackwell kernels are **compile-checked here, not run on hardware** (no sm_100 GPU has run
+# them; they are compiled for sm_100a with fake tensors and their PTX is checked). The two cells
 # below compare the concepts of `stages/stage14_paged_kv/blackwell.py` with the Hopper file's
 # and compile it for sm_100a; where the file is not there, they say so. The paging is the same
 # on both tracks: boxes of `page_rows` = min(page_size, 128) keys from the page that holds them,
@@ -689,8 +689,8 @@ else:
 # would start at row 32 of a page; with 96, tile 0's second box (keys 96-191) would run 64 rows
 # past. From 128 on a box is a whole tile and a page must hold whole tiles: with 192, tile 1
 # (keys 128-255) lies across pages 0 and 1 (rows 128-191 of one, 0-63 of the other), and one
-# box cannot reach two pages that lie anywhere in the pool. Boxes of gcd(P, 128) rows (16 for 48
-# and 96, 64 for 192) would work, for more boxes per tile; the stage keeps one rule,
+# box cannot reach two pages that lie anywhere in the pool. Boxes of gcd(P, 128) rows (16 for 48,
+# 32 for 96, 64 for 192) would work, for more boxes per tile; the stage keeps one rule,
 # r = min(P, 128), and `check_paged_args` refuses every size but 16, 32, 64 and multiples of 128
 # with that reason.
 # </details>

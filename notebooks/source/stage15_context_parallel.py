@@ -537,7 +537,7 @@ report = nb.compile_summary(14, "hopper")
 #
 # `ring.py` is the same on both tracks: `default_attention` picks stage 14's kernel of the
 # machine's track, and nothing else in the ring depends on it. The Blackwell kernels are
-# **compile-checked here, not run on hardware** (this project has an H200; they are compiled for
+# **compile-checked here, not run on hardware** (no sm_100 GPU has run them; they are compiled for
 # sm_100a with fake tensors and their PTX is checked). The cell compiles Blackwell's stage 14
 # for sm_100a; where the file is not there, it says so. With a faster kernel the shortest chunk
 # that hides a hop grows in proportion to $F$, for the same link; no Blackwell number exists here.
@@ -753,9 +753,10 @@ else:
 #
 # $c \ge 2F / (G \cdot \text{BW})$ = 2 x 663.8e12 / (G x 450e9) = 2,950 / G: 2,950 tokens
 # for MHA (32 KV heads), 738 for 8 KV heads, 92 for MQA. At 64 GB/s each way: 20,745 / G -
-# 20,745, 5,186 and 648 tokens. At chunks that short the kernel is slower than 664 TFLOP/s (at S = 2k
-# without a mask the same run measured 667, at 512 only 259, H200, 2026-12-04), which lowers the
-# threshold; the formula with the speed at that length is what decides.
+# 20,745, 5,186 and 648 tokens. At chunks that short the kernel no longer runs at 664 TFLOP/s:
+# without a mask the same run measured 667 at S = 2k, 503 at 1k and only 259 at 512 (H200,
+# 2026-12-04). A slower kernel lowers the threshold (the hop then hides behind a longer kernel
+# time); the formula with the speed at that length is what decides.
 # </details>
 #
 # <details><summary>5. Swap the zig-zag pieces (15a)</summary>

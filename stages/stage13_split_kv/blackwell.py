@@ -21,8 +21,8 @@ TUNINGS, with_tunings), Hopper stage 13's on this track's five roles:
 - common/combine.py merges the splits: lse = log sum_s exp(lse_s), O = sum_s exp(lse_s - lse)
   O_s, in fp32, then O in the input dtype. A split that sees no key writes O = 0 and
   lse_s = -inf: weight 0. Partial buffers per call: num_splits x B x H x Sq x (D + 1) x 4
-  bytes (18 x 32 x 129 x 4 = 297 KB for the decode step above), against 2 x Sk x Hkv x D x 2
-  bytes of K and V read (32k keys: 134 MB).
+  bytes (18 x 32 x 129 x 4 = 290 KiB for the decode step above), against 2 x Sk x Hkv x D x 2
+  bytes of K and V read (32k keys: 128 MiB).
 - seqused_k (B,) int32: sequence b uses only its first seqused_k[b] keys (seq_info clamps
   seqlen_k); the keys past it may hold anything, even NaN. S is masked past seqlen_k (an edge
   tile), and the MMA warp zeroes the last V tile's rows past it before P @ V reads them

@@ -15,8 +15,8 @@ How many splits (splits_for): as many as fill one wave, SMs / tiles, at most 64 
 per KV tile; 1 when the tiles alone fill 0.8 of the SMs. Decode at B = 1, Hkv = 8 on 132 SMs:
 16; at B = 16: 1.
 Partial buffers per call: num_splits x B x H x Sq x (D + 1) x 4 bytes (16 x 32 x 129 x 4 =
-264 KB for the decode step above), against 2 x Sk x Hkv x D x 2 bytes of K and V read (32k
-keys: 134 MB).
+258 KiB for the decode step above), against 2 x Sk x Hkv x D x 2 bytes of K and V read (32k
+keys: 128 MiB).
 seqused_k (B,) int32: sequence b uses only its first seqused_k[b] keys (a cache allocated
 longer, as FlashAttention's API); the keys past it may hold anything, even NaN, and are
 never read into O (the last tile's rows past it are zeroed, as for packed sequences).
