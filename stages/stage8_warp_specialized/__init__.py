@@ -68,7 +68,7 @@ def _track_module():
     if mod is None:
         if importlib.util.find_spec(f"{__name__}.{t}") is None:
             raise NotImplementedError(
-                f"stage 8 has no {t} kernel yet; stages 1-10 exist on both tracks"
+                f"stage 8 has no {t} kernel; it exists on the hopper and blackwell tracks"
             )
         mod = _TRACK_MODULES[t] = importlib.import_module(f"{__name__}.{t}")
     return mod
