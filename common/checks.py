@@ -339,7 +339,9 @@ def check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             "arguments 'cu_seqlens_q' and 'cu_seqlens_k': their values are checked on the host, "
             "which cannot happen while a CUDA graph is being captured. Call once with these two "
             "tensors before the capture (a warm-up); the capture then reuses that check, as long "
-            "as they are not written in place in between."
+            "as they are not written in place in between. (Tensors made under "
+            "torch.inference_mode() carry no version counter and are checked at every call: "
+            "make them outside it.)"
         )
     if read:
         longest = []
