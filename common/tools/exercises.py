@@ -576,7 +576,7 @@ _ALL.append(
             "`common/tools/schedule.py`. Before you run it: which warp waits forever, at which "
             "barrier, even with one KV tile?"
         ),
-        solution=(("                v_full.release()\n", ""),),
+        solution=(("            v_full.release()\n", ""),),
         check=_check_4b,
         hint="the TMA warp's tail() acquires every K/V slot before it exits",
     )

@@ -103,10 +103,12 @@ from common.tmem import fence_after_thread_sync, fence_before_thread_sync
 
 
 class Sm100Kernel:
-    """The device code takes stage 8's names (FA4's flash_fwd_sm100.py) where it is stage 8's
-    code: `kernel` sets up what the warp roles share and branches by warp, the TMA warp calling
-    `load`; the MMA warp's and the softmax warps' code is inline in `kernel` (stage 8's `mma`,
-    `softmax`, `correction` and `epilogue`). The methods after `load` are helpers."""
+    """The device code is organised by warp role, as in FA4's flash_fwd_sm100.py. `kernel` sets up
+    what the roles share (shared memory: smem_tensors; the mbarrier pipelines and named barriers;
+    the TMEM allocator; the CTA's tiles) and each warp then calls its
+    role's method: `load` (the TMA warp), `mma` (the MMA warp) and `softmax` (the four softmax
+    warps: the row statistics, then P, per KV tile, then `epilogue`: O stored).
+    The methods after them are their helpers."""
 
     def __init__(self, dtype, head_dim):
         self.dtype = dtype  # element type of Q, K, V and O: cutlass.BFloat16 or cutlass.Float16
@@ -343,7 +345,7 @@ class Sm100Kernel:
         ).make_participants()
         # S hand-off, MMA -> softmax warps: tcgen05.commit marks S complete (full); the 128
         # softmax threads each arrive once they have read it (empty).
-        mma_si_prod, mma_si_cons = pipeline.PipelineUmmaAsync.create(
+        s_pipe = pipeline.PipelineUmmaAsync.create(
             barrier_storage=storage.mma_si_bar.data_ptr(),
             num_stages=self.s_buffers,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
@@ -352,10 +354,10 @@ class Sm100Kernel:
             ),
             cta_layout_vmnk=cluster_layout_vmnk,
             defer_sync=True,
-        ).make_participants()
+        )
         # P hand-off, softmax warps -> MMA: the 128 threads arrive once P is in TMEM (full);
         # tcgen05.commit after the PV MMAs marks P's columns free again (empty).
-        p_mma_pipeline = pipeline.PipelineAsyncUmma.create(
+        p_pipe = pipeline.PipelineAsyncUmma.create(
             barrier_storage=storage.p_mma_bar.data_ptr(),
             num_stages=1,
             producer_group=pipeline.CooperativeGroup(
@@ -365,9 +367,8 @@ class Sm100Kernel:
             cta_layout_vmnk=cluster_layout_vmnk,
             defer_sync=True,
         )
-        p_mma_prod, p_mma_cons = p_mma_pipeline.make_participants()
         # O hand-off, MMA -> epilogue: tcgen05.commit after the last PV MMA (full).
-        mma_o_prod, mma_o_cons = pipeline.PipelineUmmaAsync.create(
+        o_pipe = pipeline.PipelineUmmaAsync.create(
             barrier_storage=storage.mma_o_bar.data_ptr(),
             num_stages=1,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
@@ -376,7 +377,7 @@ class Sm100Kernel:
             ),
             cta_layout_vmnk=cluster_layout_vmnk,
             defer_sync=True,
-        ).make_participants()
+        )
         epilog_sync_bar = pipeline.NamedBarrier(
             barrier_id=self.epilog_sync_bar_id, num_threads=32 * len(self.softmax_warp_ids)
         )
@@ -424,6 +425,8 @@ class Sm100Kernel:
         # (MMA, MMA_M, MMA_N)
         tCgO = pv_thr.partition_C(gO)
         tCcO = pv_thr.partition_C(cO)
+        # (MMA, MMA_M, MMA_N): the (row, key) coordinates of S's elements within a tile
+        tCcS = qk_thr.partition_C(cute.make_identity_tensor(self.qk_mma_tiler[:2]))
         # TMA views, one CTA, no multicast: (TMA, q_buffers) and (TMA); (TMA, kv_slots) and (TMA, kv_tiles)
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3), cute.group_modes(tCgQ, 0, 3)
@@ -458,196 +461,44 @@ class Sm100Kernel:
             )
 
         if warp_idx == self.mma_warp_id:
-            # MMA warp, one thread issues: pass 1 S_j = Q @ K_j^T for every K tile; pass 2 S_j
-            # again, then O += P_j @ V_j.
-            tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-            tStS = cute.make_tensor(tmem_ptr + self.tmem_s_offset, tStS_layout)
-            tOtO = cute.make_tensor(tmem_ptr + self.tmem_o_offset, tOtO_layout)
-            # (MMA, MMA_M, MMA_K): P as 16-bit values in TMEM, over S's columns
-            tOrP = pv_mma.make_fragment_A(cute.make_tensor(tmem_ptr, p_tmem_s.outer))[
-                (None, None, None, 0)
-            ]
-            tOrP = cute.make_tensor(
-                cute.recast_ptr(tmem_ptr + self.tmem_p_offset, dtype=self.dtype), tOrP.layout
+            self.mma(
+                qk_mma,
+                pv_mma,
+                tCrQ,
+                tCrK,
+                tCrV,
+                tmem,
+                tStS_layout,
+                tOtO_layout,
+                p_tmem_s,
+                q_cons,
+                kv_cons,
+                s_pipe,
+                p_pipe,
+                o_pipe,
+                kv_tiles,
             )
-            # Waits, like the softmax warps, until the PV MMAs of the previous tile have read P
-            p_free = p_mma_pipeline.make_producer()
-            q_full = q_cons.wait_and_advance()
-            # Pass 1: S_j for the row statistics
-            for kv_tile in cutlass.range(kv_tiles, unroll=1):
-                kv_full = kv_cons.wait_and_advance()  # ring entry: K_j
-                # The softmax warps have read the previous S: it may be overwritten.
-                s_empty = mma_si_prod.acquire_and_advance()
-                qk_mma = self.issue_qk(qk_mma, tStS, tCrQ, q_full.index, tCrK, kv_full.index)
-                # tcgen05.commit: S is full once these MMAs have completed ...
-                s_empty.commit()
-                # ... and the K slot is empty once they have read it.
-                kv_full.release()
-            # Pass 2: S_j again, P_j from the softmax warps, O += P_j @ V_j
-            o_empty = mma_o_prod.acquire_and_advance()
-            for kv_tile in cutlass.range(kv_tiles, unroll=1):
-                kv_full = kv_cons.wait_and_advance()  # ring entry: K_j
-                # The softmax warps have read the previous S: it may be overwritten.
-                s_empty = mma_si_prod.acquire_and_advance()
-                # S_j overwrites P_(j-1), which sits in S's columns: wait until the PV MMAs of
-                # tile j-1 have completed (PTX keeps two tcgen05.mma in issue order only when
-                # they share accumulator and shape; QK writes S, PV writes O).
-                p_free.acquire_and_advance()
-                qk_mma = self.issue_qk(qk_mma, tStS, tCrQ, q_full.index, tCrK, kv_full.index)
-                # tcgen05.commit: S is full once these MMAs have completed ...
-                s_empty.commit()
-                # ... and the K slot is empty once they have read it.
-                kv_full.release()
-                # the softmax warps have written P_j
-                p_full = p_mma_cons.wait_and_advance()
-                v_full = kv_cons.wait_and_advance()  # ring entry: V_j
-                # O starts afresh with the first KV tile, then accumulates over the KV tiles.
-                accumulate = kv_tile != 0
-                pv_mma = self.issue_pv(pv_mma, tOtO, tOrP, tCrV, v_full.index, accumulate)
-                # P's columns and the V slot are free once these MMAs have completed.
-                p_full.release()
-                v_full.release()
-            # Q stays resident until the last MMA; then its buffer is released too.
-            q_full.release()
-            # O is complete once every MMA above has completed.
-            o_empty.commit()
 
         if warp_idx < self.mma_warp_id:
             # Softmax warps: warp 0 allocates TMEM, all four run the softmax and the epilogue.
             tmem.allocate(self.num_tmem_alloc_cols)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-            tStS = cute.make_tensor(tmem_ptr + self.tmem_s_offset, tStS_layout)
-            tOtO = cute.make_tensor(tmem_ptr + self.tmem_o_offset, tOtO_layout)
-
-            # Thread t of warp w owns row 32 w + t (a warp may only read its own 32 TMEM lanes).
-            epi_tiler = ((cute.size(tStS, mode=[0, 0]), self.tmem_load_cols),)
-            # ((128, 32), 4): S cut into 4 column slices of 32
-            tStS_epi = cute.zipped_divide(tStS, epi_tiler)
-            tmem_load = tcgen05.make_tmem_copy(
-                cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), self.acc_dtype),
-                tStS_epi[(None, 0)],
+            self.softmax(
+                tidx,  # this thread's row of the Q tile
+                cute.make_tensor(tmem_ptr + self.tmem_s_offset, tStS_layout),
+                cute.make_tensor(tmem_ptr + self.tmem_o_offset, tOtO_layout),
+                tCcS,
+                tCgO,
+                tCcO,
+                s_pipe.make_consumer(),
+                p_pipe.make_producer(),
+                o_pipe.make_consumer(),
+                mO,
+                kv_tiles,
+                seqlen_k,
+                scale_log2,
             )
-            thr_load = tmem_load.get_slice(tidx)
-            # (T2R, T2R_M, slices): this thread's row of S in TMEM, and its (row, column) coordinates
-            tTR_tS = thr_load.partition_S(tStS_epi)
-            tTR_cS = thr_load.partition_D(
-                cute.zipped_divide(
-                    qk_thr.partition_C(cute.make_identity_tensor(self.qk_mma_tiler[:2])), epi_tiler
-                )
-            )
-            # (T2R, T2R_M, slices): the whole row, 128 fp32 registers
-            tTR_rS = cute.make_rmem_tensor(tTR_cS.shape, self.acc_dtype)
-            # P over S's columns, as 32-bit TMEM cells holding two 16-bit values: (128, 64)
-            p_cells = self.qk_mma_tiler[1] * self.dtype.width // 32
-            tStP = cute.make_tensor(
-                tStS.iterator + self.tmem_p_offset,
-                cute.composition(
-                    tStS.layout, cute.make_layout((cute.size(tStS, mode=[0, 0]), p_cells))
-                ),
-            )
-            # tcgen05.st.32x32b.x32: each thread writes 32 cells of its row per store, 2 stores
-            tmem_store = tcgen05.make_tmem_copy(
-                cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition.x32), self.acc_dtype),
-                tStP,
-            )
-            thr_store = tmem_store.get_slice(tidx)
-            # (R2T, R2T_M, stores): this thread's row of P in TMEM, and the 64 registers it comes from
-            tRT_tP = thr_store.partition_D(tStP)
-            tRT_rP = cute.make_rmem_tensor(thr_store.partition_S(tStP).shape, self.acc_dtype)
-            # The same 64 registers as 128 16-bit values, in S's column order
-            tTR_rP = cute.make_tensor(
-                cute.recast_ptr(tRT_rP.iterator, dtype=self.dtype), tTR_rS.layout
-            )
-            # O, for the epilogue. ((128, 32), D / 32): O cut into column slices of 32
-            tOtO_epi = cute.zipped_divide(tOtO, epi_tiler)
-            # (T2R, T2R_M, slices): this thread's row of O in TMEM and in global memory, and its
-            # (query, d) coordinates
-            tTR_tO = thr_load.partition_S(tOtO_epi)
-            tTR_gO = thr_load.partition_D(cute.zipped_divide(tCgO, epi_tiler))
-            tTR_cO = thr_load.partition_D(cute.zipped_divide(tCcO, epi_tiler))
-            # (T2R, T2R_M): 32 fp32 registers, and the same values in the input dtype
-            tTR_rAcc = cute.make_rmem_tensor(tTR_gO[(None, None, 0)].shape, self.acc_dtype)
-            tTR_rO = cute.make_rmem_tensor(tTR_gO[(None, None, 0)].shape, self.dtype)
-
-            # Pass 1: row_max and row_sum over every KV tile
-            row_max = -Float32.inf
-            row_sum = Float32(0.0)
-            for kv_tile in cutlass.range(kv_tiles, unroll=1):
-                s_full = mma_si_cons.wait_and_advance()
-                # S complete (tcgen05.commit): order the loads after the wait (common/tmem.py, (d))
-                fence_after_thread_sync()
-                cute.copy(tmem_load, tTR_tS, tTR_rS)
-                # tcgen05.ld is asynchronous: tcgen05.wait::ld before the registers are read.
-                cute.arch.fence_view_async_tmem_load()
-                # S read: order the loads before the release (common/tmem.py, (a))
-                fence_before_thread_sync()
-                s_full.release()
-                # Keys at or beyond Sk (zeros from TMA) get S = -inf: weight exp2(-inf) = 0. Only
-                # the last KV tile can reach beyond Sk.
-                if (kv_tile + 1) * self.qk_mma_tiler[1] > seqlen_k:
-                    self.mask_keys(tTR_rS, tTR_cS, kv_tile, seqlen_k)
-                row_max_new = cute.arch.fmax(
-                    row_max, tTR_rS.load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
-                )
-                # row_sum, kept relative to the running max: when the max grows, the sum so far is
-                # multiplied by exp(scale * (old max - new max)); one multiply per row per tile.
-                row_scale = cute.math.exp2((row_max - row_max_new) * scale_log2, fastmath=True)
-                row_max_scaled = row_max_new * scale_log2
-                for i in cutlass.range(cute.size(tTR_rS), unroll_full=True):
-                    tTR_rS[i] = cute.math.exp2(
-                        tTR_rS[i] * scale_log2 - row_max_scaled, fastmath=True
-                    )
-                row_sum = row_sum * row_scale + tTR_rS.load().reduce(
-                    cute.ReductionOp.ADD, Float32(0.0), 0
-                )
-                row_max = row_max_new
-            # Pass 2: P_j = exp(scale * (S_j - row_max)) / row_sum, exact: the final max and sum.
-            # The division folds into the exponent: P_j = exp2(S_j * scale_log2 - (row_max *
-            # scale_log2 + log2(row_sum))), one FFMA and one exp2 per score, as in pass 1.
-            row_max_scaled = row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)
-            for kv_tile in cutlass.range(kv_tiles, unroll=1):
-                s_full = mma_si_cons.wait_and_advance()
-                # S complete (tcgen05.commit): order the loads after the wait (common/tmem.py, (d))
-                fence_after_thread_sync()
-                cute.copy(tmem_load, tTR_tS, tTR_rS)
-                cute.arch.fence_view_async_tmem_load()
-                # S read: order the loads before the release (common/tmem.py, (a))
-                fence_before_thread_sync()
-                s_full.release()
-                if (kv_tile + 1) * self.qk_mma_tiler[1] > seqlen_k:
-                    self.mask_keys(tTR_rS, tTR_cS, kv_tile, seqlen_k)
-                for i in cutlass.range(cute.size(tTR_rS), unroll_full=True):
-                    tTR_rS[i] = cute.math.exp2(
-                        tTR_rS[i] * scale_log2 - row_max_scaled, fastmath=True
-                    )
-                tTR_rP.store(tTR_rS.load().to(self.dtype))
-                # P's columns are free once the PV MMAs of tile j-1 have completed: write P_j,
-                # then hand it to the MMA warp.
-                p_empty = p_mma_prod.acquire_and_advance()
-                # P's columns free (tcgen05.commit): fence after the wait (common/tmem.py, (d))
-                fence_after_thread_sync()
-                cute.copy(tmem_store, tRT_rP, tRT_tP)
-                # tcgen05.st is asynchronous: tcgen05.wait::st before the MMA warp is told.
-                cute.arch.fence_view_async_tmem_store()
-                # P written: order the stores before the arrive (common/tmem.py, (b))
-                fence_before_thread_sync()
-                p_empty.commit()
-
-            # 3. Epilogue: TMEM -> registers (tcgen05.ld) -> O in global memory (already / row_sum)
-            o_full = mma_o_cons.wait_and_advance()
-            # O complete (tcgen05.commit): order the loads after the wait (common/tmem.py, (d))
-            fence_after_thread_sync()
-            for i in cutlass.range_constexpr(cute.size(tTR_tO, mode=[2])):
-                cute.copy(tmem_load, tTR_tO[(None, None, i)], tTR_rAcc)
-                cute.arch.fence_view_async_tmem_load()
-                # O = sum over KV tiles of (P_j / row_sum) @ V_j, in the input dtype
-                tTR_rO.store(tTR_rAcc.load().to(self.dtype))
-                self.store_row(tTR_rO, tTR_gO[(None, None, i)], tTR_cO[(None, None, i)], mO.shape)
-            # O read: order the loads before the release (common/tmem.py, as (a))
-            fence_before_thread_sync()
-            o_full.release()
 
             # All four softmax warps are done with TMEM before warp 0 frees it: each orders its
             # tcgen05.ld and tcgen05.st before the barrier (tcgen05.fence::before_thread_sync),
@@ -682,6 +533,246 @@ class Sm100Kernel:
         # Every buffer released by the MMA warp before this warp exits.
         kv_prod.tail()
         q_prod.tail()
+
+    @cute.jit
+    def mma(
+        self,
+        qk_mma,
+        pv_mma,
+        tCrQ,
+        tCrK,
+        tCrV,
+        tmem,
+        tStS_layout,
+        tOtO_layout,
+        p_tmem_s,
+        q_cons,
+        kv_cons,
+        s_pipe,
+        p_pipe,
+        o_pipe,
+        kv_tiles,
+    ):
+        """The MMA warp; one thread issues: pass 1 S_j = Q @ K_j^T for every K tile; pass 2 S_j
+        again, then O += P_j @ V_j."""
+        tmem.wait_for_alloc()
+        tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
+        tStS = cute.make_tensor(tmem_ptr + self.tmem_s_offset, tStS_layout)
+        tOtO = cute.make_tensor(tmem_ptr + self.tmem_o_offset, tOtO_layout)
+        # (MMA, MMA_M, MMA_K): P as 16-bit values in TMEM, over S's columns
+        tOrP = pv_mma.make_fragment_A(cute.make_tensor(tmem_ptr, p_tmem_s.outer))[
+            (None, None, None, 0)
+        ]
+        tOrP = cute.make_tensor(
+            cute.recast_ptr(tmem_ptr + self.tmem_p_offset, dtype=self.dtype), tOrP.layout
+        )
+        # One variable per hand-off: the DSL carries a pipeline's state (slot index, phase)
+        # through a loop only for a name it sees the loop call methods on.
+        s_prod = s_pipe.make_producer()
+        p_cons = p_pipe.make_consumer()
+        o_prod = o_pipe.make_producer()
+        # Waits, like the softmax warps, until the PV MMAs of the previous tile have read P
+        p_free = p_pipe.make_producer()
+        q_full = q_cons.wait_and_advance()
+        # Pass 1: S_j for the row statistics
+        for kv_tile in cutlass.range(kv_tiles, unroll=1):
+            kv_full = kv_cons.wait_and_advance()  # ring entry: K_j
+            # The softmax warps have read the previous S: it may be overwritten.
+            s_empty = s_prod.acquire_and_advance()
+            qk_mma = self.issue_qk(qk_mma, tStS, tCrQ, q_full.index, tCrK, kv_full.index)
+            # tcgen05.commit: S is full once these MMAs have completed ...
+            s_empty.commit()
+            # ... and the K slot is empty once they have read it.
+            kv_full.release()
+        # Pass 2: S_j again, P_j from the softmax warps, O += P_j @ V_j
+        o_empty = o_prod.acquire_and_advance()
+        for kv_tile in cutlass.range(kv_tiles, unroll=1):
+            kv_full = kv_cons.wait_and_advance()  # ring entry: K_j
+            # The softmax warps have read the previous S: it may be overwritten.
+            s_empty = s_prod.acquire_and_advance()
+            # S_j overwrites P_(j-1), which sits in S's columns: wait until the PV MMAs of
+            # tile j-1 have completed (PTX keeps two tcgen05.mma in issue order only when
+            # they share accumulator and shape; QK writes S, PV writes O).
+            p_free.acquire_and_advance()
+            qk_mma = self.issue_qk(qk_mma, tStS, tCrQ, q_full.index, tCrK, kv_full.index)
+            # tcgen05.commit: S is full once these MMAs have completed ...
+            s_empty.commit()
+            # ... and the K slot is empty once they have read it.
+            kv_full.release()
+            # the softmax warps have written P_j
+            p_full = p_cons.wait_and_advance()
+            v_full = kv_cons.wait_and_advance()  # ring entry: V_j
+            # O starts afresh with the first KV tile, then accumulates over the KV tiles.
+            accumulate = kv_tile != 0
+            pv_mma = self.issue_pv(pv_mma, tOtO, tOrP, tCrV, v_full.index, accumulate)
+            # P's columns and the V slot are free once these MMAs have completed.
+            p_full.release()
+            v_full.release()
+        # Q stays resident until the last MMA; then its buffer is released too.
+        q_full.release()
+        # O is complete once every MMA above has completed.
+        o_empty.commit()
+
+    @cute.jit
+    def softmax(
+        self,
+        row: Int32,
+        tStS: cute.Tensor,
+        tOtO: cute.Tensor,
+        tCcS: cute.Tensor,
+        tCgO: cute.Tensor,
+        tCcO: cute.Tensor,
+        s_cons,
+        p_prod,
+        o_cons,
+        mO: cute.Tensor,
+        kv_tiles: Int32,
+        seqlen_k: Int32,
+        scale_log2: Float32,
+    ):
+        """The softmax warps: thread `row` owns that row of S and reads it from TMEM per KV tile,
+        in pass 1 for the row max and sum, in pass 2 to write P over it; then the epilogue."""
+        # Thread t of warp w owns row 32 w + t (a warp may only read its own 32 TMEM lanes).
+        epi_tiler = ((cute.size(tStS, mode=[0, 0]), self.tmem_load_cols),)
+        # ((128, 32), 4): S cut into 4 column slices of 32
+        tStS_epi = cute.zipped_divide(tStS, epi_tiler)
+        tmem_load = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), self.acc_dtype),
+            tStS_epi[(None, 0)],
+        )
+        thr_load = tmem_load.get_slice(row)
+        # (T2R, T2R_M, slices): this thread's row of S in TMEM, and its (row, column) coordinates
+        tTR_tS = thr_load.partition_S(tStS_epi)
+        tTR_cS = thr_load.partition_D(cute.zipped_divide(tCcS, epi_tiler))
+        # (T2R, T2R_M, slices): the whole row, 128 fp32 registers
+        tTR_rS = cute.make_rmem_tensor(tTR_cS.shape, self.acc_dtype)
+        # P over S's columns, as 32-bit TMEM cells holding two 16-bit values: (128, 64)
+        p_cells = self.qk_mma_tiler[1] * self.dtype.width // 32
+        tStP = cute.make_tensor(
+            tStS.iterator + self.tmem_p_offset,
+            cute.composition(
+                tStS.layout, cute.make_layout((cute.size(tStS, mode=[0, 0]), p_cells))
+            ),
+        )
+        # tcgen05.st.32x32b.x32: each thread writes 32 cells of its row per store, 2 stores
+        tmem_store = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition.x32), self.acc_dtype),
+            tStP,
+        )
+        thr_store = tmem_store.get_slice(row)
+        # (R2T, R2T_M, stores): this thread's row of P in TMEM, and the 64 registers it comes from
+        tRT_tP = thr_store.partition_D(tStP)
+        tRT_rP = cute.make_rmem_tensor(thr_store.partition_S(tStP).shape, self.acc_dtype)
+        # The same 64 registers as 128 16-bit values, in S's column order
+        tTR_rP = cute.make_tensor(cute.recast_ptr(tRT_rP.iterator, dtype=self.dtype), tTR_rS.layout)
+        # O, for the epilogue. ((128, 32), D / 32): O cut into column slices of 32
+        tOtO_epi = cute.zipped_divide(tOtO, epi_tiler)
+        # (T2R, T2R_M, slices): this thread's row of O in TMEM and in global memory, and its
+        # (query, d) coordinates
+        tTR_tO = thr_load.partition_S(tOtO_epi)
+        tTR_gO = thr_load.partition_D(cute.zipped_divide(tCgO, epi_tiler))
+        tTR_cO = thr_load.partition_D(cute.zipped_divide(tCcO, epi_tiler))
+        # (T2R, T2R_M): 32 fp32 registers, and the same values in the input dtype
+        tTR_rAcc = cute.make_rmem_tensor(tTR_gO[(None, None, 0)].shape, self.acc_dtype)
+        tTR_rO = cute.make_rmem_tensor(tTR_gO[(None, None, 0)].shape, self.dtype)
+
+        # Pass 1: row_max and row_sum over every KV tile
+        row_max = -Float32.inf
+        row_sum = Float32(0.0)
+        for kv_tile in cutlass.range(kv_tiles, unroll=1):
+            s_full = s_cons.wait_and_advance()
+            # S complete (tcgen05.commit): order the loads after the wait (common/tmem.py, (d))
+            fence_after_thread_sync()
+            cute.copy(tmem_load, tTR_tS, tTR_rS)
+            # tcgen05.ld is asynchronous: tcgen05.wait::ld before the registers are read.
+            cute.arch.fence_view_async_tmem_load()
+            # S read: order the loads before the release (common/tmem.py, (a))
+            fence_before_thread_sync()
+            s_full.release()
+            # Keys at or beyond Sk (zeros from TMA) get S = -inf: weight exp2(-inf) = 0. Only
+            # the last KV tile can reach beyond Sk.
+            if (kv_tile + 1) * self.qk_mma_tiler[1] > seqlen_k:
+                self.mask_keys(tTR_rS, tTR_cS, kv_tile, seqlen_k)
+            row_max_new = cute.arch.fmax(
+                row_max, tTR_rS.load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+            )
+            # row_sum, kept relative to the running max: when the max grows, the sum so far is
+            # multiplied by exp(scale * (old max - new max)); one multiply per row per tile.
+            row_scale = cute.math.exp2((row_max - row_max_new) * scale_log2, fastmath=True)
+            row_max_scaled = row_max_new * scale_log2
+            for i in cutlass.range(cute.size(tTR_rS), unroll_full=True):
+                tTR_rS[i] = cute.math.exp2(tTR_rS[i] * scale_log2 - row_max_scaled, fastmath=True)
+            row_sum = row_sum * row_scale + tTR_rS.load().reduce(
+                cute.ReductionOp.ADD, Float32(0.0), 0
+            )
+            row_max = row_max_new
+        # Pass 2: P_j = exp(scale * (S_j - row_max)) / row_sum, exact: the final max and sum.
+        # The division folds into the exponent: P_j = exp2(S_j * scale_log2 - (row_max *
+        # scale_log2 + log2(row_sum))), one FFMA and one exp2 per score, as in pass 1.
+        row_max_scaled = row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)
+        for kv_tile in cutlass.range(kv_tiles, unroll=1):
+            s_full = s_cons.wait_and_advance()
+            # S complete (tcgen05.commit): order the loads after the wait (common/tmem.py, (d))
+            fence_after_thread_sync()
+            cute.copy(tmem_load, tTR_tS, tTR_rS)
+            cute.arch.fence_view_async_tmem_load()
+            # S read: order the loads before the release (common/tmem.py, (a))
+            fence_before_thread_sync()
+            s_full.release()
+            if (kv_tile + 1) * self.qk_mma_tiler[1] > seqlen_k:
+                self.mask_keys(tTR_rS, tTR_cS, kv_tile, seqlen_k)
+            for i in cutlass.range(cute.size(tTR_rS), unroll_full=True):
+                tTR_rS[i] = cute.math.exp2(tTR_rS[i] * scale_log2 - row_max_scaled, fastmath=True)
+            tTR_rP.store(tTR_rS.load().to(self.dtype))
+            # P's columns are free once the PV MMAs of tile j-1 have completed: write P_j,
+            # then hand it to the MMA warp.
+            p_empty = p_prod.acquire_and_advance()
+            # P's columns free (tcgen05.commit): fence after the wait (common/tmem.py, (d))
+            fence_after_thread_sync()
+            cute.copy(tmem_store, tRT_rP, tRT_tP)
+            # tcgen05.st is asynchronous: tcgen05.wait::st before the MMA warp is told.
+            cute.arch.fence_view_async_tmem_store()
+            # P written: order the stores before the arrive (common/tmem.py, (b))
+            fence_before_thread_sync()
+            p_empty.commit()
+
+        self.epilogue(
+            tmem_load,
+            tTR_tO,
+            tTR_rAcc,
+            tTR_rO,
+            tTR_gO,
+            tTR_cO,
+            o_cons,
+            mO,
+        )
+
+    @cute.jit
+    def epilogue(
+        self,
+        tmem_load,
+        tTR_tO,
+        tTR_rAcc,
+        tTR_rO,
+        tTR_gO,
+        tTR_cO,
+        o_cons,
+        mO,
+    ):
+        """The softmax warps, after the last KV tile: TMEM -> registers (tcgen05.ld) -> O in global
+        memory (already / row_sum)."""
+        o_full = o_cons.wait_and_advance()
+        # O complete (tcgen05.commit): order the loads after the wait (common/tmem.py, (d))
+        fence_after_thread_sync()
+        for i in cutlass.range_constexpr(cute.size(tTR_tO, mode=[2])):
+            cute.copy(tmem_load, tTR_tO[(None, None, i)], tTR_rAcc)
+            cute.arch.fence_view_async_tmem_load()
+            # O = sum over KV tiles of (P_j / row_sum) @ V_j, in the input dtype
+            tTR_rO.store(tTR_rAcc.load().to(self.dtype))
+            self.store_row(tTR_rO, tTR_gO[(None, None, i)], tTR_cO[(None, None, i)], mO.shape)
+        # O read: order the loads before the release (common/tmem.py, as (a))
+        fence_before_thread_sync()
+        o_full.release()
 
     @cute.jit
     def smem_tensors(self, storage, q_smem_s, k_smem_s, v_smem_s):
