@@ -357,23 +357,13 @@ class Sm100Kernel:
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        # blockIdx = (CTA row block: Q tiles 2 bidx and 2 bidx + 1, head, sequence). Query head
-        # `head` reads KV head head // group. (Packed, mQ has Hkv heads, the group is 1 and
-        # `head` is the KV head.)
-        bidx, head, batch = cute.arch.block_idx()
-        kv_head = head // (cute.size(mQ, mode=[2, 0]) // cute.size(mK, mode=[2, 0]))
-        q_tile0 = bidx * self.q_tiles
-        # Where this sequence starts in Q and K, and how long it is (batch mode: 0, Sq, 0, Sk),
-        # for every role, before the warps split.
-        offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
-            batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
-        )
-        # The KV tiles holding a key that some row of the CTA's 256 rows sees: one range for
-        # both Q tiles, computed before the warps split, the one the TMA warp loads, the MMA
-        # warp multiplies and every warpgroup folds (empty: no K or V is read, no MMA issued).
-        kv_tile_lo, kv_tile_hi = self.kv_tile_range(
-            bidx, seqlen_q, seqlen_k, window_left, window_right, self.cta_rows
-        )
+        # The work tile: blockIdx, for every role, before the warps split. What a role needs of a
+        # tile (its Q tiles, head, sequence, KV range) it takes from work_tile.
+        work = (mQ, mK, mCuSeqlensQ, mCuSeqlensK, window_left, window_right)
+        w = self.work_tile(cute.arch.block_idx(), *work)
+        q_tile0, head, kv_head, batch = w[:4]
+        offset_q, seqlen_q, offset_k, seqlen_k = w[4:8]
+        kv_tile_lo, kv_tile_hi = w[8:]
 
         # 1. Prepare
         if warp_idx == self.tma_warp_id:
@@ -541,8 +531,8 @@ class Sm100Kernel:
 
     @cute.jit
     def load(self, atoms, tiles, q_prod, kv_prod, q_tile0, kv_tile_lo, kv_tile_hi):
-        """The TMA warp: Q_0 and Q_1 once, then every K and V tile, each tile its own ring entry.
-        atoms = (TMA atoms, MMA slices), tiles = (global tiles, shared buffers)."""
+        """The TMA warp, for the work tile: Q_0 and Q_1 once, then every K and V tile, each tile its
+        own ring entry. atoms = (TMA atoms, MMA slices), tiles = (global tiles, shared buffers)."""
         tma_q, tma_k, tma_v, qk_thr, pv_thr = atoms
         gQ, gK, gV, sQ, sK, sV = tiles
         # (MMA, MMA_M, MMA_K, Q tiles)
@@ -1398,6 +1388,31 @@ class Sm100Kernel:
         seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
         seqlen_k = mCuSeqlensK[batch + 1] - offset_k
         return offset_q, seqlen_q, offset_k, seqlen_k, 0
+
+    @cute.jit
+    def work_tile(self, tile, mQ, mK, mCuSeqlensQ, mCuSeqlensK, window_left, window_right):
+        """What every role takes from work tile `tile`: (q_tile0, head, kv_head, batch,
+        offset_q, seqlen_q, offset_k, seqlen_k, kv_tile_lo, kv_tile_hi); tile = blockIdx."""
+        heads = cute.size(mQ, mode=[2, 0])
+        # CTA row block bidx: Q tiles 2 bidx and 2 bidx + 1. Query head `head` reads KV head
+        # head // group. (Packed, mQ has Hkv heads, the group is 1 and `head` is the KV head.)
+        bidx, head, batch = tile
+        kv_head = head // (heads // cute.size(mK, mode=[2, 0]))
+        q_tile0 = bidx * self.q_tiles
+        # Where this sequence starts in Q and K, and how long it is (batch mode: 0, Sq, 0, Sk).
+        offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
+            batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
+        )
+        # The KV tiles holding a key that some row of the CTA's 256 rows sees: one range for
+        # both Q tiles, the one the TMA warp loads, the MMA warp multiplies and every
+        # warpgroup folds (empty: no K or V is read, no MMA issued).
+        kv_tile_lo, kv_tile_hi = self.kv_tile_range(
+            bidx, seqlen_q, seqlen_k, window_left, window_right, self.cta_rows
+        )
+        return (q_tile0, head, kv_head, batch, offset_q, seqlen_q, offset_k, seqlen_k) + (
+            kv_tile_lo,
+            kv_tile_hi,
+        )
 
     @cute.jit
     def zero_keys(self, sV, slot, first_key):
