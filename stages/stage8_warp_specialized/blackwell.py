@@ -352,23 +352,13 @@ class Sm100Kernel:
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        # blockIdx = (CTA row block: Q tile bidx, head, sequence). Query head
-        # `head` reads KV head head // group. (Packed, mQ has Hkv heads, the group is 1 and
-        # `head` is the KV head.)
-        bidx, head, batch = cute.arch.block_idx()
-        kv_head = head // (cute.size(mQ, mode=[2, 0]) // cute.size(mK, mode=[2, 0]))
-        q_tile0 = bidx * self.q_tiles
-        # Where this sequence starts in Q and K, and how long it is (batch mode: 0, Sq, 0, Sk),
-        # for every role, before the warps split.
-        offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
-            batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
-        )
-        # The KV tiles holding a key that some row of the CTA's 128 rows sees, computed before
-        # the warps split, the one range the TMA warp loads, the MMA warp multiplies and every
-        # warpgroup folds (empty: no K or V is read, no MMA issued).
-        kv_tile_lo, kv_tile_hi = self.kv_tile_range(
-            bidx, seqlen_q, seqlen_k, window_left, window_right, self.cta_rows
-        )
+        # The work tile: blockIdx, for every role, before the warps split. What a role needs of a
+        # tile (its Q tile, head, sequence, KV range) it takes from work_tile.
+        work = (mQ, mK, mCuSeqlensQ, mCuSeqlensK, window_left, window_right)
+        w = self.work_tile(cute.arch.block_idx(), *work)
+        q_tile0, head, kv_head, batch = w[:4]
+        offset_q, seqlen_q, offset_k, seqlen_k = w[4:8]
+        kv_tile_lo, kv_tile_hi = w[8:]
 
         # 1. Prepare
         if warp_idx == self.tma_warp_id:
@@ -397,31 +387,14 @@ class Sm100Kernel:
 
         sQ, sK, sV, sO, sStats = self.smem_tensors(storage, q_smem_s, k_smem_s, v_smem_s, o_smem_s)
 
-        mO, mLSE, gQ, gK, gV, gO, cO = self.gmem_tiles(
+        tile_mO, tile_mLSE, gQ, gK, gV, gO, cO = self.gmem_tiles(
             mQ, mK, mV, mO, mLSE, head, kv_head, batch, offset_q, offset_k
         )
 
         qk_thr = qk_mma.get_slice(0)
         pv_thr = pv_mma.get_slice(0)
-        # (MMA, MMA_M, MMA_K, Q tiles)
-        tCgQ = qk_thr.partition_A(gQ)
-        # (MMA, MMA_N, MMA_K, kv_tiles)
-        tCgK = qk_thr.partition_B(gK)
-        # (MMA, MMA_N, MMA_K, kv_tiles)
-        tCgV = pv_thr.partition_B(gV)
         # (MMA, MMA_M, MMA_N): the (row, key) coordinates of S's elements within a tile
         tCcS = qk_thr.partition_C(cute.make_identity_tensor(self.qk_mma_tiler[:2]))
-        # TMA views, one CTA, no multicast: (TMA, q_buffers) and (TMA, Q tiles); (TMA, kv_slots)
-        # and (TMA, kv_tiles)
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3), cute.group_modes(tCgQ, 0, 3)
-        )
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3), cute.group_modes(tCgK, 0, 3)
-        )
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 3), cute.group_modes(tCgV, 0, 3)
-        )
         # S and O in TMEM; the base address is known once TMEM is allocated. (MMA, MMA_M, MMA_N)
         tStS_layout = qk_mma.make_fragment_C(qk_thr.partition_shape_C(self.qk_mma_tiler[:2])).layout
         tOtO_layout = pv_mma.make_fragment_C(pv_thr.partition_shape_C(self.pv_mma_tiler[:2])).layout
@@ -437,16 +410,18 @@ class Sm100Kernel:
 
         if warp_idx == self.tma_warp_id:
             cute.arch.setmaxregister_decrease(self.other_registers)
-            self.load(
-                (tma_q, tQgQ, tQsQ),
-                (tma_k, tKgK, tKsK),
-                (tma_v, tVgV, tVsV),
-                q_prod,
-                kv_prod,
+            loads = (q_prod, kv_prod)
+            loads = self.load(
+                (tma_q, tma_k, tma_v, qk_thr, pv_thr),
+                (gQ, gK, gV, sQ, sK, sV),
+                *loads,
                 q_tile0,
                 kv_tile_lo,
                 kv_tile_hi,
             )
+            # Every buffer released by the MMA warp before this warp exits.
+            loads[1].tail()
+            loads[0].tail()
 
         if warp_idx == self.mma_warp_id:
             cute.arch.setmaxregister_decrease(self.other_registers)
@@ -477,14 +452,16 @@ class Sm100Kernel:
                 cute.arch.setmaxregister_increase(self.softmax_registers)
                 tmem.wait_for_alloc()
                 tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-                self.softmax(
+                s_cons, p_prod = s_pipes[s].make_consumer(), p_pipes[s].make_producer()
+                stats_prod = stats_pipes[s].make_producer()
+                s_cons, p_prod, stats_prod = self.softmax(
                     s,
                     tidx % softmax_threads,
                     cute.make_tensor(tmem_ptr + self.tmem_s_offset[s], tStS_layout),
                     tCcS,
-                    s_pipes[s].make_consumer(),
-                    p_pipes[s].make_producer(),
-                    stats_pipes[s].make_producer(),
+                    s_cons,
+                    p_prod,
+                    stats_prod,
                     sStats,
                     q_tile0 + s,
                     kv_tile_lo,
@@ -507,7 +484,9 @@ class Sm100Kernel:
             tmem.allocate(self.num_tmem_alloc_cols)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-            self.correction(
+            stats_cons = tuple(p.make_consumer() for p in stats_pipes)
+            o_cons = tuple(p.make_consumer() for p in o_pipes)
+            stats_cons, o_cons = self.correction(
                 tidx % correction_threads,  # this thread's row of the Q tile
                 tmem_ptr,
                 tOtO_layout,
@@ -516,13 +495,13 @@ class Sm100Kernel:
                 cO,
                 sO,
                 sStats,
-                stats_pipes,
-                o_pipes,
+                stats_cons,
+                o_cons,
                 correction_bar,
                 tma_o,
                 mO_tma,
-                mO,
-                mLSE,
+                tile_mO,
+                tile_mLSE,
                 head,
                 batch,
                 q_tile0,
@@ -531,6 +510,10 @@ class Sm100Kernel:
                 seqlen_q,
                 scale_log2,
             )
+            if cutlass.const_expr(self.o_by_tma):
+                # The staging buffers must stay valid until the TMA unit has read them.
+                if tidx % correction_threads == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
 
             # Every softmax and correction warp is done with TMEM before warp 4 frees it: each
             # orders its tcgen05.ld and tcgen05.st before the barrier
@@ -542,9 +525,29 @@ class Sm100Kernel:
             tmem.free(tmem_ptr)
 
     @cute.jit
-    def load(self, q_load, k_load, v_load, q_prod, kv_prod, q_tile0, kv_tile_lo, kv_tile_hi):
-        """The TMA warp: Q once, then every K and V tile, each tile its own ring entry.
-        x_load = (TMA atom, the tiles in global memory, the buffers in shared memory)."""
+    def load(self, atoms, tiles, q_prod, kv_prod, q_tile0, kv_tile_lo, kv_tile_hi):
+        """The TMA warp, for the work tile: Q once, then every K and V tile, each tile its
+        own ring entry. atoms = (TMA atoms, MMA slices), tiles = (global tiles, shared buffers)."""
+        tma_q, tma_k, tma_v, qk_thr, pv_thr = atoms
+        gQ, gK, gV, sQ, sK, sV = tiles
+        # (MMA, MMA_M, MMA_K, Q tiles)
+        tCgQ = qk_thr.partition_A(gQ)
+        # (MMA, MMA_N, MMA_K, kv_tiles)
+        tCgK = qk_thr.partition_B(gK)
+        # (MMA, MMA_N, MMA_K, kv_tiles)
+        tCgV = pv_thr.partition_B(gV)
+        # TMA views, one CTA, no multicast: (TMA, q_buffers) and (TMA, Q tiles); (TMA, kv_slots)
+        # and (TMA, kv_tiles)
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3), cute.group_modes(tCgQ, 0, 3)
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3), cute.group_modes(tCgK, 0, 3)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 3), cute.group_modes(tCgV, 0, 3)
+        )
+        q_load, k_load, v_load = (tma_q, tQgQ, tQsQ), (tma_k, tKgK, tKsK), (tma_v, tVgV, tVsV)
         tma_q, tQgQ, tQsQ = q_load
         # An empty range loads no Q either: nothing reads it, and the correction warpgroup
         # stages O (zeros) in Q's buffers without waiting for any MMA.
@@ -571,9 +574,7 @@ class Sm100Kernel:
                         dst[(None, kv_empty.index)],
                         tma_bar_ptr=kv_empty.barrier,
                     )
-        # Every buffer released by the MMA warp before this warp exits.
-        kv_prod.tail()
-        q_prod.tail()
+        return q_prod, kv_prod
 
     @cute.jit
     def mma(
@@ -625,6 +626,21 @@ class Sm100Kernel:
         o_prod0 = o_pipes[0].make_producer()
         # Waits, like the softmax warps, until P_s,j-1 @ V_j-1 has completed
         p_free0 = p_pipes[0].make_producer()
+        pipes = (q_cons, kv_cons, s_prod0, p_cons0)
+        pipes += (o_prod0, p_free0)
+        operands = (tCrQ, tCrK, tCrV, sV, tStS, tOtO, tOrP)
+        qk_mma, pv_mma, pipes = self.mma_tile(
+            qk_mma, pv_mma, operands, pipes, kv_tile_lo, kv_tile_hi, seqlen_k, mCuSeqlensK
+        )
+
+    @cute.jit
+    def mma_tile(
+        self, qk_mma, pv_mma, operands, pipes, kv_tile_lo, kv_tile_hi, seqlen_k, mCuSeqlensK
+    ):
+        """The CTA's MMAs, with the pipeline states they advance returned."""
+        tCrQ, tCrK, tCrV, sV, tStS, tOtO, tOrP = operands
+        q_cons, kv_cons, s_prod0, p_cons0 = pipes[:4]
+        o_prod0, p_free0 = pipes[4:]
         # An empty range: no Q was loaded, no MMA is issued.
         if kv_tile_hi > kv_tile_lo:
             q_full0 = q_cons.wait_and_advance()
@@ -660,6 +676,8 @@ class Sm100Kernel:
                 v_full.release()
             # Q stays resident until the last MMA; then its buffers are released too.
             q_full0.release()
+        pipes = (q_cons, kv_cons, s_prod0, p_cons0)
+        return qk_mma, pv_mma, pipes + (o_prod0, p_free0)
 
     @cute.jit
     def softmax(
@@ -779,6 +797,7 @@ class Sm100Kernel:
         sStats[row, 0, s] = row_sum
         sStats[row, 1, s] = row_max
         stats_empty.commit()
+        return s_cons, p_prod, stats_prod
 
     @cute.jit
     def correction(
@@ -791,8 +810,8 @@ class Sm100Kernel:
         cO,
         sO,
         sStats,
-        stats_pipes,
-        o_pipes,
+        stats_cons,
+        o_cons,
         correction_bar,
         tma_o,
         mO_tma,
@@ -838,8 +857,8 @@ class Sm100Kernel:
         )[(None, None, 0)].shape
         tTR_rAcc = cute.make_rmem_tensor(row_shape, self.acc_dtype)
         tTR_rO = cute.make_rmem_tensor(row_shape, self.dtype)
-        stats_cons0 = stats_pipes[0].make_consumer()
-        o_cons0 = o_pipes[0].make_consumer()
+        stats_cons0 = stats_cons[0]
+        o_cons0 = o_cons[0]
 
         for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
             # Q tile 0: the row factor of tile j, from softmax thread `row` of warpgroup 0;
@@ -881,6 +900,7 @@ class Sm100Kernel:
             seqlen_q,
             scale_log2,
         )
+        return (stats_cons0,), (o_cons0,)
 
     @cute.jit
     def epilogue(
@@ -987,6 +1007,7 @@ class Sm100Kernel:
             fence_before_thread_sync()
             if kv_tile_hi > kv_tile_lo:
                 o_last.release()
+                o_cons.advance()
             # LSE = log(sum_j exp(scale * S_j)) = scale * row_max + log(row_sum), natural
             # log, fp32, for this thread's row (query) if it lies inside the sequence
             q_row = tTR_cO[0][0]  # packed: (g, position)
@@ -1006,10 +1027,6 @@ class Sm100Kernel:
                 if row == 0:
                     cute.copy(tma_o, tOsO[(None, s)], tOgO[(None, q_tile0 + s)])
                     cute.arch.cp_async_bulk_commit_group()
-        if cutlass.const_expr(self.o_by_tma):
-            # The staging buffers must stay valid until the TMA unit has read them.
-            if row == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def make_pipelines(self, storage, cluster_layout_vmnk):
@@ -1246,6 +1263,31 @@ class Sm100Kernel:
         seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
         seqlen_k = mCuSeqlensK[batch + 1] - offset_k
         return offset_q, seqlen_q, offset_k, seqlen_k, 0
+
+    @cute.jit
+    def work_tile(self, tile, mQ, mK, mCuSeqlensQ, mCuSeqlensK, window_left, window_right):
+        """What every role takes from work tile `tile`: (q_tile0, head, kv_head, batch,
+        offset_q, seqlen_q, offset_k, seqlen_k, kv_tile_lo, kv_tile_hi); tile = blockIdx."""
+        heads = cute.size(mQ, mode=[2, 0])
+        # CTA row block bidx: Q tile bidx. Query head `head` reads KV head
+        # head // group. (Packed, mQ has Hkv heads, the group is 1 and `head` is the KV head.)
+        bidx, head, batch = tile
+        kv_head = head // (heads // cute.size(mK, mode=[2, 0]))
+        q_tile0 = bidx * self.q_tiles
+        # Where this sequence starts in Q and K, and how long it is (batch mode: 0, Sq, 0, Sk).
+        offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
+            batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
+        )
+        # The KV tiles holding a key that some row of the CTA's 128 rows sees: the one range
+        # the TMA warp loads, the MMA warp multiplies and every
+        # warpgroup folds (empty: no K or V is read, no MMA issued).
+        kv_tile_lo, kv_tile_hi = self.kv_tile_range(
+            bidx, seqlen_q, seqlen_k, window_left, window_right, self.cta_rows
+        )
+        return (q_tile0, head, kv_head, batch, offset_q, seqlen_q, offset_k, seqlen_k) + (
+            kv_tile_lo,
+            kv_tile_hi,
+        )
 
     @cute.jit
     def zero_keys(self, sV, slot, first_key):
