@@ -642,7 +642,7 @@ class Sm100Kernel:
     def mma_tile(
         self, qk_mma, pv_mma, operands, pipes, kv_tile_lo, kv_tile_hi, seqlen_k, mCuSeqlensK
     ):
-        """The CTA's MMAs, with the pipeline states they advance returned."""
+        """One work tile's MMAs, with the pipeline states they advance returned."""
         tCrQ, tCrK, tCrV, sV, tStS, tOtO, tOrP = operands
         q_cons, kv_cons, s_prod0, s_prod1, p_cons0, p_cons1 = pipes[:6]
         o_prod0, o_prod1, p_free0, p_free1 = pipes[6:]

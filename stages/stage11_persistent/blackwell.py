@@ -8,8 +8,8 @@ Changes from stage 10 (Hopper stage 11's, on this track's five roles):
   the next tile's Q and K/V during this tile's last MMAs.
 - The tiles (next_tile): batch mode without a mask, a fixed share (c, c + gridDim.x, ...); under
   a mask or packed, gridDim.x + a ticket from tile_counter (an atomic add); longest first in L2
-  sections under a mask (tile_coords, l2_section_heads); empty packed tiles skipped. Stages 8-10
-  have no work-tile loop on this track: each role's branch now walks the tiles.
+  sections under a mask (tile_coords, l2_section_heads); empty packed tiles skipped. Each
+  role's branch walks the tiles (stages 8-10: work_tile of blockIdx, once).
 - The hand-over: the TMA warp writes the tile number to shared memory under a one-entry pipeline
   (full: 32 arrivals, empty: 416, 13 warps); a number past the end ends every loop.
 - Phases across tiles: every barrier and pipeline state lives across tiles. After tiles with KV
@@ -525,13 +525,8 @@ class Sm100Kernel:
                 tile, tile_cons = self.handed_tile(tile_cons, sTile)
                 while tile < total_tiles:
                     w = self.work_tile(tile, *work)
-                    q_tile0, seqlen_q, seqlen_k, kv_tile_lo, kv_tile_hi = (
-                        w[0],
-                        w[5],
-                        w[7],
-                        w[8],
-                        w[9],
-                    )
+                    q_tile0, seqlen_q, seqlen_k = w[0], w[5], w[7]
+                    kv_tile_lo, kv_tile_hi = w[8], w[9]
                     s_cons, p_prod, stats_prod = self.softmax(
                         s,
                         tidx % softmax_threads,
@@ -688,7 +683,7 @@ class Sm100Kernel:
         mCuSeqlensK,
     ):
         """The MMA warp; one thread issues S_s,j = Q_s K_j^T and O_s += P_s,j V_j for both Q
-        tiles, in FA4's order (D = 64) or stage 9's (D = 128), per work tile (mma_tile)."""
+        tiles, in FA4's order (D = 64) or stage 9's (D = 128), in mma_tile."""
         # MMA operands, as shared-memory descriptors (made here, where they are used).
         # (MMA, MMA_M, MMA_K, q_buffers)
         tCrQ = qk_mma.make_fragment_A(sQ)
@@ -730,7 +725,7 @@ class Sm100Kernel:
     def mma_tile(
         self, qk_mma, pv_mma, operands, pipes, kv_tile_lo, kv_tile_hi, seqlen_k, mCuSeqlensK
     ):
-        """One work tile's MMAs (stage 10's), with the pipeline states it advances returned."""
+        """One work tile's MMAs, with the pipeline states they advance returned."""
         tCrQ, tCrK, tCrV, sV, tStS, tOtO, tOrP = operands
         q_cons, kv_cons, s_prod0, s_prod1, p_cons0, p_cons1 = pipes[:6]
         o_prod0, o_prod1, p_free0, p_free1 = pipes[6:]

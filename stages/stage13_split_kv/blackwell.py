@@ -599,13 +599,8 @@ class Sm100Kernel:
                 tile, tile_cons = self.handed_tile(tile_cons, sTile)
                 while tile < total_tiles:
                     w = self.work_tile(tile, *work)
-                    q_tile0, seqlen_q, seqlen_k, kv_tile_lo, kv_tile_hi = (
-                        w[0],
-                        w[5],
-                        w[7],
-                        w[8],
-                        w[9],
-                    )
+                    q_tile0, seqlen_q, seqlen_k = w[0], w[5], w[7]
+                    kv_tile_lo, kv_tile_hi = w[8], w[9]
                     s_cons, p_prod, stats_prod = self.softmax(
                         s,
                         tidx % softmax_threads,
@@ -762,7 +757,7 @@ class Sm100Kernel:
         keys_end_early: cutlass.Constexpr,
     ):
         """The MMA warp; one thread issues S_s,j = Q_s K_j^T and O_s += P_s,j V_j for both Q
-        tiles, in FA4's order (D = 64) or stage 9's (D = 128), per work tile (mma_tile)."""
+        tiles, in FA4's order (D = 64) or stage 9's (D = 128), in mma_tile."""
         # MMA operands, as shared-memory descriptors (made here, where they are used).
         # (MMA, MMA_M, MMA_K, q_buffers)
         tCrQ = qk_mma.make_fragment_A(sQ)
@@ -812,7 +807,7 @@ class Sm100Kernel:
         seqlen_k,
         keys_end_early: cutlass.Constexpr,
     ):
-        """One work tile's MMAs (stage 10's), with the pipeline states it advances returned."""
+        """One work tile's MMAs, with the pipeline states they advance returned."""
         tCrQ, tCrK, tCrV, sV, tStS, tOtO, tOrP = operands
         q_cons, kv_cons, s_prod0, s_prod1, p_cons0, p_cons1 = pipes[:6]
         o_prod0, o_prod1, p_free0, p_free1 = pipes[6:]
