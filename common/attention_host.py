@@ -186,19 +186,22 @@ def plan_key(
 
 class LaunchPlan:
     """One launch configuration, decided once: `fn` the compiled kernel (TVM-FFI), the mask
-    bounds, the split count, which inputs need canonical strides, the tile counter (None: the
+    bounds, the split count, the canonical strides of the inputs that need them, the tile counter (None: the
     kernel takes none; else tile_counter's arguments: a fresh zeroed one per call where the
     dynamic scheduler reads it, the device's unread one otherwise) and the compiled combine for
     split launches."""
 
     def __init__(
-        self, fn, window, splits, canonical, counter, takes_splits, combine_fn, partials,
+        self, fn, window, splits, strides, counter, takes_splits, combine_fn, partials,
         takes_pages=False,
     ):  # fmt: skip
         self.fn = fn
         self.window_left, self.window_right = window
         self.splits = splits
-        self.canonical = canonical
+        # Per input (q, k, v, O, LSE): None (passed as it is) or the strides canonical_strides
+        # gives it. A plan serves only tensors of the strides it was made for (plan_key), so the
+        # view's strides are worked out once, here, not at every call.
+        self.strides = strides
         self.counter = counter
         self.takes_splits = takes_splits
         self.combine_fn = combine_fn
@@ -217,8 +220,8 @@ class LaunchPlan:
             o_out, lse_out = buffer.as_strided(*o_view), buffer.as_strided(*lse_view)
         tensors = (q, k, v, o_out, lse_out)
         args = [
-            canonical_strides(t.detach()) if c else (t.detach() if t.requires_grad else t)
-            for t, c in zip(tensors, self.canonical)
+            t if st is None else t.as_strided(t.shape, st)
+            for t, st in zip((t.detach() if t.requires_grad else t for t in tensors), self.strides)
         ]
         # exp(scale * x) = exp2(scale_log2 * x): the kernel takes the folded multiplier.
         args += [cu_q, cu_k, max_seqlen_q, scale * LOG2_E, self.window_left, self.window_right]
@@ -330,10 +333,10 @@ def make_plan(
             (lse_out.shape, lse_out.stride(), o_elements),
         )
     tensors = [t.detach() for t in (q, k, v, o_out, lse_out)]
-    canonical = tuple(canonical_strides(t) is not t for t in tensors)
-    if splits > 1:
-        canonical = canonical[:3] + (False, False)  # the partials are made canonical
     args = [canonical_strides(t) for t in tensors]
+    strides = tuple(None if a is t else a.stride() for a, t in zip(args, tensors))
+    if splits > 1:
+        strides = strides[:3] + (None, None)  # the partials are made canonical
     args += [cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 1.0, window_left, window_right]
     counter = None
     if getattr(kernel, "uses_tile_counter", False):
@@ -352,7 +355,7 @@ def make_plan(
         fn,
         (window_left, window_right),
         splits,
-        canonical,
+        strides,
         counter,
         takes_splits,
         combine_fn,

@@ -3,8 +3,10 @@ work is negligible, so that back-to-back calls run at the speed of the host code
 
     python -m common.tools.host_time [--calls 2000] [--profile]
 
-For each entry (stages 12 and 13, stage 14 on a paged cache, common/ops.py's wrapper, which calls
-the stage directly in eager mode, and its custom op through torch.ops; SDPA, FA4 where importable):
+For each entry (stages 12 and 13; stage 14 on a paged cache, its page_table and seqused_k made
+outside inference mode (their values read once), inside it (read at every call) and with
+check_values=False (never read); common/ops.py's wrapper, which calls the stage directly in eager
+mode, and its custom op through torch.ops; SDPA, FA4 where importable):
 the microseconds per call of N calls back to back, between two CUDA events (the GPU waits for
 the host the whole time, so this is the host's time per call), after warm-up (compiles). A
 decode step at batch 1: Q (1, 32, 1, 128), K and V (1, 8, 256, 128), bf16, causal.
@@ -18,6 +20,7 @@ import pstats
 import torch
 
 from common.tools import stage_table
+from common.tools.bench import paged_copy
 
 
 def per_call_us(fn, calls):
@@ -44,12 +47,21 @@ def entries(q, k, v):
             mod = stage_table.track_module(n, arch.track())
             out[f"stage {n}"] = lambda mod=mod: mod.attention(q, k, v, causal=True)
     if stage_table.available(14, arch.track()):
-        from common.tools.bench import paged_copy
-
         mod = stage_table.track_module(14, arch.track())
-        kc, vc, table, used = paged_copy(k, v, 64)
+        # page_table and seqused_k made outside inference mode carry a version counter: their
+        # values are read to the host once and remembered (common/checks.py); made inside it,
+        # they are read at every call; check_values=False reads them never.
+        with torch.inference_mode(False):
+            kc, vc, table, used = paged_copy(k, v, 64)
         out["stage 14, paged (64 keys a page)"] = lambda: mod.attention_paged(
             q, kc, vc, table, used, causal=True
+        )
+        table_i, used_i = table.clone(), used.clone()  # inference tensors (called inside it)
+        out["stage 14, paged, table from inference mode"] = lambda: mod.attention_paged(
+            q, kc, vc, table_i, used_i, causal=True
+        )
+        out["stage 14, paged, check_values=False"] = lambda: mod.attention_paged(
+            q, kc, vc, table_i, used_i, causal=True, check_values=False
         )
     try:
         from common import ops
@@ -83,7 +95,7 @@ def main(argv=None):
     with torch.inference_mode():
         fns = entries(q, k, v)
         for label, fn in fns.items():
-            print(f"  {label:36s} {per_call_us(fn, args.calls):7.1f} us per call", flush=True)
+            print(f"  {label:44s} {per_call_us(fn, args.calls):7.1f} us per call", flush=True)
         for label in [
             name for name in fns if args.profile and not name.startswith(("SDPA", "FA4"))
         ]:
