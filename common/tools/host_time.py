@@ -1,25 +1,33 @@
-"""Host work per call: how long an entry point keeps the CPU busy at a tiny shape, where the GPU
-work is negligible, so that back-to-back calls run at the speed of the host code.
+"""Host work per call: how long an entry point keeps the CPU busy at a tiny shape.
 
     python -m common.tools.host_time [--calls 2000] [--profile]
 
 For each entry (stages 12 and 13; stage 14 on a paged cache, its page_table and seqused_k made
 outside inference mode (their values read once), inside it (read at every call) and with
 check_values=False (never read); common/ops.py's wrapper, which calls the stage directly in eager
-mode, and its custom op through torch.ops; SDPA, FA4 where importable):
-the microseconds per call of N calls back to back, between two CUDA events (the GPU waits for
-the host the whole time, so this is the host's time per call), after warm-up (compiles). A
-decode step at batch 1: Q (1, 32, 1, 128), K and V (1, 8, 256, 128), bf16, causal.
+mode, and its custom op through torch.ops; SDPA, FA4 where importable), three numbers per call,
+after warm-up (compiles). A decode step at batch 1: Q (1, 32, 1, 128), K and V (1, 8, 256, 128),
+bf16, causal.
+
+- back to back: N calls between two CUDA events. Whichever is slower sets it: the host's work
+  per call, or the GPU's (its kernels, and the gaps between them).
+- host: time.perf_counter around bursts of 100 calls that the GPU may lag behind (fewer launches
+  than its queue holds, so no call waits for the GPU unless it synchronises itself), the median
+  of 7 bursts. The CPU's own time per call.
+- GPU: the durations of the kernels (and copies) one call launches, as the profiler records them.
+
 --profile adds cProfile's top functions (by own time) for the calls of stages 12-14 and of the
 ops."""
 
 import argparse
 import cProfile
 import pstats
+import statistics
+import time
 
 import torch
 
-from common.tools import stage_table
+from common.tools import stage_table, timing
 from common.tools.bench import paged_copy
 
 
@@ -35,6 +43,21 @@ def per_call_us(fn, calls):
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3 / calls
+
+
+def host_us(fn, calls=100, bursts=7):
+    """Microseconds of host time per call: the median over `bursts` bursts of `calls` calls
+    timed by time.perf_counter, the GPU synchronised before each burst (so its queue has room
+    for every launch of the burst)."""
+    times = []
+    for _ in range(bursts):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) * 1e6 / calls)
+    torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def entries(q, k, v):
@@ -94,8 +117,12 @@ def main(argv=None):
     print(f"host work per call on {gpu}: Q (1, 32, 1, 128), K, V (1, 8, 256, 128), bf16, causal")
     with torch.inference_mode():
         fns = entries(q, k, v)
+        print(f"  {'us per call':44s} {'back to back':>12s} {'host':>7s} {'GPU':>7s}")
         for label, fn in fns.items():
-            print(f"  {label:44s} {per_call_us(fn, args.calls):7.1f} us per call", flush=True)
+            events = per_call_us(fn, args.calls)
+            host = host_us(fn)
+            gpu = timing.gpu_ms(fn, [()], reps=50) * 1e3
+            print(f"  {label:44s} {events:12.1f} {host:7.1f} {gpu:7.1f}", flush=True)
         for label in [
             name for name in fns if args.profile and not name.startswith(("SDPA", "FA4"))
         ]:
