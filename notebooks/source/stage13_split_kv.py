@@ -348,9 +348,12 @@ for Sk_ in (8192, 32768, 131072):
 # `common/combine.py`'s `Combine` runs one query row per $D / 4$ threads, 4 columns each, 128
 # threads per CTA. Each thread reads the row's `num_splits` LSEs (the same addresses for the
 # row's threads) and its 4 columns of every $O_s$: $\text{splits} \cdot (D + 1) \cdot 4$ bytes
-# per row, 8 KiB for a decode row cut 16 ways. It is plain CUDA-core code, no TMA or tensor
-# cores, so the same kernel compiles for sm_90a and sm_100a. A row that no split saw keeps
-# O = 0 and LSE = $-\infty$, as the unsplit kernel gives.
+# per row, 8 KiB for a decode row cut 16 ways. So little data makes the kernel's time that of
+# its loads' latency, which is why both loops over the splits are unrolled 8 ways: a thread has
+# 8 splits' loads in flight instead of one (a decode step's combine at 16 splits: 7.3 us rolled,
+# 3.6 us unrolled, H100, 2026-12-05, `docs/results/README.md`). It is plain CUDA-core code, no
+# TMA or tensor cores, so the same kernel compiles for sm_90a and sm_100a. A row that no split
+# saw keeps O = 0 and LSE = $-\infty$, as the unsplit kernel gives.
 
 # %%
 nb.show_function(Combine.kernel)
@@ -363,7 +366,8 @@ nb.show_function(combine_reference)
 # combine) and allocates the partials. `common/attention_host.py` decides everything that
 # depends only on the arguments' types, shapes, strides and options once and keeps it as a
 # `LaunchPlan` (`plan_key`, `make_plan`): the compiled kernel and combine, the mask bounds, the
-# split count, the partial buffers' layout in one fp32 allocation. A later call with the same
+# split count, the partial buffers' layout in one fp32 allocation, the canonical strides of the
+# inputs whose size-1 modes need them. A later call with the same
 # signature allocates and launches. `make_plan` also drops a mask bound that cuts nothing: under
 # `causal=True` a single query row ($S_q = 1$, bottom-right aligned) sees every key, so a decode
 # step runs the kernel without a mask (no tile counter to zero, no mask code).
