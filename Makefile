@@ -1,5 +1,5 @@
-# Every target runs from the repository root. PYTHON defaults to python3 (on the H200 machine,
-# the one that holds torch; in CI, the virtual environment .ci/run activates).
+# Every target runs from the repository root. PYTHON defaults to python3: the active virtual
+# environment's (the README's set-up; in CI, the one .ci/run activates), else the system's.
 PYTHON ?= python3
 TRACK ?= hopper
 PYTEST = $(PYTHON) -m pytest

@@ -314,8 +314,8 @@ if report is not None:
 # docstring says which order each head dim takes. The stage also takes FA4's conditional
 # rescale: O is rescaled only when a row's max has grown by more than a factor $2^8$.
 #
-# **Blackwell kernels are compile-checked here, not run on hardware.** This project has an H200;
-# the Blackwell files are compiled for sm_100a with fake tensors, their PTX is checked and the
+# **Blackwell kernels are compile-checked here, not run on hardware.** No sm_100 GPU has run
+# them: the Blackwell files are compiled for sm_100a with fake tensors, their PTX is checked and the
 # hand-offs between the warp roles are replayed on the CPU by `common/tools/schedule.py`. Their
 # numerics are tested only where an sm_100 GPU exists, and no number in this notebook was
 # measured on Blackwell.

@@ -538,11 +538,11 @@ if report is not None and report10 is not None:
 # buffers of its own (at D = 128 one for both Q tiles: a ring of 3 slots instead of 4). The
 # loops' live values make ptxas (CUDA 13.0, 2026-12-04) spill 148-352 bytes per thread; the
 # Blackwell stage 12 removes them. The cells below show the concept table of the two tracks and
-# the compile summary; the executed copy in `docs/notebooks/` (H200, 2026-12-04) was run before
-# this file existed, and shows a note in their place.
+# the compile summary; in the executed copy in `docs/notebooks/` they come from a compile-only
+# run (its first cell names such cells).
 #
-# **Blackwell kernels are compile-checked here, not run on hardware.** This project has an H200;
-# the Blackwell files are compiled for sm_100a with fake tensors, their PTX is checked and the
+# **Blackwell kernels are compile-checked here, not run on hardware.** No sm_100 GPU has run
+# them: the Blackwell files are compiled for sm_100a with fake tensors, their PTX is checked and the
 # hand-offs between their roles are replayed on the CPU (`common/tools/schedule.py`). Their
 # numerics are tested only where an sm_100 GPU exists.
 

@@ -77,7 +77,8 @@ nb.start(1)
 #
 # Stage 1 is the first stage; there is no earlier kernel. It assumes:
 #
-# - a GEMM computed tile by tile (each block of threads owns one tile of C);
+# - a GEMM computed tile by tile (each block of threads owns one tile of C; CUDA's thread block is
+#   called a CTA, cooperative thread array, throughout);
 # - CuTe layouts: a shape and a stride that map a coordinate to an offset, written
 #   `shape:stride`, and tensors = pointer + layout (the CUTLASS notebooks `tensor.ipynb` and
 #   `cute_layout_algebra.ipynb` introduce them);
@@ -137,8 +138,9 @@ for name, kind in nb.outline(1, "hopper"):
 # ### 5.1 The grid: one CTA per tile of C
 #
 # `__init__` fixes every tile size and pipeline depth; `__call__` (host side, traced once per
-# compile) builds the shared-memory layouts, one TMA descriptor per operand and the grid, then
-# launches `kernel`. The table lists what `__init__` sets.
+# compile) builds the shared-memory layouts, one TMA descriptor per operand (TMA, the Tensor
+# Memory Accelerator: the engine that copies whole tiles between global and shared memory
+# asynchronously; section 5.3) and the grid, then launches `kernel`. The table lists what `__init__` sets.
 
 # %%
 cfg = nb.show_config(1, "hopper")
@@ -414,8 +416,8 @@ report = nb.compile_summary(1, "hopper")
 # TMEM into registers, 32 columns at a time, and write C. The accumulator takes 128 of the 512
 # TMEM columns.
 #
-# **Blackwell kernels are compile-checked here, not run on hardware.** This project has an H200;
-# the Blackwell files are compiled for sm_100a with fake tensors and their PTX is checked for the
+# **Blackwell kernels are compile-checked here, not run on hardware.** No sm_100 GPU has run
+# them: the Blackwell files are compiled for sm_100a with fake tensors and their PTX is checked for the
 # `tcgen05` instructions. Their numerics are tested only where an sm_100 GPU exists.
 
 # %%
@@ -461,7 +463,7 @@ fig = nb.error_picture(1, result)
 #
 # TFLOP/s = $2MNK$ / time, medians of CUDA-event timings after warm-up, inputs rotated so that they
 # do not stay in L2, cuBLAS (`torch.matmul`) timed in the same run. **Expected:** about as fast
-# as cuBLAS, well below the H100/H200 datasheet peak for dense bf16 (989). An earlier `make bench`
+# as cuBLAS, well below the H100/H200 datasheet peak for dense bf16 (989). A `make bench`
 # run (H200, 2026-11-29, bf16; `docs/results/bench_h200_2026-11-29.md`) measured stage 1 at 758
 # TFLOP/s against cuBLAS's 774 at $4096^3$ and 784 against 690 at $8192^3$; across that day's runs
 # the two were within 0.97-1.14x of each other. Numbers drift between runs and machines, so the table below - this

@@ -188,8 +188,8 @@ report = nb.compile_summary(2, "hopper")
 # scale and store fp32 S. Q has its own buffer (`q_buffers = 1`) and K streams through `kv_slots`.
 # The warp-role picture and the TMEM plan are stage 1's with S in place of C.
 #
-# **Blackwell kernels are compile-checked here, not run on hardware.** This project has an H200;
-# the Blackwell files are compiled for sm_100a with fake tensors and their PTX is checked for the
+# **Blackwell kernels are compile-checked here, not run on hardware.** No sm_100 GPU has run
+# them: the Blackwell files are compiled for sm_100a with fake tensors and their PTX is checked for the
 # `tcgen05` instructions. Their numerics are tested only where an sm_100 GPU exists.
 
 # %%

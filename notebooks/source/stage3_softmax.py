@@ -222,8 +222,8 @@ report = nb.compile_summary(3, "hopper")
 # (MMA -> epilogue). The picture of TMEM takes its column offsets from the stage file's
 # `Sm100Kernel`; stages 4 and 5 keep this plan.
 #
-# **Blackwell kernels are compile-checked here, not run on hardware.** This project has an H200;
-# the Blackwell files are compiled for sm_100a with fake tensors and their PTX is checked for the
+# **Blackwell kernels are compile-checked here, not run on hardware.** No sm_100 GPU has run
+# them: the Blackwell files are compiled for sm_100a with fake tensors and their PTX is checked for the
 # `tcgen05` instructions. Their numerics are tested only where an sm_100 GPU exists.
 
 # %%

@@ -225,8 +225,8 @@ report = nb.compile_summary(4, "hopper")
 # against two consumed (a hang); the ring armed with Q's bytes plus K's (a barrier that never
 # completes); S accumulated across KV tiles.
 #
-# **Blackwell kernels are compile-checked here, not run on hardware.** This project has an H200;
-# the Blackwell files are compiled for sm_100a with fake tensors and their PTX is checked for the
+# **Blackwell kernels are compile-checked here, not run on hardware.** No sm_100 GPU has run
+# them: the Blackwell files are compiled for sm_100a with fake tensors and their PTX is checked for the
 # `tcgen05` instructions. Their numerics are tested only where an sm_100 GPU exists.
 
 # %%

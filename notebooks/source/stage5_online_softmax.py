@@ -212,8 +212,8 @@ report = nb.compile_summary(5, "hopper")
 # *correction* warp group and skip the rescale when the max barely moves (exercise 5); this stage
 # keeps it in the softmax warps.
 #
-# **Blackwell kernels are compile-checked here, not run on hardware.** This project has an H200;
-# the Blackwell files are compiled for sm_100a with fake tensors and their PTX is checked for the
+# **Blackwell kernels are compile-checked here, not run on hardware.** No sm_100 GPU has run
+# them: the Blackwell files are compiled for sm_100a with fake tensors and their PTX is checked for the
 # `tcgen05` instructions. Their numerics are tested only where an sm_100 GPU exists.
 
 # %%

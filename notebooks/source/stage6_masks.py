@@ -319,8 +319,8 @@ report = nb.compile_summary(6, "hopper")
 # `stages/stage6_masks/blackwell.py`, its kernel diff against Blackwell stage 5, the concept table
 # of both tracks and its compile summary.
 #
-# **Blackwell kernels are compile-checked here, not run on hardware.** This project has an H200;
-# the Blackwell files are compiled for sm_100a with fake tensors and their PTX is checked for the
+# **Blackwell kernels are compile-checked here, not run on hardware.** No sm_100 GPU has run
+# them: the Blackwell files are compiled for sm_100a with fake tensors and their PTX is checked for the
 # `tcgen05` instructions. Their numerics are tested only where an sm_100 GPU exists.
 
 # %%

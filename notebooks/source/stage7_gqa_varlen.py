@@ -282,8 +282,8 @@ report_packed = nb.compile_summary(7, "hopper", options=dict(varlen=True))
 # below show the docstring of `stages/stage7_gqa_varlen/blackwell.py`, its kernel diff against
 # Blackwell stage 6, the concept table and its compile summary.
 #
-# **Blackwell kernels are compile-checked here, not run on hardware.** This project has an H200;
-# the Blackwell files are compiled for sm_100a with fake tensors and their PTX is checked for the
+# **Blackwell kernels are compile-checked here, not run on hardware.** No sm_100 GPU has run
+# them: the Blackwell files are compiled for sm_100a with fake tensors and their PTX is checked for the
 # `tcgen05` instructions. Their numerics are tested only where an sm_100 GPU exists.
 
 # %%

@@ -438,8 +438,8 @@ if report is not None:
 # `stages/stage8_warp_specialized/blackwell.py`, its kernel diff against Blackwell stage 7 (the
 # start), the concept table of the two tracks and the compile summary.
 #
-# **Blackwell kernels are compile-checked here, not run on hardware.** This project has an H200;
-# the Blackwell files are compiled for sm_100a with fake tensors, their PTX is checked and the
+# **Blackwell kernels are compile-checked here, not run on hardware.** No sm_100 GPU has run
+# them: the Blackwell files are compiled for sm_100a with fake tensors, their PTX is checked and the
 # hand-offs between their roles are replayed on the CPU (`common/tools/schedule.py`). Their
 # numerics are tested only where an sm_100 GPU exists.
 

@@ -354,8 +354,8 @@ if report is not None:
 # the compile summary, and three pictures drawn from the kernel's own settings and PTX: the
 # roles, tensor memory, and the MMA warp's GEMMs in program order for stages 8 and 9.
 #
-# **Blackwell kernels are compile-checked here, not run on hardware.** This project has an H200;
-# the Blackwell files are compiled for sm_100a with fake tensors, their PTX is checked and the
+# **Blackwell kernels are compile-checked here, not run on hardware.** No sm_100 GPU has run
+# them: the Blackwell files are compiled for sm_100a with fake tensors, their PTX is checked and the
 # hand-offs between their roles are replayed on the CPU (`common/tools/schedule.py`). Their
 # numerics are tested only where an sm_100 GPU exists.
 
