@@ -1080,11 +1080,9 @@ def attention(q, k, v, scale=None, causal=False, window=None, return_lse=False, 
 
     pack_gqa: the G = H / Hkv query heads of a KV head share one Q tile (common/pack_gqa.py).
     None (default) packs where a tile would otherwise be mostly empty, Sq short against the
-    Q tile (128 rows, 192 at D = 64 but 128 under a mask of at most 1024 keys per row with G
-    dividing 64;
-    decode-like shapes: Sq = 1 uses 1 row unpacked, G packed); True / False force it (True
-    needs G to divide the tile's rows). The same answer either way (the same arithmetic per
-    row); the speed is in docs/results/README.md."""
+    Q tile (the kernel's tile_rows; decode-like shapes: Sq = 1 uses 1 row unpacked, G packed);
+    True / False force it (True needs G to divide the tile's rows). The same answer either way
+    (the same arithmetic per row); the speed is in docs/results/README.md."""
     return attention_host.attention(
         Sm90Kernel, q, k, v, scale, causal, window, return_lse, pack_gqa
     )
