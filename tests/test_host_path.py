@@ -6,7 +6,8 @@ options of the same types, reuses that call's checked sizes, scale and LaunchPla
 pin down that such a call still launches with its own tensors and fresh outputs, that what can
 differ between two calls of one shape is still checked (alignment, seqused_k, page-table values),
 that an option equal in value but not in type (causal=1 after causal=True) goes through the
-checks again, and that clearing the compile cache forgets the remembered calls. The GPU tests of
+checks again, that clearing the compile cache forgets the remembered calls, and that a plan
+views each call's tensors with the canonical strides it keeps (and is keyed by every stride). The GPU tests of
 stages 13 and 14 run the same sequences with the kernels (test_fast_path_checks_what_can_change,
 test_rejects_bad_paged_input, test_check_values_false)."""
 
@@ -267,3 +268,47 @@ def test_remembered_calls_survive_threads():
     for th in threads:
         th.join()
     assert not errors and 1 <= len(cache) <= 4 + len(threads)
+
+
+def test_a_plan_views_every_call_with_the_strides_it_keeps():
+    # A LaunchPlan keeps the canonical strides of its inputs (worked out once, in make_plan) and
+    # views each call's own tensors with them: the same strides canonical_strides gives, on the
+    # call's own memory, for every call of a sequence.
+    from common.cute_interop import canonical_strides
+
+    def layouts(seed):
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(4, 1, 64, generator=g).unsqueeze(0)  # (1, 4, 1, 64): B = Sq = 1
+        k, v = (torch.randn(1, 2, 256, 64, generator=g) for _ in range(2))
+        o, lse = torch.randn(1, 4, 1, 64, generator=g), torch.randn(1, 4, 1, generator=g)
+        return q, k, v, o, lse
+
+    first = layouts(0)
+    kept = tuple(
+        None if canonical_strides(t) is t else canonical_strides(t).stride() for t in first
+    )
+    assert kept[0] is not None  # q's size-1 modes get the span of its other modes
+    launched = []
+    plan = AH.LaunchPlan(lambda *a: launched.append(a), (256, 1), 1, kept, None, False, None, None)
+    for seed in range(3):
+        tensors = layouts(seed)
+        plan.run(*tensors, None, None, 1, 0.125, None)
+        for t, a in zip(tensors, launched[-1][:5]):
+            c = canonical_strides(t)
+            assert (a.shape, a.stride(), a.data_ptr()) == (t.shape, c.stride(), t.data_ptr())
+            assert torch.equal(a, t)
+
+
+def test_plan_key_tells_apart_the_strides_of_size_one_modes():
+    # The kept strides are right only for tensors of the strides the plan was made for: the
+    # plan's key holds every input's strides, size-1 modes included.
+    k = v = torch.empty(1, 2, 256, 64)
+    o, lse = torch.empty(1, 4, 1, 64), torch.empty(1, 4, 1)
+    q1 = torch.empty(1, 4, 1, 64)
+    q2 = torch.empty(4, 1, 1, 64).permute(1, 0, 2, 3)  # the same shape, B's stride differs
+    assert q1.shape == q2.shape and q1.stride() != q2.stride()
+    keys = [
+        AH.plan_key(Kernel, q, k, v, o, lse, None, None, 1, 256, True, None, None, None)
+        for q in (q1, q2)
+    ]
+    assert keys[0] != keys[1]
