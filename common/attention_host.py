@@ -22,7 +22,13 @@ from common import compile as compile_cache
 from common.arch import device_sm_count
 from common.combine import compiled_combine
 from common.compile import cached_compile_ffi
-from common.cute_interop import canonical_strides, cute_dtype, fake_stream, fake_tensor
+from common.cute_interop import (
+    canonical_strides,
+    cute_dtype,
+    fake_stream,
+    fake_tensor,
+    output_layout,
+)
 from common.outputs import empty_output
 from common.pack_gqa import choose_pack
 
@@ -193,7 +199,7 @@ class LaunchPlan:
 
     def __init__(
         self, fn, window, splits, strides, counter, takes_splits, combine_fn, partials,
-        takes_pages=False,
+        takes_pages=False, outputs=None,
     ):  # fmt: skip
         self.fn = fn
         self.window_left, self.window_right = window
@@ -206,17 +212,34 @@ class LaunchPlan:
         self.takes_splits = takes_splits
         self.combine_fn = combine_fn
         self.takes_pages = takes_pages
-        # Split launches: (elements, O_partial's and LSE_partial's (shape, stride, offset)) in
-        # one fp32 buffer, strides already canonical.
+        # Split launches: (elements, O_partial's, LSE_partial's and LSE's (shape, stride,
+        # offset)) in one fp32 buffer, strides already canonical.
         self.partials = partials
+        # output_layout of O and of LSE (batch mode and paged caches; None: packed sequences)
+        self.o_layout, self.lse_layout = outputs or (None, None)
 
-    def run(self, q, k, v, o, lse, cu_q, cu_k, max_seqlen_q, scale, seqused_k, page_table=None):
-        """Allocate what the call needs (split partials, a zeroed tile counter) and launch, on
-        the current stream."""
+    def outputs(self, dtype, device):
+        """A call's O and LSE, and the fp32 buffer of its split partials (None: no split).
+        A split launch's LSE lies in that buffer, behind the partials: two allocations per call
+        instead of three (an LSE the caller keeps keeps the buffer too: splits x B x H x Sq x
+        (D + 1) x 4 bytes, 258 KiB at the decode step of stage 13's docstring)."""
+        o = new_output(self.o_layout, dtype, device)
+        if self.splits == 1:
+            return o, new_output(self.lse_layout, torch.float32, device), None
+        buffer = empty_output((self.partials[0],), torch.float32, device)
+        return o, buffer.as_strided(*self.partials[3]), buffer
+
+    def run(
+        self, q, k, v, o, lse, cu_q, cu_k, max_seqlen_q, scale, seqused_k, page_table=None,
+        buffer=None,
+    ):  # fmt: skip
+        """Allocate what the call needs (split partials unless `buffer` holds them, a zeroed tile
+        counter) and launch, on the current stream."""
         o_out, lse_out = o, lse
         if self.splits > 1:
-            elements, o_view, lse_view = self.partials
-            buffer = empty_output((elements,), torch.float32, q.device)
+            elements, o_view, lse_view, _ = self.partials
+            if buffer is None:
+                buffer = empty_output((elements,), torch.float32, q.device)
             o_out, lse_out = buffer.as_strided(*o_view), buffer.as_strided(*lse_view)
         tensors = (q, k, v, o_out, lse_out)
         args = [
@@ -234,6 +257,11 @@ class LaunchPlan:
         self.fn(*args)
         if self.splits > 1:
             self.combine_fn(o_out, lse_out, o, lse)
+
+
+def new_output(layout, dtype, device):
+    """An output of output_layout's (shape, stride)."""
+    return empty_output(layout[0], dtype, device, stride=layout[1])
 
 
 LOG2_E = math.log2(math.e)
@@ -322,16 +350,9 @@ def make_plan(
     # strides. Split-KV: each split's O and LSE in fp32, with a leading split mode.
     o_out, lse_out, partials = o, lse, None
     if splits > 1:
-        # O_partial (splits, *O's shape) and LSE_partial (splits, *LSE's shape), one buffer
-        o_elements, lse_elements = splits * o.numel(), splits * lse.numel()
-        buffer = torch.empty(o_elements + lse_elements, dtype=torch.float32, device=q.device)
-        o_out = canonical_strides(buffer[:o_elements].view(splits, *o.shape))
-        lse_out = canonical_strides(buffer[o_elements:].view(splits, *lse.shape))
-        partials = (
-            o_elements + lse_elements,
-            (o_out.shape, o_out.stride(), 0),
-            (lse_out.shape, lse_out.stride(), o_elements),
-        )
+        partials = partials_layout(splits, tuple(o.shape), tuple(lse.shape))
+        buffer = torch.empty(partials[0], dtype=torch.float32, device=q.device)
+        o_out, lse_out = buffer.as_strided(*partials[1]), buffer.as_strided(*partials[2])
     tensors = [t.detach() for t in (q, k, v, o_out, lse_out)]
     args = [canonical_strides(t) for t in tensors]
     strides = tuple(None if a is t else a.stride() for a, t in zip(args, tensors))
@@ -361,21 +382,41 @@ def make_plan(
         combine_fn,
         partials,
         takes_pages,
+        (output_layout(tuple(o.shape)), output_layout(tuple(lse.shape))),
+    )
+
+
+def partials_layout(splits, o_shape, lse_shape):
+    """A split launch's fp32 buffer: (elements, then (shape, stride, offset) of O_partial
+    (splits, *O's shape), of LSE_partial (splits, *LSE's shape) behind it, and of LSE at the
+    next 16 bytes (LaunchPlan.outputs; the compiled combine takes its tensors 16-byte
+    aligned)), each in output_layout."""
+    o_elements, lse_elements = splits * math.prod(o_shape), splits * math.prod(lse_shape)
+    lse_at = -(-(o_elements + lse_elements) // 4) * 4
+    return (
+        lse_at + math.prod(lse_shape),
+        (*output_layout((splits, *o_shape)), 0),
+        (*output_layout((splits, *lse_shape)), o_elements),
+        (*output_layout(lse_shape), lse_at),
     )
 
 
 # splits_for: no split once the work tiles fill this share of the SMs (one wave is then mostly
-# full already; a split only adds partial outputs and the combine).
+# full already; a split only adds partial outputs and the combine), nor of a KV range of
+# UNSPLIT_KV_TILES tiles or fewer (a second launch and the partials cost more than the few
+# tiles' loads they spread: docs/notes/stage13.md).
 FILLED_SHARE = 0.8
+UNSPLIT_KV_TILES = 4
 MAX_SPLITS = 64
 
 
 def splits_for(tiles, kv_tiles, sm_count):
     """How many splits a launch of `tiles` work tiles, each over at most kv_tiles KV tiles,
-    gets on sm_count SMs: 1 when the tiles fill FILLED_SHARE of the SMs; else as many as fit
-    in one wave, sm_count // tiles, at most one per KV tile and at most MAX_SPLITS (stage 13's
-    docstring). B = 1, Hkv = 8 (packed heads), Sk = 32k on 132 SMs: 132 // 8 = 16."""
-    if tiles == 0 or tiles >= FILLED_SHARE * sm_count:
+    gets on sm_count SMs: 1 when the tiles fill FILLED_SHARE of the SMs or kv_tiles is at most
+    UNSPLIT_KV_TILES; else as many as fit in one wave, sm_count // tiles, at most one per KV
+    tile and at most MAX_SPLITS (stage 13's docstring). B = 1, Hkv = 8 (packed heads), Sk = 32k
+    on 132 SMs: 132 // 8 = 16."""
+    if tiles == 0 or tiles >= FILLED_SHARE * sm_count or kv_tiles <= UNSPLIT_KV_TILES:
         return 1
     return max(1, min(sm_count // tiles, kv_tiles, MAX_SPLITS))
 
@@ -434,15 +475,17 @@ def one_entry_unit_stride(seqused_k):
     return seqused_k.as_strided((1,), (1,))
 
 
-def run_plan(plan, q, k, v, o, lse, max_seqlen_q, scale, seqused_k, page_table=None):
-    """A remembered plan's launch, on q's device (batch mode and paged caches)."""
+def run_plan(plan, q, k, v, o, lse, max_seqlen_q, scale, seqused_k, page_table=None, buffer=None):
+    """A remembered plan's launch, on q's device (batch mode and paged caches); buffer: the
+    split partials' buffer of plan.outputs."""
     seqused_k = one_entry_unit_stride(seqused_k)
     device = q.device
+    args = (q, k, v, o, lse, None, None, max_seqlen_q, scale, seqused_k, page_table, buffer)
     if device.type == "cuda" and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):
-            plan.run(q, k, v, o, lse, None, None, max_seqlen_q, scale, seqused_k, page_table)
+            plan.run(*args)
     else:
-        plan.run(q, k, v, o, lse, None, None, max_seqlen_q, scale, seqused_k, page_table)
+        plan.run(*args)
 
 
 def checked_dims(q, k, v):
@@ -497,9 +540,8 @@ def attention(
         (B, H, Sq, Sk, D), scale, plan = hit
         if seqused_k is not None:
             checks.check_seqused_k(seqused_k, q, [Sk] * B)
-        o = empty_output((B, H, Sq, D), q.dtype, q.device)
-        lse = empty_output((B, H, Sq), torch.float32, q.device)
-        run_plan(plan, q, k, v, o, lse, Sq, scale, seqused_k)
+        o, lse, buffer = plan.outputs(q.dtype, q.device)
+        run_plan(plan, q, k, v, o, lse, Sq, scale, seqused_k, buffer=buffer)
         return (o, lse) if return_lse else o
     if not isinstance(return_lse, bool):
         raise TypeError(f"argument 'return_lse': expected a bool, got {type(return_lse).__name__}")
@@ -509,8 +551,8 @@ def attention(
     split_args(kernel_class, num_splits, seqused_k)
     if seqused_k is not None:
         checks.check_seqused_k(seqused_k, q, [Sk] * B)
-    o = empty_output((B, H, Sq, D), q.dtype, q.device)
-    lse = empty_output((B, H, Sq), torch.float32, q.device)
+    o = new_output(output_layout((B, H, Sq, D)), q.dtype, q.device)
+    lse = new_output(output_layout((B, H, Sq)), torch.float32, q.device)
     plan = launch(
         kernel_class,
         q,
@@ -659,10 +701,9 @@ def attention_paged(
     if hit is not None and not ptrs % 16:
         (B, H, Sq, D, page_size), scale, plan = hit
         checked_lengths(seqused_k, q, page_table, page_size, k_cache.shape[0], check_values)
-        o = empty_output((B, H, Sq, D), q.dtype, q.device)
-        lse = empty_output((B, H, Sq), torch.float32, q.device)
+        o, lse, buffer = plan.outputs(q.dtype, q.device)
         k, v = (t.permute(0, 2, 1, 3) for t in (k_cache, v_cache))
-        run_plan(plan, q, k, v, o, lse, Sq, scale, seqused_k, page_table)
+        run_plan(plan, q, k, v, o, lse, Sq, scale, seqused_k, page_table, buffer)
         return (o, lse) if return_lse else o
     if not getattr(kernel_class, "takes_pages", False):
         raise TypeError("a paged KV cache needs a paged stage (14 on)")
@@ -674,8 +715,8 @@ def attention_paged(
     checks.check_num_splits(num_splits)
     max_seqlen_k = page_table.shape[1] * page_size
     checked_lengths(seqused_k, q, page_table, page_size, k_cache.shape[0], check_values)
-    o = empty_output((B, H, Sq, D), q.dtype, q.device)
-    lse = empty_output((B, H, Sq), torch.float32, q.device)
+    o = new_output(output_layout((B, H, Sq, D)), q.dtype, q.device)
+    lse = new_output(output_layout((B, H, Sq)), torch.float32, q.device)
     # (num_pages, page_size, Hkv, D) -> (num_pages, Hkv, page_size, D): the kernel's (B, H, S, D)
     # with the page as B
     k, v = (t.permute(0, 2, 1, 3) for t in (k_cache, v_cache))

@@ -36,12 +36,29 @@ def canonical_strides(t):
     shape = tuple(t.shape)
     if 1 not in shape[:-1]:
         return t  # nothing to change (the common case: this check is on every launch's path)
-    stride = list(t.stride())
+    stride = canonical_stride(shape, t.stride())
+    return t if stride == t.stride() else t.as_strided(shape, stride)
+
+
+def canonical_stride(shape, stride):
+    """The strides canonical_strides gives a tensor of this shape and these strides."""
+    stride = list(stride)
     span = max([n * s for n, s in zip(shape, stride) if n > 1 and s > 0] + [shape[-1]])
-    for d in range(t.dim() - 1):
+    for d in range(len(shape) - 1):
         if shape[d] == 1:
             stride[d] = span
-    return t if tuple(stride) == t.stride() else t.as_strided(shape, stride)
+    return tuple(stride)
+
+
+def output_layout(shape):
+    """(shape, stride) of an output the entries allocate: row-major, its size-1 modes given
+    canonical_strides' stride from the start, so that the launch passes it as it is (no view
+    per call). torch calls such a tensor contiguous: a size-1 mode's stride moves no address."""
+    stride, step = [], 1
+    for n in reversed(shape):
+        stride.append(step)
+        step *= n
+    return tuple(shape), canonical_stride(shape, reversed(stride))
 
 
 def to_cute(t, dynamic=False, assumed_align=16):

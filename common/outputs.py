@@ -38,8 +38,11 @@ def poison(t):
     return t
 
 
-def empty_output(shape, dtype, device):
-    """What every entry point allocates its outputs with: torch.empty, poisoned with NaN unless
-    a benchmark turned poisoning off."""
-    t = torch.empty(shape, dtype=dtype, device=device)
+def empty_output(shape, dtype, device, stride=None):
+    """What every entry point allocates its outputs with: torch.empty (torch.empty_strided when
+    given a stride), poisoned with NaN unless a benchmark turned poisoning off."""
+    if stride is None:
+        t = torch.empty(shape, dtype=dtype, device=device)
+    else:
+        t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
     return poison(t) if _POISON else t

@@ -31,8 +31,19 @@ class Recorder:
         self.seqused_compiled = args[13]  # what the kernel would be compiled with
         rec = self
 
+        layouts = [AH.output_layout(tuple(t.shape)) for t in args[4:6]]  # O and LSE
+
         class Plan:
-            def run(self, q, k, v, o, lse, cu_q, cu_k, max_seqlen_q, scale, seqused_k, pages=None):
+            def outputs(self, dtype, device):  # as an unsplit LaunchPlan's
+                o, lse = (
+                    AH.new_output(lo, dt, device) for lo, dt in zip(layouts, (dtype, torch.float32))
+                )
+                return o, lse, None
+
+            def run(
+                self, q, k, v, o, lse, cu_q, cu_k, max_seqlen_q, scale, seqused_k, pages=None,
+                buffer=None,
+            ):  # fmt: skip
                 rec.runs.append(
                     dict(q=q, k=k, v=v, o=o, lse=lse, scale=scale, pages=pages, seqused=seqused_k)
                 )
@@ -312,3 +323,41 @@ def test_plan_key_tells_apart_the_strides_of_size_one_modes():
         for q in (q1, q2)
     ]
     assert keys[0] != keys[1]
+
+
+# ------------------------------------------------------------- what a call allocates
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 16])
+@pytest.mark.parametrize("shape", [(1, 32, 1, 128), (3, 5, 7, 64), (1, 1, 1, 64)])
+def test_plan_outputs_are_canonical_and_the_split_lse_lies_past_the_partials(shape, splits):
+    # LaunchPlan.outputs allocates O and LSE with the strides canonical_strides would give them
+    # (the launch then passes them as they are), and a split launch's LSE inside the partials'
+    # buffer: 16-byte aligned, past O_partial and LSE_partial, overlapping neither.
+    from common.cute_interop import canonical_strides
+
+    lse_shape = shape[:3]
+    partials = AH.partials_layout(splits, shape, lse_shape) if splits > 1 else None
+    plan = AH.LaunchPlan(
+        None, (0, 0), splits, (None,) * 5, None, True, None, partials,
+        outputs=(AH.output_layout(shape), AH.output_layout(lse_shape)),
+    )  # fmt: skip
+    o, lse, buffer = plan.outputs(torch.bfloat16, "cpu")
+    assert o.shape == shape and lse.shape == lse_shape and lse.dtype == torch.float32
+    for t in (o, lse):
+        assert canonical_strides(t) is t and t.is_contiguous()
+    if splits == 1:
+        assert buffer is None
+        return
+    assert lse.untyped_storage().data_ptr() == buffer.data_ptr()
+    elements, o_view, lse_view, lse_final = partials
+    assert buffer.numel() == elements
+    assert lse.storage_offset() == lse_final[2] and lse.storage_offset() % 4 == 0
+    # every element of the buffer belongs to at most one of the three views
+    owner = torch.zeros(elements, dtype=torch.int32)
+    for i, view in enumerate((o_view, lse_view, lse_final)):
+        idx = torch.arange(elements, dtype=torch.int32).as_strided(*view)
+        assert idx.unique().numel() == idx.numel()  # no element twice within a view
+        assert (owner[idx.flatten().long()] == 0).all(), f"view {i} overlaps an earlier one"
+        owner[idx.flatten().long()] = i + 1
+    assert o_view[0] == (splits, *shape) and lse_view[0] == (splits, *lse_shape)

@@ -286,7 +286,9 @@ def test_combine_matches_its_formula(dtype, D):
 def test_splits_for_fills_one_wave():
     f = attention_host.splits_for
     assert f(8, 256, 132) == 16  # B = 1, 8 KV heads, 32k keys
-    assert f(8, 4, 132) == 4  # at most one split per KV tile
+    assert f(8, 6, 132) == 6  # at most one split per KV tile
+    assert f(8, 4, 132) == 1  # no split of UNSPLIT_KV_TILES KV tiles or fewer
+    assert f(8, 5, 132) == 5
     assert f(1, 10_000, 132) == 64  # at most MAX_SPLITS
     assert f(106, 64, 132) == 1  # 0.8 of the SMs busy already
     assert f(50, 64, 132) == 2
