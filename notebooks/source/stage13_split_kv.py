@@ -249,7 +249,9 @@ fig = figures.idle_sms(
 # How many splits: `splits_for` fills one wave. With fewer work tiles than `FILLED_SHARE` = 0.8
 # of the SMs, each tile gets $\lfloor \text{SMs} / \text{tiles} \rfloor$ splits - whole waves
 # only: one more split per tile would start a second, mostly empty wave - at most one per KV
-# tile (a split of less than one KV tile would be empty) and at most `MAX_SPLITS` = 64. The
+# tile (a split of less than one KV tile would be empty) and at most `MAX_SPLITS` = 64; a range
+# of `UNSPLIT_KV_TILES` = 4 KV tiles or fewer is not split (measured: the second launch and the
+# partials cost more than the few tiles' loads they spread). The
 # cell shows the function and applies it to decode steps (32 query / 8 KV heads, heads packed).
 
 # %%
@@ -546,14 +548,15 @@ fig = figures.decode_bars(
 #
 # `python -m common.tools.host_time --calls 2000` on the H200 (2026-12-04,
 # `docs/results/host_time_h200_2026-12-04.txt`): microseconds of host work per call of a tiny
-# decode step (K and V of 256 keys, so that the GPU work is negligible: stage 13 splits it 2
-# ways), then an earlier measurement of the same day with cProfile's view of where stage 13's
-# call spent them. The cell prints the file.
+# decode step (K and V of 256 keys, so that the GPU work is negligible; the launch of that day
+# split it 2 ways), then an earlier measurement of the same day with cProfile's view of where
+# stage 13's call spent them. The cell prints the file, and the split count the launch picks
+# for this step now: none, since a range of 4 KV tiles or fewer is not split (section 5.1).
 
 # %%
 with open(os.path.join(nb.ROOT, "docs/results/host_time_h200_2026-12-04.txt")) as f:
     print(f.read())
-print("stage 13's split launch of this shape:", attention_host.splits_for(8, 2, SMS), "splits")
+print("splits the launch picks for this step now:", attention_host.splits_for(8, 2, SMS))
 
 # %% [markdown]
 # A split call costs the host 58.4 us against stage 12's 32.9 and SDPA's 25.0 (H200,
@@ -566,6 +569,12 @@ print("stage 13's split launch of this shape:", attention_host.splits_for(8, 2, 
 # per call. Everything that could be decided once already is (the plan); what is left is
 # Python per call, which only fewer Python calls per step - a CUDA graph over a model's decode
 # step, say - would remove. `tests/test_stage13.py` replays a decode step in a CUDA graph.
+#
+# Since then the launch allocates O and LSE in the strides it passes (no view of them per
+# call), puts a split call's LSE in the partials' buffer (two allocations, not three), and
+# leaves this step unsplit. On an H100 (2026-12-05) that took stage 12 from 56.2 to 46.3 us of
+# host time per call and a forced 2-way split from 90.3 to 71.6, with SDPA at 32.2 in the same
+# process: still short of 25 us (`docs/results/README.md`, "Host work per call").
 #
 # In GPU mode the cell below times stage 13 against stage 12 and the baselines at two decode
 # shapes (MHA, 32 heads: the launch picks 4 splits) in this run.

@@ -12,8 +12,8 @@ dtype. A split that sees no key has lse_s = -inf and weight 0.
 Work tile t is split t % num_splits of stage 12's tile t / num_splits. num_splits = 1 is stage
 12's kernel (split_kv False: O written in the input dtype, no combine).
 How many splits (splits_for): as many as fill one wave, SMs / tiles, at most 64 and at most one
-per KV tile; 1 when the tiles alone fill 0.8 of the SMs. Decode at B = 1, Hkv = 8 on 132 SMs:
-16; at B = 16: 1.
+per KV tile; 1 when the tiles alone fill 0.8 of the SMs or the range is 4 KV tiles (of 128
+keys) or fewer. Decode at B = 1, Hkv = 8 on 132 SMs: 16; at B = 16: 1.
 Partial buffers per call: num_splits x B x H x Sq x (D + 1) x 4 bytes (16 x 32 x 129 x 4 =
 258 KiB for the decode step above), against 2 x Sk x Hkv x D x 2 bytes of K and V read (32k
 keys: 128 MiB).
