@@ -220,7 +220,7 @@ class LaunchPlan:
 
     def outputs(self, dtype, device):
         """A call's O and LSE, and the fp32 buffer of its split partials (None: no split).
-        A split launch's LSE lies in that buffer, behind the partials: two allocations per call
+        A split launch's LSE lies in that buffer, ahead of the partials: two allocations per call
         instead of three (an LSE the caller keeps keeps the buffer too: splits x B x H x Sq x
         (D + 1) x 4 bytes, 258 KiB at the decode step of stage 13's docstring)."""
         o = new_output(self.o_layout, dtype, device)
@@ -388,16 +388,18 @@ def make_plan(
 
 def partials_layout(splits, o_shape, lse_shape):
     """A split launch's fp32 buffer: (elements, then (shape, stride, offset) of O_partial
-    (splits, *O's shape), of LSE_partial (splits, *LSE's shape) behind it, and of LSE at the
-    next 16 bytes (LaunchPlan.outputs; the compiled combine takes its tensors 16-byte
-    aligned)), each in output_layout."""
+    (splits, *O's shape), of LSE_partial (splits, *LSE's shape) and of LSE), each in
+    output_layout. LSE (LaunchPlan.outputs) comes first, at offset 0: it is returned to the
+    caller, and the custom op's fake implementation (common/ops.py) promises a fresh tensor
+    (storage offset 0, which opcheck compares). The partials follow at the next 256 bytes
+    (the kernel and the combine take their tensors at least 16-byte aligned)."""
     o_elements, lse_elements = splits * math.prod(o_shape), splits * math.prod(lse_shape)
-    lse_at = -(-(o_elements + lse_elements) // 4) * 4
+    o_at = -(-math.prod(lse_shape) // 64) * 64
     return (
-        lse_at + math.prod(lse_shape),
-        (*output_layout((splits, *o_shape)), 0),
-        (*output_layout((splits, *lse_shape)), o_elements),
-        (*output_layout(lse_shape), lse_at),
+        o_at + o_elements + lse_elements,
+        (*output_layout((splits, *o_shape)), o_at),
+        (*output_layout((splits, *lse_shape)), o_at + o_elements),
+        (*output_layout(lse_shape), 0),
     )
 
 

@@ -421,8 +421,8 @@ def _randn(shape, dtype, g):
 
 def opcheck_samples(seed=0):
     """[(label, op, args)]: representative GPU inputs for opcheck: GQA 4:1 and MQA, causal with
-    Sq != Sk, a sliding window, D = 64 fp16, a (B, S, H, D) memory layout seen as (B, H, S, D),
-    and packed sequences (a zero-length and a one-token sequence, lengths not tile multiples)."""
+    Sq != Sk, a sliding window, D = 64 fp16, a decode step (split from stage 13 on), a (B, S, H,
+    D) memory layout seen as (B, H, S, D), and packed sequences (a zero-length and a one-token sequence, lengths not tile multiples)."""
     g = torch.Generator(device="cuda")
     g.manual_seed(seed)
     bf, fp = torch.bfloat16, torch.float16
@@ -437,6 +437,9 @@ def opcheck_samples(seed=0):
     batch("GQA 8/2 causal Sq<Sk", 2, 8, 2, 200, 333, 128, bf, None, True, None, None)
     batch("MQA window (64, 16)", 1, 4, 1, 300, 300, 128, bf, 0.1, False, 64, 16)
     batch("GQA 4/2 causal window left 96, D=64 fp16", 2, 4, 2, 257, 257, 64, fp, None, True, 96, 0)
+    # A decode step the launch splits (stage 13 on: 8 KV tiles, 8 work tiles): its LSE lies in
+    # the partials' buffer, and must still look like the fake implementation's fresh tensor.
+    batch("decode step, split KV", 1, 32, 8, 1, 1000, 128, bf, None, True, None, None)
     # The layout a model produces: (B, S, H, D) memory, transposed to (B, H, S, D).
     q = _randn((2, 256, 8, 128), bf, g).transpose(1, 2)
     k, v = (_randn((2, 256, 2, 128), bf, g).transpose(1, 2) for _ in range(2))

@@ -333,7 +333,8 @@ def test_plan_key_tells_apart_the_strides_of_size_one_modes():
 def test_plan_outputs_are_canonical_and_the_split_lse_lies_past_the_partials(shape, splits):
     # LaunchPlan.outputs allocates O and LSE with the strides canonical_strides would give them
     # (the launch then passes them as they are), and a split launch's LSE inside the partials'
-    # buffer: 16-byte aligned, past O_partial and LSE_partial, overlapping neither.
+    # buffer: at storage offset 0 (what the custom op's fake implementation promises, and
+    # opcheck compares), the partials 256-byte aligned behind it, no two views overlapping.
     from common.cute_interop import canonical_strides
 
     lse_shape = shape[:3]
@@ -352,7 +353,8 @@ def test_plan_outputs_are_canonical_and_the_split_lse_lies_past_the_partials(sha
     assert lse.untyped_storage().data_ptr() == buffer.data_ptr()
     elements, o_view, lse_view, lse_final = partials
     assert buffer.numel() == elements
-    assert lse.storage_offset() == lse_final[2] and lse.storage_offset() % 4 == 0
+    assert lse.storage_offset() == 0 == lse_final[2]
+    assert o_view[2] % 64 == 0 and lse_view[2] % 4 == 0  # fp32 elements: 256 and 16 bytes
     # every element of the buffer belongs to at most one of the three views
     owner = torch.zeros(elements, dtype=torch.int32)
     for i, view in enumerate((o_view, lse_view, lse_final)):
