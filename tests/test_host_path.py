@@ -330,7 +330,7 @@ def test_plan_key_tells_apart_the_strides_of_size_one_modes():
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 16])
 @pytest.mark.parametrize("shape", [(1, 32, 1, 128), (3, 5, 7, 64), (1, 1, 1, 64)])
-def test_plan_outputs_are_canonical_and_the_split_lse_lies_past_the_partials(shape, splits):
+def test_plan_outputs_look_fresh_and_the_split_lse_leads_the_partials(shape, splits):
     # LaunchPlan.outputs allocates O and LSE with the strides canonical_strides would give them
     # (the launch then passes them as they are), and a split launch's LSE inside the partials'
     # buffer: at storage offset 0 (what the custom op's fake implementation promises, and
@@ -347,6 +347,13 @@ def test_plan_outputs_are_canonical_and_the_split_lse_lies_past_the_partials(sha
     assert o.shape == shape and lse.shape == lse_shape and lse.dtype == torch.float32
     for t in (o, lse):
         assert canonical_strides(t) is t and t.is_contiguous()
+        # What opcheck's fake-tensor check compares against the custom op's fake outputs
+        # (fresh contiguous tensors, common/ops.py): the strides of modes longer than 1 and the
+        # storage offset.
+        fresh = torch.empty(t.shape, dtype=t.dtype)
+        same, mode = torch._prims_common.check_significant_strides(t, fresh, only_cuda=False)
+        assert same, (t.stride(), fresh.stride(), mode)
+        assert t.storage_offset() == fresh.storage_offset() == 0
     if splits == 1:
         assert buffer is None
         return
