@@ -215,17 +215,19 @@ class LaunchPlan:
         # Split launches: (elements, O_partial's, LSE_partial's and LSE's (shape, stride,
         # offset)) in one fp32 buffer, strides already canonical.
         self.partials = partials
-        # output_layout of O and of LSE (batch mode and paged caches; None: packed sequences)
+        # output_layout of O and of LSE (for outputs: batch mode and paged caches)
         self.o_layout, self.lse_layout = outputs or (None, None)
 
-    def outputs(self, dtype, device):
+    def outputs(self, dtype, device, return_lse):
         """A call's O and LSE, and the fp32 buffer of its split partials (None: no split).
-        A split launch's LSE lies in that buffer, ahead of the partials: two allocations per call
-        instead of three (an LSE the caller keeps keeps the buffer too: splits x B x H x Sq x
-        (D + 1) x 4 bytes, 258 KiB at the decode step of stage 13's docstring)."""
+        A split launch whose LSE the caller does not take has it in that buffer, ahead of the
+        partials: two allocations per call instead of three. An LSE that is returned gets its
+        own (a view would keep the whole buffer alive with it: splits x B x H x Sq x (D + 1) x
+        4 bytes, 258 KiB at the decode step of stage 13's docstring, for 128 bytes of LSE)."""
         o = new_output(self.o_layout, dtype, device)
-        if self.splits == 1:
-            return o, new_output(self.lse_layout, torch.float32, device), None
+        if self.splits == 1 or return_lse:
+            lse = new_output(self.lse_layout, torch.float32, device)
+            return o, lse, None
         buffer = empty_output((self.partials[0],), torch.float32, device)
         return o, buffer.as_strided(*self.partials[3]), buffer
 
@@ -542,7 +544,7 @@ def attention(
         (B, H, Sq, Sk, D), scale, plan = hit
         if seqused_k is not None:
             checks.check_seqused_k(seqused_k, q, [Sk] * B)
-        o, lse, buffer = plan.outputs(q.dtype, q.device)
+        o, lse, buffer = plan.outputs(q.dtype, q.device, return_lse)
         run_plan(plan, q, k, v, o, lse, Sq, scale, seqused_k, buffer=buffer)
         return (o, lse) if return_lse else o
     if not isinstance(return_lse, bool):
@@ -703,7 +705,7 @@ def attention_paged(
     if hit is not None and not ptrs % 16:
         (B, H, Sq, D, page_size), scale, plan = hit
         checked_lengths(seqused_k, q, page_table, page_size, k_cache.shape[0], check_values)
-        o, lse, buffer = plan.outputs(q.dtype, q.device)
+        o, lse, buffer = plan.outputs(q.dtype, q.device, return_lse)
         k, v = (t.permute(0, 2, 1, 3) for t in (k_cache, v_cache))
         run_plan(plan, q, k, v, o, lse, Sq, scale, seqused_k, page_table, buffer)
         return (o, lse) if return_lse else o

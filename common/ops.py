@@ -421,8 +421,9 @@ def _randn(shape, dtype, g):
 
 def opcheck_samples(seed=0):
     """[(label, op, args)]: representative GPU inputs for opcheck: GQA 4:1 and MQA, causal with
-    Sq != Sk, a sliding window, D = 64 fp16, a decode step (split from stage 13 on), a (B, S, H,
-    D) memory layout seen as (B, H, S, D), and packed sequences (a zero-length and a one-token sequence, lengths not tile multiples)."""
+    Sq != Sk, a sliding window, D = 64 fp16, decode steps (split from stage 13 on), a (B, S, H,
+    D) memory layout seen as (B, H, S, D), and packed sequences (a zero-length and a one-token
+    sequence, lengths not tile multiples)."""
     g = torch.Generator(device="cuda")
     g.manual_seed(seed)
     bf, fp = torch.bfloat16, torch.float16
@@ -459,6 +460,7 @@ def opcheck_samples(seed=0):
     )
     packed("varlen GQA 4/1 Sq!=Sk", [64, 130, 7], [200, 130, 300], 4, 1, 128, bf, False, None, None)
     packed("varlen window D=64 fp16", [150, 90], [150, 90], 4, 2, 64, fp, False, 32, 32)
+    packed("varlen decode, split KV", [1, 1], [700, 1500], 32, 8, 128, bf, True, None, None)
     return out
 
 

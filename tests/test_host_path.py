@@ -25,6 +25,7 @@ class Recorder:
     def __init__(self):
         self.plans_made = 0
         self.runs = []
+        self.buffers = []
 
     def make_plan(self, *args, **kwargs):
         self.plans_made += 1
@@ -34,19 +35,25 @@ class Recorder:
         layouts = [AH.output_layout(tuple(t.shape)) for t in args[4:6]]  # O and LSE
 
         class Plan:
-            def outputs(self, dtype, device):  # as an unsplit LaunchPlan's
+            def outputs(self, dtype, device, return_lse):  # as an unsplit LaunchPlan's
                 o, lse = (
                     AH.new_output(lo, dt, device) for lo, dt in zip(layouts, (dtype, torch.float32))
                 )
-                return o, lse, None
+                # a stand-in for a split launch's buffer: the launch must pass it on to run
+                buffer = ("buffer", len(rec.runs), return_lse)
+                rec.buffers.append(buffer)
+                return o, lse, buffer
 
             def run(
                 self, q, k, v, o, lse, cu_q, cu_k, max_seqlen_q, scale, seqused_k, pages=None,
                 buffer=None,
             ):  # fmt: skip
                 rec.runs.append(
-                    dict(q=q, k=k, v=v, o=o, lse=lse, scale=scale, pages=pages, seqused=seqused_k)
-                )
+                    dict(
+                        q=q, k=k, v=v, o=o, lse=lse, scale=scale, pages=pages, seqused=seqused_k,
+                        buffer=buffer,
+                    )
+                )  # fmt: skip
 
         return Plan()
 
@@ -109,6 +116,8 @@ def test_same_shape_reuses_the_plan_with_its_own_tensors(rec):
         assert run["scale"] == 64**-0.5
     assert rec.plans_made == 1 and len(rec.runs) == 3
     assert len(rec.checked) == 1  # only the first call ran the shape checks
+    # the fast path's calls launch with the outputs and the buffer their plan allocated
+    assert [r["buffer"] for r in rec.runs] == [None, ("buffer", 1, False), ("buffer", 2, False)]
     assert len({id(o) for o in outs}) == 3  # fresh outputs each call
     # Another shape, another mask: each a new plan; another scale: the same plan (the scale is
     # a launch argument), launched with that scale.
@@ -328,13 +337,16 @@ def test_plan_key_tells_apart_the_strides_of_size_one_modes():
 # ------------------------------------------------------------- what a call allocates
 
 
+@pytest.mark.parametrize("return_lse", [False, True])
 @pytest.mark.parametrize("splits", [1, 2, 3, 16])
 @pytest.mark.parametrize("shape", [(1, 32, 1, 128), (3, 5, 7, 64), (1, 1, 1, 64)])
-def test_plan_outputs_look_fresh_and_the_split_lse_leads_the_partials(shape, splits):
+def test_plan_outputs_look_fresh_and_the_split_lse_leads_the_partials(shape, splits, return_lse):
     # LaunchPlan.outputs allocates O and LSE with the strides canonical_strides would give them
-    # (the launch then passes them as they are), and a split launch's LSE inside the partials'
-    # buffer: at storage offset 0 (what the custom op's fake implementation promises, and
-    # opcheck compares), the partials 256-byte aligned behind it, no two views overlapping.
+    # (the launch then passes them as they are), and the LSE of a split launch that does not
+    # return it inside the partials' buffer: at storage offset 0 (what the custom op's fake
+    # implementation promises, and opcheck compares), the partials 256-byte aligned behind it,
+    # no two views overlapping. A returned LSE has its own storage (a view would keep the
+    # whole buffer alive).
     from common.cute_interop import canonical_strides
 
     lse_shape = shape[:3]
@@ -343,7 +355,7 @@ def test_plan_outputs_look_fresh_and_the_split_lse_leads_the_partials(shape, spl
         None, (0, 0), splits, (None,) * 5, None, True, None, partials,
         outputs=(AH.output_layout(shape), AH.output_layout(lse_shape)),
     )  # fmt: skip
-    o, lse, buffer = plan.outputs(torch.bfloat16, "cpu")
+    o, lse, buffer = plan.outputs(torch.bfloat16, "cpu", return_lse)
     assert o.shape == shape and lse.shape == lse_shape and lse.dtype == torch.float32
     for t in (o, lse):
         assert canonical_strides(t) is t and t.is_contiguous()
@@ -354,8 +366,9 @@ def test_plan_outputs_look_fresh_and_the_split_lse_leads_the_partials(shape, spl
         same, mode = torch._prims_common.check_significant_strides(t, fresh, only_cuda=False)
         assert same, (t.stride(), fresh.stride(), mode)
         assert t.storage_offset() == fresh.storage_offset() == 0
-    if splits == 1:
-        assert buffer is None
+    if splits == 1 or return_lse:
+        assert buffer is None and lse._base is None
+        assert lse.untyped_storage().nbytes() == 4 * lse.numel()
         return
     assert lse.untyped_storage().data_ptr() == buffer.data_ptr()
     elements, o_view, lse_view, lse_final = partials

@@ -323,21 +323,25 @@ def test_rejects_bad_split_arguments(track, name, kw, error, match):
         stage_module(track).attention(q, k, v, **kw)
 
 
+@pytest.mark.parametrize("num_splits", [None, 3], ids=lambda s: f"splits{s}")
 @pytest.mark.parametrize("track", on_gpu_stages(stages=STAGES))
-def test_fast_path_checks_what_can_change(track):
+def test_fast_path_checks_what_can_change(track, num_splits):
     """A call with the types, shapes and options of an earlier call takes attention_host's fast
     path (that call's checked sizes and launch plan). New tensors of the same shapes must give
     their own answers, and what can differ between such calls must still be checked: the data
-    pointers' alignment, seqused_k's values, an option of another type."""
+    pointers' alignment, seqused_k's values, an option of another type. 256 keys are not split
+    unless num_splits says so (3: one split gets no key); a split call that returns no LSE
+    keeps its LSE in the partials' buffer (LaunchPlan.outputs), and must give the same O."""
     mod = stage_module(track)
     used = torch.tensor([100, 256], dtype=torch.int32, device="cuda")
+    kw = dict(causal=True, num_splits=num_splits)
     for seed in (0, 1, 2):  # the first call takes the slow path, the others the fast one
         q, k, v = decode_inputs(2, 8, 2, 1, 256, 64, torch.bfloat16, seed=seed)
-        o, lse = run(track, lambda: mod.attention(q, k, v, causal=True, return_lse=True))
+        o, lse = run(track, lambda: mod.attention(q, k, v, return_lse=True, **kw))
         gqa_reference_check(f"O seed {seed}", o, lse, q, k, v, True, None)
-        o, lse = run(
-            track, lambda: mod.attention(q, k, v, causal=True, return_lse=True, seqused_k=used)
-        )
+        o_only = run(track, lambda: mod.attention(q, k, v, **kw))
+        assert torch.equal(o_only, o), seed
+        o, lse = run(track, lambda: mod.attention(q, k, v, return_lse=True, seqused_k=used, **kw))
         for b, n in enumerate(used.tolist()):
             gqa_reference_check(
                 f"O seed {seed} sequence {b}",

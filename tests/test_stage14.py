@@ -240,6 +240,17 @@ def test_check_values_false(track, monkeypatch):
             ),
         )
         assert torch.equal(o, o1) and torch.equal(lse, lse1)
+    # A forced split: with its LSE returned (its own tensor), then without (LaunchPlan.outputs
+    # puts it in the partials' buffer), each by the slow path, then the fast one: the same O.
+    split = dict(num_splits=2, check_values=False)
+    for _ in range(2):
+        o2, lse2 = run(
+            track, lambda: mod.attention_paged(q, kc, vc, table, seqused, return_lse=True, **split)
+        )
+        used_check("2 splits", o2, lse2, q, k, v, [100, 300], False)
+    for _ in range(2):
+        o = run(track, lambda: mod.attention_paged(q, kc, vc, table, seqused, **split))
+        assert torch.equal(o, o2)
     bad = table.clone()
     bad[1, 1] = kc.shape[0] + 1000  # a page past the cache's end
     o = run(track, lambda: mod.attention_paged(q, kc, vc, bad, seqused, check_values=False))

@@ -134,3 +134,61 @@ def decode_bars(rows, names, title=None, path=None):
     if title:
         fig.suptitle(title, fontsize=11)
     return finish(fig, path)
+
+
+def read_split_sweep(path):
+    """The rows of a split-count sweep file (docs/results/split_count_sweep_*.txt): a list of
+    {"B", "Sk", "kv_tiles", "chosen" (splits_for's count), "graph": {splits: us}, "b2b": {splits:
+    us}} - microseconds per call in a replayed CUDA graph, and eagerly back to back."""
+    import re
+
+    rows = []
+    with open(path) as f:
+        for line in f:
+            m = re.match(r"B=(\d+) Sk=\s*(\d+) kv_tiles=\s*(\d+) splits_for=\s*(\d+) \|(.*)", line)
+            if not m:
+                continue
+            row = {"B": int(m[1]), "Sk": int(m[2]), "kv_tiles": int(m[3]), "chosen": int(m[4])}
+            row["graph"], row["b2b"] = {}, {}
+            for part in m[5].split("|"):
+                n, rest = part.split(":", 1)
+                times = dict(re.findall(r"(gpu|graph|b2b)\s+([\d.]+)", rest))
+                row["graph"][int(n)] = float(times["graph"])
+                row["b2b"][int(n)] = float(times["b2b"])
+            rows.append(row)
+    return rows
+
+
+def split_sweep(rows, B=1, unsplit_tiles=4, title=None, path=None):
+    """Microseconds per decode call against Sk for batch B (rows of read_split_sweep): unsplit,
+    the fastest forced split count (labelled with it) and the launch's own count where it was
+    timed; left in a replayed CUDA graph (no host work), right eagerly back to back. A dotted
+    line marks the last length left unsplit (unsplit_tiles KV tiles of 128 keys)."""
+    mine = [r for r in rows if r["B"] == B]
+    fig, axes = plt.subplots(1, 2, figsize=(FIG_WIDTH, 3.6))
+    for ax, kind, label in (
+        (axes[0], "graph", "in a CUDA graph (GPU only)"),
+        (axes[1], "b2b", "eager, back to back (host included)"),
+    ):
+        sk = [r["Sk"] for r in mine]
+        ax.plot(sk, [r[kind][1] for r in mine], "o-", color="#8C8C8C", label="unsplit")
+        best = [min((t, n) for n, t in r[kind].items() if n > 1) for r in mine]
+        ax.plot(sk, [t for t, _ in best], "s-", color="#6A3D9A", label="fastest split")
+        for x, (t, n) in zip(sk, best):
+            ax.annotate(str(n), (x, t), textcoords="offset points", xytext=(0, -12), fontsize=8,
+                        ha="center", color="#6A3D9A")  # fmt: skip
+        chosen = [(r["Sk"], r[kind][r["chosen"]]) for r in mine if r["chosen"] in r[kind]]
+        ax.plot(*zip(*chosen), "x", color="black", markersize=8, label="the launch's count")
+        ax.axvline(unsplit_tiles * 128, color="black", lw=0.8, ls=":")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sk, [str(s) for s in sk], fontsize=8, rotation=45)
+        ax.minorticks_off()
+        ax.set_xlabel("Sk (keys)", fontsize=9)
+        ax.set_ylabel("us per call", fontsize=9)
+        ax.set_title(label, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.set_ylim(bottom=0)
+    axes[0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    return finish(fig, path)

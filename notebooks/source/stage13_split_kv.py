@@ -269,6 +269,25 @@ nb.table(
 )
 
 # %% [markdown]
+# Where the 4-tile bound comes from: the same decode step at short KV ranges with every split
+# count forced, measured on an H100 80GB HBM3 (2026-12-05,
+# `docs/results/split_count_sweep_h100_2026-12-05.txt`; B = 1, 32 query / 8 KV heads, causal).
+# Left, a CUDA graph of the calls replayed, so only the GPU's time counts (the kernels and the
+# gaps between them): up to 512 keys (4 KV tiles, the dotted line) no split gains anything
+# (10.5 against 10.6 us at 512); from 8 tiles every split count does. Right, the same calls made eagerly: a split call costs
+# the host a second launch and the partials' buffer, and up to 2k keys the unsplit call is the
+# faster one. The numbers under the purple line are the fastest split counts; at 2k and 4k
+# they are 8, not the launch's 16 (5-8% apart in the graph).
+
+# %%
+sweep = figures.read_split_sweep(
+    os.path.join(nb.ROOT, "docs/results/split_count_sweep_h100_2026-12-05.txt")
+)
+fig = figures.split_sweep(
+    sweep, B=1, title="Decode step, B = 1, 32/8 heads: us per call (H100 80GB HBM3, 2026-12-05)"
+)
+
+# %% [markdown]
 # ### 5.2 Cutting a range: `split_range`
 #
 # Split $s$ of a work tile whose KV tiles are $[lo, hi)$ takes
@@ -414,8 +433,9 @@ report_bw = nb.compile_summary(13, "blackwell")
 #
 # **Expected:** stage 7's checks, unchanged (a few $10^{-3}$ relative error, within 3x PyTorch's
 # own bf16 error; rows with no key O = 0 and LSE = -inf; NaN planted around packed sequences
-# never leaks in), now through split launches: most small shapes leave SMs idle, so the launch
-# splits them. Then decode steps with the launch's split count and forced ones (3, and 64: more
+# never leaks in), now through the split launch wherever a shape leaves SMs idle and has more
+# than 4 KV tiles (the first run below, and two of the mask cases; the others are not split).
+# Then decode steps with the launch's split count and forced ones (3, and 64: more
 # splits than KV tiles, many empty), speculative decoding ($S_q$ = 4, causal), and a
 # `seqused_k` cache whose unused keys hold NaN. Finally `num_splits=1` must give stage 12's O
 # and LSE bit for bit (the same kernel).
@@ -571,7 +591,8 @@ print("splits the launch picks for this step now:", attention_host.splits_for(8,
 # step, say - would remove. `tests/test_stage13.py` replays a decode step in a CUDA graph.
 #
 # Since then the launch allocates O and LSE in the strides it passes (no view of them per
-# call), puts a split call's LSE in the partials' buffer (two allocations, not three), and
+# call), puts the LSE of a split call that does not return it in the partials' buffer (two
+# allocations, not three), and
 # leaves this step unsplit. On an H100 (2026-12-05) that took stage 12 from 56.2 to 46.3 us of
 # host time per call and a forced 2-way split from 90.3 to 71.6, with SDPA at 32.2 in the same
 # process: still short of 25 us (`docs/results/README.md`, "Host work per call").
