@@ -659,8 +659,8 @@ class Sm90Kernel:
         mma_tidx,
     ):
         """The consumers (warpgroups 1 .. mma_warpgroups, each for its 64 rows of the Q tile):
-        for each work tile the producer hands over, the pass over its KV tiles (S = Q K^T,
-        the online softmax, O += P V) and the epilogue."""
+        walk the work tiles the producer hands over, counting tiles and ring entries as load
+        does, and make each tile's pass (mma_tile)."""
         tiles_done = cutlass.Int32(0)
         entries = cutlass.Int32(0)
         # Each tile's number comes with its Q (q_full); a number past the end ends the loop.
@@ -676,50 +676,159 @@ class Sm90Kernel:
             )
             steps = kv_tile_hi - kv_tile_lo
             consumer_state = self.ring_state(entries, pipeline.PipelineUserType.Consumer)
+            self.mma_tile(
+                qk_mma,
+                pv_mma,
+                mO,
+                mLSE,
+                mCuSeqlensK,
+                sKV,
+                sO,
+                kv_pipeline,
+                q_empty,
+                tSrQ,
+                tSrK,
+                tOrVt,
+                acc_S,
+                tScS,
+                tScS_offsets,
+                tOrP,
+                acc_O,
+                row_max,
+                row_sum,
+                pid_m,
+                head,
+                batch,
+                offset_q,
+                seqlen_q,
+                seqlen_k,
+                kv_tile_lo,
+                kv_tile_hi,
+                steps,
+                scale_log2,
+                window_left,
+                window_right,
+                consumer_state,
+                warpgroup_idx,
+                tidx,
+                mma_tidx,
+            )
+            entries += 2 * steps
+            tiles_done += 1
+            cute.arch.mbarrier_wait(q_full, self.q_full_parity(tiles_done))
+            tile = tile_id[0]
 
-            # This tile's Q has landed (the wait before the loop or at the end of the last tile).
-            row_max.fill(-cutlass.Float32.inf)
-            row_sum.fill(0.0)
-            # A row that sees no key keeps O = 0 (and so does a Q tile with no KV tile at all).
-            acc_O.fill(0.0)
-            # The tile's first QK^T overwrites acc_S (ACCUMULATE off), but wgmma's inline
-            # assembly reads its accumulator registers all the same: without this fill the
-            # previous tile's last P would stay live through that tile's epilogue, 64
-            # registers more, and ptxas serialises the wgmma (warning C7512) at D = 128.
-            acc_S.fill(0.0)
-            # One pass, software-pipelined inside each warpgroup: the QK^T of a tile is issued
-            # before the softmax of the tile before it is done with. Step j issues QK_j and then
-            # PV_{j-1} (P_{j-1} is already in registers), and runs softmax_j while PV_{j-1} still
-            # holds the tensor cores. Two S-sized register sets are live across the GEMMs:
-            # acc_S (S_j, being written) and tOrP (P_{j-1}, being read). Per warpgroup:
-            #   step lo (prologue)  : QK_lo              | wait all | softmax_lo, P_lo
-            #   step j (lo < j < hi): QK_j, PV_{j-1}     | wait QK  | softmax_j | wait PV,
-            #                                                           O *= row_scale_j, P_j
-            #   after the loop      : PV_{hi-1}          | wait all
-            # O gets the same operations in the same order as in stage 9 (O *= row_scale_j, then
-            # O += P_j V_j), so O and LSE are stage 9's bit for bit (tested).
-            # Ping-pong as in stage 9, but a turn is now the pair issued together, QK_j and
-            # PV_{j-1} (turn 0: QK_lo; the last: PV_{hi-1}); steps + 1 turns per warpgroup, the
-            # same counts on the turn barriers. With steps = 3:
-            #   tensor cores | 1: QK0 | 2: QK0 | 1: QK1 PV0 | 2: QK1 PV0 | 1: QK2 PV1 | ...
-            #   warpgroup 1  |        | sm0    |            | sm1        |            |
-            #   warpgroup 2  |        |        | sm0        |            | sm1        |
-            # where sm_j (softmax_j) also runs under the warpgroup's own PV_{j-1}. With three
-            # warpgroups (stage 12, D = 64) the turns go round 1, 2, 3, 1, ... on barriers 2, 3
-            # and 4. Every PV accumulates into acc_O, which starts at 0.
-            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-            if steps > 0:
-                v_state, consumer_state = self.first_half_block_overlap(
-                    kv_tile_lo,
+    @cute.jit
+    def mma_tile(
+        self,
+        qk_mma,
+        pv_mma,
+        mO,
+        mLSE,
+        mCuSeqlensK,
+        sKV,
+        sO,
+        kv_pipeline,
+        q_empty,
+        tSrQ,
+        tSrK,
+        tOrVt,
+        acc_S,
+        tScS,
+        tScS_offsets,
+        tOrP,
+        acc_O,
+        row_max,
+        row_sum,
+        pid_m,
+        head,
+        batch,
+        offset_q,
+        seqlen_q,
+        seqlen_k,
+        kv_tile_lo,
+        kv_tile_hi,
+        steps,
+        scale_log2,
+        window_left,
+        window_right,
+        consumer_state,
+        warpgroup_idx,
+        tidx,
+        mma_tidx,
+    ):
+        """One work tile, in each consumer warpgroup for its 64 rows: the pass over its KV tiles
+        (S = Q K^T, the online softmax, O += P V) from ring entry consumer_state on, and the
+        epilogue."""
+        # This tile's Q has landed (mma's wait before its loop or at the end of the last tile).
+        row_max.fill(-cutlass.Float32.inf)
+        row_sum.fill(0.0)
+        # A row that sees no key keeps O = 0 (and so does a Q tile with no KV tile at all).
+        acc_O.fill(0.0)
+        # The tile's first QK^T overwrites acc_S (ACCUMULATE off), but wgmma's inline
+        # assembly reads its accumulator registers all the same: without this fill the
+        # previous tile's last P would stay live through that tile's epilogue, 64
+        # registers more, and ptxas serialises the wgmma (warning C7512) at D = 128.
+        acc_S.fill(0.0)
+        # One pass, software-pipelined inside each warpgroup: the QK^T of a tile is issued
+        # before the softmax of the tile before it is done with. Step j issues QK_j and then
+        # PV_{j-1} (P_{j-1} is already in registers), and runs softmax_j while PV_{j-1} still
+        # holds the tensor cores. Two S-sized register sets are live across the GEMMs:
+        # acc_S (S_j, being written) and tOrP (P_{j-1}, being read). Per warpgroup:
+        #   step lo (prologue)  : QK_lo              | wait all | softmax_lo, P_lo
+        #   step j (lo < j < hi): QK_j, PV_{j-1}     | wait QK  | softmax_j | wait PV,
+        #                                                           O *= row_scale_j, P_j
+        #   after the loop      : PV_{hi-1}          | wait all
+        # O gets the same operations in the same order as in stage 9 (O *= row_scale_j, then
+        # O += P_j V_j), so O and LSE are stage 9's bit for bit (tested).
+        # Ping-pong as in stage 9, but a turn is now the pair issued together, QK_j and
+        # PV_{j-1} (turn 0: QK_lo; the last: PV_{hi-1}); steps + 1 turns per warpgroup, the
+        # same counts on the turn barriers. With steps = 3:
+        #   tensor cores | 1: QK0 | 2: QK0 | 1: QK1 PV0 | 2: QK1 PV0 | 1: QK2 PV1 | ...
+        #   warpgroup 1  |        | sm0    |            | sm1        |            |
+        #   warpgroup 2  |        |        | sm0        |            | sm1        |
+        # where sm_j (softmax_j) also runs under the warpgroup's own PV_{j-1}. With three
+        # warpgroups (stage 12, D = 64) the turns go round 1, 2, 3, 1, ... on barriers 2, 3
+        # and 4. Every PV accumulates into acc_O, which starts at 0.
+        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+        if steps > 0:
+            v_state, consumer_state = self.first_half_block_overlap(
+                kv_tile_lo,
+                consumer_state,
+                qk_mma,
+                kv_pipeline,
+                tSrQ,
+                tSrK,
+                acc_S,
+                tScS,
+                tScS_offsets,
+                tOrP,
+                row_max,
+                row_sum,
+                pid_m,
+                seqlen_q,
+                seqlen_k,
+                scale_log2,
+                window_left,
+                window_right,
+                warpgroup_idx,
+            )
+            for kv_tile in cutlass.range(kv_tile_lo + 1, kv_tile_hi, unroll=1):
+                v_state, consumer_state = self.mma_one_n_block(
+                    kv_tile,
                     consumer_state,
+                    v_state,
                     qk_mma,
+                    pv_mma,
                     kv_pipeline,
                     tSrQ,
                     tSrK,
+                    tOrVt,
                     acc_S,
                     tScS,
                     tScS_offsets,
                     tOrP,
+                    acc_O,
                     row_max,
                     row_sum,
                     pid_m,
@@ -730,70 +839,40 @@ class Sm90Kernel:
                     window_right,
                     warpgroup_idx,
                 )
-                for kv_tile in cutlass.range(kv_tile_lo + 1, kv_tile_hi, unroll=1):
-                    v_state, consumer_state = self.mma_one_n_block(
-                        kv_tile,
-                        consumer_state,
-                        v_state,
-                        qk_mma,
-                        pv_mma,
-                        kv_pipeline,
-                        tSrQ,
-                        tSrK,
-                        tOrVt,
-                        acc_S,
-                        tScS,
-                        tScS_offsets,
-                        tOrP,
-                        acc_O,
-                        row_max,
-                        row_sum,
-                        pid_m,
-                        seqlen_q,
-                        seqlen_k,
-                        scale_log2,
-                        window_left,
-                        window_right,
-                        warpgroup_idx,
-                    )
-                self.last_half_block_overlap(
-                    kv_tile_hi,
-                    v_state,
-                    pv_mma,
-                    mCuSeqlensK,
-                    sKV,
-                    kv_pipeline,
-                    tOrVt,
-                    tOrP,
-                    acc_O,
-                    seqlen_k,
-                    warpgroup_idx,
-                    mma_tidx,
-                )
-
-            self.epilogue(
+            self.last_half_block_overlap(
+                kv_tile_hi,
+                v_state,
                 pv_mma,
+                mCuSeqlensK,
+                sKV,
+                kv_pipeline,
+                tOrVt,
+                tOrP,
                 acc_O,
-                row_max,
-                row_sum,
-                scale_log2,
-                tScS,
-                sO,
-                mO,
-                mLSE,
-                q_empty,
-                pid_m,
-                head,
-                batch,
-                offset_q,
-                seqlen_q,
-                tidx,
+                seqlen_k,
+                warpgroup_idx,
                 mma_tidx,
             )
-            entries += 2 * steps
-            tiles_done += 1
-            cute.arch.mbarrier_wait(q_full, self.q_full_parity(tiles_done))
-            tile = tile_id[0]
+
+        self.epilogue(
+            pv_mma,
+            acc_O,
+            row_max,
+            row_sum,
+            scale_log2,
+            tScS,
+            sO,
+            mO,
+            mLSE,
+            q_empty,
+            pid_m,
+            head,
+            batch,
+            offset_q,
+            seqlen_q,
+            tidx,
+            mma_tidx,
+        )
 
     @cute.jit
     def first_half_block_overlap(

@@ -495,8 +495,8 @@ class Sm90Kernel:
         mma_tidx,
     ):
         """The consumers (warpgroups 1 .. mma_warpgroups, each for its 64 rows of the Q tile):
-        for each work tile the producer hands over, the pass over its KV tiles (S = Q K^T,
-        the online softmax, O += P V) and the epilogue."""
+        walk the work tiles the producer hands over, counting tiles and ring entries as load
+        does, and make each tile's pass (mma_tile)."""
         tiles_done = cutlass.Int32(0)
         entries = cutlass.Int32(0)
         tile = cute.arch.block_idx()[0]
@@ -510,72 +510,149 @@ class Sm90Kernel:
             )
             steps = kv_tile_hi - kv_tile_lo
             consumer_state = self.ring_state(entries, pipeline.PipelineUserType.Consumer)
-
-            # Wait until this tile's Q has landed.
-            cute.arch.mbarrier_wait(q_full, self.q_full_parity(tiles_done))
-            row_max.fill(-cutlass.Float32.inf)
-            row_sum.fill(0.0)
-            # A row that sees no key keeps O = 0 (and so does a Q tile with no KV tile at all).
-            acc_O.fill(0.0)
-            # The tile's first QK^T overwrites acc_S (ACCUMULATE off), but wgmma's inline
-            # assembly reads its accumulator registers all the same: without this fill the
-            # previous tile's last P would stay live through that tile's epilogue, 64
-            # registers more, and ptxas serialises the wgmma (warning C7512) at D = 128.
-            acc_S.fill(0.0)
-            # One pass: S, the running row_max and row_sum, O rescaled, O += P @ V, each consumer
-            # warpgroup on its own rows and at its own pace: it issues a GEMM as soon as its
-            # operands are ready, and the tensor cores take the two warpgroups' GEMMs as they
-            # come. Every PV accumulates into acc_O, which starts at 0.
-            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-            for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
-                consumer_state = self.mma_one_n_block(
-                    kv_tile,
-                    consumer_state,
-                    qk_mma,
-                    pv_mma,
-                    mCuSeqlensK,
-                    sKV,
-                    kv_pipeline,
-                    tSrQ,
-                    tSrK,
-                    tOrVt,
-                    acc_S,
-                    tScS,
-                    tOrP,
-                    acc_O,
-                    row_max,
-                    row_sum,
-                    pid_m,
-                    seqlen_q,
-                    seqlen_k,
-                    scale_log2,
-                    window_left,
-                    window_right,
-                    mma_tidx,
-                )
-
-            self.epilogue(
+            self.mma_tile(
+                qk_mma,
                 pv_mma,
+                mO,
+                mLSE,
+                mCuSeqlensK,
+                sKV,
+                sO,
+                kv_pipeline,
+                q_full,
+                q_empty,
+                tSrQ,
+                tSrK,
+                tOrVt,
+                acc_S,
+                tScS,
+                tOrP,
                 acc_O,
                 row_max,
                 row_sum,
-                scale_log2,
-                tScS,
-                sO,
-                mO,
-                mLSE,
-                q_empty,
                 pid_m,
                 head,
                 batch,
                 offset_q,
                 seqlen_q,
+                seqlen_k,
+                kv_tile_lo,
+                kv_tile_hi,
+                scale_log2,
+                window_left,
+                window_right,
+                consumer_state,
+                tiles_done,
                 tidx,
                 mma_tidx,
             )
             entries += 2 * steps
             tiles_done += 1
             tile = self.next_tile(tile)
+
+    @cute.jit
+    def mma_tile(
+        self,
+        qk_mma,
+        pv_mma,
+        mO,
+        mLSE,
+        mCuSeqlensK,
+        sKV,
+        sO,
+        kv_pipeline,
+        q_full,
+        q_empty,
+        tSrQ,
+        tSrK,
+        tOrVt,
+        acc_S,
+        tScS,
+        tOrP,
+        acc_O,
+        row_max,
+        row_sum,
+        pid_m,
+        head,
+        batch,
+        offset_q,
+        seqlen_q,
+        seqlen_k,
+        kv_tile_lo,
+        kv_tile_hi,
+        scale_log2,
+        window_left,
+        window_right,
+        consumer_state,
+        tiles_done,
+        tidx,
+        mma_tidx,
+    ):
+        """One work tile, in each consumer warpgroup for its 64 rows: the pass over its KV tiles
+        (S = Q K^T, the online softmax, O += P V) from ring entry consumer_state on, and the
+        epilogue."""
+        # Wait until this tile's Q has landed.
+        cute.arch.mbarrier_wait(q_full, self.q_full_parity(tiles_done))
+        row_max.fill(-cutlass.Float32.inf)
+        row_sum.fill(0.0)
+        # A row that sees no key keeps O = 0 (and so does a Q tile with no KV tile at all).
+        acc_O.fill(0.0)
+        # The tile's first QK^T overwrites acc_S (ACCUMULATE off), but wgmma's inline
+        # assembly reads its accumulator registers all the same: without this fill the
+        # previous tile's last P would stay live through that tile's epilogue, 64
+        # registers more, and ptxas serialises the wgmma (warning C7512) at D = 128.
+        acc_S.fill(0.0)
+        # One pass: S, the running row_max and row_sum, O rescaled, O += P @ V, each consumer
+        # warpgroup on its own rows and at its own pace: it issues a GEMM as soon as its
+        # operands are ready, and the tensor cores take the two warpgroups' GEMMs as they
+        # come. Every PV accumulates into acc_O, which starts at 0.
+        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+        for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
+            consumer_state = self.mma_one_n_block(
+                kv_tile,
+                consumer_state,
+                qk_mma,
+                pv_mma,
+                mCuSeqlensK,
+                sKV,
+                kv_pipeline,
+                tSrQ,
+                tSrK,
+                tOrVt,
+                acc_S,
+                tScS,
+                tOrP,
+                acc_O,
+                row_max,
+                row_sum,
+                pid_m,
+                seqlen_q,
+                seqlen_k,
+                scale_log2,
+                window_left,
+                window_right,
+                mma_tidx,
+            )
+
+        self.epilogue(
+            pv_mma,
+            acc_O,
+            row_max,
+            row_sum,
+            scale_log2,
+            tScS,
+            sO,
+            mO,
+            mLSE,
+            q_empty,
+            pid_m,
+            head,
+            batch,
+            offset_q,
+            seqlen_q,
+            tidx,
+            mma_tidx,
+        )
 
     @cute.jit
     def mma_one_n_block(

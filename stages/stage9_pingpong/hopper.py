@@ -497,8 +497,8 @@ class Sm90Kernel:
         mma_tidx,
     ):
         """The consumers (warpgroups 1 .. mma_warpgroups, each for its 64 rows of the Q tile):
-        for each work tile the producer hands over, the pass over its KV tiles (S = Q K^T,
-        the online softmax, O += P V) and the epilogue."""
+        walk the work tiles the producer hands over, counting tiles and ring entries as load
+        does, and make each tile's pass (mma_tile)."""
         tiles_done = cutlass.Int32(0)
         entries = cutlass.Int32(0)
         tile = cute.arch.block_idx()[0]
@@ -512,96 +512,177 @@ class Sm90Kernel:
             )
             steps = kv_tile_hi - kv_tile_lo
             consumer_state = self.ring_state(entries, pipeline.PipelineUserType.Consumer)
-
-            # Wait until this tile's Q has landed.
-            cute.arch.mbarrier_wait(q_full, self.q_full_parity(tiles_done))
-            row_max.fill(-cutlass.Float32.inf)
-            row_sum.fill(0.0)
-            # A row that sees no key keeps O = 0 (and so does a Q tile with no KV tile at all).
-            acc_O.fill(0.0)
-            # The tile's first QK^T overwrites acc_S (ACCUMULATE off), but wgmma's inline
-            # assembly reads its accumulator registers all the same: without this fill the
-            # previous tile's last P would stay live through that tile's epilogue, 64
-            # registers more, and ptxas serialises the wgmma (warning C7512) at D = 128.
-            acc_S.fill(0.0)
-            # One pass: S, the running row_max and row_sum, O rescaled, O += P @ V. Ping-pong:
-            # the consumer warpgroups take turns on the tensor cores. A turn is the PV of one
-            # tile and the QK^T of the next (turn 0: QK_lo alone; the last: the last PV); a
-            # warpgroup waits for its turn before the pair and passes it on right after issuing
-            # the QK^T, so its softmax runs during the other's turn. With steps = 2:
-            #   tensor cores | 1: QK0  | 2: QK0  | 1: PV0 QK1 | 2: PV0 QK1 | 1: PV1  | 2: PV1
-            #   warpgroup 1  |         | softmax |            | softmax    |         |
-            #   warpgroup 2  |         |         | softmax    |            | softmax |
-            # Both warpgroups have the same steps (one tile range per work tile), so each takes
-            # steps + 1 turns (none when steps = 0). Warpgroup 1 starts without waiting, warpgroup
-            # 2 passes nothing after its last turn; then warpgroup 1's barrier (2) completes steps
-            # times (steps waits, steps passes from warpgroup 2) and warpgroup 2's (3) steps + 1
-            # times, and neither is left with a pending arrive when the CTA ends. Every PV
-            # accumulates into acc_O, which starts at 0.
-            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-            # The ring entry of the V that the previous step's PV reads (released once the wait
-            # after this step's QK^T has seen that PV complete).
-            v_state = consumer_state.clone()
-            for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
-                v_state, consumer_state = self.mma_one_n_block(
-                    kv_tile,
-                    kv_tile_lo,
-                    consumer_state,
-                    v_state,
-                    qk_mma,
-                    pv_mma,
-                    mCuSeqlensK,
-                    sKV,
-                    kv_pipeline,
-                    tSrQ,
-                    tSrK,
-                    tOrVt,
-                    acc_S,
-                    tScS,
-                    tOrP,
-                    acc_O,
-                    row_max,
-                    row_sum,
-                    pid_m,
-                    seqlen_q,
-                    seqlen_k,
-                    scale_log2,
-                    window_left,
-                    window_right,
-                    warpgroup_idx,
-                    mma_tidx,
-                )
-            # The last turn (the last PV) goes round too; warpgroup 2's hands over to nobody.
-            # Then V of the last tile is released once its PV has completed. (The wait stands
-            # outside the branch: on no path may the epilogue read acc_O before it.)
-            if steps > 0 and warpgroup_idx < self.mma_warpgroups:
-                self.pass_turn(warpgroup_idx)
-            warpgroup.wait_group(0)
-            if steps > 0:
-                kv_pipeline.consumer_release(v_state)
-
-            self.epilogue(
+            self.mma_tile(
+                qk_mma,
                 pv_mma,
+                mO,
+                mLSE,
+                mCuSeqlensK,
+                sKV,
+                sO,
+                kv_pipeline,
+                q_full,
+                q_empty,
+                tSrQ,
+                tSrK,
+                tOrVt,
+                acc_S,
+                tScS,
+                tOrP,
                 acc_O,
                 row_max,
                 row_sum,
-                scale_log2,
-                tScS,
-                sO,
-                mO,
-                mLSE,
-                q_empty,
                 pid_m,
                 head,
                 batch,
                 offset_q,
                 seqlen_q,
+                seqlen_k,
+                kv_tile_lo,
+                kv_tile_hi,
+                steps,
+                scale_log2,
+                window_left,
+                window_right,
+                consumer_state,
+                tiles_done,
+                warpgroup_idx,
                 tidx,
                 mma_tidx,
             )
             entries += 2 * steps
             tiles_done += 1
             tile = self.next_tile(tile)
+
+    @cute.jit
+    def mma_tile(
+        self,
+        qk_mma,
+        pv_mma,
+        mO,
+        mLSE,
+        mCuSeqlensK,
+        sKV,
+        sO,
+        kv_pipeline,
+        q_full,
+        q_empty,
+        tSrQ,
+        tSrK,
+        tOrVt,
+        acc_S,
+        tScS,
+        tOrP,
+        acc_O,
+        row_max,
+        row_sum,
+        pid_m,
+        head,
+        batch,
+        offset_q,
+        seqlen_q,
+        seqlen_k,
+        kv_tile_lo,
+        kv_tile_hi,
+        steps,
+        scale_log2,
+        window_left,
+        window_right,
+        consumer_state,
+        tiles_done,
+        warpgroup_idx,
+        tidx,
+        mma_tidx,
+    ):
+        """One work tile, in each consumer warpgroup for its 64 rows: the pass over its KV tiles
+        (S = Q K^T, the online softmax, O += P V) from ring entry consumer_state on, and the
+        epilogue."""
+        # Wait until this tile's Q has landed.
+        cute.arch.mbarrier_wait(q_full, self.q_full_parity(tiles_done))
+        row_max.fill(-cutlass.Float32.inf)
+        row_sum.fill(0.0)
+        # A row that sees no key keeps O = 0 (and so does a Q tile with no KV tile at all).
+        acc_O.fill(0.0)
+        # The tile's first QK^T overwrites acc_S (ACCUMULATE off), but wgmma's inline
+        # assembly reads its accumulator registers all the same: without this fill the
+        # previous tile's last P would stay live through that tile's epilogue, 64
+        # registers more, and ptxas serialises the wgmma (warning C7512) at D = 128.
+        acc_S.fill(0.0)
+        # One pass: S, the running row_max and row_sum, O rescaled, O += P @ V. Ping-pong:
+        # the consumer warpgroups take turns on the tensor cores. A turn is the PV of one
+        # tile and the QK^T of the next (turn 0: QK_lo alone; the last: the last PV); a
+        # warpgroup waits for its turn before the pair and passes it on right after issuing
+        # the QK^T, so its softmax runs during the other's turn. With steps = 2:
+        #   tensor cores | 1: QK0  | 2: QK0  | 1: PV0 QK1 | 2: PV0 QK1 | 1: PV1  | 2: PV1
+        #   warpgroup 1  |         | softmax |            | softmax    |         |
+        #   warpgroup 2  |         |         | softmax    |            | softmax |
+        # Both warpgroups have the same steps (one tile range per work tile), so each takes
+        # steps + 1 turns (none when steps = 0). Warpgroup 1 starts without waiting, warpgroup
+        # 2 passes nothing after its last turn; then warpgroup 1's barrier (2) completes steps
+        # times (steps waits, steps passes from warpgroup 2) and warpgroup 2's (3) steps + 1
+        # times, and neither is left with a pending arrive when the CTA ends. Every PV
+        # accumulates into acc_O, which starts at 0.
+        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+        # The ring entry of the V that the previous step's PV reads (released once the wait
+        # after this step's QK^T has seen that PV complete).
+        v_state = consumer_state.clone()
+        for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
+            v_state, consumer_state = self.mma_one_n_block(
+                kv_tile,
+                kv_tile_lo,
+                consumer_state,
+                v_state,
+                qk_mma,
+                pv_mma,
+                mCuSeqlensK,
+                sKV,
+                kv_pipeline,
+                tSrQ,
+                tSrK,
+                tOrVt,
+                acc_S,
+                tScS,
+                tOrP,
+                acc_O,
+                row_max,
+                row_sum,
+                pid_m,
+                seqlen_q,
+                seqlen_k,
+                scale_log2,
+                window_left,
+                window_right,
+                warpgroup_idx,
+                mma_tidx,
+            )
+        # The last turn (the last PV) goes round too; warpgroup 2's hands over to nobody.
+        # Then V of the last tile is released once its PV has completed. (The wait stands
+        # outside the branch: on no path may the epilogue read acc_O before it.)
+        if steps > 0 and warpgroup_idx < self.mma_warpgroups:
+            self.pass_turn(warpgroup_idx)
+        warpgroup.wait_group(0)
+        if steps > 0:
+            kv_pipeline.consumer_release(v_state)
+
+        self.epilogue(
+            pv_mma,
+            acc_O,
+            row_max,
+            row_sum,
+            scale_log2,
+            tScS,
+            sO,
+            mO,
+            mLSE,
+            q_empty,
+            pid_m,
+            head,
+            batch,
+            offset_q,
+            seqlen_q,
+            tidx,
+            mma_tidx,
+        )
 
     @cute.jit
     def mma_one_n_block(
