@@ -1372,7 +1372,7 @@ class Sm90Kernel:
 
     @cute.jit
     def tma_views(self, atoms, tensors, smem, pid_m, heads, offset_q, offset_k):
-        """The TMA partitions of one work tile, one CTA (no multicast): Q's (TMA, 1) and
+        """The TMA partitions of one Q tile, one CTA (no multicast): Q's (TMA, 1) and
         (TMA), K's and V's (TMA, kv_slots) and (TMA, kv_tiles). Query head `head` reads KV head
         kv_head; packed sequences start at offset_q, offset_k of the single batch entry."""
         tma_atom_q, tma_atom_k, tma_atom_v = atoms

@@ -294,49 +294,22 @@ class Sm90Kernel:
             barrier_storage=storage.kv_full.data_ptr(),
         )
 
-        # This sequence's rows of one head, starting at its offset: (S, D)
-        q_offset = offset_q if cutlass.const_expr(self.pack_gqa == 1) else (0, offset_q)
-        mQ_seq = cute.domain_offset((q_offset, 0), mQ[None, None, head, batch])
-        mK_seq = cute.domain_offset((offset_k, 0), mK[None, None, kv_head, batch])
-        mV_seq = cute.domain_offset((offset_k, 0), mV[None, None, kv_head, batch])
-        mO_seq = cute.domain_offset((q_offset, 0), mO[None, None, head, batch])
-        # (bM, bK)
-        gQ = cute.local_tile(mQ_seq, self.cta_tile, (pid_m, None, 0), proj=(1, None, 1))
-        # (bN, bK, kv_tiles)
-        gK = cute.local_tile(mK_seq, self.cta_tile, (None, None, 0), proj=(None, 1, 1))
-        # (bN, bK, kv_tiles)
-        gV = cute.local_tile(mV_seq, self.cta_tile, (None, None, 0), proj=(None, 1, 1))
-        # (bM, bK)
-        gO = cute.local_tile(mO_seq, self.cta_tile, (pid_m, None, 0), proj=(1, None, 1))
         # The KV tiles holding a key that some row of this Q tile sees: [kv_tile_lo, kv_tile_hi),
         # the one range the producer loads and the consumers compute (empty: no K or V is read).
         kv_tile_lo, kv_tile_hi = self.kv_tile_range(
             pid_m, seqlen_q, seqlen_k, window_left, window_right
         )
 
-        # TMA views, one CTA (no multicast): (TMA, 1) and (TMA)
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_q,
-            0,
-            cute.make_layout(1),
-            cute.group_modes(sQ, 0, 2),
-            cute.group_modes(gQ, 0, 2),
-        )
-        # (TMA, kv_slots) and (TMA, kv_tiles)
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_atom_k,
-            0,
-            cute.make_layout(1),
-            cute.group_modes(sKV, 0, 2),
-            cute.group_modes(gK, 0, 2),
-        )
-        # (TMA, kv_slots) and (TMA, kv_tiles)
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_atom_v,
-            0,
-            cute.make_layout(1),
-            cute.group_modes(sKV, 0, 2),
-            cute.group_modes(gV, 0, 2),
+        # TMA views of the tile: (TMA, 1) and (TMA) for Q, (TMA, kv_slots) and (TMA, kv_tiles) for
+        # K and V
+        tQsQ, tQgQ, tKsK, tKgK, tVsV, tVgV = self.tma_views(
+            (tma_atom_q, tma_atom_k, tma_atom_v),
+            (mQ, mK, mV),
+            (sQ, sKV),
+            pid_m,
+            (head, kv_head, batch),
+            offset_q,
+            offset_k,
         )
 
         # wgmma views of this thread's warpgroup: shared-memory descriptors for Q, K and V^T.
@@ -382,7 +355,7 @@ class Sm90Kernel:
         self.mma(
             qk_mma,
             pv_mma,
-            gO,
+            mO,
             mLSE,
             mCuSeqlensK,
             sKV,
@@ -444,7 +417,7 @@ class Sm90Kernel:
         self,
         qk_mma,
         pv_mma,
-        gO,
+        mO,
         mLSE,
         mCuSeqlensK,
         sKV,
@@ -482,7 +455,7 @@ class Sm90Kernel:
         # slot_phase is the phase parity the next use of slot i waits for.
         slot_phase = cutlass.Int32(0)
 
-        # Q has landed (the one and only phase of q_full).
+        # Wait until this tile's Q has landed (parity 0: q_full completes once).
         cute.arch.mbarrier_wait(q_full, 0)
         row_max.fill(-cutlass.Float32.inf)
         row_sum.fill(0.0)
@@ -530,7 +503,7 @@ class Sm90Kernel:
             scale_log2,
             tScS,
             sO,
-            gO,
+            mO,
             mLSE,
             pid_m,
             head,
@@ -634,7 +607,7 @@ class Sm90Kernel:
         scale_log2,
         tScS,
         sO,
-        gO,
+        mO,
         mLSE,
         pid_m,
         head,
@@ -697,9 +670,13 @@ class Sm90Kernel:
 
         cute.arch.sync_threads()
 
-        # Shared memory -> global memory, 16 bytes per thread and copy, only the rows inside the
-        # sequence: TMA would clip at the packed tensor's end, not the sequence's, and write
-        # the tile's last rows into the next sequence's O.
+        # This tile's rows of O: (bM, bK)
+        q_offset = offset_q if cutlass.const_expr(self.pack_gqa == 1) else (0, offset_q)
+        mO_seq = cute.domain_offset((q_offset, 0), mO[None, None, head, batch])
+        gO = cute.local_tile(mO_seq, self.cta_tile, (pid_m, None, 0), proj=(1, None, 1))
+        # Shared memory -> global memory, 16 bytes per thread and copy, only the rows
+        # inside the sequence: TMA would clip at the packed tensor's end, not the
+        # sequence's, and write the tile's last rows into the next sequence's O.
         self.store_rows(sO, gO, seqlen_q * self.pack_gqa - pid_m * bM, mma_tidx)
 
     @cute.jit
@@ -758,6 +735,37 @@ class Sm90Kernel:
         for r in cutlass.range_constexpr(cute.size(row_scale)):
             acc_O_mn[r, None].store(acc_O_mn[r, None].load() * row_scale[r])
         tOrP.store(self.acc_as_operand_a(acc_S).load().to(self.dtype))
+
+    @cute.jit
+    def tma_views(self, atoms, tensors, smem, pid_m, heads, offset_q, offset_k):
+        """The TMA partitions of one Q tile, one CTA (no multicast): Q's (TMA, 1) and
+        (TMA), K's and V's (TMA, kv_slots) and (TMA, kv_tiles). Query head `head` reads KV head
+        kv_head; packed sequences start at offset_q, offset_k of the single batch entry."""
+        tma_atom_q, tma_atom_k, tma_atom_v = atoms
+        mQ, mK, mV = tensors
+        sQ, sKV = smem
+        head, kv_head, batch = heads
+        # This sequence's rows of one head, starting at its offset: (S, D)
+        q_offset = offset_q if cutlass.const_expr(self.pack_gqa == 1) else (0, offset_q)
+        mQ_seq = cute.domain_offset((q_offset, 0), mQ[None, None, head, batch])
+        mK_seq = cute.domain_offset((offset_k, 0), mK[None, None, kv_head, batch])
+        mV_seq = cute.domain_offset((offset_k, 0), mV[None, None, kv_head, batch])
+        # (bM, bK)
+        gQ = cute.local_tile(mQ_seq, self.cta_tile, (pid_m, None, 0), proj=(1, None, 1))
+        # (bN, bK, kv_tiles)
+        gK = cute.local_tile(mK_seq, self.cta_tile, (None, None, 0), proj=(None, 1, 1))
+        gV = cute.local_tile(mV_seq, self.cta_tile, (None, None, 0), proj=(None, 1, 1))
+        one = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_k, 0, one, cute.group_modes(sKV, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_v, 0, one, cute.group_modes(sKV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+        return tQsQ, tQgQ, tKsK, tKgK, tVsV, tVgV
 
     @cute.jit
     def seq_info(self, batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK):
