@@ -125,7 +125,8 @@ class Sm90Kernel:
             (self.mma_warpgroups, 1, 1),
             tiler_mn=(64, bN),
         )
-        # O = P @ V: two m64nDk16 atoms; A = P from registers, B = V^T, MN-major (D contiguous).
+        # O = P @ V: one m64nDk16 atom per warpgroup; A = P from registers, B = V^T, MN-major
+        # (D contiguous).
         pv_mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype,
             self.dtype,
