@@ -56,7 +56,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, tcgen05
-from cutlass.memory import SmemAllocator, TmemAllocator, get_num_tmem_alloc_cols
+from cutlass.memory import SmemAllocator, TmemAllocator
 
 from common import attention_host, pack_gqa
 from common.cute_interop import rows_of_16_bytes
@@ -106,7 +106,8 @@ class Sm100Kernel:
         self.tmem_s_offset = 0
         self.tmem_p_offset = 0
         self.tmem_o_offset = self.qk_mma_tiler[1]
-        # tcgen05.ld.32x32b.x32: each softmax thread reads 32 fp32 columns of its row per load.
+        self.num_tmem_alloc_cols = 256  # 128 + D rounded up to a power of 2
+        # tcgen05.ld.32x32b.x32: each thread reads 32 fp32 columns of its row per load.
         self.tmem_load_cols = 32
         self.smem_align = 1024  # the 128-byte swizzle pattern repeats every 8 rows = 1 KiB
 
@@ -220,12 +221,6 @@ class Sm100Kernel:
         self.q_tma_bytes = self.copy_bytes["Q"]
         self.kv_tma_bytes = {"K": self.copy_bytes["K"], "V": self.copy_bytes["V"]}
         self.kv_slot_bytes = cute.size_in_bytes(self.dtype, k_smem_one)
-        # TMEM: S (128 columns) and O (D columns); P lives over S.
-        s_tmem_shape = qk_mma.partition_shape_C(self.qk_mma_tiler[:2])
-        o_tmem_shape = pv_mma.partition_shape_C(self.pv_mma_tiler[:2])
-        self.num_tmem_alloc_cols = get_num_tmem_alloc_cols(
-            [qk_mma.make_fragment_C(s_tmem_shape), pv_mma.make_fragment_C(o_tmem_shape)]
-        )
 
         @cute.struct
         class SharedStorage:
@@ -245,8 +240,8 @@ class Sm100Kernel:
         self.shared_storage = SharedStorage
         self.shared_memory_bytes = SharedStorage.size_in_bytes()
 
-        # One CTA per 128-row Q tile of one (head, sequence): as many Q tiles as the longest
-        # sequence has (packed: G rows per position); the CTAs past a shorter sequence's end
+        # One CTA per 128-row Q tile of one (head, sequence): as many as the longest
+        # sequence needs (packed: G rows per position); the CTAs past a shorter sequence's end
         # find nothing to do.
         sequences = (
             cute.size(q, mode=[2, 1])
@@ -320,7 +315,7 @@ class Sm100Kernel:
         # computed once, before the warps split: the one range the TMA warp loads, the MMA warp
         # multiplies and the softmax warps fold (empty: no K or V is read, no MMA is issued).
         kv_tile_lo, kv_tile_hi = self.kv_tile_range(
-            bidx, seqlen_q, seqlen_k, window_left, window_right
+            bidx, seqlen_q, seqlen_k, window_left, window_right, self.qk_mma_tiler[0]
         )
 
         # 1. Prepare
@@ -346,7 +341,7 @@ class Sm100Kernel:
 
         sQ, sK, sV = self.smem_tensors(storage, q_smem_s, k_smem_s, v_smem_s)
 
-        mO, mLSE, gQ, gK, gV, gO, cO = self.gmem_tiles(
+        tile_mO, tile_mLSE, gQ, gK, gV, gO, cO = self.gmem_tiles(
             mQ, mK, mV, mO, mLSE, head, kv_head, batch, offset_q, offset_k
         )
         # (bM, D): the CTA's Q tile
@@ -356,27 +351,11 @@ class Sm100Kernel:
 
         qk_thr = qk_mma.get_slice(0)
         pv_thr = pv_mma.get_slice(0)
-        # (MMA, MMA_M, MMA_K)
-        tCgQ = qk_thr.partition_A(gQ)
-        # (MMA, MMA_N, MMA_K, kv_tiles)
-        tCgK = qk_thr.partition_B(gK)
-        # (MMA, MMA_N, MMA_K, kv_tiles)
-        tCgV = pv_thr.partition_B(gV)
         # (MMA, MMA_M, MMA_N)
         tCgO = pv_thr.partition_C(gO)
         tCcO = pv_thr.partition_C(cO)
         # (MMA, MMA_M, MMA_N): the (row, key) coordinates of S's elements within a tile
         tCcS = qk_thr.partition_C(cute.make_identity_tensor(self.qk_mma_tiler[:2]))
-        # TMA views, one CTA, no multicast: (TMA, q_buffers) and (TMA); (TMA, kv_slots) and (TMA, kv_tiles)
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3), cute.group_modes(tCgQ, 0, 3)
-        )
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3), cute.group_modes(tCgK, 0, 3)
-        )
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 3), cute.group_modes(tCgV, 0, 3)
-        )
         # MMA operands, as shared-memory descriptors. (MMA, MMA_M, MMA_K, q_buffers)
         tCrQ = qk_mma.make_fragment_A(sQ)
         # (MMA, MMA_N, MMA_K, kv_slots)
@@ -391,15 +370,17 @@ class Sm100Kernel:
 
         # 2. Main loop by warp role
         if warp_idx == self.tma_warp_id:
-            self.load(
-                (tma_q, tQgQ, tQsQ),
-                (tma_k, tKgK, tKsK),
-                (tma_v, tVgV, tVsV),
-                q_prod,
-                kv_prod,
+            loads = (q_prod, kv_prod)
+            loads = self.load(
+                (tma_q, tma_k, tma_v, qk_thr, pv_thr),
+                (gQ, gK, gV, sQ, sK, sV),
+                *loads,
                 kv_tile_lo,
                 kv_tile_hi,
             )
+            # Every buffer released by the MMA warp before this warp exits.
+            loads[1].tail()
+            loads[0].tail()
 
         if warp_idx == self.mma_warp_id:
             self.mma(
@@ -439,8 +420,8 @@ class Sm100Kernel:
                 s_pipe.make_consumer(),
                 p_pipe.make_producer(),
                 o_pipe.make_consumer(),
-                mO,
-                mLSE,
+                tile_mO,
+                tile_mLSE,
                 bidx,
                 kv_tile_lo,
                 kv_tile_hi,
@@ -460,9 +441,29 @@ class Sm100Kernel:
             tmem.free(tmem_ptr)
 
     @cute.jit
-    def load(self, q_load, k_load, v_load, q_prod, kv_prod, kv_tile_lo, kv_tile_hi):
+    def load(self, atoms, tiles, q_prod, kv_prod, kv_tile_lo, kv_tile_hi):
         """The TMA warp: Q once, then every K and V tile, each tile its own ring entry.
-        x_load = (TMA atom, the tiles in global memory, the buffers in shared memory)."""
+        atoms = (TMA atoms, MMA slices), tiles = (global tiles, shared buffers)."""
+        tma_q, tma_k, tma_v, qk_thr, pv_thr = atoms
+        gQ, gK, gV, sQ, sK, sV = tiles
+        # (MMA, MMA_M, MMA_K)
+        tCgQ = qk_thr.partition_A(gQ)
+        # (MMA, MMA_N, MMA_K, kv_tiles)
+        tCgK = qk_thr.partition_B(gK)
+        # (MMA, MMA_N, MMA_K, kv_tiles)
+        tCgV = pv_thr.partition_B(gV)
+        # TMA views, one CTA, no multicast: (TMA, q_buffers) and (TMA); (TMA, kv_slots)
+        # and (TMA, kv_tiles)
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3), cute.group_modes(tCgQ, 0, 3)
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3), cute.group_modes(tCgK, 0, 3)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 3), cute.group_modes(tCgV, 0, 3)
+        )
+        q_load, k_load, v_load = (tma_q, tQgQ, tQsQ), (tma_k, tKgK, tKsK), (tma_v, tVgV, tVsV)
         tma_q, tQgQ, tQsQ = q_load
         q_empty = q_prod.acquire_and_advance()
         cute.copy(tma_q, tQgQ, tQsQ[(None, q_empty.index)], tma_bar_ptr=q_empty.barrier)
@@ -480,9 +481,7 @@ class Sm100Kernel:
                         dst[(None, kv_empty.index)],
                         tma_bar_ptr=kv_empty.barrier,
                     )
-        # Every buffer released by the MMA warp before this warp exits.
-        kv_prod.tail()
-        q_prod.tail()
+        return q_prod, kv_prod
 
     @cute.jit
     def mma(
@@ -513,11 +512,11 @@ class Sm100Kernel:
         tStS = cute.make_tensor(tmem_ptr + self.tmem_s_offset, tStS_layout)
         tOtO = cute.make_tensor(tmem_ptr + self.tmem_o_offset, tOtO_layout)
         # (MMA, MMA_M, MMA_K): P as 16-bit values in TMEM, over S's columns
-        tOrP = pv_mma.make_fragment_A(cute.make_tensor(tmem_ptr, p_tmem_s.outer))[
+        tOrP_layout = pv_mma.make_fragment_A(cute.make_tensor(tmem_ptr, p_tmem_s.outer))[
             (None, None, None, 0)
-        ]
+        ].layout
         tOrP = cute.make_tensor(
-            cute.recast_ptr(tmem_ptr + self.tmem_p_offset, dtype=self.dtype), tOrP.layout
+            cute.recast_ptr(tmem_ptr + self.tmem_p_offset, dtype=self.dtype), tOrP_layout
         )
         # One variable per hand-off: the DSL carries a pipeline's state (slot index, phase)
         # through a loop only for a name it sees the loop call methods on.
@@ -602,7 +601,7 @@ class Sm100Kernel:
         # P over S's columns, as 32-bit TMEM cells holding two 16-bit values: (128, 64)
         p_cells = self.qk_mma_tiler[1] * self.dtype.width // 32
         tStP = cute.make_tensor(
-            tStS.iterator + self.tmem_p_offset,
+            tStS.iterator,
             cute.composition(
                 tStS.layout, cute.make_layout((cute.size(tStS, mode=[0, 0]), p_cells))
             ),
@@ -770,8 +769,7 @@ class Sm100Kernel:
         barriers."""
         softmax_threads = 32 * len(self.softmax_warp_ids)  # 128: one per row of the Q tile
         # Q buffer and K/V ring: the TMA warp fills (full = the tile's bytes
-        # landed), the MMA warp's tcgen05.commit empties (one arrive). Each has barriers and a
-        # byte count of its own: a ring entry holds one K or one V tile and arms its bytes.
+        # landed), the MMA warp's tcgen05.commit empties (one arrive).
         q_prod, q_cons = pipeline.PipelineTmaUmma.create(
             barrier_storage=storage.q_bar.data_ptr(),
             num_stages=self.q_buffers,
@@ -970,24 +968,26 @@ class Sm100Kernel:
         cute.arch.sync_warp()
 
     @cute.jit
-    def q_positions(self, q_tile, seqlen_q):
-        """The first and last query position of Q tile q_tile inside the sequence: rows q_tile *
-        bM .. q_tile * bM + bM - 1, G rows per position when packed (G = 1 otherwise)."""
-        bM = self.qk_mma_tiler[0]
+    def q_positions(self, q_tile, seqlen_q, bM: cutlass.Constexpr = 128):
+        """The first and last query position of row block q_tile (of bM rows: a Q tile, the CTA's
+        rows) inside the sequence: rows q_tile * bM .. q_tile * bM + bM - 1, G rows per
+        position when packed (G = 1 otherwise)."""
         first_row = q_tile * bM
         last_row = cutlass.min(first_row + bM, seqlen_q * self.pack_gqa) - 1
         return first_row // self.pack_gqa, last_row // self.pack_gqa
 
     @cute.jit
-    def kv_tile_range(self, q_tile, seqlen_q, seqlen_k, window_left, window_right):
-        """[lo, hi): the KV tiles holding a key that some row of Q tile q_tile sees. Row i sees key
-        j when band_lo <= j - i <= band_hi, band_lo = Sk - Sq - left, band_hi = Sk - Sq + right.
-        The tile's positions run from first_row to last_row (q_positions), so the keys seen run
-        from first_row + band_lo to last_row + band_hi, clipped to [0, Sk).
-        (common.masks.kv_tile_range is the same on the host for G = 1.)"""
-        bM, bN = self.qk_mma_tiler[:2]
+    def kv_tile_range(
+        self, cta, seqlen_q, seqlen_k, window_left, window_right, bM: cutlass.Constexpr
+    ):
+        """[lo, hi): the KV tiles holding a key that some row of the CTA's bM rows (row block
+        `cta`) sees. Row i sees key j when band_lo <= j - i <= band_hi, band_lo = Sk - Sq - left,
+        band_hi = Sk - Sq + right. The rows' positions run from first_row to last_row
+        (q_positions), so the keys seen run from first_row + band_lo to last_row + band_hi,
+        clipped to [0, Sk). (common.masks.kv_tile_range is the same on the host for G = 1.)"""
+        bN = self.qk_mma_tiler[1]
         band_lo, band_hi = seqlen_k - seqlen_q - window_left, seqlen_k - seqlen_q + window_right
-        first_row, last_row = self.q_positions(q_tile, seqlen_q)
+        first_row, last_row = self.q_positions(cta, seqlen_q, bM)
         first_key = cutlass.max(first_row + band_lo, 0)
         end_key = cutlass.max(cutlass.min(last_row + band_hi + 1, seqlen_k), 0)
         lo = first_key // bN
