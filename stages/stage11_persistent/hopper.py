@@ -342,7 +342,7 @@ class Sm90Kernel:
                 cute.arch.mbarrier_init(q_full, 1)
                 cute.arch.mbarrier_init(q_empty, self.mma_threads)
         # kv_full[i]: 1 arrive (the producer's expect_tx of one tile) + the TMA writes of the tile.
-        # kv_empty[i]: 1 arrive from each of the 8 (12) consumer warps. (Creating the pipeline
+        # kv_empty[i]: 1 arrive from each of the 8 consumer warps. (Creating the pipeline
         # fences and syncs the CTA, which also publishes the initialisation of q_full and q_empty.)
         kv_bytes = cute.size_in_bytes(
             self.dtype, cute.select(kv_smem_layout, mode=[0, 1])
@@ -1285,11 +1285,10 @@ class Sm90Kernel:
         (the async proxy) and wait for all consumer threads: every warpgroup reads every row of V."""
         _, bN, bK = self.cta_tile
         per_row = bK // 8  # 16-byte chunks per row
-        chunks = bN * per_row  # 1,024 (D = 64; 3 rounds of 384 threads) or 2,048 (8 of 256)
-        for i in cutlass.range_constexpr(-(-chunks // self.mma_threads)):
+        for i in cutlass.range_constexpr(bN * per_row // self.mma_threads):
             chunk = i * self.mma_threads + tidx
             row, col = chunk // per_row, (chunk % per_row) * 8
-            if row >= first_row and row < bN:
+            if row >= first_row:
                 for e in cutlass.range_constexpr(8):
                     sKV[row, col + e, slot] = self.dtype(0.0)
         cute.arch.fence_proxy("async.shared", space="cta")
@@ -1298,42 +1297,29 @@ class Sm90Kernel:
     @cute.jit
     def store_rows(self, sO, gO, valid_rows, tidx, q_empty):
         """gO[r, :] = sO[r, :] for the rows r < valid_rows of the tile, 8 elements (16 bytes)
-        per thread and copy: bK / 8 threads per row, store_rows_per_pass() rows per pass.
+        per thread and copy: bK / 8 threads per row, `rows` rows per pass.
         q_empty (sO over Q) gets this thread's arrive once its reads of sO are done."""
         bM, _, bK = self.cta_tile
         copy_atom = cute.make_copy_atom(
             cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128
         )
         per_row = bK // 8
-        rows = self.store_rows_per_pass()
+        rows = self.mma_threads // per_row
         thr_layout = cute.make_layout((rows, per_row), stride=(per_row, 1))
         s2g = cute.make_tiled_copy_tv(copy_atom, thr_layout, cute.make_layout((1, 8)))
-        if tidx < rows * per_row:  # all consumer threads, or the first 256 (see below)
-            thr_s2g = s2g.get_slice(tidx)
-            # (CPY, CPY_M, CPY_K): this thread's chunks of the tile, and their (row, column)
-            tOsO = thr_s2g.partition_S(sO)
-            tOgO = thr_s2g.partition_D(gO)
-            tOcO = thr_s2g.partition_D(cute.make_identity_tensor((bM, bK)))
-            tOrO = cute.make_rmem_tensor_like(tOsO)
-            cute.copy(s2g, tOsO, tOrO)
-            for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
-                if tOcO[0, m, 0][0] < valid_rows:
-                    cute.copy(s2g, tOrO[None, m, None], tOgO[None, m, None])
+        thr_s2g = s2g.get_slice(tidx)
+        # (CPY, CPY_M, CPY_K): this thread's chunks of the tile, and their (row, column)
+        tOsO = thr_s2g.partition_S(sO)
+        tOgO = thr_s2g.partition_D(gO)
+        tOcO = thr_s2g.partition_D(cute.make_identity_tensor((bM, bK)))
+        tOrO = cute.make_rmem_tensor_like(tOsO)
+        cute.copy(s2g, tOsO, tOrO)
+        for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
+            if tOcO[0, m, 0][0] < valid_rows:
+                cute.copy(s2g, tOrO[None, m, None], tOgO[None, m, None])
         if cutlass.const_expr(q_empty is not None):
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.mbarrier_arrive(q_empty)
-
-    def store_rows_per_pass(self):
-        """Rows of O one pass of store_rows covers: every consumer thread takes one 16-byte chunk,
-        mma_threads / (bK / 8) rows (32 or 16 with two consumer warpgroups, 48 or 24 with three).
-        Packed GQA views a tile's rows as (G heads, bM / G positions), and a pass must cut that
-        mode evenly (rows a multiple of G, or G of rows): where 48 or 24 does not (G = 32 or
-        64), a pass takes the largest power of two below it (32 or 16 rows, 256 threads)."""
-        rows = self.mma_threads // (self.cta_tile[2] // 8)
-        g = self.pack_gqa
-        if rows % g != 0 and g % rows != 0:
-            rows = 1 << (rows.bit_length() - 1)
-        return rows
 
     @cute.jit
     def load_tiles(self, kv_pipeline, producer_state, kv_tile, tma_atom, tXgX, tXsX):

@@ -1435,7 +1435,7 @@ class Sm90Kernel:
     @cute.jit
     def store_rows(self, sO, gO, valid_rows, tidx, q_empty):
         """gO[r, :] = sO[r, :] for the rows r < valid_rows of the tile, 8 elements (16 bytes)
-        per thread and copy: bK / 8 threads per row, store_rows_per_pass() rows per pass.
+        per thread and copy: bK / 8 threads per row, `rows` rows per pass.
         q_empty (sO over Q) gets this thread's arrive once its reads of sO are done."""
         bM, _, bK = self.cta_tile
         copy_atom = cute.make_copy_atom(
@@ -1461,14 +1461,10 @@ class Sm90Kernel:
             cute.arch.mbarrier_arrive(q_empty)
 
     def store_rows_per_pass(self):
-        """Rows of O one pass of store_rows covers: every consumer thread takes one 16-byte chunk,
-        mma_threads / (bK / 8) rows (32 or 16 with two consumer warpgroups, 48 or 24 with three).
-        Packed GQA views a tile's rows as (G heads, bM / G positions), and a pass must cut that
-        mode evenly (rows a multiple of G, or G of rows): where 48 or 24 does not (G = 32 or
-        64), a pass takes the largest power of two below it (32 or 16 rows, 256 threads)."""
+        """Rows per pass of store_rows, a 16-byte chunk per consumer thread (48 or 24 with three
+        warpgroups); the power of two below where packed GQA's G (32, 64) would not divide it."""
         rows = self.mma_threads // (self.cta_tile[2] // 8)
-        g = self.pack_gqa
-        if rows % g != 0 and g % rows != 0:
+        if rows % self.pack_gqa != 0 and self.pack_gqa % rows != 0:
             rows = 1 << (rows.bit_length() - 1)
         return rows
 
@@ -1568,9 +1564,8 @@ class Sm90Kernel:
 
     @cute.jit
     def mask_edges(self, pid_m, kv_tile, seqlen_q, seqlen_k, window_left, window_right):
-        """Which edges tile (pid_m, kv_tile) crosses, (right, left): right when it holds a key at
-        or beyond Sk or with j - i > band_hi (its first row), left when it holds one with
-        j - i < band_lo (its last row). crosses_mask_edge is right or left."""
+        """Which edges tile (pid_m, kv_tile) crosses, (right, left): a key at or beyond Sk or with
+        j - i > band_hi (first row); one with j - i < band_lo (last row). crosses_mask_edge: either."""
         bM, bN, _ = self.cta_tile
         band_lo, band_hi = seqlen_k - seqlen_q - window_left, seqlen_k - seqlen_q + window_right
         first_row, last_row = self.q_positions(pid_m, seqlen_q)
@@ -1628,9 +1623,8 @@ class Sm90Kernel:
 
     @cute.jit
     def quad_row_max(self, acc_S_mn, r, init):
-        """m = max(init, max_c S[r, c]) over this thread's columns and the quad. Tuning 5
-        (D = 128): four independent fmax chains, as FA4's (a NaN in S still makes O NaN); else
-        TensorSSA.reduce, stages 3-11's form."""
+        """m = max(init, max_c S[r, c]) over this thread's columns and the quad: with tuning 5 (D =
+        128) in four fmax chains, as FA4's (a NaN in S still makes O NaN), else TensorSSA.reduce."""
         m_new = init
         if cutlass.const_expr(self.fmax_row_max):
             n = cute.size(acc_S_mn, mode=[1])

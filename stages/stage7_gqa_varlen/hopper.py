@@ -784,9 +784,9 @@ class Sm90Kernel:
 
     @cute.jit
     def zero_rows(self, sKV, slot, first_row, tidx):
-        """Zero rows first_row .. bN - 1 of slot `slot` of the K/V ring (all threads), then make
-        the writes visible to the wgmma that reads the slot (the async proxy) and wait for all
-        threads: both warpgroups read every row of V."""
+        """Zero rows first_row .. bN - 1 of slot `slot` of the K/V ring (all threads that compute,
+        tidx counted among them), then make the writes visible to the wgmma that reads the slot
+        (the async proxy) and wait for all those threads: every warpgroup reads every row of V."""
         _, bN, bK = self.cta_tile
         per_row = bK // 8  # 16-byte chunks per row
         for i in cutlass.range_constexpr(bN * per_row // self.mma_threads):
