@@ -929,7 +929,7 @@ _ALL.append(
         stage=9,
         track="hopper",
         task=(
-            "Lose the last turn. In `Sm90Kernel.mma` of `stages/stage9_pingpong/hopper.py` "
+            "Lose the last turn. In `Sm90Kernel.mma_tile` of `stages/stage9_pingpong/hopper.py` "
             "delete the two lines that hand the last turn on after the loop (`if steps > 0 and "
             "warpgroup_idx < self.mma_warpgroups:` and the `self.pass_turn(warpgroup_idx)` under "
             "it). Before you run the check: which warpgroup then waits forever, at which named "
@@ -941,8 +941,8 @@ _ALL.append(
         ),
         solution=(
             (
-                "            if steps > 0 and warpgroup_idx < self.mma_warpgroups:\n"
-                "                self.pass_turn(warpgroup_idx)\n",
+                "        if steps > 0 and warpgroup_idx < self.mma_warpgroups:\n"
+                "            self.pass_turn(warpgroup_idx)\n",
                 "",
             ),
         ),

@@ -170,12 +170,13 @@ for D in (64, 128):
 # ## 4. What changes
 #
 # The docstring gives the changes with their numbers; then the start of the kernel class's diff
-# against stage 7 - about 410 lines added and 270 removed (`make diff-8 TRACK=hopper` shows the
-# whole files). Stage 7 already calls stage 8's methods (`load`, `mma`, `mma_one_n_block`,
-# `epilogue`), so the hunks are the roles themselves: the producer warpgroup and setmaxnreg in
-# `kernel`, `load` issuing every load, the ring's entries in place of stage 7's slot phases, and
-# the work-tile loop in `load` and `mma`. Section 5 goes through the new code method by method. The arithmetic of each consumer warpgroup is stage 7's,
-# line for line.
+# against stage 7 - about 400 lines added and 210 removed (`make diff-8 TRACK=hopper` shows the
+# whole files). Stage 7 already has stage 8's methods (`load`, `mma_one_n_block`, `epilogue`, and
+# `mma`, which stage 8 renames `mma_tile`: one work tile's pass), so the hunks are the roles
+# themselves: the producer warpgroup and setmaxnreg in `kernel`, `load` issuing every load, the
+# ring's entries in place of stage 7's slot phases, and the work-tile loops in `load` and in the
+# new `mma`. Section 5 goes through the new code method by method. The arithmetic of each consumer
+# warpgroup is stage 7's, line for line.
 
 # %%
 nb.show_docstring(8, "hopper")
@@ -268,13 +269,13 @@ if nb.available(8, "hopper"):
 # %% [markdown]
 # ### 5.4 The consumers
 #
-# `mma` walks the same work tiles. Per tile it waits for Q (`q_full`), resets the statistics and
-# calls `mma_one_n_block` once per KV tile - stage 7's step: wait for $K_j$, issue $QK_j$, wait for
-# it, release $K_j$'s slot, mask and online softmax, rescale O, wait for $V_j$, issue $PV_j$, wait,
-# release $V_j$'s slot. Then `epilogue`: O normalised, LSE, O through shared memory (over Q) to
-# global memory, and every consumer thread's arrive on `q_empty`. The two consumer warpgroups do
-# all this independently: nothing orders their GEMMs, and they reach the tensor cores as they are
-# issued. (Stage 9 gives them turns.)
+# `mma` walks the same work tiles and calls `mma_tile` for each. That waits for Q (`q_full`), resets
+# the statistics and calls `mma_one_n_block` once per KV tile - stage 7's step: wait for $K_j$,
+# issue $QK_j$, wait for it, release $K_j$'s slot, mask and online softmax, rescale O, wait for
+# $V_j$, issue $PV_j$, wait, release $V_j$'s slot. Then `epilogue`: O normalised, LSE, O through
+# shared memory (over Q) to global memory, and every consumer thread's arrive on `q_empty`. The two
+# consumer warpgroups do all this independently: nothing orders their GEMMs, and they reach the
+# tensor cores as they are issued. (Stage 9 gives them turns.)
 
 # %%
 nb.show_source(8, "hopper", names=["Sm90Kernel.mma_one_n_block"])

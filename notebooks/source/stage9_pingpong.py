@@ -145,7 +145,7 @@ nb.table(
 #
 # The docstring gives the changes with their numbers; then the kernel class's diff against stage 8
 # (`make diff-9 TRACK=hopper` shows the whole files): two methods that wait for and pass a turn,
-# their calls in the loop, the picture of the turns in `mma`'s comment, and $V_j$'s release
+# their calls in the loop, the picture of the turns in `mma_tile`'s comment, and $V_j$'s release
 # moved to the next step.
 
 # %%
@@ -205,7 +205,7 @@ if nb.available(9, "hopper"):
 # softmax while the other warpgroup holds the tensor cores, waits for $V_j$, waits for its next
 # turn and issues $PV_j$ - and does not wait: $QK_{j+1}$, at the top of the next step, goes out
 # right behind it. After the loop, warpgroup 1 passes the last turn on, and both wait for the last
-# PV. `mma`'s comment (in the diff above) draws the turns for `steps = 2`.
+# PV. `mma_tile`'s comment (in the diff above) draws the turns for `steps = 2`.
 
 # %%
 nb.show_source(9, "hopper", names=["Sm90Kernel.mma_one_n_block"])

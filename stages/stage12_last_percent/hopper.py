@@ -1426,7 +1426,9 @@ class Sm90Kernel:
         for i in cutlass.range_constexpr(-(-chunks // self.mma_threads)):
             chunk = i * self.mma_threads + tidx
             row, col = chunk // per_row, (chunk % per_row) * 8
-            if row >= first_row and row < bN:
+            if row >= first_row and (
+                cutlass.const_expr(chunks % self.mma_threads == 0) or row < bN
+            ):
                 for e in cutlass.range_constexpr(8):
                     sKV[row, col + e, slot] = self.dtype(0.0)
         cute.arch.fence_proxy("async.shared", space="cta")
@@ -1445,7 +1447,7 @@ class Sm90Kernel:
         rows = self.store_rows_per_pass()
         thr_layout = cute.make_layout((rows, per_row), stride=(per_row, 1))
         s2g = cute.make_tiled_copy_tv(copy_atom, thr_layout, cute.make_layout((1, 8)))
-        if tidx < rows * per_row:  # all consumer threads, or the first 256 (see below)
+        if cutlass.const_expr(rows * per_row == self.mma_threads) or tidx < rows * per_row:
             thr_s2g = s2g.get_slice(tidx)
             # (CPY, CPY_M, CPY_K): this thread's chunks of the tile, and their (row, column)
             tOsO = thr_s2g.partition_S(sO)
