@@ -375,6 +375,8 @@ class Sm90Kernel:
         # One value per row this thread holds (2): m and l of the softmax
         row_max = cute.make_rmem_tensor(cute.size(self.rows_view(acc_S), mode=[0]), self.acc_dtype)
         row_sum = cute.make_rmem_tensor_like(row_max)
+        # This thread's wgmma operands and accumulators, as the consumers' methods take them
+        views = (tSrQ, tSrK, tOrVt, acc_S, tScS, tOrP, acc_O, row_max, row_sum)
 
         # 2. The work tiles. Tile t is (Q tile, head, sequence) by tile_coords; CTA c starts with
         # tile c, and its producer picks the next one (next_tile: c + gridDim.x, ..., or drawn from
@@ -445,15 +447,7 @@ class Sm90Kernel:
                 q_full,
                 q_empty,
                 tile_id,
-                tSrQ,
-                tSrK,
-                tOrVt,
-                acc_S,
-                tScS,
-                tOrP,
-                acc_O,
-                row_max,
-                row_sum,
+                views,
                 total_tiles,
                 tiles_m,
                 heads,
@@ -571,15 +565,7 @@ class Sm90Kernel:
         q_full,
         q_empty,
         tile_id,
-        tSrQ,
-        tSrK,
-        tOrVt,
-        acc_S,
-        tScS,
-        tOrP,
-        acc_O,
-        row_max,
-        row_sum,
+        views,
         total_tiles,
         tiles_m,
         heads,
@@ -619,15 +605,7 @@ class Sm90Kernel:
                 sO,
                 kv_pipeline,
                 q_empty,
-                tSrQ,
-                tSrK,
-                tOrVt,
-                acc_S,
-                tScS,
-                tOrP,
-                acc_O,
-                row_max,
-                row_sum,
+                views,
                 pid_m,
                 head,
                 batch,
@@ -662,15 +640,7 @@ class Sm90Kernel:
         sO,
         kv_pipeline,
         q_empty,
-        tSrQ,
-        tSrK,
-        tOrVt,
-        acc_S,
-        tScS,
-        tOrP,
-        acc_O,
-        row_max,
-        row_sum,
+        views,
         pid_m,
         head,
         batch,
@@ -691,6 +661,7 @@ class Sm90Kernel:
         """One work tile, in each consumer warpgroup for its 64 rows: the pass over its KV tiles
         (S = Q K^T, the online softmax, O += P V) from ring entry consumer_state on, and the
         epilogue."""
+        tSrQ, tSrK, tOrVt, acc_S, tScS, tOrP, acc_O, row_max, row_sum = views
         # This tile's Q has landed (mma's wait before its loop or at the end of the last tile).
         row_max.fill(-cutlass.Float32.inf)
         row_sum.fill(0.0)

@@ -307,6 +307,8 @@ class Sm90Kernel:
         # One value per row this thread holds (2): m and l of the softmax
         row_max = cute.make_rmem_tensor(cute.size(self.rows_view(acc_S), mode=[0]), self.acc_dtype)
         row_sum = cute.make_rmem_tensor_like(row_max)
+        # This thread's wgmma operands and accumulators, as the consumers' methods take them
+        views = (tSrQ, tSrK, tOrVt, acc_S, tScS, tOrP, acc_O, row_max, row_sum)
 
         # Warp 0 starts the ring: Q once, then the K tiles of the first kv_slots
         # steps, one per slot (a fresh slot needs no wait: the producer's parity 1 is already
@@ -328,15 +330,7 @@ class Sm90Kernel:
             sO,
             kv_pipeline,
             q_full,
-            tSrQ,
-            tSrK,
-            tOrVt,
-            acc_S,
-            tScS,
-            tOrP,
-            acc_O,
-            row_max,
-            row_sum,
+            views,
             tma_atom_o,
             seqlen_k,
             kv_tiles,
@@ -354,15 +348,7 @@ class Sm90Kernel:
         sO,
         kv_pipeline,
         q_full,
-        tSrQ,
-        tSrK,
-        tOrVt,
-        acc_S,
-        tScS,
-        tOrP,
-        acc_O,
-        row_max,
-        row_sum,
+        views,
         tma_atom_o,
         seqlen_k,
         kv_tiles,
@@ -372,6 +358,7 @@ class Sm90Kernel:
     ):
         """Every warpgroup, for its 64 rows of the Q tile: pass 1 over the tile's KV tiles
         (S = Q K^T, row_max and row_sum), pass 2 (S again, P, O += P V) and the epilogue."""
+        tSrQ, tSrK, tOrVt, acc_S, tScS, tOrP, acc_O, row_max, row_sum = views
         # 2. Main loop
         _, bN, _ = self.cta_tile
         warp_idx, steps, tma_atom_k, tKgK, tKsK, _, _, _ = refills

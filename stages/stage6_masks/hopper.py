@@ -326,6 +326,8 @@ class Sm90Kernel:
         # One value per row this thread holds (2): m and l of the softmax
         row_max = cute.make_rmem_tensor(cute.size(self.rows_view(acc_S), mode=[0]), self.acc_dtype)
         row_sum = cute.make_rmem_tensor_like(row_max)
+        # This thread's wgmma operands and accumulators, as the consumers' methods take them
+        views = (tSrQ, tSrK, tOrVt, acc_S, tScS, tOrP, acc_O, row_max, row_sum)
 
         # Warp 0 starts the ring (load: Q, then K of the first kv_slots KV tiles);
         # then every warpgroup computes its rows of the tile (mma), warp 0 also issuing, from
@@ -354,15 +356,7 @@ class Sm90Kernel:
             sO,
             kv_pipeline,
             q_full,
-            tSrQ,
-            tSrK,
-            tOrVt,
-            acc_S,
-            tScS,
-            tOrP,
-            acc_O,
-            row_max,
-            row_sum,
+            views,
             pid_m,
             head,
             batch,
@@ -414,15 +408,7 @@ class Sm90Kernel:
         sO,
         kv_pipeline,
         q_full,
-        tSrQ,
-        tSrK,
-        tOrVt,
-        acc_S,
-        tScS,
-        tOrP,
-        acc_O,
-        row_max,
-        row_sum,
+        views,
         pid_m,
         head,
         batch,
@@ -440,6 +426,7 @@ class Sm90Kernel:
     ):
         """Every warpgroup, for its 64 rows of the Q tile: the pass over the tile's KV tiles
         (S = Q K^T, the online softmax, O += P V) and the epilogue."""
+        tSrQ, tSrK, tOrVt, acc_S, tScS, tOrP, acc_O, row_max, row_sum = views
         # 2. Main loop
         # Step t of the ring: K and V tile kv_tile_lo + t. Step t uses slot t % kv_slots; bit i of
         # slot_phase is the phase parity the next use of slot i waits for.

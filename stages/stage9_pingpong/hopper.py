@@ -313,6 +313,8 @@ class Sm90Kernel:
         # One value per row this thread holds (2): m and l of the softmax
         row_max = cute.make_rmem_tensor(cute.size(self.rows_view(acc_S), mode=[0]), self.acc_dtype)
         row_sum = cute.make_rmem_tensor_like(row_max)
+        # This thread's wgmma operands and accumulators, as the consumers' methods take them
+        views = (tSrQ, tSrK, tOrVt, acc_S, tScS, tOrP, acc_O, row_max, row_sum)
 
         # 2. The work tiles. Tile t is (Q tile, head, sequence) by tile_coords; CTA c takes tile c
         # and then next_tile's (here none: one CTA per tile). Producer and consumers walk the same
@@ -369,15 +371,7 @@ class Sm90Kernel:
                 kv_pipeline,
                 q_full,
                 q_empty,
-                tSrQ,
-                tSrK,
-                tOrVt,
-                acc_S,
-                tScS,
-                tOrP,
-                acc_O,
-                row_max,
-                row_sum,
+                views,
                 total_tiles,
                 tiles_m,
                 heads,
@@ -477,15 +471,7 @@ class Sm90Kernel:
         kv_pipeline,
         q_full,
         q_empty,
-        tSrQ,
-        tSrK,
-        tOrVt,
-        acc_S,
-        tScS,
-        tOrP,
-        acc_O,
-        row_max,
-        row_sum,
+        views,
         total_tiles,
         tiles_m,
         heads,
@@ -523,15 +509,7 @@ class Sm90Kernel:
                 kv_pipeline,
                 q_full,
                 q_empty,
-                tSrQ,
-                tSrK,
-                tOrVt,
-                acc_S,
-                tScS,
-                tOrP,
-                acc_O,
-                row_max,
-                row_sum,
+                views,
                 pid_m,
                 head,
                 batch,
@@ -567,15 +545,7 @@ class Sm90Kernel:
         kv_pipeline,
         q_full,
         q_empty,
-        tSrQ,
-        tSrK,
-        tOrVt,
-        acc_S,
-        tScS,
-        tOrP,
-        acc_O,
-        row_max,
-        row_sum,
+        views,
         pid_m,
         head,
         batch,
@@ -597,6 +567,7 @@ class Sm90Kernel:
         """One work tile, in each consumer warpgroup for its 64 rows: the pass over its KV tiles
         (S = Q K^T, the online softmax, O += P V) from ring entry consumer_state on, and the
         epilogue."""
+        tSrQ, tSrK, tOrVt, acc_S, tScS, tOrP, acc_O, row_max, row_sum = views
         # Wait until this tile's Q has landed.
         cute.arch.mbarrier_wait(q_full, self.q_full_parity(tiles_done))
         row_max.fill(-cutlass.Float32.inf)
