@@ -170,13 +170,15 @@ for D in (64, 128):
 # ## 4. What changes
 #
 # The docstring gives the changes with their numbers; then the start of the kernel class's diff
-# against stage 7 - about 370 lines added and 210 removed (`make diff-8 TRACK=hopper` shows the
-# whole files). Stage 7 already has stage 8's methods (`load`, `mma_one_n_block`, `epilogue`, and
-# `mma`, which stage 8 renames `mma_tile`: one work tile's pass), so the hunks are the roles
-# themselves: the producer warpgroup and setmaxnreg in `kernel`, `load` issuing every load, the
-# ring's entries in place of stage 7's slot phases, and the work-tile loops in `load` and in the
-# new `mma`. Section 5 goes through the new code method by method. The arithmetic of each consumer
-# warpgroup is stage 7's, line for line.
+# against stage 7 (the whole files differ by about 370 lines added and 210 removed; `make diff-8
+# TRACK=hopper` shows them). Stage 7 already has stage 8's methods (`load`, `mma_one_n_block`,
+# `epilogue`, and `mma`, which stage 8 renames `mma_tile`: one work tile's pass), so the hunks are
+# the roles themselves: the producer warpgroup and setmaxnreg in `kernel`, `load` issuing every
+# load, the ring's entries in place of stage 7's slot phases, and the work-tile loops in `load` and
+# in the new `mma`. The diff pairs stage 7's `mma` with the new one by name, so the new `mma`'s
+# loop and the line `def mma_tile(` show as added lines in the middle of the old method, whose
+# body continues as `mma_tile`'s. Section 5 goes through the new code method by method. The
+# arithmetic of each consumer warpgroup is stage 7's, line for line.
 
 # %%
 nb.show_docstring(8, "hopper")
@@ -192,10 +194,11 @@ nb.show_diff(8, "hopper", max_lines=80)
 # Drawn from the kernel's own settings (D = 128): warpgroup 0 the producer, warpgroups 1 and 2
 # the consumers, the ring of `kv_slots` slots with the barriers between them, and the register
 # file before and after `setmaxnreg`. The kernel's section 2 is where the roles part: every
-# warpgroup computes the same number of work tiles, then warpgroup 0 gives its registers up
-# (`setmaxregister_decrease`, all four warps, since `setmaxnreg` acts on a whole warpgroup) and
+# warpgroup computes `total_tiles`, the number of work tiles, then warpgroup 0 gives its registers
+# up (`setmaxregister_decrease`, all four warps, since `setmaxnreg` acts on a whole warpgroup) and
 # its warp 0 calls `load`; the consumers take the registers (`setmaxregister_increase`) and call
-# `mma`.
+# `mma`, passing it `views`: this thread's wgmma operands and accumulators, made once in section 1
+# and unpacked at the top of `mma_tile`.
 
 # %%
 fig = figures.warp_specialized_roles(

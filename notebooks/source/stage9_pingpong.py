@@ -144,9 +144,12 @@ nb.table(
 # ## 4. What changes
 #
 # The docstring gives the changes with their numbers; then the kernel class's diff against stage 8
-# (`make diff-9 TRACK=hopper` shows the whole files): two methods that wait for and pass a turn,
-# their calls in the loop, the picture of the turns in `mma_tile`'s comment, and $V_j$'s release
-# moved to the next step.
+# (`make diff-9 TRACK=hopper` shows the whole files): two methods that wait for and pass a turn
+# (`wait_turn`, `pass_turn`) and two that number the barriers (`turn_barrier`, `next_warpgroup`),
+# their calls in `mma_one_n_block` and after the loop in `mma_tile`, the arguments that carry what
+# they need (`steps` and `warpgroup_idx` into `mma_tile`; `kv_tile_lo`, `v_state` and
+# `warpgroup_idx` into `mma_one_n_block`), the picture of the turns in `mma_tile`'s comment, and
+# $V_j$'s release moved to the next step.
 
 # %%
 nb.show_docstring(9, "hopper")

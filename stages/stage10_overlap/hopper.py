@@ -42,10 +42,10 @@ class Sm90Kernel:
     """The device code is organised by warp role, as FA4's flash_attn/cute/flash_fwd_sm90.py:
     kernel prepares what every warpgroup shares (shared memory, barriers, the K/V ring, the
     wgmma views) and hands each warpgroup its role. load is the producer's (every TMA load),
-    mma the consumers' (the work tiles; per tile the pass over its KV tiles, software-pipelined:
-    first_half_block_overlap for QK_lo, one mma_one_n_block per later KV tile, QK_j issued with
-    PV_{j-1}, last_half_block_overlap for the last PV; then epilogue: O normalised and stored,
-    LSE)."""
+    mma the consumers' (the work tiles; per tile, in mma_tile, the pass over its KV tiles,
+    software-pipelined: first_half_block_overlap for QK_lo, one mma_one_n_block per later KV
+    tile, QK_j issued with PV_{j-1}, last_half_block_overlap for the last PV; then epilogue: O
+    normalised and stored, LSE)."""
 
     def __init__(
         self,
@@ -480,8 +480,8 @@ class Sm90Kernel:
         mma_tidx,
     ):
         """The consumers (warpgroups 1 .. mma_warpgroups, each for its 64 rows of the Q tile):
-        walk the work tiles the producer hands over, counting tiles and ring entries as load
-        does, and make each tile's pass (mma_tile)."""
+        walk the same work tiles as load, counting tiles and ring entries as load does, and
+        make each tile's pass (mma_tile)."""
         tiles_done = cutlass.Int32(0)
         entries = cutlass.Int32(0)
         tile = cute.arch.block_idx()[0]
@@ -947,11 +947,11 @@ class Sm90Kernel:
 
     @cute.jit
     def wait_turn(self, warpgroup_idx):
-        """Ping-pong: block consumer warpgroup w until the one before it (w - 1, warpgroup 1's:
-        the last) has passed it the tensor cores. Its named barrier (turn_barrier) counts 256
+        """Ping-pong: block consumer warpgroup w until the one before it (w - 1; for warpgroup 1
+        the last one) has passed it the tensor cores. Its named barrier (turn_barrier) counts 256
         threads: this warpgroup's 128 (bar.sync, here) and the previous one's 128 (bar.arrive,
-        in pass_turn); each completion is one turn. The turns go strictly round (1, 2, 1, 2, ...
-        or 1, 2, 3, 1, ...), so no barrier sees two passes before a wait."""
+        in pass_turn); each completion is one turn. The turns go strictly round, in
+        next_warpgroup's order, so no barrier sees two passes before a wait."""
         cute.arch.barrier(barrier_id=self.turn_barrier(warpgroup_idx), number_of_threads=2 * 128)
 
     @cute.jit
@@ -1100,7 +1100,7 @@ class Sm90Kernel:
     def zero_rows(self, sKV, slot, first_row, tidx):
         """Zero rows first_row .. bN - 1 of slot `slot` of the K/V ring (all consumer threads,
         tidx counted among them), then make the writes visible to the wgmma that reads the slot
-        (the async proxy) and wait for all consumer threads: every warpgroup reads every row of V."""
+        (the async proxy) and wait for all consumer threads: every warpgroup reads all of V."""
         _, bN, bK = self.cta_tile
         per_row = bK // 8  # 16-byte chunks per row
         for i in cutlass.range_constexpr(bN * per_row // self.mma_threads):

@@ -44,10 +44,10 @@ class Sm90Kernel:
     """The device code is organised by warp role, as FA4's flash_attn/cute/flash_fwd_sm90.py:
     kernel prepares what every warpgroup shares (shared memory, barriers, the K/V ring, the
     wgmma views) and hands each warpgroup its role. load is the producer's (every TMA load),
-    mma the consumers' (the work tiles; per tile the pass over its KV tiles, software-pipelined:
-    first_half_block_overlap for QK_lo, one mma_one_n_block per later KV tile, QK_j issued with
-    PV_{j-1}, last_half_block_overlap for the last PV; then epilogue: O normalised and stored,
-    LSE)."""
+    mma the consumers' (the work tiles; per tile, in mma_tile, the pass over its KV tiles,
+    software-pipelined: first_half_block_overlap for QK_lo, one mma_one_n_block per later KV
+    tile, QK_j issued with PV_{j-1}, last_half_block_overlap for the last PV; then epilogue: O
+    normalised and stored, LSE)."""
 
     def __init__(
         self,
@@ -387,7 +387,7 @@ class Sm90Kernel:
         # entry e takes slot e % kv_slots, and its barriers are waited for the parity
         # (e / kv_slots) % 2 (consumers) or its flip (the producer: 1 passes a fresh empty
         # barrier), from one tile to the next as within one. Every consumer warpgroup reads every
-        # entry: its slot is free again once all 8 (three warpgroups: 12) consumer warps have
+        # entry: its slot is free again once every consumer warp has
         # released it. The producer's walk is load, the consumers' mma.
         heads = mQ.shape[2]
         if cutlass.const_expr(mCuSeqlensQ is not None):
@@ -429,8 +429,7 @@ class Sm90Kernel:
                     window_right,
                 )
         else:
-            # The consumer warpgroups take the registers the producer gave up (168 -> 240; with
-            # three consumer warpgroups, 128 -> 160).
+            # The consumer warpgroups take the registers the producer gave up (168 -> 240).
             cute.arch.setmaxregister_increase(self.mma_registers)
             self.mma(
                 qk_mma,
@@ -578,8 +577,8 @@ class Sm90Kernel:
         mma_tidx,
     ):
         """The consumers (warpgroups 1 .. mma_warpgroups, each for its 64 rows of the Q tile):
-        walk the work tiles the producer hands over, counting tiles and ring entries as load
-        does, and make each tile's pass (mma_tile)."""
+        walk the same work tiles as load, counting tiles and ring entries as load does, and
+        make each tile's pass (mma_tile)."""
         tiles_done = cutlass.Int32(0)
         entries = cutlass.Int32(0)
         # Each tile's number comes with its Q (q_full); a number past the end ends the loop.
@@ -1079,11 +1078,11 @@ class Sm90Kernel:
 
     @cute.jit
     def wait_turn(self, warpgroup_idx):
-        """Ping-pong: block consumer warpgroup w until the one before it (w - 1, warpgroup 1's:
-        the last) has passed it the tensor cores. Its named barrier (turn_barrier) counts 256
+        """Ping-pong: block consumer warpgroup w until the one before it (w - 1; for warpgroup 1
+        the last one) has passed it the tensor cores. Its named barrier (turn_barrier) counts 256
         threads: this warpgroup's 128 (bar.sync, here) and the previous one's 128 (bar.arrive,
-        in pass_turn); each completion is one turn. The turns go strictly round (1, 2, 1, 2, ...
-        or 1, 2, 3, 1, ...), so no barrier sees two passes before a wait."""
+        in pass_turn); each completion is one turn. The turns go strictly round, in
+        next_warpgroup's order, so no barrier sees two passes before a wait."""
         cute.arch.barrier(barrier_id=self.turn_barrier(warpgroup_idx), number_of_threads=2 * 128)
 
     @cute.jit
@@ -1253,7 +1252,7 @@ class Sm90Kernel:
     def zero_rows(self, sKV, slot, first_row, tidx):
         """Zero rows first_row .. bN - 1 of slot `slot` of the K/V ring (all consumer threads,
         tidx counted among them), then make the writes visible to the wgmma that reads the slot
-        (the async proxy) and wait for all consumer threads: every warpgroup reads every row of V."""
+        (the async proxy) and wait for all consumer threads: every warpgroup reads all of V."""
         _, bN, bK = self.cta_tile
         per_row = bK // 8  # 16-byte chunks per row
         for i in cutlass.range_constexpr(bN * per_row // self.mma_threads):

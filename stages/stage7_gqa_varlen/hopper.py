@@ -59,7 +59,9 @@ class Sm90Kernel:
     flash_attn/cute/flash_fwd_sm90.py): kernel prepares what every warpgroup shares (shared
     memory, barriers, the K/V ring, the wgmma views, the Q tile's sequence and KV range) and
     calls load (warp 0: Q and the first K tiles) and mma (every warpgroup: the pass over the KV
-    tiles, one mma_one_n_block per KV tile, then epilogue: O normalised and stored, LSE)."""
+    tiles, one mma_one_n_block per KV tile, then epilogue: O normalised and stored, LSE). Stage
+    8 renames this mma to mma_tile, one work tile's pass, and calls it from a new mma that
+    walks the work tiles."""
 
     def __init__(
         self,

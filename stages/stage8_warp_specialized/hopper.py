@@ -4,9 +4,10 @@ Changes from stage 7:
 - Warp roles (384 threads, FlashAttention-3's): warpgroup 0 is the producer, one elected thread
   of its warp 0 issuing every TMA load; consumer warpgroup w = 1, 2 computes query rows
   [64 (w - 1), 64 w) with stage 7's arithmetic and never stops to load. `kernel` calls the role's
-  method: load (the producer) or mma (the consumers: mma_one_n_block per KV tile, then epilogue).
-- Registers (setmaxnreg): 168 per thread at entry (65,536 / 384); the producer drops to 24, the
-  consumers rise to 240: 128 x 24 + 256 x 240 = 64,512 of 65,536.
+  method: load (the producer) or mma (the consumers: for each work tile mma_tile, which is stage
+  7's mma renamed, with mma_one_n_block per KV tile and then epilogue).
+- Registers (setmaxnreg): 168 per thread at entry (65,536 / 384 = 170.7, down to a multiple of
+  8); the producer drops to 24, the consumers rise to 240: 128 x 24 + 256 x 240 = 64,512 of 65,536.
 - The ring runs ahead: each K or V tile takes the next entry (2 t: K of step t, 2 t + 1: its V),
   in slot entry % kv_slots, as many slots as fit in 227 KB next to Q and 1 KB of barriers:
   6 x 32 KB (D = 128) or 13 x 16 KB (D = 64). The producer runs up to 3 KV tiles ahead (D = 128).
@@ -45,7 +46,7 @@ class Sm90Kernel:
     """The device code is organised by warp role, as FA4's flash_attn/cute/flash_fwd_sm90.py:
     kernel prepares what every warpgroup shares (shared memory, barriers, the K/V ring, the
     wgmma views) and hands each warpgroup its role. load is the producer's (every TMA load),
-    mma the consumers' (the work tiles; per tile the pass over its KV tiles, one
+    mma the consumers' (the work tiles; per tile, in mma_tile, the pass over its KV tiles, one
     mma_one_n_block per KV tile, then epilogue: O normalised and stored, LSE)."""
 
     def __init__(
@@ -481,8 +482,8 @@ class Sm90Kernel:
         mma_tidx,
     ):
         """The consumers (warpgroups 1 .. mma_warpgroups, each for its 64 rows of the Q tile):
-        walk the work tiles the producer hands over, counting tiles and ring entries as load
-        does, and make each tile's pass (mma_tile)."""
+        walk the same work tiles as load, counting tiles and ring entries as load does, and
+        make each tile's pass (mma_tile)."""
         tiles_done = cutlass.Int32(0)
         entries = cutlass.Int32(0)
         tile = cute.arch.block_idx()[0]
@@ -937,7 +938,7 @@ class Sm90Kernel:
     def zero_rows(self, sKV, slot, first_row, tidx):
         """Zero rows first_row .. bN - 1 of slot `slot` of the K/V ring (all consumer threads,
         tidx counted among them), then make the writes visible to the wgmma that reads the slot
-        (the async proxy) and wait for all consumer threads: every warpgroup reads every row of V."""
+        (the async proxy) and wait for all consumer threads: every warpgroup reads all of V."""
         _, bN, bK = self.cta_tile
         per_row = bK // 8  # 16-byte chunks per row
         for i in cutlass.range_constexpr(bN * per_row // self.mma_threads):
