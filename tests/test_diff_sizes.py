@@ -39,3 +39,63 @@ def test_a_row_per_consecutive_pair_of_each_track():
         have = [n for n in sorted(stage_table.BY_NUMBER) if stage_table.available(n, track)]
         assert [n for n, *_ in rows] == [n for n in have if n >= 2 and n - 1 in have]
         assert all(lines > 0 and 0 <= doc <= lines for _, lines, doc, _ in rows)
+
+
+PARTS_OLD = '''"""Doc."""
+import os
+
+
+class K:
+    """K."""
+
+    def a(self):
+        return 1
+
+    def b(self):
+        return 2
+'''
+
+PARTS_NEW = '''"""Doc."""
+import os
+
+
+class K:
+    """K."""
+
+    def a(self):
+        return 10
+
+    # c comes before b now
+    @staticmethod
+    def c():
+        return 3
+
+    def b(self):
+        return 2
+'''
+
+
+def test_each_changed_line_falls_in_its_method(tmp_path):
+    old, new = tmp_path / "old.py", tmp_path / "new.py"
+    old.write_text(PARTS_OLD)
+    new.write_text(PARTS_NEW)
+    names = diff_sizes.owners(str(new))
+    # The blank line, the comment and the decorator above `def c` belong to K.c, the blank
+    # line after it to K.b.
+    assert [names[i] for i in (10, 11, 12, 13, 14)] == ["K.c"] * 5 and names[15] == "K.b"
+    assert names[1] == "module" and names[6] == "K" and names[9] == "K.a"
+    rows = diff_sizes.method_sizes(str(old), str(new))
+    assert rows == [("K.a", 1, 1), ("K.c", 5, 0)]
+    assert sum(a + r for _, a, r in rows) == diff_sizes.diff_size(str(old), str(new))[0]
+
+
+def test_the_map_of_every_diff_adds_up_to_its_size():
+    for track in ("hopper", "blackwell"):
+        for n, lines, _, _ in diff_sizes.table(track):
+            old = stage_table.stage(n - 1).package
+            new = stage_table.stage(n).package
+            rows = diff_sizes.method_sizes(
+                f"{diff_sizes.ROOT}/stages/{old}/{track}.py",
+                f"{diff_sizes.ROOT}/stages/{new}/{track}.py",
+            )
+            assert sum(a + r for _, a, r in rows) == lines, (track, n)

@@ -58,6 +58,78 @@ def diff_size(old, new):
     return total, doc
 
 
+def _diff_lines(old, new):
+    """(removed, added): the 1-based line numbers of old's lines that `git diff --no-index -U0`
+    removes and of new's lines that it adds."""
+    out = subprocess.run(
+        ["git", "diff", "--no-index", "-U0", old, new], capture_output=True, text=True
+    ).stdout
+    removed, added = [], []
+    for line in out.splitlines():
+        hunk = re.match(r"^@@ -(\d+)(?:,\d+)? \+(\d+)(?:,\d+)? @@", line)
+        if hunk:
+            at_old, at_new = int(hunk.group(1)), int(hunk.group(2))
+        elif line.startswith(("---", "+++")):
+            continue
+        elif line.startswith("-"):
+            removed.append(at_old)
+            at_old += 1
+        elif line.startswith("+"):
+            added.append(at_new)
+            at_new += 1
+    return removed, added
+
+
+def owners(path):
+    """The part of the file each 1-based line belongs to: `Class.method`, a module-level
+    `function`, `Class` (its docstring and attributes) or `module` (docstring, imports,
+    constants). Decorators and the blank lines and comments right above a definition belong to
+    it."""
+    with open(path) as f:
+        text = f.read()
+    count = text.count("\n") + 1
+    spans = []  # (first line, last line, name), outer before inner
+    for node in ast.parse(text).body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            spans.append((first, node.end_lineno, node.name))
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef):
+                    first = min([item.lineno] + [d.lineno for d in item.decorator_list])
+                    spans.append((first, item.end_lineno, f"{node.name}.{item.name}"))
+    names = ["module"] * (count + 1)
+    for first, last, name in spans:  # inner spans come later and overwrite
+        for i in range(first, last + 1):
+            names[i] = name
+    lines = text.split("\n")
+    # Blank and comment lines between two parts belong to the part below them.
+    for i in range(count - 1, 0, -1):
+        if lines[i - 1].strip() in ("",) or lines[i - 1].strip().startswith("#"):
+            if i + 1 <= count and names[i] != names[i + 1] and names[i + 1] != "module":
+                names[i] = names[i + 1]
+    return names
+
+
+def method_sizes(old, new):
+    """Where the lines of `git diff --no-index old new` fall: [(part, added, removed)] for every
+    part (owners) with a changed line, in the order of the new file, then the parts only the old
+    file has. The counts add up to diff_size's."""
+    removed, added = _diff_lines(old, new)
+    own_old, own_new = owners(old), owners(new)
+    counts = {}
+    for i in added:
+        counts.setdefault(own_new[i], [0, 0])[0] += 1
+    for i in removed:
+        counts.setdefault(own_old[i], [0, 0])[1] += 1
+    order = list(dict.fromkeys(own_new[1:])) + list(dict.fromkeys(own_old[1:]))
+    seen = []
+    for name in order:
+        if name in counts and name not in seen:
+            seen.append(name)
+    return [(name, *counts[name]) for name in seen]
+
+
 def table(track):
     """[(N, lines, docstring lines, over a bound)] for each stage N of the track after the first."""
     rows = []

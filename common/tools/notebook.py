@@ -728,6 +728,32 @@ def show_diff(stage, track="hopper", max_lines=None, whole_file=False):
     _show_diff_text(text, max_lines, f"make diff-{stage} TRACK={track}")
 
 
+def diff_map(stage, track="hopper"):
+    """A map to read `make diff-N TRACK=track` with: for each part of the file (method,
+    function, the class's own lines, the module's docstring and imports) the lines the diff adds
+    and removes there, in the order of stage N's file, and whether the part is new in stage N
+    or gone from it (common/tools/diff_sizes.py: method_sizes). Returns the rows."""
+    from common.tools import diff_sizes
+
+    if stage < 2 or not (available(stage - 1, track) and available(stage, track)):
+        return []
+    old, new = stage_path(stage - 1, track), stage_path(stage, track)
+    have_old, have_new = set(diff_sizes.owners(old)), set(diff_sizes.owners(new))
+    rows = []
+    for name, added, removed in diff_sizes.method_sizes(old, new):
+        where = "new" if name not in have_old else "gone" if name not in have_new else ""
+        rows.append((f"`{name}`", added, removed, where))
+    total_added, total_removed = sum(r[1] for r in rows), sum(r[2] for r in rows)
+    _markdown(
+        f"Where the lines of `make diff-{stage} TRACK={track}` fall "
+        f"(+{total_added} -{total_removed}, whole files):",
+        f"--- where the lines of make diff-{stage} TRACK={track} fall "
+        f"(+{total_added} -{total_removed}, whole files) ---",
+    )
+    _table(("part of the file", "added", "removed", f"in stage {stage}"), rows)
+    return rows
+
+
 # The same concept in the two tracks: (concept, hopper pattern, blackwell pattern, first stage).
 # Patterns are regular expressions over the kernel class's source, matched on CuTe DSL calls
 # rather than variable names where possible; a pattern of None means "not in this track" and

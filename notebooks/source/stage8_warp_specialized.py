@@ -187,6 +187,17 @@ nb.show_docstring(8, "hopper")
 nb.show_diff(8, "hopper", max_lines=80)
 
 # %% [markdown]
+# The diff is long: it is the largest of the track. To read it in `make diff-8`, a map of where
+# its lines fall, method by method, in the order of stage 8's file. `kernel` loses the Q tile's
+# set-up (its sequence, KV range and TMA views move into the roles, per work tile) and gains the
+# role dispatch; `load` and `mma` gain the work-tile loops; `mma_tile` is new as a name, its body
+# is stage 7's `mma`; the small new methods hold the bookkeeping of the loops (`tile_coords`,
+# `next_tile`, `sequences`, `ring_state`, the two parities).
+
+# %%
+nb.diff_map(8, "hopper")
+
+# %% [markdown]
 # ## 5. Walkthrough
 #
 # ### 5.1 The warp roles
@@ -450,6 +461,7 @@ if report is not None:
 # %%
 nb.show_docstring(8, "blackwell")
 nb.show_diff(8, "blackwell", max_lines=60)
+nb.diff_map(8, "blackwell")
 
 # %%
 rows = nb.cross_track_table(8)
