@@ -1,6 +1,8 @@
 """common/tools/diff_sizes.py on the CPU: the count of a small diff, docstring lines told apart
 from code, and a row for every consecutive pair of stages of each track."""
 
+import pytest
+
 from common.tools import diff_sizes, stage_table
 
 OLD = '''"""Module docstring,
@@ -99,3 +101,11 @@ def test_the_map_of_every_diff_adds_up_to_its_size():
                 f"{diff_sizes.ROOT}/stages/{new}/{track}.py",
             )
             assert sum(a + r for _, a, r in rows) == lines, (track, n)
+
+
+def test_the_map_on_the_command_line(capsys):
+    diff_sizes.main(["--map", "8", "--track", "hopper"])
+    out = capsys.readouterr().out
+    assert "make diff-8" in out and "Sm90Kernel.kernel" in out and "Sm90Kernel.mma_tile" in out
+    with pytest.raises(SystemExit, match="no stages 0 and 1"):
+        diff_sizes.main(["--map", "1", "--track", "hopper"])

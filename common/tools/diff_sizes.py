@@ -2,7 +2,7 @@
 `make diff-N` shows added or removed, and how many of them fall inside docstrings (a module's,
 a class's or a function's).
 
-    python -m common.tools.diff_sizes [--track hopper|blackwell]
+    python -m common.tools.diff_sizes [--track hopper|blackwell] [--map N]
 
 The schedule stages (8-12) aim at a diff of at most 400 lines, at most 60 of them docstring:
 one technique per stage, explained in the file and measured in docs/. Pairs over either bound
@@ -148,7 +148,23 @@ def table(track):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--track", choices=("hopper", "blackwell"), action="append")
+    ap.add_argument(
+        "--map", type=int, metavar="N", help="where make diff-N's lines fall, method by method"
+    )
     args = ap.parse_args(argv)
+    if args.map is not None:
+        for track in args.track or ("hopper", "blackwell"):
+            n = args.map
+            if n < 2 or not all(stage_table.available(m, track) for m in (n - 1, n)):
+                raise SystemExit(f"--map {n}: no stages {n - 1} and {n} on {track}")
+            old, new = (
+                os.path.join(ROOT, "stages", stage_table.stage(m).package, f"{track}.py")
+                for m in (n - 1, n)
+            )
+            print(f"{track}: make diff-{n}, lines added and removed per part of the file")
+            for name, added, removed in method_sizes(old, new):
+                print(f"  {name:40s} +{added:<4d} -{removed}")
+        return
     for track in args.track or ("hopper", "blackwell"):
         print(f"{track}: stage N-1 -> N, lines added + removed (docstring lines)")
         for n, lines, doc, over in table(track):
