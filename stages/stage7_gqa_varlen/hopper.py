@@ -78,6 +78,7 @@ class Sm90Kernel:
         self.mma_warpgroups = 2
         # (bM, bN, bK): query rows, keys per KV tile, head dim
         self.cta_tile = (64 * self.mma_warpgroups, 128, head_dim)
+        self.tile_rows = self.cta_tile[0]  # what pack-GQA's G must divide (common/pack_gqa.py)
         self.mma_threads = 128 * self.mma_warpgroups
         self.threads = self.mma_threads  # every warpgroup computes; warp 0 also loads
         self.kv_slots = 2  # K_j then V_j in one slot, K_{j+1} in the other: 2 x 32 KB (D = 128)
@@ -607,9 +608,9 @@ class Sm90Kernel:
         tidx,
         mma_tidx,
     ):
-        """The epilogue of the Q tile, in each thread for its rows: O = O / row_sum, LSE, then O
-        rounded to the input dtype and stored through shared memory (sO) to global memory, only
-        the rows inside the sequence."""
+        """The epilogue of the Q tile, in each consumer thread for its rows: O = O / row_sum,
+        LSE, then O rounded to the input dtype and stored through shared memory (sO) to global
+        memory, only the rows inside the sequence."""
         # 3. Epilogue
         bM = self.cta_tile[0]
         # Each thread's row_sum covers its 32 columns of every tile: add up the 4 of the quad.
@@ -773,9 +774,9 @@ class Sm90Kernel:
 
     @cute.jit
     def zero_rows(self, sKV, slot, first_row, tidx):
-        """Zero rows first_row .. bN - 1 of slot `slot` of the K/V ring (all threads that compute,
+        """Zero rows first_row .. bN - 1 of slot `slot` of the K/V ring (all consumer threads,
         tidx counted among them), then make the writes visible to the wgmma that reads the slot
-        (the async proxy) and wait for all those threads: every warpgroup reads every row of V."""
+        (the async proxy) and wait for all consumer threads: every warpgroup reads all of V."""
         _, bN, bK = self.cta_tile
         per_row = bK // 8  # 16-byte chunks per row
         for i in cutlass.range_constexpr(bN * per_row // self.mma_threads):
@@ -951,9 +952,9 @@ def attention(q, k, v, scale=None, causal=False, window=None, return_lse=False, 
 
     pack_gqa: the G = H / Hkv query heads of a KV head share one Q tile (common/pack_gqa.py).
     None (default) packs where a tile would otherwise be mostly empty, Sq short against the
-    128-row tile (decode-like shapes: Sq = 1 uses 1 of 128 rows unpacked, G packed); True /
-    False force it. The same answer either way (the same arithmetic per row); the speed is in
-    docs/results/README.md."""
+    Q tile (the kernel's tile_rows; decode-like shapes: Sq = 1 uses 1 row unpacked, G packed);
+    True / False force it (True needs G to divide the tile's rows). The same answer either way
+    (the same arithmetic per row); the speed is in docs/results/README.md."""
     return attention_host.attention(
         Sm90Kernel, q, k, v, scale, causal, window, return_lse, pack_gqa
     )
