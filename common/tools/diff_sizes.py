@@ -40,22 +40,10 @@ def docstring_lines(path):
 
 def diff_size(old, new):
     """(lines added + removed, of which docstring lines) of `git diff --no-index old new`."""
-    out = subprocess.run(
-        ["git", "diff", "--no-index", "-U0", old, new], capture_output=True, text=True
-    ).stdout
+    removed, added = _diff_lines(old, new)
     doc_old, doc_new = docstring_lines(old), docstring_lines(new)
-    total = doc = 0
-    for line in out.splitlines():
-        hunk = re.match(r"^@@ -(\d+)(?:,\d+)? \+(\d+)(?:,\d+)? @@", line)
-        if hunk:
-            at_old, at_new = int(hunk.group(1)), int(hunk.group(2))
-        elif line.startswith(("---", "+++")):
-            continue
-        elif line.startswith("-"):
-            total, doc, at_old = total + 1, doc + (at_old in doc_old), at_old + 1
-        elif line.startswith("+"):
-            total, doc, at_new = total + 1, doc + (at_new in doc_new), at_new + 1
-    return total, doc
+    doc = sum(i in doc_old for i in removed) + sum(i in doc_new for i in added)
+    return len(removed) + len(added), doc
 
 
 def _diff_lines(old, new):
