@@ -208,6 +208,8 @@ class LaunchPlan:
         # gives it. A plan serves only tensors of the strides it was made for (plan_key), so the
         # view's strides are worked out once, here, not at every call.
         self.strides = strides
+        # The same as (index, stride) pairs of the inputs that take a view, for run.
+        self.viewed = tuple((i, st) for i, st in enumerate(strides) if st is not None)
         self.counter = counter
         self.takes_splits = takes_splits
         self.combine_fn = combine_fn
@@ -243,11 +245,13 @@ class LaunchPlan:
             if buffer is None:
                 buffer = empty_output((elements,), torch.float32, q.device)
             o_out, lse_out = buffer.as_strided(*o_view), buffer.as_strided(*lse_view)
-        tensors = (q, k, v, o_out, lse_out)
-        args = [
-            t if st is None else t.as_strided(t.shape, st)
-            for t, st in zip((t.detach() if t.requires_grad else t for t in tensors), self.strides)
-        ]
+        args = [q, k, v, o_out, lse_out]
+        # A tensor autograd tracks cannot be handed over (DLPack); the kernel only reads q, k,
+        # v and writes outputs made without a graph.
+        if q.requires_grad or k.requires_grad or v.requires_grad:
+            args[:3] = [t.detach() for t in args[:3]]
+        for i, stride in self.viewed:
+            args[i] = args[i].as_strided(args[i].shape, stride)
         # exp(scale * x) = exp2(scale_log2 * x): the kernel takes the folded multiplier.
         args += [cu_q, cu_k, max_seqlen_q, scale * LOG2_E, self.window_left, self.window_right]
         if self.counter is not None:
@@ -445,7 +449,7 @@ def call_key(options, tensors):
         return None
     try:
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-        key = (options, grad) + tuple((t.dtype, t.device, t.shape, t.stride()) for t in tensors)
+        key = (options, grad) + tuple([(t.dtype, t.device, t.shape, t.stride()) for t in tensors])
         hash(key)
     except (AttributeError, TypeError):
         return None
@@ -462,7 +466,7 @@ def options_key(kernel_class, scale, causal, window, return_lse, pack_gqa, num_s
     if window is not None:
         window = tuple((type(w), w) for w in window) if isinstance(window, (tuple, list)) else []
     values = (scale, causal, return_lse, pack_gqa, num_splits) + more
-    return (kernel_class, window) + tuple((type(x), x) for x in values)
+    return (kernel_class, window, values, tuple(map(type, values)))
 
 
 def remember_call(key, entry):
