@@ -4,13 +4,15 @@ and the launch. Each stage file keeps its kernel class and its documented entry 
 the class here: `attention(Sm90Kernel, q, k, v, ...)`. The launch goes through TVM-FFI (the torch
 tensors passed as they are; common/compile.py, cached_compile_ffi). The kernel class is built as
 kernel_class(cutlass dtype, D, pack, **options) - options from its `launch_options` for the
-launch's sizes and mask where it has one (Hopper stage 12; kernel_options), none otherwise - and
-called with (q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale_log2, window_left,
-window_right, stream); a kernel object with `uses_tile_counter` (Hopper stages 11-12: the dynamic tile
-scheduler) takes one more tensor before the stream, tile_counter (one int32, zero at each call where the kernel reads it).
-A kernel class with `takes_splits` (stage 13 on: split-KV) also takes seqused_k (or None) and
-num_splits; with more than one split it is built with split_kv=True, writes fp32 partial
-outputs with a leading split mode, and common/combine.py merges them into O and LSE."""
+launch's sizes and mask where it has one (Hopper stages 12-14; kernel_options), none otherwise -
+and called with (q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale_log2,
+window_left, window_right, stream); a kernel object with `uses_tile_counter` (stages 11 on: the
+dynamic tile scheduler) takes one more tensor before the stream, tile_counter (one int32, zero
+at each call where the kernel reads it). A kernel class with `takes_splits` (stage 13 on:
+split-KV) also takes seqused_k (or None) and num_splits; with more than one split it is built
+with split_kv=True, writes fp32 partial outputs with a leading split mode, and
+common/combine.py merges them into O and LSE. One with `takes_pages` (stage 14) takes
+page_table after those (the stream stays last)."""
 
 import contextlib
 import math
