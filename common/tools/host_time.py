@@ -1,6 +1,6 @@
 """Host work per call: how long an entry point keeps the CPU busy at a tiny shape.
 
-    python -m common.tools.host_time [--calls 2000] [--profile]
+    python -m common.tools.host_time [--calls 2000] [--rounds 5] [--profile]
 
 For each entry (stages 12 and 13; stage 14 on a paged cache, its page_table and seqused_k made
 outside inference mode (their values read once), inside it (read at every call) and with
@@ -13,8 +13,13 @@ bf16, causal.
   per call, or the GPU's (its kernels, and the gaps between them).
 - host: time.perf_counter around bursts of 100 calls that the GPU may lag behind (fewer launches
   than its queue holds, so no call waits for the GPU unless it synchronises itself), the median
-  of 7 bursts. The CPU's own time per call.
+  of 3 bursts in each round. The CPU's own time per call.
 - GPU: the durations of the kernels (and copies) one call launches, as the profiler records them.
+
+The first two are taken in rounds, every entry once a round in an order rotated from round to
+round, and reported as medians with the rounds' range; the GPU column comes after all of them:
+once the profiler has run in a process, a later call there may cost the host more (the last
+column: the host time measured again after it).
 
 --profile adds cProfile's top functions (by own time) for the calls of stages 12-14 and of the
 ops."""
@@ -108,21 +113,41 @@ def entries(q, k, v):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args(argv)
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, 32, 1, 128, generator=g, device="cuda").bfloat16()
     k, v = (torch.randn(1, 8, 256, 128, generator=g, device="cuda").bfloat16() for _ in range(2))
-    gpu = torch.cuda.get_device_name()
-    print(f"host work per call on {gpu}: Q (1, 32, 1, 128), K, V (1, 8, 256, 128), bf16, causal")
+    gpu_name = torch.cuda.get_device_name()
+    print(
+        f"host work per call on {gpu_name}: Q (1, 32, 1, 128), K, V (1, 8, 256, 128), bf16, causal"
+    )
     with torch.inference_mode():
         fns = entries(q, k, v)
-        print(f"  {'us per call':44s} {'back to back':>12s} {'host':>7s} {'GPU':>7s}")
-        for label, fn in fns.items():
-            events = per_call_us(fn, args.calls)
-            host = host_us(fn)
-            gpu = timing.gpu_ms(fn, [()], reps=50) * 1e3
-            print(f"  {label:44s} {events:12.1f} {host:7.1f} {gpu:7.1f}", flush=True)
+        names = list(fns)
+        events, host = {n: [] for n in names}, {n: [] for n in names}
+        for r in range(args.rounds):
+            for n in names[r % len(names) :] + names[: r % len(names)]:
+                events[n].append(per_call_us(fns[n], args.calls))
+                host[n].append(host_us(fns[n], bursts=3))
+            print(f"  round {r + 1} of {args.rounds} done", flush=True)
+        gpu = {n: timing.gpu_ms(fns[n], [()], reps=50) * 1e3 for n in names}
+        # The host time again, now that the profiler has run in this process.
+        after = {n: host_us(fns[n], bursts=3) for n in names}
+        print(
+            f"\n  {'us per call (median of the rounds, range)':44s} {'back to back':>18s}", end=""
+        )
+        print(f" {'host':>18s} {'GPU':>7s} {'host, profiler run':>19s}")
+        for n in names:
+            cells = [
+                f"{statistics.median(x):6.1f} ({min(x):.1f}-{max(x):.1f})"
+                for x in (events[n], host[n])
+            ]
+            print(
+                f"  {n:44s} {cells[0]:>18s} {cells[1]:>18s} {gpu[n]:7.1f} {after[n]:19.1f}",
+                flush=True,
+            )
         for label in [
             name for name in fns if args.profile and not name.startswith(("SDPA", "FA4"))
         ]:
