@@ -539,17 +539,19 @@ def attention(
 ):
     """Batch mode (stage 7's attention): checks, outputs (poisoned under test), launch. Stage 13
     on: num_splits, seqused_k. A call like one made before takes the fast path (call_key)."""
+    # seqused_k's dtype, device, shape and strides are in the key too: a call that hits it
+    # checks only seqused_k's alignment and values.
     key = call_key(
         options_key(
             kernel_class, scale, causal, window, return_lse, pack_gqa, num_splits, seqused_k is None
         ),
-        (q, k, v),
+        (q, k, v) if seqused_k is None else (q, k, v, seqused_k),
     )
     hit = _CALLS.get(key) if key is not None else None
     if hit is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
         (B, H, Sq, Sk, D), scale, plan = hit
         if seqused_k is not None:
-            checks.check_seqused_k(seqused_k, q, [Sk] * B)
+            checks.check_seqused_k(seqused_k, q, [Sk] * B, known_layout=True)
         o, lse, buffer = plan.outputs(q.dtype, q.device, return_lse)
         run_plan(plan, q, k, v, o, lse, Sq, scale, seqused_k, buffer=buffer)
         return (o, lse) if return_lse else o
@@ -701,18 +703,21 @@ def attention_paged(
         raise TypeError(
             f"argument 'check_values': expected a bool, got {type(check_values).__name__}"
         )
+    # seqused_k in the key too (None: no key, and the checks below refuse it).
     key = call_key(
         options_key(kernel_class, scale, causal, window, return_lse, pack_gqa, num_splits),
-        (q, k_cache, v_cache, page_table),
+        (q, k_cache, v_cache, page_table, seqused_k),
     )
     hit = _CALLS.get(key) if key is not None else None
     if hit is not None:
         ptrs = q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr() | page_table.data_ptr()
     if hit is not None and not ptrs % 16:
         (B, H, Sq, D, page_size), scale, plan = hit
-        checked_lengths(seqused_k, q, page_table, page_size, k_cache.shape[0], check_values)
+        checked_lengths(
+            seqused_k, q, page_table, page_size, k_cache.shape[0], check_values, known_layout=True
+        )
         o, lse, buffer = plan.outputs(q.dtype, q.device, return_lse)
-        k, v = (t.permute(0, 2, 1, 3) for t in (k_cache, v_cache))
+        k, v = k_cache.permute(0, 2, 1, 3), v_cache.permute(0, 2, 1, 3)
         run_plan(plan, q, k, v, o, lse, Sq, scale, seqused_k, page_table, buffer)
         return (o, lse) if return_lse else o
     if not getattr(kernel_class, "takes_pages", False):
@@ -753,15 +758,21 @@ def attention_paged(
     return (o, lse) if return_lse else o
 
 
-def checked_lengths(seqused_k, q, page_table, page_size, num_pages, check_values):
-    """seqused_k of a paged call: its type, dtype, shape and device always (no host read);
-    with check_values its values and page_table's (common/checks.py)."""
+def checked_lengths(
+    seqused_k, q, page_table, page_size, num_pages, check_values, known_layout=False
+):
+    """seqused_k of a paged call: its type, dtype, shape and device (unless known_layout: the
+    fast path's key holds them) and alignment always (no host read); with check_values its
+    values and page_table's (common/checks.py)."""
     if seqused_k is None:
         raise TypeError(
             "argument 'seqused_k': required with a paged cache (int32 (B,), the keys of each "
             "sequence)"
         )
     max_seqlen_k = page_table.shape[1] * page_size
-    checks.check_seqused_k(seqused_k, q, [max_seqlen_k] * q.shape[0], read_values=check_values)
+    checks.check_seqused_k(
+        seqused_k, q, [max_seqlen_k] * q.shape[0], read_values=check_values,
+        known_layout=known_layout,
+    )  # fmt: skip
     if check_values:
         checks.check_page_table(page_table, seqused_k, page_size, num_pages)

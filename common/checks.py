@@ -417,14 +417,21 @@ _SEQUSED_SEEN = {}
 _LENGTHS_KEEP = 64
 
 
-def check_seqused_k(seqused_k, q, key_counts, read_values=True):
+def check_seqused_k(seqused_k, q, key_counts, read_values=True, known_layout=False):
     """seqused_k: an int32 CUDA tensor on q's device, rank 1, one entry per sequence, each in
     0 .. that sequence's key count (key_counts: a list of ints, or cu_seqlens_k). The values
     are read to the host (a copy and a synchronisation) once per tensor and version (and, packed,
     per cu_seqlens_k object and version), as cu_seqlens are (check_cu_seqlens). While a CUDA graph is being captured nothing can be read:
     the values are not checked then, and the kernel clamps each to 0 .. the sequence's key count
-    (it never reads past it). read_values=False: the same without the values."""
+    (it never reads past it). read_values=False: the same without the values. known_layout=True
+    (the launch path's fast path, whose call key holds seqused_k's dtype, device, shape and
+    strides, checked at an earlier call): only the alignment and the values."""
     name = "seqused_k"
+    if known_layout:
+        check_aligned(name, seqused_k)
+        if read_values and not capturing(seqused_k):
+            _check_seqused_values(seqused_k, key_counts)
+        return
     if not isinstance(seqused_k, torch.Tensor):
         raise TypeError(
             f"argument '{name}': expected a torch.Tensor, got {type(seqused_k).__name__}"
@@ -449,6 +456,12 @@ def check_seqused_k(seqused_k, q, key_counts, read_values=True):
     check_aligned(name, seqused_k)
     if not read_values or capturing(seqused_k):
         return
+    _check_seqused_values(seqused_k, key_counts)
+
+
+def _check_seqused_values(seqused_k, key_counts):
+    """check_seqused_k's values: each seqused_k[b] in 0 .. key_counts[b]."""
+    name = "seqused_k"
     # Remembered per (seqused_k, key counts): the counts themselves, or cu_seqlens_k's object and
     # version (a packed call), as check_cu_seqlens remembers its pair.
     counted_by = [] if isinstance(key_counts, list) else [key_counts]

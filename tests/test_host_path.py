@@ -79,7 +79,7 @@ def rec(monkeypatch):
         checked.append(q)
         return (*q.shape, k_cache.shape[1])
 
-    def cuda_free_seqused(seqused_k, q, key_counts, read_values=True):
+    def cuda_free_seqused(seqused_k, q, key_counts, read_values=True, known_layout=False):
         if not isinstance(seqused_k, torch.Tensor) or seqused_k.dtype != torch.int32:
             raise TypeError("argument 'seqused_k': expected an int32 tensor")
         if read_values:
