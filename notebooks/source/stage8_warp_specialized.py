@@ -560,7 +560,12 @@ fig = figures.step_against_s(
 # non-causal and 7-13% causal from S = 2k (9-17% and 6-12% in GPU time). At D = 64 it gains
 # nothing to 8% (0.98-1.05 causal): there a GEMM takes half the time it takes at D = 128 and the
 # exponentials as long (notebook 9's section 3), so the loads and the registers that warp
-# specialisation frees were not what held D = 64 back. Stage 8 stays at 0.77-0.88 of FA4 at
+# specialisation frees were not what held D = 64 back. In that run stage 7 ran one CTA an SM at
+# D = 64 in bf16: ptxas gave it 133 registers a thread, and two 256-thread CTAs share an SM only
+# at 128 or fewer. Stage 7 as it is now gets 123, so two CTAs (four warpgroups computing, where
+# stage 8 has two consumers), and then stage 8 runs at 0.74-0.85 of it at D = 64 (H100 80GB
+# HBM3, 2026-12-05; the registers and that run in `docs/notes/stage8.md`; stage 12's third
+# consumer warpgroup wins the difference back). Stage 8 stays at 0.77-0.88 of FA4 at
 # D = 128 and 0.69-0.77 at D = 64: FA4's Hopper path (FlashAttention-3's schedule) has the next
 # three stages' techniques too.
 #
