@@ -18,6 +18,8 @@ from common import attention_host as AH
 from common import checks
 from common import compile as compile_cache
 
+CHECK_SEQUSED_K = checks.check_seqused_k  # the real one, before the fixture stands in for it
+
 
 class Recorder:
     """Stands in for make_plan (counted) and for the LaunchPlans it returns (each run recorded)."""
@@ -253,6 +255,38 @@ def test_a_misaligned_page_table_leaves_the_fast_path(rec):
     # One row into the table: 28 bytes in, the same shape and strides - the checks again.
     AH.attention_paged(Kernel, q, kc, kc, tables[1:], used, check_values=False)
     assert len(rec.checked) == 2
+
+
+def test_a_remembered_call_still_checks_seqused_k_alignment_and_values(rec, monkeypatch):
+    """seqused_k's dtype, device, shape and strides are in the fast path's key; its alignment and
+    values are not, so a call that hits the key still checks both (the real check_seqused_k,
+    which runs on the CPU), and one of another shape misses the key and meets every check."""
+    monkeypatch.setattr(checks, "check_seqused_k", CHECK_SEQUSED_K)
+    q, k, v = qkv(0)
+    pool = torch.tensor([100, 256, 7, 9, 11, 13, 200, 100], dtype=torch.int32)
+    AH.attention(Kernel, q, k, v, causal=True, seqused_k=pool[0:2])
+    AH.attention(Kernel, q, k, v, causal=True, seqused_k=pool[4:6])  # 16 bytes in: fast path
+    assert len(rec.checked) == 1 and len(rec.runs) == 2
+    assert rec.runs[-1]["seqused"].data_ptr() == pool[4:6].data_ptr()
+    with pytest.raises(ValueError, match="'seqused_k': data pointer must be 16-byte aligned"):
+        AH.attention(Kernel, q, k, v, causal=True, seqused_k=pool[1:3])
+    with pytest.raises(ValueError, match=r"seqused_k\[0\] = 300 is outside 0 \.\. 256"):
+        AH.attention(
+            Kernel, q, k, v, causal=True, seqused_k=torch.tensor([300, 1], dtype=torch.int32)
+        )
+    assert len(rec.checked) == 1 and len(rec.runs) == 2  # both refused on the fast path
+    with pytest.raises(ValueError, match=r"expected shape \(2,\)"):
+        AH.attention(Kernel, q, k, v, causal=True, seqused_k=pool[0:3])
+    # The paged entry, values unchecked (check_values=False): the alignment still is.
+    kc = torch.zeros(12, 64, 2, 64, dtype=torch.bfloat16)
+    table = torch.arange(12, dtype=torch.int32).view(2, 6)
+    AH.attention_paged(Kernel, q, kc, kc, table, pool[0:2], check_values=False)
+    AH.attention_paged(Kernel, q, kc, kc, table, pool[4:6], check_values=False)
+    assert rec.runs[-1]["seqused"].data_ptr() == pool[4:6].data_ptr()
+    with pytest.raises(ValueError, match="'seqused_k': data pointer must be 16-byte aligned"):
+        AH.attention_paged(Kernel, q, kc, kc, table, pool[1:3], check_values=False)
+    with pytest.raises(ValueError, match=r"expected shape \(2,\)"):
+        AH.attention_paged(Kernel, q, kc, kc, table, pool[0:3], check_values=False)
 
 
 def test_remembered_calls_survive_threads():
