@@ -2,27 +2,36 @@
 
     python -m common.tools.host_time [--calls 2000] [--rounds 5] [--profile]
 
-For each entry (stages 12 and 13; stage 14 on a paged cache, its page_table and seqused_k made
-outside inference mode (their values read once), inside it (read at every call) and with
-check_values=False (never read); common/ops.py's wrapper, which calls the stage directly in eager
-mode, and its custom op through torch.ops; SDPA, FA4 where importable), three numbers per call,
-after warm-up (compiles). A decode step at batch 1: Q (1, 32, 1, 128), K and V (1, 8, 256, 128),
-bf16, causal.
+The shape is a decode step at batch 1, small enough that the host's work, not the GPU's, sets
+the pace: Q (1, 32, 1, 128), K and V (1, 8, 256, 128), bf16, causal. Every call runs under
+torch.inference_mode(). The entries:
 
-- back to back: N calls between two CUDA events. Whichever is slower sets it: the host's work
-  per call, or the GPU's (its kernels, and the gaps between them).
-- host: time.perf_counter around bursts of 100 calls that the GPU may lag behind (fewer launches
-  than its queue holds, so no call waits for the GPU unless it synchronises itself), the median
-  of 3 bursts in each round. The CPU's own time per call.
-- GPU: the durations of the kernels (and copies) one call launches, as the profiler records them.
+- stages 12 and 13;
+- stage 14 on a paged cache of 64 keys a page, three ways: its page_table and seqused_k made
+  outside inference mode (their values read to the host once and remembered), made inside it
+  (read at every call), and made inside it with check_values=False (never read);
+- common/ops.py's wrapper ops.attention, which calls the stage directly in eager mode, and the
+  custom op called through torch.ops;
+- SDPA, and FA4 where it can be imported.
 
-The first two are taken in rounds, every entry once a round in an order rotated from round to
-round, and reported as medians with the rounds' range; the GPU column comes after all of them:
-once the profiler has run in a process, a later call there may cost the host more (the last
-column: the host time measured again after it).
+Four numbers per entry, in microseconds per call, after warm-up calls (which compile):
 
---profile adds cProfile's top functions (by own time) for the calls of stages 12-14 and of the
-ops."""
+- back to back: --calls calls between two CUDA events. Whichever is slower sets it: the host's
+  work per call, or the GPU's (its kernels, and the gaps between them).
+- host: time.perf_counter around a burst of 100 calls, the median of 3 bursts. A burst launches
+  fewer calls than the GPU's queue holds, so no call waits for the GPU unless it synchronises
+  itself: this is the CPU's own time per call.
+- GPU: the durations of the kernels (and copies) one call launches, as torch's profiler (CUPTI)
+  records them.
+- host, profiler run: the host time measured again after the GPU column. Once the profiler has
+  run in a process, a later call there may cost the host more.
+
+The first two are taken in --rounds rounds, every entry once a round, in an order rotated from
+round to round, and reported as the median of the rounds with their range. The GPU column is
+measured after all rounds, so the profiler cannot slow the first two.
+
+--profile also prints cProfile's top functions (by own time) over --calls calls of each entry
+except SDPA and FA4."""
 
 import argparse
 import cProfile
