@@ -595,7 +595,11 @@ print("splits the launch picks for this step now:", attention_host.splits_for(8,
 # allocations, not three), and
 # leaves this step unsplit. On an H100 (2026-12-05) that took stage 12 from 56.2 to 46.3 us of
 # host time per call and a forced 2-way split from 90.3 to 71.6, with SDPA at 32.2 in the same
-# process: still short of 25 us (`docs/results/README.md`, "Host work per call").
+# process: still short of 25 us (`docs/results/README.md`, "Host work per call"). The fast
+# path's own Python was cut next (the views a plan takes kept as pairs, seqused_k's layout in the
+# call key): on a faster H100 host (2026-12-05) a call of stage 12, or of stage 13 where it does
+# not split, takes 18.8 us of host time against SDPA's 14.4, within the goal; a 2-way split call
+# takes 28.3 (same file, section and day).
 #
 # In GPU mode the cell below times stage 13 against stage 12 and the baselines at two decode
 # shapes (MHA, 32 heads: the launch picks 4 splits) in this run.
