@@ -90,10 +90,10 @@ split_range = type(kernel).split_range.__wrapped__
 # walks the work tiles - one Q tile of one (head, sequence) - in ping-pong, QK^T of one KV tile
 # issued with PV of the last. For short queries it packs the G = H / Hkv query heads of a KV
 # head into one tile (pack-GQA, stage 7): a decode step with 32 / 8 heads puts 4 rows (one
-# token, four heads) in a 128-row tile, so each work tile reads its KV head's K and V once. Its
-# speed on the paper shapes is 0.94-1.02x FA4 (H200, 2026-12-04). On a decode step at batch 1 it
-# reads K and V at 359-384 GB/s (H200, 2026-12-04, section 7), under 10% of what the GPU's memory
-# can deliver: the loop is not the problem, the number of CTAs is.
+# token, four heads) in a 128-row tile, so each work tile reads its KV head's K and V once. On
+# the paper shapes at S = 8k it runs at 0.94-1.02x FA4, event-timed (H200, 2026-12-04). On a
+# decode step at batch 1 it reads K and V at 359-384 GB/s (H200, 2026-12-04, section 7), under
+# 10% of what the GPU's memory can deliver: the loop is not the problem, the number of CTAs is.
 #
 # ## 3. The math
 #
@@ -124,7 +124,8 @@ split_range = type(kernel).split_range.__wrapped__
 # O = \frac{\sum_s \ell_s O_s}{\ell} = \sum_s e^{\text{lse}_s - \text{lse}}\, O_s .$$
 #
 # A split that sees no key has $\ell_s = 0$: $\text{lse}_s = -\infty$, weight $e^{-\infty} = 0$,
-# and it writes $O_s = 0$ (never NaN, since $0 \cdot \text{NaN}$ would be NaN). LSEs are natural
+# and it writes $O_s = 0$, never NaN: the combine multiplies $O_s$ by its weight 0, and
+# $0 \cdot \text{NaN}$ is NaN. LSEs are natural
 # logs, the scale of the scores included: they can be large (a row whose scores reach 100 has
 # $\text{lse} > 100$) and $e^{100}$ is past fp32's largest number ($3.4 \cdot 10^{38} \approx
 # e^{88.7}$). The combine therefore takes $\text{lse}_{\max} = \max_s \text{lse}_s$ first:
@@ -246,13 +247,14 @@ fig = figures.idle_sms(
 )
 
 # %% [markdown]
-# How many splits: `splits_for` fills one wave. With fewer work tiles than `FILLED_SHARE` = 0.8
-# of the SMs, each tile gets $\lfloor \text{SMs} / \text{tiles} \rfloor$ splits - whole waves
-# only: one more split per tile would start a second, mostly empty wave - at most one per KV
-# tile (a split of less than one KV tile would be empty) and at most `MAX_SPLITS` = 64; a range
-# of `UNSPLIT_KV_TILES` = 4 KV tiles or fewer is not split (measured: the second launch and the
-# partials cost more than the few tiles' loads they spread). The
-# cell shows the function and applies it to decode steps (32 query / 8 KV heads, heads packed).
+# How many splits: `splits_for` fills one wave of CTAs. When the work tiles occupy fewer than
+# `FILLED_SHARE` = 0.8 of the SMs, each tile gets $\lfloor \text{SMs} / \text{tiles} \rfloor$
+# splits; one more split per tile would start a second, mostly empty wave. Two caps apply: at
+# most one split per KV tile (a split of less than one KV tile would be empty) and at most
+# `MAX_SPLITS` = 64. A range of `UNSPLIT_KV_TILES` = 4 KV tiles or fewer is not split at all:
+# there the second launch and the partials cost more than the few tiles' loads they spread (the
+# sweep below). The cell shows the function and applies it to decode steps (32 query / 8 KV
+# heads, heads packed).
 
 # %%
 nb.show_function(attention_host.splits_for)
@@ -273,11 +275,11 @@ nb.table(
 # count forced, measured on an H100 80GB HBM3 (2026-12-05,
 # `docs/results/split_count_sweep_h100_2026-12-05.txt`; B = 1, 32 query / 8 KV heads, causal).
 # Left, a CUDA graph of the calls replayed, so only the GPU's time counts (the kernels and the
-# gaps between them): up to 512 keys (4 KV tiles, the dotted line) no split gains anything
-# (10.5 against 10.6 us at 512); from 8 tiles every split count does. Right, the same calls made eagerly: a split call costs
-# the host a second launch and the partials' buffer, and up to 2k keys the unsplit call is the
-# faster one. The numbers under the purple line are the fastest split counts; at 2k and 4k
-# they are 8, not the launch's 16 (5-8% apart in the graph).
+# gaps between them): up to 512 keys (4 KV tiles, the dotted line) no split gains more than
+# 0.1 us (10.5 against 10.6 us at 512); from 8 tiles every split count gains. Right, the same
+# calls made eagerly: a split call costs the host a second launch and the partials' buffer, and
+# up to 2k keys the unsplit call is the faster one. The numbers under the purple line are the
+# fastest split counts; at 2k and 4k they are 8, not the launch's 16 (5-8% apart in the graph).
 
 # %%
 sweep = figures.read_split_sweep(
@@ -314,9 +316,10 @@ for label, tiles, ranges in cases:
     )
 
 # %% [markdown]
-# 65 KV tiles cut 16 ways: $n = 5$, 13 splits cover the 65 tiles and 3 are empty. A range is
-# never cut more finely than the launch asked for, so some CTAs do nothing but write
-# $-\infty$: the price of one rule for the producer, the consumers and every range length.
+# 65 KV tiles cut 16 ways: $n = 5$, 13 splits cover the 65 tiles and 3 are empty. Every split
+# gets the same rounded-up length $n$, so the last splits can be left with no tile, and their
+# CTAs do nothing but write O = 0 and LSE = $-\infty$: the price of one rule shared by the
+# producer, the consumers and every range length.
 #
 # ### 5.3 The work tiles: `tile_coords` with the split
 #
@@ -361,8 +364,8 @@ for Sk_ in (8192, 32768, 131072):
     )
 
 # %% [markdown]
-# fp32 partials cost little (0.8% of the traffic at 8k, 0.2% at 32k) and keep one rounding: O is rounded to
-# bf16 once, after the merge, as the unsplit kernel rounds it once.
+# fp32 partials cost little (0.8% of the traffic at 8k, 0.2% at 32k) and keep one rounding: O
+# is rounded to bf16 once, after the merge, as the unsplit kernel rounds it once.
 #
 # ### 5.5 The combine kernel
 #
@@ -501,6 +504,10 @@ fig = nb.error_picture(13, result)
 #
 # ### 7.1 Decode steps
 #
+# The stage's goals (`docs/notes/stage13.md`, "What misses the goals"): at least 1.0x SDPA's
+# cuDNN backend in every decode row, at least 3,800 GB/s at B = 1 from $S_k$ = 32k, and at most
+# 25 us of host work per call.
+#
 # `make bench`'s decode rows on an NVIDIA H200 (2026-12-04, bf16, $S_q$ = 1, D = 128;
 # `docs/results/decode_h200_2026-12-04.md`): stage 12, stage 13, FA4 and SDPA's cuDNN, flash
 # and memory-efficient backends, all timed in the same interleaved rounds, inputs rotated past
@@ -558,10 +565,13 @@ fig = figures.decode_bars(
 # - **Against SDPA's cuDNN backend it misses the goal of 1.0.** Back to back, stage 13 is
 #   0.91-1.01x cuDNN (0.91 at 8k, 1.01 at 32k, 0.95 at 128k at batch 1); in GPU time alone
 #   0.65-0.99x, the furthest behind on the shortest caches (0.65 at 8k, 0.83 at 32k): there
-#   cuDNN's kernels take 14 us and 37 us against stage 13's 22 us and 44 us (the attention
-#   kernel and the combine together; `docs/notes/stage13.md`).
+#   cuDNN's kernels take 14.0 us and 36.5 us against stage 13's 21.7 us and 43.8 us (the
+#   attention kernel and the combine together; `docs/notes/stage13.md`). In this run the
+#   combine's loops over the splits were still rolled; on an H100 (2026-12-05) unrolling them
+#   (section 5.5) moved 13 / cuDNN in GPU time from 0.73 to 0.88 at 8k and from 0.86 to 0.94
+#   at 32k (`docs/notes/stage13.md`).
 # - **Short caches are host-bound.** At 8k and 32k a call back to back takes longer than its
-#   GPU work (32k: 77 us against 44 us), so the event-timed GB/s measure the host: 1,732 GB/s
+#   GPU work (32k: 77.5 us against 43.8 us), so the event-timed GB/s measure the host: 1,732 GB/s
 #   at 32k where the GPU time gives 3,063. The next section is the host's side.
 #
 # ### 7.2 Host work per call
@@ -595,11 +605,13 @@ print("splits the launch picks for this step now:", attention_host.splits_for(8,
 # allocations, not three), and
 # leaves this step unsplit. On an H100 (2026-12-05) that took stage 12 from 56.2 to 46.3 us of
 # host time per call and a forced 2-way split from 90.3 to 71.6, with SDPA at 32.2 in the same
-# process: still short of 25 us (`docs/results/README.md`, "Host work per call"). The fast
-# path's own Python was cut next (the views a plan takes kept as pairs, seqused_k's layout in the
-# call key): on a faster H100 host (2026-12-05) a call of stage 12, or of stage 13 where it does
-# not split, takes 18.8 us of host time against SDPA's 14.4, within the goal; a 2-way split call
-# takes 28.3 (same file, section and day).
+# process: still short of 25 us (`docs/results/README.md`, "Host work per call"). A call also
+# has a fast path: one whose tensors and options match an earlier call's (`call_key` in
+# `common/attention_host.py`) skips its shape checks and reuses its plan. Its Python was cut next
+# (the views a plan takes kept as pairs, seqused_k's layout in the call key): on a faster H100
+# host (2026-12-05) a call of stage 12, or of stage 13 where it does not split, takes 18.8 us
+# of host time against SDPA's 14.4, within the goal; a 2-way split call takes 28.3 (same file,
+# section and day).
 #
 # In GPU mode the cell below times stage 13 against stage 12 and the baselines at two decode
 # shapes (MHA, 32 heads: the launch picks 4 splits) in this run.
@@ -660,7 +672,7 @@ bench = nb.measure(
 #
 # <details><summary>4. Why fp32 partials</summary>
 #
-# bf16 keeps 8 significant bits (a unit roundoff of $2^{-9} \approx 2 \cdot 10^{-3}$). Rounding
+# bf16 keeps 8 significant bits (a unit roundoff of $2^{-8} \approx 4 \cdot 10^{-3}$). Rounding
 # every $O_s$ first and the merged O again adds a second rounding of the same order as the
 # first: the cell prints both errors, and the bf16 partials' is the larger, though by less than
 # twice (the two roundings are not aligned). fp32 partials keep the unsplit kernel's single

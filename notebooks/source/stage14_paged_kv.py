@@ -113,8 +113,9 @@ def paged_cache(k, v, used, page_size, spare_pages=3, seed=14):
 # the first `seqused_k[b]` keys of a cache allocated longer, the keys past it masked and their
 # V rows zeroed in shared memory. On a decode step at batch 1 with 32 query and 8 KV heads and
 # 32k keys it reads K and V at 1,732 GB/s with calls back to back and 3,063 GB/s in GPU time
-# alone (H200, 2026-12-04, section 7 of notebook 13). Its K and V are contiguous tensors (B, Hkv, Sk, D): a
-# server would allocate every sequence's longest length up front, or copy its cache as it grows.
+# alone (H200, 2026-12-04, section 7 of notebook 13). Its K and V are contiguous tensors
+# (B, Hkv, Sk, D): a server would allocate every sequence's longest length up front, or copy its
+# cache as it grows.
 #
 # ## 3. The math
 #
@@ -383,10 +384,13 @@ nb.table(
 #
 # `attention_paged(q, k_cache, v_cache, page_table, seqused_k, ...)` checks the arguments'
 # shapes, dtypes and strides (`check_paged_args`, once per argument signature), reads
-# `seqused_k` and `page_table` to the host to check their values (once per tensor and version:
-# a copy and a synchronisation), permutes the cache to the kernel's (B, H, S, D) with the page
-# as B, and launches stage 13's plan with the table. Under `torch.inference_mode()` tensors
-# carry no version, so there the values are read at every call (section 7.2).
+# `seqused_k` and `page_table` to the host to check their values (`check_page_table`; a copy
+# and a synchronisation, once per tensor and version - PyTorch's version counter, which every
+# in-place write to a tensor advances), permutes the cache to the kernel's (B, H, S, D) with
+# the page as B, and launches stage 13's plan with the table. Tensors made under
+# `torch.inference_mode()` carry no version counter, so for them the values are read at every
+# call (section 7.2). `check_values=False` skips the read, for a caller whose own allocator
+# wrote the table.
 
 # %%
 nb.show_function(attention_host.attention_paged)
@@ -445,9 +449,9 @@ report_bw = nb.compile_summary(14, "blackwell")
 # 333 and 4,097 keys with 32 query and 8 KV heads, at every page size from 16 to 256, with the
 # launch's split count and with 3 splits, NaN in every page nobody owns and in the tail of each
 # last page, -1 in the table past each sequence's pages. Each sequence's O and LSE must match
-# the fp64 reference on its own keys, and with a forced split count equal stage 14's unpaged
-# kernel (`attention` with `seqused_k`) bit for bit: the same arithmetic per KV tile, only the
-# addresses differ.
+# the fp64 reference on its own keys. With the forced split count they must also equal stage
+# 14's unpaged kernel (`attention` with `seqused_k`) bit for bit: the same arithmetic per KV
+# tile, only the addresses differ.
 
 # %%
 result = nb.run_and_verify(14, (2, 4, 512, 1024, 128))
@@ -567,9 +571,10 @@ fig = figures.paged_ratios(
 # Read from the tables (H200, 2026-12-04):
 #
 # - **In GPU time, pages of 64 keys or more cost 0-3%** (0.97-1.01 of stage 13), except at
-#   B = 1 with 8k keys, where every page size costs 15% (0.85), 256 included, though a tile is
-#   then one box as in stage 13: about 4 us of stage 13's 21.7. A split there has only 4 KV
-#   tiles, so a cost paid once per split weighs most; what that cost is was not profiled.
+#   B = 1 with 8k keys, where pages of 64, 128 and 256 all cost 15% (0.85) - 256 included,
+#   though a tile is then one box as in stage 13. That is about 4 us of stage 13's 21.7 us. A
+#   split there has only 4 KV tiles, so a cost paid once per split weighs most; what that cost
+#   is was not profiled.
 # - **Pages of 16 keys cost 9-18% in GPU time** (0.82-0.91): every K or V tile is 8 boxes of
 #   4 KB instead of one of 32 KB, each issued by the producer after its own `page_table` read.
 # - **Back to back at B = 1 with 8 KV heads the host sets the pace**: at 32k a paged call takes
@@ -590,16 +595,18 @@ with open(os.path.join(nb.ROOT, "docs/results/host_time_h200_2026-12-04.txt")) a
 
 # %% [markdown]
 # A paged call costs the host 111.0 us against stage 13's 58.4 and SDPA's 25.0 (H200,
-# 2026-12-04). The difference to stage 13 is `attention_paged`'s value checks: under
+# 2026-12-04). cProfile of another measurement the same day puts the paged call's extra time in
+# `attention_paged`'s value checks (`docs/notes/stage13.md`, "Host work per call"): under
 # `torch.inference_mode()`, as measured, `seqused_k` and `page_table` are read to the host at
 # every call, each read a copy and a synchronisation, then every page a sequence uses is
-# checked in Python. A tensor made outside inference mode is read once per version, and inside
-# a captured CUDA graph nothing is read and no Python runs at replay (`tests/test_stage14.py`
-# replays a paged decode step in a graph as the cache grows a page). With the launch path's fast
-# path, on an H100 host (2026-12-05), a paged call takes 31.3 us of host time with its tables
-# made outside inference mode (their values read once and remembered) and 24.5 with
-# `check_values=False`, against an unsplit stage 13's 18.8 and SDPA's 14.4
-# (`docs/results/README.md`, "Host work per call").
+# checked in Python. A tensor made outside inference mode is read once per version (section
+# 5.5), and inside a captured CUDA graph nothing is read and no Python runs at replay
+# (`tests/test_stage14.py` replays a paged decode step in a graph as the cache grows a page).
+# With the launch's fast path (a call whose tensors and options match an earlier call's skips
+# its shape checks and reuses its plan; notebook 13, section 7.2), on an H100 host (2026-12-05),
+# a paged call takes 31.3 us of host time with its tables made outside inference mode (their
+# values read once and remembered) and 24.5 with `check_values=False`, against an unsplit stage
+# 13's 18.8 and SDPA's 14.4 (`docs/results/README.md`, "Host work per call").
 #
 # In GPU mode the cells below time stage 14's unpaged entry against stage 13 (the same kernel)
 # and the baselines, then stage 14 on pages of 16, 64 and 256 against stage 13 on one decode
