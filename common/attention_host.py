@@ -206,11 +206,10 @@ class LaunchPlan:
         self.fn = fn
         self.window_left, self.window_right = window
         self.splits = splits
-        # Per input (q, k, v, O, LSE): None (passed as it is) or the strides canonical_strides
-        # gives it. A plan serves only tensors of the strides it was made for (plan_key), so the
-        # view's strides are worked out once, here, not at every call.
-        self.strides = strides
-        # The same as (index, stride) pairs of the inputs that take a view, for run.
+        # strides, per input (q, k, v, O, LSE): None (passed as it is) or the strides
+        # canonical_strides gives it. A plan serves only tensors of the strides it was made for
+        # (plan_key), so the views are worked out once, here, as (index, stride) pairs of the
+        # inputs that take one, not at every call.
         self.viewed = tuple((i, st) for i, st in enumerate(strides) if st is not None)
         self.counter = counter
         self.takes_splits = takes_splits
