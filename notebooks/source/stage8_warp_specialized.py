@@ -170,7 +170,7 @@ for D in (64, 128):
 # ## 4. What changes
 #
 # The docstring gives the changes with their numbers; then the start of the kernel class's diff
-# against stage 7 (the whole files differ by about 370 lines added and 210 removed; `make diff-8
+# against stage 7 (the whole files differ by about 250 lines added and 150 removed; `make diff-8
 # TRACK=hopper` shows them). Stage 7 already has stage 8's methods (`load`, `mma_one_n_block`,
 # `epilogue`, and `mma`, which stage 8 renames `mma_tile`: one work tile's pass), so the hunks are
 # the roles themselves: the producer warpgroup and setmaxnreg in `kernel`, `load` issuing every
@@ -209,7 +209,9 @@ nb.diff_map(8, "hopper")
 # up (`setmaxregister_decrease`, all four warps, since `setmaxnreg` acts on a whole warpgroup) and
 # its warp 0 calls `load`; the consumers take the registers (`setmaxregister_increase`) and call
 # `mma`, passing it `views`: this thread's wgmma operands and accumulators, made once in section 1
-# and unpacked at the top of `mma_tile`.
+# and unpacked at the top of `mma_tile`. The other arguments travel in the groups every role
+# method takes (`gmem`, `smem`, `barriers`, `tiling`, `window`; `stages/README.md` lists them),
+# each unpacked where it is used.
 
 # %%
 fig = figures.warp_specialized_roles(

@@ -15,9 +15,10 @@ Changes from stage 9:
   per warpgroup. O and LSE are stage 9's bit for bit (the same operations in the same order).
 - At D = 128 ptxas waits for PV_{j-1} before softmax_j: no overlap (docs/notes/stage10.md).
 
-attention(q, k, v, ...) and attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...) as in
-stage 7: GQA / MQA, packed sequences, causal and window masks (bottom-right aligned per
-sequence), LSE, bf16/fp16, D = 64 or 128, and stage 7's pack-GQA for short Sq.
+attention(q, k, v, ...): Q (B, H, Sq, D), K and V (B, Hkv, Sk, D), H % Hkv == 0 (Hkv = 1: MQA).
+attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...): q (total_q, H, D), k and v (total_k,
+Hkv, D), sequence b in rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1. Stage 6's masks (bottom-right
+per sequence), LSE, bf16/fp16, D = 64 or 128, pack-GQA for short Sq.
 
 Shapes: B, H, Hkv, Sq, Sk >= 1 (packed: any lengths >= 0), D in {64, 128}.
 
@@ -65,11 +66,9 @@ class Sm90Kernel:
         self.tile_rows = self.cta_tile[0]  # what pack-GQA's G must divide (common/pack_gqa.py)
         self.mma_threads = 128 * self.mma_warpgroups
         self.threads = 128 + self.mma_threads  # warpgroup 0: the TMA producer
-        # setmaxnreg: 128 x 24 + 256 x 240 = 64,512 of the SM's 65,536 registers.
         self.load_registers = 24
         self.mma_registers = 240
-        # As many K or V tiles as fit in 227 KB next to Q and 1 KB of barriers: 6 x 32 KB next to
-        # 32 KB (D = 128), 13 x 16 KB next to 16 KB (D = 64).
+        # As many K or V tiles as fit in 227 KB next to Q and 1 KB of barriers
         q_bytes = self.cta_tile[0] * head_dim * dtype.width // 8
         tile_bytes = self.cta_tile[1] * head_dim * dtype.width // 8
         self.kv_slots = (227 * 1024 - 1024 - q_bytes) // tile_bytes
@@ -178,10 +177,8 @@ class Sm90Kernel:
         self.shared_storage = SharedStorage
         self.shared_memory_bytes = SharedStorage.size_in_bytes()
 
-        # The work tiles: one per Q tile (bM rows) of one (head, sequence), as many Q tiles as the
-        # longest sequence has (packed: G rows per position; the tiles past a shorter sequence's
-        # end find an empty KV range and store nothing). One CTA per tile: the loop over work
-        # tiles in load and mma runs once.
+        # The work tiles: stage 7's grid (Q tile, head, sequence) in one number, one CTA per
+        # tile (the loop over work tiles in load and mma runs once).
         sequences = (
             q.shape[3] if cutlass.const_expr(cu_seqlens_q is None) else cu_seqlens_q.shape[0] - 1
         )
@@ -243,13 +240,14 @@ class Sm90Kernel:
         bM, bN, bK = self.cta_tile
 
         # 1. Prepare
+        atoms = (tma_atom_q, tma_atom_k, tma_atom_v)
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_atom_q)
             cpasync.prefetch_descriptor(tma_atom_k)
             cpasync.prefetch_descriptor(tma_atom_v)
 
-        smem = SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
+        allocator = SmemAllocator()
+        storage = allocator.allocate(self.shared_storage)
         # (bM, bK, 1)
         sQ = storage.sQ.get_tensor(q_smem_layout.outer, swizzle=q_smem_layout.inner)
         # (bN, bK, kv_slots)
@@ -278,7 +276,7 @@ class Sm90Kernel:
                 cute.arch.mbarrier_init(q_empty, self.mma_threads)
         # kv_full[i]: 1 arrive (the producer's expect_tx of one tile) + the TMA writes of the tile.
         # kv_empty[i]: 1 arrive from each of the 8 consumer warps. (Creating the pipeline
-        # fences and syncs the CTA, which also publishes the initialisation of q_full and q_empty.)
+        # fences and syncs the CTA, which also publishes the initialisation of the barriers above.)
         kv_bytes = cute.size_in_bytes(
             self.dtype, cute.select(kv_smem_layout, mode=[0, 1])
         )  # 32 KB (D = 128)
@@ -313,98 +311,51 @@ class Sm90Kernel:
         # This thread's wgmma operands and accumulators, as the consumers' methods take them
         views = (tSrQ, tSrK, tOrVt, acc_S, tScS, tOrP, acc_O, row_max, row_sum)
 
-        # 2. The work tiles. Tile t is (Q tile, head, sequence) by tile_coords; CTA c takes tile c
-        # and then next_tile's (here none: one CTA per tile). Producer and consumers walk the same
-        # tiles and count what they have walked: `tiles_done` gives the phase of q_full and
-        # q_empty, `entries` (2 per KV tile) the ring position. The ring: entry 2 t holds K of
-        # step t (KV tile kv_tile_lo + t), entry 2 t + 1 its V; entry e takes slot e % kv_slots,
-        # and its barriers are waited for the parity (e / kv_slots) % 2 (consumers) or its flip
-        # (the producer: 1 passes a fresh empty barrier). Every consumer warpgroup reads every
-        # entry: its slot is free again once all 8 consumer warps have released it. The
-        # producer's walk is load, the consumers' mma.
+        # 2. The work tiles: CTA c takes tile c, then next_tile's (here none). Producer (load) and
+        # consumers (mma) walk the same tiles and count them (`tiles_done`: the phase of q_full and
+        # q_empty) and their ring entries (`entries`: the ring position, ring_state).
         heads = mQ.shape[2]
         total_tiles = tiles_m * heads * self.sequences(mQ, mCuSeqlensQ)
+        # What the role methods take, grouped (each unpacks what it uses)
+        gmem = (mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK)
+        smem = (sQ, sKV, sO)
+        barriers = (kv_pipeline, q_full, q_empty)
+        tiling = (total_tiles, tiles_m, heads)
+        window = (window_left, window_right)
         if warpgroup_idx == 0:
-            # The producer warpgroup needs few registers to issue TMA: it gives them up (all 4
-            # warps, setmaxnreg is per warpgroup), then warp 0 issues every load and warps 1-3
-            # are done.
+            # TMA needs few registers: the producer warpgroup gives them up (setmaxnreg is per
+            # warpgroup), then warp 0 issues every load.
             cute.arch.setmaxregister_decrease(self.load_registers)
             if warp_idx == 0:
-                self.load(
-                    tma_atom_q,
-                    mQ,
-                    tma_atom_k,
-                    mK,
-                    tma_atom_v,
-                    mV,
-                    mCuSeqlensQ,
-                    mCuSeqlensK,
-                    sQ,
-                    sKV,
-                    kv_pipeline,
-                    q_full,
-                    q_empty,
-                    q_bytes,
-                    total_tiles,
-                    tiles_m,
-                    heads,
-                    window_left,
-                    window_right,
-                )
+                self.load(atoms, gmem, smem, barriers, q_bytes, tiling, window)
         else:
             # The consumer warpgroups take the registers the producer gave up (168 -> 240).
             cute.arch.setmaxregister_increase(self.mma_registers)
             self.mma(
                 qk_mma,
                 pv_mma,
-                mQ,
-                mK,
-                mO,
-                mLSE,
-                mCuSeqlensQ,
-                mCuSeqlensK,
-                sKV,
-                sO,
-                kv_pipeline,
-                q_full,
-                q_empty,
+                gmem,
+                smem,
+                barriers,
                 views,
-                total_tiles,
-                tiles_m,
-                heads,
+                tiling,
                 scale_log2,
-                window_left,
-                window_right,
+                window,
                 warpgroup_idx,
                 tidx,
                 mma_tidx,
             )
 
     @cute.jit
-    def load(
-        self,
-        tma_atom_q,
-        mQ,
-        tma_atom_k,
-        mK,
-        tma_atom_v,
-        mV,
-        mCuSeqlensQ,
-        mCuSeqlensK,
-        sQ,
-        sKV,
-        kv_pipeline,
-        q_full,
-        q_empty,
-        q_bytes,
-        total_tiles,
-        tiles_m,
-        heads,
-        window_left,
-        window_right,
-    ):
-        """The producer: warp 0 of warpgroup 0 walks the work tiles and issues every TMA load
-        of each, Q and then K_j and V_j of every KV tile of its range into the ring."""
+    def load(self, atoms, gmem, smem, barriers, q_bytes, tiling, window):
+        """The producer (warp 0 of warpgroup 0): for each work tile every TMA load, Q and then
+        K_j and V_j of every KV tile of its range into the ring."""
+        tma_atom_q, tma_atom_k, tma_atom_v = atoms
+        mQ, mK, mV, _, _, mCuSeqlensQ, mCuSeqlensK = gmem
+        sQ, sKV, _ = smem
+        kv_pipeline, q_full, q_empty = barriers
+        total_tiles, tiles_m, heads = tiling
+        window_left, window_right = window
         tiles_done = cutlass.Int32(0)
         entries = cutlass.Int32(0)
         tile = cute.arch.block_idx()[0]
@@ -420,18 +371,10 @@ class Sm90Kernel:
             # TMA views of the tile: (TMA, 1) and (TMA) for Q, (TMA, kv_slots) and
             # (TMA, kv_tiles) for K and V
             tQsQ, tQgQ, tKsK, tKgK, tVsV, tVgV = self.tma_views(
-                (tma_atom_q, tma_atom_k, tma_atom_v),
-                (mQ, mK, mV),
-                (sQ, sKV),
-                pid_m,
-                (head, kv_head, batch),
-                offset_q,
-                offset_k,
+                atoms, (mQ, mK, mV), (sQ, sKV), pid_m, (head, kv_head, batch), offset_q, offset_k
             )
-            # Q, once the consumers are done with the previous tile's (parity 1 passes
-            # the fresh barrier), then K_j and V_j of every tile of the range, each into
-            # the next entry: the wait in load_tiles is for the release of the entry
-            # kv_slots before, possibly one of the previous tile's.
+            # Q once the consumers are done with the previous tile's, then K_j and V_j of every
+            # KV tile, each into the next entry (load_tiles waits for its slot's release).
             cute.arch.mbarrier_wait(q_empty, self.q_empty_parity(tiles_done))
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(q_full, q_bytes)
@@ -445,11 +388,8 @@ class Sm90Kernel:
             entries += 2 * (kv_tile_hi - kv_tile_lo)
             tiles_done += 1
             tile = self.next_tile(tile)
-        # Exit only after the consumers have released the last kv_slots entries (waits
-        # on the empty barriers of the next kv_slots entries): no arrive on the ring is
-        # outstanding then. The consumers' waits alone already keep shared memory alive
-        # until every load has landed; with a cluster, the tail would also keep a CTA
-        # from exiting while a peer still signals its barriers.
+        # Exit once the consumers have released the last kv_slots entries: no arrive on the
+        # ring is outstanding then.
         kv_pipeline.producer_tail(self.ring_state(entries, pipeline.PipelineUserType.Producer))
 
     @cute.jit
@@ -457,31 +397,24 @@ class Sm90Kernel:
         self,
         qk_mma,
         pv_mma,
-        mQ,
-        mK,
-        mO,
-        mLSE,
-        mCuSeqlensQ,
-        mCuSeqlensK,
-        sKV,
-        sO,
-        kv_pipeline,
-        q_full,
-        q_empty,
+        gmem,
+        smem,
+        barriers,
         views,
-        total_tiles,
-        tiles_m,
-        heads,
+        tiling,
         scale_log2,
-        window_left,
-        window_right,
+        window,
         warpgroup_idx,
         tidx,
         mma_tidx,
     ):
-        """The consumers (warpgroups 1 .. mma_warpgroups, each for its 64 rows of the Q tile):
-        walk the same work tiles as load, counting tiles and ring entries as load does, and
+        """The consumers: walk load's work tiles, counting tiles and ring entries as it does, and
         make each tile's pass (mma_tile)."""
+        mQ, mK, _, mO, mLSE, mCuSeqlensQ, mCuSeqlensK = gmem
+        _, sKV, sO = smem
+        kv_pipeline, q_full, q_empty = barriers
+        total_tiles, tiles_m, heads = tiling
+        window_left, window_right = window
         tiles_done = cutlass.Int32(0)
         entries = cutlass.Int32(0)
         tile = cute.arch.block_idx()[0]
@@ -498,27 +431,16 @@ class Sm90Kernel:
             self.mma_tile(
                 qk_mma,
                 pv_mma,
-                mO,
-                mLSE,
-                mCuSeqlensK,
-                sKV,
-                sO,
-                kv_pipeline,
-                q_full,
-                q_empty,
+                gmem,
+                smem,
+                barriers,
                 views,
-                pid_m,
-                head,
-                batch,
-                offset_q,
-                seqlen_q,
-                seqlen_k,
-                kv_tile_lo,
-                kv_tile_hi,
+                (pid_m, head, batch),
+                (offset_q, seqlen_q, seqlen_k),
+                (kv_tile_lo, kv_tile_hi),
                 steps,
                 scale_log2,
-                window_left,
-                window_right,
+                window,
                 consumer_state,
                 tiles_done,
                 warpgroup_idx,
@@ -534,36 +456,32 @@ class Sm90Kernel:
         self,
         qk_mma,
         pv_mma,
-        mO,
-        mLSE,
-        mCuSeqlensK,
-        sKV,
-        sO,
-        kv_pipeline,
-        q_full,
-        q_empty,
+        gmem,
+        smem,
+        barriers,
         views,
-        pid_m,
-        head,
-        batch,
-        offset_q,
-        seqlen_q,
-        seqlen_k,
-        kv_tile_lo,
-        kv_tile_hi,
+        coords,
+        seq,
+        kv_range,
         steps,
         scale_log2,
-        window_left,
-        window_right,
+        window,
         consumer_state,
         tiles_done,
         warpgroup_idx,
         tidx,
         mma_tidx,
     ):
-        """One work tile, in each consumer warpgroup for its 64 rows: the pass over its KV tiles
-        (S = Q K^T, the online softmax, O += P V) from ring entry consumer_state on, and the
-        epilogue."""
+        """Each warpgroup, for its 64 rows of the Q tile: the pass over the tile's KV
+        tiles (S = Q K^T, the online softmax, O += P V), and the epilogue.
+        The pass starts at ring entry consumer_state."""
+        _, _, _, mO, mLSE, _, mCuSeqlensK = gmem
+        _, sKV, sO = smem
+        kv_pipeline, q_full, q_empty = barriers
+        pid_m, head, batch = coords
+        offset_q, seqlen_q, seqlen_k = seq
+        kv_tile_lo, kv_tile_hi = kv_range
+        window_left, window_right = window
         tSrQ, tSrK, tOrVt, acc_S, tScS, tOrP, acc_O, row_max, row_sum = views
         # Wait until this tile's Q has landed.
         cute.arch.mbarrier_wait(q_full, self.q_full_parity(tiles_done))
@@ -571,10 +489,8 @@ class Sm90Kernel:
         row_sum.fill(0.0)
         # A row that sees no key keeps O = 0 (and so does a Q tile with no KV tile at all).
         acc_O.fill(0.0)
-        # The tile's first QK^T overwrites acc_S (ACCUMULATE off), but wgmma's inline
-        # assembly reads its accumulator registers all the same: without this fill the
-        # previous tile's last P would stay live through that tile's epilogue, 64
-        # registers more, and ptxas serialises the wgmma (warning C7512) at D = 128.
+        # wgmma reads acc_S even where it overwrites it: without this fill the previous tile's
+        # P stays live through its epilogue and ptxas serialises the wgmma (C7512, D = 128).
         acc_S.fill(0.0)
         # One pass, software-pipelined inside each warpgroup: the QK^T of a tile is issued
         # before the softmax of the tile before it is done with. Step j issues QK_j and then
@@ -856,7 +772,7 @@ class Sm90Kernel:
         tidx,
         mma_tidx,
     ):
-        """The epilogue of one work tile, in each consumer thread for its rows: O = O / row_sum,
+        """The epilogue of the Q tile, in each consumer thread for its rows: O = O / row_sum,
         LSE, then O rounded to the input dtype and stored through shared memory (sO) to global
         memory, only the rows inside the sequence."""
         bM = self.cta_tile[0]
@@ -919,30 +835,19 @@ class Sm90Kernel:
         # this thread is done with the tile's Q and sO: its arrive on q_empty, after a
         # proxy fence (the next Q is written by TMA, the async proxy, over bytes this
         # thread accessed with ordinary loads and stores).
-        self.store_rows(
-            sO,
-            gO,
-            seqlen_q * self.pack_gqa - pid_m * bM,
-            mma_tidx,
-            q_empty,
-        )
+        self.store_rows(sO, gO, seqlen_q * self.pack_gqa - pid_m * bM, mma_tidx, q_empty)
 
     def q_full_parity(self, tiles_done):
-        """The consumers' wait on q_full for the tile after `tiles_done` tiles: the phase of that
-        tile, tiles_done % 2 (one completion per tile: the producer's arrive with Q's bytes).
-        Plain arithmetic, shared with the CPU model of the hand-over in the tests."""
+        """The consumers' parity on q_full for tile number tiles_done: one phase a tile."""
         return tiles_done % 2
 
     def q_empty_parity(self, tiles_done):
-        """The producer's wait on q_empty before it writes the next tile's Q: the consumers are
-        done with the previous tile's (one completion per tile, all consumer threads);
-        (tiles_done + 1) % 2, which a fresh barrier passes for the first tile."""
+        """The producer's parity on q_empty before tile tiles_done's Q (fresh: 1 passes)."""
         return (tiles_done + 1) % 2
 
     @cute.jit
     def next_tile(self, tile):
-        """The work tile after `tile` for this CTA: tile + gridDim.x. With one CTA per tile that
-        is past the last: the loop runs once."""
+        """This CTA's work tile after `tile`: tile + gridDim.x (here past the last one)."""
         return tile + cute.arch.grid_dim()[0]
 
     @cute.jit
@@ -985,9 +890,8 @@ class Sm90Kernel:
 
     @cute.jit
     def issue_pv(self, pv_mma, acc_O, tOrP, tOrVt, slot):
-        """O += P @ V from V in ring slot `slot`: bN / 16 asynchronous m64nDk16 steps, all
-        accumulating (pv_mma's ACCUMULATE is set once, acc_O starts at 0), as one wgmma group
-        (committed, not waited for)."""
+        """O += P @ V from V in ring slot `slot`: bN / 16 asynchronous m64nDk16 steps, as one
+        wgmma group (committed, not waited for); every step accumulates (acc_O starts at 0)."""
         warpgroup.fence()
         for kv_block in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
             coord = (None, None, kv_block, slot)
@@ -1029,9 +933,7 @@ class Sm90Kernel:
         tOrP.store(self.acc_as_operand_a(acc_S).load().to(self.dtype))
 
     def tile_coords(self, tile, tiles_m, heads):
-        """(Q tile, head, sequence) of work tile `tile`: the Q tile varies fastest, then the
-        head, then the sequence (stage 7's grid, blockIdx = (Q tile, head, sequence), in one
-        number)."""
+        """(Q tile, head, sequence) of work tile `tile`, the Q tile fastest (stage 7's grid)."""
         pid_m = tile % tiles_m
         hb = tile // tiles_m
         return pid_m, hb % heads, hb // heads
@@ -1044,9 +946,7 @@ class Sm90Kernel:
         return mCuSeqlensQ.shape[0] - 1
 
     def ring_state(self, entries, user):
-        """The ring position after `entries` entries: slot entries % kv_slots, phase parity
-        (entries / kv_slots) % 2 for the consumers, flipped for the producer (whose fresh empty
-        barriers pass parity 1)."""
+        """Slot entries % kv_slots, parity (entries // kv_slots) % 2 (producer: flipped)."""
         wraps = entries // self.kv_slots
         phase = wraps % 2 if user == pipeline.PipelineUserType.Consumer else (wraps + 1) % 2
         return pipeline.PipelineState(self.kv_slots, entries, entries % self.kv_slots, phase)
@@ -1115,8 +1015,7 @@ class Sm90Kernel:
     @cute.jit
     def store_rows(self, sO, gO, valid_rows, tidx, q_empty):
         """gO[r, :] = sO[r, :] for the rows r < valid_rows of the tile, 8 elements (16 bytes)
-        per thread and copy: bK / 8 threads per row, `rows` rows per pass.
-        q_empty (sO over Q) gets this thread's arrive once its reads of sO are done."""
+        per thread and copy: bK / 8 threads per row, `rows` rows per pass."""
         bM, _, bK = self.cta_tile
         copy_atom = cute.make_copy_atom(
             cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128
@@ -1135,6 +1034,7 @@ class Sm90Kernel:
         for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
             if tOcO[0, m, 0][0] < valid_rows:
                 cute.copy(s2g, tOrO[None, m, None], tOgO[None, m, None])
+        # This thread is done reading sO (over Q): its arrive on q_empty, after a proxy fence.
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.mbarrier_arrive(q_empty)
 

@@ -409,13 +409,14 @@ class Sm90Kernel:
         bM, bN, bK = self.cta_tile
 
         # 1. Prepare
+        atoms = (tma_atom_q, tma_atom_k, tma_atom_v)
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_atom_q)
             cpasync.prefetch_descriptor(tma_atom_k)
             cpasync.prefetch_descriptor(tma_atom_v)
 
-        smem = SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
+        allocator = SmemAllocator()
+        storage = allocator.allocate(self.shared_storage)
         # (bM, bK, 1)
         sQ = storage.sQ.get_tensor(q_smem_layout.outer, swizzle=q_smem_layout.inner)
         # (bN, bK, kv_slots)
@@ -448,7 +449,7 @@ class Sm90Kernel:
                 cute.arch.mbarrier_init(q_empty, self.mma_threads)
         # kv_full[i]: 1 arrive (the producer's expect_tx of one tile) + the TMA writes of the tile.
         # kv_empty[i]: 1 arrive from each of the 8 (12) consumer warps. (Creating the pipeline
-        # fences and syncs the CTA, which also publishes the initialisation of q_full and q_empty.)
+        # fences and syncs the CTA, which also publishes the initialisation of the barriers above.)
         kv_bytes = cute.size_in_bytes(
             self.dtype, cute.select(kv_smem_layout, mode=[0, 1])
         )  # 32 KB (D = 128)
@@ -506,39 +507,29 @@ class Sm90Kernel:
             if cutlass.const_expr(self.persistent):
                 dynamic = 1
         total_tiles = tiles_m * heads * self.sequences(mQ, mCuSeqlensQ) * num_splits
+        # What the role methods take, grouped (each unpacks what it uses)
+        gmem = (mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable)
+        smem = (sQ, sKV, sO)
+        barriers = (kv_pipeline, q_full, q_empty)
+        tiling = (total_tiles, tiles_m, heads, l2_heads)
+        window = (window_left, window_right)
         if warpgroup_idx == 0:
-            # The producer warpgroup needs few registers to issue TMA: it gives them up (all 4
-            # warps, setmaxnreg is per warpgroup), then warp 0 issues every load and warps 1-3
-            # are done.
+            # TMA needs few registers: the producer warpgroup gives them up (setmaxnreg is per
+            # warpgroup), then warp 0 issues every load.
             cute.arch.setmaxregister_decrease(self.load_registers)
             if warp_idx == 0:
                 self.load(
-                    tma_atom_q,
-                    mQ,
-                    tma_atom_k,
-                    mK,
-                    tma_atom_v,
-                    mV,
-                    mCuSeqlensQ,
-                    mCuSeqlensK,
-                    mSeqUsedK,
+                    atoms,
+                    gmem,
                     num_splits,
-                    mPageTable,
-                    sQ,
-                    sKV,
-                    kv_pipeline,
-                    q_full,
-                    q_empty,
+                    smem,
+                    barriers,
                     tile_id,
                     q_bytes,
-                    total_tiles,
-                    tiles_m,
-                    heads,
-                    l2_heads,
+                    tiling,
                     dynamic,
                     tile_counter,
-                    window_left,
-                    window_right,
+                    window,
                 )
         else:
             # The consumer warpgroups take the registers the producer gave up (168 -> 240; with
@@ -547,29 +538,15 @@ class Sm90Kernel:
             self.mma(
                 qk_mma,
                 pv_mma,
-                mQ,
-                mK,
-                mO,
-                mLSE,
-                mCuSeqlensQ,
-                mCuSeqlensK,
-                mSeqUsedK,
+                gmem,
                 num_splits,
-                mPageTable,
-                sKV,
-                sO,
-                kv_pipeline,
-                q_full,
-                q_empty,
+                smem,
+                barriers,
                 tile_id,
                 views,
-                total_tiles,
-                tiles_m,
-                heads,
-                l2_heads,
+                tiling,
                 scale_log2,
-                window_left,
-                window_right,
+                window,
                 warpgroup_idx,
                 tidx,
                 mma_tidx,
@@ -578,36 +555,27 @@ class Sm90Kernel:
     @cute.jit
     def load(
         self,
-        tma_atom_q,
-        mQ,
-        tma_atom_k,
-        mK,
-        tma_atom_v,
-        mV,
-        mCuSeqlensQ,
-        mCuSeqlensK,
-        mSeqUsedK,
+        atoms,
+        gmem,
         num_splits,
-        mPageTable,
-        sQ,
-        sKV,
-        kv_pipeline,
-        q_full,
-        q_empty,
+        smem,
+        barriers,
         tile_id,
         q_bytes,
-        total_tiles,
-        tiles_m,
-        heads,
-        l2_heads,
+        tiling,
         dynamic,
         tile_counter,
-        window_left,
-        window_right,
+        window,
     ):
         """The producer: warp 0 of warpgroup 0 walks the work tiles and issues every TMA load
         of each, Q (with the tile's number, for the consumers) and then K_j and V_j of every
         KV tile of its range into the ring; at the end, a tile number past the last."""
+        tma_atom_q, tma_atom_k, tma_atom_v = atoms
+        mQ, mK, mV, _, _, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable = gmem
+        sQ, sKV, _ = smem
+        kv_pipeline, q_full, q_empty = barriers
+        total_tiles, tiles_m, heads, l2_heads = tiling
+        window_left, window_right = window
         tiles_done = cutlass.Int32(0)
         entries = cutlass.Int32(0)
         live = (tiles_m, heads, l2_heads, num_splits, dynamic, tile_counter, mCuSeqlensQ)
@@ -626,18 +594,10 @@ class Sm90Kernel:
             # TMA views of the tile: (TMA, 1) and (TMA) for Q, (TMA, kv_slots) and
             # (TMA, kv_tiles) for K and V
             tQsQ, tQgQ, tKsK, tKgK, tVsV, tVgV = self.tma_views(
-                (tma_atom_q, tma_atom_k, tma_atom_v),
-                (mQ, mK, mV),
-                (sQ, sKV),
-                pid_m,
-                (head, kv_head, batch),
-                offset_q,
-                offset_k,
+                atoms, (mQ, mK, mV), (sQ, sKV), pid_m, (head, kv_head, batch), offset_q, offset_k
             )
-            # Q, once the consumers are done with the previous tile's (parity 1 passes
-            # the fresh barrier), then K_j and V_j of every tile of the range, each into
-            # the next entry: the wait in load_tiles is for the release of the entry
-            # kv_slots before, possibly one of the previous tile's.
+            # Q once the consumers are done with the previous tile's, then K_j and V_j of every
+            # KV tile, each into the next entry (load_tiles waits for its slot's release).
             # With Q comes the tile's number, for the consumers (released by the arrive).
             cute.arch.mbarrier_wait(q_empty, self.q_empty_parity(tiles_done))
             with cute.arch.elect_one():
@@ -665,11 +625,8 @@ class Sm90Kernel:
         with cute.arch.elect_one():
             tile_id[0] = tile
             cute.arch.mbarrier_arrive(q_full)
-        # Exit only after the consumers have released the last kv_slots entries (waits
-        # on the empty barriers of the next kv_slots entries): no arrive on the ring is
-        # outstanding then. The consumers' waits alone already keep shared memory alive
-        # until every load has landed; with a cluster, the tail would also keep a CTA
-        # from exiting while a peer still signals its barriers.
+        # Exit once the consumers have released the last kv_slots entries: no arrive on the
+        # ring is outstanding then.
         kv_pipeline.producer_tail(self.ring_state(entries, pipeline.PipelineUserType.Producer))
 
     @cute.jit
@@ -677,36 +634,26 @@ class Sm90Kernel:
         self,
         qk_mma,
         pv_mma,
-        mQ,
-        mK,
-        mO,
-        mLSE,
-        mCuSeqlensQ,
-        mCuSeqlensK,
-        mSeqUsedK,
+        gmem,
         num_splits,
-        mPageTable,
-        sKV,
-        sO,
-        kv_pipeline,
-        q_full,
-        q_empty,
+        smem,
+        barriers,
         tile_id,
         views,
-        total_tiles,
-        tiles_m,
-        heads,
-        l2_heads,
+        tiling,
         scale_log2,
-        window_left,
-        window_right,
+        window,
         warpgroup_idx,
         tidx,
         mma_tidx,
     ):
-        """The consumers (warpgroups 1 .. mma_warpgroups, each for its 64 rows of the Q tile):
-        walk the same work tiles as load, counting tiles and ring entries as load does, and
+        """The consumers: walk load's work tiles, counting tiles and ring entries as it does, and
         make each tile's pass (mma_tile)."""
+        mQ, mK, _, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable = gmem
+        _, sKV, sO = smem
+        kv_pipeline, q_full, q_empty = barriers
+        total_tiles, tiles_m, heads, l2_heads = tiling
+        window_left, window_right = window
         tiles_done = cutlass.Int32(0)
         entries = cutlass.Int32(0)
         # Each tile's number comes with its Q (q_full); a number past the end ends the loop.
@@ -727,28 +674,16 @@ class Sm90Kernel:
             self.mma_tile(
                 qk_mma,
                 pv_mma,
-                mO,
-                mLSE,
-                mCuSeqlensK,
-                mSeqUsedK,
-                sKV,
-                sO,
-                kv_pipeline,
-                q_empty,
+                gmem,
+                smem,
+                barriers,
                 views,
-                pid_m,
-                head,
-                batch,
-                split,
-                offset_q,
-                seqlen_q,
-                seqlen_k,
-                kv_tile_lo,
-                kv_tile_hi,
+                (pid_m, head, batch, split),
+                (offset_q, seqlen_q, seqlen_k),
+                (kv_tile_lo, kv_tile_hi),
                 steps,
                 scale_log2,
-                window_left,
-                window_right,
+                window,
                 consumer_state,
                 warpgroup_idx,
                 tidx,
@@ -764,46 +699,39 @@ class Sm90Kernel:
         self,
         qk_mma,
         pv_mma,
-        mO,
-        mLSE,
-        mCuSeqlensK,
-        mSeqUsedK,
-        sKV,
-        sO,
-        kv_pipeline,
-        q_empty,
+        gmem,
+        smem,
+        barriers,
         views,
-        pid_m,
-        head,
-        batch,
-        split,
-        offset_q,
-        seqlen_q,
-        seqlen_k,
-        kv_tile_lo,
-        kv_tile_hi,
+        coords,
+        seq,
+        kv_range,
         steps,
         scale_log2,
-        window_left,
-        window_right,
+        window,
         consumer_state,
         warpgroup_idx,
         tidx,
         mma_tidx,
     ):
-        """One work tile, in each consumer warpgroup for its 64 rows: the pass over its KV tiles
-        (S = Q K^T, the online softmax, O += P V) from ring entry consumer_state on, and the
-        epilogue."""
+        """Each warpgroup, for its 64 rows of the Q tile: the pass over the tile's KV
+        tiles (S = Q K^T, the online softmax, O += P V), and the epilogue.
+        The pass starts at ring entry consumer_state."""
+        _, _, _, mO, mLSE, _, mCuSeqlensK, mSeqUsedK, _ = gmem
+        _, sKV, sO = smem
+        kv_pipeline, _, q_empty = barriers
+        pid_m, head, batch, split = coords
+        offset_q, seqlen_q, seqlen_k = seq
+        kv_tile_lo, kv_tile_hi = kv_range
+        window_left, window_right = window
         tSrQ, tSrK, tOrVt, acc_S, tScS, tScS_offsets, tOrP, acc_O, row_max, row_sum = views
         # This tile's Q has landed (mma's wait before its loop or at the end of the last tile).
         row_max.fill(-cutlass.Float32.inf)
         row_sum.fill(0.0)
         # A row that sees no key keeps O = 0 (and so does a Q tile with no KV tile at all).
         acc_O.fill(0.0)
-        # The tile's first QK^T overwrites acc_S (ACCUMULATE off), but wgmma's inline
-        # assembly reads its accumulator registers all the same: without this fill the
-        # previous tile's last P would stay live through that tile's epilogue, 64
-        # registers more, and ptxas serialises the wgmma (warning C7512) at D = 128.
+        # wgmma reads acc_S even where it overwrites it: without this fill the previous tile's
+        # P stays live through its epilogue and ptxas serialises the wgmma (C7512, D = 128).
         acc_S.fill(0.0)
         # One pass, software-pipelined inside each warpgroup: the QK^T of a tile is issued
         # before the softmax of the tile before it is done with. Step j issues QK_j and then
@@ -1133,7 +1061,7 @@ class Sm90Kernel:
         tidx,
         mma_tidx,
     ):
-        """The epilogue of one work tile, in each consumer thread for its rows: O = O / row_sum,
+        """The epilogue of the Q tile, in each consumer thread for its rows: O = O / row_sum,
         LSE, then O rounded to the input dtype and stored through shared memory (sO) to global
         memory, only the rows inside the sequence."""
         bM = self.cta_tile[0]
@@ -1269,15 +1197,11 @@ class Sm90Kernel:
                 tOgO[i] = acc_O[i]
 
     def q_full_parity(self, tiles_done):
-        """The consumers' wait on q_full for the tile after `tiles_done` tiles: the phase of that
-        tile, tiles_done % 2 (one completion per tile: the producer's arrive with Q's bytes).
-        Plain arithmetic, shared with the CPU model of the hand-over in the tests."""
+        """The consumers' parity on q_full for tile number tiles_done: one phase a tile."""
         return tiles_done % 2
 
     def q_empty_parity(self, tiles_done):
-        """The producer's wait on q_empty before it writes the next tile's Q: the consumers are
-        done with the previous tile's (one completion per tile, all consumer threads);
-        (tiles_done + 1) % 2, which a fresh barrier passes for the first tile."""
+        """The producer's parity on q_empty before tile tiles_done's Q (fresh: 1 passes)."""
         return (tiles_done + 1) % 2
 
     @cute.jit
@@ -1379,9 +1303,8 @@ class Sm90Kernel:
 
     @cute.jit
     def issue_pv(self, pv_mma, acc_O, tOrP, tOrVt, slot):
-        """O += P @ V from V in ring slot `slot`: bN / 16 asynchronous m64nDk16 steps, all
-        accumulating (pv_mma's ACCUMULATE is set once, acc_O starts at 0), as one wgmma group
-        (committed, not waited for)."""
+        """O += P @ V from V in ring slot `slot`: bN / 16 asynchronous m64nDk16 steps, as one
+        wgmma group (committed, not waited for); every step accumulates (acc_O starts at 0)."""
         warpgroup.fence()
         if cutlass.const_expr(self.slot_first):  # tuning 4, as in issue_qk
             tOrVs = tOrVt[None, None, None, slot]
@@ -1492,9 +1415,7 @@ class Sm90Kernel:
         return mCuSeqlensQ.shape[0] - 1
 
     def ring_state(self, entries, user):
-        """The ring position after `entries` entries: slot entries % kv_slots, phase parity
-        (entries / kv_slots) % 2 for the consumers, flipped for the producer (whose fresh empty
-        barriers pass parity 1)."""
+        """Slot entries % kv_slots, parity (entries // kv_slots) % 2 (producer: flipped)."""
         wraps = entries // self.kv_slots
         phase = wraps % 2 if user == pipeline.PipelineUserType.Consumer else (wraps + 1) % 2
         return pipeline.PipelineState(self.kv_slots, entries, entries % self.kv_slots, phase)
@@ -1586,8 +1507,7 @@ class Sm90Kernel:
     @cute.jit
     def store_rows(self, sO, gO, valid_rows, tidx, q_empty):
         """gO[r, :] = sO[r, :] for the rows r < valid_rows of the tile, 8 elements (16 bytes)
-        per thread and copy: bK / 8 threads per row, `rows` rows per pass.
-        q_empty (sO over Q) gets this thread's arrive once its reads of sO are done."""
+        per thread and copy: bK / 8 threads per row, `rows` rows per pass."""
         bM, _, bK = self.cta_tile
         copy_atom = cute.make_copy_atom(
             cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128
@@ -1607,6 +1527,7 @@ class Sm90Kernel:
             for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
                 if tOcO[0, m, 0][0] < valid_rows:
                     cute.copy(s2g, tOrO[None, m, None], tOgO[None, m, None])
+        # This thread is done reading sO (over Q): its arrive on q_empty, after a proxy fence.
         if cutlass.const_expr(q_empty is not None):
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.mbarrier_arrive(q_empty)

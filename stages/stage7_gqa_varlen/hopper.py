@@ -1,43 +1,26 @@
 """Stage 7 - real-model shapes: GQA / MQA and packed sequences (Hopper, sm_90a).
 
 Changes from stage 6:
-- The head mapping: the CTA of query head `head` reads K and V of kv_head = head // (H / Hkv),
-  a TMA coordinate - no K or V is copied or expanded. The H / Hkv query heads of a group read
-  the same K/V tiles, which L2 then serves (32 query / 8 KV heads: each K/V byte is read by 4
-  CTAs).
-- One per-sequence method, seq_info(), gives (offset_q, seqlen_q, offset_k, seqlen_k) to every
-  part of the kernel. Batch mode: (0, Sq, 0, Sk) and the tensors' batch coordinate. Packed:
-  offsets from cu_seqlens, the tensors seen as B = 1 and S = total tokens, each sequence a
-  domain_offset view of its rows; the grid has ceil(max_seqlen_q / 128) Q tiles per sequence and
-  the CTAs past a shorter sequence's end find an empty tile range and store nothing.
-- Sequence boundaries. TMA clips at a tensor's bounds, which for packed sequences is the total
-  token count, not the sequence's end:
-  * loads: a Q or K tile that runs past seqlen reads the next sequence's rows. Q rows past
-    seqlen_q are never stored; K columns past seqlen_k are masked to -inf (the stage 6 mask).
-    But P = 0 there multiplies V's rows, and 0 x NaN = NaN: in packed mode the rows past
-    seqlen_k of the last V tile are zeroed in shared memory (zero_rows) before P @ V.
-  * the store: the TMA store of stage 6 would write the last Q tile's extra rows into the next
-    sequence's O. O now goes shared memory -> global by threads, 16 bytes per copy, only rows
-    < seqlen_q (store_rows); LSE was already written per row.
-- Registers (ptxas, 2026-12-01, bf16): batch mode 164 (D = 128) and 133 (D = 64), packed 188
-  and 128, no spills; shared memory as in stage 6.
-- Pack-GQA (FlashAttention's pack_gqa) for short Sq: with Sq = 1 a 128-row Q tile holds one
-  real row. When a head's rows fill its tiles much worse than its group's would (the rule in
-  common/pack_gqa.py; for 4 heads per KV head it packs Sq = 1-96, 129-224, 257-320, ..., never
-  a Sq that fills whole tiles), the G = H / Hkv query heads of a KV head share the tile: row r
-  is position r // G of head r % G. Only the layouts of Q, O and LSE change ((G, S) as their
-  row mode, Hkv heads in the grid) and the masks take position r // G. Same O and LSE bit for
-  bit (tested).
+- GQA: the CTA of query head `head` reads K and V of kv_head = head // (H / Hkv), a TMA
+  coordinate; the H / Hkv heads of a group read the same K/V tiles, which L2 serves.
+- Packed sequences: seq_info() gives (offset_q, seqlen_q, offset_k, seqlen_k) to the kernel
+  (batch mode: (0, Sq, 0, Sk)); packed, each sequence is a domain_offset view of its rows, with
+  ceil(max_seqlen_q / 128) Q tiles (those past a shorter sequence's end store nothing).
+- Sequence boundaries: TMA clips at the packed tensor's end, not the sequence's. P = 0 past
+  seqlen_k, but 0 x NaN = NaN: the next sequence's V rows are zeroed in shared memory first
+  (zero_rows); O is stored by threads, only rows < seqlen_q (store_rows).
+- Pack-GQA for short Sq: the G = H / Hkv heads of a KV head share a Q tile (row r: position
+  r // G of head r % G) when that fills tiles much better (common/pack_gqa.py). Only the layouts
+  of Q, O and LSE and the masks' position change; O and LSE are the same bit for bit.
 
-attention(q, k, v, ...): Q (B, H, Sq, D), K and V (B, Hkv, Sk, D) with H % Hkv == 0 (Hkv = 1 is
-MQA); query head h reads KV head h // (H // Hkv), as SDPA's enable_gqa. attention_varlen(q, k,
-v, cu_seqlens_q, cu_seqlens_k, ...): FlashAttention's packed layout, q (total_q, H, D), k and v
-(total_k, Hkv, D), sequence b in rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1. Both keep stage 6's
-masks (bottom-right aligned per sequence), LSE, bf16/fp16, D = 64 or 128.
+attention(q, k, v, ...): Q (B, H, Sq, D), K and V (B, Hkv, Sk, D), H % Hkv == 0 (Hkv = 1: MQA).
+attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...): q (total_q, H, D), k and v (total_k,
+Hkv, D), sequence b in rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1. Stage 6's masks (bottom-right
+per sequence), LSE, bf16/fp16, D = 64 or 128, pack-GQA for short Sq.
 
 Shapes: B, H, Hkv, Sq, Sk >= 1 (packed: any lengths >= 0), D in {64, 128}.
 
-Measured speed (GQA, packed sequences, decode): docs/results/README.md (docs/notes/stage7.md).
+Measured speed: docs/results/README.md; GQA, packed sequences, decode: docs/notes/stage7.md.
 """
 
 import math
@@ -55,13 +38,11 @@ from common.cute_interop import rows_of_16_bytes
 
 
 class Sm90Kernel:
-    """The device code is organised as stage 8's will be by warp role (FA4's
-    flash_attn/cute/flash_fwd_sm90.py): kernel prepares what every warpgroup shares (shared
-    memory, barriers, the K/V ring, the wgmma views, the Q tile's sequence and KV range) and
-    calls load (warp 0: Q and the first K tiles) and mma (every warpgroup: the pass over the KV
-    tiles, one mma_one_n_block per KV tile, then epilogue: O normalised and stored, LSE). Stage
-    8 renames this mma to mma_tile, one work tile's pass, and calls it from a new mma that
-    walks the work tiles."""
+    """The device code is organised by warp role, as FA4's flash_attn/cute/flash_fwd_sm90.py:
+    kernel prepares what every warpgroup shares (shared memory, barriers, the K/V ring, the
+    wgmma views) and calls the roles' methods: load (Q and the first K tiles) and mma (the
+    pass over the tile's KV tiles, one mma_one_n_block per KV tile, which also refills the ring,
+    then epilogue: O normalised and stored, LSE)."""
 
     def __init__(
         self,
@@ -246,6 +227,7 @@ class Sm90Kernel:
         bM, bN, bK = self.cta_tile
 
         # 1. Prepare
+        atoms = (tma_atom_q, tma_atom_k, tma_atom_v)
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_atom_q)
             cpasync.prefetch_descriptor(tma_atom_k)
@@ -260,8 +242,8 @@ class Sm90Kernel:
             batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
         )
 
-        smem = SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
+        allocator = SmemAllocator()
+        storage = allocator.allocate(self.shared_storage)
         # (bM, bK, 1)
         sQ = storage.sQ.get_tensor(q_smem_layout.outer, swizzle=q_smem_layout.inner)
         # (bN, bK, kv_slots)
@@ -285,8 +267,8 @@ class Sm90Kernel:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(q_full, 1)
         # kv_full[i]: 1 arrive (the producer's expect_tx of one tile) + the TMA writes of the tile.
-        # kv_empty[i]: 1 arrive from each of the 8 consumer warps. (Creating the pipeline fences
-        # and syncs the CTA, which also publishes q_full's initialisation.)
+        # kv_empty[i]: 1 arrive from each of the 8 consumer warps. (Creating the pipeline
+        # fences and syncs the CTA, which also publishes the initialisation of the barriers above.)
         kv_bytes = cute.size_in_bytes(
             self.dtype, cute.select(kv_smem_layout, mode=[0, 1])
         )  # 32 KB (D = 128)
@@ -307,13 +289,7 @@ class Sm90Kernel:
         # TMA views of the tile: (TMA, 1) and (TMA) for Q, (TMA, kv_slots) and (TMA, kv_tiles) for
         # K and V
         tQsQ, tQgQ, tKsK, tKgK, tVsV, tVgV = self.tma_views(
-            (tma_atom_q, tma_atom_k, tma_atom_v),
-            (mQ, mK, mV),
-            (sQ, sKV),
-            pid_m,
-            (head, kv_head, batch),
-            offset_q,
-            offset_k,
+            atoms, (mQ, mK, mV), (sQ, sKV), pid_m, (head, kv_head, batch), offset_q, offset_k
         )
 
         # wgmma views of this thread's warpgroup: shared-memory descriptors for Q, K and V^T.
@@ -344,65 +320,40 @@ class Sm90Kernel:
         # each mma_one_n_block, the loads that refill the ring (refills: what it needs for them).
         steps = kv_tile_hi - kv_tile_lo
         refills = (warp_idx, steps, tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV)
+        # What the role methods take, grouped (each unpacks what it uses)
+        gmem = (mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK)
+        smem = (sQ, sKV, sO)
+        barriers = (kv_pipeline, q_full)
+        window = (window_left, window_right)
         if warp_idx == 0:
             self.load(
-                tma_atom_q,
-                tma_atom_k,
-                kv_pipeline,
-                q_full,
-                q_bytes,
-                tQsQ,
-                tQgQ,
-                tKsK,
-                tKgK,
-                kv_tile_lo,
-                steps,
+                atoms, barriers, q_bytes, tQsQ, tQgQ, tKsK, tKgK, (kv_tile_lo, kv_tile_hi), steps
             )
         self.mma(
             qk_mma,
             pv_mma,
-            mO,
-            mLSE,
-            mCuSeqlensK,
-            sKV,
-            sO,
-            kv_pipeline,
-            q_full,
+            gmem,
+            smem,
+            barriers,
             views,
-            pid_m,
-            head,
-            batch,
-            offset_q,
-            seqlen_q,
-            seqlen_k,
-            kv_tile_lo,
-            kv_tile_hi,
+            (pid_m, head, batch),
+            (offset_q, seqlen_q, seqlen_k),
+            (kv_tile_lo, kv_tile_hi),
             scale_log2,
-            window_left,
-            window_right,
+            window,
             refills,
             tidx,
             mma_tidx,
         )
 
     @cute.jit
-    def load(
-        self,
-        tma_atom_q,
-        tma_atom_k,
-        kv_pipeline,
-        q_full,
-        q_bytes,
-        tQsQ,
-        tQgQ,
-        tKsK,
-        tKgK,
-        kv_tile_lo,
-        steps,
-    ):
+    def load(self, atoms, barriers, q_bytes, tQsQ, tQgQ, tKsK, tKgK, kv_range, steps):
         """Warp 0's first loads: Q, then the K tiles of the first kv_slots steps, one per slot.
         A fresh slot needs no wait: the producer's parity 1 is already "complete" on a new
         barrier. The ring's later loads are issued from mma_one_n_block."""
+        tma_atom_q, tma_atom_k, _ = atoms
+        kv_pipeline, q_full = barriers
+        kv_tile_lo, _ = kv_range
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(q_full, q_bytes)
         cute.copy(tma_atom_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_full)
@@ -415,31 +366,28 @@ class Sm90Kernel:
         self,
         qk_mma,
         pv_mma,
-        mO,
-        mLSE,
-        mCuSeqlensK,
-        sKV,
-        sO,
-        kv_pipeline,
-        q_full,
+        gmem,
+        smem,
+        barriers,
         views,
-        pid_m,
-        head,
-        batch,
-        offset_q,
-        seqlen_q,
-        seqlen_k,
-        kv_tile_lo,
-        kv_tile_hi,
+        coords,
+        seq,
+        kv_range,
         scale_log2,
-        window_left,
-        window_right,
+        window,
         refills,
         tidx,
         mma_tidx,
     ):
-        """Every warpgroup, for its 64 rows of the Q tile: the pass over the tile's KV tiles
-        (S = Q K^T, the online softmax, O += P V) and the epilogue."""
+        """Each warpgroup, for its 64 rows of the Q tile: the pass over the tile's KV
+        tiles (S = Q K^T, the online softmax, O += P V), and the epilogue."""
+        _, _, _, mO, mLSE, _, mCuSeqlensK = gmem
+        _, sKV, sO = smem
+        kv_pipeline, q_full = barriers
+        pid_m, head, batch = coords
+        offset_q, seqlen_q, seqlen_k = seq
+        kv_tile_lo, kv_tile_hi = kv_range
+        window_left, window_right = window
         tSrQ, tSrK, tOrVt, acc_S, tScS, tOrP, acc_O, row_max, row_sum = views
         # 2. Main loop
         # Step t of the ring: K and V tile kv_tile_lo + t. Step t uses slot t % kv_slots; bit i of
@@ -535,9 +483,9 @@ class Sm90Kernel:
         refills,
     ):
         """One step of the pass, KV tile kv_tile = j: S = Q K_j^T, the mask and the online
-        softmax, O rescaled, P_j, then O += P_j V_j; warp 0 loads V_j into K_j's slot and then
-        K_{j + kv_slots} into it. Returns slot_phase, the slots' phase bits after V_j, which the
-        loop carries."""
+        softmax, O rescaled, P_j, then O += P_j V_j.
+        Warp 0 loads V_j into K_j's slot, then K_{j + kv_slots}; returns slot_phase, the slots'
+        phase bits after V_j, which the loop carries."""
         _, bN, _ = self.cta_tile
         warp_idx, steps, tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV = refills
         step = kv_tile - kv_tile_lo
@@ -684,8 +632,8 @@ class Sm90Kernel:
 
     @cute.jit
     def issue_pv(self, pv_mma, acc_O, tOrP, tOrVt, slot):
-        """O += P @ V from V in ring slot `slot`: bN / 16 asynchronous m64nDk16 steps (the very
-        first of the pass overwrites acc_O), as one wgmma group (committed, not waited for)."""
+        """O += P @ V from V in ring slot `slot`: bN / 16 asynchronous m64nDk16 steps, as one
+        wgmma group (committed, not waited for); the very first of the pass overwrites acc_O."""
         warpgroup.fence()
         for kv_block in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
             coord = (None, None, kv_block, slot)
@@ -791,13 +739,14 @@ class Sm90Kernel:
     @cute.jit
     def store_rows(self, sO, gO, valid_rows, tidx):
         """gO[r, :] = sO[r, :] for the rows r < valid_rows of the tile, 8 elements (16 bytes)
-        per thread and copy: bK / 8 threads per row, threads / (bK / 8) rows per pass."""
+        per thread and copy: bK / 8 threads per row, `rows` rows per pass."""
         bM, _, bK = self.cta_tile
         copy_atom = cute.make_copy_atom(
             cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128
         )
         per_row = bK // 8
-        thr_layout = cute.make_layout((self.mma_threads // per_row, per_row), stride=(per_row, 1))
+        rows = self.mma_threads // per_row
+        thr_layout = cute.make_layout((rows, per_row), stride=(per_row, 1))
         s2g = cute.make_tiled_copy_tv(copy_atom, thr_layout, cute.make_layout((1, 8)))
         thr_s2g = s2g.get_slice(tidx)
         # (CPY, CPY_M, CPY_K): this thread's chunks of the tile, and their (row, column)
