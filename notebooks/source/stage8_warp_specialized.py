@@ -109,9 +109,9 @@ nb.start(8)
 #
 # The split uses the pool exactly: a producer that kept even 8 registers more would leave the
 # consumers' `setmaxnreg.inc` waiting forever (exercise 1). What the consumers gain is room:
-# stage 7's loop body needs 164 registers per thread at D = 128 in batch mode and 188 packed
-# (ptxas, 2026-12-01; docstring of stage 7), close to or above the 168 a 384-thread CTA starts
-# with.
+# stage 7's loop body needed 164 registers per thread at D = 128 in batch mode and 188 packed
+# (ptxas, bf16, 2026-12-01; `docs/notes/stage7.md`; 158 in batch mode on the code of 2026-12-05,
+# `docs/notes/stage8.md`), close to or above the 168 a 384-thread CTA starts with.
 #
 # ### 3.3 The ring
 #
@@ -187,12 +187,13 @@ nb.show_docstring(8, "hopper")
 nb.show_diff(8, "hopper", max_lines=80)
 
 # %% [markdown]
-# The diff is long: it is the largest of the track. To read it in `make diff-8`, a map of where
-# its lines fall, method by method, in the order of stage 8's file. `kernel` loses the Q tile's
-# set-up (its sequence, KV range and TMA views move into the roles, per work tile) and gains the
-# role dispatch; `load` and `mma` gain the work-tile loops; `mma_tile` is new as a name, its body
-# is stage 7's `mma`; the small new methods hold the bookkeeping of the loops (`tile_coords`,
-# `next_tile`, `sequences`, `ring_state`, the two parities).
+# The diff is long: about 400 lines added + removed in the whole files (`make diff-sizes` lists
+# every pair of stages). To read it in `make diff-8`, a map of where its lines fall, method by
+# method, in the order of stage 8's file. `kernel` loses the Q tile's set-up (its sequence, KV
+# range and TMA views move into the roles, per work tile) and gains the role dispatch; `load` and
+# `mma` gain the work-tile loops; `mma_tile` is new as a name, its body is stage 7's `mma`; the
+# small new methods hold the bookkeeping of the loops (`tile_coords`, `next_tile`, `sequences`,
+# `ring_state`, the two parities).
 
 # %%
 nb.diff_map(8, "hopper")
@@ -209,9 +210,12 @@ nb.diff_map(8, "hopper")
 # up (`setmaxregister_decrease`, all four warps, since `setmaxnreg` acts on a whole warpgroup) and
 # its warp 0 calls `load`; the consumers take the registers (`setmaxregister_increase`) and call
 # `mma`, passing it `views`: this thread's wgmma operands and accumulators, made once in section 1
-# and unpacked at the top of `mma_tile`. The other arguments travel in the groups every role
-# method takes (`gmem`, `smem`, `barriers`, `tiling`, `window`; `stages/README.md` lists them),
-# each unpacked where it is used.
+# and unpacked at the top of `mma_tile`. The other arguments travel in named groups, each
+# unpacked at the top of the method that takes it (`stages/README.md` lists them): `gmem`,
+# `smem`, `barriers` and `window` go to `load`, `mma` and `mma_tile`; `atoms` (the TMA atoms) to
+# `load` only; `tiling` (`total_tiles`, `tiles_m`, `heads`) to `load` and `mma`, which walk the
+# work tiles; and `mma` hands `mma_tile` one work tile as `coords` (Q tile, head, sequence), `seq`
+# (`offset_q`, `seqlen_q`, `seqlen_k`) and `kv_range` (`kv_tile_lo`, `kv_tile_hi`).
 
 # %%
 fig = figures.warp_specialized_roles(

@@ -586,9 +586,8 @@ class Sm90Kernel:
     ):
         """The consumers: walk load's work tiles, counting tiles and ring entries as it does, and
         make each tile's pass (mma_tile)."""
-        mQ, mK, _, mO, mLSE, mCuSeqlensQ, mCuSeqlensK = gmem
-        _, sKV, sO = smem
-        kv_pipeline, q_full, q_empty = barriers
+        mQ, mK, _, _, _, mCuSeqlensQ, mCuSeqlensK = gmem
+        _, q_full, _ = barriers
         total_tiles, tiles_m, heads, l2_heads = tiling
         window_left, window_right = window
         tiles_done = cutlass.Int32(0)
@@ -649,7 +648,7 @@ class Sm90Kernel:
         tidx,
         mma_tidx,
     ):
-        """Each warpgroup, for its 64 rows of the Q tile: the pass over the tile's KV
+        """Each consumer warpgroup, for its 64 rows of the Q tile: the pass over the tile's KV
         tiles (S = Q K^T, the online softmax, O += P V), and the epilogue.
         The pass starts at ring entry consumer_state."""
         _, _, _, mO, mLSE, _, mCuSeqlensK = gmem

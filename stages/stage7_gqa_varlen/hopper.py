@@ -379,7 +379,7 @@ class Sm90Kernel:
         tidx,
         mma_tidx,
     ):
-        """Each warpgroup, for its 64 rows of the Q tile: the pass over the tile's KV
+        """Each consumer warpgroup, for its 64 rows of the Q tile: the pass over the tile's KV
         tiles (S = Q K^T, the online softmax, O += P V), and the epilogue."""
         _, _, _, mO, mLSE, _, mCuSeqlensK = gmem
         _, sKV, sO = smem

@@ -11,7 +11,7 @@ Changes from stage 7:
   13 x 16 KB (D = 64). Arrivals per phase: kv_full 1 + the tile's TMA bytes, kv_empty 8 (one per
   consumer warp), q_full 1 + Q's bytes, q_empty 256 (every consumer thread, once sO is stored).
 - The work-tile loop: load and mma count tiles and ring entries, so that the phases carry from
-  tile to tile (one tile per CTA here; stage 11 changes which). O and LSE: stage 7's, bit for bit.
+  tile to tile (one tile per CTA here; stage 11: several). O and LSE: stage 7's, bit for bit.
 
 attention(q, k, v, ...): Q (B, H, Sq, D), K and V (B, Hkv, Sk, D), H % Hkv == 0 (Hkv = 1: MQA).
 attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...): q (total_q, H, D), k and v (total_k,
@@ -309,7 +309,8 @@ class Sm90Kernel:
 
         # 2. The work tiles: CTA c takes tile c, then next_tile's (here none). Producer (load) and
         # consumers (mma) walk the same tiles and count them (`tiles_done`: the phase of q_full and
-        # q_empty) and their ring entries (`entries`: the ring position, ring_state).
+        # q_empty) and their ring entries (`entries`: the ring position, ring_state; step t of a
+        # tile, KV tile kv_tile_lo + t, takes entries 2 t (K) and 2 t + 1 (V)).
         heads = mQ.shape[2]
         total_tiles = tiles_m * heads * self.sequences(mQ, mCuSeqlensQ)
         # What the role methods take, grouped (each unpacks what it uses)
@@ -337,7 +338,6 @@ class Sm90Kernel:
                 tiling,
                 scale_log2,
                 window,
-                warpgroup_idx,
                 tidx,
                 mma_tidx,
             )
@@ -400,15 +400,12 @@ class Sm90Kernel:
         tiling,
         scale_log2,
         window,
-        warpgroup_idx,
         tidx,
         mma_tidx,
     ):
         """The consumers: walk load's work tiles, counting tiles and ring entries as it does, and
         make each tile's pass (mma_tile)."""
-        mQ, mK, _, mO, mLSE, mCuSeqlensQ, mCuSeqlensK = gmem
-        _, sKV, sO = smem
-        kv_pipeline, q_full, q_empty = barriers
+        mQ, mK, _, _, _, mCuSeqlensQ, mCuSeqlensK = gmem
         total_tiles, tiles_m, heads = tiling
         window_left, window_right = window
         tiles_done = cutlass.Int32(0)
@@ -464,7 +461,7 @@ class Sm90Kernel:
         tidx,
         mma_tidx,
     ):
-        """Each warpgroup, for its 64 rows of the Q tile: the pass over the tile's KV
+        """Each consumer warpgroup, for its 64 rows of the Q tile: the pass over the tile's KV
         tiles (S = Q K^T, the online softmax, O += P V), and the epilogue.
         The pass starts at ring entry consumer_state."""
         _, _, _, mO, mLSE, _, mCuSeqlensK = gmem

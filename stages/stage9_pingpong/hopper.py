@@ -316,7 +316,8 @@ class Sm90Kernel:
 
         # 2. The work tiles: CTA c takes tile c, then next_tile's (here none). Producer (load) and
         # consumers (mma) walk the same tiles and count them (`tiles_done`: the phase of q_full and
-        # q_empty) and their ring entries (`entries`: the ring position, ring_state).
+        # q_empty) and their ring entries (`entries`: the ring position, ring_state; step t of a
+        # tile, KV tile kv_tile_lo + t, takes entries 2 t (K) and 2 t + 1 (V)).
         heads = mQ.shape[2]
         total_tiles = tiles_m * heads * self.sequences(mQ, mCuSeqlensQ)
         # What the role methods take, grouped (each unpacks what it uses)
@@ -413,9 +414,7 @@ class Sm90Kernel:
     ):
         """The consumers: walk load's work tiles, counting tiles and ring entries as it does, and
         make each tile's pass (mma_tile)."""
-        mQ, mK, _, mO, mLSE, mCuSeqlensQ, mCuSeqlensK = gmem
-        _, sKV, sO = smem
-        kv_pipeline, q_full, q_empty = barriers
+        mQ, mK, _, _, _, mCuSeqlensQ, mCuSeqlensK = gmem
         total_tiles, tiles_m, heads = tiling
         window_left, window_right = window
         tiles_done = cutlass.Int32(0)
@@ -475,7 +474,7 @@ class Sm90Kernel:
         tidx,
         mma_tidx,
     ):
-        """Each warpgroup, for its 64 rows of the Q tile: the pass over the tile's KV
+        """Each consumer warpgroup, for its 64 rows of the Q tile: the pass over the tile's KV
         tiles (S = Q K^T, the online softmax, O += P V), and the epilogue.
         The pass starts at ring entry consumer_state."""
         _, _, _, mO, mLSE, _, mCuSeqlensK = gmem
