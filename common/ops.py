@@ -107,8 +107,17 @@ def stage_module(n=None):
     return mod
 
 
+_TRACK_FILES = {}  # stage number -> its track file, for _stage
+
+
 def _stage():
-    return stage_module()
+    """The current stage's track file (hopper.py or blackwell.py), whose entries the wrappers and
+    the ops call: the package's own entries only forward to it, a call more on every call's path."""
+    n = current_stage()
+    mod = _TRACK_FILES.get(n)
+    if mod is None:
+        mod = _TRACK_FILES[n] = stage_module(n)._track_module()
+    return mod
 
 
 def _window(window_left, window_right):
@@ -308,7 +317,14 @@ def eager_direct(tensors, device_type="cuda"):
         return False
     if torch._C._functorch.peek_interpreter_stack() is not None:
         return False
-    return all(type(t) is torch.Tensor and t.device.type == device_type for t in tensors)
+    # (is_cuda is a flag read; t.device builds a device object, a measurable part of a call)
+    cuda = device_type == "cuda"
+    for t in tensors:
+        if type(t) is not torch.Tensor:
+            return False
+        if not (t.is_cuda if cuda else t.device.type == device_type):
+            return False
+    return True
 
 
 def _check_options(causal, window, return_lse, scale, max_seqlen_q=None, max_seqlen_k=None):
