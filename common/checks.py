@@ -271,7 +271,10 @@ def capturing(t):
 def _untracked(*tensors):
     """Tensors made under torch.inference_mode() carry no version counter (reading _version
     raises): an in-place write to them could not be seen, so they are validated every call."""
-    return any(torch.is_inference(t) for t in tensors)
+    for t in tensors:
+        if torch.is_inference(t):
+            return True
+    return False
 
 
 def _cu_seqlens_lookup(cu_q, cu_k, totals):
@@ -467,13 +470,14 @@ def _check_seqused_values(seqused_k, key_counts):
     counted_by = [] if isinstance(key_counts, list) else [key_counts]
     tracked = not _untracked(seqused_k, *counted_by)
     key = (id(seqused_k), tuple(key_counts) if not counted_by else ("cu", id(key_counts)))
-    stamp = tuple((weakref.ref(t), t._version) for t in [seqused_k, *counted_by]) if tracked else ()
     hit = _SEQUSED_SEEN.get(key) if tracked else None
     if hit is not None and all(
         ref() is t and version == t._version
         for (ref, version), t in zip(hit, [seqused_k, *counted_by])
     ):
         return
+    # The versions before the read: a write after it makes the next call read again.
+    stamp = tuple((weakref.ref(t), t._version) for t in [seqused_k, *counted_by]) if tracked else ()
     counts = (
         key_counts
         if isinstance(key_counts, list)
