@@ -13,14 +13,15 @@ ln sum_s e^{lse_s - lse_max}. A split that saw no key has lse_s = -inf: weight e
 (its O_s = 0 is never NaN). A row that no split saw (every lse_s = -inf: a window or a causal
 cut that leaves it no key) keeps O = 0 and LSE = -inf, as the unsplit kernel gives.
 
-Work: one row (b, h, s) per D / 4 threads, 4 columns each; a CTA of 128 threads takes 128 / (D / 4)
-rows (4 at D = 128, 8 at D = 64). Each thread reads the row's num_splits LSEs (the same for the
-row's threads: one transaction per warp) and its 4 columns of every O_s: num_splits x (D + 1) x 4
-bytes per row, 16 x 129 x 4 = 8 KB for a decode row cut 16 ways. So little data makes the
-kernel's time that of its loads' latency: both loops over the splits are unrolled 8 ways, so that
-a thread has the loads of 8 splits in flight, not one after another. A decode step at B = 1 (32
-rows, 16 splits) took 7.3 us with the loops rolled and 3.6 us unrolled (NVIDIA H100 80GB HBM3,
-2026-12-05; docs/results/README.md, stage 13). It is plain CUDA-core code (no TMA, no tensor
+Work: one row (b, h, s) per D / 4 threads, 4 columns each; a CTA of one warp takes 32 / (D / 4)
+rows (1 at D = 128, 2 at D = 64), so that a decode step's few rows spread over as many SMs. Each
+thread reads the row's num_splits LSEs (the same for the row's threads: one transaction per warp)
+and its 4 columns of every O_s: num_splits x (D + 1) x 4 bytes per row, 16 x 129 x 4 = 8 KB for a
+decode row cut 16 ways. So little data makes the kernel's time that of its loads' latency: both
+loops over the splits are unrolled 16 ways, so that a thread has the loads of up to 16 splits in
+flight, not one after another. A decode step at B = 1 (32 rows, 16 splits) took 7.3 us with the
+loops rolled and 3.6 us unrolled 8 ways in CTAs of 128 threads (NVIDIA H100 80GB HBM3, 2026-12-05;
+docs/results/README.md, stage 13). It is plain CUDA-core code (no TMA, no tensor
 cores): the same kernel compiles for sm_90a and sm_100a."""
 
 import math
@@ -43,7 +44,7 @@ class Combine:
         self.head_dim = head_dim
         self.columns = 4  # per thread
         self.threads_per_row = head_dim // self.columns  # 32 (D = 128) or 16 (D = 64)
-        self.threads = 128
+        self.threads = 32  # one warp: a decode step's few rows spread over as many SMs
         self.rows_per_cta = self.threads // self.threads_per_row
 
     @cute.jit
@@ -74,9 +75,9 @@ class Combine:
             s = row % S
             h = (row // S) % H
             b = row // (S * H)
-            # lse_max = max_s lse_s (unrolled: 8 loads in flight)
+            # lse_max = max_s lse_s (unrolled: 16 loads in flight)
             lse_max = -cutlass.Float32.inf
-            for split in cutlass.range(splits, unroll=8):
+            for split in cutlass.range(splits, unroll=16):
                 lse_max = cutlass.max(lse_max, mLSEp[split, b, h, s])
             out = cute.make_rmem_tensor(self.columns, cutlass.Float32)
             out.fill(0.0)
@@ -84,7 +85,7 @@ class Combine:
             if lse_max != -cutlass.Float32.inf:
                 # weight_s = e^{lse_s - lse_max} = 2^{(lse_s - lse_max) log2 e}
                 total = cutlass.Float32(0.0)
-                for split in cutlass.range(splits, unroll=8):
+                for split in cutlass.range(splits, unroll=16):
                     weight = cute.math.exp2(
                         (mLSEp[split, b, h, s] - lse_max) * math.log2(math.e), fastmath=True
                     )
