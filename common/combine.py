@@ -20,8 +20,9 @@ and its 4 columns of every O_s: num_splits x (D + 1) x 4 bytes per row, 16 x 129
 decode row cut 16 ways. So little data makes the kernel's time that of its loads' latency: both
 loops over the splits are unrolled 16 ways, so that a thread has the loads of up to 16 splits in
 flight, not one after another. A decode step at B = 1 (32 rows, 16 splits) took 7.3 us with the
-loops rolled and 3.6 us unrolled 8 ways in CTAs of 128 threads (NVIDIA H100 80GB HBM3, 2026-12-05;
-docs/results/README.md, stage 13). It is plain CUDA-core code (no TMA, no tensor
+loops rolled and 3.6 us unrolled 8 ways in CTAs of 128 threads (NVIDIA H100 80GB HBM3, 2026-12-05);
+under Nsight Compute, caches flushed, 7.6 us that way and 6.1 us as it is now (NVIDIA H100 80GB
+HBM3, 2026-12-06; docs/results/README.md, stage 13). It is plain CUDA-core code (no TMA, no tensor
 cores): the same kernel compiles for sm_90a and sm_100a."""
 
 import math

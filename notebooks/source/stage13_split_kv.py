@@ -369,13 +369,15 @@ for Sk_ in (8192, 32768, 131072):
 #
 # ### 5.5 The combine kernel
 #
-# `common/combine.py`'s `Combine` runs one query row per $D / 4$ threads, 4 columns each, 128
-# threads per CTA. Each thread reads the row's `num_splits` LSEs (the same addresses for the
-# row's threads) and its 4 columns of every $O_s$: $\text{splits} \cdot (D + 1) \cdot 4$ bytes
-# per row, 8 KiB for a decode row cut 16 ways. So little data makes the kernel's time that of
-# its loads' latency, which is why both loops over the splits are unrolled 8 ways: a thread has
-# 8 splits' loads in flight instead of one (a decode step's combine at 16 splits: 7.3 us rolled,
-# 3.6 us unrolled, H100, 2026-12-05, `docs/results/README.md`). It is plain CUDA-core code, no
+# `common/combine.py`'s `Combine` runs one query row per $D / 4$ threads, 4 columns each, one
+# warp per CTA (so a decode step's few rows spread over many SMs). Each thread reads the row's
+# `num_splits` LSEs (the same addresses for the row's threads) and its 4 columns of every $O_s$:
+# $\text{splits} \cdot (D + 1) \cdot 4$ bytes per row, 8 KiB for a decode row cut 16 ways. So
+# little data makes the kernel's time that of its loads' latency, which is why both loops over
+# the splits are unrolled: a thread has up to 16 splits' loads in flight instead of one (a decode
+# step's combine at 16 splits, in CTAs of 128 threads: 7.3 us rolled, 3.6 us unrolled 8 ways,
+# H100, 2026-12-05; one warp a CTA and 16 ways took the decode row at B = 1, 8k from 0.87 to
+# 0.90x cuDNN in GPU time, H100, 2026-12-06; `docs/results/README.md`). It is plain CUDA-core code, no
 # TMA or tensor cores, so the same kernel compiles for sm_90a and sm_100a. A row that no split
 # saw keeps O = 0 and LSE = $-\infty$, as the unsplit kernel gives.
 
