@@ -374,12 +374,13 @@ for Sk_ in (8192, 32768, 131072):
 # `num_splits` LSEs (the same addresses for the row's threads) and its 4 columns of every $O_s$:
 # $\text{splits} \cdot (D + 1) \cdot 4$ bytes per row, 8 KiB for a decode row cut 16 ways. So
 # little data makes the kernel's time that of its loads' latency, which is why both loops over
-# the splits are unrolled: a thread has up to 16 splits' loads in flight instead of one (a decode
-# step's combine at 16 splits, in CTAs of 128 threads: 7.3 us rolled, 3.6 us unrolled 8 ways,
-# H100, 2026-12-05; one warp a CTA and 16 ways took the decode row at B = 1, 8k from 0.87 to
-# 0.90x cuDNN in GPU time, H100, 2026-12-06; `docs/results/README.md`). It is plain CUDA-core code, no
-# TMA or tensor cores, so the same kernel compiles for sm_90a and sm_100a. A row that no split
-# saw keeps O = 0 and LSE = $-\infty$, as the unsplit kernel gives.
+# the splits are unrolled 16 ways: a thread has up to 16 splits' loads in flight instead of one.
+# A decode step's combine at 16 splits, in CTAs of 128 threads, took 7.3 us of GPU time rolled
+# and 3.6 us unrolled 8 ways (H100, 2026-12-05); one warp a CTA and 16 ways took the decode row
+# at B = 1, 8k from 0.87 to 0.90x cuDNN in GPU time (H100, 2026-12-06; both in
+# `docs/results/README.md`, stage 13). It is plain CUDA-core code, no TMA or tensor cores, so
+# the same kernel compiles for sm_90a and sm_100a. A row that no split saw keeps O = 0 and
+# LSE = $-\infty$, as the unsplit kernel gives.
 
 # %%
 nb.show_function(Combine.kernel)
@@ -570,8 +571,10 @@ fig = figures.decode_bars(
 #   cuDNN's kernels take 14.0 us and 36.5 us against stage 13's 21.7 us and 43.8 us (the
 #   attention kernel and the combine together; `docs/notes/stage13.md`). In this run the
 #   combine's loops over the splits were still rolled; on an H100 (2026-12-05) unrolling them
-#   (section 5.5) moved 13 / cuDNN in GPU time from 0.73 to 0.88 at 8k and from 0.86 to 0.94
-#   at 32k (`docs/notes/stage13.md`).
+#   8 ways moved 13 / cuDNN in GPU time from 0.73 to 0.88 at 8k and from 0.86 to 0.94 at 32k,
+#   and the combine of section 5.5, as it now is, gives 0.90 and 0.97 (H100, 2026-12-06;
+#   `docs/notes/stage13.md`, `docs/results/README.md`); on that GPU every row stays below 1.0 in
+#   GPU time.
 # - **Short caches are host-bound.** At 8k and 32k a call back to back takes longer than its
 #   GPU work (32k: 77.5 us against 43.8 us), so the event-timed GB/s measure the host: 1,732 GB/s
 #   at 32k where the GPU time gives 3,063. The next section is the host's side.
