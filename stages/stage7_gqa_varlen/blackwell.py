@@ -1,51 +1,31 @@
 """Stage 7 - real-model shapes: GQA / MQA and packed sequences (Blackwell, sm_100a).
 
 Changes from stage 6:
-- The head mapping: the CTA of query head `head` reads K and V of kv_head = head // (H / Hkv),
-  a TMA coordinate - no K or V is copied or expanded. The H / Hkv query heads of a group read
-  the same K/V tiles, which L2 then serves (32 query / 8 KV heads: each K/V byte is read by 4
-  CTAs).
-- One per-sequence method, seq_info(), gives (offset_q, seqlen_q, offset_k, seqlen_k) to every
-  role of the kernel, before the warps split (as kv_tile_range() does). Batch mode: (0, Sq, 0,
-  Sk) and the tensors' batch coordinate. Packed: offsets from cu_seqlens, the tensors seen as
-  B = 1 and S = total tokens, each sequence a domain_offset view of its rows; the grid has
-  ceil(max_seqlen_q / 128) Q tiles per sequence and the CTAs past a shorter sequence's end
-  find an empty tile range (stage 6's path: no K or V read, no MMA) and store nothing.
-- Sequence boundaries. TMA clips at a tensor's bounds, which for packed sequences is the total
-  token count, not the sequence's end:
-  * loads: a Q or K tile that runs past seqlen reads the next sequence's rows. Q rows past
-    seqlen_q only feed their own TMEM lanes and are never stored; K columns past seqlen_k are
-    masked to -inf (the stage 6 mask: a select, so NaN there is replaced too). But P = 0 there
-    multiplies V's rows, and 0 x NaN = NaN: in packed mode the MMA warp zeroes the keys past
-    seqlen_k of the last V tile in shared memory (zero_keys, 32 lanes, at most 127 x D
-    elements, only in a sequence's last KV tile) between its wait for V and its PV MMAs.
-    tcgen05.mma reads shared memory through the async proxy, so each lane's generic-proxy
-    stores are followed by fence.proxy.async.shared::cta, then __syncwarp, before the elected
-    lane issues the MMAs; the tcgen05.commit that frees the slot comes after them, so the TMA
-    refill of the slot is ordered after the zeroing too.
-  * the store: O was already stored by threads with a per-row predicate (store_row); its bound
-    is now the sequence's (seqlen_q), not the packed tensor's, and so is LSE's.
-- Registers (ptxas of CUDA 13.0, sm_100a, 2026-12-01): batch mode 168 (bf16) and 212 (fp16),
-  packed 168 and 208 (D = 64) / 210 (D = 128), no spills (stage 6: 168 and 209); shared memory
-  and TMEM as in stage 6.
-- Pack-GQA for short Sq, as on Hopper (common/pack_gqa.py): the G = H / Hkv query heads of a KV
-  head share a Q tile's rows (row r: position r // G of head r % G) where a head's rows alone
-  would leave the tile mostly empty (Sq = 1: 1 of 128 rows). Q, O and LSE get (G, S) as their
-  row mode, the grid runs over KV heads, the masks take position r // G, and the per-row
-  store and LSE take the row's (g, position) coordinate.
+- GQA: the CTA of query head `head` reads K and V of kv_head = head // (H / Hkv), a TMA
+  coordinate; the H / Hkv heads of a group read the same K/V tiles, which L2 serves.
+- Packed sequences: work_tile() gives every role, before the warps split, the tile's heads,
+  its sequence (seq_info: offset_q, seqlen_q, offset_k, seqlen_k; batch mode 0, Sq, 0, Sk) and
+  its KV range. Packed, each sequence is a domain_offset view of its rows, with
+  ceil(max_seqlen_q / 128) Q tiles (those past a shorter sequence's end find an empty range).
+- Sequence boundaries: TMA clips at the packed tensor's end, not the sequence's. P = 0 past
+  seqlen_k, but 0 x NaN = NaN: the MMA warp zeroes the next sequence's V rows in shared memory
+  first (zero_keys); O and LSE are stored by threads, only rows < seqlen_q (store_row).
+- Pack-GQA for short Sq: the G = H / Hkv heads of a KV head share a Q tile (row r: position
+  r // G of head r % G) when that fills tiles much better (common/pack_gqa.py).
 
-attention(q, k, v, ...): Q (B, H, Sq, D), K and V (B, Hkv, Sk, D) with H % Hkv == 0 (Hkv = 1 is
-MQA); query head h reads KV head h // (H // Hkv), as SDPA's enable_gqa. attention_varlen(q, k,
-v, cu_seqlens_q, cu_seqlens_k, ...): FlashAttention's packed layout, q (total_q, H, D), k and v
-(total_k, Hkv, D), sequence b in rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1. Both keep stage 6's
-masks (bottom-right aligned per sequence), LSE, bf16/fp16, D = 64 or 128.
+attention(q, k, v, ...): Q (B, H, Sq, D), K and V (B, Hkv, Sk, D), H % Hkv == 0 (Hkv = 1: MQA).
+attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...): q (total_q, H, D), k and v (total_k,
+Hkv, D), sequence b in rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1. Stage 6's masks (bottom-right
+per sequence), LSE, bf16/fp16, D = 64 or 128, pack-GQA for short Sq.
 
-Shapes: B, H, Hkv, Sq, Sk >= 1 (packed: any lengths >= 0), D in {64, 128}.
+Shapes: B, H, Hkv, Sq, Sk >= 1 (packed: any lengths >= 0), D in {64, 128}. The proxy fences of
+zero_keys and the register counts: docs/notes/stage7.md.
 
 Compile-checked for sm_100a with fake tensors and no GPU (common.tools.ptx.compile_only(7,
-"blackwell") sets CuTe DSL's target arch for the compile); never run on Blackwell hardware, so
-nothing here is measured. The numerical tests run only where an sm_100 GPU is present.
-Measured numbers (Hopper track only): docs/results/README.md.
+"blackwell")); PTX checks and a CPU model of every hand-off between the roles
+(common/tools/schedule.py) in tests; never run on Blackwell hardware, so neither its speed nor
+what it gains over the stage before is known. The numerical tests run only where an sm_100 GPU
+is present. Measured numbers (Hopper track only): docs/results/README.md.
 """
 
 import math
@@ -302,21 +282,13 @@ class Sm100Kernel:
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        # blockIdx = (Q tile, head, sequence). Query head `head` reads KV head head // group.
-        # (Packed, mQ has Hkv heads, the group is 1 and `head` is the KV head.)
-        bidx, head, batch = cute.arch.block_idx()
-        kv_head = head // (cute.size(mQ, mode=[2, 0]) // cute.size(mK, mode=[2, 0]))
-        # Where this sequence starts in Q and K, and how long it is (batch mode: 0, Sq, 0, Sk),
-        # for every role, before the warps split.
-        offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
-            batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
-        )
-        # The KV tiles holding a key that some row of this Q tile sees: [kv_tile_lo, kv_tile_hi),
-        # computed once, before the warps split: the one range the TMA warp loads, the MMA warp
-        # multiplies and the softmax warps fold (empty: no K or V is read, no MMA is issued).
-        kv_tile_lo, kv_tile_hi = self.kv_tile_range(
-            bidx, seqlen_q, seqlen_k, window_left, window_right, self.qk_mma_tiler[0]
-        )
+        # The work tile: blockIdx, for every role, before the warps split. What a role needs of a
+        # tile (its Q tile, head, sequence, KV range) it takes from work_tile.
+        work = (mQ, mK, mCuSeqlensQ, mCuSeqlensK, window_left, window_right)
+        w = self.work_tile(cute.arch.block_idx(), *work)
+        q_tile0, head, kv_head, batch = w[:4]
+        offset_q, seqlen_q, offset_k, seqlen_k = w[4:8]
+        kv_tile_lo, kv_tile_hi = w[8:]
 
         # 1. Prepare
         if warp_idx == self.tma_warp_id:
@@ -345,9 +317,9 @@ class Sm100Kernel:
             mQ, mK, mV, mO, mLSE, head, kv_head, batch, offset_q, offset_k
         )
         # (bM, D): the CTA's Q tile
-        gQ = gQ[(None, None, bidx)]
+        gQ = gQ[(None, None, q_tile0)]
         # (bM, D): O's tile, and the (query, d) coordinates of its elements in O
-        gO, cO = (t[(None, None, bidx)] for t in (gO, cO))
+        gO, cO = (t[(None, None, q_tile0)] for t in (gO, cO))
 
         qk_thr = qk_mma.get_slice(0)
         pv_thr = pv_mma.get_slice(0)
@@ -356,12 +328,6 @@ class Sm100Kernel:
         tCcO = pv_thr.partition_C(cO)
         # (MMA, MMA_M, MMA_N): the (row, key) coordinates of S's elements within a tile
         tCcS = qk_thr.partition_C(cute.make_identity_tensor(self.qk_mma_tiler[:2]))
-        # MMA operands, as shared-memory descriptors. (MMA, MMA_M, MMA_K, q_buffers)
-        tCrQ = qk_mma.make_fragment_A(sQ)
-        # (MMA, MMA_N, MMA_K, kv_slots)
-        tCrK = qk_mma.make_fragment_B(sK)
-        # (MMA, MMA_N=D, MMA_K, kv_slots)
-        tCrV = pv_mma.make_fragment_B(sV)
         # S and O in TMEM; the base address is known once TMEM is allocated. (MMA, MMA_M, MMA_N)
         tStS_layout = qk_mma.make_fragment_C(qk_thr.partition_shape_C(self.qk_mma_tiler[:2])).layout
         tOtO_layout = pv_mma.make_fragment_C(pv_thr.partition_shape_C(self.pv_mma_tiler[:2])).layout
@@ -386,9 +352,8 @@ class Sm100Kernel:
             self.mma(
                 qk_mma,
                 pv_mma,
-                tCrQ,
-                tCrK,
-                tCrV,
+                sQ,
+                sK,
                 sV,
                 tmem,
                 tStS_layout,
@@ -422,7 +387,7 @@ class Sm100Kernel:
                 o_pipe.make_consumer(),
                 tile_mO,
                 tile_mLSE,
-                bidx,
+                q_tile0,
                 kv_tile_lo,
                 kv_tile_hi,
                 seqlen_q,
@@ -488,9 +453,8 @@ class Sm100Kernel:
         self,
         qk_mma,
         pv_mma,
-        tCrQ,
-        tCrK,
-        tCrV,
+        sQ,
+        sK,
         sV,
         tmem,
         tStS_layout,
@@ -507,6 +471,13 @@ class Sm100Kernel:
         mCuSeqlensK,
     ):
         """The MMA warp; one thread issues, per KV tile j: S_j = Q @ K_j^T, then O += P_j @ V_j."""
+        # MMA operands, as shared-memory descriptors (made here, where they are used).
+        # (MMA, MMA_M, MMA_K, q_buffers)
+        tCrQ = qk_mma.make_fragment_A(sQ)
+        # (MMA, MMA_N, MMA_K, kv_slots)
+        tCrK = qk_mma.make_fragment_B(sK)
+        # (MMA, MMA_N=D, MMA_K, kv_slots)
+        tCrV = pv_mma.make_fragment_B(sV)
         tmem.wait_for_alloc()
         tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
         tStS = cute.make_tensor(tmem_ptr + self.tmem_s_offset, tStS_layout)
@@ -525,6 +496,21 @@ class Sm100Kernel:
         o_prod = o_pipe.make_producer()
         # Waits, like the softmax warps, until the PV MMAs of the previous tile have read P
         p_free = p_pipe.make_producer()
+        pipes = (q_cons, kv_cons, s_prod, p_cons)
+        pipes += (o_prod, p_free)
+        operands = (tCrQ, tCrK, tCrV, sV, tStS, tOtO, tOrP)
+        qk_mma, pv_mma, pipes = self.mma_tile(
+            qk_mma, pv_mma, operands, pipes, kv_tile_lo, kv_tile_hi, seqlen_k, mCuSeqlensK
+        )
+
+    @cute.jit
+    def mma_tile(
+        self, qk_mma, pv_mma, operands, pipes, kv_tile_lo, kv_tile_hi, seqlen_k, mCuSeqlensK
+    ):
+        """One work tile's MMAs, with the pipeline states they advance returned."""
+        tCrQ, tCrK, tCrV, sV, tStS, tOtO, tOrP = operands
+        q_cons, kv_cons, s_prod, p_cons = pipes[:4]
+        o_prod, p_free = pipes[4:]
         q_full = q_cons.wait_and_advance()
         o_empty = o_prod.acquire_and_advance()
         for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
@@ -558,6 +544,8 @@ class Sm100Kernel:
         q_full.release()
         # O is complete once every MMA above has completed.
         o_empty.commit()
+        pipes = (q_cons, kv_cons, s_prod, p_cons)
+        return qk_mma, pv_mma, pipes + (o_prod, p_free)
 
     @cute.jit
     def softmax(
@@ -943,6 +931,31 @@ class Sm100Kernel:
         seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
         seqlen_k = mCuSeqlensK[batch + 1] - offset_k
         return offset_q, seqlen_q, offset_k, seqlen_k, 0
+
+    @cute.jit
+    def work_tile(self, tile, mQ, mK, mCuSeqlensQ, mCuSeqlensK, window_left, window_right):
+        """What every role takes from work tile `tile`: (q_tile0, head, kv_head, batch,
+        offset_q, seqlen_q, offset_k, seqlen_k, kv_tile_lo, kv_tile_hi); tile = blockIdx."""
+        heads = cute.size(mQ, mode=[2, 0])
+        # CTA row block bidx: Q tile bidx. Query head `head` reads KV head
+        # head // group. (Packed, mQ has Hkv heads, the group is 1 and `head` is the KV head.)
+        bidx, head, batch = tile
+        kv_head = head // (heads // cute.size(mK, mode=[2, 0]))
+        q_tile0 = bidx
+        # Where this sequence starts in Q and K, and how long it is (batch mode: 0, Sq, 0, Sk).
+        offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
+            batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
+        )
+        # The KV tiles holding a key that some row of the CTA's 128 rows sees: the one range
+        # the TMA warp loads, the MMA warp multiplies and every
+        # warpgroup folds (empty: no K or V is read, no MMA issued).
+        kv_tile_lo, kv_tile_hi = self.kv_tile_range(
+            bidx, seqlen_q, seqlen_k, window_left, window_right, self.qk_mma_tiler[0]
+        )
+        return (q_tile0, head, kv_head, batch, offset_q, seqlen_q, offset_k, seqlen_k) + (
+            kv_tile_lo,
+            kv_tile_hi,
+        )
 
     @cute.jit
     def zero_keys(self, sV, slot, first_key):

@@ -11,22 +11,18 @@ Changes from stage 7:
   TMEM and releases O to the MMA warp, which only then issues P_j @ V_j into it. At the end it
   reads the row sum and max the same way, normalises O, writes LSE and stores O: in batch mode
   through shared memory (Q's buffer, 128-byte swizzled) and one TMA store, which clips at Sq;
-  packed sequences and pack-GQA keep stage 7's predicated row stores (a TMA box would write
-  the next sequence's rows).
-- Warp 8 issues the MMAs, warp 9 the TMA loads; warps 10-11 complete the third warpgroup. At
-  launch each of the 384 threads holds 168 registers (65,536 / 384, rounded down to a multiple
-  of 8); setmaxnreg gives the softmax warpgroup 208, the correction warpgroup 152, the MMA/TMA
-  warpgroup 144: (208 + 152 + 144) x 128 = 64,512 = 168 x 384. ptxas (CUDA 13.0, 2026-12-04):
-  no spills in bf16 or fp16, D = 64 or 128, batch or packed (168 for all: 16-28 B in fp16).
-- Arrivals per barrier phase (full / empty): S 1 (tcgen05.commit) / 128 softmax threads, P
-  128 / 1, O 1 / 128 correction threads, row statistics 128 / 128; named barriers of 288
-  threads (TMEM allocated: MMA warp, softmax, correction), 256 (TMEM freed), 128 (O staged).
-- TMEM: S (P over it) in columns 0-127, O in 128 .. 128 + D - 1; 256 columns allocated.
-- Shared memory (227 KiB): Q, where O is staged too, and as many K/V ring slots as fit, at most
-  8: D = 128, 32 KiB Q and 5 slots of 32 KiB, 198,656 bytes with barriers and row statistics;
-  D = 64, 16 KiB Q and 8 slots of 16 KiB, 149,504 bytes.
-- What stays: the MMA warp waits for the softmax twice per KV tile (for P_j, and for P_j @ V_j
-  before S_j+1 overwrites P_j), and while the softmax runs the tensor core has nothing queued.
+  packed sequences and pack-GQA keep stage 7's row stores (a TMA box would write the next
+  sequence's rows).
+- Warp 8 issues the MMAs, warp 9 the TMA loads; warps 10-11 complete the third warpgroup. 384
+  threads hold 168 registers each at launch; setmaxnreg: softmax 208, correction 152, MMA/TMA
+  144: (208 + 152 + 144) x 128 = 64,512 = 168 x 384 (ptxas: docs/notes/stage8.md).
+- Arrivals per phase (full / empty): S 1 (tcgen05.commit) / 128, P 128 / 1, O 1 / 128, row
+  statistics 128 / 128; named barriers of 288 (TMEM allocated), 256 (freed), 128 (O staged).
+- TMEM: S (P over it) in columns 0-127, O in 128 .. 128 + D - 1; 256 allocated. Shared memory
+  (227 KiB): Q (O staged there too) and up to 8 K/V slots: D = 128, 5 slots, 198,656 bytes;
+  D = 64, 8 slots, 149,504 bytes.
+- What stays: the MMA warp waits for the softmax twice per KV tile, and while the softmax runs
+  the tensor core has nothing queued (stage 9).
 
 Same entries and features as stage 7 (GQA / MQA, packed sequences, causal and window masks,
 LSE, pack-GQA, bf16 / fp16, D = 64 or 128).
