@@ -1051,67 +1051,47 @@ class Sm100Kernel:
             cta_layout_vmnk=cluster_layout_vmnk,
             defer_sync=True,
         ).make_participants()
-        # Per Q tile s, four hand-offs of one entry each (two mbarriers apiece):
-        # S_s, MMA -> softmax warpgroup s: tcgen05.commit marks S_s complete; its 128 threads
+        # Four hand-offs of one entry each (two mbarriers apiece), all of the one Q tile:
+        # S, MMA -> softmax warpgroup: tcgen05.commit marks S complete; the 128 softmax threads
         #   arrive once they have read it.
-        # P_s, softmax warpgroup s -> MMA: 128 arrivals once P_s is in TMEM; tcgen05.commit after
-        #   the PV MMAs marks P_s's columns free again.
-        # O_s, MMA -> correction: tcgen05.commit after P_s @ V_j (O_s holds tile j); the 128
+        # P, softmax warpgroup -> MMA: 128 arrivals once P is in TMEM; tcgen05.commit after the
+        #   PV MMAs marks P's columns free again.
+        # O, MMA -> correction: tcgen05.commit after P_j @ V_j (O holds tile j); the 128
         #   correction threads arrive once they have rescaled (or, last, read) it.
-        # stats_s, softmax warpgroup s -> correction, through shared memory: per KV tile the row
+        # stats, softmax warpgroup -> correction, through shared memory: per KV tile the row
         #   factor exp2(scale (m_old - m_new)), after the loop the row sum and max; 128 arrivals
         #   each way.
-        s_pipes, p_pipes, o_pipes, stats_pipes = [], [], [], []
-        for s in cutlass.range_constexpr(self.q_tiles):
-            s_pipes.append(
-                pipeline.PipelineUmmaAsync.create(
-                    barrier_storage=storage.s_bar.data_ptr() + 2 * s,
-                    num_stages=self.s_buffers,
-                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                    consumer_group=pipeline.CooperativeGroup(
-                        pipeline.Agent.Thread, softmax_threads
-                    ),
-                    cta_layout_vmnk=cluster_layout_vmnk,
-                    defer_sync=True,
-                )
-            )
-            p_pipes.append(
-                pipeline.PipelineAsyncUmma.create(
-                    barrier_storage=storage.p_bar.data_ptr() + 2 * s,
-                    num_stages=1,
-                    producer_group=pipeline.CooperativeGroup(
-                        pipeline.Agent.Thread, softmax_threads
-                    ),
-                    consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                    cta_layout_vmnk=cluster_layout_vmnk,
-                    defer_sync=True,
-                )
-            )
-            o_pipes.append(
-                pipeline.PipelineUmmaAsync.create(
-                    barrier_storage=storage.o_bar.data_ptr() + 2 * s,
-                    num_stages=1,
-                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                    consumer_group=pipeline.CooperativeGroup(
-                        pipeline.Agent.Thread, correction_threads
-                    ),
-                    cta_layout_vmnk=cluster_layout_vmnk,
-                    defer_sync=True,
-                )
-            )
-            stats_pipes.append(
-                pipeline.PipelineAsync.create(
-                    barrier_storage=storage.stats_bar.data_ptr() + 2 * s,
-                    num_stages=1,
-                    producer_group=pipeline.CooperativeGroup(
-                        pipeline.Agent.Thread, softmax_threads
-                    ),
-                    consumer_group=pipeline.CooperativeGroup(
-                        pipeline.Agent.Thread, correction_threads
-                    ),
-                    defer_sync=True,
-                )
-            )
+        s_pipe = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.s_bar.data_ptr(),
+            num_stages=self.s_buffers,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, softmax_threads),
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        )
+        p_pipe = pipeline.PipelineAsyncUmma.create(
+            barrier_storage=storage.p_bar.data_ptr(),
+            num_stages=1,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, softmax_threads),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        )
+        o_pipe = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.o_bar.data_ptr(),
+            num_stages=1,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, correction_threads),
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        )
+        stats_pipe = pipeline.PipelineAsync.create(
+            barrier_storage=storage.stats_bar.data_ptr(),
+            num_stages=1,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, softmax_threads),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, correction_threads),
+            defer_sync=True,
+        )
         tmem_alloc_bar = pipeline.NamedBarrier(
             barrier_id=self.tmem_alloc_bar_id,
             num_threads=32 * (1 + len(self.softmax_warp_ids[0]) + len(self.correction_warp_ids)),
@@ -1126,7 +1106,8 @@ class Sm100Kernel:
         return (
             (q_prod, q_cons),
             (kv_prod, kv_cons),
-            (s_pipes, p_pipes, o_pipes, stats_pipes),
+            # one of each per Q tile (stage 9 has two)
+            ((s_pipe,), (p_pipe,), (o_pipe,), (stats_pipe,)),
             (tmem_alloc_bar, correction_bar, tmem_free_bar),
         )
 
