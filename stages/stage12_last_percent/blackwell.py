@@ -1433,7 +1433,7 @@ class Sm100Kernel:
             cute.domain_offset((q_offset, 0), mO[(None, None, (head, batch))]),
         )
         mLSE = cute.domain_offset((q_offset,), mLSE[(None, (head, batch))])
-        # (bM, D, q_tiles): the CTA's two Q tiles
+        # (bM, D, Q tiles): every Q tile of the sequence
         gQ = cute.local_tile(mQ, self.qk_mma_tiler, (None, 0, 0), proj=(1, None, 1))
         # (bN, D, kv_tiles)
         gK = cute.local_tile(mK, self.qk_mma_tiler, (0, None, 0), proj=(None, 1, 1))
@@ -1606,7 +1606,7 @@ class Sm100Kernel:
         values with tile_coords in place of blockIdx."""
         heads = cute.size(mQ, mode=[2, 0])
         # CTA row block bidx: Q tiles 2 bidx and 2 bidx + 1. Query head `head` reads KV head
-        # head // group. (Packed, mQ has Hkv heads, the group is 1 and `head` is the KV head.)
+        # head // group. (Pack-GQA: mQ has Hkv heads, the group is 1 and `head` is the KV head.)
         bidx, head, batch = self.tile_coords(tile, tiles_m, heads, l2_heads)
         kv_head = head // (heads // cute.size(mK, mode=[2, 0]))
         # Where this sequence starts in Q and K, and how long it is (batch mode: 0, Sq, 0, Sk).
@@ -1805,7 +1805,7 @@ def compile_args(dtype, shape, scale=None, **options):
     """(kernel, args) for cute.compile with fake tensors, shape = (B, H, Sq, Sk, D); options
     causal, window, kv_heads (Hkv, default H), varlen (True: packed sequences, B of them,
     through cu_seqlens) and pack_gqa (None, True, False: as attention's). The host side of
-    stages 7-10 is one copy, common/attention_host.py."""
+    stages 7-14 is one copy, common/attention_host.py."""
     return attention_host.compile_args(Sm100Kernel, dtype, shape, scale, **options)
 
 

@@ -1488,7 +1488,7 @@ class Sm100Kernel:
             cute.domain_offset((q_offset, 0), mO[(None, None, (head, batch))]),
         )
         mLSE = cute.domain_offset((q_offset,), mLSE[(None, (head, batch))])
-        # (bM, D, q_tiles): the CTA's two Q tiles
+        # (bM, D, Q tiles): every Q tile of the sequence
         gQ = cute.local_tile(mQ, self.qk_mma_tiler, (None, 0, 0), proj=(1, None, 1))
         # (bN, D, kv_tiles)
         gK = cute.local_tile(mK, self.qk_mma_tiler, (0, None, 0), proj=(None, 1, 1))
@@ -1677,7 +1677,7 @@ class Sm100Kernel:
         per-CTA values with tile_coords in place of blockIdx, the range cut to the split's."""
         heads = cute.size(mQ, mode=[2, 0])
         # CTA row block bidx: Q tiles 2 bidx and 2 bidx + 1. Query head `head` reads KV head
-        # head // group. (Packed, mQ has Hkv heads, the group is 1 and `head` is the KV head.)
+        # head // group. (Pack-GQA: mQ has Hkv heads, the group is 1 and `head` is the KV head.)
         bidx, head, batch, split = self.tile_coords(tile, tiles_m, heads, l2_heads, num_splits)
         kv_head = head // (heads // cute.size(mK, mode=[2, 0]))
         # Where this sequence starts in Q and K, and how long it is (batch mode: 0, Sq, 0, Sk).

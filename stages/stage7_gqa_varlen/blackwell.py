@@ -6,12 +6,15 @@ Changes from stage 6:
 - Packed sequences: work_tile() gives every role, before the warps split, the tile's heads,
   its sequence (seq_info: offset_q, seqlen_q, offset_k, seqlen_k; batch mode 0, Sq, 0, Sk) and
   its KV range. Packed, each sequence is a domain_offset view of its rows, with
-  ceil(max_seqlen_q / 128) Q tiles (those past a shorter sequence's end find an empty range).
+  ceil(G x max_seqlen_q / 128) Q tiles (G = 1 without pack-GQA; those past a shorter
+  sequence's end find an empty range).
 - Sequence boundaries: TMA clips at the packed tensor's end, not the sequence's. P = 0 past
   seqlen_k, but 0 x NaN = NaN: the MMA warp zeroes the next sequence's V rows in shared memory
   first (zero_keys); O and LSE are stored by threads, only rows < seqlen_q (store_row).
 - Pack-GQA for short Sq: the G = H / Hkv heads of a KV head share a Q tile (row r: position
   r // G of head r % G) when that fills tiles much better (common/pack_gqa.py).
+- The MMA warp's loop over one tile's KV range is its own method, mma_tile, which returns the
+  pipeline states it advanced: stage 11 calls it once per work tile of a persistent CTA.
 
 attention(q, k, v, ...): Q (B, H, Sq, D), K and V (B, Hkv, Sk, D), H % Hkv == 0 (Hkv = 1: MQA).
 attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...): q (total_q, H, D), k and v (total_k,
@@ -494,7 +497,8 @@ class Sm100Kernel:
         s_prod = s_pipe.make_producer()
         p_cons = p_pipe.make_consumer()
         o_prod = o_pipe.make_producer()
-        # Waits, like the softmax warps, until the PV MMAs of the previous tile have read P
+        # Waits, like the softmax warps, until the PV MMAs of the previous tile (readers of P)
+        # have completed
         p_free = p_pipe.make_producer()
         pipes = (q_cons, kv_cons, s_prod, p_cons)
         pipes += (o_prod, p_free)
@@ -935,10 +939,11 @@ class Sm100Kernel:
     @cute.jit
     def work_tile(self, tile, mQ, mK, mCuSeqlensQ, mCuSeqlensK, window_left, window_right):
         """What every role takes from work tile `tile`: (q_tile0, head, kv_head, batch,
-        offset_q, seqlen_q, offset_k, seqlen_k, kv_tile_lo, kv_tile_hi); tile = blockIdx."""
+        offset_q, seqlen_q, offset_k, seqlen_k, kv_tile_lo, kv_tile_hi); tile = blockIdx. q_tile0
+        is the CTA's Q tile (from stage 9 on the first of its two)."""
         heads = cute.size(mQ, mode=[2, 0])
         # CTA row block bidx: Q tile bidx. Query head `head` reads KV head
-        # head // group. (Packed, mQ has Hkv heads, the group is 1 and `head` is the KV head.)
+        # head // group. (Pack-GQA: mQ has Hkv heads, the group is 1 and `head` is the KV head.)
         bidx, head, batch = tile
         kv_head = head // (heads // cute.size(mK, mode=[2, 0]))
         q_tile0 = bidx
@@ -947,8 +952,8 @@ class Sm100Kernel:
             batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
         )
         # The KV tiles holding a key that some row of the CTA's 128 rows sees: the one range
-        # the TMA warp loads, the MMA warp multiplies and every
-        # warpgroup folds (empty: no K or V is read, no MMA issued).
+        # the TMA warp loads, the MMA warp multiplies and the
+        # softmax warps fold (empty: no K or V is read, no MMA issued).
         kv_tile_lo, kv_tile_hi = self.kv_tile_range(
             bidx, seqlen_q, seqlen_k, window_left, window_right, self.qk_mma_tiler[0]
         )
@@ -1048,7 +1053,7 @@ def compile_args(dtype, shape, scale=None, **options):
     """(kernel, args) for cute.compile with fake tensors, shape = (B, H, Sq, Sk, D); options
     causal, window, kv_heads (Hkv, default H), varlen (True: packed sequences, B of them,
     through cu_seqlens) and pack_gqa (None, True, False: as attention's). The host side of
-    stages 7-10 is one copy, common/attention_host.py."""
+    stages 7-14 is one copy, common/attention_host.py."""
     return attention_host.compile_args(Sm100Kernel, dtype, shape, scale, **options)
 
 

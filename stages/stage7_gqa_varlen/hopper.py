@@ -234,7 +234,7 @@ class Sm90Kernel:
             cpasync.prefetch_descriptor(tma_atom_v)
 
         # blockIdx = (Q tile, head, sequence). Query head `head` reads KV head head // group.
-        # (Packed, mQ has Hkv heads, the group is 1 and `head` is the KV head.)
+        # (Pack-GQA: mQ has Hkv heads, the group is 1 and `head` is the KV head.)
         pid_m, head, batch = cute.arch.block_idx()
         kv_head = head // (mQ.shape[2] // mK.shape[2])
         # Where this sequence starts in Q and K, and how long it is (batch mode: 0, Sq, 0, Sk).

@@ -18,9 +18,12 @@ Changes from stage 7:
   144: (208 + 152 + 144) x 128 = 64,512 = 168 x 384 (ptxas: docs/notes/stage8.md).
 - Arrivals per phase (full / empty): S 1 (tcgen05.commit) / 128, P 128 / 1, O 1 / 128, row
   statistics 128 / 128; named barriers of 288 (TMEM allocated), 256 (freed), 128 (O staged).
-- TMEM: S (P over it) in columns 0-127, O in 128 .. 128 + D - 1; 256 allocated. Shared memory
-  (227 KiB): Q (O staged there too) and up to 8 K/V slots: D = 128, 5 slots, 198,656 bytes;
-  D = 64, 8 slots, 149,504 bytes.
+- TMEM: S (P over it) in columns 0-127, O in 128 .. 128 + D - 1; 256 allocated. The code names
+  a Q tile's tensors and hand-offs by its index s (S_s, P_s, O_s; q_tiles = 1, s = 0; stage 9
+  has two). Shared memory, of sm_100's 227 KiB less 4 KiB kept for barriers and statistics: Q
+  (O staged there too) and as many K/V slots as fit, at most 8 (stage 7: 2): D = 128, 5 slots,
+  198,656 bytes; D = 64, 8 slots, 149,504 bytes. An empty range now loads no Q (O's zeros are
+  staged in Q's buffer without waiting for any MMA).
 - What stays: the MMA warp waits for the softmax twice per KV tile, and while the softmax runs
   the tensor core has nothing queued (stage 9).
 
@@ -398,8 +401,8 @@ class Sm100Kernel:
         pipeline.pipeline_init_wait(cluster_shape_mn=cluster_layout_vmnk)
 
         # 2. Main loop by warp role
-        # The MMA, TMA and idle warps form the third warpgroup: its registers go to the softmax
-        # warpgroup. Each role's branch lowers or raises its own count first, so that ptxas
+        # The MMA, TMA and idle warps form the third warpgroup: 24 registers a thread from it
+        # and 16 from the correction warpgroup go to the softmax warpgroup (168 -> 208). Each role's branch lowers or raises its own count first, so that ptxas
         # knows the count of every branch.
         if warp_idx >= self.idle_warp_ids[0]:
             cute.arch.setmaxregister_decrease(self.other_registers)
@@ -1150,7 +1153,7 @@ class Sm100Kernel:
             cute.domain_offset((q_offset, 0), mO[(None, None, (head, batch))]),
         )
         mLSE = cute.domain_offset((q_offset,), mLSE[(None, (head, batch))])
-        # (bM, D, q_tiles): the CTA's Q tile
+        # (bM, D, Q tiles): every Q tile of the sequence
         gQ = cute.local_tile(mQ, self.qk_mma_tiler, (None, 0, 0), proj=(1, None, 1))
         # (bN, D, kv_tiles)
         gK = cute.local_tile(mK, self.qk_mma_tiler, (0, None, 0), proj=(None, 1, 1))
@@ -1247,7 +1250,7 @@ class Sm100Kernel:
         offset_q, seqlen_q, offset_k, seqlen_k, kv_tile_lo, kv_tile_hi); tile = blockIdx."""
         heads = cute.size(mQ, mode=[2, 0])
         # CTA row block bidx: Q tile bidx. Query head `head` reads KV head
-        # head // group. (Packed, mQ has Hkv heads, the group is 1 and `head` is the KV head.)
+        # head // group. (Pack-GQA: mQ has Hkv heads, the group is 1 and `head` is the KV head.)
         bidx, head, batch = tile
         kv_head = head // (heads // cute.size(mK, mode=[2, 0]))
         q_tile0 = bidx * self.q_tiles
@@ -1357,7 +1360,7 @@ def compile_args(dtype, shape, scale=None, **options):
     """(kernel, args) for cute.compile with fake tensors, shape = (B, H, Sq, Sk, D); options
     causal, window, kv_heads (Hkv, default H), varlen (True: packed sequences, B of them,
     through cu_seqlens) and pack_gqa (None, True, False: as attention's). The host side of
-    stages 7-10 is one copy, common/attention_host.py."""
+    stages 7-14 is one copy, common/attention_host.py."""
     return attention_host.compile_args(Sm100Kernel, dtype, shape, scale, **options)
 
 
