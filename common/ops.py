@@ -19,10 +19,16 @@ which FakeTensorMode, meta tensors and torch.compile's tracing use instead of th
 unbounded on that side); causal and window follow stage 6 (bottom-right aligned).
 
 Forward only: there is no autograd formula. Calling an op with an input that requires grad while
-grad mode is on raises the kernels' own error (common.checks.check_inference_only), through the
-Python wrappers below before anything is launched, and through the op's autograd registration
-when torch.ops is called directly (after the kernel ran: autograd sees the call only then). Use
-them under torch.no_grad() / torch.inference_mode().
+grad mode is on raises the kernels' own error (common.checks.check_inference_only) before
+anything is launched, through the Python wrappers below and through the op's autograd kernel
+when torch.ops is called directly. Use them under torch.no_grad() / torch.inference_mode().
+
+The ops are defined with torch.library.Library (schema, a CompositeExplicitAutograd kernel that
+calls the stage, an Autograd kernel that refuses grad and redispatches below autograd, the fake
+implementation), not with the torch.library.custom_op decorator: the decorator's layers (a
+wrapper that turns Dynamo off around each call, an output-aliasing check, an autograd.Function)
+cost a call through torch.ops several microseconds of host time, which a decode step pays per
+layer.
 
 The wrappers `attention` and `attention_varlen` (what a model should call) take the op while
 torch.compile traces, and call the stage directly in eager mode on plain CUDA tensors
@@ -166,35 +172,34 @@ def _check_meta(q, k, v, rank):
         checks.check_positive(name, size)
 
 
-def _refuse_grad(ctx, inputs, output):
-    """setup_context of the ops' autograd registration: it runs only when grad mode is on and an
-    input requires grad (inside autograd.Function, where grad mode reads off, hence enable_grad),
-    and raises the kernels' error instead of recording a graph no backward could use."""
-    names = ("q", "k", "v")
-    with torch.enable_grad():
-        checks.check_inference_only(names, inputs[:3], "this attention kernel")
-    raise RuntimeError("flash_tutorial attention ops are forward-only")  # not reached
+_lib = torch.library.Library(NAMESPACE, "DEF")  # kept alive: the ops live as long as it does
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
 
 
-def _no_backward(ctx, *grads):
-    raise RuntimeError(
-        "flash_tutorial attention ops have no autograd formula (the kernels are forward-only)"
-    )
+def _define(schema, kernel, fake):
+    """Define op `schema` with `kernel` for every device (CompositeExplicitAutograd), its fake
+    implementation, and an Autograd kernel that refuses inputs requiring grad under grad mode
+    (the kernels' own error, before anything is launched) and otherwise redispatches below
+    autograd, to the kernel or, under a fake or meta tensor, to the fake. Returns the op's
+    OpOverload (torch.ops.flash_tutorial.<name>.default)."""
+    name = schema.split("(")[0]
+    _lib.define(schema)
+    _lib.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_lib)
+    op = getattr(getattr(torch.ops, NAMESPACE), name).default
+
+    def forward_only(keyset, *args):
+        checks.check_inference_only(("q", "k", "v"), args[:3], "this attention kernel")
+        return op.redispatch(keyset & _AFTER_AUTOGRAD, *args)
+
+    _lib.impl(name, forward_only, "Autograd", with_keyset=True)
+    return op
 
 
 # ------------------------------------------------------------------ batch layout
 
 
-@torch.library.custom_op(f"{NAMESPACE}::attention", mutates_args=())
-def attention_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float | None,
-    causal: bool,
-    window_left: int | None,
-    window_right: int | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_kernel(q, k, v, scale, causal, window_left, window_right):
     """(O, LSE) of the current stage's attention: q (B, H, Sq, D), k and v (B, Hkv, Sk, D),
     H % Hkv == 0, bf16/fp16, D in {64, 128}. O (B, H, Sq, D) contiguous, LSE (B, H, Sq) fp32.
     Forward only."""
@@ -209,7 +214,6 @@ def attention_op(
     )
 
 
-@attention_op.register_fake
 def _attention_fake(q, k, v, scale, causal, window_left, window_right):
     _check_meta(q, k, v, rank=4)
     if q.shape[0] != k.shape[0]:
@@ -221,26 +225,30 @@ def _attention_fake(q, k, v, scale, causal, window_left, window_right):
     return q.new_empty((B, H, Sq, D)), q.new_empty((B, H, Sq), dtype=torch.float32)
 
 
-attention_op.register_autograd(_no_backward, setup_context=_refuse_grad)
+attention_op = _define(
+    "attention(Tensor q, Tensor k, Tensor v, float? scale, bool causal, SymInt? window_left, "
+    "SymInt? window_right) -> (Tensor, Tensor)",
+    _attention_kernel,
+    _attention_fake,
+)
 
 
 # ------------------------------------------------------------------ packed sequences
 
 
-@torch.library.custom_op(f"{NAMESPACE}::attention_varlen", mutates_args=())
-def attention_varlen_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int | None,
-    max_seqlen_k: int | None,
-    scale: float | None,
-    causal: bool,
-    window_left: int | None,
-    window_right: int | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_varlen_kernel(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    scale,
+    causal,
+    window_left,
+    window_right,
+):
     """(O, LSE) of the current stage's packed-sequence attention: q (total_q, H, D), k and v (total_k, Hkv,
     D), int32 cu_seqlens of batch + 1 offsets. O (total_q, H, D), LSE (H, total_q) fp32. Forward
     only. The kernel reads cu_seqlens to the host to check them (one small copy per call)."""
@@ -259,7 +267,6 @@ def attention_varlen_op(
     )
 
 
-@attention_varlen_op.register_fake
 def _attention_varlen_fake(
     q,
     k,
@@ -284,7 +291,13 @@ def _attention_varlen_fake(
     return q.new_empty((total_q, H, D)), q.new_empty((H, total_q), dtype=torch.float32)
 
 
-attention_varlen_op.register_autograd(_no_backward, setup_context=_refuse_grad)
+attention_varlen_op = _define(
+    "attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+    "SymInt? max_seqlen_q, SymInt? max_seqlen_k, float? scale, bool causal, SymInt? window_left, "
+    "SymInt? window_right) -> (Tensor, Tensor)",
+    _attention_varlen_kernel,
+    _attention_varlen_fake,
+)
 
 
 # ------------------------------------------------------------------ Python wrappers
