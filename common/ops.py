@@ -28,7 +28,10 @@ calls the stage, an Autograd kernel that refuses grad and redispatches below aut
 implementation), not with the torch.library.custom_op decorator: the decorator's layers (a
 wrapper that turns Dynamo off around each call, an output-aliasing check, an autograd.Function)
 cost a call through torch.ops several microseconds of host time, which a decode step pays per
-layer.
+layer. Under torch.inference_mode() the Autograd kernel is skipped altogether; under
+torch.no_grad() it runs (a Python call and the redispatch). The namespace can be defined once per
+process: importing this module a second time (importlib.reload, Jupyter's autoreload) raises
+PyTorch's error that a single TORCH_LIBRARY may register it.
 
 The wrappers `attention` and `attention_varlen` (what a model should call) take the op while
 torch.compile traces, and call the stage directly in eager mode on plain CUDA tensors
@@ -316,9 +319,10 @@ def _split_window(window):
 
 def eager_direct(tensors, device_type="cuda"):
     """Whether a wrapper call may go straight to the stage's function instead of through the
-    custom op. The op's eager path (the dispatcher, the custom-op layer's Python, its autograd
-    wrapper) costs tens of microseconds of host time per call and adds nothing to an eager call
-    on plain CUDA tensors. So the wrappers skip it only then: not while torch.compile or
+    custom op. The op's eager path (the dispatcher, the op's Python kernel and, under no_grad,
+    its Autograd kernel) adds host time per call (1.2 us under inference_mode and 6.5 us under
+    no_grad, NVIDIA H100 80GB HBM3, 2026-12-06: docs/results/README.md, host work per call) and
+    nothing else to an eager call on plain CUDA tensors. So the wrappers skip it only then: not while torch.compile or
     torch.jit.trace traces (the op is what the graph must hold; a trace would record the
     output's allocation and not the launch, which does not go through the dispatcher), not under a dispatch mode, a torch-function mode or a
     functorch transform (FakeTensorMode, FlopCounterMode, vmap: they must see the op), and only
