@@ -30,8 +30,8 @@ wrapper that turns Dynamo off around each call, an output-aliasing check, an aut
 cost a call through torch.ops several microseconds of host time, which a decode step pays per
 layer. Under torch.inference_mode() the Autograd kernel is skipped altogether; under
 torch.no_grad() it runs (a Python call and the redispatch). The namespace can be defined once per
-process: importing this module a second time (importlib.reload, Jupyter's autoreload) raises
-PyTorch's error that a single TORCH_LIBRARY may register it.
+process, so a second import of this file (importlib.reload, Jupyter's autoreload) keeps the ops
+the first one defined.
 
 The wrappers `attention` and `attention_varlen` (what a model should call) take the op while
 torch.compile traces, and call the stage directly in eager mode on plain CUDA tensors
@@ -175,7 +175,9 @@ def _check_meta(q, k, v, rank):
         checks.check_positive(name, size)
 
 
-_lib = torch.library.Library(NAMESPACE, "DEF")  # kept alive: the ops live as long as it does
+# The Library that defines the ops, kept alive (the ops live as long as it does). A second run
+# of this file in the same module (importlib.reload, Jupyter's autoreload) finds it here.
+_lib = globals().get("_lib")
 _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
 
 
@@ -185,7 +187,16 @@ def _define(schema, kernel, fake):
     (the kernels' own error, before anything is launched) and otherwise redispatches below
     autograd, to the kernel or, under a fake or meta tensor, to the fake. Returns the op's
     OpOverload (torch.ops.flash_tutorial.<name>.default)."""
+    global _lib
     name = schema.split("(")[0]
+    namespace = getattr(torch.ops, NAMESPACE)
+    if hasattr(namespace, name):
+        # Defined by an earlier import of this file in this process (a reload, or the file
+        # imported under a second name): the namespace can be defined only once, so that op
+        # stays, and its kernels read this module's names when they run.
+        return getattr(namespace, name).default
+    if _lib is None:
+        _lib = torch.library.Library(NAMESPACE, "DEF")
     _lib.define(schema)
     _lib.impl(name, kernel, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_lib)

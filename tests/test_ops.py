@@ -277,6 +277,24 @@ def test_fake_varlen_refuses_bad_cu_seqlens():
             )
 
 
+def test_reload_keeps_the_ops():
+    """The namespace can be defined once per process: a reload of common.ops (Jupyter's
+    autoreload) keeps the ops of the first import, which still run its fake and refuse grad."""
+    import importlib
+
+    before = ops.attention_op
+    module = importlib.reload(ops)
+    assert module.attention_op is before is torch.ops.flash_tutorial.attention.default
+    assert module.attention_varlen_op is torch.ops.flash_tutorial.attention_varlen.default
+    q = torch.empty(2, 8, 64, 128, device="meta", dtype=BF)
+    k = torch.empty(2, 2, 64, 128, device="meta", dtype=BF)
+    o, lse = torch.ops.flash_tutorial.attention(q, k, k, None, True, None, None)
+    assert o.shape == q.shape and lse.shape == (2, 8, 64)
+    with pytest.raises(RuntimeError) as e:
+        torch.ops.flash_tutorial.attention(q.requires_grad_(), k, k, None, True, None, None)
+    assert str(e.value) == grad_message()
+
+
 # ---------------------------------------------------------------- forward only
 
 
