@@ -200,7 +200,7 @@ def _define(schema, kernel, fake):
     _lib.define(schema)
     _lib.impl(name, kernel, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_lib)
-    op = getattr(getattr(torch.ops, NAMESPACE), name).default
+    op = getattr(namespace, name).default
 
     def forward_only(keyset, *args):
         checks.check_inference_only(("q", "k", "v"), args[:3], "this attention kernel")
