@@ -8,45 +8,67 @@ the row sum is sum_j e^{x_j} = sum_s e^{m_s} l_s = sum_s e^{lse_s}, and so
 
     lse = ln sum_s e^{lse_s},    O = sum_s e^{lse_s - lse} O_s.
 
-The kernel takes lse_max = max_s lse_s first, so that no exponential overflows: lse = lse_max +
-ln sum_s e^{lse_s - lse_max}. A split that saw no key has lse_s = -inf: weight e^{-inf} = 0
+The kernel takes m = max_s lse_s first, so that no exponential overflows: lse = m +
+ln sum_s e^{lse_s - m}. A split that saw no key has lse_s = -inf: weight e^{-inf} = 0
 (its O_s = 0 is never NaN). A row that no split saw (every lse_s = -inf: a window or a causal
 cut that leaves it no key) keeps O = 0 and LSE = -inf, as the unsplit kernel gives.
 
-Work: one row (b, h, s) per D / 4 threads, 4 columns each; a CTA of one warp takes 32 / (D / 4)
-rows (1 at D = 128, 2 at D = 64), so that a decode step's few rows spread over as many SMs. Each
-thread reads the row's num_splits LSEs (the same for the row's threads: one transaction per warp)
-and its 4 columns of every O_s: num_splits x (D + 1) x 4 bytes per row, 16 x 129 x 4 = 8 KB for a
-decode row cut 16 ways. So little data makes the kernel's time that of its loads' latency: both
-loops over the splits are unrolled 16 ways, so that a thread has the loads of up to 16 splits in
-flight, not one after another. A decode step at B = 1 (32 rows, 16 splits) took 7.3 us with the
-loops rolled and 3.6 us unrolled 8 ways in CTAs of 128 threads (NVIDIA H100 80GB HBM3, 2026-12-05);
-under Nsight Compute, caches flushed, 7.6 us that way and 6.1 us as it is now (NVIDIA H100 80GB
-HBM3, 2026-12-06; docs/results/README.md, stage 13). It is plain CUDA-core code (no TMA, no tensor
-cores): the same kernel compiles for sm_90a and sm_100a."""
+Work: a row (b, h, s) reads num_splits x (D + 1) x 4 bytes, 16 x 129 x 4 = 8 KB for a decode
+row cut 16 ways. So little data makes the kernel's time that of its loads' latency, and the
+kernel is laid out to wait for global memory once: a row takes D / 4 x lanes threads, 4 columns
+of O_s each, lane i reading splits i, i + lanes, ... (lanes: the split count rounded up to a
+power of two, at most 256 / (D / 4); a CTA of 256 threads takes 256 / (D / 4 x lanes) rows).
+
+  1. Every load is issued before any is waited for: thread t of the row loads lse_t into shared
+     memory, and each thread the 4 columns of its first 8 splits' O_s (16-byte loads).
+  2. After one barrier, each warp of the row reduces the row's LSEs from shared memory itself
+     (shuffles): m = max_s lse_s and l = sum_s e^{lse_s - m}, no exponential overflowing.
+  3. Each thread sums e^{lse_s - m} O_s over its splits; after a second barrier lane 0's
+     threads add the lanes' sums through shared memory, O = sum / l, LSE = m + ln l.
+
+A decode step at B = 1 (32 rows, 16 splits) took 2.5 us of GPU time this way, against 3.3 us in
+CTAs of one warp with the loops over the splits unrolled 16 ways and 2.8 us for cuDNN's reduction
+(NVIDIA H100 80GB HBM3, 2026-12-06; docs/notes/stage13.md). It is plain CUDA-core code (no TMA,
+no tensor cores): the same kernel compiles for sm_90a and sm_100a."""
 
 import math
 
 import cutlass
 import cutlass.cute as cute
 import torch
+from cutlass.utils import SmemAllocator
 
 from common.compile import cached_compile_ffi
-from common.cute_interop import cute_dtype
+from common.cute_interop import cute_dtype, rows_of_16_bytes
 
 
 class Combine:
     """O (B, H, S, D) in the input dtype and LSE (B, H, S) fp32 from O_partial (splits, B, H, S,
     D) and LSE_partial (splits, B, H, S), both fp32. Every tensor may have any strides (packed
-    sequences pass (1, H, total, D) views of (total, H, D)); D is contiguous in O and O_partial."""
+    sequences pass (1, H, total, D) views of (total, H, D)); D is contiguous in O and O_partial.
+    `lanes`: how many splits a row reads at once (a power of two, 2 ... threads / (D / 4))."""
 
-    def __init__(self, dtype, head_dim):
+    def __init__(self, dtype, head_dim, lanes):
         self.dtype = dtype  # cutlass.BFloat16 or cutlass.Float16: O's element type
         self.head_dim = head_dim
-        self.columns = 4  # per thread
-        self.threads_per_row = head_dim // self.columns  # 32 (D = 128) or 16 (D = 64)
-        self.threads = 32  # one warp: a decode step's few rows spread over as many SMs
-        self.rows_per_cta = self.threads // self.threads_per_row
+        self.columns = 4  # per thread: one 16-byte load of O_s
+        self.threads_per_split = head_dim // self.columns  # 32 (D = 128) or 16 (D = 64)
+        self.threads = 256
+        self.lanes = lanes
+        self.row_threads = self.threads_per_split * lanes  # at least 32: a warp is one row's
+        self.rows_per_cta = self.threads // self.row_threads
+        self.max_splits = 256  # attention_host's bound on num_splits
+        self.loads_in_flight = 8  # O_s loads a thread issues before it waits for any
+        assert self.row_threads >= 32 and self.rows_per_cta >= 1, (head_dim, lanes)
+
+    @staticmethod
+    def lanes_for(splits, head_dim):
+        """The lanes of a combine of `splits` splits: the power of two at or above it, at most
+        256 / (D / 4) (8 at D = 128, 16 at D = 64), at least 2."""
+        lanes = 2
+        while lanes < splits and lanes < 256 // (head_dim // 4):
+            lanes *= 2
+        return lanes
 
     @cute.jit
     def __call__(
@@ -69,46 +91,116 @@ class Combine:
         bidx, _, _ = cute.arch.block_idx()
         B, H, S = mO.shape[0], mO.shape[1], mO.shape[2]
         splits = mOp.shape[0]
-        row = bidx * self.rows_per_cta + tidx // self.threads_per_row
-        col = (tidx % self.threads_per_row) * self.columns
-        if row < B * H * S:
-            # row = (b H + h) S + s
-            s = row % S
-            h = (row // S) % H
-            b = row // (S * H)
-            # lse_max = max_s lse_s (unrolled: 16 loads in flight)
-            lse_max = -cutlass.Float32.inf
-            for split in cutlass.range(splits, unroll=16):
-                lse_max = cutlass.max(lse_max, mLSEp[split, b, h, s])
+        log2_e = math.log2(math.e)
+        # Every stride of O_partial and O but D's is a multiple of 16 bytes (the launch
+        # allocates O_partial, check_tensor checks O): a thread's 4 columns are one 16-byte
+        # load of O_s and one 8-byte store of O.
+        mOp, mO = rows_of_16_bytes(mOp), rows_of_16_bytes(mO)
+        # Thread (r, lane, c): row r of the CTA's rows_per_cta, splits lane, lane + lanes, ...,
+        # columns [4 c, 4 c + 4).
+        r = tidx // self.row_threads
+        t = tidx % self.row_threads  # the thread within its row
+        lane = t // self.threads_per_split
+        col = (t % self.threads_per_split) * self.columns
+        row = bidx * self.rows_per_cta + r
+        live = row < B * H * S  # the last CTA's rows may end early; every thread meets the barriers
+        # row = (b H + h) S + s
+        s = row % S
+        h = (row // S) % H
+        b = row // (S * H)
+
+        smem = SmemAllocator()
+        # lse_s of the CTA's rows, (max_splits, rows_per_cta); each lane's sum over its splits,
+        # (D, lanes, rows_per_cta): 1 KB and 4 KB a row at most
+        sLSE = smem.allocate_tensor(
+            cutlass.Float32, cute.make_layout((self.max_splits, self.rows_per_cta)), 16
+        )
+        sO = smem.allocate_tensor(
+            cutlass.Float32,
+            cute.make_layout((self.head_dim, self.lanes, self.rows_per_cta)),
+            16,
+        )
+
+        # 1. The loads, all issued before any is waited for: thread t's lse_t (t < splits: each
+        # row has at least as many threads as splits), and this thread's first
+        # loads_in_flight splits' 4 columns of O_s.
+        if live and t < splits:
+            sLSE[t, r] = mLSEp[t, b, h, s]
+        per = self.loads_in_flight
+        o_s = cute.make_rmem_tensor((self.columns, per), cutlass.Float32)
+        o_s.fill(0.0)
+        for i in cutlass.range_constexpr(per):
+            split = lane + i * self.lanes
+            if live and split < splits:
+                o_s[None, i].store(self.o_columns(mOp, split, b, h, s, col).load())
+        cute.arch.barrier()
+
+        # 2. m = max_s lse_s and l = sum_s e^{lse_s - m}: each warp of the row reduces the
+        # row's LSEs itself (32 lanes, max_splits / 32 values each), so no second barrier.
+        lane32 = tidx % 32
+        m = -cutlass.Float32.inf
+        for k in cutlass.range_constexpr(self.max_splits // 32):
+            if k * 32 + lane32 < splits:
+                m = cutlass.max(m, sLSE[k * 32 + lane32, r])
+        m = cute.arch.warp_reduction_max(m)
+        total = cutlass.Float32(0.0)
+        if m != -cutlass.Float32.inf:  # else no split saw a key of this row: O = 0, -inf
+            for k in cutlass.range_constexpr(self.max_splits // 32):
+                if k * 32 + lane32 < splits:
+                    total += cute.math.exp2((sLSE[k * 32 + lane32, r] - m) * log2_e, fastmath=True)
+        total = cute.arch.warp_reduction_sum(total)
+
+        # 3. This lane's share: sum over its splits of e^{lse_s - m} O_s, `per` splits a round
+        # (the first round's loads were issued in 1).
+        acc = cute.make_rmem_tensor(self.columns, cutlass.Float32)
+        acc.fill(0.0)
+        if m != -cutlass.Float32.inf:
+            for first in cutlass.range(0, splits, self.lanes * per, unroll=1):
+                if first > 0:
+                    for i in cutlass.range_constexpr(per):
+                        split = first + lane + i * self.lanes
+                        if live and split < splits:
+                            o_s[None, i].store(self.o_columns(mOp, split, b, h, s, col).load())
+                for i in cutlass.range_constexpr(per):
+                    split = first + lane + i * self.lanes
+                    if split < splits:
+                        weight = cute.math.exp2((sLSE[split, r] - m) * log2_e, fastmath=True)
+                        acc.store(acc.load() + weight * o_s[None, i].load())
+        cute.local_tile(sO[None, lane, r], (self.columns,), (col // self.columns,)).store(
+            acc.load()
+        )
+        cute.arch.barrier()
+
+        # 4. Lane 0 of the row sums the lanes' shares: O = sum_s e^{lse_s - m} O_s / l, and
+        # LSE = m + ln l.
+        if live and lane == 0:
             out = cute.make_rmem_tensor(self.columns, cutlass.Float32)
             out.fill(0.0)
+            for k in cutlass.range_constexpr(self.lanes):
+                part = cute.local_tile(sO[None, k, r], (self.columns,), (col // self.columns,))
+                out.store(out.load() + part.load())
             lse_row = -cutlass.Float32.inf
-            if lse_max != -cutlass.Float32.inf:
-                # weight_s = e^{lse_s - lse_max} = 2^{(lse_s - lse_max) log2 e}
-                total = cutlass.Float32(0.0)
-                for split in cutlass.range(splits, unroll=16):
-                    weight = cute.math.exp2(
-                        (mLSEp[split, b, h, s] - lse_max) * math.log2(math.e), fastmath=True
-                    )
-                    total += weight
-                    for c in cutlass.range_constexpr(self.columns):
-                        out[c] += weight * mOp[split, b, h, s, col + c]
-                # O = sum_s weight_s O_s / sum_s weight_s; lse = lse_max + ln sum_s weight_s
-                inv_total = 1.0 / total
-                for c in cutlass.range_constexpr(self.columns):
-                    out[c] = out[c] * inv_total
-                lse_row = lse_max + cute.math.log(total, fastmath=True)
-            for c in cutlass.range_constexpr(self.columns):
-                mO[b, h, s, col + c] = out[c].to(self.dtype)
+            if m != -cutlass.Float32.inf:
+                out.store(out.load() * (1.0 / total))
+                lse_row = m + cute.math.log(total, fastmath=True)
+            cute.local_tile(mO[b, h, s, None], (self.columns,), (col // self.columns,)).store(
+                out.load().to(self.dtype)
+            )
             if col == 0:
                 mLSE[b, h, s] = lse_row
+
+    @cute.jit
+    def o_columns(self, mOp, split, b, h, s, col):
+        """This thread's 4 columns of O_s at row (b, h, s): (4,), 16-byte aligned."""
+        return cute.local_tile(mOp[split, b, h, s, None], (self.columns,), (col // self.columns,))
 
 
 def compiled_combine(o_partial, lse_partial, o, lse):
     """The compiled combine for tensors like these (torch tensors, shapes as Combine's): a
     function of (o_partial, lse_partial, o, lse) that launches on the current stream. Compiled
     once per dtype, D and stride pattern (common/compile.py)."""
-    kernel = Combine(cute_dtype(o.dtype), o.shape[3])
+    D = o.shape[3]
+    kernel = Combine(cute_dtype(o.dtype), D, Combine.lanes_for(o_partial.shape[0], D))
     return cached_compile_ffi(kernel, o_partial, lse_partial, o, lse)
 
 

@@ -254,21 +254,27 @@ def test_decode_step_in_a_cuda_graph(track):
         used_reference_check("graph", o_graph, lse_graph, q, k2, v2, lengths, True)
 
 
+@pytest.mark.parametrize("splits", [2, 9, 33, 200])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @needs_cuda
-def test_combine_matches_its_formula(dtype, D):
+def test_combine_matches_its_formula(dtype, D, splits):
     from common.combine import combine, combine_reference
     from common.outputs import empty_output
 
-    g = torch.Generator(device="cuda").manual_seed(D)
-    splits, B, H, S = 9, 2, 3, 5
+    g = torch.Generator(device="cuda").manual_seed(D + splits)
+    B, H, S = 2, 3, 5
     o_part = torch.randn(splits, B, H, S, D, generator=g, device="cuda")
     lse_part = 20 * torch.randn(splits, B, H, S, generator=g, device="cuda")
     lse_part[3] = float("-inf")  # a split that saw no key for any row
     lse_part[:, 1, 2, 4] = float("-inf")  # a row no split saw
     o_part[:, 1, 2, 4] = 0.0
     lse_part[:, 0, 0, 0] = 1e4  # large equal values: no overflow
+    if splits > 32:
+        # The kernel takes the splits 16 at a time: a row whose first 16 splits saw no key,
+        # and one whose middle 16 saw none.
+        lse_part[:16, 0, 2, 1:] = float("-inf")
+        lse_part[16:32, 1, 0, :] = float("-inf")
     o = empty_output((B, H, S, D), dtype, "cuda")
     lse = empty_output((B, H, S), torch.float32, "cuda")
     combine(o_part, lse_part, o, lse)

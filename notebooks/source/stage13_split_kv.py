@@ -109,6 +109,12 @@ split_range = type(kernel).split_range.__wrapped__
 # tile's $n$ KV tiles into $s$ splits gives $8 s$ work tiles of $\lceil n / s \rceil$ KV tiles
 # each; $s = 16$ gives 128 CTAs on the 132 SMs.
 #
+# The tile wastes its rows too. A `wgmma` computes 64 rows a warpgroup, and stage 12's tile of
+# two consumer warpgroups has $b_M = 128$ rows, of which a decode step fills $G \cdot S_q = 4$.
+# Every KV tile then costs $2 \cdot 2 \cdot 128 \cdot 128 \cdot D$ FLOP of QK and PV (8.4
+# MFLOP at D = 128), half of it on rows past the sequence. Stage 13 takes one consumer warpgroup
+# and a 64-row tile wherever $G \cdot S_q \le 64$ (section 5.1).
+#
 # ### 3.2 Merging the splits
 #
 # Split $s$ of a query row sees only its keys $K_s$. With scores $x_j$ (scale included), its
@@ -271,6 +277,25 @@ nb.table(
 )
 
 # %% [markdown]
+# The decode tile: `launch_options` (stage 12's, with one rule more) gives a launch whose query
+# rows fit in 64 one consumer warpgroup. The tensor-core work per KV tile halves, the ring gets
+# a sixth K/V slot (Q and O take 16 KB each instead of 32), and without a second warpgroup there
+# are no turns to take: `wait_turn` and `pass_turn` compile to nothing. The split kernel of the
+# 8k step took 8.8 us instead of 11.7 (NVIDIA H100 80GB HBM3, 2026-12-06, K and V warm in L2;
+# `docs/results/decode_kernels_h100_2026-12-06.txt`). The cell builds the kernel object each
+# launch would get.
+
+# %%
+nb.show_function(stage13.Sm90Kernel.launch_options)
+for Sq_, H_, Hkv_ in ((1, 32, 8), (16, 32, 8), (17, 32, 8), (1, 32, 32), (64, 32, 32)):
+    k_ = stage13.compile_args(torch.bfloat16, (1, H_, Sq_, 8192, 128), kv_heads=Hkv_)[0]
+    print(
+        f"Sq = {Sq_:2d}, {H_}/{Hkv_} heads, G x Sq = {H_ // Hkv_ * Sq_:3d}: "
+        f"{k_.mma_warpgroups} consumer warpgroup(s), {k_.cta_tile[0]}-row tile, "
+        f"{k_.kv_slots} K/V slots"
+    )
+
+# %% [markdown]
 # Where the 4-tile bound comes from: the same decode step at short KV ranges with every split
 # count forced, measured on an H100 80GB HBM3 (2026-12-05,
 # `docs/results/split_count_sweep_h100_2026-12-05.txt`; B = 1, 32 query / 8 KV heads, causal).
@@ -369,18 +394,21 @@ for Sk_ in (8192, 32768, 131072):
 #
 # ### 5.5 The combine kernel
 #
-# `common/combine.py`'s `Combine` runs one query row per $D / 4$ threads, 4 columns each, one
-# warp per CTA (so a decode step's few rows spread over many SMs). Each thread reads the row's
-# `num_splits` LSEs (the same addresses for the row's threads) and its 4 columns of every $O_s$:
-# $\text{splits} \cdot (D + 1) \cdot 4$ bytes per row, 8 KiB for a decode row cut 16 ways. So
-# little data makes the kernel's time that of its loads' latency, which is why both loops over
-# the splits are unrolled 16 ways: a thread has up to 16 splits' loads in flight instead of one.
-# A decode step's combine at 16 splits, in CTAs of 128 threads, took 7.3 us of GPU time rolled
-# and 3.6 us unrolled 8 ways (H100, 2026-12-05); one warp a CTA and 16 ways took the decode row
-# at B = 1, 8k from 0.87 to 0.90x cuDNN in GPU time (H100, 2026-12-06; both in
-# `docs/results/README.md`, stage 13). It is plain CUDA-core code, no TMA or tensor cores, so
-# the same kernel compiles for sm_90a and sm_100a. A row that no split saw keeps O = 0 and
-# LSE = $-\infty$, as the unsplit kernel gives.
+# `common/combine.py`'s `Combine` merges a row's splits: $\text{splits} \cdot (D + 1) \cdot 4$
+# bytes read per row, 8 KiB for a decode row cut 16 ways. So little data makes the kernel's time
+# that of its loads' latency, and the kernel is laid out to wait for global memory once. A row
+# takes $D / 4 \cdot \text{lanes}$ threads, 4 columns each; lane $i$ reads splits $i$,
+# $i + \text{lanes}$, ... (`lanes`: the split count rounded up to a power of two, at most 8 at
+# D = 128). Every load is issued before the first barrier - each thread's $\text{lse}_t$ into
+# shared memory, its first 8 splits' columns of $O_s$ as 16-byte loads - then each warp reduces
+# the row's LSEs from shared memory with shuffles (the max $m$, then $l = \sum_s
+# e^{\text{lse}_s - m}$), each thread weights its $O_s$, and after a second barrier lane 0 adds
+# the lanes' sums. A decode step's combine at 16 splits takes 2.5 us of GPU time, against 2.8 us
+# for cuDNN's reduction; a kernel of one warp per CTA with its loops over the splits unrolled took
+# 3.3 us, its loads going out in rounds (H100 80GB HBM3, 2026-12-06;
+# `docs/notes/stage13.md`). It is plain CUDA-core code, no TMA or tensor cores, so the same kernel
+# compiles for sm_90a and sm_100a. A row that no split saw keeps O = 0 and LSE = $-\infty$, as the
+# unsplit kernel gives.
 
 # %%
 nb.show_function(Combine.kernel)
@@ -407,8 +435,9 @@ nb.show_function(attention_host.LaunchPlan.run)
 #
 # The stage's compile shape (unsplit, the kernel of stage 12 with the new arguments), then the
 # split kernel of a decode step (16 splits, 8 KV heads, pack-GQA): the same `wgmma`,
-# exponentials and TMA loads, and fewer `bar.sync` in the split kernel, since its epilogue stores
-# O from registers without staging it in shared memory (the cell prints the four counts).
+# exponentials and TMA loads, and fewer `bar.sync` in the split kernel: its one consumer
+# warpgroup takes no turns (section 5.1), and its epilogue stores O from registers without
+# staging it in shared memory (the cell prints the four counts).
 
 # %%
 report = nb.compile_summary(13, "hopper")
@@ -511,8 +540,9 @@ fig = nb.error_picture(13, result)
 # cuDNN backend in every decode row, at least 3,800 GB/s at B = 1 from $S_k$ = 32k, and at most
 # 25 us of host work per call.
 #
-# `make bench`'s decode rows on an NVIDIA H200 (2026-12-04, bf16, $S_q$ = 1, D = 128;
-# `docs/results/decode_h200_2026-12-04.md`): stage 12, stage 13, FA4 and SDPA's cuDNN, flash
+# `make bench`'s decode rows on an NVIDIA H100 80GB HBM3 (2026-12-06, bf16, $S_q$ = 1, D = 128;
+# `docs/results/decode_h100_2026-12-06_decode_tile.md`), the kernel as it is: stage 12, stage
+# 13, FA4 and SDPA's cuDNN, flash
 # and memory-efficient backends, all timed in the same interleaved rounds, inputs rotated past
 # L2. A decode step is bound by memory, so the unit is GB/s of K and V read,
 # $2 S_k H_{kv} D \cdot 2\,\text{B} \cdot B$ / time. Two timings: calls back to back between CUDA
@@ -521,7 +551,7 @@ fig = nb.error_picture(13, result)
 # also holds stage 14 on paged caches: `docs/notes/stage14.md`).
 
 # %%
-with open(os.path.join(nb.ROOT, "docs/results/decode_h200_2026-12-04.json")) as f:
+with open(os.path.join(nb.ROOT, "docs/results/decode_h100_2026-12-06_decode_tile.json")) as f:
     decode = json.load(f)
 KERNELS = ["stage 12", "stage 13", "FA4", "SDPA cuDNN", "SDPA flash", "SDPA efficient"]
 gpu_time = {tuple(r["shape"]): r["tflops"] for r in decode["rows"] if r["stage"] == "13 decode GPU"}
@@ -558,26 +588,25 @@ fig = figures.decode_bars(
 )
 
 # %% [markdown]
-# Read from the table (H200, 2026-12-04):
+# Read from the table (H100 80GB HBM3, 2026-12-06):
 #
-# - **The split pays where the tiles are few.** At batch 1 with 8 KV heads stage 12 stays at
-#   359-384 GB/s whatever $S_k$ (8 CTAs); stage 13, cut 16 ways, reads 491 GB/s at 8k, 1,732 at
-#   32k and 3,998 at 128k: 1.4x, 4.6x and 10.4x stage 12. FA4 stays near stage 12 on these rows
-#   (279-403 GB/s). With 32 KV heads (4 splits) or a batch of 8 (2 splits) stage 13 reaches
-#   4,202-4,399 GB/s; at a batch of 32 the launch does not split, and stage 13 is stage 12.
-# - **Against SDPA's cuDNN backend it misses the goal of 1.0.** Back to back, stage 13 is
-#   0.91-1.01x cuDNN (0.91 at 8k, 1.01 at 32k, 0.95 at 128k at batch 1); in GPU time alone
-#   0.65-0.99x, the furthest behind on the shortest caches (0.65 at 8k, 0.83 at 32k): there
-#   cuDNN's kernels take 14.0 us and 36.5 us against stage 13's 21.7 us and 43.8 us (the
-#   attention kernel and the combine together; `docs/notes/stage13.md`). In this run the
-#   combine's loops over the splits were still rolled; on an H100 (2026-12-05) unrolling them
-#   8 ways moved 13 / cuDNN in GPU time from 0.73 to 0.88 at 8k and from 0.86 to 0.94 at 32k,
-#   and the combine of section 5.5, as it now is, gives 0.90 and 0.97 (H100, 2026-12-06;
-#   `docs/notes/stage13.md`, `docs/results/README.md`); on that GPU every row stays below 1.0 in
-#   GPU time.
-# - **Short caches are host-bound.** At 8k and 32k a call back to back takes longer than its
-#   GPU work (32k: 77.5 us against 43.8 us), so the event-timed GB/s measure the host: 1,732 GB/s
-#   at 32k where the GPU time gives 3,063. The next section is the host's side.
+# - **The split pays where the tiles are few.** At batch 1 with 8 KV heads stage 12 stays under
+#   400 GB/s whatever $S_k$ (8 CTAs); stage 13, cut 16 ways, reads 694 GB/s at 8k, 2,114 at 32k
+#   and 2,894 at 128k back to back, 7.3x stage 12 at 128k. FA4 stays near stage 12 on these
+#   rows. With 32 KV heads (4 splits) or a batch of 8 (2 splits) stage 13 reaches 2,887-2,973
+#   GB/s; at a batch of 32 the launch does not split.
+# - **Against SDPA's cuDNN backend, in GPU time:** 1.03x at 8k and 1.00x at 32k (batch 1), 0.98-0.99x
+#   in the other rows. There both kernels read 88-92% of the H100's 3,350 GB/s; at batch 32 the
+#   256 work tiles leave 8 of 132 SMs idle for the second round, about 3% (`docs/notes/stage13.md`).
+#   Back to back 0.97-1.31x.
+# - **Short caches are host-bound.** At 8k and 32k a call back to back takes longer than its GPU
+#   work, so the event-timed GB/s measure the host: 2,114 GB/s at 32k back to back against 2,650
+#   in GPU time. The next section is the host's side.
+#
+# On the H200 (2026-12-04, `docs/results/decode_h200_2026-12-04.md`), with the kernel as it was
+# then (128-row tiles, the combine's loops rolled), stage 13 read 491 GB/s at 8k, 1,732 at 32k and
+# 3,998 at 128k back to back, 0.65-0.99x cuDNN in GPU time; the kernel as it is has not run on an
+# H200, and the goal of 3,800 GB/s at batch 1 is the H200's.
 #
 # ### 7.2 Host work per call
 #
@@ -647,6 +676,10 @@ bench = nb.measure(
 # 5. **Drop the clamps** (exercise 13a, an edit of the Hopper stage file): `split_range` without
 #    `cutlass.min(..., hi)`. The cells at the end of the notebook give the task and check the
 #    edit.
+# 6. **Rows per tile.** Speculative decoding checks a few draft tokens at once. With 32 query /
+#    4 KV heads (G = 8), which tile does the launch take for $S_q$ = 8 and for $S_q$ = 9 (build
+#    the kernel objects as section 5.1 does), and what share of each QK's rows lies past the
+#    sequence in each?
 #
 # ### Answers and checks
 #
@@ -697,6 +730,14 @@ bench = nb.measure(
 # tile has its V rows zeroed, so NaN in a middle tile meets P = 0 and $0 \cdot \text{NaN}$ is
 # NaN in O. The clamp is what keeps every split inside its range.
 # </details>
+#
+# <details><summary>6. Rows per tile</summary>
+#
+# $S_q$ = 8 gives $G \cdot S_q$ = 64 rows: one consumer warpgroup, a 64-row tile, every row
+# used. $S_q$ = 9 gives 72 rows, more than one warpgroup's 64: two warpgroups, a 128-row tile,
+# of which 56 rows (44%) lie past the sequence. One more draft token nearly doubles the tensor
+# work per KV tile.
+# </details>
 
 # %%
 # Exercise 1: the split count of three decode steps.
@@ -722,6 +763,15 @@ for label, parts in (("fp32 partials", o_part.float()), ("bf16 partials", o_part
     o, _ = combine_reference(parts.view(16, 1, 1, 1, D), lse_part.view(-1, 1, 1, 1))
     err = (o.flatten().bfloat16().double() - direct).abs().max() / direct.abs().max()
     print(f"{label}: O in bf16, max error relative to max |O| = {float(err):.1e}")
+
+# Exercise 6: the tile of a speculative-decoding step, 32 query / 4 KV heads.
+for Sq_ in (8, 9):
+    k_ = stage13.compile_args(torch.bfloat16, (1, 32, Sq_, 8192, 128), kv_heads=4)[0]
+    rows_ = 8 * Sq_
+    print(
+        f"Sq = {Sq_}: {rows_} rows, {k_.cta_tile[0]}-row tile, "
+        f"{1 - rows_ / k_.cta_tile[0]:.0%} of each QK past the sequence"
+    )
 
 # %% [markdown]
 # ### Exercise 13a: drop the clamps

@@ -14,6 +14,9 @@ Work tile t is split t % num_splits of stage 12's tile t / num_splits. num_split
 How many splits (splits_for): as many as fill one wave, SMs / tiles, at most 64 and at most one
 per KV tile; 1 when the tiles alone fill 0.8 of the SMs or the range is 4 KV tiles (of 128
 keys) or fewer. Decode at B = 1, Hkv = 8 on 132 SMs: 16; at B = 16: 1.
+A decode tile (launch_options): query rows that fit in 64 (G x Sq) get one consumer warpgroup
+and a 64-row tile, not 128 rows of which half are past the sequence in every QK and PV (the split
+kernel at B = 1, 8k: 8.8 us, not 11.7; NVIDIA H100 80GB HBM3, 2026-12-06). No turns then.
 Partial buffers per call: num_splits x B x H x Sq x (D + 1) x 4 bytes (16 x 32 x 129 x 4 =
 258 KiB for the decode step above), against 2 x Sk x Hkv x D x 2 bytes of K and V read (32k
 keys: 128 MiB).
@@ -97,9 +100,9 @@ class Sm90Kernel:
         self.mma_threads = 128 * self.mma_warpgroups
         self.threads = 128 + self.mma_threads  # warpgroup 0: the TMA producer
         # setmaxnreg: 128 x 24 + 256 x 240 = 64,512 of the SM's 65,536 registers (two consumer
-        # warpgroups), 128 x 24 + 384 x 160 = 64,512 (three).
+        # warpgroups), 128 x 24 + 384 x 160 = 64,512 (three); one (a decode tile) keeps 240.
         self.load_registers = 24
-        self.mma_registers = {2: 240, 3: 160}[self.mma_warpgroups]
+        self.mma_registers = {1: 240, 2: 240, 3: 160}[self.mma_warpgroups]
         # As many K or V tiles as fit in 227 KB next to Q, O and 1 KB of barriers: 5 x 32 KB
         # next to 2 x 32 KB (D = 128), 12 x 16 KB next to 2 x 16 KB (D = 64; 11 next to 2 x 24 KB
         # with three consumer warpgroups).
@@ -156,7 +159,15 @@ class Sm90Kernel:
         """Options for the kernel of one launch (common/attention_host.py builds it with them).
         Tuning 1: {"mma_warpgroups": 2} at D = 64 where a mask leaves no row more than
         SHORT_MASK_KEYS keys and G = H / Hkv divides 64. Tuning 2: {"edge_masks": False} at
-        D = 64 where the launch masks nothing. {} otherwise (the reasons: the comments below)."""
+        D = 64 where the launch masks nothing. Stage 13: {"mma_warpgroups": 1} where G x Sq <= 64
+        and G divides 64 (decode). {} otherwise (the reasons: the comments below)."""
+        # Decode: a Q tile whose query rows fit in 64 (G x Sq, pack-GQA's rows; Sq unpacked)
+        # takes one consumer warpgroup, a 64-row tile. A wgmma's M is 64 a warpgroup, and with
+        # 128 rows half of every QK and PV would go to rows past the sequence: at G = 4, Sq = 1
+        # the tile holds 4 query rows. The tensor-core work per KV tile halves (2 x 64 x 128 x D
+        # x 2 FLOP, 4.2 MFLOP at D = 128); there is no second warpgroup to take turns with.
+        if group * seqlen_q <= 64 and 64 % group == 0:
+            return {"mma_warpgroups": 1}
         masked = window_left < seqlen_k or window_right < seqlen_q
         keys = min(seqlen_k, window_left + window_right + 1)
         three = cls.warpgroups_for(head_dim) == 3
@@ -1237,14 +1248,18 @@ class Sm90Kernel:
         threads: this warpgroup's 128 (bar.sync, here) and the previous one's 128 (bar.arrive,
         in pass_turn); each completion is one turn. The turns go strictly round, in
         next_warpgroup's order, so no barrier sees two passes before a wait."""
-        cute.arch.barrier(barrier_id=self.turn_barrier(warpgroup_idx), number_of_threads=2 * 128)
+        if cutlass.const_expr(self.mma_warpgroups > 1):  # one warpgroup: no turns
+            cute.arch.barrier(
+                barrier_id=self.turn_barrier(warpgroup_idx), number_of_threads=2 * 128
+            )
 
     @cute.jit
     def pass_turn(self, warpgroup_idx):
         """Ping-pong: consumer warpgroup w hands the tensor cores to the next one
         (next_warpgroup): an arrive, without waiting, on that warpgroup's turn barrier."""
-        barrier = self.turn_barrier(self.next_warpgroup(warpgroup_idx))
-        cute.arch.barrier_arrive(barrier_id=barrier, number_of_threads=2 * 128)
+        if cutlass.const_expr(self.mma_warpgroups > 1):  # one warpgroup: no turns
+            barrier = self.turn_barrier(self.next_warpgroup(warpgroup_idx))
+            cute.arch.barrier_arrive(barrier_id=barrier, number_of_threads=2 * 128)
 
     def turn_barrier(self, warpgroup):
         """The named barrier of consumer warpgroup w's turns: 1 + w (barrier 1 is all consumers').

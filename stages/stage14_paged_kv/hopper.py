@@ -97,9 +97,9 @@ class Sm90Kernel:
         self.mma_threads = 128 * self.mma_warpgroups
         self.threads = 128 + self.mma_threads  # warpgroup 0: the TMA producer
         # setmaxnreg: 128 x 24 + 256 x 240 = 64,512 of the SM's 65,536 registers (two consumer
-        # warpgroups), 128 x 24 + 384 x 160 = 64,512 (three).
+        # warpgroups), 128 x 24 + 384 x 160 = 64,512 (three); one (a decode tile) keeps 240.
         self.load_registers = 24
-        self.mma_registers = {2: 240, 3: 160}[self.mma_warpgroups]
+        self.mma_registers = {1: 240, 2: 240, 3: 160}[self.mma_warpgroups]
         # As many K or V tiles as fit in 227 KB next to Q, O and 1 KB of barriers: 5 x 32 KB
         # next to 2 x 32 KB (D = 128), 12 x 16 KB next to 2 x 16 KB (D = 64; 11 next to 2 x 24 KB
         # with three consumer warpgroups).
@@ -161,7 +161,15 @@ class Sm90Kernel:
         """Options for the kernel of one launch (common/attention_host.py builds it with them).
         Tuning 1: {"mma_warpgroups": 2} at D = 64 where a mask leaves no row more than
         SHORT_MASK_KEYS keys and G = H / Hkv divides 64. Tuning 2: {"edge_masks": False} at
-        D = 64 where the launch masks nothing. {} otherwise (the reasons: the comments below)."""
+        D = 64 where the launch masks nothing. Stage 13: {"mma_warpgroups": 1} where G x Sq <= 64
+        and G divides 64 (decode). {} otherwise (the reasons: the comments below)."""
+        # Decode: a Q tile whose query rows fit in 64 (G x Sq, pack-GQA's rows; Sq unpacked)
+        # takes one consumer warpgroup, a 64-row tile. A wgmma's M is 64 a warpgroup, and with
+        # 128 rows half of every QK and PV would go to rows past the sequence: at G = 4, Sq = 1
+        # the tile holds 4 query rows. The tensor-core work per KV tile halves (2 x 64 x 128 x D
+        # x 2 FLOP, 4.2 MFLOP at D = 128); there is no second warpgroup to take turns with.
+        if group * seqlen_q <= 64 and 64 % group == 0:
+            return {"mma_warpgroups": 1}
         masked = window_left < seqlen_k or window_right < seqlen_q
         keys = min(seqlen_k, window_left + window_right + 1)
         three = cls.warpgroups_for(head_dim) == 3
@@ -1258,14 +1266,18 @@ class Sm90Kernel:
         threads: this warpgroup's 128 (bar.sync, here) and the previous one's 128 (bar.arrive,
         in pass_turn); each completion is one turn. The turns go strictly round, in
         next_warpgroup's order, so no barrier sees two passes before a wait."""
-        cute.arch.barrier(barrier_id=self.turn_barrier(warpgroup_idx), number_of_threads=2 * 128)
+        if cutlass.const_expr(self.mma_warpgroups > 1):  # one warpgroup: no turns
+            cute.arch.barrier(
+                barrier_id=self.turn_barrier(warpgroup_idx), number_of_threads=2 * 128
+            )
 
     @cute.jit
     def pass_turn(self, warpgroup_idx):
         """Ping-pong: consumer warpgroup w hands the tensor cores to the next one
         (next_warpgroup): an arrive, without waiting, on that warpgroup's turn barrier."""
-        barrier = self.turn_barrier(self.next_warpgroup(warpgroup_idx))
-        cute.arch.barrier_arrive(barrier_id=barrier, number_of_threads=2 * 128)
+        if cutlass.const_expr(self.mma_warpgroups > 1):  # one warpgroup: no turns
+            barrier = self.turn_barrier(self.next_warpgroup(warpgroup_idx))
+            cute.arch.barrier_arrive(barrier_id=barrier, number_of_threads=2 * 128)
 
     def turn_barrier(self, warpgroup):
         """The named barrier of consumer warpgroup w's turns: 1 + w (barrier 1 is all consumers').
