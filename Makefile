@@ -42,7 +42,7 @@ test: setup
 	$(PYTEST) -q -n $(JOBS) $(PYTEST_ARGS)
 
 test-gpu: setup
-	$(PYTEST) -q -n $(JOBS) -m "gpu_hopper or gpu_blackwell" $(PYTEST_ARGS)
+	$(PYTEST) -q -n $(JOBS) -m "gpu_hopper or gpu_blackwell or gpu_any" $(PYTEST_ARGS)
 
 tour: setup
 	$(PYTHON) -m common.tools.tour

@@ -24,7 +24,7 @@ from common.tools import inputs, reference, verify
 
 DTYPES = [torch.bfloat16, torch.float16]
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (any)")
+needs_cuda = pytest.mark.gpu_any  # skipped without CUDA (conftest.py)
 
 
 def dtype_id(dtype):

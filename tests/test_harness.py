@@ -191,7 +191,7 @@ def test_stage_table_is_consistent():
         stage_table.stage(15)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (any)")
+@pytest.mark.gpu_any
 def test_deadline_turns_a_kernel_that_never_finishes_into_an_error():
     # torch.cuda._sleep spins one GPU thread for a number of clock cycles: ~10 s at ~2 GHz stands
     # in for a deadlocked kernel. The deadline (1 s) must fire long before it ends.

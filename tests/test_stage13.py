@@ -28,7 +28,7 @@ from common import attention_host
 from common.tools import inputs, verify
 
 STAGES = (13,)
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (any)")
+needs_cuda = pytest.mark.gpu_any  # skipped without CUDA (conftest.py)
 
 
 def run(track, fn):
