@@ -16,20 +16,28 @@ cut that leaves it no key) keeps O = 0 and LSE = -inf, as the unsplit kernel giv
 Work: a row (b, h, s) reads num_splits x (D + 1) x 4 bytes, 16 x 129 x 4 = 8 KB for a decode
 row cut 16 ways. So little data makes the kernel's time that of its loads' latency, and the
 kernel is laid out to wait for global memory once: a row takes D / 4 x lanes threads, 4 columns
-of O_s each, lane i reading splits i, i + lanes, ... (lanes: the split count rounded up to a
-power of two, at most 256 / (D / 4); a CTA of 256 threads takes 256 / (D / 4 x lanes) rows).
+of O_s each, lane i (a group of D / 4 threads) reading splits i, i + lanes, ... (lanes: the split
+count rounded up to a power of two, at least 2 and at most 256 / (D / 4); a CTA of 256 threads
+takes 256 / (D / 4 x lanes) rows, whole warps each). A thread holds 8 splits' loads at once, so
+one wait covers up to 8 x lanes splits: 64 at D = 128, 128 at D = 64; a count forced above that
+takes one more round of loads, and one more wait, per 8 x lanes splits.
 
-  1. Every load is issued before any is waited for: thread t of the row loads lse_t into shared
-     memory, and each thread the 4 columns of its first 8 splits' O_s (16-byte loads).
-  2. After one barrier, each warp of the row reduces the row's LSEs from shared memory itself
+  1. The loads, all issued before the first barrier: thread t of the row loads lse_t into
+     shared memory (t < num_splits; a row has at least num_splits threads for num_splits up
+     to 256), and each thread the 4 columns of its first 8 splits' O_s (16-byte loads).
+  2. After that barrier, each warp of the row reduces the row's LSEs from shared memory itself
      (shuffles): m = max_s lse_s and l = sum_s e^{lse_s - m}, no exponential overflowing.
-  3. Each thread sums e^{lse_s - m} O_s over its splits; after a second barrier lane 0's
-     threads add the lanes' sums through shared memory, O = sum / l, LSE = m + ln l.
+  3. Each thread sums e^{lse_s - m} O_s over its splits and writes its sum to shared memory.
+  4. After a second barrier the D / 4 threads of lane 0 add the lanes' sums: O = sum / l, and
+     LSE = m + ln l. A row that no split saw (m = -inf) skips the sum of 2 and the loop of 3
+     (its shares are 0), and lane 0 writes O = 0 and LSE = -inf.
 
-A decode step at B = 1 (32 rows, 16 splits) took 2.5 us of GPU time this way, against 3.3 us in
-CTAs of one warp with the loops over the splits unrolled 16 ways and 2.8 us for cuDNN's reduction
-(NVIDIA H100 80GB HBM3, 2026-12-06; docs/notes/stage13.md). It is plain CUDA-core code (no TMA,
-no tensor cores): the same kernel compiles for sm_90a and sm_100a."""
+In the last CTA, threads whose row lies past B x H x S load and store nothing but meet both
+barriers. A decode step at B = 1, 8k keys (32 rows, 16 splits) took 2.5 us of GPU time this way,
+against 3.3 us in CTAs of one warp with the loops over the splits unrolled 16 ways and 2.8 us for
+cuDNN's reduction (torch.profiler; NVIDIA H100 80GB HBM3, 2026-12-06;
+docs/results/decode_kernels_h100_2026-12-06.txt). It is plain CUDA-core code (no TMA, no tensor
+cores): the same kernel compiles for sm_90a and sm_100a."""
 
 import math
 
@@ -46,7 +54,8 @@ class Combine:
     """O (B, H, S, D) in the input dtype and LSE (B, H, S) fp32 from O_partial (splits, B, H, S,
     D) and LSE_partial (splits, B, H, S), both fp32. Every tensor may have any strides (packed
     sequences pass (1, H, total, D) views of (total, H, D)); D is contiguous in O and O_partial.
-    `lanes`: how many splits a row reads at once (a power of two, 2 ... threads / (D / 4))."""
+    `lanes`: how many groups of D / 4 threads a row has, lane i reading splits i, i + lanes, ...
+    (a power of two, 2 ... 256 / (D / 4): lanes_for)."""
 
     def __init__(self, dtype, head_dim, lanes):
         self.dtype = dtype  # cutlass.BFloat16 or cutlass.Float16: O's element type
@@ -55,7 +64,7 @@ class Combine:
         self.threads_per_split = head_dim // self.columns  # 32 (D = 128) or 16 (D = 64)
         self.threads = 256
         self.lanes = lanes
-        self.row_threads = self.threads_per_split * lanes  # at least 32: a warp is one row's
+        self.row_threads = self.threads_per_split * lanes  # at least 32: no warp spans two rows
         self.rows_per_cta = self.threads // self.row_threads
         self.max_splits = 256  # attention_host's bound on num_splits
         self.loads_in_flight = 8  # O_s loads a thread issues before it waits for any
@@ -103,7 +112,9 @@ class Combine:
         lane = t // self.threads_per_split
         col = (t % self.threads_per_split) * self.columns
         row = bidx * self.rows_per_cta + r
-        live = row < B * H * S  # the last CTA's rows may end early; every thread meets the barriers
+        # The last CTA's rows may end before the CTA does: a thread of a row past the end
+        # loads and stores nothing (live False) but meets both barriers.
+        live = row < B * H * S
         # row = (b H + h) S + s
         s = row % S
         h = (row // S) % H
@@ -121,9 +132,9 @@ class Combine:
             16,
         )
 
-        # 1. The loads, all issued before any is waited for: thread t's lse_t (t < splits: each
-        # row has at least as many threads as splits), and this thread's first
-        # loads_in_flight splits' 4 columns of O_s.
+        # 1. The loads, all issued before the first barrier: thread t's lse_t (t < splits: a
+        # row has at least as many threads as splits, up to max_splits), and this thread's
+        # first loads_in_flight splits' 4 columns of O_s.
         if live and t < splits:
             sLSE[t, r] = mLSEp[t, b, h, s]
         per = self.loads_in_flight
@@ -136,7 +147,9 @@ class Combine:
         cute.arch.barrier()
 
         # 2. m = max_s lse_s and l = sum_s e^{lse_s - m}: each warp of the row reduces the
-        # row's LSEs itself (32 lanes, max_splits / 32 values each), so no second barrier.
+        # row's LSEs itself (its 32 threads, max_splits / 32 values each), so every warp has m
+        # and l without a barrier between 2 and 3. (A row past the end reduces whatever its
+        # shared memory holds; nothing of it is stored.)
         lane32 = tidx % 32
         m = -cutlass.Float32.inf
         for k in cutlass.range_constexpr(self.max_splits // 32):
@@ -150,8 +163,9 @@ class Combine:
                     total += cute.math.exp2((sLSE[k * 32 + lane32, r] - m) * log2_e, fastmath=True)
         total = cute.arch.warp_reduction_sum(total)
 
-        # 3. This lane's share: sum over its splits of e^{lse_s - m} O_s, `per` splits a round
-        # (the first round's loads were issued in 1).
+        # 3. This lane's share: sum over its splits of e^{lse_s - m} O_s, lanes x `per` splits a
+        # round (the first round's loads were issued in 1; a later round, only for more than
+        # lanes x per splits, loads and then waits again).
         acc = cute.make_rmem_tensor(self.columns, cutlass.Float32)
         acc.fill(0.0)
         if m != -cutlass.Float32.inf:
@@ -171,8 +185,8 @@ class Combine:
         )
         cute.arch.barrier()
 
-        # 4. Lane 0 of the row sums the lanes' shares: O = sum_s e^{lse_s - m} O_s / l, and
-        # LSE = m + ln l.
+        # 4. Lane 0 of the row (its D / 4 threads) sums the lanes' shares: O = sum_s
+        # e^{lse_s - m} O_s / l, and LSE = m + ln l; a row no split saw: O = 0, LSE = -inf.
         if live and lane == 0:
             out = cute.make_rmem_tensor(self.columns, cutlass.Float32)
             out.fill(0.0)

@@ -271,7 +271,7 @@ def test_combine_matches_its_formula(dtype, D, splits):
     o_part[:, 1, 2, 4] = 0.0
     lse_part[:, 0, 0, 0] = 1e4  # large equal values: no overflow
     if splits > 32:
-        # The kernel takes the splits 16 at a time: a row whose first 16 splits saw no key,
+        # Splits with no key in whole blocks of 16: a row whose first 16 splits saw no key,
         # and one whose middle 16 saw none.
         lse_part[:16, 0, 2, 1:] = float("-inf")
         lse_part[16:32, 1, 0, :] = float("-inf")

@@ -92,8 +92,9 @@ split_range = type(kernel).split_range.__wrapped__
 # head into one tile (pack-GQA, stage 7): a decode step with 32 / 8 heads puts 4 rows (one
 # token, four heads) in a 128-row tile, so each work tile reads its KV head's K and V once. On
 # the paper shapes at S = 8k it runs at 0.94-1.02x FA4, event-timed (H200, 2026-12-04). On a
-# decode step at batch 1 it reads K and V at 359-384 GB/s (H200, 2026-12-04, section 7), under
-# 10% of what the GPU's memory can deliver: the loop is not the problem, the number of CTAs is.
+# decode step at batch 1 it reads K and V at 359-384 GB/s (H200, 2026-12-04,
+# `docs/results/decode_h200_2026-12-04.md`), under 10% of what the GPU's memory can deliver:
+# the loop is not the problem, the number of CTAs is.
 #
 # ## 3. The math
 #
@@ -112,8 +113,9 @@ split_range = type(kernel).split_range.__wrapped__
 # The tile wastes its rows too. A `wgmma` computes 64 rows a warpgroup, and stage 12's tile of
 # two consumer warpgroups has $b_M = 128$ rows, of which a decode step fills $G \cdot S_q = 4$.
 # Every KV tile then costs $2 \cdot 2 \cdot 128 \cdot 128 \cdot D$ FLOP of QK and PV (8.4
-# MFLOP at D = 128), half of it on rows past the sequence. Stage 13 takes one consumer warpgroup
-# and a 64-row tile wherever $G \cdot S_q \le 64$ (section 5.1).
+# MFLOP at D = 128), 124 of its 128 rows past the sequence: the second warpgroup's half holds
+# no query row. Stage 13 takes one consumer warpgroup and a 64-row tile wherever
+# $G \cdot S_q \le 64$ and $G$ divides 64 (section 5.1): 4.2 MFLOP per KV tile.
 #
 # ### 3.2 Merging the splits
 #
@@ -281,9 +283,9 @@ nb.table(
 # rows fit in 64 one consumer warpgroup. The tensor-core work per KV tile halves, the ring gets
 # a sixth K/V slot (Q and O take 16 KB each instead of 32), and without a second warpgroup there
 # are no turns to take: `wait_turn` and `pass_turn` compile to nothing. The split kernel of the
-# 8k step took 8.8 us instead of 11.7 (NVIDIA H100 80GB HBM3, 2026-12-06, K and V warm in L2;
-# `docs/results/decode_kernels_h100_2026-12-06.txt`). The cell builds the kernel object each
-# launch would get.
+# 8k step took 8.8 us with the decode tile (2026-12-06) and 11.7 us with 128 rows (2026-12-05),
+# on an H100 80GB HBM3 with K and V warm in L2 (`docs/results/README.md`, stage 13). The cell
+# builds the kernel object each launch would get.
 
 # %%
 nb.show_function(stage13.Sm90Kernel.launch_options)
@@ -405,8 +407,8 @@ for Sk_ in (8192, 32768, 131072):
 # e^{\text{lse}_s - m}$), each thread weights its $O_s$, and after a second barrier lane 0 adds
 # the lanes' sums. A decode step's combine at 16 splits takes 2.5 us of GPU time, against 2.8 us
 # for cuDNN's reduction; a kernel of one warp per CTA with its loops over the splits unrolled took
-# 3.3 us, its loads going out in rounds (H100 80GB HBM3, 2026-12-06;
-# `docs/notes/stage13.md`). It is plain CUDA-core code, no TMA or tensor cores, so the same kernel
+# 3.3 us, its loads going out in rounds (B = 1, 8k; H100 80GB HBM3, 2026-12-06;
+# `docs/results/decode_kernels_h100_2026-12-06.txt`). It is plain CUDA-core code, no TMA or tensor cores, so the same kernel
 # compiles for sm_90a and sm_100a. A row that no split saw keeps O = 0 and LSE = $-\infty$, as the
 # unsplit kernel gives.
 
@@ -595,10 +597,10 @@ fig = figures.decode_bars(
 #   and 2,894 at 128k back to back, 7.3x stage 12 at 128k. FA4 stays near stage 12 on these
 #   rows. With 32 KV heads (4 splits) or a batch of 8 (2 splits) stage 13 reaches 2,887-2,973
 #   GB/s; at a batch of 32 the launch does not split.
-# - **Against SDPA's cuDNN backend, in GPU time:** 1.03x at 8k and 1.00x at 32k (batch 1), 0.98-0.99x
-#   in the other rows. There both kernels read 88-92% of the H100's 3,350 GB/s; at batch 32 the
-#   256 work tiles leave 8 of 132 SMs idle for the second round, about 3% (`docs/notes/stage13.md`).
-#   Back to back 0.97-1.31x.
+# - **Against SDPA's cuDNN backend, in GPU time:** 1.03x at 8k and 1.00x at 32k (batch 1),
+#   0.98-0.99x in the other rows. There both kernels read 88-92% of the H100's 3,350 GB/s; at
+#   batch 32 the 256 work tiles leave 8 of 132 SMs idle for the second round, about 3%
+#   (`docs/notes/stage13.md`). Back to back 0.97-1.31x.
 # - **Short caches are host-bound.** At 8k and 32k a call back to back takes longer than its GPU
 #   work, so the event-timed GB/s measure the host: 2,114 GB/s at 32k back to back against 2,650
 #   in GPU time. The next section is the host's side.
@@ -735,7 +737,7 @@ bench = nb.measure(
 #
 # $S_q$ = 8 gives $G \cdot S_q$ = 64 rows: one consumer warpgroup, a 64-row tile, every row
 # used. $S_q$ = 9 gives 72 rows, more than one warpgroup's 64: two warpgroups, a 128-row tile,
-# of which 56 rows (44%) lie past the sequence. One more draft token nearly doubles the tensor
+# of which 56 rows (44%) lie past the sequence. One more draft token doubles the tensor
 # work per KV tile.
 # </details>
 

@@ -14,9 +14,9 @@ Work tile t is split t % num_splits of stage 12's tile t / num_splits. num_split
 How many splits (splits_for): as many as fill one wave, SMs / tiles, at most 64 and at most one
 per KV tile; 1 when the tiles alone fill 0.8 of the SMs or the range is 4 KV tiles (of 128
 keys) or fewer. Decode at B = 1, Hkv = 8 on 132 SMs: 16; at B = 16: 1.
-A decode tile (launch_options): query rows that fit in 64 (G x Sq) get one consumer warpgroup
-and a 64-row tile, not 128 rows of which half are past the sequence in every QK and PV (the split
-kernel at B = 1, 8k: 8.8 us, not 11.7; NVIDIA H100 80GB HBM3, 2026-12-06). No turns then.
+A decode tile (launch_options): query rows that fit in 64 (G x Sq, G dividing 64) get one
+consumer warpgroup on a 64-row tile, not 128 rows whose second 64 hold no query (split kernel,
+B = 1, 8k: 8.8 us, not 11.7; NVIDIA H100 80GB HBM3, 2026-12-06 and 2026-12-05). No turns then.
 Partial buffers per call: num_splits x B x H x Sq x (D + 1) x 4 bytes (16 x 32 x 129 x 4 =
 258 KiB for the decode step above), against 2 x Sk x Hkv x D x 2 bytes of K and V read (32k
 keys: 128 MiB).
@@ -100,7 +100,7 @@ class Sm90Kernel:
         self.mma_threads = 128 * self.mma_warpgroups
         self.threads = 128 + self.mma_threads  # warpgroup 0: the TMA producer
         # setmaxnreg: 128 x 24 + 256 x 240 = 64,512 of the SM's 65,536 registers (two consumer
-        # warpgroups), 128 x 24 + 384 x 160 = 64,512 (three); one (a decode tile) keeps 240.
+        # warpgroups), 128 x 24 + 384 x 160 = 64,512 (three), 128 x 24 + 128 x 240 (one).
         self.load_registers = 24
         self.mma_registers = {1: 240, 2: 240, 3: 160}[self.mma_warpgroups]
         # As many K or V tiles as fit in 227 KB next to Q, O and 1 KB of barriers: 5 x 32 KB
@@ -159,13 +159,13 @@ class Sm90Kernel:
         """Options for the kernel of one launch (common/attention_host.py builds it with them).
         Tuning 1: {"mma_warpgroups": 2} at D = 64 where a mask leaves no row more than
         SHORT_MASK_KEYS keys and G = H / Hkv divides 64. Tuning 2: {"edge_masks": False} at
-        D = 64 where the launch masks nothing. Stage 13: {"mma_warpgroups": 1} where G x Sq <= 64
-        and G divides 64 (decode). {} otherwise (the reasons: the comments below)."""
-        # Decode: a Q tile whose query rows fit in 64 (G x Sq, pack-GQA's rows; Sq unpacked)
-        # takes one consumer warpgroup, a 64-row tile. A wgmma's M is 64 a warpgroup, and with
-        # 128 rows half of every QK and PV would go to rows past the sequence: at G = 4, Sq = 1
-        # the tile holds 4 query rows. The tensor-core work per KV tile halves (2 x 64 x 128 x D
-        # x 2 FLOP, 4.2 MFLOP at D = 128); there is no second warpgroup to take turns with.
+        D = 64 where the launch masks nothing. Stage 13, checked first: {"mma_warpgroups": 1}
+        where G x Sq <= 64 and G divides 64 (decode). {} otherwise (the comments below say why)."""
+        # Decode: query rows that fit in 64 (G x Sq; packed sequences: the longest Sq) take one
+        # consumer warpgroup, a 64-row tile. A wgmma's M is 64 a warpgroup; in 128 rows a decode
+        # step's 4 rows (G = 4) sit in the first warpgroup's 64, and the second's half of every
+        # QK and PV holds none. Per KV tile QK and PV cost 2 x 64 x 128 x D FLOP each: 4.2
+        # MFLOP together at D = 128, against 8.4 with 128 rows. No warpgroup to take turns with.
         if group * seqlen_q <= 64 and 64 % group == 0:
             return {"mma_warpgroups": 1}
         masked = window_left < seqlen_k or window_right < seqlen_q
