@@ -612,42 +612,38 @@ fig = figures.decode_bars(
 #
 # ### 7.2 Host work per call
 #
-# `python -m common.tools.host_time --calls 2000` on the H200 (2026-12-04,
-# `docs/results/host_time_h200_2026-12-04.txt`): microseconds of host work per call of a tiny
-# decode step (K and V of 256 keys, so that the GPU work is negligible; the launch of that day
-# split it 2 ways), then an earlier measurement of the same day with cProfile's view of where
-# stage 13's call spent them. The cell prints the file, and the split count the launch picks
-# for this step now: none, since a range of 4 KV tiles or fewer is not split (section 5.1).
+# `python -m common.tools.host_time --calls 2000` times a tiny decode step (K and V of 256 keys,
+# causal: 6-7 us of GPU work, less than the host's) under `torch.inference_mode()`, every entry
+# in 5 rounds in rotated order: back to back between CUDA events, the host's own time, the GPU's.
+# The cell prints the run of the launch path as it is (NVIDIA H100 80GB HBM3, 2026-12-06,
+# `docs/results/host_time_h100_2026-12-06_ops_library.txt`) with cProfile's view of stage 13's
+# call, and the split count the launch picks for this step: none, since a range of 4 KV tiles
+# or fewer is not split (section 5.1).
 
 # %%
-with open(os.path.join(nb.ROOT, "docs/results/host_time_h200_2026-12-04.txt")) as f:
-    print(f.read())
+with open(os.path.join(nb.ROOT, "docs/results/host_time_h100_2026-12-06_ops_library.txt")) as f:
+    text = f.read()
+table, _, profiles = text.partition("cProfile of 2000 calls: stage 12\n")
+skip = ("round ", "Warning", "_warn_once")  # progress lines and a profiler warning
+print("\n".join(ln for ln in table.splitlines() if not any(w in ln for w in skip)))
+stage13_profile = profiles.split("cProfile of 2000 calls: stage 13\n")[1].split("cProfile of")[0]
+print("cProfile of 2000 calls: stage 13\n" + stage13_profile)
 print("splits the launch picks for this step now:", attention_host.splits_for(8, 2, SMS))
 
 # %% [markdown]
-# A split call costs the host 58.4 us against stage 12's 32.9 and SDPA's 25.0 (H200,
-# 2026-12-04); the goal of 25 us is missed by more than 2x. The profile (of the earlier
-# measurement, 81.8 us per call, of a launch that also filled the outputs with NaN and checked
-# every argument at every call) shows where it goes:
-# three allocations (O, LSE and the partials' buffer), two launches through TVM-FFI's call
-# wrappers (the kernel and the combine), the plan's own Python (`launch`, `LaunchPlan.run`,
-# `attention`), the canonical strides of Q's size-1 modes, and the argument checks that remain
-# per call. Everything that could be decided once already is (the plan); what is left is
-# Python per call, which only fewer Python calls per step - a CUDA graph over a model's decode
-# step, say - would remove. `tests/test_stage13.py` replays a decode step in a CUDA graph.
-#
-# Since then the launch allocates O and LSE in the strides it passes (no view of them per
-# call), puts the LSE of a split call that does not return it in the partials' buffer (two
-# allocations, not three), and
-# leaves this step unsplit. On an H100 (2026-12-05) that took stage 12 from 56.2 to 46.3 us of
-# host time per call and a forced 2-way split from 90.3 to 71.6, with SDPA at 32.2 in the same
-# process: still short of 25 us (`docs/results/README.md`, "Host work per call"). A call also
-# has a fast path: one whose tensors and options match an earlier call's (`call_key` in
-# `common/attention_host.py`) skips its shape checks and reuses its plan. Its Python was cut next
-# (the views a plan takes kept as pairs, seqused_k's layout in the call key): on a faster H100
-# host (2026-12-05) a call of stage 12, or of stage 13 where it does not split, takes 18.8 us
-# of host time against SDPA's 14.4, within the goal; a 2-way split call takes 28.3 (same file,
-# section and day).
+# Stage 12, and stage 13 where it does not split, take 18.6-18.9 us of host time per call
+# against SDPA's 14.4: within the goal of 25 us. A split call takes about 28 us (28.3 in an A/B
+# on an H100 80GB HBM3, 2026-12-05): a second launch, the combine's, and the partials' buffer.
+# Of stage 12's 18.8 us in that A/B, its compiled function called alone on ready arguments took
+# 5.1 (the TVM-FFI call and the launch) and each of its two outputs 2.2 (`torch.empty_strided`):
+# about 9 us is the launch path's Python. A call whose tensors and options match an earlier
+# call's (`call_key` in `common/attention_host.py`) takes the fast path: no shape checks, and
+# the launch plan made for the first such call, which keeps everything decided once (the
+# compiled kernel and combine, the mask bounds, the split count, the partials' layout, the
+# inputs' canonical strides). What is left is Python per call, which only fewer Python calls per
+# step remove: a CUDA graph over a model's decode step, as `tests/test_stage13.py` replays one.
+# How each change to the launch path moved these numbers, and the H200's measurement of the
+# older path (2026-12-04): `docs/results/README.md`, *Host work per call*.
 #
 # In GPU mode the cell below times stage 13 against stage 12 and the baselines at two decode
 # shapes (MHA, 32 heads: the launch picks 4 splits) in this run.
