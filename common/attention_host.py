@@ -91,9 +91,9 @@ def compile_args(kernel_class, dtype, shape, scale=None, **options):
         lse = fake_tensor(torch.float32, (splits, B, H, Sq), dynamic=True)
     page_size = options.get("page_size")
     if page_size:
-        # A paged cache: (num_pages, Hkv, page_size, D) with seqused_k and a page table
+        # A paged cache: (num_pages, page_size, Hkv, D) with seqused_k and a page table
         opts["page_size"] = page_size
-        k, v = (fake_tensor(dtype, (B * 8, Hkv, page_size, D), dynamic=True) for _ in range(2))
+        k, v = (fake_tensor(dtype, (B * 8, page_size, Hkv, D), dynamic=True) for _ in range(2))
     kernel = kernel_class(cute_dtype(dtype), D, pack, **opts)
     args = [q, k, v, o, lse, cu_q, cu_k, Sq, checks.check_scale(scale, D) * math.log2(math.e)]
     args += [window_left, window_right]
@@ -126,7 +126,7 @@ def launch(
     page_table=None,
 ):
     """Both entries: (B, H, S, D)-shaped views (packed sequences as B = 1; a paged cache as
-    (num_pages, Hkv, page_size, D) with page_table, stage 14 on), launch. Split-KV
+    (num_pages, page_size, Hkv, D) as the caller holds it, with page_table, stage 14 on), launch. Split-KV
     (kernel classes with takes_splits): num_splits (None: splits_for's choice), the partial
     outputs, then the combine.
 
@@ -318,7 +318,8 @@ def make_plan(
     # built here; the one built for the tile rows serves unpacked launches (the common case).
     # Options for this launch's sizes and mask (Hopper stage 12 on: the consumer warpgroups at
     # D = 64), the same in the unpacked and the packed object.
-    H, Hkv = q.shape[1], k.shape[1]
+    # k: (B, Hkv, Sk, D), or a paged cache (num_pages, page_size, Hkv, D)
+    H, Hkv = q.shape[1], k.shape[1] if page_table is None else k.shape[2]
     packed = cu_seqlens_q is not None
     # Per-sequence key counts (packed, seqused_k): no mask-free kernel (launch_options).
     opts = kernel_options(
@@ -346,7 +347,7 @@ def make_plan(
         opts = {**opts, "split_kv": True}
     takes_pages = getattr(kernel_class, "takes_pages", False)
     if page_table is not None:
-        opts = {**opts, "page_size": k.shape[2]}  # k: (num_pages, Hkv, page_size, D)
+        opts = {**opts, "page_size": k.shape[1]}
     if pack == 1 and splits == 1 and page_table is None:
         kernel = unpacked
     else:
@@ -687,8 +688,8 @@ def attention_paged(
     num_splits=None,
     check_values=True,
 ):
-    """A paged KV cache (stage 14 on): checks, outputs, the cache as (num_pages, Hkv, page_size,
-    D) views, launch with page_table. A call like one made before takes the fast path
+    """A paged KV cache (stage 14 on): checks, outputs, launch with the cache as it is and
+    page_table. A call like one made before takes the fast path
     (call_key).
 
     check_values: read page_table and seqused_k to the host and check every page a sequence
@@ -716,8 +717,7 @@ def attention_paged(
             seqused_k, q, page_table, page_size, k_cache.shape[0], check_values, known_layout=True
         )
         o, lse, buffer = plan.outputs(q.dtype, q.device, return_lse)
-        k, v = k_cache.permute(0, 2, 1, 3), v_cache.permute(0, 2, 1, 3)
-        run_plan(plan, q, k, v, o, lse, Sq, scale, seqused_k, page_table, buffer)
+        run_plan(plan, q, k_cache, v_cache, o, lse, Sq, scale, seqused_k, page_table, buffer)
         return (o, lse) if return_lse else o
     if not getattr(kernel_class, "takes_pages", False):
         raise TypeError("a paged KV cache needs a paged stage (14 on)")
@@ -731,14 +731,13 @@ def attention_paged(
     checked_lengths(seqused_k, q, page_table, page_size, k_cache.shape[0], check_values)
     o = new_output(output_layout((B, H, Sq, D)), q.dtype, q.device)
     lse = new_output(output_layout((B, H, Sq)), torch.float32, q.device)
-    # (num_pages, page_size, Hkv, D) -> (num_pages, Hkv, page_size, D): the kernel's (B, H, S, D)
-    # with the page as B
-    k, v = (t.permute(0, 2, 1, 3) for t in (k_cache, v_cache))
+    # The cache goes to the kernel as it is, (num_pages, page_size, Hkv, D): the kernel's
+    # compiled layout sees it as its (B, H, S, D) with the page as B (stage 14's __call__).
     plan = launch(
         kernel_class,
         q,
-        k,
-        v,
+        k_cache,
+        v_cache,
         o,
         lse,
         None,

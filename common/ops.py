@@ -24,12 +24,13 @@ anything is launched, through the Python wrappers below and through the op's aut
 when torch.ops is called directly. Use them under torch.no_grad() / torch.inference_mode().
 
 The ops are defined with torch.library.Library (schema, a CompositeExplicitAutograd kernel that
-calls the stage, an Autograd kernel that refuses grad and redispatches below autograd, the fake
-implementation), not with the torch.library.custom_op decorator: the decorator's layers (a
+calls the stage, an Autograd kernel that refuses grad and then calls that kernel itself on plain
+CUDA tensors or redispatches below autograd otherwise, the fake implementation), not with the torch.library.custom_op decorator: the decorator's layers (a
 wrapper that turns Dynamo off around each call, an output-aliasing check, an autograd.Function)
 cost a call through torch.ops several microseconds of host time, which a decode step pays per
 layer. Under torch.inference_mode() the Autograd kernel is skipped altogether; under
-torch.no_grad() it runs (a Python call and the redispatch). The namespace can be defined once per
+torch.no_grad() it runs (a Python call; the redispatch only for fake, meta or subclass tensors
+or under a dispatch mode). The namespace can be defined once per
 process, so a second import of this file (importlib.reload, Jupyter's autoreload) keeps the ops
 the first one defined.
 
@@ -178,14 +179,30 @@ def _check_meta(q, k, v, rank):
 # The Library that defines the ops, kept alive (the ops live as long as it does). A second run
 # of this file in the same module (importlib.reload, Jupyter's autoreload) finds it here.
 _lib = globals().get("_lib")
-_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+
+
+def plain_cuda(q, k, v):
+    """Whether below the op's Autograd kernel nothing but its CUDA kernel would run: plain
+    tensors (no fake, meta, functional or other subclass), q on CUDA, no dispatch mode. (Modes
+    and transforms above autograd - vmap, torch.jit.trace, autocast - have had their turn by
+    then.) A few attribute reads: asking the dispatch key set instead costs more host time
+    than the redispatch it would save."""
+    return (
+        type(q) is torch.Tensor
+        and type(k) is torch.Tensor
+        and type(v) is torch.Tensor
+        and not torch._C._len_torch_dispatch_stack()
+        and not torch._is_functional_tensor(q)
+        and q.is_cuda
+    )
 
 
 def _define(schema, kernel, fake):
     """Define op `schema` with `kernel` for every device (CompositeExplicitAutograd), its fake
     implementation, and an Autograd kernel that refuses inputs requiring grad under grad mode
-    (the kernels' own error, before anything is launched) and otherwise redispatches below
-    autograd, to the kernel or, under a fake or meta tensor, to the fake. Returns the op's
+    (the kernels' own error, before anything is launched) and otherwise calls the kernel on
+    plain CUDA tensors (plain_cuda), or dispatches again below autograd (a fake or meta tensor:
+    to the fake; a subclass or a dispatch mode: to its handler first). Returns the op's
     OpOverload (torch.ops.flash_tutorial.<name>.default)."""
     global _lib
     name = schema.split("(")[0]
@@ -202,11 +219,17 @@ def _define(schema, kernel, fake):
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_lib)
     op = getattr(namespace, name).default
 
-    def forward_only(keyset, *args):
-        checks.check_inference_only(("q", "k", "v"), args[:3], "this attention kernel")
-        return op.redispatch(keyset & _AFTER_AUTOGRAD, *args)
+    def forward_only(*args):
+        q, k, v = args[:3]
+        checks.check_inference_only(("q", "k", "v"), (q, k, v), "this attention kernel")
+        if plain_cuda(q, k, v):
+            # Nothing but the CUDA kernel lies below autograd: call it (the dispatcher's way
+            # there costs host time, which under no_grad each layer of a decode step pays).
+            return kernel(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args)
 
-    _lib.impl(name, forward_only, "Autograd", with_keyset=True)
+    _lib.impl(name, forward_only, "Autograd")
     return op
 
 

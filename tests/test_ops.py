@@ -74,6 +74,11 @@ def test_eager_direct_only_for_plain_tensors_in_eager():
     torch.vmap(lambda x: seen.append(ops.eager_direct((x,), device_type="cpu")) or x)(t)
     assert seen == [False]
     assert ops.eager_direct((t, t), device_type="cpu")  # nothing left active
+    # The op's Autograd kernel calls the kernel itself only for plain CUDA tensors, no mode.
+    assert not ops.plain_cuda(t, t, t)  # CPU
+    assert not ops.plain_cuda(f, f, f)
+    assert not ops.plain_cuda(t.as_subclass(Sub), t, t)
+    assert not ops.plain_cuda(torch._to_functional_tensor(t), t, t)
 
 
 def test_wrappers_call_the_stage_directly_with_the_same_arguments(monkeypatch):
@@ -436,6 +441,40 @@ def test_ops_match_the_plain_entries(stage):
             assert g.shape == w.shape and g.dtype == w.dtype, (label, what)
             assert torch.equal(g, w), (label, what)
             assert torch.equal(d, w), (label, what, "wrapper")
+
+
+@pytest.mark.gpu_hopper
+def test_op_autograd_kernel_calls_directly_or_redispatches():
+    """The op's Autograd kernel (grad mode on or no_grad; inference_mode skips it) calls the
+    kernel itself on plain CUDA tensors, and redispatches under a dispatch mode, which must then
+    see the op. Both give the plain entry's answer."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    label, op, args = next(s for s in ops.opcheck_samples(seed=5) if s[1] is ops.attention_op)
+    q, k, v, scale, causal, left, right = args
+    assert ops.plain_cuda(q, k, v)
+    assert not ops.plain_cuda(torch._to_functional_tensor(q), k, v)
+    window = None if left is None and right is None else (left, right)
+    want = ops._stage().attention(q, k, v, scale, causal, window, return_lse=True)
+    runs = {"grad mode": op(*args)}
+    with torch.no_grad():
+        runs["no_grad"] = op(*args)
+    mode = Record()
+    with torch.no_grad(), mode:
+        runs["dispatch mode"] = op(*args)
+    assert op in mode.seen, mode.seen
+    for how, got in runs.items():
+        for g, w, what in zip(got, want, ("O", "LSE")):
+            assert torch.equal(g, w), (label, how, what)
 
 
 @pytest.mark.gpu_hopper

@@ -4,14 +4,16 @@
 
 The shape is a decode step at batch 1, small enough that the host's work, not the GPU's, sets
 the pace: Q (1, 32, 1, 128), K and V (1, 8, 256, 128), bf16, causal. Every call runs under
-torch.inference_mode(). The entries:
+torch.inference_mode(), except where an entry says otherwise. The entries:
 
-- stages 12 and 13;
+- stages 12 and 13, and stage 13 made to split the keys in two (num_splits=2: the split
+  launch, its partials' buffer and the combine, which a long context takes);
 - stage 14 on a paged cache of 64 keys a page, three ways: its page_table and seqused_k made
   outside inference mode (their values read to the host once and remembered), made inside it
   (read at every call), and made inside it with check_values=False (never read);
 - common/ops.py's wrapper ops.attention, which calls the stage directly in eager mode, and the
-  custom op called through torch.ops;
+  custom op called through torch.ops, under inference_mode and under no_grad (where the op's
+  Autograd kernel runs);
 - SDPA, and FA4 where it can be imported.
 
 Four numbers per entry, in microseconds per call, after warm-up calls (which compile):
@@ -34,6 +36,7 @@ measured after all rounds, so the profiler cannot slow the first two.
 except SDPA and FA4."""
 
 import argparse
+import contextlib
 import cProfile
 import pstats
 import statistics
@@ -74,6 +77,22 @@ def host_us(fn, calls=100, bursts=7):
     return statistics.median(times)
 
 
+NO_GRAD_OP = "torch.ops.flash_tutorial.attention, no_grad"
+
+
+def grad_mode(label):
+    """The grad mode an entry is timed under (inside main's inference_mode)."""
+    if label == NO_GRAD_OP:
+        return _no_grad()
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _no_grad():
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
 def entries(q, k, v):
     """{label: callable} of the entries that exist here."""
     from common import arch
@@ -83,6 +102,10 @@ def entries(q, k, v):
         if stage_table.available(n, arch.track()):
             mod = stage_table.track_module(n, arch.track())
             out[f"stage {n}"] = lambda mod=mod: mod.attention(q, k, v, causal=True)
+            if n == 13:
+                out["stage 13, split in 2 (num_splits=2)"] = lambda mod=mod: mod.attention(
+                    q, k, v, causal=True, num_splits=2
+                )
     if stage_table.available(14, arch.track()):
         mod = stage_table.track_module(14, arch.track())
         # page_table and seqused_k made outside inference mode carry a version counter: their
@@ -106,6 +129,7 @@ def entries(q, k, v):
         out["ops.attention (eager: direct)"] = lambda: ops.attention(q, k, v, causal=True)
         op = torch.ops.flash_tutorial.attention
         out["torch.ops.flash_tutorial.attention"] = lambda: op(q, k, v, None, True, None, None)
+        out[NO_GRAD_OP] = out["torch.ops.flash_tutorial.attention"]
     except Exception as e:  # reported, not fatal
         print(f"custom op: not available ({type(e).__name__}: {e})")
     out["SDPA"] = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
@@ -138,12 +162,18 @@ def main(argv=None):
         events, host = {n: [] for n in names}, {n: [] for n in names}
         for r in range(args.rounds):
             for n in names[r % len(names) :] + names[: r % len(names)]:
-                events[n].append(per_call_us(fns[n], args.calls))
-                host[n].append(host_us(fns[n], bursts=3))
+                with grad_mode(n):
+                    events[n].append(per_call_us(fns[n], args.calls))
+                    host[n].append(host_us(fns[n], bursts=3))
             print(f"  round {r + 1} of {args.rounds} done", flush=True)
-        gpu = {n: timing.gpu_ms(fns[n], [()], reps=50) * 1e3 for n in names}
+        gpu, after = {}, {}
+        for n in names:
+            with grad_mode(n):
+                gpu[n] = timing.gpu_ms(fns[n], [()], reps=50) * 1e3
         # The host time again, now that the profiler has run in this process.
-        after = {n: host_us(fns[n], bursts=3) for n in names}
+        for n in names:
+            with grad_mode(n):
+                after[n] = host_us(fns[n], bursts=3)
         print(
             f"\n  {'us per call (median of the rounds, range)':44s} {'back to back':>18s}", end=""
         )
@@ -162,10 +192,11 @@ def main(argv=None):
         ]:
             print(f"\ncProfile of {args.calls} calls: {label}")
             prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(args.calls):
-                fns[label]()
-            prof.disable()
+            with grad_mode(label):
+                prof.enable()
+                for _ in range(args.calls):
+                    fns[label]()
+                prof.disable()
             torch.cuda.synchronize()
             pstats.Stats(prof).sort_stats("tottime").print_stats(22)
 

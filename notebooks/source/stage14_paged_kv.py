@@ -269,8 +269,11 @@ fig = figures.page_table_map(
 #
 # ### 5.2 The cache as the kernel sees it: `tma_views`
 #
-# The host permutes the cache to (num_pages, Hkv, page_size, D) and hands the kernel stage 13's
-# view with the page in the batch mode: (page_size, D, Hkv, num_pages). `tma_views` then cuts
+# The cache reaches `__call__` as the caller holds it, (num_pages, page_size, Hkv, D). Its
+# first step swaps two modes of the layout, giving (num_pages, Hkv, page_size, D), and stage
+# 13's own step then gives the view with the page in the batch mode: (page_size, D, Hkv,
+# num_pages). Both are layouts fixed at compile time, so the host makes no permuted view at
+# each call. `tma_views` then cuts
 # one KV head's pages into boxes of (r, D) with `flat_divide`: (page_size, D, pages) becomes
 # (r, D, page_size / r, pages), a box addressed by (box of the page, page); the ring (128, D,
 # kv_slots) becomes (r, D, 128 / r, kv_slots), box $c$ of a slot. `seq_info` takes
@@ -386,8 +389,8 @@ nb.table(
 # shapes, dtypes and strides (`check_paged_args`, once per argument signature), reads
 # `seqused_k` and `page_table` to the host to check their values (`check_page_table`; a copy
 # and a synchronisation, once per tensor and version - PyTorch's version counter, which every
-# in-place write to a tensor advances), permutes the cache to the kernel's (B, H, S, D) with
-# the page as B, and launches stage 13's plan with the table. Tensors made under
+# in-place write to a tensor advances), and launches stage 13's plan with the cache as it is
+# and the table. Tensors made under
 # `torch.inference_mode()` carry no version counter, so for them the values are read at every
 # call (section 7.2). `check_values=False` skips the read, for a caller whose own allocator
 # wrote the table.

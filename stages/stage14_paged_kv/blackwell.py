@@ -237,6 +237,14 @@ class Sm100Kernel:
         # the tensor's bounds, not at a sequence's end; a packed row is a (head, position) pair).
         # Split-KV: O_partial by rows too, in fp32 straight from TMEM.
         self.o_by_tma = cu_seqlens_q is None and self.pack_gqa == 1 and not self.split_kv
+        if cutlass.const_expr(self.page_size is not None):
+            # The cache as the caller holds it, (num_pages, page_size, Hkv, D), seen as (num_pages,
+            # Hkv, page_size, D): the page in B's mode, its keys in S's. A layout, fixed at
+            # compile time: no permuted view to make on the host at every call.
+            k, v = [
+                cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1, 3]))
+                for t in (k, v)
+            ]
         # (B, H, S, D) -> (S, D, (H, B)): the two tile modes first, then (h, b) as one batch mode;
         # K and V have Hkv heads. Packed sequences arrive as B = 1 and S = total tokens.
         # Pack-GQA: Q and O (S, D, H, B) -> ((G, S), D, Hkv, B) first, the packed row (g, s) as

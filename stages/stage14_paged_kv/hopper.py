@@ -208,6 +208,14 @@ class Sm90Kernel:
     ):
         bM, bN, bK = self.cta_tile
         row_major = LayoutEnum.ROW_MAJOR  # Q, K, V, O: D contiguous
+        if cutlass.const_expr(self.page_size is not None):
+            # The cache as the caller holds it, (num_pages, page_size, Hkv, D), seen as (num_pages,
+            # Hkv, page_size, D): the page in B's mode, its keys in S's. A layout, fixed at
+            # compile time: no permuted view to make on the host at every call.
+            k, v = [
+                cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1, 3]))
+                for t in (k, v)
+            ]
         # (B, H, S, D) -> (S, D, H, B): one matrix per (h, b); K and V have Hkv heads. Packed
         # sequences arrive as B = 1 and S = total tokens, cut into sequences by cu_seqlens.
         q, k, v = [
