@@ -616,12 +616,12 @@ fig = figures.decode_bars(
 # causal: 6-7 us of GPU work, less than the host's) under `torch.inference_mode()`, every entry
 # in 5 rounds in rotated order: back to back between CUDA events, the host's own time, the GPU's.
 # The cell prints the run of the launch path as it is (NVIDIA H100 80GB HBM3, 2026-12-06,
-# `docs/results/host_time_h100_2026-12-06_ops_library.txt`) with cProfile's view of stage 13's
+# `docs/results/host_time_h100_2026-12-06_checks_first.txt`) with cProfile's view of stage 13's
 # call, and the split count the launch picks for this step: none, since a range of 4 KV tiles
 # or fewer is not split (section 5.1).
 
 # %%
-with open(os.path.join(nb.ROOT, "docs/results/host_time_h100_2026-12-06_ops_library.txt")) as f:
+with open(os.path.join(nb.ROOT, "docs/results/host_time_h100_2026-12-06_checks_first.txt")) as f:
     text = f.read()
 table, _, profiles = text.partition("cProfile of 2000 calls: stage 12\n")
 skip = ("round ", "Warning", "_warn_once")  # progress lines and a profiler warning
@@ -631,12 +631,13 @@ print("cProfile of 2000 calls: stage 13\n" + stage13_profile)
 print("splits the launch picks for this step now:", attention_host.splits_for(8, 2, SMS))
 
 # %% [markdown]
-# Stage 12, and stage 13 where it does not split, take 18.6-18.9 us of host time per call
-# against SDPA's 14.4: within the goal of 25 us. A split call takes about 28 us (28.3 in an A/B
-# on an H100 80GB HBM3, 2026-12-05): a second launch, the combine's, and the partials' buffer.
-# Of stage 12's 18.8 us in that A/B, its compiled function called alone on ready arguments took
+# Stage 12, and stage 13 where it does not split, take 18.8-19.4 us of host time per call
+# against SDPA's 14.2: within the goal of 25 us. A split call (`num_splits=2`) takes 28.7-28.8:
+# a second launch, the combine's, the partials' buffer and two views of it (H100 80GB HBM3,
+# 2026-12-06, the same run). Of stage 12's 18.8 us in an A/B on the same GPU model
+# (2026-12-05), its compiled function called alone on ready arguments took
 # 5.1 (the TVM-FFI call and the launch) and each of its two outputs 2.2 (`torch.empty_strided`):
-# about 9 us is the launch path's Python. A call whose tensors and options match an earlier
+# about 9 us was the launch path's Python. A call whose tensors and options match an earlier
 # call's (`call_key` in `common/attention_host.py`) takes the fast path: no shape checks, and
 # the launch plan made for the first such call, which keeps everything decided once (the
 # compiled kernel and combine, the mask bounds, the split count, the partials' layout, the

@@ -588,28 +588,36 @@ fig = figures.paged_ratios(
 #
 # ### 7.2 Host work per call
 #
-# `python -m common.tools.host_time --calls 2000` on the H200 (2026-12-04,
-# `docs/results/host_time_h200_2026-12-04.txt`): microseconds of host work per call of a tiny
-# decode step (K and V of 256 keys; stage 14 on pages of 64 keys). The cell prints the file.
+# `python -m common.tools.host_time --calls 2000` (notebook 13, section 7.2) times a tiny decode
+# step (K and V of 256 keys; stage 14 on pages of 64 keys) under `torch.inference_mode()`. The
+# cell prints the run of the launch path as it is (NVIDIA H100 80GB HBM3, 2026-12-06,
+# `docs/results/host_time_h100_2026-12-06_checks_first.txt`), and cProfile's view of a paged
+# call whose tables were made outside inference mode.
 
 # %%
-with open(os.path.join(nb.ROOT, "docs/results/host_time_h200_2026-12-04.txt")) as f:
-    print(f.read())
+with open(os.path.join(nb.ROOT, "docs/results/host_time_h100_2026-12-06_checks_first.txt")) as f:
+    text = f.read()
+table, _, profiles = text.partition("cProfile of 2000 calls: stage 12\n")
+skip = ("round ", "Warning", "_warn_once")  # progress lines and a profiler warning
+print("\n".join(ln for ln in table.splitlines() if not any(w in ln for w in skip)))
+paged = "cProfile of 2000 calls: stage 14, paged (64 keys a page)\n"
+print(paged + profiles.split(paged)[1].split("cProfile of")[0])
 
 # %% [markdown]
-# A paged call costs the host 111.0 us against stage 13's 58.4 and SDPA's 25.0 (H200,
-# 2026-12-04). cProfile of another measurement the same day puts the paged call's extra time in
-# `attention_paged`'s value checks (`docs/notes/stage13.md`, "Host work per call"): under
-# `torch.inference_mode()`, as measured, `seqused_k` and `page_table` are read to the host at
-# every call, each read a copy and a synchronisation, then every page a sequence uses is
-# checked in Python. A tensor made outside inference mode is read once per version (section
-# 5.5), and inside a captured CUDA graph nothing is read and no Python runs at replay
+# A paged call costs the host 23.6-23.7 us with its tables made outside inference mode, 21.6-22.1
+# with `check_values=False`, against an unsplit stage 13's 19.1-19.4 and SDPA's 14.2 (H100 80GB
+# HBM3, 2026-12-06). What the checks cost per call is a lookup: `seqused_k` and `page_table` were
+# read to the host once and remembered with their version counters (section 5.5), and a call
+# that finds them unchanged asks nothing else - not even whether a CUDA graph is being
+# captured, a query of about 1.5 us under cProfile, needed only before a read. Tables made under
+# `torch.inference_mode()` carry no version counter, so they are read at every call, each read
+# a copy and a synchronisation, then every page a sequence uses is checked in Python: 66.2 us.
+# Inside a captured CUDA graph nothing is read and no Python runs at replay
 # (`tests/test_stage14.py` replays a paged decode step in a graph as the cache grows a page).
-# With the launch's fast path (a call whose tensors and options match an earlier call's skips
-# its shape checks and reuses its plan; notebook 13, section 7.2), on an H100 host (2026-12-05),
-# a paged call takes 31.3 us of host time with its tables made outside inference mode (their
-# values read once and remembered) and 24.5 with `check_values=False`, against an unsplit stage
-# 13's 18.8 and SDPA's 14.4 (`docs/results/README.md`, "Host work per call").
+# The cache itself goes to the kernel as the caller holds it (section 5.2): no permuted views to
+# make per call. How each change moved these numbers, and the H200's measurement of an older
+# launch path (2026-12-04, 111.0 us a paged call): `docs/results/README.md`, *Host work per
+# call*.
 #
 # In GPU mode the cells below time stage 14's unpaged entry against stage 13 (the same kernel)
 # and the baselines, then stage 14 on pages of 16, 64 and 256 against stage 13 on one decode
