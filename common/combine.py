@@ -148,12 +148,12 @@ class Combine:
 
         # 2. m = max_s lse_s and l = sum_s e^{lse_s - m}: each warp of the row reduces the
         # row's LSEs itself (its 32 threads, max_splits / 32 values each), so every warp has m
-        # and l without a barrier between 2 and 3. (A row past the end reduces whatever its
-        # shared memory holds; nothing of it is stored.)
+        # and l without a barrier between 2 and 3. A row past the end reads no LSE (nothing was
+        # loaded for it): its m stays -inf, and 3 adds nothing.
         lane32 = tidx % 32
         m = -cutlass.Float32.inf
         for k in cutlass.range_constexpr(self.max_splits // 32):
-            if k * 32 + lane32 < splits:
+            if live and k * 32 + lane32 < splits:
                 m = cutlass.max(m, sLSE[k * 32 + lane32, r])
         m = cute.arch.warp_reduction_max(m)
         total = cutlass.Float32(0.0)
