@@ -181,19 +181,21 @@ def _check_meta(q, k, v, rank):
 _lib = globals().get("_lib")
 
 
-def plain_cuda(q, k, v):
-    """Whether below the op's Autograd kernel nothing but its CUDA kernel would run: plain
-    tensors (no fake, meta, functional or other subclass), q on CUDA, no dispatch mode. (Modes
-    and transforms above autograd - vmap, torch.jit.trace, autocast - have had their turn by
-    then.) A few attribute reads: asking the dispatch key set instead costs more host time
-    than the redispatch it would save."""
+def plain_cuda(q, k, v, device_type="cuda"):
+    """Whether below the op's Autograd kernel nothing but its kernel for `device_type` would
+    run: plain tensors (no fake, meta, functional or other subclass), q on that device, no
+    dispatch mode, no functorch transform (vmap, grad: their wrapper tensors are of type
+    torch.Tensor). torch.jit.trace and autocast sit above autograd and have had their turn by
+    then. A few flag reads: asking the dispatch key set instead costs more host time than the
+    redispatch it would save."""
     return (
         type(q) is torch.Tensor
         and type(k) is torch.Tensor
         and type(v) is torch.Tensor
         and not torch._C._len_torch_dispatch_stack()
+        and not torch._C._are_functorch_transforms_active()
         and not torch._is_functional_tensor(q)
-        and q.is_cuda
+        and (q.is_cuda if device_type == "cuda" else q.device.type == device_type)
     )
 
 

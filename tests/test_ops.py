@@ -74,11 +74,22 @@ def test_eager_direct_only_for_plain_tensors_in_eager():
     torch.vmap(lambda x: seen.append(ops.eager_direct((x,), device_type="cpu")) or x)(t)
     assert seen == [False]
     assert ops.eager_direct((t, t), device_type="cpu")  # nothing left active
-    # The op's Autograd kernel calls the kernel itself only for plain CUDA tensors, no mode.
-    assert not ops.plain_cuda(t, t, t)  # CPU
-    assert not ops.plain_cuda(f, f, f)
-    assert not ops.plain_cuda(t.as_subclass(Sub), t, t)
-    assert not ops.plain_cuda(torch._to_functional_tensor(t), t, t)
+    # The op's Autograd kernel calls the kernel itself only for plain tensors of the kernel's
+    # device, with no mode or transform below autograd.
+    assert ops.plain_cuda(t, t, t, device_type="cpu")
+    assert not ops.plain_cuda(t, t, t)  # CPU tensors, the kernel's device is CUDA
+    assert not ops.plain_cuda(f, f, f, device_type="cpu")
+    assert not ops.plain_cuda(t.as_subclass(Sub), t, t, device_type="cpu")
+    assert not ops.plain_cuda(torch._to_functional_tensor(t), t, t, device_type="cpu")
+    meta = torch.zeros(2, 3, device="meta")
+    assert not ops.plain_cuda(meta, meta, meta, device_type="cpu")
+    with PassDispatch():
+        assert not ops.plain_cuda(t, t, t, device_type="cpu")
+    seen = []
+    torch.vmap(lambda x: seen.append(ops.plain_cuda(x, x, x, device_type="cpu")) or x)(t)
+    torch.func.grad(lambda x: seen.append(ops.plain_cuda(x, x, x, device_type="cpu")) or x.sum())(t)
+    assert seen == [False, False]
+    assert ops.plain_cuda(t, t, t, device_type="cpu")  # nothing left active
 
 
 def test_wrappers_call_the_stage_directly_with_the_same_arguments(monkeypatch):
