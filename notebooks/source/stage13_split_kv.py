@@ -81,8 +81,8 @@ split_range = type(kernel).split_range.__wrapped__
 # - cut a KV range the way `split_range` does, say which splits get no key and what they write;
 # - apply the split-count rule (`splits_for`) to a shape and say why a batch of 16 is not split;
 # - use `seqused_k` and say why keys past it never reach O even when they hold NaN;
-# - read the measured decode table (H200, 2026-12-04): where stage 13 reaches SDPA's cuDNN
-#   backend, where it does not, and what the host's work per call has to do with it.
+# - read the measured decode table (H100 80GB HBM3, 2026-12-06): where stage 13 reaches SDPA's
+#   cuDNN backend, where it does not, and what the host's work per call has to do with it.
 #
 # ## 2. Previous stage recap
 #
@@ -613,7 +613,7 @@ fig = figures.decode_bars(
 # ### 7.2 Host work per call
 #
 # `python -m common.tools.host_time --calls 2000` times a tiny decode step (K and V of 256 keys,
-# causal: 6-7 us of GPU work, less than the host's) under `torch.inference_mode()`, every entry
+# causal: 5-7 us of GPU work, less than the host's) under `torch.inference_mode()`, every entry
 # in 5 rounds in rotated order: back to back between CUDA events, the host's own time, the GPU's.
 # The cell prints the run of the launch path as it is (NVIDIA H100 80GB HBM3, 2026-12-06,
 # `docs/results/host_time_h100_2026-12-06_checks_first.txt`) with cProfile's view of stage 13's
@@ -633,11 +633,11 @@ print("splits the launch picks for this step now:", attention_host.splits_for(8,
 # %% [markdown]
 # Stage 12, and stage 13 where it does not split, take 18.8-19.4 us of host time per call
 # against SDPA's 14.2: within the goal of 25 us. A split call (`num_splits=2`) takes 28.7-28.8:
-# a second launch, the combine's, the partials' buffer and two views of it (H100 80GB HBM3,
-# 2026-12-06, the same run). Of stage 12's 18.8 us in an A/B on the same GPU model
-# (2026-12-05), its compiled function called alone on ready arguments took
-# 5.1 (the TVM-FFI call and the launch) and each of its two outputs 2.2 (`torch.empty_strided`):
-# about 9 us was the launch path's Python. A call whose tensors and options match an earlier
+# a second launch, the combine's, the partials' buffer and three views of it (O_partial,
+# LSE_partial and the LSE ahead of them; H100 80GB HBM3, 2026-12-06, the same run). Of stage
+# 12's 18.8 us in an A/B on the same GPU model (2026-12-05), its compiled function called alone
+# on ready arguments took 5.1 (the TVM-FFI call and the launch) and each of its two outputs 2.2
+# (`torch.empty_strided`): about 9 us was the launch path's Python. A call whose tensors and options match an earlier
 # call's (`call_key` in `common/attention_host.py`) takes the fast path: no shape checks, and
 # the launch plan made for the first such call, which keeps everything decided once (the
 # compiled kernel and combine, the mask bounds, the split count, the partials' layout, the

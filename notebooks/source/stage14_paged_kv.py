@@ -112,10 +112,11 @@ def paged_cache(k, v, used, page_size, spare_pages=3, seed=14):
 # splits' fp32 partial O and LSE in a combine kernel; `seqused_k` lets sequence $b$ use only
 # the first `seqused_k[b]` keys of a cache allocated longer, the keys past it masked and their
 # V rows zeroed in shared memory. On a decode step at batch 1 with 32 query and 8 KV heads and
-# 32k keys it reads K and V at 1,732 GB/s with calls back to back and 3,063 GB/s in GPU time
-# alone (H200, 2026-12-04, section 7 of notebook 13). Its K and V are contiguous tensors
-# (B, Hkv, Sk, D): a server would allocate every sequence's longest length up front, or copy its
-# cache as it grows.
+# 32k keys it read K and V at 1,732 GB/s with calls back to back and 3,063 GB/s in GPU time
+# alone (H200, 2026-12-04, `docs/results/decode_h200_2026-12-04.md`, the kernel as it was then;
+# notebook 13's section 7.1 gives the kernel as it is, on an H100). Its K and V are contiguous
+# tensors (B, Hkv, Sk, D): a server would allocate every sequence's longest length up front, or
+# copy its cache as it grows.
 #
 # ## 3. The math
 #
@@ -585,6 +586,12 @@ fig = figures.paged_ratios(
 #   0.68-0.70 of stage 13 there, and at 8k 0.36-0.48. With 32 KV heads, at B = 8 and at B = 32
 #   the GPU work dominates and the ratios are those of GPU time (0.84-0.86 at page 16,
 #   0.97-1.00 from 64 on).
+#
+# The kernel as it is (the 64-row decode tile and the combine of 256 threads) has run on an
+# H100 80GB HBM3 only (2026-12-06, `docs/results/decode_h100_2026-12-06_decode_tile.md`,
+# columns `14 pN`): in GPU time 0.96-1.00 of stage 13 at pages of 64 keys or more and
+# 0.95-0.98 at pages of 16, in every row, B = 1 at 8k included; back to back 0.73-0.78 at B = 1
+# with 8 KV heads at 8k and 32k, where the host sets the pace.
 #
 # ### 7.2 Host work per call
 #
