@@ -6,7 +6,8 @@ Changes from stage 9:
 - The MMA warp's order, FA4's mma(): for Q tile s = 0, 1 in turn, P_s,j-1 @ V_j-1 and then
   S_s,j = Q_s K_j^T, so softmax warpgroup s finds its next S ready and, while it works, the
   tensor core has the other tile's two GEMMs queued (stage 9: at most one). A prologue issues
-  the range's first S_0 and S_1, an epilogue the last tile's PVs.
+  the range's first S_0 and S_1, an epilogue the last tile's PVs, only for a non-empty range:
+  so are the Q waits, and the TMA warp loads no Q for an empty range (stage 9 did).
 - Where P lives: PTX keeps two tcgen05.mma of one thread in order only when they share
   accumulator and shape, so S_s,j must not overwrite P_s,j-1 while its PV may read it. D = 64:
   P gets columns of its own (S 2 x 128, O 2 x 64, P 2 x 64 = 512). D = 128: S and O fill all
@@ -84,11 +85,10 @@ class Sm100Kernel:
         self.softmax_registers = 168
         self.correction_registers = 80
         self.other_registers = 96
-        # Named barriers (0 is __syncthreads): the TMEM allocation handshake (MMA, softmax and
-        # correction warps) and the one before TMEM is freed (softmax and correction warps); 2
-        # is stage 12's (O staged in shared memory for its TMA store).
-        self.tmem_alloc_bar_id = 1
-        self.tmem_free_bar_id = 3
+        # Named barriers (0 is __syncthreads): the one before TMEM is freed (the softmax and
+        # correction warps), and the TMEM allocation handshake (MMA, softmax and correction).
+        self.tmem_free_bar_id = 1
+        self.tmem_alloc_bar_id = 2
         # Pipeline depths: the two Q tiles loaded once; a ring of K/V slots; per Q tile one S
         # (and P, over it or in columns of its own), one O, one row-statistics hand-off.
         self.q_buffers = self.q_tiles
@@ -244,7 +244,7 @@ class Sm100Kernel:
         class SharedStorage:
             q_bar: cute.struct.MemRange[Int64, self.q_buffers * 2]
             kv_bar: cute.struct.MemRange[Int64, self.kv_slots * 2]
-            # per Q tile: S, P, O and the row statistics, one entry each (full and empty)
+            # per Q tile, one entry each (full and empty)
             s_bar: cute.struct.MemRange[Int64, self.q_tiles * self.s_buffers * 2]
             p_bar: cute.struct.MemRange[Int64, self.q_tiles * 2]
             o_bar: cute.struct.MemRange[Int64, self.q_tiles * 2]
@@ -274,6 +274,8 @@ class Sm100Kernel:
             cute.size(q, mode=[2, 0]),
             sequences,
         )
+        # One CTA per SM, stated (min_blocks_per_mp), so that ptxas allocates by setmaxnreg's counts
+        # (168, 80 and 96 a thread) instead of capping everything at 128.
         self.kernel(
             qk_mma,
             pv_mma,
@@ -295,14 +297,7 @@ class Sm100Kernel:
             k_smem_s,
             v_smem_s,
             p_tmem_s,
-        ).launch(
-            grid=grid,
-            block=[self.threads_per_cta, 1, 1],
-            # One CTA per SM, stated, so that ptxas allocates by setmaxnreg's counts (168, 80
-            # and 96 per thread of a warpgroup) instead of capping everything at 128.
-            min_blocks_per_mp=1,
-            stream=stream,
-        )
+        ).launch(grid=grid, block=[self.threads_per_cta, 1, 1], min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
     def kernel(
@@ -448,8 +443,7 @@ class Sm100Kernel:
                     window_left,
                     window_right,
                 )
-                # Done with TMEM: order its tcgen05.st before the barrier the correction
-                # warpgroup frees TMEM after.
+                # Done with TMEM: its tcgen05.st ordered before the barrier that frees TMEM.
                 fence_before_thread_sync()
                 tmem_free_bar.arrive()
 
@@ -482,9 +476,8 @@ class Sm100Kernel:
             )
 
             # Every softmax and correction warp is done with TMEM before warp 8 frees it: each
-            # orders its tcgen05.ld and tcgen05.st before the barrier
-            # (tcgen05.fence::before_thread_sync). The MMA warp's last MMAs completed before
-            # the O_s commits waited for above.
+            # orders its tcgen05 loads and stores before the barrier (fence::before_thread_sync);
+            # the MMA warp's last MMAs completed before the O commits waited for.
             tmem.relinquish_alloc_permit()
             fence_before_thread_sync()
             tmem_free_bar.arrive_and_wait()
@@ -885,10 +878,9 @@ class Sm100Kernel:
         """The correction warpgroup: thread `row` owns that row of O_0 and O_1; per KV tile it
         rescales its row of O_s by the factor softmax thread `row` of warpgroup s handed over,
         then (epilogue) normalises and stores O_s and writes LSE."""
-        # (MMA, MMA_M, MMA_N, Q tiles): O's tiles in global memory and their (query, d)
-        # coordinates. (Derived here, in the branch that uses them: values computed before the
-        # warps split stay live into every branch, and with the MMA warp's they made ptxas
-        # spill at the split.)
+        # (MMA, MMA_M, MMA_N, Q tiles): O's tiles and their (query, d) coordinates, derived in
+        # the branch that uses them (values made before the warps split stay live into every
+        # branch: with the MMA warp's, ptxas spilled at the split).
         tCgO, tCcO = (pv_thr.partition_C(t) for t in (gO, cO))
         tOtO = [cute.make_tensor(tmem_ptr + c, tOtO_layout) for c in self.tmem_o_offset]
         # Thread t of warp w owns row 32 (w % 4) + t (a warp may only read its own 32 lanes).
@@ -918,9 +910,8 @@ class Sm100Kernel:
         o_cons0, o_cons1 = o_cons
 
         for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
-            # Q tile 0: the row factor of tile j, from softmax thread `row` of warpgroup 0;
-            # O_0 holds sum_(i < j) P_0,i V_i relative to the old max: once that has
-            # completed, O_0 *= row_scale, and O_0 goes back to the MMA warp.
+            # Q tile 0: the row factor of tile j from softmax thread `row`; O_0 holds sum_(i < j)
+            # P_0,i V_i (old max): once complete, O_0 *= row_scale, and back to the MMA warp.
             stats_full0 = stats_cons0.wait_and_advance()
             row_scale0 = sStats[row, 0, 0]
             stats_full0.release()
@@ -945,9 +936,8 @@ class Sm100Kernel:
                     )
                 o_full1.release()
 
-        # After the last KV tile, per Q tile: the row sum and max from softmax thread `row`,
-        # then the epilogue. (T2R, T2R_M, slices): this thread's row of O_s in global memory,
-        # and its (query, d) coordinates in O
+        # After the last KV tile, per Q tile: the row sum and max, then the epilogue; (T2R,
+        # T2R_M, slices): this thread's row of O_s in global memory, and its coordinates in O
         for s in cutlass.range_constexpr(self.q_tiles):
             stats_cons = stats_cons0 if s == 0 else stats_cons1
             o_cons = o_cons0 if s == 0 else o_cons1
@@ -1006,8 +996,7 @@ class Sm100Kernel:
         q_rows = seqlen_q if cutlass.const_expr(self.pack_gqa == 1) else (self.pack_gqa, seqlen_q)
         # A row that saw no key (row_sum = 0) keeps O = 0.
         inv_row_sum = cute.arch.rcp_approx(row_sum) if row_sum > 0.0 else 0.0
-        # O holds the last tile once its PV MMAs have completed (an empty range: no MMA,
-        # nothing to wait for)
+        # O complete after the last PV MMAs (an empty range: no MMA, nothing to wait for)
         o_full = o_cons.current_handle()
         if kv_tile_hi > kv_tile_lo:
             o_cons.wait()
@@ -1157,8 +1146,7 @@ class Sm100Kernel:
         # (MMA, MMA_N=D, MMA_K, kv_slots): the same slots viewed as V tiles (V's own swizzle)
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, v_smem_s.inner), v_smem_s.outer)
         # (128 rows, 2 values, q_tiles): the row statistics softmax warpgroup s hands to the
-        # correction warpgroup. Value 0: the row factor of the KV tile, or the final row sum;
-        # value 1: the final row max.
+        # correction warpgroup: the KV tile's row factor, or the final row sum and row max.
         sStats = storage.stats.get_tensor(cute.make_layout((128, 2, self.q_tiles)))
         return sQ, sK, sV, sStats
 

@@ -124,13 +124,12 @@ class Sm100Kernel:
             self.softmax_registers = 176
             self.correction_registers = 112
             self.other_registers = 48
-        # Named barriers (0 is __syncthreads): the TMEM allocation handshake (MMA, softmax and
-        # correction warps), the correction warpgroup's own (tuning 5: O written to shared
-        # memory before the TMA store), and the one before TMEM is freed (softmax and correction
-        # warps).
-        self.tmem_alloc_bar_id = 1
-        self.correction_bar_id = 2
-        self.tmem_free_bar_id = 3
+        # Named barriers (0 is __syncthreads): the one before TMEM is freed (the softmax and
+        # correction warps), and the TMEM allocation handshake (MMA, softmax and correction);
+        # tuning 5's, the correction warpgroup's own (O in shared memory before its TMA store).
+        self.tmem_free_bar_id = 1
+        self.tmem_alloc_bar_id = 2
+        self.correction_bar_id = 3
         # Pipeline depths: the two Q tiles loaded once; a ring of K/V slots; per Q tile one S
         # (and P, over it or in columns of its own), one O, one row-statistics hand-off.
         self.q_buffers = self.q_tiles
@@ -330,7 +329,7 @@ class Sm100Kernel:
         class SharedStorage:
             q_bar: cute.struct.MemRange[Int64, self.q_buffers * 2]
             kv_bar: cute.struct.MemRange[Int64, self.kv_slots * 2]
-            # per Q tile: S, P, O and the row statistics, one entry each (full and empty)
+            # per Q tile, one entry each (full and empty)
             s_bar: cute.struct.MemRange[Int64, self.q_tiles * self.s_buffers * 2]
             p_bar: cute.struct.MemRange[Int64, self.q_tiles * 2]
             o_bar: cute.struct.MemRange[Int64, self.q_tiles * 2]
@@ -374,6 +373,8 @@ class Sm100Kernel:
         elif window_left < k.shape[0] or window_right < max_seqlen_q:
             dynamic = Int32(1)
             l2_heads = self.l2_section_heads(k.shape[0], cute.size(q, mode=[2]))
+        # One CTA per SM, stated (min_blocks_per_mp), so that ptxas allocates by setmaxnreg's counts
+        # (168, 80 and 96 a thread) instead of capping everything at 128.
         self.kernel(
             qk_mma,
             pv_mma,
@@ -402,14 +403,7 @@ class Sm100Kernel:
             v_smem_s,
             p_tmem_s,
             o_smem_s,
-        ).launch(
-            grid=grid,
-            block=[self.threads_per_cta, 1, 1],
-            # One CTA per SM, stated, so that ptxas allocates by setmaxnreg's counts (168, 80
-            # and 96 per thread of a warpgroup) instead of capping everything at 128.
-            min_blocks_per_mp=1,
-            stream=stream,
-        )
+        ).launch(grid=grid, block=[self.threads_per_cta, 1, 1], min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
     def kernel(
@@ -592,8 +586,7 @@ class Sm100Kernel:
                         window_right,
                     )
                     tile, tile_cons = self.handed_tile(tile_cons, sTile)
-                # Done with TMEM: order its tcgen05.st before the barrier the correction
-                # warpgroup frees TMEM after.
+                # Done with TMEM: its tcgen05.st ordered before the barrier that frees TMEM.
                 fence_before_thread_sync()
                 tmem_free_bar.arrive()
 
@@ -646,9 +639,8 @@ class Sm100Kernel:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
 
             # Every softmax and correction warp is done with TMEM before warp 8 frees it: each
-            # orders its tcgen05.ld and tcgen05.st before the barrier
-            # (tcgen05.fence::before_thread_sync). The MMA warp's last MMAs completed before
-            # the O_s commits waited for above.
+            # orders its tcgen05 loads and stores before the barrier (fence::before_thread_sync);
+            # the MMA warp's last MMAs completed before the O commits waited for.
             tmem.relinquish_alloc_permit()
             fence_before_thread_sync()
             tmem_free_bar.arrive_and_wait()
@@ -1068,10 +1060,9 @@ class Sm100Kernel:
         """The correction warpgroup: thread `row` owns that row of O_0 and O_1; per KV tile it
         rescales its row of O_s by the factor softmax thread `row` of warpgroup s handed over,
         then (epilogue) normalises and stores O_s and writes LSE."""
-        # (MMA, MMA_M, MMA_N, Q tiles): O's tiles in global memory and their (query, d)
-        # coordinates. (Derived here, in the branch that uses them: values computed before the
-        # warps split stay live into every branch, and with the MMA warp's they made ptxas
-        # spill at the split.)
+        # (MMA, MMA_M, MMA_N, Q tiles): O's tiles and their (query, d) coordinates, derived in
+        # the branch that uses them (values made before the warps split stay live into every
+        # branch: with the MMA warp's, ptxas spilled at the split).
         tCgO, tCcO = (pv_thr.partition_C(t) for t in (gO, cO))
         tOtO = [cute.make_tensor(tmem_ptr + c, tOtO_layout) for c in self.tmem_o_offset]
         # Thread t of warp w owns row 32 (w % 4) + t (a warp may only read its own 32 lanes).
@@ -1101,9 +1092,8 @@ class Sm100Kernel:
         o_cons0, o_cons1 = o_cons
 
         for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
-            # Q tile 0: the row factor of tile j, from softmax thread `row` of warpgroup 0;
-            # O_0 holds sum_(i < j) P_0,i V_i relative to the old max: once that has
-            # completed, O_0 *= row_scale, and O_0 goes back to the MMA warp.
+            # Q tile 0: the row factor of tile j from softmax thread `row`; O_0 holds sum_(i < j)
+            # P_0,i V_i (old max): once complete, O_0 *= row_scale, and back to the MMA warp.
             stats_full0 = stats_cons0.wait_and_advance()
             row_scale0 = sStats[row, 0, 0]
             stats_full0.release()
@@ -1150,9 +1140,8 @@ class Sm100Kernel:
                 ),
                 tmem_load,
             )
-        # After the last KV tile, per Q tile: the row sum and max from softmax thread `row`,
-        # then the epilogue. (T2R, T2R_M, slices): this thread's row of O_s in global memory,
-        # and its (query, d) coordinates in O
+        # After the last KV tile, per Q tile: the row sum and max, then the epilogue; (T2R,
+        # T2R_M, slices): this thread's row of O_s in global memory, and its coordinates in O
         for s in cutlass.range_constexpr(self.q_tiles):
             stats_cons = stats_cons0 if s == 0 else stats_cons1
             o_cons = o_cons0 if s == 0 else o_cons1
@@ -1233,8 +1222,7 @@ class Sm100Kernel:
         q_rows = seqlen_q if cutlass.const_expr(self.pack_gqa == 1) else (self.pack_gqa, seqlen_q)
         # A row that saw no key (row_sum = 0) keeps O = 0.
         inv_row_sum = cute.arch.rcp_approx(row_sum) if row_sum > 0.0 else 0.0
-        # O holds the last tile once its PV MMAs have completed (an empty range: no MMA,
-        # nothing to wait for)
+        # O complete after the last PV MMAs (an empty range: no MMA, nothing to wait for)
         o_full = o_cons.current_handle()
         if kv_tile_hi > kv_tile_lo:
             o_cons.wait()
@@ -1406,8 +1394,7 @@ class Sm100Kernel:
         if cutlass.const_expr(self.o_buffers > 0):
             sO = storage.sO.get_tensor(o_smem_s.outer, swizzle=o_smem_s.inner)
         # (128 rows, 2 values, q_tiles): the row statistics softmax warpgroup s hands to the
-        # correction warpgroup. Value 0: the row factor of the KV tile, or the final row sum;
-        # value 1: the final row max.
+        # correction warpgroup: the KV tile's row factor, or the final row sum and row max.
         sStats = storage.stats.get_tensor(cute.make_layout((128, 2, self.q_tiles)))
         return sQ, sK, sV, sO, sStats
 

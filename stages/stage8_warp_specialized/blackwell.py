@@ -14,9 +14,8 @@ Changes from stage 7:
   threads hold 168 registers each at launch; setmaxnreg: softmax 208, correction 152, MMA/TMA
   144: (208 + 152 + 144) x 128 = 64,512 = 168 x 384 (ptxas: docs/notes/stage8.md). Named
   barriers: 288 threads (TMEM allocated), 256 (TMEM freed).
-- TMEM as stage 7 (S, P over it, O; 256 columns), named by Q tile s (S_s, P_s, O_s; q_tiles = 1,
-  stage 9 has two). Shared memory: Q and as many K/V slots as fit in 223 KiB, at most 8 (stage 7:
-  2): D = 128, 5 slots, 198,656 bytes; D = 64, 8, 149,504 bytes. An empty range loads no Q.
+- TMEM as stage 7 (S, P over it, O; 256 columns). Shared memory: Q and as many K/V slots as
+  fit in 223 KiB, at most 8 (stage 7: 2): D = 128, 5 slots, 198,656 bytes; D = 64, 8, 149,504.
 
 attention(q, k, v, ...): Q (B, H, Sq, D), K and V (B, Hkv, Sk, D), H % Hkv == 0 (Hkv = 1: MQA).
 attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...): q (total_q, H, D), k and v (total_k,
@@ -71,9 +70,8 @@ class Sm100Kernel:
         self.cta_rows = self.q_tiles * self.qk_mma_tiler[0]
         self.cta_group = tcgen05.CtaGroup.ONE  # one CTA per MMA (no 2-CTA pairs)
         self.cluster_shape_mn = (1, 1)
-        # Warp roles: softmax warpgroup s (s = 0 only) owns the rows of Q tile s; the correction
-        # warpgroup rescales O and stores it; one MMA warp and one TMA warp as in stages 1-7;
-        # warps 10-11 only complete the third warpgroup (setmaxnreg acts on whole warpgroups).
+        # Warp roles: 0-3 softmax of Q tile 0, 4-7 correction (O's rescale and store), 8 MMA, 9
+        # TMA; 10-11 only complete the third warpgroup (setmaxnreg acts on whole warpgroups).
         self.softmax_warp_ids = ((0, 1, 2, 3),)
         self.correction_warp_ids = (4, 5, 6, 7)
         self.mma_warp_id = 8
@@ -85,13 +83,11 @@ class Sm100Kernel:
         self.softmax_registers = 208
         self.correction_registers = 152
         self.other_registers = 144
-        # Named barriers (0 is __syncthreads): the TMEM allocation handshake (MMA, softmax and
-        # correction warps) and the one before TMEM is freed (softmax and correction warps); 2
-        # is stage 12's (O staged in shared memory for its TMA store).
-        self.tmem_alloc_bar_id = 1
-        self.tmem_free_bar_id = 3
-        # Pipeline depths: the Q tile loaded once; a ring of K/V slots; per Q tile one S
-        # (and P over it), one O, one row-statistics hand-off.
+        # Named barriers (0 is __syncthreads): the one before TMEM is freed (the softmax and
+        # correction warps), and the TMEM allocation handshake (MMA, softmax and correction).
+        self.tmem_free_bar_id = 1
+        self.tmem_alloc_bar_id = 2
+        # Pipeline depths: Q loaded once; a ring of K/V slots; one S, O and statistics entry.
         self.q_buffers = self.q_tiles
         tile_bytes = 128 * head_dim * dtype.width // 8
         # The sm_100 opt-in limit (227 KiB), less the barriers, the row statistics (1 KiB per
@@ -229,7 +225,7 @@ class Sm100Kernel:
         class SharedStorage:
             q_bar: cute.struct.MemRange[Int64, self.q_buffers * 2]
             kv_bar: cute.struct.MemRange[Int64, self.kv_slots * 2]
-            # per Q tile: S, P, O and the row statistics, one entry each (full and empty)
+            # per Q tile, one entry each (full and empty)
             s_bar: cute.struct.MemRange[Int64, self.q_tiles * self.s_buffers * 2]
             p_bar: cute.struct.MemRange[Int64, self.q_tiles * 2]
             o_bar: cute.struct.MemRange[Int64, self.q_tiles * 2]
@@ -259,6 +255,8 @@ class Sm100Kernel:
             cute.size(q, mode=[2, 0]),
             sequences,
         )
+        # One CTA per SM, stated (min_blocks_per_mp), so that ptxas allocates by setmaxnreg's counts
+        # (208, 152 and 144 a thread) instead of capping everything at 168.
         self.kernel(
             qk_mma,
             pv_mma,
@@ -280,14 +278,7 @@ class Sm100Kernel:
             k_smem_s,
             v_smem_s,
             p_tmem_s,
-        ).launch(
-            grid=grid,
-            block=[self.threads_per_cta, 1, 1],
-            # One CTA per SM, stated, so that ptxas allocates by setmaxnreg's counts (208, 152
-            # and 144 per thread of a warpgroup) instead of capping everything at 168.
-            min_blocks_per_mp=1,
-            stream=stream,
-        )
+        ).launch(grid=grid, block=[self.threads_per_cta, 1, 1], min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
     def kernel(
@@ -363,10 +354,9 @@ class Sm100Kernel:
         pipeline.pipeline_init_wait(cluster_shape_mn=cluster_layout_vmnk)
 
         # 2. Main loop by warp role
-        # The MMA, TMA and idle warps form the third warpgroup: 24 registers a thread from it
-        # and 16 from the correction warpgroup go to the softmax warpgroup (168 -> 208). Each
-        # role's branch lowers or raises its own count first, so that ptxas knows the count of
-        # every branch.
+        # The third warpgroup (MMA, TMA, idle warps) gives 24 registers a thread, the correction
+        # warpgroup 16, to the softmax warpgroup (168 -> 208). Each role's branch sets its own
+        # count first, so that ptxas knows the count of every branch.
         if warp_idx >= self.idle_warp_ids[0]:
             cute.arch.setmaxregister_decrease(self.other_registers)
 
@@ -434,14 +424,12 @@ class Sm100Kernel:
                     window_left,
                     window_right,
                 )
-                # Done with TMEM: order its tcgen05.st before the barrier the correction
-                # warpgroup frees TMEM after.
+                # Done with TMEM: its tcgen05.st ordered before the barrier that frees TMEM.
                 fence_before_thread_sync()
                 tmem_free_bar.arrive()
 
         if warp_idx // 4 == self.correction_warp_ids[0] // 4:
-            # Correction warpgroup: allocates TMEM, rescales O_0 per KV tile, normalises and
-            # stores it, writes LSE, frees TMEM.
+            # Correction warpgroup: allocates and frees TMEM, rescales O per KV tile, stores O, LSE.
             cute.arch.setmaxregister_decrease(self.correction_registers)
             tmem.allocate(self.num_tmem_alloc_cols)
             tmem.wait_for_alloc()
@@ -468,9 +456,8 @@ class Sm100Kernel:
             )
 
             # Every softmax and correction warp is done with TMEM before warp 4 frees it: each
-            # orders its tcgen05.ld and tcgen05.st before the barrier
-            # (tcgen05.fence::before_thread_sync). The MMA warp's last MMAs completed before
-            # the O_s commits waited for above.
+            # orders its tcgen05 loads and stores before the barrier (fence::before_thread_sync);
+            # the MMA warp's last MMAs completed before the O commits waited for.
             tmem.relinquish_alloc_permit()
             fence_before_thread_sync()
             tmem_free_bar.arrive_and_wait()
@@ -501,16 +488,14 @@ class Sm100Kernel:
         )
         q_load, k_load, v_load = (tma_q, tQgQ, tQsQ), (tma_k, tKgK, tKsK), (tma_v, tVgV, tVsV)
         tma_q, tQgQ, tQsQ = q_load
-        # An empty range loads no Q either: nothing reads it.
-        if kv_tile_hi > kv_tile_lo:
-            for s in cutlass.range_constexpr(self.q_tiles):
-                q_empty = q_prod.acquire_and_advance()
-                cute.copy(
-                    tma_q,
-                    tQgQ[(None, q_tile0 + s)],
-                    tQsQ[(None, q_empty.index)],
-                    tma_bar_ptr=q_empty.barrier,
-                )
+        for s in cutlass.range_constexpr(self.q_tiles):
+            q_empty = q_prod.acquire_and_advance()
+            cute.copy(
+                tma_q,
+                tQgQ[(None, q_tile0 + s)],
+                tQsQ[(None, q_empty.index)],
+                tma_bar_ptr=q_empty.barrier,
+            )
         kv_loads = {"K": k_load, "V": v_load}
         for sweep in cutlass.range_constexpr(len(self.kv_producer_entries)):
             for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
@@ -593,10 +578,7 @@ class Sm100Kernel:
         tCrQ, tCrK, tCrV, sV, tStS, tOtO, tOrP = operands
         q_cons, kv_cons, s_prod, p_cons = pipes[:4]
         o_prod, p_free = pipes[4:]
-        # An empty range: no Q was loaded, no MMA is issued.
-        q_full = q_cons.current_handle()
-        if kv_tile_hi > kv_tile_lo:
-            q_cons.wait()
+        q_full = q_cons.wait_and_advance()
         for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
             kv_full = kv_cons.wait_and_advance()  # ring entry: K_j
             # The softmax warps have read the previous S: it may be overwritten.
@@ -628,9 +610,7 @@ class Sm100Kernel:
             o_empty.commit()
             v_full.release()
         # Q stays resident until the last MMA; then its buffer is released too.
-        if kv_tile_hi > kv_tile_lo:
-            q_full.release()
-            q_cons.advance()
+        q_full.release()
         pipes = (q_cons, kv_cons, s_prod, p_cons)
         return qk_mma, pv_mma, pipes + (o_prod, p_free)
 
@@ -690,8 +670,7 @@ class Sm100Kernel:
         # The same 64 registers as 128 16-bit values, in S's column order
         tTR_rP = cute.make_tensor(cute.recast_ptr(tRT_rP.iterator, dtype=self.dtype), tTR_rS.layout)
 
-        # One pass: row_max and row_sum run over the KV tiles; O's rescale factor goes to the
-        # correction warpgroup.
+        # One pass: row_max and row_sum run over the KV tiles; O's factor goes to the correction.
         row_max = -Float32.inf
         row_sum = Float32(0.0)
         for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
@@ -772,13 +751,11 @@ class Sm100Kernel:
         seqlen_q,
         scale_log2,
     ):
-        """The correction warpgroup: thread `row` owns that row of O_0; per KV tile it
-        rescales its row of O_s by the factor softmax thread `row` of warpgroup s handed over,
-        then (epilogue) normalises and stores O_s and writes LSE."""
-        # (MMA, MMA_M, MMA_N, Q tiles): O's tiles in global memory and their (query, d)
-        # coordinates. (Derived here, in the branch that uses them: values computed before the
-        # warps split stay live into every branch, and with the MMA warp's they made ptxas
-        # spill at the split.)
+        """The correction warpgroup: thread `row` rescales its row of O per KV tile by the factor
+        softmax thread `row` hands over, then (epilogue) normalises and stores O, and LSE."""
+        # (MMA, MMA_M, MMA_N, Q tiles): O's tiles and their (query, d) coordinates, derived in
+        # the branch that uses them (values made before the warps split stay live into every
+        # branch: with the MMA warp's, ptxas spilled at the split).
         tCgO, tCcO = (pv_thr.partition_C(t) for t in (gO, cO))
         tOtO = [cute.make_tensor(tmem_ptr + c, tOtO_layout) for c in self.tmem_o_offset]
         # Thread t of warp w owns row 32 (w % 4) + t (a warp may only read its own 32 lanes).
@@ -808,9 +785,8 @@ class Sm100Kernel:
         o_cons0 = o_cons[0]
 
         for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
-            # Q tile 0: the row factor of tile j, from softmax thread `row` of warpgroup 0;
-            # O_0 holds sum_(i < j) P_0,i V_i relative to the old max: once that has
-            # completed, O_0 *= row_scale, and O_0 goes back to the MMA warp.
+            # Q tile 0: the row factor of tile j from softmax thread `row`; O_0 holds sum_(i < j)
+            # P_0,i V_i (old max): once complete, O_0 *= row_scale, and back to the MMA warp.
             stats_full0 = stats_cons0.wait_and_advance()
             row_scale0 = sStats[row, 0, 0]
             stats_full0.release()
@@ -819,9 +795,8 @@ class Sm100Kernel:
                 self.rescale_o(tmem_load, tmem_store, tTR_tO[0], tRT_tO[0], tTR_rAcc, row_scale0)
                 o_full0.release()
 
-        # After the last KV tile, per Q tile: the row sum and max from softmax thread `row`,
-        # then the epilogue. (T2R, T2R_M, slices): this thread's row of O_s in global memory,
-        # and its (query, d) coordinates in O
+        # After the last KV tile, per Q tile: the row sum and max, then the epilogue; (T2R,
+        # T2R_M, slices): this thread's row of O_s in global memory, and its coordinates in O
         for s in cutlass.range_constexpr(self.q_tiles):
             stats_cons, o_cons = stats_cons0, o_cons0
             stats_full = stats_cons.wait_and_advance()
@@ -879,8 +854,7 @@ class Sm100Kernel:
         q_rows = seqlen_q if cutlass.const_expr(self.pack_gqa == 1) else (self.pack_gqa, seqlen_q)
         # A row that saw no key (row_sum = 0) keeps O = 0.
         inv_row_sum = cute.arch.rcp_approx(row_sum) if row_sum > 0.0 else 0.0
-        # O holds the last tile once its PV MMAs have completed (an empty range: no MMA,
-        # nothing to wait for)
+        # O complete after the last PV MMAs (an empty range: no MMA, nothing to wait for)
         o_full = o_cons.current_handle()
         if kv_tile_hi > kv_tile_lo:
             o_cons.wait()
@@ -1007,8 +981,7 @@ class Sm100Kernel:
         # (MMA, MMA_N=D, MMA_K, kv_slots): the same slots viewed as V tiles (V's own swizzle)
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, v_smem_s.inner), v_smem_s.outer)
         # (128 rows, 2 values, q_tiles): the row statistics softmax warpgroup s hands to the
-        # correction warpgroup. Value 0: the row factor of the KV tile, or the final row sum;
-        # value 1: the final row max.
+        # correction warpgroup: the KV tile's row factor, or the final row sum and row max.
         sStats = storage.stats.get_tensor(cute.make_layout((128, 2, self.q_tiles)))
         return sQ, sK, sV, sStats
 

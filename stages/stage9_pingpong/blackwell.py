@@ -88,11 +88,10 @@ class Sm100Kernel:
         self.softmax_registers = 168
         self.correction_registers = 80
         self.other_registers = 96
-        # Named barriers (0 is __syncthreads): the TMEM allocation handshake (MMA, softmax and
-        # correction warps) and the one before TMEM is freed (softmax and correction warps); 2
-        # is stage 12's (O staged in shared memory for its TMA store).
-        self.tmem_alloc_bar_id = 1
-        self.tmem_free_bar_id = 3
+        # Named barriers (0 is __syncthreads): the one before TMEM is freed (the softmax and
+        # correction warps), and the TMEM allocation handshake (MMA, softmax and correction).
+        self.tmem_free_bar_id = 1
+        self.tmem_alloc_bar_id = 2
         # Pipeline depths: the two Q tiles loaded once; a ring of K/V slots; per Q tile one S
         # (and P over it), one O, one row-statistics hand-off.
         self.q_buffers = self.q_tiles
@@ -232,7 +231,7 @@ class Sm100Kernel:
         class SharedStorage:
             q_bar: cute.struct.MemRange[Int64, self.q_buffers * 2]
             kv_bar: cute.struct.MemRange[Int64, self.kv_slots * 2]
-            # per Q tile: S, P, O and the row statistics, one entry each (full and empty)
+            # per Q tile, one entry each (full and empty)
             s_bar: cute.struct.MemRange[Int64, self.q_tiles * self.s_buffers * 2]
             p_bar: cute.struct.MemRange[Int64, self.q_tiles * 2]
             o_bar: cute.struct.MemRange[Int64, self.q_tiles * 2]
@@ -262,6 +261,8 @@ class Sm100Kernel:
             cute.size(q, mode=[2, 0]),
             sequences,
         )
+        # One CTA per SM, stated (min_blocks_per_mp), so that ptxas allocates by setmaxnreg's counts
+        # (168, 80 and 96 a thread) instead of capping everything at 128.
         self.kernel(
             qk_mma,
             pv_mma,
@@ -283,14 +284,7 @@ class Sm100Kernel:
             k_smem_s,
             v_smem_s,
             p_tmem_s,
-        ).launch(
-            grid=grid,
-            block=[self.threads_per_cta, 1, 1],
-            # One CTA per SM, stated, so that ptxas allocates by setmaxnreg's counts (168, 80
-            # and 96 per thread of a warpgroup) instead of capping everything at 128.
-            min_blocks_per_mp=1,
-            stream=stream,
-        )
+        ).launch(grid=grid, block=[self.threads_per_cta, 1, 1], min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
     def kernel(
@@ -436,8 +430,7 @@ class Sm100Kernel:
                     window_left,
                     window_right,
                 )
-                # Done with TMEM: order its tcgen05.st before the barrier the correction
-                # warpgroup frees TMEM after.
+                # Done with TMEM: its tcgen05.st ordered before the barrier that frees TMEM.
                 fence_before_thread_sync()
                 tmem_free_bar.arrive()
 
@@ -470,9 +463,8 @@ class Sm100Kernel:
             )
 
             # Every softmax and correction warp is done with TMEM before warp 8 frees it: each
-            # orders its tcgen05.ld and tcgen05.st before the barrier
-            # (tcgen05.fence::before_thread_sync). The MMA warp's last MMAs completed before
-            # the O_s commits waited for above.
+            # orders its tcgen05 loads and stores before the barrier (fence::before_thread_sync);
+            # the MMA warp's last MMAs completed before the O commits waited for.
             tmem.relinquish_alloc_permit()
             fence_before_thread_sync()
             tmem_free_bar.arrive_and_wait()
@@ -503,16 +495,14 @@ class Sm100Kernel:
         )
         q_load, k_load, v_load = (tma_q, tQgQ, tQsQ), (tma_k, tKgK, tKsK), (tma_v, tVgV, tVsV)
         tma_q, tQgQ, tQsQ = q_load
-        # An empty range loads no Q either: nothing reads it.
-        if kv_tile_hi > kv_tile_lo:
-            for s in cutlass.range_constexpr(self.q_tiles):
-                q_empty = q_prod.acquire_and_advance()
-                cute.copy(
-                    tma_q,
-                    tQgQ[(None, q_tile0 + s)],
-                    tQsQ[(None, q_empty.index)],
-                    tma_bar_ptr=q_empty.barrier,
-                )
+        for s in cutlass.range_constexpr(self.q_tiles):
+            q_empty = q_prod.acquire_and_advance()
+            cute.copy(
+                tma_q,
+                tQgQ[(None, q_tile0 + s)],
+                tQsQ[(None, q_empty.index)],
+                tma_bar_ptr=q_empty.barrier,
+            )
         kv_loads = {"K": k_load, "V": v_load}
         for sweep in cutlass.range_constexpr(len(self.kv_producer_entries)):
             for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
@@ -594,52 +584,50 @@ class Sm100Kernel:
         tCrQ, tCrK, tCrV, sV, tStS, tOtO, tOrP = operands
         q_cons, kv_cons, s_prod0, s_prod1, p_cons0, p_cons1 = pipes[:6]
         o_prod0, o_prod1, p_free0, p_free1 = pipes[6:]
-        # An empty range: no Q was loaded, no MMA is issued.
-        if kv_tile_hi > kv_tile_lo:
-            q_full0 = q_cons.wait_and_advance()
-            q_full1 = q_cons.wait_and_advance()
-            for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
-                kv_full = kv_cons.wait_and_advance()  # ring entry: K_j
-                # Q tile 0, then Q tile 1: softmax warpgroup s has read S_s,j-1, and S_s,j may
-                # overwrite P_s,j-1 once P_s,j-1 @ V_j-1 has completed (two tcgen05.mma are kept
-                # in issue order only when they share accumulator and shape; QK writes S, PV O).
-                s_empty0 = s_prod0.acquire_and_advance()
-                p_free0.acquire_and_advance()
-                qk_mma = self.issue_qk(qk_mma, tStS[0], tCrQ, q_full0.index, tCrK, kv_full.index)
-                # tcgen05.commit: S_0 is full once these MMAs have completed
-                s_empty0.commit()
-                s_empty1 = s_prod1.acquire_and_advance()
-                p_free1.acquire_and_advance()
-                qk_mma = self.issue_qk(qk_mma, tStS[1], tCrQ, q_full1.index, tCrK, kv_full.index)
-                s_empty1.commit()
-                # The K slot is empty once both tiles' MMAs have read it.
-                kv_full.release()
-                v_full = kv_cons.wait_and_advance()  # ring entry: V_j
-                # Packed sequences: the last tile's keys past seqlen_k are the next sequence's V.
-                # P is 0 there, but 0 x NaN = NaN: zero those rows of V before P @ V reads them.
-                if cutlass.const_expr(mCuSeqlensK is not None):
-                    if (kv_tile + 1) * self.qk_mma_tiler[1] > seqlen_k:
-                        self.zero_keys(sV, v_full.index, seqlen_k - kv_tile * self.qk_mma_tiler[1])
-                # O_s starts afresh with the first KV tile of the range, then accumulates.
-                accumulate = kv_tile != kv_tile_lo
-                # Q tile 0, then 1: the correction warpgroup is done with O_s (has rescaled it
-                # for tile j) and softmax warpgroup s has written P_s,j.
-                o_empty0 = o_prod0.acquire_and_advance()
-                p_full0 = p_cons0.wait_and_advance()
-                pv_mma = self.issue_pv(pv_mma, tOtO[0], tOrP[0], tCrV, v_full.index, accumulate)
-                # P_0's columns are free, and O_0 holds tile j, once these MMAs have completed.
-                p_full0.release()
-                o_empty0.commit()
-                o_empty1 = o_prod1.acquire_and_advance()
-                p_full1 = p_cons1.wait_and_advance()
-                pv_mma = self.issue_pv(pv_mma, tOtO[1], tOrP[1], tCrV, v_full.index, accumulate)
-                p_full1.release()
-                o_empty1.commit()
-                # The V slot is empty once both tiles' PV MMAs have read it.
-                v_full.release()
-            # Q stays resident until the last MMA; then its buffers are released too.
-            q_full0.release()
-            q_full1.release()
+        q_full0 = q_cons.wait_and_advance()
+        q_full1 = q_cons.wait_and_advance()
+        for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
+            kv_full = kv_cons.wait_and_advance()  # ring entry: K_j
+            # Q tile 0, then Q tile 1: softmax warpgroup s has read S_s,j-1, and S_s,j may
+            # overwrite P_s,j-1 once P_s,j-1 @ V_j-1 has completed (two tcgen05.mma are kept
+            # in issue order only when they share accumulator and shape; QK writes S, PV O).
+            s_empty0 = s_prod0.acquire_and_advance()
+            p_free0.acquire_and_advance()
+            qk_mma = self.issue_qk(qk_mma, tStS[0], tCrQ, q_full0.index, tCrK, kv_full.index)
+            # tcgen05.commit: S_0 is full once these MMAs have completed
+            s_empty0.commit()
+            s_empty1 = s_prod1.acquire_and_advance()
+            p_free1.acquire_and_advance()
+            qk_mma = self.issue_qk(qk_mma, tStS[1], tCrQ, q_full1.index, tCrK, kv_full.index)
+            s_empty1.commit()
+            # The K slot is empty once both tiles' MMAs have read it.
+            kv_full.release()
+            v_full = kv_cons.wait_and_advance()  # ring entry: V_j
+            # Packed sequences: the last tile's keys past seqlen_k are the next sequence's V.
+            # P is 0 there, but 0 x NaN = NaN: zero those rows of V before P @ V reads them.
+            if cutlass.const_expr(mCuSeqlensK is not None):
+                if (kv_tile + 1) * self.qk_mma_tiler[1] > seqlen_k:
+                    self.zero_keys(sV, v_full.index, seqlen_k - kv_tile * self.qk_mma_tiler[1])
+            # O_s starts afresh with the first KV tile of the range, then accumulates.
+            accumulate = kv_tile != kv_tile_lo
+            # Q tile 0, then 1: the correction warpgroup is done with O_s (has rescaled it
+            # for tile j) and softmax warpgroup s has written P_s,j.
+            o_empty0 = o_prod0.acquire_and_advance()
+            p_full0 = p_cons0.wait_and_advance()
+            pv_mma = self.issue_pv(pv_mma, tOtO[0], tOrP[0], tCrV, v_full.index, accumulate)
+            # P_0's columns are free, and O_0 holds tile j, once these MMAs have completed.
+            p_full0.release()
+            o_empty0.commit()
+            o_empty1 = o_prod1.acquire_and_advance()
+            p_full1 = p_cons1.wait_and_advance()
+            pv_mma = self.issue_pv(pv_mma, tOtO[1], tOrP[1], tCrV, v_full.index, accumulate)
+            p_full1.release()
+            o_empty1.commit()
+            # The V slot is empty once both tiles' PV MMAs have read it.
+            v_full.release()
+        # Q stays resident until the last MMA; then its buffers are released too.
+        q_full0.release()
+        q_full1.release()
         pipes = (q_cons, kv_cons, s_prod0, s_prod1, p_cons0, p_cons1)
         return qk_mma, pv_mma, pipes + (o_prod0, o_prod1, p_free0, p_free1)
 
@@ -699,8 +687,7 @@ class Sm100Kernel:
         # The same 64 registers as 128 16-bit values, in S's column order
         tTR_rP = cute.make_tensor(cute.recast_ptr(tRT_rP.iterator, dtype=self.dtype), tTR_rS.layout)
 
-        # One pass: row_max and row_sum run over the KV tiles; O's rescale factor goes to the
-        # correction warpgroup.
+        # One pass: row_max and row_sum run over the KV tiles; O's factor goes to the correction.
         row_max = -Float32.inf
         row_sum = Float32(0.0)
         for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
@@ -784,10 +771,9 @@ class Sm100Kernel:
         """The correction warpgroup: thread `row` owns that row of O_0 and O_1; per KV tile it
         rescales its row of O_s by the factor softmax thread `row` of warpgroup s handed over,
         then (epilogue) normalises and stores O_s and writes LSE."""
-        # (MMA, MMA_M, MMA_N, Q tiles): O's tiles in global memory and their (query, d)
-        # coordinates. (Derived here, in the branch that uses them: values computed before the
-        # warps split stay live into every branch, and with the MMA warp's they made ptxas
-        # spill at the split.)
+        # (MMA, MMA_M, MMA_N, Q tiles): O's tiles and their (query, d) coordinates, derived in
+        # the branch that uses them (values made before the warps split stay live into every
+        # branch: with the MMA warp's, ptxas spilled at the split).
         tCgO, tCcO = (pv_thr.partition_C(t) for t in (gO, cO))
         tOtO = [cute.make_tensor(tmem_ptr + c, tOtO_layout) for c in self.tmem_o_offset]
         # Thread t of warp w owns row 32 (w % 4) + t (a warp may only read its own 32 lanes).
@@ -817,9 +803,8 @@ class Sm100Kernel:
         o_cons0, o_cons1 = o_cons
 
         for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
-            # Q tile 0: the row factor of tile j, from softmax thread `row` of warpgroup 0;
-            # O_0 holds sum_(i < j) P_0,i V_i relative to the old max: once that has
-            # completed, O_0 *= row_scale, and O_0 goes back to the MMA warp.
+            # Q tile 0: the row factor of tile j from softmax thread `row`; O_0 holds sum_(i < j)
+            # P_0,i V_i (old max): once complete, O_0 *= row_scale, and back to the MMA warp.
             stats_full0 = stats_cons0.wait_and_advance()
             row_scale0 = sStats[row, 0, 0]
             stats_full0.release()
@@ -836,9 +821,8 @@ class Sm100Kernel:
                 self.rescale_o(tmem_load, tmem_store, tTR_tO[1], tRT_tO[1], tTR_rAcc, row_scale1)
                 o_full1.release()
 
-        # After the last KV tile, per Q tile: the row sum and max from softmax thread `row`,
-        # then the epilogue. (T2R, T2R_M, slices): this thread's row of O_s in global memory,
-        # and its (query, d) coordinates in O
+        # After the last KV tile, per Q tile: the row sum and max, then the epilogue; (T2R,
+        # T2R_M, slices): this thread's row of O_s in global memory, and its coordinates in O
         for s in cutlass.range_constexpr(self.q_tiles):
             stats_cons = stats_cons0 if s == 0 else stats_cons1
             o_cons = o_cons0 if s == 0 else o_cons1
@@ -897,8 +881,7 @@ class Sm100Kernel:
         q_rows = seqlen_q if cutlass.const_expr(self.pack_gqa == 1) else (self.pack_gqa, seqlen_q)
         # A row that saw no key (row_sum = 0) keeps O = 0.
         inv_row_sum = cute.arch.rcp_approx(row_sum) if row_sum > 0.0 else 0.0
-        # O holds the last tile once its PV MMAs have completed (an empty range: no MMA,
-        # nothing to wait for)
+        # O complete after the last PV MMAs (an empty range: no MMA, nothing to wait for)
         o_full = o_cons.current_handle()
         if kv_tile_hi > kv_tile_lo:
             o_cons.wait()
@@ -1048,8 +1031,7 @@ class Sm100Kernel:
         # (MMA, MMA_N=D, MMA_K, kv_slots): the same slots viewed as V tiles (V's own swizzle)
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, v_smem_s.inner), v_smem_s.outer)
         # (128 rows, 2 values, q_tiles): the row statistics softmax warpgroup s hands to the
-        # correction warpgroup. Value 0: the row factor of the KV tile, or the final row sum;
-        # value 1: the final row max.
+        # correction warpgroup: the KV tile's row factor, or the final row sum and row max.
         sStats = storage.stats.get_tensor(cute.make_layout((128, 2, self.q_tiles)))
         return sQ, sK, sV, sStats
 
