@@ -15,7 +15,7 @@ Changes from stage 10 (Hopper stage 11's, on this track's five roles):
   ranges r_1 .. r_t, K/V is at entry 2 sum r_i, S_s, P_s and O_s at sum r_i, stats_s at
   sum (r_i + 1), Q at 2 x (tiles with r_i > 0), the tile pipe at t; a per-tile method returns
   the states it advanced (common/tools/schedule.py replays the roles over several work tiles).
-- Registers: stage 10's 168 / 80 / 96; the loop's live values spill 148-352 bytes (stage 10:
+- Registers: stage 10's 168 / 80 / 96; the loop's live values spill 156-312 bytes (stage 10:
   4-204), in the MMA warp (D = 64) and the correction warpgroup.
 
 attention(q, k, v, ...): Q (B, H, Sq, D), K and V (B, Hkv, Sk, D), H % Hkv == 0 (Hkv = 1: MQA).

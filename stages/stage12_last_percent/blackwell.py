@@ -12,16 +12,16 @@ Changes from stage 11:
    in four chains of add.f32x2 (63, not 128 add.f32). FA4's reason: the floating-point units
    did not grow from H100 to B200 either, and an f32x2 instruction does two columns.
 3. kblock_loop: the MMA warp's k-blocks in a loop, not unrolled: unrolled, ptxas kept every
-   k-block's descriptors live across the tile loop, 272 of stage 11's 352 bytes of spill.
+   k-block's descriptors live across the tile loop (alone: bf16 D = 64, 312 bytes of spill -> 52).
 4. register_split: setmaxnreg 176 / 112 / 48 (each softmax warpgroup / correction / MMA, TMA
    and idle warps): (2 x 176 + 112 + 48) x 128 = 65,536 (stage 11: 168 / 80 / 96; FA4: 192 /
-   80 / 48 at D = 128). Tuning 4 relies on 3 (alone: 560-572 bytes of spill).
+   80 / 48 at D = 128). Tuning 4 relies on 3 (alone: 560-580 bytes of spill).
 5. o_tma_store: in batch mode O_s leaves through a shared-memory buffer of its own (the next
    tile's Q may land meanwhile; D = 128: 3 ring slots, not 4) in one TMA store that clips at Sq,
    as FA4's epilogue (use_tma_O): one thread hands the tile to the TMA unit, not 128 threads
    D / 8 vectors each; a 128-thread barrier twice per Q tile. Packed, pack-GQA: row stores.
 ptxas of CUDA 13.0, every dtype, D, mask and layout: no spill with every tuning (stage 11:
-148-352 bytes); the numbers behind each: docs/notes/stage12.md.
+156-312 bytes); the numbers behind each: docs/notes/stage12.md.
 
 attention(q, k, v, ...): Q (B, H, Sq, D), K and V (B, Hkv, Sk, D), H % Hkv == 0 (Hkv = 1: MQA).
 attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...): q (total_q, H, D), k and v (total_k,

@@ -15,8 +15,7 @@ Changes from stage 6:
   r // G of head r % G) when that fills tiles much better (common/pack_gqa.py).
 - The MMA warp's loop over one tile's KV range is its own method, mma_tile, which returns the
   pipeline states it advanced: stage 11 calls it once per work tile of a persistent CTA.
-- The code names a Q tile's TMEM columns, pipelines, softmax warps and Q loads by its index s
-  (q_tiles = 1: S_0, P_0, O_0; stage 9 gives a CTA two Q tiles); nothing else changes.
+- The code names a Q tile's buffers and warps by its index (q_tiles = 1; stage 9 has two).
 
 attention(q, k, v, ...): Q (B, H, Sq, D), K and V (B, Hkv, Sk, D), H % Hkv == 0 (Hkv = 1: MQA).
 attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...): q (total_q, H, D), k and v (total_k,

@@ -6,14 +6,12 @@ Changes from stage 7:
   P_j @ V_j, and store O at the end. Here each job has warps of its own, as in FA4: the softmax
   warpgroup (warps 0-3, one thread per row of the 128-row Q tile) only reads S_j, writes P_j.
 - The correction warpgroup (warps 4-7): softmax thread r hands row r's factor exp2(scale *
-  (m_old - m_new)) to correction thread r through shared memory (128 / 128 arrivals); that
-  thread waits for O of tile j-1 (tcgen05.commit), rescales its row in TMEM and releases O (1 /
-  128 arrivals; S and P as stage 7) to the MMA warp, which only then issues P_j @ V_j. At the
-  end it gets the row sum and max the same way and stores O and LSE by rows (stage 12: by TMA).
-- Warp 8 issues the MMAs, warp 9 the TMA loads; warps 10-11 complete the third warpgroup. 384
-  threads hold 168 registers each at launch; setmaxnreg: softmax 208, correction 152, MMA/TMA
-  144: (208 + 152 + 144) x 128 = 64,512 = 168 x 384 (ptxas: docs/notes/stage8.md). Named
-  barriers: 288 threads (TMEM allocated), 256 (TMEM freed).
+  (m_old - m_new)) to correction thread r in shared memory (128 / 128 arrivals); it waits for O
+  of tile j-1 (tcgen05.commit), rescales its row in TMEM, releases O to the MMA warp for P_j @ V_j
+  (1 / 128; S, P as stage 7); given the row sum and max at the end, it stores O and LSE by rows.
+- Warps 8 (MMA), 9 (TMA) and 10-11 (idle) form the third warpgroup; 384 threads hold 168 registers
+  at launch; setmaxnreg: softmax 208, correction 152, MMA/TMA 144: (208 + 152 + 144) x 128 =
+  64,512 = 168 x 384 (docs/notes/stage8.md). Named barriers: 288 (TMEM allocated), 256 (freed).
 - TMEM as stage 7 (S, P over it, O; 256 columns). Shared memory: Q and as many K/V slots as
   fit in 223 KiB, at most 8 (stage 7: 2): D = 128, 5 slots, 198,656 bytes; D = 64, 8, 149,504.
 
