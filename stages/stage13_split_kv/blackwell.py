@@ -30,9 +30,9 @@ TUNINGS, with_tunings), Hopper stage 13's on this track's five roles:
 - num_splits = 1 is stage 12's kernel (split_kv False: O in the input dtype by TMA store, no
   combine): num_splits is a constant 1 in it, and without seqused_k its PTX is stage 12's.
 - Registers: stage 12's 176 / 112 / 48, its tunings on (with_tunings(names) as in stage 12).
-  ptxas of CUDA 13.0 (2026-12-04): no spill in any tested configuration (split and unsplit,
+  ptxas of CUDA 13.0: no spill in any tested configuration (split and unsplit,
   seqused_k, packed, causal, window, MQA, a pack-GQA decode step; bf16 and fp16, D = 64 and
-  128). with_tunings(()), the split on stage 11's kernel (168 / 80 / 96), spills 180-356 bytes.
+  128). with_tunings(()), the split on stage 11's kernel (168 / 80 / 96), spills 180-292 bytes.
 
 attention(q, k, v, ..., num_splits=None, seqused_k=None) and attention_varlen(...) as in stage
 12 (GQA / MQA, packed sequences, causal and window masks, LSE, pack-GQA, bf16 / fp16, D = 64 or

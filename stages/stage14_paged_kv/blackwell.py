@@ -26,10 +26,10 @@ Hopper stage 14's in this track's TMA warp (the other four roles are stage 13's)
   ceil(seqused_k / page_size) is read, so nothing another sequence owns or nobody owns (which
   may hold NaN) is loaded. seq_info takes seqlen_k = max_pages x page_size before the
   seqused_k clamp, and the launch's scheduler test uses that key count.
-- Registers: stage 13's 176 / 112 / 48. ptxas of CUDA 13.0 (2026-12-04): no spill in any
+- Registers: stage 13's 176 / 112 / 48. ptxas of CUDA 13.0: no spill in any
   tested configuration (pages of 16 to 256 keys, split and not, MQA, causal, window, a paged
   decode step; bf16 and fp16, D = 64 and 128); the unpaged kernel is stage 13's.
-  with_tunings(()) (stage 11's 168 / 80 / 96) spills 220-372 bytes in the paged kernels.
+  with_tunings(()) (stage 11's 168 / 80 / 96) spills 220-304 bytes in the paged kernels.
 
 attention_paged(q, k_cache, v_cache, page_table, seqused_k, ...) with stage 13's options
 (causal, window bottom-right against seqused_k, LSE, pack_gqa, num_splits); attention and
