@@ -90,10 +90,8 @@ def test_compiles_in_fa4_order(varlen, D, dtype):
     # the threshold: (m_new - m_ref) * scale_log2 <= 8.0 in each softmax warpgroup
     assert len(re.findall(r"setp\.le\.f32\s+%p\d+,\s*%\w+,\s*0f41000000;", ptx)) >= 2
     assert report.counts["ex2.approx"] == nine.counts["ex2.approx"]
-    if not varlen:
-        assert len(statements(ptx, r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta")) == (
-            2 * D // 64
-        )
+    # O by threads' rows, as stage 9 (stage 12 stores it by TMA)
+    assert not statements(ptx, r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta")
     if report.resources and "registers" in report.resources:
         # ptxas of CUDA 13.0 (2026-12-04): 4-204 bytes of spill stores across these
         # configurations (see stage 9's test), bounded here so that they cannot grow unnoticed.
@@ -265,8 +263,8 @@ def test_gqa_matches_fp64_reference(H, Hkv, D, dtype, causal, window):
 
 @pytest.mark.gpu_blackwell
 def test_ctas_with_an_empty_range_store_zeros():
-    # causal, Sq - Sk = 896: the CTAs of rows 0-767 see no key and stage O = 0 in Q's buffers
-    # (batch mode: the TMA store); no Q is loaded for them (it would race the staging)
+    # causal, Sq - Sk = 896: the CTAs of rows 0-767 see no key and store O = 0 without waiting
+    # for any MMA; no Q is loaded for them
     q, k, v = inputs.attention_inputs(1, 2, 1024, 128, 128, seed=41)
     o, lse = run(lambda: blackwell.attention(q, k, v, causal=True, return_lse=True))
     gqa_reference_check("O", o, lse, q, k, v, True, None)

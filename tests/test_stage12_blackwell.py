@@ -1,8 +1,10 @@
-"""Stage 12 (Blackwell): the last percent - FA4's tunings of the softmax's arithmetic and of the
-register split over stage 11, each switchable (TUNINGS, with_tunings), on sm_100a.
+"""Stage 12 (Blackwell): the last percent - FA4's tunings of the softmax's arithmetic, of the
+register split and of O's store over stage 11, each switchable (TUNINGS, with_tunings), on
+sm_100a.
 
 - Compile-only (no GPU), bf16 and fp16, D = 64 and 128, batch and packed: with every tuning,
-  stage 11's roles, barriers and buffers; setmaxnreg 176 / 112 / 48; 226 ex2.approx (stage 11:
+  stage 11's roles and barriers, O's staging buffers and a TMA store per Q tile in batch mode
+  (tuning 5); setmaxnreg 176 / 112 / 48; 226 ex2.approx (stage 11:
   258) beside the emulation's f32x2 instructions; each GEMM's k-blocks in a loop (stage 11's MMA
   order with each run of k-blocks as one); the tcgen05 fences on every path; no spill in any
   configuration (no mask, causal, window, packed, pack-GQA; ptxas of CUDA 13.0, 2026-12-04).
@@ -11,10 +13,10 @@ register split over stage 11, each switchable (TUNINGS, with_tunings), on sm_100
 - CPU: the emulated exp2's arithmetic, on a numpy copy of exp2_emulated: within 8.8e-5 of 2^x,
   exactly 0 at -inf. The schedule checker replays the five roles over several work tiles
   (common/tools/schedule.py): the tunings leave the schedule as stage 11's.
-- GPU tests (marker gpu_blackwell): kblock_loop and register_split leave O and LSE bit for bit
-  against stage 11; ex2_emulation, packed_f32x2 and all four within the bound of the fp64
-  reference check; stage 7's numerical tests run on this stage from tests/test_stage7.py. Not
-  run: no sm_100 GPU was available (2026-12-04).
+- GPU tests (marker gpu_blackwell): kblock_loop, register_split and o_tma_store leave O and LSE
+  bit for bit against stage 11; ex2_emulation, packed_f32x2 and all five within the bound of the
+  fp64 reference check; stage 7's numerical tests run on this stage from tests/test_stage7.py.
+  Not run: no sm_100 GPU was available (2026-12-04).
 """
 
 import re
@@ -83,8 +85,11 @@ def test_compiles_with_every_tuning(varlen, D, dtype):
     counts = [c for _, c in schedule.mbarrier_init_counts(ptx)]
     assert counts.count(416) == 1 and 32 in counts
     assert_tcgen05_fences(ptx, before=11, after=16 if D == 64 else 12)
+    # Tuning 5: O's own buffers next to Q and the ring; in batch mode a TMA store per Q tile
     kernel = blackwell.compile_args(dtype, shape)[0]
     assert (kernel.o_buffers, kernel.kv_slots) == {64: (2, 8), 128: (1, 3)}[D]
+    tma_stores = count(ptx, r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta")
+    assert tma_stores == (0 if varlen else 2 * D // 64)
     assert report.shared_memory_bytes <= 227 * 1024
     if report.resources and "registers" in report.resources:
         assert report.resources["spill_stores"] == 0, report.summary()
@@ -105,7 +110,7 @@ CONFIGS = {
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_no_spill_in_any_configuration(dtype, D, config):
-    """ptxas of CUDA 13.0 (2026-12-04): stage 11 spills 148-352 bytes in these configurations
+    """ptxas of CUDA 13.0: stage 11 spills 156-312 bytes in these configurations
     (the MMA warp at D = 64, the correction warpgroup); stage 12 none."""
     options = CONFIGS[config]
     Sq = 16 if options.get("pack_gqa") else 512  # pack-GQA: decode-like, G = 4 heads per tile
@@ -169,10 +174,17 @@ def test_each_tuning_alone_shows_its_technique(name, D):
         assert n(one, r"\.pragma\s+\"nounroll\";") >= n(none, r"\.pragma\s+\"nounroll\";") + n(
             one, mma
         )
-    else:  # register_split
+    elif name == "register_split":
         regs = r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);"
         assert sorted(map(int, re.findall(regs, none))) == [80, 96, 96, 96, 168, 168]
         assert sorted(map(int, re.findall(regs, one))) == [48, 48, 48, 112, 176, 176]
+    else:  # o_tma_store
+        # stage 11: each Q tile's O by threads' 16-byte stores; tuning 5: staged in shared
+        # memory, one TMA store per 64-column box of each Q tile, a bulk group per Q tile
+        tma = r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta"
+        assert (n(none, tma), n(one, tma)) == (0, 2 * D // 64)
+        assert n(one, r"cp\.async\.bulk\.commit_group") == 2
+        assert (n(none, r"st\.global\.v4\.b32"), n(one, r"st\.global\.v4\.b32")) == (2 * D // 8, 0)
 
 
 def test_with_tunings_checks_its_names_and_keeps_one_class_per_set():
@@ -271,7 +283,7 @@ def outputs(kernel_class, D, dtype, causal):
 @pytest.mark.gpu_blackwell
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("name", ["kblock_loop", "register_split"])
+@pytest.mark.parametrize("name", ["kblock_loop", "register_split", "o_tma_store"])
 def test_schedule_tunings_leave_o_bit_for_bit(name, D, causal):
     _, o, lse = outputs(blackwell.with_tunings([name]), D, torch.bfloat16, causal)
     _, o11, lse11 = outputs(stage11.Sm100Kernel, D, torch.bfloat16, causal)

@@ -545,7 +545,8 @@ def cta_schedule_correction(kernel):
     kernel's barriers in shared memory, with the arrivals each expects: 1 for the TMA warp's
     and the MMA warp's (tcgen05.commit), one per thread of a warpgroup (softmax_warp_ids[s],
     correction_warp_ids) for theirs. Each role's barrier operations in the order its code
-    performs them."""
+    performs them. From stage 10 on (kernel.qk_behind_pv set) an empty range loads no Q and the
+    MMA warp waits for none; stages 8-9 load and wait for Q on every range, as stages 5-7."""
     if (
         tuple(map(tuple, kernel.kv_consumer_entries)) != (("K", "V"),)
         or len(kernel.kv_producer_entries) != 1
@@ -638,11 +639,15 @@ def cta_schedule_correction(kernel):
                 )
             ),
         )
+
+    # Q's operations: for every range (stages 8-9), or only for a non-empty one (stage 10 on)
+    def q_ops(ops):
+        return (IfNonEmpty(ops),) if hasattr(kernel, "qk_behind_pv") else ops
+
     programs = {
-        # each Q tile once (not for an empty range); K_j and V_j per tile; then wait for every
-        # release.
+        # each Q tile once; K_j and V_j per tile; then wait for every release.
         "TMA": (
-            IfNonEmpty(
+            *q_ops(
                 tuple(op for s in tiles for op in (Op("Q", "acquire"), Op("Q", "commit", f"Q{s}")))
             ),
             PerTile(loads),
@@ -651,9 +656,9 @@ def cta_schedule_correction(kernel):
         ),
         "MMA": (
             tmem,
-            IfNonEmpty(tuple(Op("Q", "wait") for s in tiles)),
+            *q_ops(tuple(Op("Q", "wait") for s in tiles)),
             *mma_loop,
-            IfNonEmpty(tuple(Op("Q", "release") for s in tiles)),
+            *q_ops(tuple(Op("Q", "release") for s in tiles)),
         ),
         "correction": (
             tmem,

@@ -452,8 +452,9 @@ if report is not None:
 # On Blackwell, warp roles were the design from stage 1 on (a TMA warp, an MMA warp, the softmax
 # warps), because one thread issues the `tcgen05.mma` and the accumulators live in tensor memory.
 # Stage 8 there splits the jobs of stage 7's softmax warps as FA4 does: a softmax warpgroup only
-# turns S into P, a **correction** warpgroup rescales O in tensor memory and runs the epilogue,
-# and the MMA and TMA warps fill a third warpgroup. `setmaxnreg` gives them 208, 152 and 144
+# turns S into P, a **correction** warpgroup rescales O in tensor memory and runs the epilogue
+# (O and LSE stored by rows, as in stage 7; stage 12 adds the TMA store of O), and the MMA and
+# TMA warps fill a third warpgroup. `setmaxnreg` gives them 208, 152 and 144
 # registers: $(208 + 152 + 144) \cdot 128 = 64{,}512 = 384 \cdot 168$, the same pool arithmetic
 # as on Hopper. The cells show the docstring of
 # `stages/stage8_warp_specialized/blackwell.py`, its kernel diff against Blackwell stage 7 (the

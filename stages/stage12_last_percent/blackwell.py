@@ -1,6 +1,5 @@
-"""Stage 12 - the last percent (Blackwell, sm_100a): FA4's own tunings of the softmax's
-arithmetic and of the register split, each a switch (TUNINGS; with_tunings(names) builds the
-kernel with some of them; with_tunings(()) compiles to stage 11's PTX), and no spill.
+"""Stage 12 - the last percent (Blackwell, sm_100a): FA4's own tunings, each a switch (TUNINGS;
+with_tunings(names) builds the kernel with some; with_tunings(()) is stage 11's PTX); no spill.
 
 Changes from stage 11:
 1. ex2_emulation: 16 of a row's 128 exp2 (one column pair in every 16) on the FMA pipe as FA4's
@@ -13,15 +12,24 @@ Changes from stage 11:
    in four chains of add.f32x2 (63, not 128 add.f32). FA4's reason: the floating-point units
    did not grow from H100 to B200 either, and an f32x2 instruction does two columns.
 3. kblock_loop: the MMA warp's k-blocks in a loop, not unrolled: unrolled, ptxas kept every
-   k-block's descriptors live across the tile loop, 272 of stage 11's 352 bytes of spill.
+   k-block's descriptors live across the tile loop (alone: bf16 D = 64, 312 bytes of spill -> 52).
 4. register_split: setmaxnreg 176 / 112 / 48 (each softmax warpgroup / correction / MMA, TMA
    and idle warps): (2 x 176 + 112 + 48) x 128 = 65,536 (stage 11: 168 / 80 / 96; FA4: 192 /
-   80 / 48 at D = 128). Tuning 4 relies on 3 (alone: 560-572 bytes of spill).
-ptxas of CUDA 13.0 (2026-12-04), bf16 and fp16, D = 64 and 128, every mask and layout: no spill
-with every tuning (stage 11: 148-352 bytes). The numbers behind each: docs/notes/stage12.md.
+   80 / 48 at D = 128). Tuning 4 relies on 3 (alone: 560-580 bytes of spill).
+5. o_tma_store: in batch mode O_s leaves through a shared-memory buffer of its own (the next
+   tile's Q may land meanwhile; D = 128: 3 ring slots, not 4) in one TMA store that clips at Sq,
+   as FA4's epilogue (use_tma_O): one thread hands the tile to the TMA unit, not 128 threads
+   D / 8 vectors each; a 128-thread barrier twice per Q tile. Packed, pack-GQA: row stores.
+ptxas of CUDA 13.0, every dtype, D, mask and layout: no spill with every tuning (stage 11:
+156-312 bytes); the numbers behind each: docs/notes/stage12.md.
 
-Same entries and features as stage 7 (GQA / MQA, packed sequences, causal and window masks,
-LSE, pack-GQA, bf16 / fp16, D = 64 or 128).
+attention(q, k, v, ...): Q (B, H, Sq, D), K and V (B, Hkv, Sk, D), H % Hkv == 0 (Hkv = 1: MQA).
+attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...): q (total_q, H, D), k and v (total_k,
+Hkv, D), sequence b in rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1. Stage 6's masks (bottom-right
+per sequence), LSE, bf16/fp16, D = 64 or 128, pack-GQA for short Sq.
+
+Shapes: B, H, Hkv, Sq, Sk >= 1 (packed: any lengths >= 0), D in {64, 128}. The proxy fences of
+zero_keys: docs/notes/stage7.md.
 
 Compile-checked for sm_100a with fake tensors and no GPU (common.tools.ptx.compile_only(12,
 "blackwell")); PTX checks and a CPU model of every hand-off between the roles
@@ -58,6 +66,7 @@ TUNINGS = (
     "packed_f32x2",  # 2. P's scale-and-subtract and the row sum two columns per instruction
     "kblock_loop",  # 3. the MMA warp issues a GEMM's k-blocks in a loop, not unrolled
     "register_split",  # 4. setmaxnreg 176 / 112 / 48 for softmax / correction / MMA and TMA
+    "o_tma_store",  # 5. O staged in shared memory, one TMA store per Q tile (batch mode)
 )
 # 2^f = 1 + f (c1 + f (c2 + f c3)) for f in [0, 1): FA4's cubic (flash_attn/cute/utils.py,
 # POLY_EX2[3]); its largest relative error is 8.8e-5, below the 2^-8 of rounding P to bf16 and
@@ -74,10 +83,9 @@ class Sm100Kernel:
     """The device code is organised by warp role, as in FA4's flash_fwd_sm100.py. `kernel` sets up
     what the roles share (shared memory: smem_tensors; the mbarrier pipelines and named barriers:
     make_pipelines; the TMEM allocator; the CTA's tiles: gmem_tiles) and each warp then calls its
-    role's method: `load` (the TMA warp), `mma` (the MMA warp), `softmax` (a softmax warpgroup
-    per Q tile) and `correction` (the correction warpgroup: O's rescale per KV tile,
-    then `epilogue`: O normalised and stored, and LSE). The methods after them are their
-    helpers."""
+    role's method: `load` (the TMA warp), `mma` (the MMA warp), `softmax` (a warpgroup: P per
+    KV tile) and `correction` (a warpgroup: O's rescale, then `epilogue`: O stored, and LSE).
+    The methods after them are their helpers."""
 
     def __init__(self, dtype, head_dim, pack_gqa=1, sm_count=None):
         self.tunings = frozenset(self.TUNINGS)
@@ -116,23 +124,25 @@ class Sm100Kernel:
             self.softmax_registers = 176
             self.correction_registers = 112
             self.other_registers = 48
-        # Named barriers (0 is __syncthreads): the TMEM allocation handshake (MMA, softmax and
-        # correction warps), the correction warpgroup's own (O written to shared memory before
-        # the TMA store), and the one before TMEM is freed (softmax and correction warps).
-        self.tmem_alloc_bar_id = 1
-        self.correction_bar_id = 2
-        self.tmem_free_bar_id = 3
+        # Named barriers (0 is __syncthreads): the one before TMEM is freed (the softmax and
+        # correction warps), and the TMEM allocation handshake (MMA, softmax and correction);
+        # tuning 5's, the correction warpgroup's own (O in shared memory before its TMA store).
+        self.tmem_free_bar_id = 1
+        self.tmem_alloc_bar_id = 2
+        self.correction_bar_id = 3
         # Pipeline depths: the two Q tiles loaded once; a ring of K/V slots; per Q tile one S
         # (and P, over it or in columns of its own), one O, one row-statistics hand-off.
         self.q_buffers = self.q_tiles
         tile_bytes = 128 * head_dim * dtype.width // 8
         # The sm_100 opt-in limit (227 KiB), less the barriers, the row statistics (1 KiB per
-        # Q tile) and the 1 KiB alignment of the buffers. O is staged for its TMA store in
+        # Q tile) and the 1 KiB alignment of the buffers. Tuning 5 stages O for its TMA store in
         # buffers of its own, so that the next tile's Q can land during this tile's epilogue:
         # one per Q tile at D = 64 (2 x 16 KiB: the ring keeps 8 slots), one for both at
         # D = 128 (32 KiB: 3 slots next to 2 x 32 KiB of Q; two would leave 2).
         self.smem_budget = 227 * 1024 - 4 * 1024
-        self.o_buffers = self.q_tiles if head_dim == 64 else 1
+        self.o_buffers = 0
+        if "o_tma_store" in self.tunings:
+            self.o_buffers = self.q_tiles if head_dim == 64 else 1
         staged = (self.q_buffers + self.o_buffers) * tile_bytes
         self.kv_slots = min((self.smem_budget - staged) // tile_bytes, 8)
         self.s_buffers = 1
@@ -204,10 +214,10 @@ class Sm100Kernel:
     ):
         # O's rows start on 16-byte boundaries: each thread stores its row in 16-byte vectors.
         o = rows_of_16_bytes(o)
-        # O leaves through shared memory and one TMA store per Q tile in batch mode; packed
-        # sequences and pack-GQA keep stage 7's predicated per-row stores (a TMA box clips at
-        # the tensor's bounds, not at a sequence's end; a packed row is a (head, position) pair).
-        self.o_by_tma = cu_seqlens_q is None and self.pack_gqa == 1
+        # Tuning 5: O leaves through shared memory and one TMA store per Q tile in batch mode;
+        # packed sequences and pack-GQA keep the per-row stores (a TMA box clips at the tensor's
+        # bounds, not at a sequence's end; a packed row is a (head, position) pair).
+        self.o_by_tma = self.o_buffers > 0 and cu_seqlens_q is None and self.pack_gqa == 1
         # (B, H, S, D) -> (S, D, (H, B)): the two tile modes first, then (h, b) as one batch mode;
         # K and V have Hkv heads. Packed sequences arrive as B = 1 and S = total tokens.
         # Pack-GQA: Q and O (S, D, H, B) -> ((G, S), D, Hkv, B) first, the packed row (g, s) as
@@ -293,16 +303,18 @@ class Sm100Kernel:
         tma_v, tma_tv = cute.nvgpu.make_tiled_tma_atom_B(
             tma_load_op, v, v_smem_one, self.pv_mma_tiler, pv_mma, cluster_layout_vmnk.shape
         )
-        # (bM, D, o_buffers): O staged for the TMA store, row-major, 128-byte swizzled
-        o_smem_s = utils.sm100.make_smem_layout_epi(
-            self.dtype, LayoutEnum.ROW_MAJOR, self.pv_mma_tiler[:2], self.o_buffers
-        )
-        tma_o, tma_to = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(),
-            o_tma,
-            cute.select(o_smem_s, mode=[0, 1]),
-            self.pv_mma_tiler[:2],
-        )
+        tma_o, tma_to, o_smem_s = None, None, None
+        if cutlass.const_expr(self.o_buffers > 0):
+            # (bM, D, o_buffers): O staged for the TMA store, row-major, 128-byte swizzled
+            o_smem_s = utils.sm100.make_smem_layout_epi(
+                self.dtype, LayoutEnum.ROW_MAJOR, self.pv_mma_tiler[:2], self.o_buffers
+            )
+            tma_o, tma_to = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(),
+                o_tma,
+                cute.select(o_smem_s, mode=[0, 1]),
+                self.pv_mma_tiler[:2],
+            )
         # Bytes each TMA copy moves (its box), and the bytes each pipeline entry arms its full
         # barrier with: 128 x D x 2 each (16 KiB for D = 64, 32 KiB for D = 128).
         self.copy_bytes = {
@@ -317,7 +329,7 @@ class Sm100Kernel:
         class SharedStorage:
             q_bar: cute.struct.MemRange[Int64, self.q_buffers * 2]
             kv_bar: cute.struct.MemRange[Int64, self.kv_slots * 2]
-            # per Q tile: S, P, O and the row statistics, one entry each (full and empty)
+            # per Q tile, one entry each (full and empty)
             s_bar: cute.struct.MemRange[Int64, self.q_tiles * self.s_buffers * 2]
             p_bar: cute.struct.MemRange[Int64, self.q_tiles * 2]
             o_bar: cute.struct.MemRange[Int64, self.q_tiles * 2]
@@ -332,9 +344,10 @@ class Sm100Kernel:
             sK: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(k_smem_s)], self.smem_align
             ]
-            sO: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(o_smem_s)], self.smem_align
-            ]
+            if cutlass.const_expr(self.o_buffers > 0):  # tuning 5
+                sO: cute.struct.Align[
+                    cute.struct.MemRange[self.dtype, cute.cosize(o_smem_s)], self.smem_align
+                ]
 
         self.shared_storage = SharedStorage
         self.shared_memory_bytes = SharedStorage.size_in_bytes()
@@ -360,6 +373,8 @@ class Sm100Kernel:
         elif window_left < k.shape[0] or window_right < max_seqlen_q:
             dynamic = Int32(1)
             l2_heads = self.l2_section_heads(k.shape[0], cute.size(q, mode=[2]))
+        # One CTA per SM, stated (min_blocks_per_mp), so that ptxas allocates by setmaxnreg's counts
+        # (168, 80 and 96 a thread) instead of capping everything at 128.
         self.kernel(
             qk_mma,
             pv_mma,
@@ -388,14 +403,7 @@ class Sm100Kernel:
             v_smem_s,
             p_tmem_s,
             o_smem_s,
-        ).launch(
-            grid=grid,
-            block=[self.threads_per_cta, 1, 1],
-            # One CTA per SM, stated, so that ptxas allocates by setmaxnreg's counts (168, 80
-            # and 96 per thread of a warpgroup) instead of capping everything at 128.
-            min_blocks_per_mp=1,
-            stream=stream,
-        )
+        ).launch(grid=grid, block=[self.threads_per_cta, 1, 1], min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
     def kernel(
@@ -408,8 +416,8 @@ class Sm100Kernel:
         mK: cute.Tensor,
         tma_v: cute.CopyAtom,
         mV: cute.Tensor,
-        tma_o: cute.CopyAtom,
-        mO_tma: cute.Tensor,
+        tma_o: cute.CopyAtom | None,
+        mO_tma: cute.Tensor | None,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
         mCuSeqlensQ: cute.Tensor | None,
@@ -426,7 +434,7 @@ class Sm100Kernel:
         k_smem_s: cute.ComposedLayout,
         v_smem_s: cute.ComposedLayout,
         p_tmem_s: cute.ComposedLayout,
-        o_smem_s: cute.ComposedLayout,
+        o_smem_s: cute.ComposedLayout | None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -578,8 +586,7 @@ class Sm100Kernel:
                         window_right,
                     )
                     tile, tile_cons = self.handed_tile(tile_cons, sTile)
-                # Done with TMEM: order its tcgen05.st before the barrier the correction
-                # warpgroup frees TMEM after.
+                # Done with TMEM: its tcgen05.st ordered before the barrier that frees TMEM.
                 fence_before_thread_sync()
                 tmem_free_bar.arrive()
 
@@ -632,9 +639,8 @@ class Sm100Kernel:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
 
             # Every softmax and correction warp is done with TMEM before warp 8 frees it: each
-            # orders its tcgen05.ld and tcgen05.st before the barrier
-            # (tcgen05.fence::before_thread_sync). The MMA warp's last MMAs completed before
-            # the O_s commits waited for above.
+            # orders its tcgen05 loads and stores before the barrier (fence::before_thread_sync);
+            # the MMA warp's last MMAs completed before the O commits waited for.
             tmem.relinquish_alloc_permit()
             fence_before_thread_sync()
             tmem_free_bar.arrive_and_wait()
@@ -1054,11 +1060,10 @@ class Sm100Kernel:
         """The correction warpgroup: thread `row` owns that row of O_0 and O_1; per KV tile it
         rescales its row of O_s by the factor softmax thread `row` of warpgroup s handed over,
         then (epilogue) normalises and stores O_s and writes LSE."""
-        # (MMA, MMA_M, MMA_N, Q tiles) and (MMA, MMA_M, MMA_N, q_tiles): O's tiles in global
-        # memory, their (query, d) coordinates, and the staging buffers. (Derived here, in
-        # the branch that uses them: values computed before the warps split stay live into
-        # every branch, and with the MMA warp's they made ptxas spill at the split.)
-        tCgO, tCcO, tCsO = (pv_thr.partition_C(t) for t in (gO, cO, sO))
+        # (MMA, MMA_M, MMA_N, Q tiles): O's tiles and their (query, d) coordinates, derived in
+        # the branch that uses them (values made before the warps split stay live into every
+        # branch: with the MMA warp's, ptxas spilled at the split).
+        tCgO, tCcO = (pv_thr.partition_C(t) for t in (gO, cO))
         tOtO = [cute.make_tensor(tmem_ptr + c, tOtO_layout) for c in self.tmem_o_offset]
         # Thread t of warp w owns row 32 (w % 4) + t (a warp may only read its own 32 lanes).
         epi_tiler = ((cute.size(tOtO[0], mode=[0, 0]), self.tmem_load_cols),)
@@ -1087,9 +1092,8 @@ class Sm100Kernel:
         o_cons0, o_cons1 = o_cons
 
         for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
-            # Q tile 0: the row factor of tile j, from softmax thread `row` of warpgroup 0;
-            # O_0 holds sum_(i < j) P_0,i V_i relative to the old max: once that has
-            # completed, O_0 *= row_scale, and O_0 goes back to the MMA warp.
+            # Q tile 0: the row factor of tile j from softmax thread `row`; O_0 holds sum_(i < j)
+            # P_0,i V_i (old max): once complete, O_0 *= row_scale, and back to the MMA warp.
             stats_full0 = stats_cons0.wait_and_advance()
             row_scale0 = sStats[row, 0, 0]
             stats_full0.release()
@@ -1114,77 +1118,12 @@ class Sm100Kernel:
                     )
                 o_full1.release()
 
-        self.epilogue(
-            row,
-            tmem_load,
-            thr_load,
-            epi_tiler,
-            tTR_tO,
-            tTR_rAcc,
-            tTR_rO,
-            tCgO,
-            tCcO,
-            tCsO,
-            sO,
-            sStats,
-            stats_cons0,
-            stats_cons1,
-            o_cons0,
-            o_cons1,
-            correction_bar,
-            tma_o,
-            mO_tma,
-            mO,
-            mLSE,
-            head,
-            batch,
-            q_tile0,
-            kv_tile_lo,
-            kv_tile_hi,
-            seqlen_q,
-            scale_log2,
-        )
-        return (stats_cons0, stats_cons1), (o_cons0, o_cons1)
-
-    @cute.jit
-    def epilogue(
-        self,
-        row,
-        tmem_load,
-        thr_load,
-        epi_tiler,
-        tTR_tO,
-        tTR_rAcc,
-        tTR_rO,
-        tCgO,
-        tCcO,
-        tCsO,
-        sO,
-        sStats,
-        stats_cons0,
-        stats_cons1,
-        o_cons0,
-        o_cons1,
-        correction_bar,
-        tma_o,
-        mO_tma,
-        mO,
-        mLSE,
-        head,
-        batch,
-        q_tile0,
-        kv_tile_lo,
-        kv_tile_hi,
-        seqlen_q,
-        scale_log2,
-    ):
-        """The correction warpgroup, after the last KV tile, per Q tile: O_s / row_sum (TMEM ->
-        registers) -> shared memory -> one TMA store (batch mode), or -> global memory by rows
-        (packed, pack-GQA); LSE."""
-        # The rows inside the sequence: (G heads, seqlen_q positions) when packed.
-        q_rows = seqlen_q if cutlass.const_expr(self.pack_gqa == 1) else (self.pack_gqa, seqlen_q)
+        # Tuning 5: the TMA store's partitions of the staging buffers and of O's tiles, and the
+        # copy from registers to shared memory that matches tcgen05.ld's thread-to-row layout.
+        smem_store = None
         if cutlass.const_expr(self.o_by_tma):
-            # (TMA, q_tiles) and (TMA, Q tiles): the staging buffers and O's tiles
+            # (MMA, MMA_M, MMA_N, o_buffers), (TMA, o_buffers) and (TMA, Q tiles)
+            tCsO = pv_thr.partition_C(sO)
             gO_tma = cute.local_tile(
                 mO_tma[(None, None, (head, batch))], self.pv_mma_tiler[:2], (None, 0)
             )
@@ -1195,82 +1134,55 @@ class Sm100Kernel:
                 cute.group_modes(sO, 0, 2),
                 cute.group_modes(gO_tma, 0, 2),
             )
-            # Registers -> shared memory in the layout the TMA store reads: the copy that
-            # matches tcgen05.ld's thread-to-row layout.
             smem_store = cute.make_tiled_copy_D(
                 utils.sm100.get_smem_store_op(
                     LayoutEnum.ROW_MAJOR, self.dtype, self.acc_dtype, tmem_load
                 ),
                 tmem_load,
             )
+        # After the last KV tile, per Q tile: the row sum and max, then the epilogue; (T2R,
+        # T2R_M, slices): this thread's row of O_s in global memory, and its coordinates in O
         for s in cutlass.range_constexpr(self.q_tiles):
             stats_cons = stats_cons0 if s == 0 else stats_cons1
             o_cons = o_cons0 if s == 0 else o_cons1
-            if cutlass.const_expr(self.o_by_tma):
-                # Staging buffer s % o_buffers is free once the TMA store that read it last
-                # (o_buffers stores ago) has read it: row 0 waits, the warpgroup's barrier tells
-                # the others.
-                if row == 0:
-                    cute.arch.cp_async_bulk_wait_group(self.o_buffers - 1, read=True)
-                correction_bar.arrive_and_wait()
             stats_full = stats_cons.wait_and_advance()
             row_sum = sStats[row, 0, s]
             row_max = sStats[row, 1, s]
             stats_full.release()
-            # A row that saw no key (row_sum = 0) keeps O = 0.
-            inv_row_sum = cute.arch.rcp_approx(row_sum) if row_sum > 0.0 else 0.0
-            # O_s holds the last tile once its PV MMAs have completed (an empty range: no
-            # MMA, nothing to wait for)
-            o_last = o_cons.current_handle()
-            if kv_tile_hi > kv_tile_lo:
-                o_cons.wait()
-            # (T2R, T2R_M, slices): this thread's row of O_s in global or shared memory, and
-            # its (query, d) coordinates in O
-            tTR_cO = thr_load.partition_D(
-                cute.zipped_divide(tCcO[(None, None, None, q_tile0 + s)], epi_tiler)
+            tTR_gO, tTR_cO = (
+                thr_load.partition_D(
+                    cute.zipped_divide(t[(None, None, None, q_tile0 + s)], epi_tiler)
+                )
+                for t in (tCgO, tCcO)
             )
             if cutlass.const_expr(self.o_by_tma):
-                tTR_dO = thr_load.partition_D(
+                # Tuning 5: O_s goes to staging buffer s % o_buffers instead, free once the TMA
+                # store that read it last (o_buffers stores ago) has read it: row 0 waits, the
+                # warpgroup's barrier tells the others.
+                if row == 0:
+                    cute.arch.cp_async_bulk_wait_group(self.o_buffers - 1, read=True)
+                correction_bar.arrive_and_wait()
+                tTR_gO = thr_load.partition_D(
                     cute.zipped_divide(tCsO[(None, None, None, s % self.o_buffers)], epi_tiler)
                 )
-            else:
-                tTR_dO = thr_load.partition_D(
-                    cute.zipped_divide(tCgO[(None, None, None, q_tile0 + s)], epi_tiler)
-                )
-            # O complete (tcgen05.commit): order the loads after the wait (common/tmem.py, (d))
-            fence_after_thread_sync()
-            for i in cutlass.range_constexpr(cute.size(tTR_tO[s], mode=[2])):
-                if kv_tile_hi > kv_tile_lo:
-                    cute.copy(tmem_load, tTR_tO[s][(None, None, i)], tTR_rAcc)
-                    cute.arch.fence_view_async_tmem_load()
-                else:
-                    # An empty range: no MMA has written O_s's columns, O = 0.
-                    tTR_rAcc.fill(0.0)
-                # O = (sum_j P_j @ V_j) / row_sum, in the input dtype
-                tTR_rO.store((inv_row_sum * tTR_rAcc.load()).to(self.dtype))
-                if cutlass.const_expr(self.o_by_tma):
-                    cute.copy(smem_store, tTR_rO, tTR_dO[(None, None, i)])
-                else:
-                    self.store_row(
-                        tTR_rO,
-                        tTR_dO[(None, None, i)],
-                        tTR_cO[(None, None, i)],
-                        (q_rows, mO.shape[1]),
-                    )
-            # O read: order the loads before the release (common/tmem.py, as (a))
-            fence_before_thread_sync()
-            if kv_tile_hi > kv_tile_lo:
-                o_last.release()
-                o_cons.advance()
-            # LSE = log(sum_j exp(scale * S_j)) = scale * row_max + log(row_sum), natural
-            # log, fp32, for this thread's row (query) if it lies inside the sequence
-            q_row = tTR_cO[0][0]  # packed: (g, position)
-            if cute.elem_less(q_row, q_rows):
-                lse_log2 = row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)
-                # A row that saw no key: LSE = log(0) = -inf.
-                if row_sum == 0.0:
-                    lse_log2 = -Float32.inf
-                mLSE[(q_row,)] = lse_log2 * math.log(2.0)
+            self.epilogue(
+                tmem_load,
+                tTR_tO[s],
+                tTR_rAcc,
+                tTR_rO,
+                tTR_gO,
+                tTR_cO,
+                row_sum,
+                row_max,
+                o_cons,
+                mO,
+                mLSE,
+                kv_tile_lo,
+                kv_tile_hi,
+                seqlen_q,
+                scale_log2,
+                smem_store,
+            )
             if cutlass.const_expr(self.o_by_tma):
                 # Every thread's shared-memory stores visible to the async proxy
                 # (fence.proxy.async.shared::cta), all 128 rows written (the correction
@@ -1281,6 +1193,74 @@ class Sm100Kernel:
                 if row == 0:
                     cute.copy(tma_o, tOsO[(None, s % self.o_buffers)], tOgO[(None, q_tile0 + s)])
                     cute.arch.cp_async_bulk_commit_group()
+        return (stats_cons0, stats_cons1), (o_cons0, o_cons1)
+
+    @cute.jit
+    def epilogue(
+        self,
+        tmem_load,
+        tTR_tO,
+        tTR_rAcc,
+        tTR_rO,
+        tTR_gO,
+        tTR_cO,
+        row_sum,
+        row_max,
+        o_cons,
+        mO,
+        mLSE,
+        kv_tile_lo,
+        kv_tile_hi,
+        seqlen_q,
+        scale_log2,
+        smem_store,
+    ):
+        """Correction warps, after the last KV tile: TMEM -> registers (tcgen05.ld) -> O / row_sum
+        -> O in global memory; LSE."""
+        # The rows inside the sequence: (G heads, seqlen_q positions) when packed (each
+        # element's coordinate in O is then ((g, position), d)).
+        q_rows = seqlen_q if cutlass.const_expr(self.pack_gqa == 1) else (self.pack_gqa, seqlen_q)
+        # A row that saw no key (row_sum = 0) keeps O = 0.
+        inv_row_sum = cute.arch.rcp_approx(row_sum) if row_sum > 0.0 else 0.0
+        # O complete after the last PV MMAs (an empty range: no MMA, nothing to wait for)
+        o_full = o_cons.current_handle()
+        if kv_tile_hi > kv_tile_lo:
+            o_cons.wait()
+        # O complete (tcgen05.commit): order the loads after the wait (common/tmem.py, (d))
+        fence_after_thread_sync()
+        for i in cutlass.range_constexpr(cute.size(tTR_tO, mode=[2])):
+            if kv_tile_hi > kv_tile_lo:
+                cute.copy(tmem_load, tTR_tO[(None, None, i)], tTR_rAcc)
+                cute.arch.fence_view_async_tmem_load()
+            else:
+                # An empty range: no MMA has written O's columns, O = 0.
+                tTR_rAcc.fill(0.0)
+            # O = (sum_j P_j @ V_j) / row_sum, in the input dtype
+            tTR_rO.store((inv_row_sum * tTR_rAcc.load()).to(self.dtype))
+            if cutlass.const_expr(self.o_by_tma):
+                # tuning 5: into the staging buffer, in the layout the TMA store reads
+                cute.copy(smem_store, tTR_rO, tTR_gO[(None, None, i)])
+            else:
+                self.store_row(
+                    tTR_rO,
+                    tTR_gO[(None, None, i)],
+                    tTR_cO[(None, None, i)],
+                    (q_rows, mO.shape[1]),
+                )
+        # LSE = log(sum_j exp(scale * S_j)) = scale * row_max + log(row_sum), natural log, fp32,
+        # for this thread's row (query) if it lies inside the sequence
+        row = tTR_cO[0][0]  # packed: (g, position)
+        if cute.elem_less(row, q_rows):
+            lse_log2 = row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)
+            # A row that saw no key: LSE = log(0) = -inf.
+            if row_sum == 0.0:
+                lse_log2 = -Float32.inf
+            mLSE[(row,)] = lse_log2 * math.log(2.0)
+        # O read: order the loads before the release (common/tmem.py, as (a))
+        fence_before_thread_sync()
+        if kv_tile_hi > kv_tile_lo:
+            o_full.release()
+            o_cons.advance()
 
     @cute.jit
     def make_pipelines(self, storage, cluster_layout_vmnk):
@@ -1401,20 +1381,20 @@ class Sm100Kernel:
 
     @cute.jit
     def smem_tensors(self, storage, q_smem_s, k_smem_s, v_smem_s, o_smem_s):
-        """The CTA's buffers in shared memory: Q, the K/V ring (as K and as V), O's staging, the
-        row statistics."""
+        """The CTA's buffers in shared memory: Q, the K/V ring (as K and as V), row statistics."""
         # (MMA, MMA_M, MMA_K, q_buffers)
         sQ = storage.sQ.get_tensor(q_smem_s.outer, swizzle=q_smem_s.inner)
         # (MMA, MMA_N, MMA_K, kv_slots)
         sK = storage.sK.get_tensor(k_smem_s.outer, swizzle=k_smem_s.inner)
         # (MMA, MMA_N=D, MMA_K, kv_slots): the same slots viewed as V tiles (V's own swizzle)
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, v_smem_s.inner), v_smem_s.outer)
-        # (bM, D, o_buffers): O staged for the TMA store, row-major, swizzled, in buffers of its
-        # own: the next tile's Q may land while this tile's O is staged and stored.
-        sO = storage.sO.get_tensor(o_smem_s.outer, swizzle=o_smem_s.inner)
+        # Tuning 5: (bM, D, o_buffers): O staged for the TMA store, row-major, swizzled, in
+        # buffers of its own: the next tile's Q may land while this tile's O is staged and stored.
+        sO = None
+        if cutlass.const_expr(self.o_buffers > 0):
+            sO = storage.sO.get_tensor(o_smem_s.outer, swizzle=o_smem_s.inner)
         # (128 rows, 2 values, q_tiles): the row statistics softmax warpgroup s hands to the
-        # correction warpgroup. Value 0: the row factor of the KV tile, or the final row sum;
-        # value 1: the final row max.
+        # correction warpgroup: the KV tile's row factor, or the final row sum and row max.
         sStats = storage.stats.get_tensor(cute.make_layout((128, 2, self.q_tiles)))
         return sQ, sK, sV, sO, sStats
 
@@ -1433,7 +1413,7 @@ class Sm100Kernel:
             cute.domain_offset((q_offset, 0), mO[(None, None, (head, batch))]),
         )
         mLSE = cute.domain_offset((q_offset,), mLSE[(None, (head, batch))])
-        # (bM, D, Q tiles): every Q tile of the sequence
+        # (bM, D, Q tiles)
         gQ = cute.local_tile(mQ, self.qk_mma_tiler, (None, 0, 0), proj=(1, None, 1))
         # (bN, D, kv_tiles)
         gK = cute.local_tile(mK, self.qk_mma_tiler, (0, None, 0), proj=(None, 1, 1))
@@ -1703,8 +1683,8 @@ class Sm100Kernel:
 
     @cute.jit
     def q_positions(self, q_tile, seqlen_q, bM: cutlass.Constexpr = 128):
-        """The first and last query position of row block q_tile (of bM rows: a Q tile, or a CTA's
-        q_tiles x 128 rows) inside the sequence: rows q_tile * bM .. q_tile * bM + bM - 1, G rows per
+        """The first and last query position of row block q_tile (of bM rows: a Q tile, the CTA's
+        rows) inside the sequence: rows q_tile * bM .. q_tile * bM + bM - 1, G rows per
         position when packed (G = 1 otherwise)."""
         first_row = q_tile * bM
         last_row = cutlass.min(first_row + bM, seqlen_q * self.pack_gqa) - 1

@@ -15,6 +15,7 @@ Changes from stage 6:
   r // G of head r % G) when that fills tiles much better (common/pack_gqa.py).
 - The MMA warp's loop over one tile's KV range is its own method, mma_tile, which returns the
   pipeline states it advanced: stage 11 calls it once per work tile of a persistent CTA.
+- The code names a Q tile's buffers and warps by its index (q_tiles = 1; stage 9 has two).
 
 attention(q, k, v, ...): Q (B, H, Sq, D), K and V (B, Hkv, Sk, D), H % Hkv == 0 (Hkv = 1: MQA).
 attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...): q (total_q, H, D), k and v (total_k,
@@ -64,21 +65,24 @@ class Sm100Kernel:
         self.qk_mma_tiler = (128, 128, head_dim)
         # (bM, bN, bK) = (Q rows, D, K rows): O += P @ V; one tcgen05.mma is 128 x D x 16.
         self.pv_mma_tiler = (128, head_dim, 128)
+        # Q tiles per CTA, each with its own S, P and O in TMEM and its own softmax warpgroup.
+        self.q_tiles = 1
+        self.cta_rows = self.q_tiles * self.qk_mma_tiler[0]
         self.cta_group = tcgen05.CtaGroup.ONE  # one CTA per MMA (no 2-CTA pairs)
         self.cluster_shape_mn = (1, 1)
-        # Warp roles: 0-3 softmax (and epilogue), 4 MMA, 5 TMA.
-        self.softmax_warp_ids = (0, 1, 2, 3)
+        # Warp roles: 0-3 softmax (and epilogue) of Q tile 0, 4 MMA, 5 TMA.
+        self.softmax_warp_ids = ((0, 1, 2, 3),)
         self.mma_warp_id = 4
         self.tma_warp_id = 5
         self.threads_per_cta = 32 * len(
-            (*self.softmax_warp_ids, self.mma_warp_id, self.tma_warp_id)
+            (*self.softmax_warp_ids[0], self.mma_warp_id, self.tma_warp_id)
         )
         # Named barriers (0 is __syncthreads): the one before TMEM is freed (the softmax warps
         # among themselves), and the TMEM allocation handshake (MMA and softmax warps).
         self.tmem_free_bar_id = 1
         self.tmem_alloc_bar_id = 2
         # Pipeline depths: Q loaded once; a ring of 2 K/V slots; one S tile in TMEM.
-        self.q_buffers = 1
+        self.q_buffers = self.q_tiles
         self.kv_slots = 2
         self.s_buffers = 1
         # Ring entries per KV tile, in order, one tuple per sweep over the KV tiles: what the TMA
@@ -86,9 +90,11 @@ class Sm100Kernel:
         self.kv_producer_entries = (("K", "V"),)
         self.kv_consumer_entries = (("K", "V"),)
         # TMEM columns (32-bit cells; lane = row of the tile): S, P over S, O after S.
-        self.tmem_s_offset = 0
-        self.tmem_p_offset = 0
-        self.tmem_o_offset = self.qk_mma_tiler[1]
+        self.tmem_s_offset = tuple(s * self.qk_mma_tiler[1] for s in range(self.q_tiles))
+        self.tmem_o_offset = tuple(
+            self.q_tiles * self.qk_mma_tiler[1] + s * head_dim for s in range(self.q_tiles)
+        )
+        self.tmem_p_offset = self.tmem_s_offset
         self.num_tmem_alloc_cols = 256  # 128 + D rounded up to a power of 2
         # tcgen05.ld.32x32b.x32: each thread reads 32 fp32 columns of its row per load.
         self.tmem_load_cols = 32
@@ -209,9 +215,10 @@ class Sm100Kernel:
         class SharedStorage:
             q_bar: cute.struct.MemRange[Int64, self.q_buffers * 2]
             kv_bar: cute.struct.MemRange[Int64, self.kv_slots * 2]
-            s_bar: cute.struct.MemRange[Int64, self.s_buffers * 2]
-            p_bar: cute.struct.MemRange[Int64, 2]
-            o_bar: cute.struct.MemRange[Int64, 2]
+            # per Q tile, one entry each (full and empty)
+            s_bar: cute.struct.MemRange[Int64, self.q_tiles * self.s_buffers * 2]
+            p_bar: cute.struct.MemRange[Int64, self.q_tiles * 2]
+            o_bar: cute.struct.MemRange[Int64, self.q_tiles * 2]
             tmem_holding: Int32
             sQ: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(q_smem_s)], self.smem_align
@@ -232,7 +239,7 @@ class Sm100Kernel:
             else cu_seqlens_q.shape[0] - 1
         )
         grid = (
-            cute.ceil_div(max_seqlen_q * self.pack_gqa, self.qk_mma_tiler[0]),
+            cute.ceil_div(max_seqlen_q * self.pack_gqa, self.cta_rows),
             cute.size(q, mode=[2, 0]),
             sequences,
         )
@@ -303,14 +310,14 @@ class Sm100Kernel:
         (
             (q_prod, q_cons),
             (kv_prod, kv_cons),
-            (s_pipe, p_pipe, o_pipe),
+            (s_pipes, p_pipes, o_pipes),
             (tmem_alloc_bar, tmem_free_bar),
         ) = self.make_pipelines(storage, cluster_layout_vmnk)
         # Softmax warp 0 allocates and frees TMEM: the softmax warps are the last to read it.
         tmem = TmemAllocator(
             storage.tmem_holding.ptr,
             barrier_for_retrieve=tmem_alloc_bar,
-            allocator_warp_id=self.softmax_warp_ids[0],
+            allocator_warp_id=self.softmax_warp_ids[0][0],
         )
         pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
 
@@ -319,8 +326,6 @@ class Sm100Kernel:
         tile_mO, tile_mLSE, gQ, gK, gV, gO, cO = self.gmem_tiles(
             mQ, mK, mV, mO, mLSE, head, kv_head, batch, offset_q, offset_k
         )
-        # (bM, D): the CTA's Q tile
-        gQ = gQ[(None, None, q_tile0)]
         # (bM, D): O's tile, and the (query, d) coordinates of its elements in O
         gO, cO = (t[(None, None, q_tile0)] for t in (gO, cO))
 
@@ -344,6 +349,7 @@ class Sm100Kernel:
                 (tma_q, tma_k, tma_v, qk_thr, pv_thr),
                 (gQ, gK, gV, sQ, sK, sV),
                 *loads,
+                q_tile0,
                 kv_tile_lo,
                 kv_tile_hi,
             )
@@ -364,9 +370,9 @@ class Sm100Kernel:
                 p_tmem_s,
                 q_cons,
                 kv_cons,
-                s_pipe,
-                p_pipe,
-                o_pipe,
+                s_pipes,
+                p_pipes,
+                o_pipes,
                 kv_tile_lo,
                 kv_tile_hi,
                 seqlen_k,
@@ -380,14 +386,14 @@ class Sm100Kernel:
             tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
             self.softmax(
                 tidx,  # this thread's row of the Q tile
-                cute.make_tensor(tmem_ptr + self.tmem_s_offset, tStS_layout),
-                cute.make_tensor(tmem_ptr + self.tmem_o_offset, tOtO_layout),
+                cute.make_tensor(tmem_ptr + self.tmem_s_offset[0], tStS_layout),
+                cute.make_tensor(tmem_ptr + self.tmem_o_offset[0], tOtO_layout),
                 tCcS,
                 tCgO,
                 tCcO,
-                s_pipe.make_consumer(),
-                p_pipe.make_producer(),
-                o_pipe.make_consumer(),
+                s_pipes[0].make_consumer(),
+                p_pipes[0].make_producer(),
+                o_pipes[0].make_consumer(),
                 tile_mO,
                 tile_mLSE,
                 q_tile0,
@@ -409,18 +415,18 @@ class Sm100Kernel:
             tmem.free(tmem_ptr)
 
     @cute.jit
-    def load(self, atoms, tiles, q_prod, kv_prod, kv_tile_lo, kv_tile_hi):
+    def load(self, atoms, tiles, q_prod, kv_prod, q_tile0, kv_tile_lo, kv_tile_hi):
         """The TMA warp: Q once, then every K and V tile, each tile its own ring entry.
         atoms = (TMA atoms, MMA slices), tiles = (global tiles, shared buffers)."""
         tma_q, tma_k, tma_v, qk_thr, pv_thr = atoms
         gQ, gK, gV, sQ, sK, sV = tiles
-        # (MMA, MMA_M, MMA_K)
+        # (MMA, MMA_M, MMA_K, Q tiles)
         tCgQ = qk_thr.partition_A(gQ)
         # (MMA, MMA_N, MMA_K, kv_tiles)
         tCgK = qk_thr.partition_B(gK)
         # (MMA, MMA_N, MMA_K, kv_tiles)
         tCgV = pv_thr.partition_B(gV)
-        # TMA views, one CTA, no multicast: (TMA, q_buffers) and (TMA); (TMA, kv_slots)
+        # TMA views, one CTA, no multicast: (TMA, q_buffers) and (TMA, Q tiles); (TMA, kv_slots)
         # and (TMA, kv_tiles)
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3), cute.group_modes(tCgQ, 0, 3)
@@ -433,8 +439,14 @@ class Sm100Kernel:
         )
         q_load, k_load, v_load = (tma_q, tQgQ, tQsQ), (tma_k, tKgK, tKsK), (tma_v, tVgV, tVsV)
         tma_q, tQgQ, tQsQ = q_load
-        q_empty = q_prod.acquire_and_advance()
-        cute.copy(tma_q, tQgQ, tQsQ[(None, q_empty.index)], tma_bar_ptr=q_empty.barrier)
+        for s in cutlass.range_constexpr(self.q_tiles):
+            q_empty = q_prod.acquire_and_advance()
+            cute.copy(
+                tma_q,
+                tQgQ[(None, q_tile0 + s)],
+                tQsQ[(None, q_empty.index)],
+                tma_bar_ptr=q_empty.barrier,
+            )
         kv_loads = {"K": k_load, "V": v_load}
         for sweep in cutlass.range_constexpr(len(self.kv_producer_entries)):
             for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
@@ -465,9 +477,9 @@ class Sm100Kernel:
         p_tmem_s,
         q_cons,
         kv_cons,
-        s_pipe,
-        p_pipe,
-        o_pipe,
+        s_pipes,
+        p_pipes,
+        o_pipes,
         kv_tile_lo,
         kv_tile_hi,
         seqlen_k,
@@ -483,17 +495,19 @@ class Sm100Kernel:
         tCrV = pv_mma.make_fragment_B(sV)
         tmem.wait_for_alloc()
         tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-        tStS = cute.make_tensor(tmem_ptr + self.tmem_s_offset, tStS_layout)
-        tOtO = cute.make_tensor(tmem_ptr + self.tmem_o_offset, tOtO_layout)
-        # (MMA, MMA_M, MMA_K): P as 16-bit values in TMEM, over S's columns
+        tStS = [cute.make_tensor(tmem_ptr + c, tStS_layout) for c in self.tmem_s_offset]
+        tOtO = [cute.make_tensor(tmem_ptr + c, tOtO_layout) for c in self.tmem_o_offset]
+        # (MMA, MMA_M, MMA_K): P_s as 16-bit values in TMEM, over S_s's columns
         tOrP_layout = pv_mma.make_fragment_A(cute.make_tensor(tmem_ptr, p_tmem_s.outer))[
             (None, None, None, 0)
         ].layout
-        tOrP = cute.make_tensor(
-            cute.recast_ptr(tmem_ptr + self.tmem_p_offset, dtype=self.dtype), tOrP_layout
-        )
+        tOrP = [
+            cute.make_tensor(cute.recast_ptr(tmem_ptr + c, dtype=self.dtype), tOrP_layout)
+            for c in self.tmem_p_offset
+        ]
         # One variable per hand-off: the DSL carries a pipeline's state (slot index, phase)
         # through a loop only for a name it sees the loop call methods on.
+        (s_pipe,), (p_pipe,), (o_pipe,) = s_pipes, p_pipes, o_pipes
         s_prod = s_pipe.make_producer()
         p_cons = p_pipe.make_consumer()
         o_prod = o_pipe.make_producer()
@@ -525,7 +539,7 @@ class Sm100Kernel:
             # tile j-1 have completed (PTX keeps two tcgen05.mma in issue order only when
             # they share accumulator and shape; QK writes S, PV writes O).
             p_free.acquire_and_advance()
-            qk_mma = self.issue_qk(qk_mma, tStS, tCrQ, q_full.index, tCrK, kv_full.index)
+            qk_mma = self.issue_qk(qk_mma, tStS[0], tCrQ, q_full.index, tCrK, kv_full.index)
             # tcgen05.commit: S is full once these MMAs have completed ...
             s_empty.commit()
             # ... and the K slot is empty once they have read it.
@@ -540,7 +554,7 @@ class Sm100Kernel:
                     self.zero_keys(sV, v_full.index, seqlen_k - kv_tile * self.qk_mma_tiler[1])
             # O starts afresh with the first KV tile of the range, then accumulates.
             accumulate = kv_tile != kv_tile_lo
-            pv_mma = self.issue_pv(pv_mma, tOtO, tOrP, tCrV, v_full.index, accumulate)
+            pv_mma = self.issue_pv(pv_mma, tOtO[0], tOrP[0], tCrV, v_full.index, accumulate)
             # P's columns and the V slot are free once these MMAs have completed.
             p_full.release()
             v_full.release()
@@ -759,7 +773,7 @@ class Sm100Kernel:
         """The CTA's hand-offs: the mbarrier pipelines over the barriers in `storage` (initialised
         here; pipeline_init_arrive and pipeline_init_wait follow in the kernel) and the named
         barriers."""
-        softmax_threads = 32 * len(self.softmax_warp_ids)  # 128: one per row of the Q tile
+        softmax_threads = 32 * len(self.softmax_warp_ids[0])  # 128: one per row of a Q tile
         # Q buffer and K/V ring: the TMA warp fills (full = the tile's bytes
         # landed), the MMA warp's tcgen05.commit empties (one arrive).
         q_prod, q_cons = pipeline.PipelineTmaUmma.create(
@@ -812,7 +826,7 @@ class Sm100Kernel:
         )
         tmem_alloc_bar = pipeline.NamedBarrier(
             barrier_id=self.tmem_alloc_bar_id,
-            num_threads=32 * (1 + len(self.softmax_warp_ids)),
+            num_threads=32 * (1 + len(self.softmax_warp_ids[0])),
         )
         tmem_free_bar = pipeline.NamedBarrier(
             barrier_id=self.tmem_free_bar_id, num_threads=softmax_threads
@@ -820,7 +834,7 @@ class Sm100Kernel:
         return (
             (q_prod, q_cons),
             (kv_prod, kv_cons),
-            (s_pipe, p_pipe, o_pipe),
+            ((s_pipe,), (p_pipe,), (o_pipe,)),
             (tmem_alloc_bar, tmem_free_bar),
         )
 
@@ -946,7 +960,7 @@ class Sm100Kernel:
         # head // group. (Pack-GQA: mQ has Hkv heads, the group is 1 and `head` is the KV head.)
         bidx, head, batch = tile
         kv_head = head // (heads // cute.size(mK, mode=[2, 0]))
-        q_tile0 = bidx
+        q_tile0 = bidx * self.q_tiles
         # Where this sequence starts in Q and K, and how long it is (batch mode: 0, Sq, 0, Sk).
         offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
             batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
@@ -955,7 +969,7 @@ class Sm100Kernel:
         # the TMA warp loads, the MMA warp multiplies and the
         # softmax warps fold (empty: no K or V is read, no MMA issued).
         kv_tile_lo, kv_tile_hi = self.kv_tile_range(
-            bidx, seqlen_q, seqlen_k, window_left, window_right, self.qk_mma_tiler[0]
+            bidx, seqlen_q, seqlen_k, window_left, window_right, self.cta_rows
         )
         return (q_tile0, head, kv_head, batch, offset_q, seqlen_q, offset_k, seqlen_k) + (
             kv_tile_lo,

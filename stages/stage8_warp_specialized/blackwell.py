@@ -1,34 +1,27 @@
 """Stage 8 - warp specialisation (Blackwell, sm_100a): a TMA warp, an MMA warp, a softmax
-warpgroup and a correction warpgroup on one Q tile per CTA; O leaves by TMA.
+warpgroup and a correction warpgroup on one Q tile per CTA.
 
 Changes from stage 7:
 - Why: stage 7's four softmax warps also rescale O in TMEM between P_j and the MMA warp's
   P_j @ V_j, and store O at the end. Here each job has warps of its own, as in FA4: the softmax
   warpgroup (warps 0-3, one thread per row of the 128-row Q tile) only reads S_j, writes P_j.
-- The correction warpgroup (warps 4-7) rescales O and runs the epilogue. Softmax thread r hands
-  row r's factor exp2(scale * (m_old - m_new)) to correction thread r through shared memory;
-  that thread waits for O of tile j-1 to complete (tcgen05.commit), multiplies its row of O in
-  TMEM and releases O to the MMA warp, which only then issues P_j @ V_j into it. At the end it
-  reads the row sum and max the same way, normalises O, writes LSE and stores O: in batch mode
-  through shared memory (Q's buffer, 128-byte swizzled) and one TMA store, which clips at Sq;
-  packed sequences and pack-GQA keep stage 7's row stores (a TMA box would write the next
-  sequence's rows).
-- Warp 8 issues the MMAs, warp 9 the TMA loads; warps 10-11 complete the third warpgroup. 384
-  threads hold 168 registers each at launch; setmaxnreg: softmax 208, correction 152, MMA/TMA
-  144: (208 + 152 + 144) x 128 = 64,512 = 168 x 384 (ptxas: docs/notes/stage8.md).
-- Arrivals per phase (full / empty): S 1 (tcgen05.commit) / 128, P 128 / 1, O 1 / 128, row
-  statistics 128 / 128; named barriers of 288 (TMEM allocated), 256 (freed), 128 (O staged).
-- TMEM: S (P over it) in columns 0-127, O in 128 .. 128 + D - 1; 256 allocated. The code names
-  a Q tile's tensors and hand-offs by its index s (S_s, P_s, O_s; q_tiles = 1, s = 0; stage 9
-  has two). Shared memory, of sm_100's 227 KiB less 4 KiB kept for barriers and statistics: Q
-  (O staged there too) and as many K/V slots as fit, at most 8 (stage 7: 2): D = 128, 5 slots,
-  198,656 bytes; D = 64, 8 slots, 149,504 bytes. An empty range now loads no Q (O's zeros are
-  staged in Q's buffer without waiting for any MMA).
-- What stays: the MMA warp waits for the softmax twice per KV tile, and while the softmax runs
-  the tensor core has nothing queued (stage 9).
+- The correction warpgroup (warps 4-7): softmax thread r hands row r's factor exp2(scale *
+  (m_old - m_new)) to correction thread r in shared memory (128 / 128 arrivals); it waits for O
+  of tile j-1 (tcgen05.commit), rescales its row in TMEM, releases O to the MMA warp for P_j @ V_j
+  (1 / 128; S, P as stage 7); given the row sum and max at the end, it stores O and LSE by rows.
+- Warps 8 (MMA), 9 (TMA) and 10-11 (idle) form the third warpgroup; 384 threads hold 168 registers
+  at launch; setmaxnreg: softmax 208, correction 152, MMA/TMA 144: (208 + 152 + 144) x 128 =
+  64,512 = 168 x 384 (docs/notes/stage8.md). Named barriers: 288 (TMEM allocated), 256 (freed).
+- TMEM as stage 7 (S, P over it, O; 256 columns). Shared memory: Q and as many K/V slots as
+  fit in 223 KiB, at most 8 (stage 7: 2): D = 128, 5 slots, 198,656 bytes; D = 64, 8, 149,504.
 
-Same entries and features as stage 7 (GQA / MQA, packed sequences, causal and window masks,
-LSE, pack-GQA, bf16 / fp16, D = 64 or 128).
+attention(q, k, v, ...): Q (B, H, Sq, D), K and V (B, Hkv, Sk, D), H % Hkv == 0 (Hkv = 1: MQA).
+attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...): q (total_q, H, D), k and v (total_k,
+Hkv, D), sequence b in rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1. Stage 6's masks (bottom-right
+per sequence), LSE, bf16/fp16, D = 64 or 128, pack-GQA for short Sq.
+
+Shapes: B, H, Hkv, Sq, Sk >= 1 (packed: any lengths >= 0), D in {64, 128}. The proxy fences of
+zero_keys: docs/notes/stage7.md.
 
 Compile-checked for sm_100a with fake tensors and no GPU (common.tools.ptx.compile_only(8,
 "blackwell")); PTX checks and a CPU model of every hand-off between the roles
@@ -51,20 +44,14 @@ from common import attention_host, pack_gqa
 from common.cute_interop import rows_of_16_bytes
 from common.tmem import fence_after_thread_sync, fence_before_thread_sync
 
-try:  # the enum's home since CuTe DSL 4.8; cutlass.utils keeps a deprecated alias
-    from cutlass.tensor_utils import LayoutEnum
-except ImportError:  # pragma: no cover
-    from cutlass.utils import LayoutEnum
-
 
 class Sm100Kernel:
     """The device code is organised by warp role, as in FA4's flash_fwd_sm100.py. `kernel` sets up
     what the roles share (shared memory: smem_tensors; the mbarrier pipelines and named barriers:
     make_pipelines; the TMEM allocator; the CTA's tiles: gmem_tiles) and each warp then calls its
-    role's method: `load` (the TMA warp), `mma` (the MMA warp), `softmax` (a softmax warpgroup
-    per Q tile) and `correction` (the correction warpgroup: O's rescale per KV tile,
-    then `epilogue`: O normalised and stored, and LSE). The methods after them are their
-    helpers."""
+    role's method: `load` (the TMA warp), `mma` (the MMA warp), `softmax` (a warpgroup: P per
+    KV tile) and `correction` (a warpgroup: O's rescale, then `epilogue`: O stored, and LSE).
+    The methods after them are their helpers."""
 
     def __init__(self, dtype, head_dim, pack_gqa=1):
         self.dtype = dtype  # element type of Q, K, V and O: cutlass.BFloat16 or cutlass.Float16
@@ -81,9 +68,8 @@ class Sm100Kernel:
         self.cta_rows = self.q_tiles * self.qk_mma_tiler[0]
         self.cta_group = tcgen05.CtaGroup.ONE  # one CTA per MMA (no 2-CTA pairs)
         self.cluster_shape_mn = (1, 1)
-        # Warp roles: softmax warpgroup s (s = 0 only) owns the rows of Q tile s; the correction
-        # warpgroup rescales O and stores it; one MMA warp and one TMA warp as in stages 1-7;
-        # warps 10-11 only complete the third warpgroup (setmaxnreg acts on whole warpgroups).
+        # Warp roles: 0-3 softmax of Q tile 0, 4-7 correction (O's rescale and store), 8 MMA, 9
+        # TMA; 10-11 only complete the third warpgroup (setmaxnreg acts on whole warpgroups).
         self.softmax_warp_ids = ((0, 1, 2, 3),)
         self.correction_warp_ids = (4, 5, 6, 7)
         self.mma_warp_id = 8
@@ -95,19 +81,15 @@ class Sm100Kernel:
         self.softmax_registers = 208
         self.correction_registers = 152
         self.other_registers = 144
-        # Named barriers (0 is __syncthreads): the TMEM allocation handshake (MMA, softmax and
-        # correction warps), the correction warpgroup's own (O written to shared memory before
-        # the TMA store), and the one before TMEM is freed (softmax and correction warps).
-        self.tmem_alloc_bar_id = 1
-        self.correction_bar_id = 2
-        self.tmem_free_bar_id = 3
-        # Pipeline depths: the Q tile loaded once; a ring of K/V slots; per Q tile one S
-        # (and P over it), one O, one row-statistics hand-off.
+        # Named barriers (0 is __syncthreads): the one before TMEM is freed (the softmax and
+        # correction warps), and the TMEM allocation handshake (MMA, softmax and correction).
+        self.tmem_free_bar_id = 1
+        self.tmem_alloc_bar_id = 2
+        # Pipeline depths: Q loaded once; a ring of K/V slots; one S, O and statistics entry.
         self.q_buffers = self.q_tiles
         tile_bytes = 128 * head_dim * dtype.width // 8
         # The sm_100 opt-in limit (227 KiB), less the barriers, the row statistics (1 KiB per
-        # Q tile) and the 1 KiB alignment of the buffers. O is staged for its TMA store in Q's
-        # buffers: Q is dead by then (below).
+        # Q tile) and the 1 KiB alignment of the buffers.
         self.smem_budget = 227 * 1024 - 4 * 1024
         self.kv_slots = min((self.smem_budget - self.q_buffers * tile_bytes) // tile_bytes, 8)
         self.s_buffers = 1
@@ -115,7 +97,7 @@ class Sm100Kernel:
         # warp loads and what the MMA warp waits for. One pass: K (QK), then V (PV).
         self.kv_producer_entries = (("K", "V"),)
         self.kv_consumer_entries = (("K", "V"),)
-        # TMEM columns (32-bit cells; lane = row of the tile): S_0, then O_0; P_0 over S_0.
+        # TMEM columns (32-bit cells; lane = row of the tile): S, P over S, O after S.
         self.tmem_s_offset = tuple(s * self.qk_mma_tiler[1] for s in range(self.q_tiles))
         self.tmem_o_offset = tuple(
             self.q_tiles * self.qk_mma_tiler[1] + s * head_dim for s in range(self.q_tiles)
@@ -144,10 +126,6 @@ class Sm100Kernel:
     ):
         # O's rows start on 16-byte boundaries: each thread stores its row in 16-byte vectors.
         o = rows_of_16_bytes(o)
-        # O leaves through shared memory and one TMA store per Q tile in batch mode; packed
-        # sequences and pack-GQA keep stage 7's predicated per-row stores (a TMA box clips at
-        # the tensor's bounds, not at a sequence's end; a packed row is a (head, position) pair).
-        self.o_by_tma = cu_seqlens_q is None and self.pack_gqa == 1
         # (B, H, S, D) -> (S, D, (H, B)): the two tile modes first, then (h, b) as one batch mode;
         # K and V have Hkv heads. Packed sequences arrive as B = 1 and S = total tokens.
         # Pack-GQA: Q and O (S, D, H, B) -> ((G, S), D, Hkv, B) first, the packed row (g, s) as
@@ -156,8 +134,6 @@ class Sm100Kernel:
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
             for t in (q, k, o)
         ]
-        # O as (S, D, (H, B)) for the TMA store (used in batch mode without packing)
-        o_tma = cute.make_tensor(o.iterator, cute.group_modes(o.layout, 2, 4))
         q, o = (pack_gqa.pack_heads(t, self.pack_gqa, 2) for t in (q, o))
         q, k, o = [
             cute.make_tensor(t.iterator, cute.group_modes(t.layout, 2, 4)) for t in (q, k, o)
@@ -233,18 +209,6 @@ class Sm100Kernel:
         tma_v, tma_tv = cute.nvgpu.make_tiled_tma_atom_B(
             tma_load_op, v, v_smem_one, self.pv_mma_tiler, pv_mma, cluster_layout_vmnk.shape
         )
-        # (bM, D, q_tiles): O staged for the TMA store, row-major, 128-byte swizzled
-        o_smem_s = utils.sm100.make_smem_layout_epi(
-            self.dtype, LayoutEnum.ROW_MAJOR, self.pv_mma_tiler[:2], self.q_tiles
-        )
-        # O's staging reuses Q's buffers: it must fit in them.
-        assert cute.cosize(o_smem_s) <= cute.cosize(q_smem_s), (o_smem_s, q_smem_s)
-        tma_o, tma_to = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(),
-            o_tma,
-            cute.select(o_smem_s, mode=[0, 1]),
-            self.pv_mma_tiler[:2],
-        )
         # Bytes each TMA copy moves (its box), and the bytes each pipeline entry arms its full
         # barrier with: 128 x D x 2 each (16 KiB for D = 64, 32 KiB for D = 128).
         self.copy_bytes = {
@@ -259,7 +223,7 @@ class Sm100Kernel:
         class SharedStorage:
             q_bar: cute.struct.MemRange[Int64, self.q_buffers * 2]
             kv_bar: cute.struct.MemRange[Int64, self.kv_slots * 2]
-            # per Q tile: S, P, O and the row statistics, one entry each (full and empty)
+            # per Q tile, one entry each (full and empty)
             s_bar: cute.struct.MemRange[Int64, self.q_tiles * self.s_buffers * 2]
             p_bar: cute.struct.MemRange[Int64, self.q_tiles * 2]
             o_bar: cute.struct.MemRange[Int64, self.q_tiles * 2]
@@ -289,6 +253,8 @@ class Sm100Kernel:
             cute.size(q, mode=[2, 0]),
             sequences,
         )
+        # One CTA per SM, stated (min_blocks_per_mp), so that ptxas allocates by setmaxnreg's counts
+        # (208, 152 and 144 a thread) instead of capping everything at 168.
         self.kernel(
             qk_mma,
             pv_mma,
@@ -298,8 +264,6 @@ class Sm100Kernel:
             tma_tk,
             tma_v,
             tma_tv,
-            tma_o,
-            tma_to,
             o,
             lse,
             cu_seqlens_q,
@@ -312,15 +276,7 @@ class Sm100Kernel:
             k_smem_s,
             v_smem_s,
             p_tmem_s,
-            o_smem_s,
-        ).launch(
-            grid=grid,
-            block=[self.threads_per_cta, 1, 1],
-            # One CTA per SM, stated, so that ptxas allocates by setmaxnreg's counts (208, 152
-            # and 144 per thread of a warpgroup) instead of capping everything at 168.
-            min_blocks_per_mp=1,
-            stream=stream,
-        )
+        ).launch(grid=grid, block=[self.threads_per_cta, 1, 1], min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
     def kernel(
@@ -333,8 +289,6 @@ class Sm100Kernel:
         mK: cute.Tensor,
         tma_v: cute.CopyAtom,
         mV: cute.Tensor,
-        tma_o: cute.CopyAtom,
-        mO_tma: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
         mCuSeqlensQ: cute.Tensor | None,
@@ -347,7 +301,6 @@ class Sm100Kernel:
         k_smem_s: cute.ComposedLayout,
         v_smem_s: cute.ComposedLayout,
         p_tmem_s: cute.ComposedLayout,
-        o_smem_s: cute.ComposedLayout,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -364,8 +317,6 @@ class Sm100Kernel:
             cpasync.prefetch_descriptor(tma_q)
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_v)
-            if cutlass.const_expr(self.o_by_tma):
-                cpasync.prefetch_descriptor(tma_o)
 
         storage = SmemAllocator().allocate(self.shared_storage)
         softmax_threads = 32 * len(self.softmax_warp_ids[0])  # 128: one per row of a Q tile
@@ -374,7 +325,7 @@ class Sm100Kernel:
             (q_prod, q_cons),
             (kv_prod, kv_cons),
             (s_pipes, p_pipes, o_pipes, stats_pipes),
-            (tmem_alloc_bar, correction_bar, tmem_free_bar),
+            (tmem_alloc_bar, tmem_free_bar),
         ) = self.make_pipelines(storage, cluster_layout_vmnk)
         # The correction warpgroup allocates and frees TMEM: it is the last to read it.
         tmem = TmemAllocator(
@@ -384,7 +335,7 @@ class Sm100Kernel:
         )
         pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
 
-        sQ, sK, sV, sO, sStats = self.smem_tensors(storage, q_smem_s, k_smem_s, v_smem_s, o_smem_s)
+        sQ, sK, sV, sStats = self.smem_tensors(storage, q_smem_s, k_smem_s, v_smem_s)
 
         tile_mO, tile_mLSE, gQ, gK, gV, gO, cO = self.gmem_tiles(
             mQ, mK, mV, mO, mLSE, head, kv_head, batch, offset_q, offset_k
@@ -401,9 +352,9 @@ class Sm100Kernel:
         pipeline.pipeline_init_wait(cluster_shape_mn=cluster_layout_vmnk)
 
         # 2. Main loop by warp role
-        # The MMA, TMA and idle warps form the third warpgroup: 24 registers a thread from it
-        # and 16 from the correction warpgroup go to the softmax warpgroup (168 -> 208). Each role's branch lowers or raises its own count first, so that ptxas
-        # knows the count of every branch.
+        # The third warpgroup (MMA, TMA, idle warps) gives 24 registers a thread, the correction
+        # warpgroup 16, to the softmax warpgroup (168 -> 208). Each role's branch sets its own
+        # count first, so that ptxas knows the count of every branch.
         if warp_idx >= self.idle_warp_ids[0]:
             cute.arch.setmaxregister_decrease(self.other_registers)
 
@@ -471,14 +422,12 @@ class Sm100Kernel:
                     window_left,
                     window_right,
                 )
-                # Done with TMEM: order its tcgen05.st before the barrier the correction
-                # warpgroup frees TMEM after.
+                # Done with TMEM: its tcgen05.st ordered before the barrier that frees TMEM.
                 fence_before_thread_sync()
                 tmem_free_bar.arrive()
 
         if warp_idx // 4 == self.correction_warp_ids[0] // 4:
-            # Correction warpgroup: allocates TMEM, rescales O_0 per KV tile, normalises and
-            # stores it, writes LSE, frees TMEM.
+            # Correction warpgroup: allocates and frees TMEM, rescales O per KV tile, stores O, LSE.
             cute.arch.setmaxregister_decrease(self.correction_registers)
             tmem.allocate(self.num_tmem_alloc_cols)
             tmem.wait_for_alloc()
@@ -492,32 +441,21 @@ class Sm100Kernel:
                 pv_thr,
                 gO,
                 cO,
-                sO,
                 sStats,
                 stats_cons,
                 o_cons,
-                correction_bar,
-                tma_o,
-                mO_tma,
                 tile_mO,
                 tile_mLSE,
-                head,
-                batch,
                 q_tile0,
                 kv_tile_lo,
                 kv_tile_hi,
                 seqlen_q,
                 scale_log2,
             )
-            if cutlass.const_expr(self.o_by_tma):
-                # The staging buffers must stay valid until the TMA unit has read them.
-                if tidx % correction_threads == 0:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
 
             # Every softmax and correction warp is done with TMEM before warp 4 frees it: each
-            # orders its tcgen05.ld and tcgen05.st before the barrier
-            # (tcgen05.fence::before_thread_sync). The MMA warp's last MMAs completed before
-            # the O_s commits waited for above.
+            # orders its tcgen05 loads and stores before the barrier (fence::before_thread_sync);
+            # the MMA warp's last MMAs completed before the O commits waited for.
             tmem.relinquish_alloc_permit()
             fence_before_thread_sync()
             tmem_free_bar.arrive_and_wait()
@@ -525,8 +463,8 @@ class Sm100Kernel:
 
     @cute.jit
     def load(self, atoms, tiles, q_prod, kv_prod, q_tile0, kv_tile_lo, kv_tile_hi):
-        """The TMA warp, for the work tile: Q once, then every K and V tile, each tile its
-        own ring entry. atoms = (TMA atoms, MMA slices), tiles = (global tiles, shared buffers)."""
+        """The TMA warp: Q once, then every K and V tile, each tile its own ring entry.
+        atoms = (TMA atoms, MMA slices), tiles = (global tiles, shared buffers)."""
         tma_q, tma_k, tma_v, qk_thr, pv_thr = atoms
         gQ, gK, gV, sQ, sK, sV = tiles
         # (MMA, MMA_M, MMA_K, Q tiles)
@@ -548,17 +486,14 @@ class Sm100Kernel:
         )
         q_load, k_load, v_load = (tma_q, tQgQ, tQsQ), (tma_k, tKgK, tKsK), (tma_v, tVgV, tVsV)
         tma_q, tQgQ, tQsQ = q_load
-        # An empty range loads no Q either: nothing reads it, and the correction warpgroup
-        # stages O (zeros) in Q's buffers without waiting for any MMA.
-        if kv_tile_hi > kv_tile_lo:
-            for s in cutlass.range_constexpr(self.q_tiles):
-                q_empty = q_prod.acquire_and_advance()
-                cute.copy(
-                    tma_q,
-                    tQgQ[(None, q_tile0 + s)],
-                    tQsQ[(None, q_empty.index)],
-                    tma_bar_ptr=q_empty.barrier,
-                )
+        for s in cutlass.range_constexpr(self.q_tiles):
+            q_empty = q_prod.acquire_and_advance()
+            cute.copy(
+                tma_q,
+                tQgQ[(None, q_tile0 + s)],
+                tQsQ[(None, q_empty.index)],
+                tma_bar_ptr=q_empty.barrier,
+            )
         kv_loads = {"K": k_load, "V": v_load}
         for sweep in cutlass.range_constexpr(len(self.kv_producer_entries)):
             for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
@@ -597,8 +532,7 @@ class Sm100Kernel:
         seqlen_k,
         mCuSeqlensK,
     ):
-        """The MMA warp; one thread issues, per KV tile j: S_0,j = Q_0 K_j^T, then
-        O_0 += P_0,j V_j."""
+        """The MMA warp; one thread issues, per KV tile j: S_j = Q @ K_j^T, then O += P_j @ V_j."""
         # MMA operands, as shared-memory descriptors (made here, where they are used).
         # (MMA, MMA_M, MMA_K, q_buffers)
         tCrQ = qk_mma.make_fragment_A(sQ)
@@ -618,15 +552,17 @@ class Sm100Kernel:
             cute.make_tensor(cute.recast_ptr(tmem_ptr + c, dtype=self.dtype), tOrP_layout)
             for c in self.tmem_p_offset
         ]
-        # One variable per Q tile and hand-off: the DSL carries a pipeline's state (slot
-        # index, phase) through a loop only for a name it sees the loop call methods on.
-        s_prod0 = s_pipes[0].make_producer()
-        p_cons0 = p_pipes[0].make_consumer()
-        o_prod0 = o_pipes[0].make_producer()
-        # Waits, like the softmax warps, until P_s,j-1 @ V_j-1 has completed
-        p_free0 = p_pipes[0].make_producer()
-        pipes = (q_cons, kv_cons, s_prod0, p_cons0)
-        pipes += (o_prod0, p_free0)
+        # One variable per hand-off: the DSL carries a pipeline's state (slot index, phase)
+        # through a loop only for a name it sees the loop call methods on.
+        (s_pipe,), (p_pipe,), (o_pipe,) = s_pipes, p_pipes, o_pipes
+        s_prod = s_pipe.make_producer()
+        p_cons = p_pipe.make_consumer()
+        o_prod = o_pipe.make_producer()
+        # Waits, like the softmax warps, until the PV MMAs of the previous tile (readers of P)
+        # have completed
+        p_free = p_pipe.make_producer()
+        pipes = (q_cons, kv_cons, s_prod, p_cons)
+        pipes += (o_prod, p_free)
         operands = (tCrQ, tCrK, tCrV, sV, tStS, tOtO, tOrP)
         qk_mma, pv_mma, pipes = self.mma_tile(
             qk_mma, pv_mma, operands, pipes, kv_tile_lo, kv_tile_hi, seqlen_k, mCuSeqlensK
@@ -638,45 +574,43 @@ class Sm100Kernel:
     ):
         """One work tile's MMAs, with the pipeline states they advance returned."""
         tCrQ, tCrK, tCrV, sV, tStS, tOtO, tOrP = operands
-        q_cons, kv_cons, s_prod0, p_cons0 = pipes[:4]
-        o_prod0, p_free0 = pipes[4:]
-        # An empty range: no Q was loaded, no MMA is issued.
-        if kv_tile_hi > kv_tile_lo:
-            q_full0 = q_cons.wait_and_advance()
-            for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
-                kv_full = kv_cons.wait_and_advance()  # ring entry: K_j
-                # Q tile 0: softmax warpgroup s has read S_s,j-1, and S_s,j may
-                # overwrite P_s,j-1 once P_s,j-1 @ V_j-1 has completed (two tcgen05.mma are kept
-                # in issue order only when they share accumulator and shape; QK writes S, PV O).
-                s_empty0 = s_prod0.acquire_and_advance()
-                p_free0.acquire_and_advance()
-                qk_mma = self.issue_qk(qk_mma, tStS[0], tCrQ, q_full0.index, tCrK, kv_full.index)
-                # tcgen05.commit: S_0 is full once these MMAs have completed
-                s_empty0.commit()
-                # The K slot is empty once these MMAs have read it.
-                kv_full.release()
-                v_full = kv_cons.wait_and_advance()  # ring entry: V_j
-                # Packed sequences: the last tile's keys past seqlen_k are the next sequence's V.
-                # P is 0 there, but 0 x NaN = NaN: zero those rows of V before P @ V reads them.
-                if cutlass.const_expr(mCuSeqlensK is not None):
-                    if (kv_tile + 1) * self.qk_mma_tiler[1] > seqlen_k:
-                        self.zero_keys(sV, v_full.index, seqlen_k - kv_tile * self.qk_mma_tiler[1])
-                # O_s starts afresh with the first KV tile of the range, then accumulates.
-                accumulate = kv_tile != kv_tile_lo
-                # Q tile 0: the correction warpgroup is done with O_s (has rescaled it
-                # for tile j) and softmax warpgroup s has written P_s,j.
-                o_empty0 = o_prod0.acquire_and_advance()
-                p_full0 = p_cons0.wait_and_advance()
-                pv_mma = self.issue_pv(pv_mma, tOtO[0], tOrP[0], tCrV, v_full.index, accumulate)
-                # P_0's columns are free, and O_0 holds tile j, once these MMAs have completed.
-                p_full0.release()
-                o_empty0.commit()
-                # The V slot is empty once the PV MMAs have read it.
-                v_full.release()
-            # Q stays resident until the last MMA; then its buffers are released too.
-            q_full0.release()
-        pipes = (q_cons, kv_cons, s_prod0, p_cons0)
-        return qk_mma, pv_mma, pipes + (o_prod0, p_free0)
+        q_cons, kv_cons, s_prod, p_cons = pipes[:4]
+        o_prod, p_free = pipes[4:]
+        q_full = q_cons.wait_and_advance()
+        for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
+            kv_full = kv_cons.wait_and_advance()  # ring entry: K_j
+            # The softmax warps have read the previous S: it may be overwritten.
+            s_empty = s_prod.acquire_and_advance()
+            # S_j overwrites P_(j-1), which sits in S's columns: wait until the PV MMAs of
+            # tile j-1 have completed (PTX keeps two tcgen05.mma in issue order only when
+            # they share accumulator and shape; QK writes S, PV writes O).
+            p_free.acquire_and_advance()
+            qk_mma = self.issue_qk(qk_mma, tStS[0], tCrQ, q_full.index, tCrK, kv_full.index)
+            # tcgen05.commit: S is full once these MMAs have completed ...
+            s_empty.commit()
+            # ... and the K slot is empty once they have read it.
+            kv_full.release()
+            v_full = kv_cons.wait_and_advance()  # ring entry: V_j
+            # Packed sequences: the last tile's keys past seqlen_k are the next sequence's V.
+            # P is 0 there, but 0 x NaN = NaN: zero those rows of V before P @ V reads them.
+            if cutlass.const_expr(mCuSeqlensK is not None):
+                if (kv_tile + 1) * self.qk_mma_tiler[1] > seqlen_k:
+                    self.zero_keys(sV, v_full.index, seqlen_k - kv_tile * self.qk_mma_tiler[1])
+            # O starts afresh with the first KV tile of the range, then accumulates.
+            accumulate = kv_tile != kv_tile_lo
+            # the correction warps have rescaled O, the softmax warps have written P_j
+            o_empty = o_prod.acquire_and_advance()
+            p_full = p_cons.wait_and_advance()
+            pv_mma = self.issue_pv(pv_mma, tOtO[0], tOrP[0], tCrV, v_full.index, accumulate)
+            # P's columns and the V slot are free, and O holds tile j, once these MMAs have
+            # completed.
+            p_full.release()
+            o_empty.commit()
+            v_full.release()
+        # Q stays resident until the last MMA; then its buffer is released too.
+        q_full.release()
+        pipes = (q_cons, kv_cons, s_prod, p_cons)
+        return qk_mma, pv_mma, pipes + (o_prod, p_free)
 
     @cute.jit
     def softmax(
@@ -698,10 +632,8 @@ class Sm100Kernel:
         window_left: Int32,
         window_right: Int32,
     ):
-        """Softmax warpgroup s over Q tile q_tile: thread `row` owns that row of S_s, reads it
-        from TMEM per KV tile, writes P_s over it, and hands its row statistics to correction
-        thread `row`. Stage 7's softmax without the O rescale, which the correction warpgroup
-        now does."""
+        """The softmax warps: thread `row` owns that row of S, reads it from TMEM per KV tile,
+        writes P over it and hands the row's statistics to correction thread `row`."""
         # Thread t of warp w owns row 32 (w % 4) + t (a warp may only read its own 32 TMEM lanes).
         epi_tiler = ((cute.size(tStS, mode=[0, 0]), self.tmem_load_cols),)
         # ((128, 32), 4): S cut into 4 column slices of 32
@@ -736,8 +668,7 @@ class Sm100Kernel:
         # The same 64 registers as 128 16-bit values, in S's column order
         tTR_rP = cute.make_tensor(cute.recast_ptr(tRT_rP.iterator, dtype=self.dtype), tTR_rS.layout)
 
-        # One pass: row_max and row_sum run over the KV tiles; O's rescale factor goes to the
-        # correction warpgroup.
+        # One pass: row_max and row_sum run over the KV tiles; O's factor goes to the correction.
         row_max = -Float32.inf
         row_sum = Float32(0.0)
         for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
@@ -807,31 +738,23 @@ class Sm100Kernel:
         pv_thr,
         gO,
         cO,
-        sO,
         sStats,
         stats_cons,
         o_cons,
-        correction_bar,
-        tma_o,
-        mO_tma,
         mO,
         mLSE,
-        head,
-        batch,
         q_tile0,
         kv_tile_lo,
         kv_tile_hi,
         seqlen_q,
         scale_log2,
     ):
-        """The correction warpgroup: thread `row` owns that row of O_0; per KV tile it
-        rescales its row of O_s by the factor softmax thread `row` of warpgroup s handed over,
-        then (epilogue) normalises and stores O_s and writes LSE."""
-        # (MMA, MMA_M, MMA_N, Q tiles) and (MMA, MMA_M, MMA_N, q_tiles): O's tiles in global
-        # memory, their (query, d) coordinates, and the staging buffers. (Derived here, in
-        # the branch that uses them: values computed before the warps split stay live into
-        # every branch, and with the MMA warp's they made ptxas spill at the split.)
-        tCgO, tCcO, tCsO = (pv_thr.partition_C(t) for t in (gO, cO, sO))
+        """The correction warpgroup: thread `row` rescales its row of O per KV tile by the factor
+        softmax thread `row` hands over, then (epilogue) normalises and stores O, and LSE."""
+        # (MMA, MMA_M, MMA_N, Q tiles): O's tiles and their (query, d) coordinates, derived in
+        # the branch that uses them (values made before the warps split stay live into every
+        # branch: with the MMA warp's, ptxas spilled at the split).
+        tCgO, tCcO = (pv_thr.partition_C(t) for t in (gO, cO))
         tOtO = [cute.make_tensor(tmem_ptr + c, tOtO_layout) for c in self.tmem_o_offset]
         # Thread t of warp w owns row 32 (w % 4) + t (a warp may only read its own 32 lanes).
         epi_tiler = ((cute.size(tOtO[0], mode=[0, 0]), self.tmem_load_cols),)
@@ -860,9 +783,8 @@ class Sm100Kernel:
         o_cons0 = o_cons[0]
 
         for kv_tile in cutlass.range(kv_tile_lo, kv_tile_hi, unroll=1):
-            # Q tile 0: the row factor of tile j, from softmax thread `row` of warpgroup 0;
-            # O_0 holds sum_(i < j) P_0,i V_i relative to the old max: once that has
-            # completed, O_0 *= row_scale, and O_0 goes back to the MMA warp.
+            # Q tile 0: the row factor of tile j from softmax thread `row`; O_0 holds sum_(i < j)
+            # P_0,i V_i (old max): once complete, O_0 *= row_scale, and back to the MMA warp.
             stats_full0 = stats_cons0.wait_and_advance()
             row_scale0 = sStats[row, 0, 0]
             stats_full0.release()
@@ -871,161 +793,100 @@ class Sm100Kernel:
                 self.rescale_o(tmem_load, tmem_store, tTR_tO[0], tRT_tO[0], tTR_rAcc, row_scale0)
                 o_full0.release()
 
-        self.epilogue(
-            row,
-            tmem_load,
-            thr_load,
-            epi_tiler,
-            tTR_tO,
-            tTR_rAcc,
-            tTR_rO,
-            tCgO,
-            tCcO,
-            tCsO,
-            sO,
-            sStats,
-            stats_cons0,
-            o_cons0,
-            correction_bar,
-            tma_o,
-            mO_tma,
-            mO,
-            mLSE,
-            head,
-            batch,
-            q_tile0,
-            kv_tile_lo,
-            kv_tile_hi,
-            seqlen_q,
-            scale_log2,
-        )
-        return (stats_cons0,), (o_cons0,)
-
-    @cute.jit
-    def epilogue(
-        self,
-        row,
-        tmem_load,
-        thr_load,
-        epi_tiler,
-        tTR_tO,
-        tTR_rAcc,
-        tTR_rO,
-        tCgO,
-        tCcO,
-        tCsO,
-        sO,
-        sStats,
-        stats_cons0,
-        o_cons0,
-        correction_bar,
-        tma_o,
-        mO_tma,
-        mO,
-        mLSE,
-        head,
-        batch,
-        q_tile0,
-        kv_tile_lo,
-        kv_tile_hi,
-        seqlen_q,
-        scale_log2,
-    ):
-        """The correction warpgroup, after the last KV tile, per Q tile: O_s / row_sum (TMEM ->
-        registers) -> shared memory -> one TMA store (batch mode), or -> global memory by rows
-        (packed, pack-GQA); LSE."""
-        # The rows inside the sequence: (G heads, seqlen_q positions) when packed.
-        q_rows = seqlen_q if cutlass.const_expr(self.pack_gqa == 1) else (self.pack_gqa, seqlen_q)
-        if cutlass.const_expr(self.o_by_tma):
-            # (TMA, q_tiles) and (TMA, Q tiles): the staging buffers and O's tiles
-            gO_tma = cute.local_tile(
-                mO_tma[(None, None, (head, batch))], self.pv_mma_tiler[:2], (None, 0)
-            )
-            tOsO, tOgO = cpasync.tma_partition(
-                tma_o,
-                0,
-                cute.make_layout(1),
-                cute.group_modes(sO, 0, 2),
-                cute.group_modes(gO_tma, 0, 2),
-            )
-            # Registers -> shared memory in the layout the TMA store reads: the copy that
-            # matches tcgen05.ld's thread-to-row layout.
-            smem_store = cute.make_tiled_copy_D(
-                utils.sm100.get_smem_store_op(
-                    LayoutEnum.ROW_MAJOR, self.dtype, self.acc_dtype, tmem_load
-                ),
-                tmem_load,
-            )
+        # After the last KV tile, per Q tile: the row sum and max, then the epilogue; (T2R,
+        # T2R_M, slices): this thread's row of O_s in global memory, and its coordinates in O
         for s in cutlass.range_constexpr(self.q_tiles):
             stats_cons, o_cons = stats_cons0, o_cons0
             stats_full = stats_cons.wait_and_advance()
             row_sum = sStats[row, 0, s]
             row_max = sStats[row, 1, s]
             stats_full.release()
-            # A row that saw no key (row_sum = 0) keeps O = 0.
-            inv_row_sum = cute.arch.rcp_approx(row_sum) if row_sum > 0.0 else 0.0
-            # O_s holds the last tile once its PV MMAs have completed (an empty range: no
-            # MMA, nothing to wait for)
-            o_last = o_cons.current_handle()
-            if kv_tile_hi > kv_tile_lo:
-                o_cons.wait()
-            # (T2R, T2R_M, slices): this thread's row of O_s in global or shared memory, and
-            # its (query, d) coordinates in O
-            tTR_cO = thr_load.partition_D(
-                cute.zipped_divide(tCcO[(None, None, None, q_tile0 + s)], epi_tiler)
+            tTR_gO, tTR_cO = (
+                thr_load.partition_D(
+                    cute.zipped_divide(t[(None, None, None, q_tile0 + s)], epi_tiler)
+                )
+                for t in (tCgO, tCcO)
             )
-            if cutlass.const_expr(self.o_by_tma):
-                tTR_dO = thr_load.partition_D(
-                    cute.zipped_divide(tCsO[(None, None, None, s)], epi_tiler)
-                )
-            else:
-                tTR_dO = thr_load.partition_D(
-                    cute.zipped_divide(tCgO[(None, None, None, q_tile0 + s)], epi_tiler)
-                )
-            # O complete (tcgen05.commit): order the loads after the wait (common/tmem.py, (d))
-            fence_after_thread_sync()
-            for i in cutlass.range_constexpr(cute.size(tTR_tO[s], mode=[2])):
-                if kv_tile_hi > kv_tile_lo:
-                    cute.copy(tmem_load, tTR_tO[s][(None, None, i)], tTR_rAcc)
-                    cute.arch.fence_view_async_tmem_load()
-                else:
-                    # An empty range: no MMA has written O_s's columns, O = 0.
-                    tTR_rAcc.fill(0.0)
-                # O = (sum_j P_j @ V_j) / row_sum, in the input dtype
-                tTR_rO.store((inv_row_sum * tTR_rAcc.load()).to(self.dtype))
-                if cutlass.const_expr(self.o_by_tma):
-                    cute.copy(smem_store, tTR_rO, tTR_dO[(None, None, i)])
-                else:
-                    self.store_row(
-                        tTR_rO,
-                        tTR_dO[(None, None, i)],
-                        tTR_cO[(None, None, i)],
-                        (q_rows, mO.shape[1]),
-                    )
-            # O read: order the loads before the release (common/tmem.py, as (a))
-            fence_before_thread_sync()
+            self.epilogue(
+                tmem_load,
+                tTR_tO[s],
+                tTR_rAcc,
+                tTR_rO,
+                tTR_gO,
+                tTR_cO,
+                row_sum,
+                row_max,
+                o_cons,
+                mO,
+                mLSE,
+                kv_tile_lo,
+                kv_tile_hi,
+                seqlen_q,
+                scale_log2,
+            )
+        return (stats_cons0,), (o_cons0,)
+
+    @cute.jit
+    def epilogue(
+        self,
+        tmem_load,
+        tTR_tO,
+        tTR_rAcc,
+        tTR_rO,
+        tTR_gO,
+        tTR_cO,
+        row_sum,
+        row_max,
+        o_cons,
+        mO,
+        mLSE,
+        kv_tile_lo,
+        kv_tile_hi,
+        seqlen_q,
+        scale_log2,
+    ):
+        """Correction warps, after the last KV tile: TMEM -> registers (tcgen05.ld) -> O / row_sum
+        -> O in global memory; LSE."""
+        # The rows inside the sequence: (G heads, seqlen_q positions) when packed (each
+        # element's coordinate in O is then ((g, position), d)).
+        q_rows = seqlen_q if cutlass.const_expr(self.pack_gqa == 1) else (self.pack_gqa, seqlen_q)
+        # A row that saw no key (row_sum = 0) keeps O = 0.
+        inv_row_sum = cute.arch.rcp_approx(row_sum) if row_sum > 0.0 else 0.0
+        # O complete after the last PV MMAs (an empty range: no MMA, nothing to wait for)
+        o_full = o_cons.current_handle()
+        if kv_tile_hi > kv_tile_lo:
+            o_cons.wait()
+        # O complete (tcgen05.commit): order the loads after the wait (common/tmem.py, (d))
+        fence_after_thread_sync()
+        for i in cutlass.range_constexpr(cute.size(tTR_tO, mode=[2])):
             if kv_tile_hi > kv_tile_lo:
-                o_last.release()
-                o_cons.advance()
-            # LSE = log(sum_j exp(scale * S_j)) = scale * row_max + log(row_sum), natural
-            # log, fp32, for this thread's row (query) if it lies inside the sequence
-            q_row = tTR_cO[0][0]  # packed: (g, position)
-            if cute.elem_less(q_row, q_rows):
-                lse_log2 = row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)
-                # A row that saw no key: LSE = log(0) = -inf.
-                if row_sum == 0.0:
-                    lse_log2 = -Float32.inf
-                mLSE[(q_row,)] = lse_log2 * math.log(2.0)
-            if cutlass.const_expr(self.o_by_tma):
-                # Every thread's shared-memory stores visible to the async proxy
-                # (fence.proxy.async.shared::cta), all 128 rows written (the correction
-                # warpgroup's barrier), then one thread issues the TMA store of O_s's tile;
-                # the TMA unit clips the rows past Sq.
-                cute.arch.fence_view_async_shared()
-                correction_bar.arrive_and_wait()
-                if row == 0:
-                    cute.copy(tma_o, tOsO[(None, s)], tOgO[(None, q_tile0 + s)])
-                    cute.arch.cp_async_bulk_commit_group()
+                cute.copy(tmem_load, tTR_tO[(None, None, i)], tTR_rAcc)
+                cute.arch.fence_view_async_tmem_load()
+            else:
+                # An empty range: no MMA has written O's columns, O = 0.
+                tTR_rAcc.fill(0.0)
+            # O = (sum_j P_j @ V_j) / row_sum, in the input dtype
+            tTR_rO.store((inv_row_sum * tTR_rAcc.load()).to(self.dtype))
+            self.store_row(
+                tTR_rO,
+                tTR_gO[(None, None, i)],
+                tTR_cO[(None, None, i)],
+                (q_rows, mO.shape[1]),
+            )
+        # LSE = log(sum_j exp(scale * S_j)) = scale * row_max + log(row_sum), natural log, fp32,
+        # for this thread's row (query) if it lies inside the sequence
+        row = tTR_cO[0][0]  # packed: (g, position)
+        if cute.elem_less(row, q_rows):
+            lse_log2 = row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)
+            # A row that saw no key: LSE = log(0) = -inf.
+            if row_sum == 0.0:
+                lse_log2 = -Float32.inf
+            mLSE[(row,)] = lse_log2 * math.log(2.0)
+        # O read: order the loads before the release (common/tmem.py, as (a))
+        fence_before_thread_sync()
+        if kv_tile_hi > kv_tile_lo:
+            o_full.release()
+            o_cons.advance()
 
     @cute.jit
     def make_pipelines(self, storage, cluster_layout_vmnk):
@@ -1054,16 +915,15 @@ class Sm100Kernel:
             cta_layout_vmnk=cluster_layout_vmnk,
             defer_sync=True,
         ).make_participants()
-        # Four hand-offs of one entry each (two mbarriers apiece), all of the one Q tile:
-        # S, MMA -> softmax warpgroup: tcgen05.commit marks S complete; the 128 softmax threads
+        # Four hand-offs of one entry each (two mbarriers apiece):
+        # S, MMA -> softmax warps: tcgen05.commit marks S complete; the 128 softmax threads
         #   arrive once they have read it.
-        # P, softmax warpgroup -> MMA: 128 arrivals once P is in TMEM; tcgen05.commit after the
-        #   PV MMAs marks P's columns free again.
-        # O, MMA -> correction: tcgen05.commit after P_j @ V_j (O holds tile j); the 128
-        #   correction threads arrive once they have rescaled (or, last, read) it.
-        # stats, softmax warpgroup -> correction, through shared memory: per KV tile the row
-        #   factor exp2(scale (m_old - m_new)), after the loop the row sum and max; 128 arrivals
-        #   each way.
+        # P, softmax warps -> MMA: 128 arrivals once P is in TMEM;
+        #   tcgen05.commit after the PV MMAs marks P's columns free again.
+        # O, MMA -> correction warps: tcgen05.commit after each PV MMA; 128 arrivals once O is
+        #   rescaled (or, after the last, read).
+        # stats, softmax -> correction warps, through shared memory: per KV tile the row factor,
+        #   after the loop the row sum and max; 128 arrivals each way.
         s_pipe = pipeline.PipelineUmmaAsync.create(
             barrier_storage=storage.s_bar.data_ptr(),
             num_stages=self.s_buffers,
@@ -1099,44 +959,29 @@ class Sm100Kernel:
             barrier_id=self.tmem_alloc_bar_id,
             num_threads=32 * (1 + len(self.softmax_warp_ids[0]) + len(self.correction_warp_ids)),
         )
-        correction_bar = pipeline.NamedBarrier(
-            barrier_id=self.correction_bar_id, num_threads=correction_threads
-        )
         tmem_free_bar = pipeline.NamedBarrier(
-            barrier_id=self.tmem_free_bar_id,
-            num_threads=32 * (len(self.softmax_warp_ids[0]) + len(self.correction_warp_ids)),
+            barrier_id=self.tmem_free_bar_id, num_threads=softmax_threads + correction_threads
         )
         return (
             (q_prod, q_cons),
             (kv_prod, kv_cons),
-            # one of each per Q tile (stage 9 has two)
             ((s_pipe,), (p_pipe,), (o_pipe,), (stats_pipe,)),
-            (tmem_alloc_bar, correction_bar, tmem_free_bar),
+            (tmem_alloc_bar, tmem_free_bar),
         )
 
     @cute.jit
-    def smem_tensors(self, storage, q_smem_s, k_smem_s, v_smem_s, o_smem_s):
-        """The CTA's buffers in shared memory: Q, the K/V ring (as K and as V), O's staging, the
-        row statistics."""
+    def smem_tensors(self, storage, q_smem_s, k_smem_s, v_smem_s):
+        """The CTA's buffers in shared memory: Q, the K/V ring (as K and as V), row statistics."""
         # (MMA, MMA_M, MMA_K, q_buffers)
         sQ = storage.sQ.get_tensor(q_smem_s.outer, swizzle=q_smem_s.inner)
         # (MMA, MMA_N, MMA_K, kv_slots)
         sK = storage.sK.get_tensor(k_smem_s.outer, swizzle=k_smem_s.inner)
         # (MMA, MMA_N=D, MMA_K, kv_slots): the same slots viewed as V tiles (V's own swizzle)
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, v_smem_s.inner), v_smem_s.outer)
-        # (bM, D, q_tiles): O staged for the TMA store, row-major, swizzled, in Q's buffers (the
-        # same bytes: 128 x D x 2). The correction warpgroup writes O_s there only after the
-        # last PV MMA of tile s has completed, and a tcgen05.commit tracks every MMA the MMA
-        # thread issued before it: all QK MMAs, the only readers of Q, are done by then (and
-        # the MMA warp waited for Q's loads before its first MMA). An empty range loads no Q.
-        sO = cute.make_tensor(
-            cute.recast_ptr(sQ.iterator, o_smem_s.inner, dtype=self.dtype), o_smem_s.outer
-        )
         # (128 rows, 2 values, q_tiles): the row statistics softmax warpgroup s hands to the
-        # correction warpgroup. Value 0: the row factor of the KV tile, or the final row sum;
-        # value 1: the final row max.
+        # correction warpgroup: the KV tile's row factor, or the final row sum and row max.
         sStats = storage.stats.get_tensor(cute.make_layout((128, 2, self.q_tiles)))
-        return sQ, sK, sV, sO, sStats
+        return sQ, sK, sV, sStats
 
     @cute.jit
     def gmem_tiles(self, mQ, mK, mV, mO, mLSE, head, kv_head, batch, offset_q, offset_k):
@@ -1153,7 +998,7 @@ class Sm100Kernel:
             cute.domain_offset((q_offset, 0), mO[(None, None, (head, batch))]),
         )
         mLSE = cute.domain_offset((q_offset,), mLSE[(None, (head, batch))])
-        # (bM, D, Q tiles): every Q tile of the sequence
+        # (bM, D, Q tiles)
         gQ = cute.local_tile(mQ, self.qk_mma_tiler, (None, 0, 0), proj=(1, None, 1))
         # (bN, D, kv_tiles)
         gK = cute.local_tile(mK, self.qk_mma_tiler, (0, None, 0), proj=(None, 1, 1))
@@ -1247,7 +1092,8 @@ class Sm100Kernel:
     @cute.jit
     def work_tile(self, tile, mQ, mK, mCuSeqlensQ, mCuSeqlensK, window_left, window_right):
         """What every role takes from work tile `tile`: (q_tile0, head, kv_head, batch,
-        offset_q, seqlen_q, offset_k, seqlen_k, kv_tile_lo, kv_tile_hi); tile = blockIdx."""
+        offset_q, seqlen_q, offset_k, seqlen_k, kv_tile_lo, kv_tile_hi); tile = blockIdx. q_tile0
+        is the CTA's Q tile (from stage 9 on the first of its two)."""
         heads = cute.size(mQ, mode=[2, 0])
         # CTA row block bidx: Q tile bidx. Query head `head` reads KV head
         # head // group. (Pack-GQA: mQ has Hkv heads, the group is 1 and `head` is the KV head.)
@@ -1294,8 +1140,8 @@ class Sm100Kernel:
 
     @cute.jit
     def q_positions(self, q_tile, seqlen_q, bM: cutlass.Constexpr = 128):
-        """The first and last query position of row block q_tile (of bM rows: a Q tile, or a CTA's
-        q_tiles x 128 rows) inside the sequence: rows q_tile * bM .. q_tile * bM + bM - 1, G rows per
+        """The first and last query position of row block q_tile (of bM rows: a Q tile, the CTA's
+        rows) inside the sequence: rows q_tile * bM .. q_tile * bM + bM - 1, G rows per
         position when packed (G = 1 otherwise)."""
         first_row = q_tile * bM
         last_row = cutlass.min(first_row + bM, seqlen_q * self.pack_gqa) - 1
