@@ -516,8 +516,9 @@ report64 = nb.compile_summary(12, "hopper", shape=(2, 16, 2048, 2048, 64))
 # `docs/notes/stage12.md`). Unlike the Hopper tunings, the emulation changes
 # P's bits: the cubic's relative error, 8.8e-5, is below P's rounding to bf16. The cells below
 # show its compile summary and the concept table of the two tracks (in the executed copy in
-# `docs/notebooks/`, from a compile-only run: its first cell names such cells). **Blackwell kernels are compile-checked here, not run on hardware**: no number in
-# this notebook was measured on Blackwell, and what the tunings gain on a B200 is open.
+# `docs/notebooks/`, from a compile-only run: its first cell names such cells). **Blackwell
+# kernels are compile-checked here, not run on hardware**: no number in this notebook was
+# measured on Blackwell, and what the tunings gain on a B200 is open.
 
 # %%
 report_bw = nb.compile_summary(12, "blackwell")

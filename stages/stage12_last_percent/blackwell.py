@@ -16,7 +16,7 @@ Changes from stage 11:
 4. register_split: setmaxnreg 176 / 112 / 48 (each softmax warpgroup / correction / MMA, TMA
    and idle warps): (2 x 176 + 112 + 48) x 128 = 65,536 (stage 11: 168 / 80 / 96; FA4: 192 /
    80 / 48 at D = 128). Tuning 4 relies on 3 (alone: 560-580 bytes of spill).
-5. o_tma_store: in batch mode O_s leaves through a shared-memory buffer of its own (the next
+5. o_tma_store: in batch mode O_s leaves through a shared-memory buffer, not Q's (the next
    tile's Q may land meanwhile; D = 128: 3 ring slots, not 4) in one TMA store that clips at Sq,
    as FA4's epilogue (use_tma_O): one thread hands the tile to the TMA unit, not 128 threads
    D / 8 vectors each; a 128-thread barrier twice per Q tile. Packed, pack-GQA: row stores.

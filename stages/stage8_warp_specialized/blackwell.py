@@ -2,16 +2,16 @@
 warpgroup and a correction warpgroup on one Q tile per CTA.
 
 Changes from stage 7:
-- Why: stage 7's four softmax warps also rescale O in TMEM between P_j and the MMA warp's
-  P_j @ V_j, and store O at the end. Here each job has warps of its own, as in FA4: the softmax
-  warpgroup (warps 0-3, one thread per row of the 128-row Q tile) only reads S_j, writes P_j.
-- The correction warpgroup (warps 4-7): softmax thread r hands row r's factor exp2(scale *
+- Why: stage 7's four softmax warps rescale O in TMEM after P_j's exponentials, and the MMA
+  warp waits for both before P_j @ V_j. Here, as in FA4, the rescale has warps of its own and can
+  run during them: the softmax warpgroup (warps 0-3, a thread per row) only turns S_j into P_j.
+- The correction warpgroup (warps 4-7): softmax thread r hands row r's factor exp(scale *
   (m_old - m_new)) to correction thread r in shared memory (128 / 128 arrivals); it waits for O
   of tile j-1 (tcgen05.commit), rescales its row in TMEM, releases O to the MMA warp for P_j @ V_j
   (1 / 128; S, P as stage 7); given the row sum and max at the end, it stores O and LSE by rows.
-- Warps 8 (MMA), 9 (TMA) and 10-11 (idle) form the third warpgroup; 384 threads hold 168 registers
-  at launch; setmaxnreg: softmax 208, correction 152, MMA/TMA 144: (208 + 152 + 144) x 128 =
-  64,512 = 168 x 384 (docs/notes/stage8.md). Named barriers: 288 (TMEM allocated), 256 (freed).
+- Warps 8 (MMA), 9 (TMA) and 10-11 (idle) form the third warpgroup. setmaxnreg, from 168 at
+  launch: softmax 208, correction 152, MMA/TMA 144: (208 + 152 + 144) x 128 = 64,512 = 168 x 384
+  (docs/notes/stage8.md). Named barriers: 2, TMEM allocated (288 threads); 1, TMEM freed (256).
 - TMEM as stage 7 (S, P over it, O; 256 columns). Shared memory: Q and as many K/V slots as
   fit in 223 KiB, at most 8 (stage 7: 2): D = 128, 5 slots, 198,656 bytes; D = 64, 8, 149,504.
 
