@@ -179,7 +179,7 @@ class Sm100Kernel:
         self.packed_f32x2 = "packed_f32x2" in self.tunings  # 2
         self.kblock_loop = "kblock_loop" in self.tunings  # 3
         # The MMA warp issues P_s,j-1 @ V_j-1 and then S_s,j (FA4's order) where P has columns
-        # of its own; with P over S it keeps stage 9's order (the file's docstring says why).
+        # of its own; with P over S it keeps stage 9's order (stage 10's docstring says why).
         # Also the schedule checker's cue.
         self.qk_behind_pv = self.p_own_columns
         # tcgen05.ld.32x32b.x32: each thread reads 32 fp32 columns of its row per load.
