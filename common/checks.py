@@ -468,8 +468,9 @@ def _check_seqused_values(seqused_k, key_counts):
     # Remembered per (seqused_k, key counts): the counts themselves, or cu_seqlens_k's object and
     # version (a packed call), as check_cu_seqlens remembers its pair. The lookup comes first: a
     # hit needs neither the capture query nor the inference-mode test (about 1.5 us and 0.3 us
-    # of host time per call). A hit's weak references are to these very tensors, which were
-    # tracked when remembered, so reading their _version is safe.
+    # of host time per call under cProfile, NVIDIA H100 80GB HBM3, 2026-12-06). A hit's weak
+    # references are to these very tensors, which were tracked when remembered, so reading
+    # their _version is safe.
     counted_by = [] if isinstance(key_counts, list) else [key_counts]
     key = (id(seqused_k), tuple(key_counts) if not counted_by else ("cu", id(key_counts)))
     hit = _SEQUSED_SEEN.get(key)
