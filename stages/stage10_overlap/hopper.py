@@ -185,6 +185,7 @@ class Sm90Kernel:
         tiles_m = cute.ceil_div(max_seqlen_q * self.pack_gqa, bM)
         tiles = tiles_m * q.shape[2] * sequences
         grid = (tiles, 1, 1)
+        # One CTA per SM (min_blocks_per_mp): ptxas then allocates by setmaxnreg's counts.
         self.kernel(
             qk_mma,
             pv_mma,
@@ -494,8 +495,9 @@ class Sm90Kernel:
         # One pass, software-pipelined inside each warpgroup: the QK^T of a tile is issued
         # before the softmax of the tile before it is done with. Step j issues QK_j and then
         # PV_{j-1} (P_{j-1} is already in registers), and runs softmax_j while PV_{j-1} still
-        # holds the tensor cores. Two S-sized register sets are live across the GEMMs:
-        # acc_S (S_j, being written) and tOrP (P_{j-1}, being read). Per warpgroup:
+        # holds the tensor cores. Beside O, two register sets are live across the GEMMs:
+        # acc_S (S_j, being written, 64 fp32 a thread) and tOrP (P_{j-1} in 16 bits, 32).
+        # Per warpgroup:
         #   step lo (prologue)  : QK_lo              | wait all | softmax_lo, P_lo
         #   step j (lo < j < hi): QK_j, PV_{j-1}     | wait QK  | softmax_j | wait PV,
         #                                                           O *= row_scale_j, P_j
@@ -508,9 +510,9 @@ class Sm90Kernel:
         #   tensor cores | 1: QK0 | 2: QK0 | 1: QK1 PV0 | 2: QK1 PV0 | 1: QK2 PV1 | ...
         #   warpgroup 1  |        | sm0    |            | sm1        |            |
         #   warpgroup 2  |        |        | sm0        |            | sm1        |
-        # where sm_j (softmax_j) also runs under the warpgroup's own PV_{j-1}. With three
-        # warpgroups (stage 12, D = 64) the turns go round 1, 2, 3, 1, ... on barriers 2, 3
-        # and 4. Every PV accumulates into acc_O, which starts at 0.
+        # where sm_j (softmax_j) also runs under the warpgroup's own PV_{j-1}. With n consumer
+        # warpgroups the turns go round 1, ..., n, 1, ... on barriers 2 ... n + 1. Every PV
+        # accumulates into acc_O, which starts at 0.
         pv_mma.set(warpgroup.Field.ACCUMULATE, True)
         if steps > 0:
             v_state, consumer_state = self.first_half_block_overlap(
@@ -1162,7 +1164,7 @@ def compile_args(dtype, shape, scale=None, **options):
     """(kernel, args) for cute.compile with fake tensors, shape = (B, H, Sq, Sk, D); options
     causal, window, kv_heads (Hkv, default H), varlen (True: packed sequences, B of them,
     through cu_seqlens) and pack_gqa (None, True, False: as attention's). The host side of
-    stages 7-12 is one copy, common/attention_host.py."""
+    stages 7-14 is one copy, common/attention_host.py."""
     return attention_host.compile_args(Sm90Kernel, dtype, shape, scale, **options)
 
 

@@ -4,7 +4,7 @@ Changes from stage 11: seven tunings, each a switch (TUNINGS, with_tunings) with
 `python -m common.tools.bench --tunings`, found in the loop's SASS and in Nsight Compute's
 instruction counts per KV tile against FA4's. O and LSE are stage 11's bit for bit.
 1. three_warpgroups (D = 64): a 192-row Q tile, three consumer warpgroups taking turns, setmaxnreg
-   24 / 160 (128 x 24 + 384 x 160 = 64,512): a third computes exponentials while two hold the MMA.
+   24 / 160 (128 x 24 + 384 x 160 = 64,512): turns of three, two in softmax while one issues.
 2. mask_free_kernel (D = 64): a kernel without mask code for launches that mask nothing.
 3. elected_release: one elected lane per consumer warp releases a K/V slot (common/kv_ring.py).
 4. slot_first: the GEMMs index the ring slot once, before the k-blocks.
@@ -305,6 +305,7 @@ class Sm90Kernel:
                     dynamic = cutlass.Int32(1)
                 if cutlass.const_expr(self.l2_sections):
                     l2_heads = self.l2_section_heads(k.shape[0], q.shape[2] * q.shape[3])
+        # One CTA per SM (min_blocks_per_mp): ptxas then allocates by setmaxnreg's counts.
         self.kernel(
             qk_mma,
             pv_mma,
@@ -390,7 +391,7 @@ class Sm90Kernel:
         )
 
         # q_full: 1 arrive (the producer's expect_tx of Q's bytes) + the TMA writes of Q, once
-        # per work tile. q_empty: 1 arrive from each of the 256 (384) consumer threads once they are
+        # per work tile. q_empty: 1 arrive from each consumer thread (mma_threads) once they are
         # done with the tile's Q (and with sO, when it lies over Q), once per work tile.
         q_full = storage.q_full.data_ptr()
         q_empty = storage.q_empty.data_ptr()
@@ -670,8 +671,9 @@ class Sm90Kernel:
         # One pass, software-pipelined inside each warpgroup: the QK^T of a tile is issued
         # before the softmax of the tile before it is done with. Step j issues QK_j and then
         # PV_{j-1} (P_{j-1} is already in registers), and runs softmax_j while PV_{j-1} still
-        # holds the tensor cores. Two S-sized register sets are live across the GEMMs:
-        # acc_S (S_j, being written) and tOrP (P_{j-1}, being read). Per warpgroup:
+        # holds the tensor cores. Beside O, two register sets are live across the GEMMs:
+        # acc_S (S_j, being written, 64 fp32 a thread) and tOrP (P_{j-1} in 16 bits, 32).
+        # Per warpgroup:
         #   step lo (prologue)  : QK_lo              | wait all | softmax_lo, P_lo
         #   step j (lo < j < hi): QK_j, PV_{j-1}     | wait QK  | softmax_j | wait PV,
         #                                                           O *= row_scale_j, P_j
@@ -684,9 +686,9 @@ class Sm90Kernel:
         #   tensor cores | 1: QK0 | 2: QK0 | 1: QK1 PV0 | 2: QK1 PV0 | 1: QK2 PV1 | ...
         #   warpgroup 1  |        | sm0    |            | sm1        |            |
         #   warpgroup 2  |        |        | sm0        |            | sm1        |
-        # where sm_j (softmax_j) also runs under the warpgroup's own PV_{j-1}. With three
-        # warpgroups (stage 12, D = 64) the turns go round 1, 2, 3, 1, ... on barriers 2, 3
-        # and 4. Every PV accumulates into acc_O, which starts at 0.
+        # where sm_j (softmax_j) also runs under the warpgroup's own PV_{j-1}. With n consumer
+        # warpgroups the turns go round 1, ..., n, 1, ... on barriers 2 ... n + 1. Every PV
+        # accumulates into acc_O, which starts at 0.
         pv_mma.set(warpgroup.Field.ACCUMULATE, True)
         if steps > 0:
             v_state, consumer_state = self.first_half_block_overlap(
@@ -1011,8 +1013,8 @@ class Sm90Kernel:
                         mLSE[(g, offset_q + pos), head, batch] = lse_ln
 
         # All consumer warpgroups are done with the previous tile's sO (store_rows) and,
-        # when sO lies over Q, with this tile's sQ. (Named barrier 1: the 256 or 384
-        # consumer threads; the producer takes no part.)
+        # when sO lies over Q, with this tile's sQ. (Named barrier 1: the
+        # mma_threads consumer threads; the producer takes no part.)
         cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
 
         # O rounded to the input dtype, written to shared memory by stmatrix.
@@ -1610,7 +1612,7 @@ def compile_args(dtype, shape, scale=None, **options):
     """(kernel, args) for cute.compile with fake tensors, shape = (B, H, Sq, Sk, D); options
     causal, window, kv_heads (Hkv, default H), varlen (True: packed sequences, B of them,
     through cu_seqlens) and pack_gqa (None, True, False: as attention's). The host side of
-    stages 7-12 is one copy, common/attention_host.py."""
+    stages 7-14 is one copy, common/attention_host.py."""
     return attention_host.compile_args(Sm90Kernel, dtype, shape, scale, **options)
 
 

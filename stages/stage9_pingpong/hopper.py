@@ -188,6 +188,7 @@ class Sm90Kernel:
         tiles_m = cute.ceil_div(max_seqlen_q * self.pack_gqa, bM)
         tiles = tiles_m * q.shape[2] * sequences
         grid = (tiles, 1, 1)
+        # One CTA per SM (min_blocks_per_mp): ptxas then allocates by setmaxnreg's counts.
         self.kernel(
             qk_mma,
             pv_mma,
@@ -1069,7 +1070,7 @@ def compile_args(dtype, shape, scale=None, **options):
     """(kernel, args) for cute.compile with fake tensors, shape = (B, H, Sq, Sk, D); options
     causal, window, kv_heads (Hkv, default H), varlen (True: packed sequences, B of them,
     through cu_seqlens) and pack_gqa (None, True, False: as attention's). The host side of
-    stages 7-12 is one copy, common/attention_host.py."""
+    stages 7-14 is one copy, common/attention_host.py."""
     return attention_host.compile_args(Sm90Kernel, dtype, shape, scale, **options)
 
 
