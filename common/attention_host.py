@@ -22,7 +22,7 @@ import torch
 from common import checks, masks
 from common import compile as compile_cache
 from common.arch import device_sm_count
-from common.combine import compiled_combine
+from common.combine import Combine, SplitLaunch, partial_offsets
 from common.compile import cached_compile_ffi
 from common.cute_interop import (
     canonical_strides,
@@ -59,10 +59,13 @@ def compile_args(kernel_class, dtype, shape, scale=None, **options):
     causal, window, kv_heads (Hkv, default H), varlen (True: packed sequences, B of them,
     through cu_seqlens; the tensors are then (1, H, B * S, D) views) and pack_gqa (None, True,
     False: as attention's); for a class with takes_splits also num_splits (default 1; more:
-    the split_kv kernel) and seqused_k (True: with the seqused_k tensor)."""
+    the split_kv kernel) and seqused_k (True: with the seqused_k tensor); with more than one
+    split, split_launch=True gives the whole launch as a call compiles it (a SplitLaunch: the split
+    kernel, then the combine, on O, LSE and the partials' buffer; return_lse=False: LSE in that
+    buffer)."""
     allowed = ("causal", "window", "kv_heads", "varlen", "pack_gqa")
     if getattr(kernel_class, "takes_splits", False):
-        allowed += ("num_splits", "seqused_k")
+        allowed += ("num_splits", "seqused_k", "split_launch", "return_lse")
     if getattr(kernel_class, "takes_pages", False):
         allowed += ("page_size",)
     checks.check_options(options, allowed=allowed)
@@ -85,8 +88,14 @@ def compile_args(kernel_class, dtype, shape, scale=None, **options):
     rows = tile_rows(kernel_class, dtype, D, kernel_class(cute_dtype(dtype), D, 1, **opts))
     pack = choose_pack(H, Hkv, Sq, rows, options.get("pack_gqa"))
     splits = options.get("num_splits", 1)
+    split_launch = splits > 1 and options.get("split_launch", False)
     if splits > 1:
         opts["split_kv"] = True
+    if split_launch:
+        elements = partials_layout(splits, (B, H, Sq, D), (B, H, Sq))[0]
+        buffer = fake_tensor(torch.float32, (elements,), dynamic=True)
+        lse = lse if options.get("return_lse", True) else None
+    elif splits > 1:
         o = fake_tensor(torch.float32, (splits, B, H, Sq, D), dynamic=True)
         lse = fake_tensor(torch.float32, (splits, B, H, Sq), dynamic=True)
     page_size = options.get("page_size")
@@ -95,7 +104,8 @@ def compile_args(kernel_class, dtype, shape, scale=None, **options):
         opts["page_size"] = page_size
         k, v = (fake_tensor(dtype, (B * 8, page_size, Hkv, D), dynamic=True) for _ in range(2))
     kernel = kernel_class(cute_dtype(dtype), D, pack, **opts)
-    args = [q, k, v, o, lse, cu_q, cu_k, Sq, checks.check_scale(scale, D) * math.log2(math.e)]
+    args = [q, k, v, o, lse] + ([buffer] if split_launch else [])
+    args += [cu_q, cu_k, Sq, checks.check_scale(scale, D) * math.log2(math.e)]
     args += [window_left, window_right]
     if getattr(kernel, "uses_tile_counter", False):
         args.append(fake_tensor(torch.int32, (1,), dynamic=True))
@@ -103,6 +113,10 @@ def compile_args(kernel_class, dtype, shape, scale=None, **options):
         args += [fake_tensor(torch.int32, (B,), dynamic=True) if seqused else None, splits]
     if getattr(kernel, "takes_pages", False):
         args.append(fake_tensor(torch.int32, (B, 64), dynamic=True) if page_size else None)
+    elif split_launch:
+        args.append(None)  # SplitLaunch's page_table
+    if split_launch:
+        kernel = SplitLaunch(kernel, Combine(cute_dtype(dtype), D, Combine.lanes_for(splits, D)))
     return kernel, (*args, fake_stream())
 
 
@@ -196,11 +210,11 @@ class LaunchPlan:
     """One launch configuration, decided once: `fn` the compiled kernel (TVM-FFI), the mask
     bounds, the split count, the canonical strides of the inputs that need them, the tile counter (None: the
     kernel takes none; else tile_counter's arguments: a fresh zeroed one per call where the
-    dynamic scheduler reads it, the device's unread one otherwise) and the compiled combine for
-    split launches."""
+    dynamic scheduler reads it, the device's unread one otherwise). A split launch's `fn` is a
+    compiled SplitLaunch (common/combine.py): the split kernel and the combine in one call."""
 
     def __init__(
-        self, fn, window, splits, strides, counter, takes_splits, combine_fn, partials,
+        self, fn, window, splits, strides, counter, takes_splits, launcher, partials,
         takes_pages=False, outputs=None,
     ):  # fmt: skip
         self.fn = fn
@@ -213,46 +227,49 @@ class LaunchPlan:
         self.viewed = tuple((i, st) for i, st in enumerate(strides) if st is not None)
         self.counter = counter
         self.takes_splits = takes_splits
-        self.combine_fn = combine_fn
         self.takes_pages = takes_pages
-        # Split launches: (elements, O_partial's, LSE_partial's and LSE's (shape, stride,
-        # offset)) in one fp32 buffer, strides already canonical.
+        # Split launches: partials_layout's (elements, then the views' (shape, stride, offset)),
+        # and the SplitLaunch whose compiled function `fn` is, for a call that returns its LSE;
+        # the one for a call that does not (the combine writes its LSE into the buffer) is
+        # compiled at the first such call.
         self.partials = partials
+        self.launcher = launcher
+        self.fn_lse_in_buffer = None
         # output_layout of O and of LSE (for outputs: batch mode and paged caches)
         self.o_layout, self.lse_layout = outputs or (None, None)
 
     def outputs(self, dtype, device, return_lse):
         """A call's O and LSE, and the fp32 buffer of its split partials (None: no split).
         A split launch whose LSE the caller does not take has it in that buffer, ahead of the
-        partials: two allocations per call instead of three. An LSE that is returned gets its
-        own (a view would keep the whole buffer alive with it: splits x B x H x Sq x (D + 1) x
-        4 bytes, 258 KiB at the decode step of stage 13's docstring, for 128 bytes of LSE)."""
+        partials (LSE None here: the compiled launch makes the view): two allocations per call
+        instead of three. An LSE that is returned gets its own (a view would keep the whole
+        buffer alive with it: splits x B x H x Sq x (D + 1) x 4 bytes, 258 KiB at the decode
+        step of stage 13's docstring, for 128 bytes of LSE)."""
         o = new_output(self.o_layout, dtype, device)
         if self.splits == 1 or return_lse:
             lse = new_output(self.lse_layout, torch.float32, device)
             return o, lse, None
-        buffer = empty_output((self.partials[0],), torch.float32, device)
-        return o, buffer.as_strided(*self.partials[3]), buffer
+        return o, None, empty_output((self.partials[0],), torch.float32, device)
 
     def run(
         self, q, k, v, o, lse, cu_q, cu_k, max_seqlen_q, scale, seqused_k, page_table=None,
         buffer=None,
     ):  # fmt: skip
         """Allocate what the call needs (split partials unless `buffer` holds them, a zeroed tile
-        counter) and launch, on the current stream."""
-        o_out, lse_out = o, lse
-        if self.splits > 1:
-            elements, o_view, lse_view, _ = self.partials
-            if buffer is None:
-                buffer = empty_output((elements,), torch.float32, q.device)
-            o_out, lse_out = buffer.as_strided(*o_view), buffer.as_strided(*lse_view)
-        args = [q, k, v, o_out, lse_out]
+        counter) and launch, on the current stream. lse None: a split call that returns no LSE
+        (outputs)."""
+        args = [q, k, v, o, lse]
         # A tensor autograd tracks cannot be handed over (DLPack); the kernel only reads q, k,
         # v and writes outputs made without a graph.
         if q.requires_grad or k.requires_grad or v.requires_grad:
             args[:3] = [t.detach() for t in args[:3]]
         for i, stride in self.viewed:
-            args[i] = args[i].as_strided(args[i].shape, stride)
+            if args[i] is not None:
+                args[i] = args[i].as_strided(args[i].shape, stride)
+        if self.splits > 1:
+            if buffer is None:
+                buffer = empty_output((self.partials[0],), torch.float32, q.device)
+            args.append(buffer)
         # exp(scale * x) = exp2(scale_log2 * x): the kernel takes the folded multiplier.
         args += [cu_q, cu_k, max_seqlen_q, scale * LOG2_E, self.window_left, self.window_right]
         if self.counter is not None:
@@ -261,9 +278,14 @@ class LaunchPlan:
             args += [seqused_k, self.splits]
         if self.takes_pages:
             args.append(page_table)
-        self.fn(*args)
-        if self.splits > 1:
-            self.combine_fn(o_out, lse_out, o, lse)
+        elif self.splits > 1:
+            args.append(None)  # SplitLaunch's page_table
+        fn = self.fn
+        if lse is None:
+            fn = self.fn_lse_in_buffer
+            if fn is None:
+                fn = self.fn_lse_in_buffer = cached_compile_ffi(self.launcher, *args)
+        fn(*args)
 
 
 def new_output(layout, dtype, device):
@@ -355,17 +377,17 @@ def make_plan(
     # Dynamic shapes and strides: one compile per (dtype, D, batch or packed, kernel options)
     # serves every shape and head count. The torch tensors go to the compiled function as they
     # are (TVM-FFI, common/compile.py), on the current stream; size-1 modes get canonical
-    # strides. Split-KV: each split's O and LSE in fp32, with a leading split mode.
-    o_out, lse_out, partials = o, lse, None
-    if splits > 1:
-        partials = partials_layout(splits, tuple(o.shape), tuple(lse.shape))
-        buffer = torch.empty(partials[0], dtype=torch.float32, device=q.device)
-        o_out, lse_out = buffer.as_strided(*partials[1]), buffer.as_strided(*partials[2])
-    tensors = [t.detach() for t in (q, k, v, o_out, lse_out)]
+    # strides. Split-KV: a SplitLaunch, the split kernel writing each split's O and LSE in fp32
+    # into one flat buffer (partials_layout), then the combine, in one compiled function.
+    tensors = [t.detach() for t in (q, k, v, o, lse)]
     args = [canonical_strides(t) for t in tensors]
     strides = tuple(None if a is t else a.stride() for a, t in zip(args, tensors))
+    launcher = partials = None
     if splits > 1:
-        strides = strides[:3] + (None, None)  # the partials are made canonical
+        partials = partials_layout(splits, tuple(o.shape), tuple(lse.shape))
+        args.append(torch.empty(partials[0], dtype=torch.float32, device=q.device))
+        combine = Combine(cute_dtype(q.dtype), D, Combine.lanes_for(splits, D))
+        launcher = SplitLaunch(kernel, combine)
     args += [cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 1.0, window_left, window_right]
     counter = None
     if getattr(kernel, "uses_tile_counter", False):
@@ -378,8 +400,9 @@ def make_plan(
         args += [seqused_k, splits]
     if takes_pages:
         args.append(page_table)
-    fn = cached_compile_ffi(kernel, *args)
-    combine_fn = compiled_combine(o_out, lse_out, o, lse) if splits > 1 else None
+    elif splits > 1:
+        args.append(None)  # SplitLaunch's page_table
+    fn = cached_compile_ffi(launcher or kernel, *args)
     return LaunchPlan(
         fn,
         (window_left, window_right),
@@ -387,7 +410,7 @@ def make_plan(
         strides,
         counter,
         takes_splits,
-        combine_fn,
+        launcher,
         partials,
         takes_pages,
         (output_layout(tuple(o.shape)), output_layout(tuple(lse.shape))),
@@ -396,17 +419,17 @@ def make_plan(
 
 def partials_layout(splits, o_shape, lse_shape):
     """A split launch's fp32 buffer: (elements, then (shape, stride, offset) of O_partial
-    (splits, *O's shape), of LSE_partial (splits, *LSE's shape) and of LSE), each in
-    output_layout. LSE (LaunchPlan.outputs) comes first, at offset 0: it is returned to the
-    caller, and the custom op's fake implementation (common/ops.py) promises a fresh tensor
-    (storage offset 0, which opcheck compares). The partials follow at the next 256 bytes
-    (the kernel and the combine take their tensors at least 16-byte aligned)."""
-    o_elements, lse_elements = splits * math.prod(o_shape), splits * math.prod(lse_shape)
-    o_at = -(-math.prod(lse_shape) // 64) * 64
+    (splits, *O's shape), of LSE_partial (splits, *LSE's shape) and of LSE), offsets as
+    common/combine.py's partial_offsets, where SplitLaunch makes the same views at compile time
+    (this is their statement in torch's terms, for tests and for reading). LSE, for a call that
+    returns none, comes first at offset 0; the partials follow at the next 256 bytes (the kernel
+    and the combine take their tensors at least 16-byte aligned)."""
+    rows, D = math.prod(lse_shape), o_shape[-1]
+    o_at, lse_at, elements = partial_offsets(splits, rows, D)
     return (
-        o_at + o_elements + lse_elements,
+        elements,
         (*output_layout((splits, *o_shape)), o_at),
-        (*output_layout((splits, *lse_shape)), o_at + o_elements),
+        (*output_layout((splits, *lse_shape)), lse_at),
         (*output_layout(lse_shape), 0),
     )
 

@@ -209,6 +209,83 @@ class Combine:
         return cute.local_tile(mOp[split, b, h, s, None], (self.columns,), (col // self.columns,))
 
 
+def partial_offsets(splits, rows, head_dim):
+    """Where a split launch's fp32 buffer holds what, in elements: (LSE_partial's offset, O_partial's,
+    the total). LSE (rows = B x H x Sq of them) first at offset 0, when the call returns none of
+    its own; O_partial (splits, B, H, Sq, D) from the next multiple of 64 (256 bytes); LSE_partial
+    (splits, B, H, Sq) right behind it. Python ints (attention_host.partials_layout) and the
+    DSL's run-time integers (SplitLaunch) alike."""
+    o_at = (rows + 63) // 64 * 64
+    lse_at = o_at + splits * rows * head_dim
+    return o_at, lse_at, lse_at + splits * rows
+
+
+class SplitLaunch:
+    """A split-KV launch as one compiled function: the split kernel (stage 13 on, either track)
+    writes the partials into `buffer`, then the combine merges them into O and LSE, on the same
+    stream. One host call, not two, and the buffer goes over as one flat fp32 tensor: its views
+    (partial_offsets) are made here, at compile time, from O's run-time shape, not by torch at
+    every call (host time per call: docs/notes/stage13.md). `lse` None: the call returns no LSE,
+    and the combine writes it into the buffer's first rows. `page_table` is None for a kernel
+    that takes none (stage 13)."""
+
+    def __init__(self, kernel, combine):
+        self.kernel = kernel  # the split kernel object (split_kv=True)
+        self.combine = combine  # a Combine
+        self.takes_pages = getattr(kernel, "takes_pages", False)
+
+    @cute.jit
+    def __call__(
+        self,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        v: cute.Tensor,
+        o: cute.Tensor,
+        lse: cute.Tensor | None,
+        buffer: cute.Tensor,
+        cu_seqlens_q: cute.Tensor | None,
+        cu_seqlens_k: cute.Tensor | None,
+        max_seqlen_q: cutlass.Int32,
+        scale_log2: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        tile_counter: cute.Tensor,
+        seqused_k: cute.Tensor | None,
+        num_splits: cutlass.Int32,
+        page_table: cute.Tensor | None,
+        stream,
+    ):
+        B, H, S, D = o.shape
+        # Row-major views with 64-bit strides (a forced split count times a long prefill's rows
+        # passes 2^31 elements); every offset is a multiple of 64 elements (D is 64 or 128).
+        s_stride = cutlass.Int64(S)  # LSE's row (b, h) of S entries
+        h_stride = s_stride * H
+        rows = h_stride * B
+        o_at, lse_at, _ = partial_offsets(num_splits, rows, D)
+        at = lambda n: buffer.iterator + cute.assume(n, divby=64)  # noqa: E731
+        o_partial = cute.make_tensor(
+            at(o_at),
+            cute.make_layout(
+                (num_splits, B, H, S, D),
+                stride=(rows * D, h_stride * D, s_stride * D, D, 1),
+            ),
+        )
+        lse_partial = cute.make_tensor(
+            at(lse_at),
+            cute.make_layout((num_splits, B, H, S), stride=(rows, h_stride, s_stride, 1)),
+        )
+        if cutlass.const_expr(lse is None):
+            lse = cute.make_tensor(
+                at(0), cute.make_layout((B, H, S), stride=(h_stride, s_stride, 1))
+            )
+        args = (q, k, v, o_partial, lse_partial, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
+        args += (scale_log2, window_left, window_right, tile_counter, seqused_k, num_splits)
+        if cutlass.const_expr(self.takes_pages):
+            args += (page_table,)
+        self.kernel(*args, stream)
+        self.combine(o_partial, lse_partial, o, lse, stream)
+
+
 def compiled_combine(o_partial, lse_partial, o, lse):
     """The compiled combine for tensors like these (torch tensors, shapes as Combine's): a
     function of (o_partial, lse_partial, o, lse) that launches on the current stream. Compiled

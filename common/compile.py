@@ -45,8 +45,14 @@ _CACHE = {}
 
 
 def kernel_config(kernel):
-    """The configuration a kernel object was built with: its class and every attribute, by value."""
-    return (type(kernel), tuple(sorted((k, repr(v)) for k, v in vars(kernel).items())))
+    """The configuration a kernel object was built with: its class and every attribute, by value
+    (a kernel object held by another, as common/combine.py's SplitLaunch holds the split kernel
+    and the combine, by its own configuration)."""
+    return (type(kernel), tuple(sorted((k, _config_value(v)) for k, v in vars(kernel).items())))
+
+
+def _config_value(v):
+    return kernel_config(v) if callable(getattr(v, "kernel", None)) else repr(v)
 
 
 _PARAMS = {}

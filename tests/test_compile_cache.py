@@ -293,3 +293,40 @@ def test_tvm_ffi_launch_compiles_on_both_tracks(stage, track, varlen):
         args.append(attention_host.tile_counter(not varlen, 512, 0, 384, 512, "cpu"))
     fn = compile_ffi_for_arch(kernel, args, ARCH_OF_TRACK[track])
     assert "TVMFFI" in type(fn).__name__, type(fn)
+
+
+@pytest.mark.parametrize("track", ["hopper", "blackwell"])
+def test_split_launch_compiles_through_tvm_ffi_on_both_tracks(track, monkeypatch):
+    """A split launch's plan (make_plan, then a call that returns no LSE) compiles the split
+    kernel and the combine as one TVM-FFI function per LSE variant: the one for a call that
+    returns its LSE at once, the one that keeps it in the partials' buffer at the first such
+    call. Compiled for each track's arch on the CPU, with the layouts the launch builds."""
+    pytest.importorskip("tvm_ffi")
+    from common import attention_host as AH
+    from common.arch import ARCH_OF_TRACK
+    from common.tools import stage_table
+    from common.tools.ptx import compile_ffi_for_arch
+
+    compiled = []
+
+    def compile_ffi(kernel, *args):
+        compiled.append((kernel, args, compile_ffi_for_arch(kernel, args, ARCH_OF_TRACK[track])))
+        return lambda *call_args: None
+
+    monkeypatch.setattr(AH, "cached_compile_ffi", compile_ffi)
+    mod = stage_table.track_module(13, track)
+    kernel_class = type(mod.compile_args(torch.bfloat16, (1, 1, 128, 128, 128))[0])
+    q = torch.randn(1, 32, 1, 128).bfloat16()
+    k = v = torch.randn(1, 8, 8192, 128).bfloat16()
+    o, lse = torch.empty_like(q), torch.empty(1, 32, 1)
+    plan = AH.make_plan(
+        kernel_class, q, k, v, o, lse, None, None, 1, 8192, True, None, None, None, 16
+    )
+    o, lse, buffer = plan.outputs(torch.bfloat16, "cpu", False)
+    assert lse is None and buffer.numel() == AH.partials_layout(16, (1, 32, 1, 128), (1, 32, 1))[0]
+    plan.run(q, k, v, o, lse, None, None, 1, 0.1, None, buffer=buffer)
+    assert len(compiled) == 2
+    for kernel, args, fn in compiled:
+        assert type(kernel).__name__ == "SplitLaunch" and kernel.kernel.split_kv
+        assert "TVMFFI" in type(fn).__name__, type(fn)
+    assert compiled[0][1][4] is not None and compiled[1][1][4] is None  # LSE, then in the buffer

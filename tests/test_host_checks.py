@@ -29,8 +29,8 @@ class FakeKernel:
 
 @pytest.fixture
 def real_plans(monkeypatch):
-    """The entries with the real launch and make_plan; only the compile (a recorder), the combine
-    and the CUDA-only shape checks are stood in for."""
+    """The entries with the real launch and make_plan; only the compile (a recorder, also of a
+    split launch's SplitLaunch) and the CUDA-only shape checks are stood in for."""
     launches = []
 
     def compile_ffi(kernel, *args):
@@ -44,7 +44,6 @@ def real_plans(monkeypatch):
         return (*q.shape, k_cache.shape[1])
 
     monkeypatch.setattr(AH, "cached_compile_ffi", compile_ffi)
-    monkeypatch.setattr(AH, "compiled_combine", lambda *a: lambda *b: None)
     monkeypatch.setattr(AH, "checked_dims", dims)
     monkeypatch.setattr(AH, "checked_paged_dims", paged_dims)
     AH._CALLS.clear()

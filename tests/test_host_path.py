@@ -11,6 +11,8 @@ views each call's tensors with the canonical strides it keeps (and is keyed by e
 stages 13 and 14 run the same sequences with the kernels (test_fast_path_checks_what_can_change,
 test_rejects_bad_paged_input, test_check_values_false)."""
 
+import math
+
 import pytest
 import torch
 
@@ -377,11 +379,12 @@ def test_plan_key_tells_apart_the_strides_of_size_one_modes():
 @pytest.mark.parametrize("shape", [(1, 32, 1, 128), (3, 5, 7, 64), (1, 1, 1, 64)])
 def test_plan_outputs_look_fresh_and_the_split_lse_leads_the_partials(shape, splits, return_lse):
     # LaunchPlan.outputs allocates O and LSE with the strides canonical_strides would give them
-    # (the launch then passes them as they are), and the LSE of a split launch that does not
-    # return it inside the partials' buffer: at storage offset 0 (what the custom op's fake
-    # implementation promises, and opcheck compares), the partials 256-byte aligned behind it,
-    # no two views overlapping. A returned LSE has its own storage (a view would keep the
-    # whole buffer alive).
+    # (the launch then passes them as they are). A split launch that does not return its LSE
+    # allocates none: the compiled launch (common/combine.py's SplitLaunch) writes it into the
+    # partials' buffer, at offset 0, the partials 256-byte aligned behind it, no two views
+    # overlapping (partials_layout states SplitLaunch's views in torch's terms). A returned LSE
+    # has its own storage (a view would keep the whole buffer alive).
+    from common.combine import partial_offsets
     from common.cute_interop import canonical_strides
 
     lse_shape = shape[:3]
@@ -391,8 +394,9 @@ def test_plan_outputs_look_fresh_and_the_split_lse_leads_the_partials(shape, spl
         outputs=(AH.output_layout(shape), AH.output_layout(lse_shape)),
     )  # fmt: skip
     o, lse, buffer = plan.outputs(torch.bfloat16, "cpu", return_lse)
-    assert o.shape == shape and lse.shape == lse_shape and lse.dtype == torch.float32
-    for t in (o, lse):
+    in_buffer = splits > 1 and not return_lse
+    assert o.shape == shape and (lse is None) == in_buffer
+    for t in (o,) if in_buffer else (o, lse):
         assert canonical_strides(t) is t and t.is_contiguous()
         # What opcheck's fake-tensor check compares against the custom op's fake outputs
         # (fresh contiguous tensors, common/ops.py): the strides of modes longer than 1 and the
@@ -401,15 +405,16 @@ def test_plan_outputs_look_fresh_and_the_split_lse_leads_the_partials(shape, spl
         same, mode = torch._prims_common.check_significant_strides(t, fresh, only_cuda=False)
         assert same, (t.stride(), fresh.stride(), mode)
         assert t.storage_offset() == fresh.storage_offset() == 0
-    if splits == 1 or return_lse:
-        assert buffer is None and lse._base is None
-        assert lse.untyped_storage().nbytes() == 4 * lse.numel()
+    if not in_buffer:
+        assert buffer is None and lse._base is None and lse.dtype == torch.float32
+        assert lse.shape == lse_shape and lse.untyped_storage().nbytes() == 4 * lse.numel()
         return
-    assert lse.untyped_storage().data_ptr() == buffer.data_ptr()
     elements, o_view, lse_view, lse_final = partials
-    assert buffer.numel() == elements
-    assert lse.storage_offset() == 0 == lse_final[2]
-    assert o_view[2] % 64 == 0 and lse_view[2] % 4 == 0  # fp32 elements: 256 and 16 bytes
+    assert buffer.dtype == torch.float32 and buffer.numel() == elements
+    rows = math.prod(lse_shape)
+    assert (o_view[2], lse_view[2], elements) == partial_offsets(splits, rows, shape[-1])
+    assert lse_final[2] == 0
+    assert o_view[2] % 64 == 0 and lse_view[2] % 64 == 0  # fp32 elements: 256 bytes
     # every element of the buffer belongs to at most one of the three views
     owner = torch.zeros(elements, dtype=torch.int32)
     for i, view in enumerate((o_view, lse_view, lse_final)):

@@ -19,6 +19,8 @@ Outputs (and the partial buffers) are poisoned with NaN before every launch; eac
 120 s deadline.
 """
 
+import re
+
 import pytest
 import torch
 from attention_cases import DTYPES, dtype_id, gqa_reference_check, packed_inputs
@@ -284,6 +286,32 @@ def test_combine_matches_its_formula(dtype, D, splits):
     finite = torch.isfinite(lse_ref)
     verify.check_close("combined O", o, o_ref, rtol=2 * verify.unit_roundoff(dtype))
     assert torch.allclose(lse[finite].double(), lse_ref[finite], rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("return_lse", [True, False], ids=["lse", "lse-in-buffer"])
+@pytest.mark.parametrize("track", on_cpu_stages(stages=(13, 14)))
+def test_split_launch_is_one_module_with_both_kernels(track, return_lse):
+    """A split call is one compiled function (common/combine.py's SplitLaunch): the split kernel,
+    then the combine, the partials' views made from O's run-time shape at compile time.
+    Compile-only, both tracks: two kernels in one module, the split kernel's global loads and
+    stores those of the kernel compiled alone, the combine's loads of O_s 16 bytes wide."""
+    from common.tools.ptx import compile_only
+
+    t, stage = track.split(":")
+    kw = dict(shape=(1, 32, 1, 8192, 128), resources=False, causal=True, kv_heads=8)
+    if stage == "14":
+        kw["page_size"] = 64
+    kw["num_splits"] = 16
+    whole = compile_only(int(stage), t, split_launch=True, return_lse=return_lse, **kw).ptx
+    alone = compile_only(int(stage), t, **kw).ptx
+    entries = re.findall(r"\.entry\s+(\w+)", whole)
+    assert len(entries) == 2 and "Combine" in entries[1], entries
+    at = whole.index(entries[1])
+    split_part, combine_part = whole[:at], whole[at:]
+    memory = lambda ptx: sorted(re.findall(r"(?:ld|st)\.global\S*", ptx))  # noqa: E731
+    assert memory(split_part) == memory(alone)
+    wide = re.findall(r"ld\.global\.(?:v4\.b32|v4\.f32|v2\.b64)", combine_part)
+    assert len(wide) >= 8, memory(combine_part)
 
 
 # ---------------------------------------------------------------- the split count, bad input

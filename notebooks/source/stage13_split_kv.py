@@ -46,7 +46,7 @@ while not os.path.isdir(os.path.join(ROOT, "common")) and os.path.dirname(ROOT) 
 sys.path.insert(0, ROOT)
 
 from common import attention_host  # noqa: E402
-from common.combine import Combine, combine_reference  # noqa: E402
+from common.combine import Combine, SplitLaunch, combine_reference  # noqa: E402
 from common.tools import notebook as nb  # noqa: E402
 from common.tools import stage_table  # noqa: E402
 from notebooks.figures import stage13 as figures  # noqa: E402
@@ -304,8 +304,8 @@ for Sq_, H_, Hkv_ in ((1, 32, 8), (16, 32, 8), (17, 32, 8), (1, 32, 32), (64, 32
 # Left, a CUDA graph of the calls replayed, so only the GPU's time counts (the kernels and the
 # gaps between them): up to 512 keys (4 KV tiles, the dotted line) no split gains more than
 # 0.1 us (10.5 against 10.6 us at 512); from 8 tiles every split count gains. Right, the same
-# calls made eagerly: a split call costs the host a second launch and the partials' buffer, and
-# up to 2k keys the unsplit call is the faster one. The numbers under the purple line are the
+# calls made eagerly: a split call then cost the host a second launch and the partials' buffer,
+# and up to 2k keys the unsplit call was the faster one. The numbers under the purple line are the
 # fastest split counts; at 2k and 4k they are 8, not the launch's 16 (5-8% apart in the graph).
 
 # %%
@@ -419,17 +419,24 @@ nb.show_function(combine_reference)
 # %% [markdown]
 # ### 5.6 The host side: one launch plan per argument signature
 #
-# A split launch makes two kernel launches (the attention kernel into the partials, then the
-# combine) and allocates the partials. `common/attention_host.py` decides everything that
-# depends only on the arguments' types, shapes, strides and options once and keeps it as a
-# `LaunchPlan` (`plan_key`, `make_plan`): the compiled kernel and combine, the mask bounds, the
-# split count, the partial buffers' layout in one fp32 allocation, the canonical strides of the
-# inputs whose size-1 modes need them. A later call with the same
-# signature allocates and launches. `make_plan` also drops a mask bound that cuts nothing: under
-# `causal=True` a single query row ($S_q = 1$, bottom-right aligned) sees every key, so a decode
-# step runs the kernel without a mask (no tile counter to zero, no mask code).
+# A split launch runs two kernels (the attention kernel into the partials, then the combine)
+# and allocates the partials. `common/attention_host.py` decides everything that depends only
+# on the arguments' types, shapes, strides and options once and keeps it as a `LaunchPlan`
+# (`plan_key`, `make_plan`): the compiled function, the mask bounds, the split count, the
+# partial buffers' layout in one fp32 allocation, the canonical strides of the inputs whose
+# size-1 modes need them. A later call with the same signature allocates and launches.
+# `make_plan` also drops a mask bound that cuts nothing: under `causal=True` a single query row
+# ($S_q = 1$, bottom-right aligned) sees every key, so a decode step runs the kernel without a
+# mask (no tile counter to zero, no mask code).
+#
+# The two kernels are one compiled function, `SplitLaunch` in `common/combine.py`: a `cute.jit`
+# function may launch several kernels, one after the other on its stream. It takes the
+# partials' buffer flat and makes the views of O_partial and LSE_partial at compile time, from
+# O's run-time shape (`partial_offsets`), so a call pays for one host-to-kernel call and no
+# torch view.
 
 # %%
+nb.show_function(SplitLaunch.__call__)
 nb.show_function(attention_host.LaunchPlan.run)
 
 # %% [markdown]
@@ -616,12 +623,12 @@ fig = figures.decode_bars(
 # causal: 5-7 us of GPU work, less than the host's) under `torch.inference_mode()`, every entry
 # in 5 rounds in rotated order: back to back between CUDA events, the host's own time, the GPU's.
 # The cell prints the run of the launch path as it is (NVIDIA H100 80GB HBM3, 2026-12-06,
-# `docs/results/host_time_h100_2026-12-06_checks_first.txt`) with cProfile's view of stage 13's
+# `docs/results/host_time_h100_2026-12-06_split_launch.txt`) with cProfile's view of stage 13's
 # call, and the split count the launch picks for this step: none, since a range of 4 KV tiles
 # or fewer is not split (section 5.1).
 
 # %%
-with open(os.path.join(nb.ROOT, "docs/results/host_time_h100_2026-12-06_checks_first.txt")) as f:
+with open(os.path.join(nb.ROOT, "docs/results/host_time_h100_2026-12-06_split_launch.txt")) as f:
     text = f.read()
 table, _, profiles = text.partition("cProfile of 2000 calls: stage 12\n")
 skip = ("round ", "Warning", "_warn_once")  # progress lines and a profiler warning
@@ -631,10 +638,11 @@ print("cProfile of 2000 calls: stage 13\n" + stage13_profile)
 print("splits the launch picks for this step now:", attention_host.splits_for(8, 2, SMS))
 
 # %% [markdown]
-# Stage 12, and stage 13 where it does not split, take 18.8-19.4 us of host time per call
-# against SDPA's 14.2: within the goal of 25 us. A split call (`num_splits=2`) takes 28.7-28.8:
-# a second launch, the combine's, the partials' buffer and three views of it (O_partial,
-# LSE_partial and the LSE ahead of them; H100 80GB HBM3, 2026-12-06, the same run). Of stage
+# Stage 12, and stage 13 where it does not split, take 18.5-18.9 us per call back to back and of
+# host time, against SDPA's 14.7: within the goal of 25 us. A split call (`num_splits=2`) takes
+# 23.3-23.4: the partials' buffer and one call that launches both kernels (section 5.6; H100
+# 80GB HBM3, 2026-12-06, the same run). With two calls, the combine's its own, and three views
+# of the buffer, it took 28.7-28.8 on the same GPU model the same day. Of stage
 # 12's 18.8 us in an A/B on the same GPU model (2026-12-05), its compiled function called alone
 # on ready arguments took 5.1 (the TVM-FFI call and the launch) and each of its two outputs 2.2
 # (`torch.empty_strided`): about 9 us was the launch path's Python. A call whose tensors and options match an earlier

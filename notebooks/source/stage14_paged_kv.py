@@ -598,11 +598,11 @@ fig = figures.paged_ratios(
 # `python -m common.tools.host_time --calls 2000` (notebook 13, section 7.2) times a tiny decode
 # step (K and V of 256 keys; stage 14 on pages of 64 keys) under `torch.inference_mode()`. The
 # cell prints the run of the launch path as it is (NVIDIA H100 80GB HBM3, 2026-12-06,
-# `docs/results/host_time_h100_2026-12-06_checks_first.txt`), and cProfile's view of a paged
+# `docs/results/host_time_h100_2026-12-06_split_launch.txt`), and cProfile's view of a paged
 # call whose tables were made outside inference mode.
 
 # %%
-with open(os.path.join(nb.ROOT, "docs/results/host_time_h100_2026-12-06_checks_first.txt")) as f:
+with open(os.path.join(nb.ROOT, "docs/results/host_time_h100_2026-12-06_split_launch.txt")) as f:
     text = f.read()
 table, _, profiles = text.partition("cProfile of 2000 calls: stage 12\n")
 skip = ("round ", "Warning", "_warn_once")  # progress lines and a profiler warning
@@ -611,14 +611,14 @@ paged = "cProfile of 2000 calls: stage 14, paged (64 keys a page)\n"
 print(paged + profiles.split(paged)[1].split("cProfile of")[0])
 
 # %% [markdown]
-# A paged call costs the host 23.6-23.7 us with its tables made outside inference mode, 21.6-22.1
-# with `check_values=False`, against an unsplit stage 13's 19.1-19.4 and SDPA's 14.2 (H100 80GB
+# A paged call costs the host 23.8-24.3 us with its tables made outside inference mode, 21.8-22.2
+# with `check_values=False`, against an unsplit stage 13's 18.7-18.9 and SDPA's 14.7 (H100 80GB
 # HBM3, 2026-12-06). What the checks cost per call is a lookup: `seqused_k` and `page_table` were
 # read to the host once and remembered with their version counters (section 5.5), and a call
 # that finds them unchanged asks nothing else - not even whether a CUDA graph is being
 # captured, a query of about 1.5 us under cProfile, needed only before a read. Tables made under
 # `torch.inference_mode()` carry no version counter, so they are read at every call, each read
-# a copy and a synchronisation, then every page a sequence uses is checked in Python: 66.2 us.
+# a copy and a synchronisation, then every page a sequence uses is checked in Python: 67.9 us.
 # Inside a captured CUDA graph nothing is read and no Python runs at replay
 # (`tests/test_stage14.py` replays a paged decode step in a graph as the cache grows a page).
 # The cache itself goes to the kernel as the caller holds it (section 5.2): no permuted views to
