@@ -4,6 +4,10 @@ no tests here)."""
 import dataclasses
 import re
 
+import pytest
+
+from common.tools.ptx import compile_only
+
 # tcgen05.mma with A and B as shared-memory descriptors (QK) / with A in TMEM (PV)
 QK_MMA = re.compile(r"tcgen05\.mma\.cta_group::1\.kind::f16\S*\s+\[%r\d+\],\s*%rd\d+,\s*%rd\d+,")
 PV_MMA = re.compile(r"tcgen05\.mma\.cta_group::1\.kind::f16\S*\s+\[%r\d+\],\s*\[%r\d+\],\s*%rd\d+,")
@@ -181,3 +185,29 @@ def fence_deletions_not_caught(ptx):
                 nxt = next(s.strip() for s in lines[i + 1 :] if s.strip() and "//" not in s)
                 out.append((i + 1, nxt))
     return out
+
+
+# ---------------------------------------------------------------- no spill, every configuration
+
+# The configurations the no-spill tests of stages 9-12 compile, at B = 2, H = 8, Sk = 1024,
+# Sq = 512 (pack-GQA: Sq = 16, decode-like, G = 4 heads per tile), bf16 and fp16, D = 64 and 128
+SPILL_CONFIGS = {
+    "no mask": {},
+    "causal": {"causal": True, "kv_heads": 2},
+    "window": {"window": (128, 0)},
+    "packed": {"varlen": True, "causal": True, "kv_heads": 2},
+    "pack-GQA": {"kv_heads": 2, "pack_gqa": True, "causal": True},
+    "packed pack-GQA": {"varlen": True, "kv_heads": 2, "pack_gqa": True},
+}
+
+
+def assert_no_spill_in(stage, dtype, D, config):
+    """Fails unless ptxas reports no spill store or load for Blackwell stage `stage` in
+    configuration `config` (a key of SPILL_CONFIGS); skips where ptxas gives no result."""
+    options = SPILL_CONFIGS[config]
+    Sq = 16 if options.get("pack_gqa") else 512  # pack-GQA: decode-like, G = 4 heads per tile
+    report = compile_only(stage, "blackwell", dtype=dtype, shape=(2, 8, Sq, 1024, D), **options)
+    if not (report.resources and "spill_stores" in report.resources):
+        pytest.skip(f"no ptxas result: {report.resources}")
+    assert report.resources["spill_stores"] == 0, report.summary()
+    assert report.resources["spill_loads"] == 0, report.summary()

@@ -5,6 +5,8 @@ Blackwell two-tile CTA (its roles, TMEM and MMA issue order). Notebooks 8 and 10
 again (notebooks/figures/stage8.py and stage10.py import them from here).
 """
 
+import re
+
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
@@ -531,13 +533,18 @@ def blackwell_two_tile_roles(cfg, title=None, path=None):
 def mma_issue_orders(orders, steps, notes=None, title=None, path=None):
     """The MMA warp's tcgen05.mma in program order, read from each stage's PTX (orders: [(label,
     string of Q / P per instruction: a QK step, a PV step)], as tests' mma_order gives them):
-    one strip per stage, one box per GEMM (steps: instructions per GEMM, {"Q": D / 16, "P": 8},
-    or one such dict per strip),
+    one strip per stage, one box per GEMM (steps: instructions per GEMM with its k-blocks
+    unrolled, {"Q": D / 16, "P": 8}, or one such dict per strip; a strip whose runs are not
+    whole GEMMs of that many is a kernel that issues each GEMM's k-blocks in a loop, one
+    instruction per GEMM, as Blackwell stages 9-14),
     QK in S's colour, PV in P's. notes: a line under each strip (which boxes are a loop body)."""
     fig, ax = plt.subplots(figsize=(FIG_WIDTH, 0.9 + 0.95 * len(orders)))
     width = 0
     for row, (label, seq) in enumerate(orders):
         per = steps[row] if isinstance(steps, (list, tuple)) else steps
+        runs = [(m.group(0)[0], len(m.group(0))) for m in re.finditer(r"Q+|P+", seq)]
+        if any(n % per[ch] for ch, n in runs):
+            per = {"Q": 1, "P": 1}  # the k-blocks in a loop: one tcgen05.mma per GEMM
         gemms, i = [], 0
         while i < len(seq):
             ch = seq[i]

@@ -534,12 +534,13 @@ if report is not None and report10 is not None:
 # two softmax warpgroups, the correction warpgroup - not only two consumer warpgroups. So the
 # TMA warp picks the tiles and writes each number to shared memory under a one-entry pipeline
 # (`hand_over`: 32 arrivals full, 416 empty), every other role reads it (`handed_tile`), and a
-# number past the end ends every loop. Every pipeline state lives across tiles, and O gets
-# buffers of its own (at D = 128 one for both Q tiles: a ring of 3 slots instead of 4). The
-# loops' live values make ptxas (CUDA 13.0, 2026-12-04) spill 148-352 bytes per thread; the
-# Blackwell stage 12 removes them. The cells below show the concept table of the two tracks and
-# the compile summary; in the executed copy in `docs/notebooks/` they come from a compile-only
-# run (its first cell names such cells).
+# number past the end ends every loop. Every pipeline state lives across tiles; O still leaves
+# by the correction warps' rows (its TMA store is Blackwell stage 12's tuning 4). The loops keep
+# more values live: the correction warpgroup's 96 registers of stage 9's split hold them (at 80
+# it spilled), and ptxas of CUDA 13.0 reports no spill in any tested configuration (2026-12-06,
+# `docs/notes/stage11.md`). The cells below show the concept table of the two tracks and the
+# compile summary; in the executed copy in `docs/notebooks/` they come from a compile-only run
+# (its first cell names such cells).
 #
 # **Blackwell kernels are compile-checked here, not run on hardware.** No sm_100 GPU has run
 # them: the Blackwell files are compiled for sm_100a with fake tensors, their PTX is checked and the

@@ -507,12 +507,13 @@ report64 = nb.compile_summary(12, "hopper", shape=(2, 16, 2048, 2048, 64))
 # and switched the same way (`TUNINGS`, `with_tunings`; `with_tunings(())` compiles to Blackwell
 # stage 11's PTX): `ex2_emulation` (16 of a row's 128 exp2 of P, one column pair in every 16,
 # as a cubic on the FMA units instead of the MUFU), `packed_f32x2` (S's scale-and-subtract and
-# the row sum two columns per `f32x2` instruction), `kblock_loop` (the MMA warp issues a GEMM's
-# k-blocks in a loop, not unrolled), `register_split` (`setmaxnreg` 176 / 112 / 48 for each
-# softmax warpgroup / the correction warpgroup / the MMA, TMA and idle warps) and `o_tma_store`
-# (in batch mode O leaves through a shared-memory buffer of its own and one TMA store per Q tile,
-# as FA4's `use_tma_O`; stages 8-11 store it by rows). Together they take Blackwell stage 11's
-# spills (156-312 bytes) to none in every tested configuration (ptxas of CUDA 13.0;
+# the row sum two columns per `f32x2` instruction), `register_split` (`setmaxnreg` 176 / 112 / 48
+# for each softmax warpgroup / the correction warpgroup / the MMA, TMA and idle warps, against
+# stage 11's 184 / 96 / 48: the registers the TMA store's correction warpgroup needs) and
+# `o_tma_store` (in batch mode O leaves through a shared-memory buffer of its own and one TMA
+# store per Q tile, as FA4's `use_tma_O`; stages 8-11 store it by rows). Stage 11 spills nothing
+# already (its k-blocks are issued in a loop from stage 9 on), and neither does stage 12 with
+# its tunings, in every tested configuration (ptxas of CUDA 13.0, 2026-12-06;
 # `docs/notes/stage12.md`). Unlike the Hopper tunings, the emulation changes
 # P's bits: the cubic's relative error, 8.8e-5, is below P's rounding to bf16. The cells below
 # show its compile summary and the concept table of the two tracks (in the executed copy in

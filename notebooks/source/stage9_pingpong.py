@@ -352,10 +352,17 @@ if report is not None:
 # 9 there does is FA4's answer to the same idle tensor core. Each CTA takes **two Q tiles** (2 x
 # 128 rows) with S, P and O of each in tensor memory and a softmax warpgroup for each, and the MMA
 # warp issues per KV tile $QK_0$, $QK_1$, then $PV_0$, $PV_1$: while softmax warpgroup 0 turns
-# $S_0$ into $P_0$, the tensor core computes $S_1$, and the two warpgroups take turns. The cells
-# show the docstring, the kernel diff against Blackwell stage 8 (the start), the concept table,
-# the compile summary, and three pictures drawn from the kernel's own settings and PTX: the
-# roles, tensor memory, and the MMA warp's GEMMs in program order for stages 8 and 9.
+# $S_0$ into $P_0$, the tensor core computes $S_1$, and the two warpgroups take turns. Four
+# warpgroups now share the 65,536 registers: `setmaxnreg` gives each softmax warpgroup 184, the
+# correction warpgroup 96 and the MMA, TMA and idle warps FA4's 48,
+# $(2 \cdot 184 + 96 + 48) \cdot 128 = 65{,}536$. To fit, the MMA warp issues a GEMM's k-blocks in
+# a loop (unrolled, the descriptors of every k-block of both Q tiles stayed live and spilled) and
+# each role takes its work tile in its own branch; ptxas of CUDA 13.0 then reports no spill in
+# any tested configuration (2026-12-06, `docs/notes/stage9.md`). The cells show the docstring,
+# the kernel diff against Blackwell stage 8 (the start), the concept table, the compile summary,
+# and three pictures drawn from the kernel's own settings and PTX: the roles, tensor memory, and
+# the MMA warp's GEMMs in program order for stages 8 and 9 (stage 8 unrolls a GEMM's k-blocks,
+# one `tcgen05.mma` each; stage 9 issues one in a loop).
 #
 # **Blackwell kernels are compile-checked here, not run on hardware.** No sm_100 GPU has run
 # them: the Blackwell files are compiled for sm_100a with fake tensors, their PTX is checked and the

@@ -11,17 +11,16 @@ Changes from stage 11:
 2. packed_f32x2: S scale_log2 - row_max_scaled as one fma.rn.f32x2 per column pair, the row sum
    in four chains of add.f32x2 (63, not 128 add.f32). FA4's reason: the floating-point units
    did not grow from H100 to B200 either, and an f32x2 instruction does two columns.
-3. kblock_loop: the MMA warp's k-blocks in a loop, not unrolled: unrolled, ptxas kept every
-   k-block's descriptors live across the tile loop (alone: bf16 D = 64, 312 bytes of spill -> 52).
-4. register_split: setmaxnreg 176 / 112 / 48 (each softmax warpgroup / correction / MMA, TMA
-   and idle warps): (2 x 176 + 112 + 48) x 128 = 65,536 (stage 11: 168 / 80 / 96; FA4: 192 /
-   80 / 48 at D = 128). Tuning 4 relies on 3 (alone: 560-580 bytes of spill).
-5. o_tma_store: in batch mode O_s leaves through a shared-memory buffer, not Q's (the next
+3. register_split: setmaxnreg 176 / 112 / 48 (each softmax warpgroup / correction / MMA, TMA
+   and idle warps): (2 x 176 + 112 + 48) x 128 = 65,536 (stage 11: 184 / 96 / 48; FA4: 192 /
+   80 / 48 at D = 128). The softmax warps fit in 176 with tunings 1-2; tuning 4 needs the
+   correction warpgroup at 104 or more (with stage 11's split: 16-112 bytes of spill at D = 64).
+4. o_tma_store: in batch mode O_s leaves through a shared-memory buffer, not Q's (the next
    tile's Q may land meanwhile; D = 128: 3 ring slots, not 4) in one TMA store that clips at Sq,
    as FA4's epilogue (use_tma_O): one thread hands the tile to the TMA unit, not 128 threads
    D / 8 vectors each; a 128-thread barrier twice per Q tile. Packed, pack-GQA: row stores.
-ptxas of CUDA 13.0, every dtype, D, mask and layout: no spill with every tuning (stage 11:
-156-312 bytes); the numbers behind each: docs/notes/stage12.md.
+ptxas of CUDA 13.0 (2026-12-06), every dtype, D, mask and layout: no spill with every tuning,
+nor with none (stage 11); the numbers behind each: docs/notes/stage12.md.
 
 attention(q, k, v, ...): Q (B, H, Sq, D), K and V (B, Hkv, Sk, D), H % Hkv == 0 (Hkv = 1: MQA).
 attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...): q (total_q, H, D), k and v (total_k,
@@ -64,9 +63,8 @@ except ImportError:  # pragma: no cover
 TUNINGS = (
     "ex2_emulation",  # 1. 16 of a row's 128 exp2 as a cubic on the FMA pipe, not on MUFU
     "packed_f32x2",  # 2. P's scale-and-subtract and the row sum two columns per instruction
-    "kblock_loop",  # 3. the MMA warp issues a GEMM's k-blocks in a loop, not unrolled
-    "register_split",  # 4. setmaxnreg 176 / 112 / 48 for softmax / correction / MMA and TMA
-    "o_tma_store",  # 5. O staged in shared memory, one TMA store per Q tile (batch mode)
+    "register_split",  # 3. setmaxnreg 176 / 112 / 48 for softmax / correction / MMA and TMA
+    "o_tma_store",  # 4. O staged in shared memory, one TMA store per Q tile (batch mode)
 )
 # 2^f = 1 + f (c1 + f (c2 + f c3)) for f in [0, 1): FA4's cubic (flash_attn/cute/utils.py,
 # POLY_EX2[3]); its largest relative error is 8.8e-5, below the 2^-8 of rounding P to bf16 and
@@ -112,21 +110,20 @@ class Sm100Kernel:
         self.tma_warp_id = 13
         self.idle_warp_ids = (14, 15)
         self.threads_per_cta = 32 * 16
-        # Registers per thread after setmaxnreg: (2 x 168 + 80 + 96) x 128 = 65536. (FA4's
-        # 192 / 80 / 48 left the MMA warp too few here: ptxas spilled 384 bytes.)
-        self.softmax_registers = 168
-        self.correction_registers = 80
-        self.other_registers = 96
+        # Registers per thread after setmaxnreg: (2 x 184 + 96 + 48) x 128 = 65536; 48 for the
+        # MMA warp, which issues a GEMM's k-blocks in a loop (FA4's count; unrolled, it spilled).
+        self.softmax_registers = 184
+        self.correction_registers = 96
+        self.other_registers = 48
         if "register_split" in self.tunings:
-            # Tuning 4: (2 x 176 + 112 + 48) x 128 = 65536. The softmax warps need 176 with
-            # tunings 1-2, the correction warpgroup 104 (D = 64), the MMA warp with its
-            # k-blocks in a loop (tuning 3) under 48 (the file's docstring has the arithmetic).
+            # Tuning 3: (2 x 176 + 112 + 48) x 128 = 65536. The softmax warps fit in 176 with
+            # tunings 1-2; the correction warpgroup needs 104 with tuning 4 (D = 64).
             self.softmax_registers = 176
             self.correction_registers = 112
             self.other_registers = 48
         # Named barriers (0 is __syncthreads): the one before TMEM is freed (the softmax and
         # correction warps), and the TMEM allocation handshake (MMA, softmax and correction);
-        # tuning 5's, the correction warpgroup's own (O in shared memory before its TMA store).
+        # tuning 4's, the correction warpgroup's own (O in shared memory before its TMA store).
         self.tmem_free_bar_id = 1
         self.tmem_alloc_bar_id = 2
         self.correction_bar_id = 3
@@ -135,7 +132,7 @@ class Sm100Kernel:
         self.q_buffers = self.q_tiles
         tile_bytes = 128 * head_dim * dtype.width // 8
         # The sm_100 opt-in limit (227 KiB), less the barriers, the row statistics (1 KiB per
-        # Q tile) and the 1 KiB alignment of the buffers. Tuning 5 stages O for its TMA store in
+        # Q tile) and the 1 KiB alignment of the buffers. Tuning 4 stages O for its TMA store in
         # buffers of its own, so that the next tile's Q can land during this tile's epilogue:
         # one per Q tile at D = 64 (2 x 16 KiB: the ring keeps 8 slots), one for both at
         # D = 128 (32 KiB: 3 slots next to 2 x 32 KiB of Q; two would leave 2).
@@ -172,7 +169,6 @@ class Sm100Kernel:
         # The tunings of the loops (the module's TUNINGS, numbered as there).
         self.ex2_emulation = "ex2_emulation" in self.tunings  # 1
         self.packed_f32x2 = "packed_f32x2" in self.tunings  # 2
-        self.kblock_loop = "kblock_loop" in self.tunings  # 3
         # The MMA warp issues P_s,j-1 @ V_j-1 and then S_s,j (FA4's order) where P has columns
         # of its own; with P over S it keeps stage 9's order (stage 10's docstring says why).
         # Also the schedule checker's cue.
@@ -214,7 +210,7 @@ class Sm100Kernel:
     ):
         # O's rows start on 16-byte boundaries: each thread stores its row in 16-byte vectors.
         o = rows_of_16_bytes(o)
-        # Tuning 5: O leaves through shared memory and one TMA store per Q tile in batch mode;
+        # Tuning 4: O leaves through shared memory and one TMA store per Q tile in batch mode;
         # packed sequences and pack-GQA keep the per-row stores (a TMA box clips at the tensor's
         # bounds, not at a sequence's end; a packed row is a (head, position) pair).
         self.o_by_tma = self.o_buffers > 0 and cu_seqlens_q is None and self.pack_gqa == 1
@@ -344,7 +340,7 @@ class Sm100Kernel:
             sK: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(k_smem_s)], self.smem_align
             ]
-            if cutlass.const_expr(self.o_buffers > 0):  # tuning 5
+            if cutlass.const_expr(self.o_buffers > 0):  # tuning 4
                 sO: cute.struct.Align[
                     cute.struct.MemRange[self.dtype, cute.cosize(o_smem_s)], self.smem_align
                 ]
@@ -374,7 +370,7 @@ class Sm100Kernel:
             dynamic = Int32(1)
             l2_heads = self.l2_section_heads(k.shape[0], cute.size(q, mode=[2]))
         # One CTA per SM, stated (min_blocks_per_mp), so that ptxas allocates by setmaxnreg's counts
-        # (168, 80 and 96 a thread) instead of capping everything at 128.
+        # (184, 96 and 48 a thread; 176, 112 and 48 with tuning 3) instead of capping at 128.
         self.kernel(
             qk_mma,
             pv_mma,
@@ -1118,7 +1114,7 @@ class Sm100Kernel:
                     )
                 o_full1.release()
 
-        # Tuning 5: the TMA store's partitions of the staging buffers and of O's tiles, and the
+        # Tuning 4: the TMA store's partitions of the staging buffers and of O's tiles, and the
         # copy from registers to shared memory that matches tcgen05.ld's thread-to-row layout.
         smem_store = None
         if cutlass.const_expr(self.o_by_tma):
@@ -1156,7 +1152,7 @@ class Sm100Kernel:
                 for t in (tCgO, tCcO)
             )
             if cutlass.const_expr(self.o_by_tma):
-                # Tuning 5: O_s goes to staging buffer s % o_buffers instead, free once the TMA
+                # Tuning 4: O_s goes to staging buffer s % o_buffers instead, free once the TMA
                 # store that read it last (o_buffers stores ago) has read it: row 0 waits, the
                 # warpgroup's barrier tells the others.
                 if row == 0:
@@ -1238,7 +1234,7 @@ class Sm100Kernel:
             # O = (sum_j P_j @ V_j) / row_sum, in the input dtype
             tTR_rO.store((inv_row_sum * tTR_rAcc.load()).to(self.dtype))
             if cutlass.const_expr(self.o_by_tma):
-                # tuning 5: into the staging buffer, in the layout the TMA store reads
+                # tuning 4: into the staging buffer, in the layout the TMA store reads
                 cute.copy(smem_store, tTR_rO, tTR_gO[(None, None, i)])
             else:
                 self.store_row(
@@ -1388,7 +1384,7 @@ class Sm100Kernel:
         sK = storage.sK.get_tensor(k_smem_s.outer, swizzle=k_smem_s.inner)
         # (MMA, MMA_N=D, MMA_K, kv_slots): the same slots viewed as V tiles (V's own swizzle)
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, v_smem_s.inner), v_smem_s.outer)
-        # Tuning 5: (bM, D, o_buffers): O staged for the TMA store, row-major, swizzled, in
+        # Tuning 4: (bM, D, o_buffers): O staged for the TMA store, row-major, swizzled, in
         # buffers of its own: the next tile's Q may land while this tile's O is staged and stored.
         sO = None
         if cutlass.const_expr(self.o_buffers > 0):
@@ -1432,22 +1428,12 @@ class Sm100Kernel:
         # The caller has waited for S's columns (the softmax warps have read S; where P lies over
         # S, the PV MMAs have read P): order these MMAs after the waits (common/tmem.py, (a), (d))
         fence_after_thread_sync()
-        if cutlass.const_expr(self.kblock_loop):
-            # Tuning 3: a loop over the k-blocks; each one's descriptors are made in it, from
-            # the slots' (MMA, MMA_M / MMA_N, MMA_K) views.
-            tCrQs, tCrKs = tCrQ[(None, None, None, q_slot)], tCrK[(None, None, None, k_slot)]
-            for kb in cutlass.range(cute.size(tCrQ, mode=[2]), unroll=1):
-                # S (+)= Q[:, 16 kb : 16 kb + 16] @ K_j[:, 16 kb : 16 kb + 16]^T, kb = 0 overwrites
-                qk_mma.set(tcgen05.Field.ACCUMULATE, kb != 0)
-                cute.gemm(qk_mma, tStS, tCrQs[(None, None, kb)], tCrKs[(None, None, kb)], tStS)
-            return qk_mma
-        qk_mma.set(tcgen05.Field.ACCUMULATE, False)
-        for kb in cutlass.range_constexpr(cute.size(tCrQ, mode=[2])):
-            # S += Q[:, 16 kb : 16 kb + 16] @ K_j[:, 16 kb : 16 kb + 16]^T  (128 x 128 x 16)
-            cute.gemm(
-                qk_mma, tStS, tCrQ[(None, None, kb, q_slot)], tCrK[(None, None, kb, k_slot)], tStS
-            )
-            qk_mma.set(tcgen05.Field.ACCUMULATE, True)
+        # (MMA, MMA_M, MMA_K) and (MMA, MMA_N, MMA_K): the slots' tiles of Q and K_j
+        tCrQs, tCrKs = tCrQ[(None, None, None, q_slot)], tCrK[(None, None, None, k_slot)]
+        for kb in cutlass.range(cute.size(tCrQ, mode=[2]), unroll=1):
+            # S (+)= Q[:, 16 kb : 16 kb + 16] @ K_j[:, 16 kb : 16 kb + 16]^T, kb = 0 overwrites
+            qk_mma.set(tcgen05.Field.ACCUMULATE, kb != 0)
+            cute.gemm(qk_mma, tStS, tCrQs[(None, None, kb)], tCrKs[(None, None, kb)], tStS)
         # Returned for the caller to rebind: the DSL carries the MMA's ACCUMULATE field through
         # the loop only for a name the loop assigns.
         return qk_mma
@@ -1459,19 +1445,11 @@ class Sm100Kernel:
         # The caller has waited for P (written by the softmax warps) and O (rescaled by the
         # correction warps): order these MMAs after the waits (common/tmem.py, (b), (c))
         fence_after_thread_sync()
-        if cutlass.const_expr(self.kblock_loop):
-            # Tuning 3, as in issue_qk
-            tCrVs = tCrV[(None, None, None, v_slot)]
-            for kb in cutlass.range(cute.size(tOrP, mode=[2]), unroll=1):
-                # O (+)= P_j[:, 16 kb : 16 kb + 16] @ V_j[16 kb : 16 kb + 16, :]  (128 x D x 16)
-                pv_mma.set(tcgen05.Field.ACCUMULATE, accumulate or kb != 0)
-                cute.gemm(pv_mma, tOtO, tOrP[(None, None, kb)], tCrVs[(None, None, kb)], tOtO)
-            return pv_mma
-        pv_mma.set(tcgen05.Field.ACCUMULATE, accumulate)
-        for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-            # O += P_j[:, 16 kb : 16 kb + 16] @ V_j[16 kb : 16 kb + 16, :]  (128 x D x 16)
-            cute.gemm(pv_mma, tOtO, tOrP[(None, None, kb)], tCrV[(None, None, kb, v_slot)], tOtO)
-            pv_mma.set(tcgen05.Field.ACCUMULATE, True)
+        tCrVs = tCrV[(None, None, None, v_slot)]  # (MMA, MMA_N=D, MMA_K): the slot's V_j
+        for kb in cutlass.range(cute.size(tOrP, mode=[2]), unroll=1):
+            # O (+)= P_j[:, 16 kb : 16 kb + 16] @ V_j[16 kb : 16 kb + 16, :]  (128 x D x 16)
+            pv_mma.set(tcgen05.Field.ACCUMULATE, accumulate or kb != 0)
+            cute.gemm(pv_mma, tOtO, tOrP[(None, None, kb)], tCrVs[(None, None, kb)], tOtO)
         return pv_mma
 
     @cute.jit

@@ -12,9 +12,12 @@ Changes from stage 8:
   warpgroup waits only for its own tile; each tile has its own S, P, O and statistics barriers
   (arrivals as in stage 8). The correction warpgroup (now warps 8-11) rescales and stores both.
 - Warp 12 issues the MMAs, warp 13 the TMA loads; 14-15 complete the fourth warpgroup. 512
-  threads hold 128 registers each at launch; setmaxnreg: softmax 168, correction 80, MMA/TMA 96
-  ((2 x 168 + 80 + 96) x 128 = 65,536); the TMEM barriers count 416 and 384 threads. ptxas
-  (CUDA 13.0, 2026-12-04): 8-204 bytes of spill stores across dtypes, D and modes.
+  threads hold 128 registers each at launch; setmaxnreg: softmax 184, correction 96, MMA/TMA 48
+  ((2 x 184 + 96 + 48) x 128 = 65,536); the TMEM barriers count 416 and 384 threads. To fit, the
+  MMA warp issues a GEMM's k-blocks in a loop (unrolled, every k-block's descriptors of both Q
+  tiles stay live across the KV loop) and each role takes its work tile in its own branch (a
+  value made before the split is live across every branch's setmaxnreg). ptxas of CUDA 13.0
+  (2026-12-06): no spill in 24 configurations (168 / 80 / 96, unrolled: 8-236 bytes).
 - Shared memory: two Q tiles leave room for 4 ring slots at D = 128 (199,680 bytes), 8 at D = 64
   (166,912 bytes). A CTA's KV tile range is the union of its two tiles' ranges (causal: up to
   one more KV tile for tile 0, masked to -inf element by element).
@@ -83,11 +86,11 @@ class Sm100Kernel:
         self.tma_warp_id = 13
         self.idle_warp_ids = (14, 15)
         self.threads_per_cta = 32 * 16
-        # Registers per thread after setmaxnreg: (2 x 168 + 80 + 96) x 128 = 65536. (FA4's
-        # 192 / 80 / 48 left the MMA warp too few here: ptxas spilled 384 bytes.)
-        self.softmax_registers = 168
-        self.correction_registers = 80
-        self.other_registers = 96
+        # Registers per thread after setmaxnreg: (2 x 184 + 96 + 48) x 128 = 65536; 48 for the
+        # MMA warp, which issues a GEMM's k-blocks in a loop (FA4's count; unrolled, it spilled).
+        self.softmax_registers = 184
+        self.correction_registers = 96
+        self.other_registers = 48
         # Named barriers (0 is __syncthreads): the one before TMEM is freed (the softmax and
         # correction warps), and the TMEM allocation handshake (MMA, softmax and correction).
         self.tmem_free_bar_id = 1
@@ -262,7 +265,7 @@ class Sm100Kernel:
             sequences,
         )
         # One CTA per SM, stated (min_blocks_per_mp), so that ptxas allocates by setmaxnreg's counts
-        # (168, 80 and 96 a thread) instead of capping everything at 128.
+        # (184, 96 and 48 a thread) instead of capping everything at 128.
         self.kernel(
             qk_mma,
             pv_mma,
@@ -312,13 +315,10 @@ class Sm100Kernel:
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        # The work tile: blockIdx, for every role, before the warps split. What a role needs of a
-        # tile (its Q tiles, head, sequence, KV range) it takes from work_tile.
+        # The work tile: blockIdx. What a role needs of it (its Q tiles, head, sequence, KV
+        # range) it takes from work_tile in its own branch: a value made before the warps split
+        # is live across every branch's setmaxnreg (ptxas spilled a sequence length, packed).
         work = (mQ, mK, mCuSeqlensQ, mCuSeqlensK, window_left, window_right)
-        w = self.work_tile(cute.arch.block_idx(), *work)
-        q_tile0, head, kv_head, batch = w[:4]
-        offset_q, seqlen_q, offset_k, seqlen_k = w[4:8]
-        kv_tile_lo, kv_tile_hi = w[8:]
 
         # 1. Prepare
         if warp_idx == self.tma_warp_id:
@@ -345,10 +345,6 @@ class Sm100Kernel:
 
         sQ, sK, sV, sStats = self.smem_tensors(storage, q_smem_s, k_smem_s, v_smem_s)
 
-        tile_mO, tile_mLSE, gQ, gK, gV, gO, cO = self.gmem_tiles(
-            mQ, mK, mV, mO, mLSE, head, kv_head, batch, offset_q, offset_k
-        )
-
         qk_thr = qk_mma.get_slice(0)
         pv_thr = pv_mma.get_slice(0)
         # (MMA, MMA_M, MMA_N): the (row, key) coordinates of S's elements within a tile
@@ -368,6 +364,13 @@ class Sm100Kernel:
 
         if warp_idx == self.tma_warp_id:
             cute.arch.setmaxregister_decrease(self.other_registers)
+            w = self.work_tile(cute.arch.block_idx(), *work)
+            q_tile0, head, kv_head, batch = w[:4]
+            offset_q, seqlen_q, offset_k, seqlen_k = w[4:8]
+            kv_tile_lo, kv_tile_hi = w[8:]
+            _, _, gQ, gK, gV, _, _ = self.gmem_tiles(
+                mQ, mK, mV, mO, mLSE, head, kv_head, batch, offset_q, offset_k
+            )
             loads = (q_prod, kv_prod)
             loads = self.load(
                 (tma_q, tma_k, tma_v, qk_thr, pv_thr),
@@ -398,9 +401,7 @@ class Sm100Kernel:
                 s_pipes,
                 p_pipes,
                 o_pipes,
-                kv_tile_lo,
-                kv_tile_hi,
-                seqlen_k,
+                work,
                 mCuSeqlensK,
             )
 
@@ -412,6 +413,9 @@ class Sm100Kernel:
                 tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
                 s_cons, p_prod = s_pipes[s].make_consumer(), p_pipes[s].make_producer()
                 stats_prod = stats_pipes[s].make_producer()
+                w = self.work_tile(cute.arch.block_idx(), *work)
+                q_tile0, seqlen_q, seqlen_k = w[0], w[5], w[7]
+                kv_tile_lo, kv_tile_hi = w[8], w[9]
                 s_cons, p_prod, stats_prod = self.softmax(
                     s,
                     tidx % softmax_threads,
@@ -443,6 +447,13 @@ class Sm100Kernel:
             tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
             stats_cons = tuple(p.make_consumer() for p in stats_pipes)
             o_cons = tuple(p.make_consumer() for p in o_pipes)
+            w = self.work_tile(cute.arch.block_idx(), *work)
+            q_tile0, head, kv_head, batch = w[:4]
+            offset_q, seqlen_q, offset_k, seqlen_k = w[4:8]
+            kv_tile_lo, kv_tile_hi = w[8:]
+            tile_mO, tile_mLSE, _, _, _, gO, cO = self.gmem_tiles(
+                mQ, mK, mV, mO, mLSE, head, kv_head, batch, offset_q, offset_k
+            )
             stats_cons, o_cons = self.correction(
                 tidx % correction_threads,  # this thread's row, in both Q tiles
                 tmem_ptr,
@@ -536,9 +547,7 @@ class Sm100Kernel:
         s_pipes,
         p_pipes,
         o_pipes,
-        kv_tile_lo,
-        kv_tile_hi,
-        seqlen_k,
+        work,
         mCuSeqlensK,
     ):
         """The MMA warp; one thread issues, per KV tile j: S_0,j = Q_0 K_j^T and S_1,j = Q_1 K_j^T,
@@ -571,6 +580,7 @@ class Sm100Kernel:
         p_free0, p_free1 = (p.make_producer() for p in p_pipes)
         pipes = (q_cons, kv_cons, s_prod0, s_prod1, p_cons0, p_cons1)
         pipes += (o_prod0, o_prod1, p_free0, p_free1)
+        seqlen_k, kv_tile_lo, kv_tile_hi = self.work_tile(cute.arch.block_idx(), *work)[7:]
         operands = (tCrQ, tCrK, tCrV, sV, tStS, tOtO, tOrP)
         qk_mma, pv_mma, pipes = self.mma_tile(
             qk_mma, pv_mma, operands, pipes, kv_tile_lo, kv_tile_hi, seqlen_k, mCuSeqlensK
@@ -1069,13 +1079,12 @@ class Sm100Kernel:
         # The caller has waited for S's columns (the softmax warps have read S; where P lies over
         # S, the PV MMAs have read P): order these MMAs after the waits (common/tmem.py, (a), (d))
         fence_after_thread_sync()
-        qk_mma.set(tcgen05.Field.ACCUMULATE, False)
-        for kb in cutlass.range_constexpr(cute.size(tCrQ, mode=[2])):
-            # S += Q[:, 16 kb : 16 kb + 16] @ K_j[:, 16 kb : 16 kb + 16]^T  (128 x 128 x 16)
-            cute.gemm(
-                qk_mma, tStS, tCrQ[(None, None, kb, q_slot)], tCrK[(None, None, kb, k_slot)], tStS
-            )
-            qk_mma.set(tcgen05.Field.ACCUMULATE, True)
+        # (MMA, MMA_M, MMA_K) and (MMA, MMA_N, MMA_K): the slots' tiles of Q and K_j
+        tCrQs, tCrKs = tCrQ[(None, None, None, q_slot)], tCrK[(None, None, None, k_slot)]
+        for kb in cutlass.range(cute.size(tCrQ, mode=[2]), unroll=1):
+            # S (+)= Q[:, 16 kb : 16 kb + 16] @ K_j[:, 16 kb : 16 kb + 16]^T, kb = 0 overwrites
+            qk_mma.set(tcgen05.Field.ACCUMULATE, kb != 0)
+            cute.gemm(qk_mma, tStS, tCrQs[(None, None, kb)], tCrKs[(None, None, kb)], tStS)
         # Returned for the caller to rebind: the DSL carries the MMA's ACCUMULATE field through
         # the loop only for a name the loop assigns.
         return qk_mma
@@ -1087,11 +1096,11 @@ class Sm100Kernel:
         # The caller has waited for P (written by the softmax warps) and O (rescaled by the
         # correction warps): order these MMAs after the waits (common/tmem.py, (b), (c))
         fence_after_thread_sync()
-        pv_mma.set(tcgen05.Field.ACCUMULATE, accumulate)
-        for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-            # O += P_j[:, 16 kb : 16 kb + 16] @ V_j[16 kb : 16 kb + 16, :]  (128 x D x 16)
-            cute.gemm(pv_mma, tOtO, tOrP[(None, None, kb)], tCrV[(None, None, kb, v_slot)], tOtO)
-            pv_mma.set(tcgen05.Field.ACCUMULATE, True)
+        tCrVs = tCrV[(None, None, None, v_slot)]  # (MMA, MMA_N=D, MMA_K): the slot's V_j
+        for kb in cutlass.range(cute.size(tOrP, mode=[2]), unroll=1):
+            # O (+)= P_j[:, 16 kb : 16 kb + 16] @ V_j[16 kb : 16 kb + 16, :]  (128 x D x 16)
+            pv_mma.set(tcgen05.Field.ACCUMULATE, accumulate or kb != 0)
+            cute.gemm(pv_mma, tOtO, tOrP[(None, None, kb)], tCrVs[(None, None, kb)], tOtO)
         return pv_mma
 
     @cute.jit
