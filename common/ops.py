@@ -10,8 +10,10 @@ inside `torch.compile(fullgraph=True)` and PyTorch knows their output shapes wit
 Which stage runs: the latest one with stage 7's API (`attention(..., causal, window, return_lse)`
 with K/V of Hkv heads, and `attention_varlen`), which is stage 14 (the paged KV cache, whose
 unpaged entries are stage 13's split-KV launch); the environment variable FLASH_TUTORIAL_STAGE=7
-or `with use_stage(7):` pins another of stages 7-14 (read at each call, so also inside a
-compiled graph). The stage's package is imported on the
+or `with use_stage(7):` pins another of stages 7-14. use_stage is read at each call, so also
+inside a compiled graph; the variable is read at the first call in a process (reading the
+environment costs about 0.5 us, which every layer of a decode step would pay), and again by
+`read_stage_env()` after a running process changes it. The stage's package is imported on the
 first real call, so importing this module needs neither a GPU nor the CuTe DSL. Each op has a
 fake implementation (`register_fake`: shapes, dtypes and devices from the inputs' metadata alone)
 which FakeTensorMode, meta tensors and torch.compile's tracing use instead of the kernel.
@@ -78,17 +80,30 @@ def stage_numbers():
     return list(_stage_numbers())
 
 
-def current_stage():
-    """The stage number the ops run now: use_stage's, else FLASH_TUTORIAL_STAGE, else the latest."""
-    if _pinned:
-        return _pinned[-1]
+_env_stage = []  # FLASH_TUTORIAL_STAGE as read_stage_env found it: [stage number or None]
+
+
+def read_stage_env():
+    """Read FLASH_TUTORIAL_STAGE (again) and return the stage it names, or None when it is unset.
+    current_stage() calls this once per process; call it after changing the variable in a
+    running process."""
+    _env_stage.clear()
     env = os.environ.get(STAGE_ENV)
+    n = None
     if env:
         n = int(env)
         if n not in _stage_numbers():
             raise ValueError(f"{STAGE_ENV}={env}: stages with the ops' API are {stage_numbers()}")
-        return n
-    return _stage_numbers()[-1]
+    _env_stage.append(n)
+    return n
+
+
+def current_stage():
+    """The stage number the ops run now: use_stage's, else FLASH_TUTORIAL_STAGE, else the latest."""
+    if _pinned:
+        return _pinned[-1]
+    n = _env_stage[0] if _env_stage else read_stage_env()
+    return n or _stage_numbers()[-1]
 
 
 @contextlib.contextmanager
@@ -223,7 +238,8 @@ def _define(schema, kernel, fake):
 
     def forward_only(*args):
         q, k, v = args[:3]
-        checks.check_inference_only(("q", "k", "v"), (q, k, v), "this attention kernel")
+        if torch.is_grad_enabled():
+            checks.check_inference_only(("q", "k", "v"), (q, k, v), "this attention kernel")
         if plain_cuda(q, k, v):
             # Nothing but the CUDA kernel lies below autograd: call it (the dispatcher's way
             # there costs host time, which under no_grad each layer of a decode step pays).

@@ -136,16 +136,28 @@ def test_stage_selection(monkeypatch):
     numbers = ops.stage_numbers()
     assert numbers[0] == 7 and numbers == sorted(numbers)
     monkeypatch.delenv(ops.STAGE_ENV, raising=False)
+    assert ops.read_stage_env() is None
     assert ops.current_stage() == numbers[-1]
     with ops.use_stage(7):
         assert ops.current_stage() == 7
         assert ops.stage_module().__name__ == "stages.stage7_gqa_varlen"
     assert ops.current_stage() == numbers[-1]
+    # The variable is read once per process (read_stage_env reads it again): a change is not
+    # seen until then.
     monkeypatch.setenv(ops.STAGE_ENV, "7")
+    assert ops.current_stage() == numbers[-1]
+    assert ops.read_stage_env() == 7
     assert ops.current_stage() == 7
+    with ops.use_stage(numbers[-1]):
+        assert ops.current_stage() == numbers[-1]
     monkeypatch.setenv(ops.STAGE_ENV, "6")  # stage 6 has no GQA / packed entry
     with pytest.raises(ValueError, match="FLASH_TUTORIAL_STAGE=6"):
-        ops.current_stage()
+        ops.read_stage_env()
+    with pytest.raises(ValueError, match="FLASH_TUTORIAL_STAGE=6"):
+        ops.current_stage()  # not cached while invalid: every call says so
+    monkeypatch.delenv(ops.STAGE_ENV)
+    assert ops.read_stage_env() is None
+    assert ops.current_stage() == numbers[-1]
     with pytest.raises(ValueError, match="stage 5"):
         with ops.use_stage(5):
             pass

@@ -283,7 +283,8 @@ nb.table(
 #
 # **What the machine code does with the wait.** The PTX puts `wgmma.wait_group 0` after the
 # whole softmax. ptxas schedules the machine code, and it moves a wgmma wait up to the top of its
-# basic block: in the SASS of this loop the wait for $PV_{j-1}$ stands right after the mask, so
+# basic block: in the SASS (the GPU's machine code, which ptxas makes from the PTX; `cuobjdump
+# -sass` prints it) of this loop the wait for $PV_{j-1}$ stands right after the mask, so
 # of the softmax only the mask runs under the warpgroup's own $PV_{j-1}$. Stage 12's tuning 6
 # gives the wait a block of its own after the row max (notebook 12); this stage keeps the plain
 # program order, the lesson, and section 7 shows what that costs at D = 128. How the wait was
@@ -491,7 +492,7 @@ bench = nb.measure(
 #    cost? And what would go wrong with the two GEMMs issued in the other order?
 # 2. **The register budget.** At D = 64, stage 12 runs three consumer warpgroups of 160
 #    registers each (128 x 24 + 384 x 160 = 64,512 of the SM's 65,536). Do stage 10's three
-#    S-sized sets fit in 160 at D = 64? At D = 128?
+#    live register sets ($S_j$, $P_{j-1}$ and O) fit in 160 at D = 64? At D = 128?
 # 3. **A lost pass.** Remove warpgroup 1's pass after its last PV from the programs of 5.3 and
 #    explore again. What does the model report, and what would the kernel do?
 # 4. **The model and the measurement.** Stretch the softmax in the model (`exp_tflops` of

@@ -372,7 +372,9 @@ step_table(3)
 # `(k_block, slot)` together, ptxas rebuilt both halves of every k-block's descriptor (a logical
 # operation on the low word, a move of the high word); sliced by slot first, a k-block's
 # descriptor is the slot's plus a constant, one 64-bit add, as in FA4's kernel. **How it was
-# found.** Counting the loop's uniform-datapath instructions per KV tile against FA4's.
+# found.** Counting the loop's uniform-datapath instructions (the `U`-prefixed SASS, which a warp
+# runs once for all 32 lanes, on values that are the same in every lane) per KV tile against
+# FA4's.
 
 # %%
 nb.show_source(12, "hopper", names=["Sm90Kernel.issue_qk"])
@@ -481,8 +483,8 @@ changes = opcode_changes(("interval_mask",), 128, causal=True)
 step_table(7)
 
 # %% [markdown]
-# On the causal kernel at D = 128 the mask's code loses about 120 `selp.f32`, 120 `sub.s32` and
-# 60 compares (`opcode_changes` above; the same at D = 64). Measured: +1.8% to +5.1% on the causal
+# On the causal kernel at D = 128 the mask's code loses 126 `selp.f32`, 126 `sub.s32` and 66
+# `setp.ge.s32` (`opcode_changes` above; at D = 64 the same but 122 `sub.s32`). Measured: +1.8% to +5.1% on the causal
 # rows, where tiles cross the diagonal, the most at S = 2k where such tiles are the largest share;
 # +1.3% to +2.9% at D = 128 non-causal, where no tile of these shapes crosses an edge and the mask
 # code never runs (this run does not say where that gain comes from); a loss of up to 1.8% at
@@ -607,7 +609,7 @@ fig = figures.tunings_cumulative(
 # All seven together: +23% to +31% at D = 64 non-causal, +8% to +21% causal, +5% to +6% at
 # D = 128 non-causal and +4% to +5% causal. Most of D = 64's gain is tuning 1 (three warpgroups)
 # and tunings 2 and 3; at D = 128 it is tunings 6 and 7. In the same run the kernel with all
-# seven ran at 0.95-1.01x FA4 at D = 64 (0.95 causal from 2k to 16k) and at 0.97-1.03x at
+# seven ran at 0.95-1.01x FA4 at D = 64 (0.95 causal from 2k to 16k) and at 0.97-1.04x at
 # D = 128.
 #
 # ### 7.2 Stage 12 against FA4 and cuDNN
@@ -746,8 +748,9 @@ bench = nb.measure(
 # tuning an element costs an `add` (its key), a `sub` (key - row), three compares (`setp.ge`
 # against $S_k$, `setp.gt` and `setp.lt` against the band's edges) and three `selp.f32`; with it,
 # two compares of its column offset, an immediate, against $\text{col}_{lo}$ and
-# $\text{col}_{hi}$, and two `selp.f32`. So about 128 `selp.f32` and 128 `sub.s32` go, and the
-# `setp.ge.s32` with them (the cell below prints the counts of both kernels).
+# $\text{col}_{hi}$, and two `selp.f32`. So about 128 `selp.f32` and 128 `sub.s32` go (the cell
+# below counts 126 and 122). The compare against $S_k$ depends on the key alone, so a thread's two
+# rows share it: about 32 columns x 2 sites = 64 `setp.ge.s32` go (the count: 66).
 # </details>
 #
 # <details><summary>3. The same bits</summary>

@@ -301,7 +301,7 @@ class Sm90Kernel:
         class SharedStorage:
             q_full: cute.struct.MemRange[cutlass.Int64, 1]
             # The work tile the producer hands to the consumers with each q_full (see load, mma).
-            tile_id: cute.struct.MemRange[cutlass.Int32, 2]
+            tile_id: cute.struct.MemRange[cutlass.Int32, 1]
             q_empty: cute.struct.MemRange[cutlass.Int64, 1]
             kv_full: cute.struct.MemRange[cutlass.Int64, self.kv_slots]
             kv_empty: cute.struct.MemRange[cutlass.Int64, self.kv_slots]
@@ -456,7 +456,7 @@ class Sm90Kernel:
         q_empty = storage.q_empty.data_ptr()
         # The number of the tile whose Q q_full announces (the producer writes it before its
         # arrive, the consumers read it after their wait).
-        tile_id = storage.tile_id.get_tensor(cute.make_layout(2))
+        tile_id = storage.tile_id.get_tensor(cute.make_layout(1))
         q_bytes = cute.size_in_bytes(
             self.dtype, cute.select(q_smem_layout, mode=[0, 1])
         )  # 32 KB (D = 128)
