@@ -100,8 +100,8 @@ split_range = type(kernel).split_range.__wrapped__
 #
 # ### 3.1 Too few work tiles
 #
-# A work tile covers $\lceil S_q G / b_M \rceil$ Q tiles of one KV head of one sequence; a
-# decode step ($S_q = 1$, $B = 1$, $H_{kv} = 8$, $G = 4$, $b_M = 128$) has
+# With pack-GQA one KV head of one sequence has $\lceil S_q G / b_M \rceil$ Q tiles, each a
+# work tile; a decode step ($S_q = 1$, $B = 1$, $H_{kv} = 8$, $G = 4$, $b_M = 128$) has
 #
 # $$\text{tiles} = \lceil 1 \cdot 4 / 128 \rceil \cdot H_{kv} \cdot B = 8,$$
 #
@@ -174,7 +174,7 @@ def split_partials(scores, values, num_splits, bN=128):
 
 
 rows = []
-for label, factor in (("scores of a unit-variance row", 1.0), ("scores around 1e4", 1e3)):
+for label, factor in (("scores of a unit-variance row", 1.0), ("scores in the thousands", 1e3)):
     scores = factor * (keys @ q_row) / D**0.5
     o_part, lse_part = split_partials(scores, values, num_splits)
     # combine_reference takes (splits, B, H, S, D) and (splits, B, H, S): one row of one head.
@@ -222,11 +222,13 @@ nb.table(
 # ## 4. What changes
 #
 # The docstring gives the change and its numbers; then the kernel class's diff against stage 12
-# (`make diff-13 TRACK=hopper` shows the whole files). Every hunk is the split: `split_kv` and
+# (`make diff-13 TRACK=hopper` shows the whole files). Most hunks are the split: `split_kv` and
 # two more kernel arguments (`seqused_k`, `num_splits`) passed to both roles, the grid and
 # `total_tiles` multiplied by `num_splits`, `tile_coords` returning the split, `split_range`
 # applied to `kv_tile_range`'s result in the producer and the consumers alike, `seq_info`
-# reading `seqused_k`, and the split's own epilogue.
+# reading `seqused_k`, and the split's own epilogue. The others are the decode tile of section
+# 5.1: `launch_options`' new first rule, the register count of a single consumer warpgroup, and
+# `wait_turn` / `pass_turn` doing nothing when there is no second warpgroup to take turns with.
 
 # %%
 nb.show_docstring(13, "hopper")
@@ -550,7 +552,8 @@ fig = nb.error_picture(13, result)
 # 25 us of host work per call.
 #
 # `make bench`'s decode rows on an NVIDIA H100 80GB HBM3 (2026-12-06, bf16, $S_q$ = 1, D = 128;
-# `docs/results/decode_h100_2026-12-06_decode_tile.md`), the kernel as it is: stage 12, stage
+# `docs/results/decode_h100_2026-12-06_decode_tile.md`), the kernels as they are (the split
+# kernel and the combine still launched by two host calls then; section 5.6): stage 12, stage
 # 13, FA4 and SDPA's cuDNN, flash
 # and memory-efficient backends, all timed in the same interleaved rounds, inputs rotated past
 # L2. A decode step is bound by memory, so the unit is GB/s of K and V read,
@@ -607,7 +610,10 @@ fig = figures.decode_bars(
 # - **Against SDPA's cuDNN backend, in GPU time:** 1.03x at 8k and 1.00x at 32k (batch 1),
 #   0.98-0.99x in the other rows. There both kernels read 88-92% of the H100's 3,350 GB/s; at
 #   batch 32 the 256 work tiles leave 8 of 132 SMs idle for the second round, about 3%
-#   (`docs/notes/stage13.md`). Back to back 0.97-1.31x.
+#   (`docs/notes/stage13.md`). Back to back 0.97-1.31x; with the two kernels in one compiled
+#   launch (`SplitLaunch`, the same GPU and day,
+#   `docs/results/decode_h100_2026-12-06_split_launch.md`) the GPU-time ratios stay 0.98-1.03x
+#   and back to back becomes 0.97-1.42x (735 GB/s at 8k, 2,276 at 32k).
 # - **Short caches are host-bound.** At 8k and 32k a call back to back takes longer than its GPU
 #   work, so the event-timed GB/s measure the host: 2,114 GB/s at 32k back to back against 2,650
 #   in GPU time. The next section is the host's side.
@@ -642,7 +648,8 @@ print("splits the launch picks for this step now:", attention_host.splits_for(8,
 # host time, against SDPA's 14.7: within the goal of 25 us. A split call (`num_splits=2`) takes
 # 23.3-23.4: the partials' buffer and one call that launches both kernels (section 5.6; H100
 # 80GB HBM3, 2026-12-06, the same run). With two calls, the combine's its own, and three views
-# of the buffer, it took 28.7-28.8 on the same GPU model the same day. Of stage
+# of the buffer, it took 28.7-28.8 on the same GPU model the same day
+# (`docs/results/host_time_h100_2026-12-06_checks_first.txt`, a host where SDPA took 14.2). Of stage
 # 12's 18.8 us in an A/B on the same GPU model (2026-12-05), its compiled function called alone
 # on ready arguments took 5.1 (the TVM-FFI call and the launch) and each of its two outputs 2.2
 # (`torch.empty_strided`): about 9 us was the launch path's Python. A call whose tensors and options match an earlier
@@ -675,8 +682,9 @@ bench = nb.measure(
 #    tiles, how many splits get keys, and what do the others write? What weight does the
 #    combine give them?
 # 3. **A whole range in one split.** Run `split_partials` of section 3 with `num_splits = 1`
-#    and with 65 (one KV tile each). Is the merged O the same to fp64 rounding? Which case has
-#    more splits than KV tiles, and what does `split_range` give the splits past the last tile?
+#    and with 65 (one KV tile each). Is the merged O the same to fp64 rounding? Does either case
+#    have more splits than KV tiles? With how many splits would some lie past the last tile,
+#    and what does `split_range` give them?
 # 4. **Why fp32 partials.** Round the 16 $O_s$ of section 3 to bf16 before the merge and compare
 #    the merged O with the fp64 direct softmax, against rounding the merged O once. How much
 #    error does the second rounding add?

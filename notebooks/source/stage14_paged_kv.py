@@ -224,7 +224,8 @@ nb.table(
 #
 # The docstring gives the change and its numbers; then the kernel class's diff against stage 13
 # (`make diff-14 TRACK=hopper` shows the whole files). Every hunk is the page: `page_size` and
-# `page_rows` in `__init__`; the TMA atoms of K and V built for a box of (`page_rows`, D) rows,
+# `page_rows` in `__init__`; in `__call__` the cache's two middle modes swapped (section 5.2) and
+# the TMA atoms of K and V built for a box of (`page_rows`, D) rows,
 # the first `page_rows` rows of a slot; the longest key count read from the table's width
 # (max_pages x page_size); `page_table` passed to both roles and to `seq_info`; the paged
 # partitions in `tma_views`; the last page computed once per work tile in `load`; the box loop
@@ -583,7 +584,10 @@ fig = figures.paged_ratios(
 #   4 KB instead of one of 32 KB, each issued by the producer after its own `page_table` read.
 # - **Back to back at B = 1 with 8 KV heads the host sets the pace**: at 32k a paged call takes
 #   110-113 us against stage 13's 77.5, for 44-48 us of GPU work, so every page size reads at
-#   0.68-0.70 of stage 13 there, and at 8k 0.36-0.48. With 32 KV heads, at B = 8 and at B = 32
+#   0.68-0.70 of stage 13 there, and at 8k 0.36-0.48: lower still because at 8k the benchmark
+#   cycles through 24 page tables and the launch timed then remembered only the last 8, so most
+#   calls read their table to the host again (`docs/notes/stage14.md`). With 32 KV heads, at
+#   B = 8 and at B = 32
 #   the GPU work dominates and the ratios are those of GPU time (0.84-0.86 at page 16,
 #   0.97-1.00 from 64 on).
 #
@@ -591,7 +595,10 @@ fig = figures.paged_ratios(
 # H100 80GB HBM3 only (2026-12-06, `docs/results/decode_h100_2026-12-06_decode_tile.md`,
 # columns `14 pN`): in GPU time 0.96-1.00 of stage 13 at pages of 64 keys or more and
 # 0.95-0.98 at pages of 16, in every row, B = 1 at 8k included; back to back 0.73-0.78 at B = 1
-# with 8 KV heads at 8k and 32k, where the host sets the pace.
+# with 8 KV heads at 8k and 32k, where the host sets the pace. With the split kernel and the
+# combine in one compiled launch (the same GPU and day,
+# `docs/results/decode_h100_2026-12-06_split_launch.md`) the GPU-time ratios stay in those
+# ranges and back to back those rows rise to 0.86-0.90.
 #
 # ### 7.2 Host work per call
 #

@@ -127,8 +127,10 @@ def work_pairs(chunks, rank, src, causal):
 #   (rank $N - 1$ works at every step, rank 0 at one), and why zig-zag chunks give every rank
 #   half a chunk pair at every step;
 # - say when a hop hides behind the kernel: $4 c H_{kv} D$ bytes per hop against $2 H c^2 D$
-#   FLOPs per step, so a chunk of $c \ge 2F / (G \cdot \text{BW})$ tokens hides it, and evaluate
-#   that with the kernel's measured speed (H200, 2026-12-04) and NVLink's published bandwidth;
+#   FLOPs per step, so a chunk of $c \ge 2F / (G \cdot \text{BW})$ tokens hides it ($c$ the
+#   chunk's tokens, $F$ the kernel's FLOP/s, BW the link's bytes per second one way,
+#   $G = H / H_{kv}$; section 5.5), and evaluate that with the kernel's measured speed (H200,
+#   2026-12-04) and NVLink's published bandwidth;
 # - run the ring on CPU threads and check it against one attention over the whole sequence;
 # - say what has not run: the ring over several GPUs on NCCL.
 #
@@ -767,7 +769,7 @@ else:
 # (1, 7), which the mask forbids, and it misses (6, 0), (6, 1), (7, 0), (7, 1). At step 1 rank 0
 # computes its "second" piece, now tokens 0 and 1, against rank 1's whole chunk (all forbidden),
 # and rank 1 all its tokens against rank 0's "first" piece, now tokens 6 and 7 (all forbidden).
-# In all 24 of the 36 pairs the mask allows are missed and 24 forbidden ones computed; none
+# In all, 24 of the 36 pairs the mask allows are missed and 24 forbidden ones computed; none
 # twice. O is wrong by order 1 (the check prints it). Contiguous chunks, one piece each, do not
 # change. `ring_step`'s rules say "first" and "second" and mean "earlier" and "later": the order
 # of the pieces in the chunk is part of the schedule, and the causal square of step 0 is a lower

@@ -89,7 +89,7 @@ class Sm90Kernel:
         self.acc_dtype = cutlass.Float32
         # Consumer warpgroup w = 1 .. mma_warpgroups computes query rows [64 (w - 1), 64 w) of
         # the tile: two (a 128-row Q tile), three at D = 64 (192 rows: tuning 1);
-        # mma_warpgroups overrides it (the launch passes 2 under short masks: launch_options).
+        # mma_warpgroups overrides it (launch_options: 1 for a decode tile, 2 under short masks).
         self.mma_warpgroups = mma_warpgroups or self.warpgroups_for(head_dim)
         # (bM, bN, bK): query rows, keys per KV tile, head dim
         self.cta_tile = (64 * self.mma_warpgroups, 128, head_dim)
@@ -102,7 +102,8 @@ class Sm90Kernel:
         self.mma_registers = {1: 240, 2: 240, 3: 160}[self.mma_warpgroups]
         # As many K or V tiles as fit in 227 KB next to Q, O and 1 KB of barriers: 5 x 32 KB
         # next to 2 x 32 KB (D = 128), 12 x 16 KB next to 2 x 16 KB (D = 64; 11 next to 2 x 24 KB
-        # with three consumer warpgroups).
+        # with three consumer warpgroups; a decode tile's one: 6 x 32 KB next to 2 x 16 KB at
+        # D = 128, 13 x 16 KB next to 2 x 8 KB at D = 64).
         q_bytes = self.cta_tile[0] * head_dim * dtype.width // 8
         tile_bytes = self.cta_tile[1] * head_dim * dtype.width // 8
         # Persistent CTAs: a grid of at most one CTA per SM (1 fits: 225 KB of shared memory),
