@@ -306,14 +306,15 @@ if report is not None:
 # ### 5.6 The same stage on Blackwell
 #
 # On Blackwell, stage 10 changes the MMA warp's order to FA4's: for each Q tile it issues
-# $P_{j-1} V_{j-1}$ and right behind it $S_j = Q K_j^{\top}$, the QK of the next tile without
-# waiting for the softmax of this one, so each softmax warpgroup finds its next S ready after
-# two GEMMs while the other Q tile's two GEMMs keep the tensor core busy. The new S must not land
+# $P_{j-1} V_{j-1}$ and right behind it $S_j = Q K_j^{\top}$, without waiting for that PV to
+# complete (only for the softmax to have read $S_{j-1}$), so each softmax warpgroup finds its
+# next S ready after two GEMMs while the other Q tile's two GEMMs keep the tensor core busy. The new S must not land
 # on a P that a PV may still read, and PTX keeps two `tcgen05.mma` of one thread in order only
 # when they share the accumulator: at D = 64 P gets TMEM columns of its own (the first map
 # below), at D = 128 S and O fill all 512 columns and P lies over S (the second map), and the
 # docstring says which order each head dim takes. The stage also takes FA4's conditional
-# rescale: O is rescaled only when a row's max has grown by more than a factor $2^8$.
+# rescale: O is rescaled only when the growth of a row's max scales its exponentials by more
+# than $2^8$.
 #
 # **Blackwell kernels are compile-checked here, not run on hardware.** No sm_100 GPU has run
 # them: the Blackwell files are compiled for sm_100a with fake tensors, their PTX is checked and the

@@ -1,6 +1,6 @@
 """Stage 10 - overlap inside the loop (Blackwell, sm_100a): the MMA warp issues QK of the next
 KV tile right behind the PV of the last one (D = 64), and O is rescaled only when a row's max
-has grown by more than 2^8.
+has grown enough to scale its exponentials by more than 2^8.
 
 Changes from stage 9:
 - The MMA warp's order, FA4's mma(): for Q tile s = 0, 1 in turn, P_s,j-1 @ V_j-1 and then
@@ -72,7 +72,7 @@ class Sm100Kernel:
         self.cta_group = tcgen05.CtaGroup.ONE  # one CTA per MMA (no 2-CTA pairs)
         self.cluster_shape_mn = (1, 1)
         # Warp roles: softmax warpgroup s (s = 0, 1) owns the rows of Q tile s; the correction
-        # warpgroup rescales O and stores it; one MMA warp and one TMA warp as in stages 1-7;
+        # warpgroup rescales O and stores it; one MMA warp and one TMA warp as in stages 1-8;
         # warps 14-15 only complete the fourth warpgroup (setmaxnreg acts on whole warpgroups).
         self.softmax_warp_ids = ((0, 1, 2, 3), (4, 5, 6, 7))
         self.correction_warp_ids = (8, 9, 10, 11)
@@ -119,7 +119,7 @@ class Sm100Kernel:
             else self.tmem_s_offset
         )
         # Conditional rescale: the reference max moves only when the row max has grown by more
-        # than this many log2 units (P stays within (0, 2^8]).
+        # than this many log2 units (P stays within [0, 2^8]).
         self.rescale_threshold = 8.0
         # The MMA warp issues P_s,j-1 @ V_j-1 and then S_s,j (FA4's order) where P has columns
         # of its own; with P over S it keeps stage 9's order (the file's docstring says why).

@@ -4,7 +4,7 @@ share or drawn from an atomic tile scheduler, longest first in L2-sized sections
 Changes from stage 10 (Hopper stage 11's, on this track's five roles):
 - Grid: min(tiles, SMs) CTAs (227 KiB of shared memory: one per SM); a work tile is a CTA's
   2 x 128 rows of one (head, sequence). The set-up is paid once per SM, and the TMA warp loads
-  the next tile's Q and K/V during this tile's last MMAs.
+  the next tile's K/V during this tile's last MMAs (its Q once they have completed).
 - The tiles (next_tile): batch mode without a mask, a fixed share (c, c + gridDim.x, ...); under
   a mask or packed, gridDim.x + a ticket from tile_counter (an atomic add); longest first in L2
   sections under a mask (tile_coords, l2_section_heads); empty packed tiles skipped. Each
@@ -73,7 +73,7 @@ class Sm100Kernel:
         self.cta_group = tcgen05.CtaGroup.ONE  # one CTA per MMA (no 2-CTA pairs)
         self.cluster_shape_mn = (1, 1)
         # Warp roles: softmax warpgroup s (s = 0, 1) owns the rows of Q tile s; the correction
-        # warpgroup rescales O and stores it; one MMA warp and one TMA warp as in stages 1-7;
+        # warpgroup rescales O and stores it; one MMA warp and one TMA warp as in stages 1-8;
         # warps 14-15 only complete the fourth warpgroup (setmaxnreg acts on whole warpgroups).
         self.softmax_warp_ids = ((0, 1, 2, 3), (4, 5, 6, 7))
         self.correction_warp_ids = (8, 9, 10, 11)
@@ -120,7 +120,7 @@ class Sm100Kernel:
             else self.tmem_s_offset
         )
         # Conditional rescale: the reference max moves only when the row max has grown by more
-        # than this many log2 units (P stays within (0, 2^8]).
+        # than this many log2 units (P stays within [0, 2^8]).
         self.rescale_threshold = 8.0
         # The MMA warp issues P_s,j-1 @ V_j-1 and then S_s,j (FA4's order) where P has columns
         # of its own; with P over S it keeps stage 9's order (stage 10's docstring says why).

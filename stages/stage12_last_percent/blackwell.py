@@ -2,12 +2,12 @@
 with_tunings(names) builds the kernel with some; with_tunings(()) is stage 11's PTX); no spill.
 
 Changes from stage 11:
-1. ex2_emulation: 16 of a row's 128 exp2 (one column pair in every 16) on the FMA pipe as FA4's
-   cubic (exp2_emulated), 112 on MUFU. FA4's reason: B200's MUFU does 16 exp2 per clock per SM,
-   as H100's, while the tensor core doubled to 8192 flop per clock: a CTA's 2 x 128 x 128
-   exponentials per KV tile take 2048 MUFU clocks, as long as its four MMAs at D = 128; 12.5%
-   emulated (FA4: 10-25%) leaves 1792. The cubic's relative error, 8.8e-5, is below P's
-   rounding to bf16 (2^-8) or fp16 (2^-11); P is no longer stage 11's bit for bit.
+1. ex2_emulation: 16 of a row's 128 exp2 (a column pair in every 16) on the FMA pipe as FA4's
+   cubic (exp2_emulated), 112 on MUFU (the special-function units, ex2.approx). FA4's reason:
+   B200's MUFU does 16 exp2 per clock per SM, as H100's, while the tensor core doubled to 8192
+   flop per clock: a CTA's 2 x 128 x 128 exponentials per KV tile take 2048 MUFU clocks, as long
+   as its four MMAs at D = 128; 12.5% emulated (FA4: 10-25%) leaves 1792. The cubic's relative
+   error, 8.8e-5, is below P's rounding to bf16 (2^-8) or fp16 (2^-11); P differs from stage 11's.
 2. packed_f32x2: S scale_log2 - row_max_scaled as one fma.rn.f32x2 per column pair, the row sum
    in four chains of add.f32x2 (63, not 128 add.f32). FA4's reason: the floating-point units
    did not grow from H100 to B200 either, and an f32x2 instruction does two columns.
@@ -102,7 +102,7 @@ class Sm100Kernel:
         self.cta_group = tcgen05.CtaGroup.ONE  # one CTA per MMA (no 2-CTA pairs)
         self.cluster_shape_mn = (1, 1)
         # Warp roles: softmax warpgroup s (s = 0, 1) owns the rows of Q tile s; the correction
-        # warpgroup rescales O and stores it; one MMA warp and one TMA warp as in stages 1-7;
+        # warpgroup rescales O and stores it; one MMA warp and one TMA warp as in stages 1-8;
         # warps 14-15 only complete the fourth warpgroup (setmaxnreg acts on whole warpgroups).
         self.softmax_warp_ids = ((0, 1, 2, 3), (4, 5, 6, 7))
         self.correction_warp_ids = (8, 9, 10, 11)
@@ -164,7 +164,7 @@ class Sm100Kernel:
             else self.tmem_s_offset
         )
         # Conditional rescale: the reference max moves only when the row max has grown by more
-        # than this many log2 units (P stays within (0, 2^8]).
+        # than this many log2 units (P stays within [0, 2^8]).
         self.rescale_threshold = 8.0
         # The tunings of the loops (the module's TUNINGS, numbered as there).
         self.ex2_emulation = "ex2_emulation" in self.tunings  # 1
@@ -1495,8 +1495,8 @@ class Sm100Kernel:
     @cute.jit
     def packed_row_sum(self, tTR_rP, init):
         """init + the sum of this thread's row of P (tuning 2), as FA4's fadd_reduce: four
-        independent chains of add.f32x2 over column pairs (8 c, 8 c + 1) ... (8 c + 6, 8 c + 7),
-        folded at the end: 63 add.f32x2 (stage 11: a chain of 128 add.f32)."""
+        independent chains of add.f32x2, chain c over the column pairs (8 m + 2 c, 8 m + 2 c + 1),
+        m = 0 .. 15, folded at the end: 63 add.f32x2 (stage 11: a chain of 128 add.f32)."""
         chains = [(tTR_rP[i], tTR_rP[i + 1]) for i in range(0, 8, 2)]
         for i in cutlass.range_constexpr(8, cute.size(tTR_rP), 8):
             for c in cutlass.range_constexpr(4):

@@ -12,8 +12,8 @@ TUNINGS, with_tunings), Hopper stage 13's on this track's five roles:
   is min(tiles x num_splits, SMs) CTAs. work_tile, which every role calls once per work tile,
   returns the split and the split's range: the TMA warp loads, the MMA warp multiplies and the
   softmax and correction warpgroups fold the same KV tiles.
-- A split's epilogue: correction thread `row` reads its row of O_s from TMEM after the last
-  rescale (32 columns per tcgen05.ld), multiplies it by 1 / row_sum and stores it in fp32 to
+- A split's epilogue: correction thread `row` reads its row of O_0 and O_1 from TMEM after the
+  last rescale (32 columns per tcgen05.ld), multiplies each by 1 / row_sum, stores it in fp32 to
   O_partial[s], 16 bytes (4 values) per store, only the rows inside the sequence: stage 12's
   row stores of packed sequences, D x 4 bytes a row (512 at D = 128). LSE goes to
   LSE_partial[s]. No staging in shared memory, no TMA store of O (stage 12's shared-memory
@@ -111,7 +111,7 @@ class Sm100Kernel:
         self.cta_group = tcgen05.CtaGroup.ONE  # one CTA per MMA (no 2-CTA pairs)
         self.cluster_shape_mn = (1, 1)
         # Warp roles: softmax warpgroup s (s = 0, 1) owns the rows of Q tile s; the correction
-        # warpgroup rescales O and stores it; one MMA warp and one TMA warp as in stages 1-7;
+        # warpgroup rescales O and stores it; one MMA warp and one TMA warp as in stages 1-8;
         # warps 14-15 only complete the fourth warpgroup (setmaxnreg acts on whole warpgroups).
         self.softmax_warp_ids = ((0, 1, 2, 3), (4, 5, 6, 7))
         self.correction_warp_ids = (8, 9, 10, 11)
@@ -173,7 +173,7 @@ class Sm100Kernel:
             else self.tmem_s_offset
         )
         # Conditional rescale: the reference max moves only when the row max has grown by more
-        # than this many log2 units (P stays within (0, 2^8]).
+        # than this many log2 units (P stays within [0, 2^8]).
         self.rescale_threshold = 8.0
         # The tunings of the loops (the module's TUNINGS, numbered as there).
         self.ex2_emulation = "ex2_emulation" in self.tunings  # 1
@@ -1544,8 +1544,8 @@ class Sm100Kernel:
     @cute.jit
     def packed_row_sum(self, tTR_rP, init):
         """init + the sum of this thread's row of P (tuning 2), as FA4's fadd_reduce: four
-        independent chains of add.f32x2 over column pairs (8 c, 8 c + 1) ... (8 c + 6, 8 c + 7),
-        folded at the end: 63 add.f32x2 (stage 11: a chain of 128 add.f32)."""
+        independent chains of add.f32x2, chain c over the column pairs (8 m + 2 c, 8 m + 2 c + 1),
+        m = 0 .. 15, folded at the end: 63 add.f32x2 (stage 11: a chain of 128 add.f32)."""
         chains = [(tTR_rP[i], tTR_rP[i + 1]) for i in range(0, 8, 2)]
         for i in cutlass.range_constexpr(8, cute.size(tTR_rP), 8):
             for c in cutlass.range_constexpr(4):

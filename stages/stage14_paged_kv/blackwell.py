@@ -12,8 +12,8 @@ Hopper stage 14's in this track's TMA warp (the other four roles are stage 13's)
   holding keys j bN + c r .. (load): page_size >= 128 (a multiple of 128), one box per tile,
   tile j % (page_size / 128) of its page, stage 13's one load from a page-dependent
   coordinate; page_size = 16, 32 or 64, a gather of 128 / page_size boxes into one ring slot,
-  all counted on the slot's one full barrier (its 128 x D x 2 bytes, 32 KB at D = 128, arrive
-  in pieces of r x D x 2: 4 KB at D = 128, page 16). The boxes are issued by a loop that is
+  all counted on the slot's one full barrier (its 128 x D x 2 bytes, 32 KiB at D = 128, arrive
+  in pieces of r x D x 2: 4 KiB at D = 128, page 16). The boxes are issued by a loop that is
   not unrolled: the TMA warp has 48 registers.
 - The boxes' TMA atoms are plain tiled ones (cpasync.make_tiled_tma_atom), not the MMA's B
   atoms: a slot holds key n, column d of K at n + bN d and of V at d + D n, so a box is the
@@ -108,7 +108,7 @@ class Sm100Kernel:
         self.cta_group = tcgen05.CtaGroup.ONE  # one CTA per MMA (no 2-CTA pairs)
         self.cluster_shape_mn = (1, 1)
         # Warp roles: softmax warpgroup s (s = 0, 1) owns the rows of Q tile s; the correction
-        # warpgroup rescales O and stores it; one MMA warp and one TMA warp as in stages 1-7;
+        # warpgroup rescales O and stores it; one MMA warp and one TMA warp as in stages 1-8;
         # warps 14-15 only complete the fourth warpgroup (setmaxnreg acts on whole warpgroups).
         self.softmax_warp_ids = ((0, 1, 2, 3), (4, 5, 6, 7))
         self.correction_warp_ids = (8, 9, 10, 11)
@@ -170,7 +170,7 @@ class Sm100Kernel:
             else self.tmem_s_offset
         )
         # Conditional rescale: the reference max moves only when the row max has grown by more
-        # than this many log2 units (P stays within (0, 2^8]).
+        # than this many log2 units (P stays within [0, 2^8]).
         self.rescale_threshold = 8.0
         # The tunings of the loops (the module's TUNINGS, numbered as there).
         self.ex2_emulation = "ex2_emulation" in self.tunings  # 1
@@ -1643,8 +1643,8 @@ class Sm100Kernel:
     @cute.jit
     def packed_row_sum(self, tTR_rP, init):
         """init + the sum of this thread's row of P (tuning 2), as FA4's fadd_reduce: four
-        independent chains of add.f32x2 over column pairs (8 c, 8 c + 1) ... (8 c + 6, 8 c + 7),
-        folded at the end: 63 add.f32x2 (stage 11: a chain of 128 add.f32)."""
+        independent chains of add.f32x2, chain c over the column pairs (8 m + 2 c, 8 m + 2 c + 1),
+        m = 0 .. 15, folded at the end: 63 add.f32x2 (stage 11: a chain of 128 add.f32)."""
         chains = [(tTR_rP[i], tTR_rP[i + 1]) for i in range(0, 8, 2)]
         for i in cutlass.range_constexpr(8, cute.size(tTR_rP), 8):
             for c in cutlass.range_constexpr(4):

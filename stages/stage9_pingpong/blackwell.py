@@ -2,9 +2,10 @@
 warpgroups taking turns on the tensor core.
 
 Changes from stage 8:
-- Why: in stage 8 the tensor core idles while the softmax warpgroup turns S_j into P_j, twice
-  per KV tile. Here each CTA takes two Q tiles (2 x 128 rows) and a second softmax warpgroup,
-  as FA4 does: warps 0-3 own the rows of Q tile 0, warps 4-7 those of tile 1.
+- Why: in stage 8 the tensor core idles twice per KV tile: while the softmax warpgroup turns S_j
+  into P_j, and while the MMA warp waits for P_j @ V_j to complete before S_j+1 overwrites P_j.
+  Here each CTA takes two Q tiles (2 x 128 rows) and a second softmax warpgroup, as FA4 does:
+  warps 0-3 own the rows of Q tile 0, warps 4-7 those of tile 1.
 - Q tile s (s = 0, 1) has its own S_s, P_s (over S_s) and O_s in TMEM: S_0 in columns 0-127,
   S_1 128-255, O_0 256 .. 256 + D - 1, O_1 after it; 512 allocated (D = 64 uses 384).
 - The MMA warp issues per KV tile QK_0, QK_1, then PV_0, PV_1: while warpgroup 0 computes P_0
@@ -15,9 +16,9 @@ Changes from stage 8:
   threads hold 128 registers each at launch; setmaxnreg: softmax 184, correction 96, MMA/TMA 48
   ((2 x 184 + 96 + 48) x 128 = 65,536); the TMEM barriers count 416 and 384 threads. To fit, the
   MMA warp issues a GEMM's k-blocks in a loop (unrolled, every k-block's descriptors of both Q
-  tiles stay live across the KV loop) and each role takes its work tile in its own branch (a
+  tiles stayed live across the KV loop) and each role takes its work tile in its own branch (a
   value made before the split is live across every branch's setmaxnreg). ptxas of CUDA 13.0
-  (2026-12-06): no spill in 24 configurations (168 / 80 / 96, unrolled: 8-236 bytes).
+  (2026-12-06): no spill in 24 configurations (168 / 80 / 96, unrolled, spilled 8-236 bytes).
 - Shared memory: two Q tiles leave room for 4 ring slots at D = 128 (199,680 bytes), 8 at D = 64
   (166,912 bytes). A CTA's KV tile range is the union of its two tiles' ranges (causal: up to
   one more KV tile for tile 0, masked to -inf element by element).
@@ -78,7 +79,7 @@ class Sm100Kernel:
         self.cta_group = tcgen05.CtaGroup.ONE  # one CTA per MMA (no 2-CTA pairs)
         self.cluster_shape_mn = (1, 1)
         # Warp roles: softmax warpgroup s (s = 0, 1) owns the rows of Q tile s; the correction
-        # warpgroup rescales O and stores it; one MMA warp and one TMA warp as in stages 1-7;
+        # warpgroup rescales O and stores it; one MMA warp and one TMA warp as in stages 1-8;
         # warps 14-15 only complete the fourth warpgroup (setmaxnreg acts on whole warpgroups).
         self.softmax_warp_ids = ((0, 1, 2, 3), (4, 5, 6, 7))
         self.correction_warp_ids = (8, 9, 10, 11)
