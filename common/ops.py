@@ -22,17 +22,19 @@ unbounded on that side); causal and window follow stage 6 (bottom-right aligned)
 
 Forward only: there is no autograd formula. Calling an op with an input that requires grad while
 grad mode is on raises the kernels' own error (common.checks.check_inference_only) before
-anything is launched, through the Python wrappers below and through the op's autograd kernel
-when torch.ops is called directly. Use them under torch.no_grad() / torch.inference_mode().
+anything is launched, through the Python wrappers below and through the op's kernels when
+torch.ops is called directly. Use them under torch.no_grad() / torch.inference_mode().
 
 The ops are defined with torch.library.Library (schema, a CompositeExplicitAutograd kernel that
-calls the stage, an Autograd kernel that refuses grad and then calls that kernel itself on plain
-CUDA tensors or redispatches below autograd otherwise, the fake implementation), not with the torch.library.custom_op decorator: the decorator's layers (a
-wrapper that turns Dynamo off around each call, an output-aliasing check, an autograd.Function)
-cost a call through torch.ops several microseconds of host time, which a decode step pays per
-layer. Under torch.inference_mode() the Autograd kernel is skipped altogether; under
-torch.no_grad() it runs (a Python call; the redispatch only for fake, meta or subclass tensors
-or under a dispatch mode). The namespace can be defined once per
+refuses grad and calls the stage, a fallthrough at the Autograd key, the fake implementation),
+not with the torch.library.custom_op decorator: the decorator's layers (a wrapper that turns
+Dynamo off around each call, an output-aliasing check, an autograd.Function) cost a call through
+torch.ops several microseconds of host time, which a decode step pays per layer. The
+fallthrough (torch.library.fallthrough_kernel) lets the dispatcher go on past the Autograd key
+in C++, under torch.no_grad() as under torch.inference_mode(), instead of calling Python there:
+a Python Autograd kernel cost each call under no_grad about 1.4 us more (NVIDIA H100 80GB HBM3,
+2026-12-06). With no autograd formula, grad is refused below it, by the kernels and the fake
+implementations, which still see grad mode and requires_grad. The namespace can be defined once per
 process, so a second import of this file (importlib.reload, Jupyter's autoreload) keeps the ops
 the first one defined.
 
@@ -156,6 +158,7 @@ def _check_meta(q, k, v, rank):
     """What the fake implementations can check without data: ranks, dtypes, one device, the head
     grouping and the head dim. The real kernels check all of this and more (strides, alignment,
     CUDA, cu_seqlens); the fake ones keep a trace from accepting a call the kernel refuses."""
+    refuse_grad(q, k, v)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != rank:
             raise ValueError(
@@ -196,31 +199,12 @@ def _check_meta(q, k, v, rank):
 _lib = globals().get("_lib")
 
 
-def plain_cuda(q, k, v, device_type="cuda"):
-    """Whether below the op's Autograd kernel nothing but its kernel for `device_type` would
-    run: plain tensors (no fake, meta, functional or other subclass), q on that device, no
-    dispatch mode, no functorch transform (vmap, grad: their wrapper tensors are of type
-    torch.Tensor). torch.jit.trace and autocast sit above autograd and have had their turn by
-    then. A few flag reads: asking the dispatch key set instead costs more host time than the
-    redispatch it would save."""
-    return (
-        type(q) is torch.Tensor
-        and type(k) is torch.Tensor
-        and type(v) is torch.Tensor
-        and not torch._C._len_torch_dispatch_stack()
-        and not torch._C._are_functorch_transforms_active()
-        and not torch._is_functional_tensor(q)
-        and (q.is_cuda if device_type == "cuda" else q.device.type == device_type)
-    )
-
-
 def _define(schema, kernel, fake):
     """Define op `schema` with `kernel` for every device (CompositeExplicitAutograd), its fake
-    implementation, and an Autograd kernel that refuses inputs requiring grad under grad mode
-    (the kernels' own error, before anything is launched) and otherwise calls the kernel on
-    plain CUDA tensors (plain_cuda), or dispatches again below autograd (a fake or meta tensor:
-    to the fake; a subclass or a dispatch mode: to its handler first). Returns the op's
-    OpOverload (torch.ops.flash_tutorial.<name>.default)."""
+    implementation, and a fallthrough at the Autograd key: the dispatcher goes on to the fake
+    (fake or meta tensors), to a subclass's or a dispatch mode's handler, or to `kernel`, with
+    no Python call on the way. Both `kernel` and `fake` refuse inputs that require grad under
+    grad mode (refuse_grad). Returns the op's OpOverload (torch.ops.flash_tutorial.<name>.default)."""
     global _lib
     name = schema.split("(")[0]
     namespace = getattr(torch.ops, NAMESPACE)
@@ -234,21 +218,16 @@ def _define(schema, kernel, fake):
     _lib.define(schema)
     _lib.impl(name, kernel, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_lib)
-    op = getattr(namespace, name).default
+    _lib.impl(name, torch.library.fallthrough_kernel, "Autograd")
+    return getattr(namespace, name).default
 
-    def forward_only(*args):
-        q, k, v = args[:3]
-        if torch.is_grad_enabled():
-            checks.check_inference_only(("q", "k", "v"), (q, k, v), "this attention kernel")
-        if plain_cuda(q, k, v):
-            # Nothing but the CUDA kernel lies below autograd: call it (the dispatcher's way
-            # there costs host time, which under no_grad each layer of a decode step pays).
-            return kernel(*args)
-        with torch._C._AutoDispatchBelowAutograd():
-            return op(*args)
 
-    _lib.impl(name, forward_only, "Autograd")
-    return op
+def refuse_grad(q, k, v):
+    """The kernels' error for an input that requires grad while grad mode is on (their output
+    would come back detached): the ops' kernels and fakes run it first, below the Autograd key's
+    fallthrough, where grad mode and requires_grad are what the caller set."""
+    if torch.is_grad_enabled():
+        checks.check_inference_only(("q", "k", "v"), (q, k, v), "this attention kernel")
 
 
 # ------------------------------------------------------------------ batch layout
@@ -258,6 +237,7 @@ def _attention_kernel(q, k, v, scale, causal, window_left, window_right):
     """(O, LSE) of the current stage's attention: q (B, H, Sq, D), k and v (B, Hkv, Sk, D),
     H % Hkv == 0, bf16/fp16, D in {64, 128}. O (B, H, Sq, D) contiguous, LSE (B, H, Sq) fp32.
     Forward only."""
+    refuse_grad(q, k, v)
     return _stage().attention(
         q,
         k,
@@ -307,6 +287,7 @@ def _attention_varlen_kernel(
     """(O, LSE) of the current stage's packed-sequence attention: q (total_q, H, D), k and v (total_k, Hkv,
     D), int32 cu_seqlens of batch + 1 offsets. O (total_q, H, D), LSE (H, total_q) fp32. Forward
     only. The kernel reads cu_seqlens to the host to check them (one small copy per call)."""
+    refuse_grad(q, k, v)
     return _stage().attention_varlen(
         q,
         k,
@@ -371,10 +352,9 @@ def _split_window(window):
 
 def eager_direct(tensors, device_type="cuda"):
     """Whether a wrapper call may go straight to the stage's function instead of through the
-    custom op. The op's eager path (the dispatcher, the op's Python kernel and, under no_grad,
-    its Autograd kernel) adds host time per call (1.2 us under inference_mode and 6.5 us under
-    no_grad, NVIDIA H100 80GB HBM3, 2026-12-06: docs/results/README.md, host work per call) and
-    nothing else to an eager call on plain CUDA tensors. So the wrappers skip it only then: not while torch.compile or
+    custom op. The op's eager path (the dispatcher and the op's Python kernel) adds host time
+    per call (1.3 us, NVIDIA H100 80GB HBM3, 2026-12-06: docs/results/README.md, host work per
+    call) and nothing else to an eager call on plain CUDA tensors. So the wrappers skip it only then: not while torch.compile or
     torch.jit.trace traces (the op is what the graph must hold; a trace would record the
     output's allocation and not the launch, which does not go through the dispatcher), not under a dispatch mode, a torch-function mode or a
     functorch transform (FakeTensorMode, FlopCounterMode, vmap: they must see the op), and only

@@ -74,22 +74,58 @@ def test_eager_direct_only_for_plain_tensors_in_eager():
     torch.vmap(lambda x: seen.append(ops.eager_direct((x,), device_type="cpu")) or x)(t)
     assert seen == [False]
     assert ops.eager_direct((t, t), device_type="cpu")  # nothing left active
-    # The op's Autograd kernel calls the kernel itself only for plain tensors of the kernel's
-    # device, with no mode or transform below autograd.
-    assert ops.plain_cuda(t, t, t, device_type="cpu")
-    assert not ops.plain_cuda(t, t, t)  # CPU tensors, the kernel's device is CUDA
-    assert not ops.plain_cuda(f, f, f, device_type="cpu")
-    assert not ops.plain_cuda(t.as_subclass(Sub), t, t, device_type="cpu")
-    assert not ops.plain_cuda(torch._to_functional_tensor(t), t, t, device_type="cpu")
-    meta = torch.zeros(2, 3, device="meta")
-    assert not ops.plain_cuda(meta, meta, meta, device_type="cpu")
-    with PassDispatch():
-        assert not ops.plain_cuda(t, t, t, device_type="cpu")
-    seen = []
-    torch.vmap(lambda x: seen.append(ops.plain_cuda(x, x, x, device_type="cpu")) or x)(t)
-    torch.func.grad(lambda x: seen.append(ops.plain_cuda(x, x, x, device_type="cpu")) or x.sum())(t)
-    assert seen == [False, False]
-    assert ops.plain_cuda(t, t, t, device_type="cpu")  # nothing left active
+
+
+def test_autograd_key_falls_through_to_the_kernel_that_refuses_grad(monkeypatch):
+    """The Autograd key is a fallthrough: under no_grad, inference_mode and grad mode (inputs
+    that need no grad) the dispatcher reaches the op's kernel with no Python call on the way; a
+    dispatch mode still sees the op; an input that requires grad under grad mode gets the
+    kernels' error from the kernel itself, on any device (here CPU tensors and a stand-in
+    stage)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    for op in (ops.attention_op, ops.attention_varlen_op):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Autograd")
+    calls = []
+
+    class Stage(CheckingStage):
+        def attention(self, *args, **kwargs):
+            calls.append(args[0])
+            return super().attention(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "_stage", lambda: Stage())
+    q, k, v = small_qkv()
+    want = Stage().attention(q, k, v, return_lse=True)
+    calls.clear()
+    runs = {"grad mode": ops.attention_op(q, k, v, None, True, None, None)}
+    with torch.no_grad():
+        runs["no_grad"] = ops.attention_op(q, k, v, None, True, None, None)
+    with torch.inference_mode():
+        runs["inference_mode"] = ops.attention_op(q, k, v, None, True, None, None)
+    mode = Record()
+    with torch.no_grad(), mode:
+        runs["dispatch mode"] = ops.attention_op(q, k, v, None, True, None, None)
+    assert ops.attention_op in mode.seen, mode.seen
+    assert len(calls) == 4
+    for how, got in runs.items():
+        for g, w in zip(got, want):
+            assert torch.equal(g, w) and not g.requires_grad, how
+    qg = q.clone().requires_grad_(True)
+    calls.clear()
+    with pytest.raises(RuntimeError) as e:
+        ops.attention_op(qg, k, v, None, True, None, None)
+    assert str(e.value) == grad_message() and not calls  # refused before the stage ran
+    with torch.no_grad():
+        assert ops.attention_op(qg, k, v, None, True, None, None)[0].requires_grad is False
 
 
 def test_wrappers_call_the_stage_directly_with_the_same_arguments(monkeypatch):
@@ -467,10 +503,9 @@ def test_ops_match_the_plain_entries(stage):
 
 
 @pytest.mark.gpu_hopper
-def test_op_autograd_kernel_calls_directly_or_redispatches():
-    """The op's Autograd kernel (grad mode on or no_grad; inference_mode skips it) calls the
-    kernel itself on plain CUDA tensors, and redispatches under a dispatch mode, which must then
-    see the op. Both give the plain entry's answer."""
+def test_op_through_the_autograd_fallthrough_on_cuda():
+    """Grad mode (inputs that need no grad), no_grad and a dispatch mode (which must see the op)
+    reach the kernel through the Autograd key's fallthrough and give the plain entry's answer."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Record(TorchDispatchMode):
@@ -484,8 +519,6 @@ def test_op_autograd_kernel_calls_directly_or_redispatches():
 
     label, op, args = next(s for s in ops.opcheck_samples(seed=5) if s[1] is ops.attention_op)
     q, k, v, scale, causal, left, right = args
-    assert ops.plain_cuda(q, k, v)
-    assert not ops.plain_cuda(torch._to_functional_tensor(q), k, v)
     window = None if left is None and right is None else (left, right)
     want = ops._stage().attention(q, k, v, scale, causal, window, return_lse=True)
     runs = {"grad mode": op(*args)}

@@ -12,8 +12,8 @@ torch.inference_mode(), except where an entry says otherwise. The entries:
   outside inference mode (their values read to the host once and remembered), made inside it
   (read at every call), and made inside it with check_values=False (never read);
 - common/ops.py's wrapper ops.attention, which calls the stage directly in eager mode, and the
-  custom op called through torch.ops, under inference_mode and under no_grad (where the op's
-  Autograd kernel runs);
+  custom op called through torch.ops, under inference_mode and under no_grad (where the
+  dispatcher passes the Autograd key, a fallthrough, which inference_mode skips);
 - SDPA, and FA4 where it can be imported.
 
 Four numbers per entry, in microseconds per call, after warm-up calls (which compile):
