@@ -209,5 +209,13 @@ def assert_no_spill_in(stage, dtype, D, config):
     report = compile_only(stage, "blackwell", dtype=dtype, shape=(2, 8, Sq, 1024, D), **options)
     if not (report.resources and "spill_stores" in report.resources):
         pytest.skip(f"no ptxas result: {report.resources}")
+    assert_no_spill(report)
+
+
+def assert_no_spill(report, registers=None):
+    """ptxas's report of a compile (report.resources) shows no spill store or load, and
+    `registers` registers a thread at launch where given."""
+    if registers is not None:
+        assert report.resources["registers"] == registers, report.summary()
     assert report.resources["spill_stores"] == 0, report.summary()
     assert report.resources["spill_loads"] == 0, report.summary()

@@ -23,6 +23,7 @@ import sys
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from common import checks, masks, ops
 
@@ -41,11 +42,22 @@ def grad_message():
 # ---------------------------------------------------------------- registration
 
 
+class RecordOps(TorchDispatchMode):
+    """A dispatch mode that records each op it sees (a mode must still see the custom op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
 def test_eager_direct_only_for_plain_tensors_in_eager():
     """The wrappers skip the op only for plain tensors of the kernel's device, in eager mode with
     no mode or transform that must see the op."""
     from torch.overrides import TorchFunctionMode
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     class PassDispatch(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -82,17 +94,6 @@ def test_autograd_key_falls_through_to_the_kernel_that_refuses_grad(monkeypatch)
     dispatch mode still sees the op; an input that requires grad under grad mode gets the
     kernels' error from the kernel itself, on any device (here CPU tensors and a stand-in
     stage)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Record(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append(func)
-            return func(*args, **(kwargs or {}))
-
     for op in (ops.attention_op, ops.attention_varlen_op):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Autograd")
     calls = []
@@ -111,7 +112,7 @@ def test_autograd_key_falls_through_to_the_kernel_that_refuses_grad(monkeypatch)
         runs["no_grad"] = ops.attention_op(q, k, v, None, True, None, None)
     with torch.inference_mode():
         runs["inference_mode"] = ops.attention_op(q, k, v, None, True, None, None)
-    mode = Record()
+    mode = RecordOps()
     with torch.no_grad(), mode:
         runs["dispatch mode"] = ops.attention_op(q, k, v, None, True, None, None)
     assert ops.attention_op in mode.seen, mode.seen
@@ -506,17 +507,6 @@ def test_ops_match_the_plain_entries(stage):
 def test_op_through_the_autograd_fallthrough_on_cuda():
     """Grad mode (inputs that need no grad), no_grad and a dispatch mode (which must see the op)
     reach the kernel through the Autograd key's fallthrough and give the plain entry's answer."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Record(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append(func)
-            return func(*args, **(kwargs or {}))
-
     label, op, args = next(s for s in ops.opcheck_samples(seed=5) if s[1] is ops.attention_op)
     q, k, v, scale, causal, left, right = args
     window = None if left is None and right is None else (left, right)
@@ -524,7 +514,7 @@ def test_op_through_the_autograd_fallthrough_on_cuda():
     runs = {"grad mode": op(*args)}
     with torch.no_grad():
         runs["no_grad"] = op(*args)
-    mode = Record()
+    mode = RecordOps()
     with torch.no_grad(), mode:
         runs["dispatch mode"] = op(*args)
     assert op in mode.seen, mode.seen

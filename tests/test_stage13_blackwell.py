@@ -24,7 +24,7 @@ import cutlass
 import pytest
 import torch
 from attention_cases import DTYPES, dtype_id
-from blackwell_ptx import assert_tcgen05_fences, global_stores
+from blackwell_ptx import assert_no_spill, assert_tcgen05_fences, global_stores
 from test_stage11_blackwell import statements
 from test_stage13_hopper import CONFIGS, config_id
 
@@ -86,11 +86,6 @@ def assert_register_split(ptx):
     assert len(statements(ptx, r"setmaxnreg\.inc\.sync\.aligned\.u32\s+176;")) == 2
     assert len(statements(ptx, r"setmaxnreg\.dec\.sync\.aligned\.u32\s+112;")) == 1
     assert len(statements(ptx, r"setmaxnreg\.dec\.sync\.aligned\.u32\s+48;")) == 3
-
-
-def assert_no_spill(report):
-    assert report.resources["spill_stores"] == 0, report.summary()
-    assert report.resources["spill_loads"] == 0, report.summary()
 
 
 def ptx_body(ptx):

@@ -23,10 +23,9 @@ import cutlass
 import pytest
 import torch
 from attention_cases import DTYPES, dtype_id
-from blackwell_ptx import assert_tcgen05_fences, global_stores
+from blackwell_ptx import assert_no_spill, assert_tcgen05_fences, global_stores
 from test_stage11_blackwell import statements
 from test_stage13_blackwell import (
-    assert_no_spill,
     assert_register_split,
     ptx_body,
     sixteen_byte_stores,
