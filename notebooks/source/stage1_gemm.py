@@ -463,12 +463,14 @@ fig = nb.error_picture(1, result)
 #
 # TFLOP/s = $2MNK$ / time, medians of CUDA-event timings after warm-up, inputs rotated so that they
 # do not stay in L2, cuBLAS (`torch.matmul`) timed in the same run. **Expected:** about as fast
-# as cuBLAS, well below the H100/H200 datasheet peak for dense bf16 (989). A `make bench`
+# as cuBLAS at $8192^3$, well below the H100/H200 datasheet peak for dense bf16 (989); at
+# $4096^3$, where a call takes about 0.2 ms, the ratio moves more from run to run. A `make bench`
 # run (H200, 2026-11-29, bf16; `docs/results/bench_h200_2026-11-29.md`) measured stage 1 at 758
-# TFLOP/s against cuBLAS's 774 at $4096^3$ and 784 against 690 at $8192^3$; across that day's runs
-# the two were within 0.97-1.14x of each other. Numbers drift between runs and machines, so the table below - this
-# run - is what to compare; its last column is stage 1's speed over each kernel (above 1: stage 1
-# is faster).
+# TFLOP/s against cuBLAS's 774 at $4096^3$ (0.98x) and 784 against 690 at $8192^3$ (1.14x); the
+# run of this notebook's executed copy (H200, 2026-12-04; `docs/notebooks/stage1_gemm.ipynb`)
+# measured 624 against 788 (0.79x) and 706 against 703 (1.00x). Numbers drift between runs and
+# machines, so the table below - this run - is what to compare; its last column is stage 1's
+# speed over each kernel (above 1: stage 1 is faster).
 #
 # To measure a changed kernel in the same run, pass variants: the kernel class is built with
 # those settings, compiled anew and timed next to the original, e.g.

@@ -207,7 +207,8 @@ report_bw = nb.compile_summary(2, "blackwell")
 # difference from the fp64 reference is the order of the fp32 accumulation over D. The bound is
 # the smaller of the hard bound $10^{-4}$ and 3x the error of PyTorch's own fp32 product plus
 # $10^{-6}$ - about $10^{-6}$ here, and the table prints it. **Expected:** a relative error around
-# $10^{-7}$ (`make tour` measured $1.3\cdot 10^{-7}$ on the H200, 2026-11-29), below that bound.
+# $10^{-7}$ (the run of this notebook's executed copy, `docs/notebooks/stage2_qk.ipynb`, measured
+# $1.3\cdot 10^{-7}$ on the H200, 2026-12-04), below that bound.
 # The output is poisoned with NaN before the launch, so an unwritten tile fails. The error map
 # shows the (b, h) slice that holds the worst element of the whole output, so that its circle is
 # the table's worst element.
@@ -276,8 +277,9 @@ bench = nb.measure(2, [(4, 32, 2048, 2048, 64), (4, 16, 2048, 2048, 128)])
 # <details><summary>4. Head dim 64</summary>
 #
 # Q 16 KB + 2 x 16 KB + the 64 KB fp32 S staging = 112 KB: the S staging tile does not shrink with
-# D. The freed 32 KB could hold two more K slots (a deeper ring) or a second S staging buffer, so
-# that a store overlaps the next tile.
+# D. That is 48 KB less than at D = 128 and leaves 115 KB of the 227 KB unused: room for a deeper
+# ring (16 KB per K slot) or a second 64 KB S staging buffer, so that a store overlaps the next
+# tile.
 # </details>
 #
 # <details><summary>5. Blackwell</summary>

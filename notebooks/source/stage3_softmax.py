@@ -243,10 +243,10 @@ report_bw = nb.compile_summary(3, "blackwell")
 #
 # P is rounded to bf16 before the second GEMM and O is rounded to bf16 at the end, like PyTorch's
 # own bf16 attention. **Expected:** a relative error of a few $10^{-3}$, at most 3x the error of
-# PyTorch's bf16 SDPA (math backend) against the same fp64 reference, and below $10^{-2}$; the table
-# prints this run's error and the bound
-# used. The error map shows the (b, h) slice holding the worst element; a correct kernel's map is
-# uniform rounding noise.
+# PyTorch's bf16 SDPA (`torch.nn.functional.scaled_dot_product_attention`, its math backend)
+# against the same fp64 reference, and below $10^{-2}$; the table prints this run's error and the
+# bound used. The error map shows the (b, h) slice holding the worst element; a correct kernel's
+# map is uniform rounding noise.
 
 # %%
 result = nb.run_and_verify(3, (2, 4, 512, 128, 128))

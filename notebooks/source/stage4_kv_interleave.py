@@ -256,9 +256,10 @@ report_bw = nb.compile_summary(4, "blackwell")
 # %% [markdown]
 # ## 6. Run and verify
 #
-# **Expected:** like stage 3, a relative error of a few $10^{-3}$ (bf16 P and bf16 O; `make tour`
-# measured $2.4\cdot 10^{-3}$ on the H200, 2026-11-29), within 3x PyTorch's own bf16 attention
-# error against the fp64 reference; the table prints the bound used. With $S_k = 1024$ there are
+# **Expected:** like stage 3, a relative error of a few $10^{-3}$ (bf16 P and bf16 O; the run of
+# this notebook's executed copy, `docs/notebooks/stage4_kv_interleave.ipynb`, measured
+# $2.4\cdot 10^{-3}$ on the H200, 2026-12-04), within 3x PyTorch's own bf16 attention error
+# against the fp64 reference; the table prints the bound used. With $S_k = 1024$ there are
 # 8 KV tiles, so a slot is reused many times: a phase bookkeeping error shows up as a wrong result
 # or a hang (the check has a deadline, a hang fails after 60 s instead of blocking). Run
 # `make sanitize` on a GPU for compute-sanitizer's race and synchronisation checks. The error map
@@ -273,9 +274,11 @@ fig = nb.error_picture(4, result)
 # %% [markdown]
 # ## 7. Measure
 #
-# Attention FLOPs count the useful work, $4BHS_qS_kD$; stage 4 performs 1.5x that. Shapes as in the
-# FlashAttention papers (B·S = 16k tokens, H·D = 2048). Stage 4 does 1.5x the matrix work and
-# waits for every V load (5.1), with no warp specialisation. **Expected:** `make bench` measured
+# Attention FLOPs count the useful work, $4BHS_qS_kD$; stage 4 performs 1.5x that, and waits for
+# every V load (5.1), with no warp specialisation. Shapes as in the FlashAttention papers
+# (B·S = 16k tokens, H·D = 2048). The baselines: SDPA's flash backend (FlashAttention-2) and its
+# cuDNN backend, timed in the same run below, and in the run quoted next also FA4 (FlashAttention
+# 4, the library kernel written in the same CuTe DSL). **Expected:** `make bench` measured
 # 321 / 361 / 366 TFLOP/s at S = 1k / 4k / 8k, D = 128, about FlashAttention-2's level (SDPA flash
 # 336 / 347 / 345 in the same run; SDPA cuDNN 608 / 666 / 673, FA4 589 / 711 / 651; H200,
 # 2026-11-29, `docs/results/bench_h200_2026-11-29.md`). The table below is this run; its last

@@ -257,7 +257,7 @@ fig = nb.error_picture(5, result)
 # work alone the speed-up at $S_q = S_k$ would be 1.5x. But stage 4 also exponentiates every score
 # twice, reads K twice and waits for each $V_j$ after $QK_j$ with only one softmax to hide it;
 # where those costs weigh, the measured speed-up can exceed 1.5x, and where per-tile fixed costs
-# dominate (short sequences) it falls below (at this run's D = 128 shapes it stays below 1.5x). `make bench` (H200, 2026-11-29,
+# dominate (short sequences) it falls below. `make bench` (H200, 2026-11-29,
 # `docs/results/bench_h200_2026-11-29.md`) measured stage 5 at 435 / 491 / 524 TFLOP/s at
 # S = 1k / 4k / 8k, D = 128: 1.36x / 1.36x / 1.43x stage 4, and up to 1.63x at D = 64, S = 2k;
 # above SDPA flash (336 / 347 / 345) and below cuDNN and FA4 (589-711) in the same run. The
