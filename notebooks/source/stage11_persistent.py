@@ -109,7 +109,8 @@ def stage_kernel(stage, D=128, **settings):
 # - **The tail.** With unequal tiles, what runs last decides $T$. Stage 10's grid numbers its
 #   tiles Q tile fastest, shortest first, so the longest tiles of the last heads start last.
 #   *Longest first* (largest $w$ first, each SM taking the next tile when it is free) is the
-#   classic LPT rule: the last tiles to start are the shortest, and the SMs end close together.
+#   classic LPT (longest processing time first) rule: the last tiles to start are the
+#   shortest, and the SMs end close together.
 #
 # The cell below counts the paper shape (B x S = 16k, H x D = 2048) at S = 8k.
 

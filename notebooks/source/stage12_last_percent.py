@@ -508,7 +508,7 @@ report64 = nb.compile_summary(12, "hopper", shape=(2, 16, 2048, 2048, 64))
 # `stages/stage12_last_percent/blackwell.py` has its own, taken from FA4's `flash_fwd_sm100.py`
 # and switched the same way (`TUNINGS`, `with_tunings`; `with_tunings(())` compiles to Blackwell
 # stage 11's PTX): `ex2_emulation` (16 of a row's 128 exp2 of P, one column pair in every 16,
-# as a cubic on the FMA units instead of the MUFU), `packed_f32x2` (S's scale-and-subtract and
+# as a cubic on the FMA units, not the special-function unit), `packed_f32x2` (S's scale-and-subtract and
 # the row sum two columns per `f32x2` instruction), `register_split` (`setmaxnreg` 176 / 112 / 48
 # for each softmax warpgroup / the correction warpgroup / the MMA, TMA and idle warps, against
 # stage 11's 184 / 96 / 48: the registers the TMA store's correction warpgroup needs) and
@@ -609,7 +609,7 @@ fig = figures.tunings_cumulative(
 # All seven together: +23% to +31% at D = 64 non-causal, +8% to +21% causal, +5% to +6% at
 # D = 128 non-causal and +4% to +5% causal. Most of D = 64's gain is tuning 1 (three warpgroups)
 # and tunings 2 and 3; at D = 128 it is tunings 6 and 7. In the same run the kernel with all
-# seven ran at 0.95-1.01x FA4 at D = 64 (0.95 causal from 2k to 16k) and at 0.97-1.04x at
+# seven ran at 0.95-1.01x FA4 at D = 64 (0.95 causal from 2k to 16k) and at 0.97-1.03x at
 # D = 128.
 #
 # ### 7.2 Stage 12 against FA4 and cuDNN

@@ -520,10 +520,13 @@ fig = nb.error_picture(8, result)
 # ## 7. Measure
 #
 # **Expected**, from the ablation of `make bench` on the H200 (2026-12-04, bf16, the paper shapes
-# B·S = 16k, H·D = 2048; every kernel of a row timed in the same interleaved rounds;
-# `docs/results/ablation_h200_2026-12-04.md`). The cell reads the rows from S = 2k out of the
-# run's `.json` (below 2k a call's host work can be longer than the kernel) and prints stage 8
-# over stage 7, event-timed and from GPU time alone, and over FA4.
+# B·S = 16k, H·D = 2048; `docs/results/ablation_h200_2026-12-04.md`). Every kernel of a row was
+# timed in the same interleaved rounds: the kernels take turns, round after round, so that the
+# steps of the H200's clock under its power cap fall on all of them alike. Each is timed two
+# ways: *event-timed*, by CUDA events around each call (host work included where it is longer
+# than the kernel), and in *GPU time* alone, the kernels' own durations (CUPTI). The cell reads
+# the rows from S = 2k out of the run's `.json` (below 2k a call's host work can be longer than
+# the kernel) and prints stage 8 over stage 7 both ways, and over FA4 (event-timed).
 
 # %%
 with open(os.path.join(nb.ROOT, "docs/results/ablation_h200_2026-12-04.json")) as f:
