@@ -28,10 +28,14 @@
 # **What has run.** The notebook runs the ring on the CPU, its ranks as threads of one process
 # (`FakeRing`) with an fp64 attention in place of the kernel. In GPU mode it also runs the ring
 # on one GPU as virtual ranks calling stage 14's kernel (sections 6 and 7): those cells are
-# written for an H100/H200 and have not run there yet. **The multi-GPU run - NCCL between GPUs,
-# `make cp GPUS=N` - has not been run yet: no number for it exists.** Every time in this
-# notebook is computed in its cell from a single-GPU measurement in `docs/results/` and a
-# published specification, or measured in the run itself (GPU mode), and says which.
+# written for an H100/H200 and have not run there yet. The same check of the ring of virtual
+# ranks, in `tests/test_stage15.py`, passed on an H200 (2026-12-05,
+# `docs/results/tests_hopper_gpu_h200_2026-12-05_split_outputs.txt`) and an H100 80GB HBM3
+# (2026-12-06, `docs/results/tests_hopper_gpu_h100_2026-12-06_combine.txt`); nothing was timed
+# there. **The multi-GPU run - NCCL between GPUs, `make cp GPUS=N` - has not been run yet: no
+# number for it exists.** Every time in this notebook is computed in its cell from a single-GPU
+# measurement in `docs/results/` and a published specification, or measured in the run itself
+# (GPU mode), and says which.
 #
 # **How to run.** As stage 1: in Jupyter from `notebooks/`, or `make notebooks`. Without an
 # H100/H200 the cells of *Run and verify* and *Measure* that launch kernels say they are
@@ -147,7 +151,7 @@ def work_pairs(chunks, rank, src, causal):
 # convention; the ring only calls it causally on square blocks, where that is the usual
 # top-left diagonal. On a long prefill the loop each rank runs is stage 12's: 664-685 TFLOP/s
 # at D = 128, S = 16k, without and with the causal mask (H200, 2026-12-04, `make bench`'s
-# ablation).
+# ablation, `docs/results/ablation_h200_2026-12-04.md`).
 #
 # ## 3. The math
 #
@@ -389,8 +393,11 @@ print(
 # A `Ring` has one method, `exchange(send)`: send `send` to rank $r + 1$, receive a tensor of
 # the same shape from rank $r - 1$, and return a handle whose `wait()` gives it. `TorchRing` does
 # it with `torch.distributed`'s `batch_isend_irecv` (NCCL between GPUs, gloo between CPU
-# processes). On NCCL the transfer runs on NCCL's own CUDA stream, and `wait()` makes the
-# current stream wait for it without blocking the host. `attention_cp` starts the hop of step
+# processes: without a GPU, `make cp GPUS=2 CP_ARGS="--cpu --seqlen 1000 --causal"` runs it
+# between two CPU processes with an fp64 attention as the kernel; keep $S$ short, since that
+# stand-in holds a chunk's whole score matrix, 64 GiB per rank at the launcher's defaults of 32k
+# tokens and 32 heads). On NCCL the transfer runs on NCCL's own CUDA stream, and `wait()` makes
+# the current stream wait for it without blocking the host. `attention_cp` starts the hop of step
 # $t$ before it launches step $t$'s kernel and waits for it after the merge: the hop that brings
 # the next chunk runs while the kernel works on this one. `FakeRing` runs the ranks as threads of
 # one process and swaps their buffers through shared slots behind a barrier: a stand-in for the
@@ -422,10 +429,11 @@ nb.show_function(ring.FakeRing.run)
 # it, and grouped KV heads ($G > 1$) shrink the hop $G$ times. The numbers: BW = 450 GB/s, half of
 # the H200's published NVLink bandwidth of 900 GB/s per GPU (both directions together); $F$ the
 # kernel's measured speed at the chunk's length, read from the ablation run of `make bench`
-# (stage 12's loop, bf16, D = 128, H200, 2026-12-04: the row whose S is nearest $c$, causal for
-# step 0 and without a mask for the others). Stage 14's kernel runs that loop on these calls
-# (one split, no pages); stage 14 itself was not timed at these shapes. The cell computes the
-# hop, the kernel time of each step and the shortest chunk that hides a hop, for a few ring sizes.
+# (stage 12's loop, bf16, D = 128, H200, 2026-12-04,
+# `docs/results/ablation_h200_2026-12-04.json`: the row whose S is nearest $c$, causal for step 0
+# and without a mask for the others). Stage 14's kernel runs that loop on these calls (one split,
+# no pages); stage 14 itself was not timed at these shapes. The cell computes the hop, the kernel
+# time of each step and the shortest chunk that hides a hop, for a few ring sizes.
 
 # %%
 with open(os.path.join(nb.ROOT, "docs/results/ablation_h200_2026-12-04.json")) as f:
@@ -716,9 +724,9 @@ else:
 #    or zig-zag? Which layout would you pick, and why does `attention_cp` default `zigzag` to
 #    `causal`?
 # 4. **The shortest chunk.** At the kernel speed of 664 TFLOP/s (stage 12, D = 128, S = 16k,
-#    no mask, H200, 2026-12-04) and 450 GB/s each way, what is the shortest chunk that hides a
-#    hop with 32 query heads and 32, 8 or 1 KV heads? And for a link of 64 GB/s each way (PCIe
-#    Gen5 x16's published figure)?
+#    no mask, H200, 2026-12-04, `docs/results/ablation_h200_2026-12-04.md`) and 450 GB/s each
+#    way, what is the shortest chunk that hides a hop with 32 query heads and 32, 8 or 1 KV
+#    heads? And for a link of 64 GB/s each way (PCIe Gen5 x16's published figure)?
 # 5. **Swap the zig-zag pieces** (exercise 15a, an edit of `ring.py`): rank $r$ holds pieces
 #    $2N - 1 - r$, then $r$. The cells at the end of the notebook give the task and check it.
 #
@@ -757,8 +765,9 @@ else:
 # for MHA (32 KV heads), 738 for 8 KV heads, 92 for MQA. At 64 GB/s each way: 20,745 / G -
 # 20,745, 5,186 and 648 tokens. At chunks that short the kernel no longer runs at 664 TFLOP/s:
 # without a mask the same run measured 667 at S = 2k, 503 at 1k and only 259 at 512 (H200,
-# 2026-12-04). A slower kernel lowers the threshold (the hop then hides behind a longer kernel
-# time); the formula with the speed at that length is what decides.
+# 2026-12-04, `docs/results/ablation_h200_2026-12-04.md`). A slower kernel lowers the threshold
+# (the hop then hides behind a longer kernel time); the formula with the speed at that length is
+# what decides.
 # </details>
 #
 # <details><summary>5. Swap the zig-zag pieces (15a)</summary>

@@ -11,8 +11,8 @@ O_i, lse = log sum_i e^{lse_i}), in fp32, one step at a time:
 
 A row that has seen no key yet has lse = -inf and weight 0 (merge keeps it at O = 0, no NaN).
 The send of the next chunk is started before the kernel runs on this one (isend/irecv on
-NCCL, torch.distributed): N - 1 hops of 2 (S / N) Hkv D 2 bytes each, hidden when the kernel
-on a chunk takes longer than a hop.
+NCCL, torch.distributed): N - 1 hops of 2 B Hkv (S / N) D 2 bytes each (K and V, bf16 or fp16),
+hidden when the kernel on a chunk takes longer than a hop.
 
 Chunks (Chunks, chunk_of). The S tokens are cut in N pieces (contiguous: rank r holds piece r)
 or 2N (zig-zag: pieces r and 2N - 1 - r, concatenated) by torch.tensor_split's rule: sizes differ
