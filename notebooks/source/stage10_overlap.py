@@ -564,8 +564,9 @@ bench = nb.measure(
 # the turn model of 5.3 with the pair in that order: the tensor cores take each turn's GEMMs the
 # other way round, and the softmax's reads of S are no longer covered by a wait. Where ptxas is
 # installed the check also shows its warning C7514: it serialises the wgmma because registers of
-# a running wgmma are read, so the edited kernel should still give the right O (on a GPU the
-# check runs it and says so) while nothing overlaps any more.
+# a running wgmma are read, so the edited kernel still gives the right O while nothing overlaps
+# any more (on an H200, 2026-12-04, `docs/results/exercises_h200_2026-12-04_8a-10a.txt`; on a GPU
+# the check runs it and says so).
 # </details>
 
 # %%
@@ -603,7 +604,9 @@ for D_ in (64, 128):
 #
 # The first cell gives the task; the second loads the stage file as it is on disk now, compiles
 # it (no GPU needed) and says "done" or "not yet" with the tensor-core order it found. On the
-# committed file it says "not yet".
+# committed file it says "not yet". Both lines of the task also stand outside the loop's step
+# (the prologue issues $QK_0$ alone, the last turn $PV$ alone): move the pair in
+# `mma_one_n_block` only.
 
 # %%
 nb.exercise("10a")

@@ -766,10 +766,11 @@ bench = nb.measure(
 # <details><summary>4. One tuning alone</summary>
 #
 # The cumulative table measures each tuning on top of the ones before it, once, in one run; a
-# step can be an interaction or the run's noise (about 1.5% in this run, section 5.1). To tell,
-# time the kernel with tuning 3 alone against no tuning, and against all seven with tuning 3
-# off, in interleaved rounds (`make bench` does), several times. The cell below makes the first
-# comparison once in GPU mode (`nb.measure_calls`, one call after the other in this run).
+# step can be an interaction or the run's noise (about 1.5% in the H200 run of 2026-12-04,
+# section 5.1, `docs/results/tunings_h200_2026-12-04.md`). To tell, time the kernel with tuning
+# 3 alone against no tuning, and against all seven with tuning 3 off, in interleaved rounds
+# (`make bench` does), several times. The cell below makes the first comparison once in GPU mode
+# (`nb.measure_calls`, one call after the other in this run).
 # </details>
 #
 # <details><summary>5. Where the wait goes</summary>

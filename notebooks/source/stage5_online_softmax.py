@@ -383,7 +383,8 @@ for st in (4, 5):
 #
 # The first cell gives the task; the second compiles the stage file as it is on disk now (no GPU
 # needed) and says "done" or "not yet" with the PTX counts it read. On the committed file it says
-# "not yet".
+# "not yet". The line `acc_O_mn = self.rows_view(acc_O)` stands in `epilogue` too, where the two
+# lines after it divide O by the row sum: leave those.
 
 # %%
 nb.exercise("5a")

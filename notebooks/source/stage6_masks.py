@@ -420,12 +420,14 @@ if not bench_masks:
 #    options=dict(window=(100, 0))`): what differs, and why does that let one compiled kernel serve
 #    all masks?
 # 6. **Short sequences.** At S = 2k, D = 128 the causal run's time ratio has ranged from 0.58
-#    (stage 7, the same tile range and mask, 2026-12-04) to 0.97 (stage 6, 2026-12-01) of the
-#    no-mask time on the H200 (section 7) for 0.53 of the tiles. Compute, for causal
-#    at S = 2k and 8k, how many KV tiles the CTAs of Q tiles 0, the middle one and the last one
-#    compute, and the total number of CTAs (B·H·Q tiles at B·S = 16k, H = 16). Which of these
-#    numbers differ between 2k and 8k? (This only starts the question: the cause of the 2k
-#    figure is not established in this tutorial. In GPU mode,
+#    (stage 7, the same tile range and mask, 2026-12-04,
+#    `docs/results/ablation_h200_2026-12-04.md`) to 0.97 (stage 6, 2026-12-01,
+#    `docs/results/bench_h200_2026-12-01_stage6.md`) of the no-mask time on the H200 (section 7)
+#    for 0.53 of the tiles. Compute, for causal at S = 2k and 8k, how many KV tiles the CTAs of
+#    Q tiles 0, the middle one and the last one compute, and the total number of CTAs (B·H·Q
+#    tiles at B·S = 16k, H = 16). Which of these numbers differ between 2k and 8k? (This only
+#    starts the question: the cause of the 2k figure is not established in this tutorial. In
+#    GPU mode,
 #    `nb.measure_masks(6, [(8, 16, 2048, 2048, 128)])` repeats the measurement.)
 # 7. **Tile skipping off** (exercise 6a, an edit of the Hopper stage file): make the kernel load
 #    every KV tile whatever the mask. The cells at the end of the notebook give the task and check
@@ -487,10 +489,11 @@ if not bench_masks:
 # 2048, in both. What changes is the work per CTA (8.5 tiles on average at 2k, 32.5 at 8k), so
 # any fixed cost per CTA (loading Q, the first K tile's latency, the epilogue) weighs four times
 # more at 2k - but the no-mask run at S = 1k, with as many CTAs doing 8 tiles each, reached 435
-# TFLOP/s in the run of 2026-12-01, so per-CTA cost alone does not explain that run's 263. What
-# these numbers do show differing from that run is the spread of work between CTAs (1 to 16
-# tiles) and one masked tile per CTA; whether either matters, and why the ratio moves between
-# runs, is for a measurement to say. The question stays open here.
+# TFLOP/s in the H200 run of 2026-12-01 (`docs/results/bench_h200_2026-12-01_stage6.md`), so
+# per-CTA cost alone does not explain that run's 263. What these numbers do show differing from
+# that run is the spread of work between CTAs (1 to 16 tiles) and one masked tile per CTA;
+# whether either matters, and why the ratio moves between runs, is for a measurement to say. The
+# question stays open here.
 # </details>
 
 # %%

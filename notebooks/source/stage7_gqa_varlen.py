@@ -430,9 +430,10 @@ bench_varlen = nb.measure_varlen(7, lens, heads=16, head_dim=128, with_fa4=True)
 # Every CTA does exactly the work of MHA - same Q tile, same number of K and V tiles, same FLOPs -
 # only the K/V head coordinate of its TMA loads differs. What changes is that 4 CTAs read the same
 # K/V bytes, so HBM traffic for K and V drops by up to 4x when the L2 catches the repeats: GQA should
-# be as fast or faster. The `make bench` run quoted in section 7 measured 0.97-1.09x: within
-# run-to-run noise of "as fast" at S = 8k, faster at 2k; a ratio a few percent below 1 in the
-# table the cell below prints (GPU mode: both at S = 8k in one run) is the same noise.
+# be as fast or faster. The benchmark run quoted in section 7 (H200, 2026-12-02,
+# `docs/results/gqa_varlen_decode_h200_2026-12-02.md`) measured 0.97-1.09x: within run-to-run
+# noise of "as fast" at S = 8k, faster at 2k; a ratio a few percent below 1 in the table the cell
+# below prints (GPU mode: both at S = 8k in one run) is the same noise.
 # </details>
 
 # %%

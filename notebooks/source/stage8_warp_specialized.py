@@ -723,7 +723,8 @@ print(
 # fresh barriers); at entry 6 it waits on `kv_empty[0]` for the release of entry 0 - forever. The
 # consumers finish the tiles that were loaded and then wait on `kv_full[0]` for entry 6, which
 # never comes. A CTA whose range has 3 KV tiles or fewer loads everything and hangs one step
-# later, in `producer_tail`. The model reports both hangs; on a GPU the kernel does not finish.
+# later, in `producer_tail`. The model reports both hangs; on a GPU the kernel does not finish
+# (H200, 2026-12-04, `docs/results/exercises_h200_2026-12-04_8a-10a.txt`).
 # </details>
 
 # %%

@@ -561,10 +561,10 @@ bench = nb.measure(
 #
 # The exponential units: at D = 64 a GEMM takes 140 ns and a softmax's exponentials 277 ns
 # (3.1), so in turns the tensor cores wait for the softmaxes. The model predicts 1.99x; the H200
-# measured 1.03-1.08 (2026-12-04). The model leaves out the rest of the softmax (FP32 work that
-# does not shrink with D), the latencies of wgmma, barriers and loads, and the per-tile work of
-# Q's load and the epilogue. It says only that the tensor-core / exponential balance would favour
-# turns.
+# measured 1.03-1.08 (2026-12-04, `docs/results/ablation_h200_2026-12-04.md`). The model leaves
+# out the rest of the softmax (FP32 work that does not shrink with D), the latencies of wgmma,
+# barriers and loads, and the per-tile work of Q's load and the epilogue. It says only that the
+# tensor-core / exponential balance would favour turns.
 # </details>
 #
 # <details><summary>5. The price of one wait</summary>
@@ -623,11 +623,13 @@ fig = figures.pingpong_timelines(head_dim=64, block_n=bN, rows=rows_per_wg, step
 #
 # <details><summary>Answer</summary>
 #
-# Warpgroup 2 waits at barrier 3 for the turn of its last PV, which only warpgroup 1's last
-# `pass_turn` would complete. Warpgroup 1, done with its last PV, goes on to the epilogue and
-# waits at barrier 1 for warpgroup 2. Neither can move: a deadlock, in every interleaving and
-# for every work tile with at least one KV tile. On a GPU the kernel never finishes: the check
-# reports that the process running it was ended after its deadline.
+# Warpgroup 2 waits at barrier 3 for the turn of its last PV (over one KV tile, the interleaving
+# the check prints, that is its PV0), which only warpgroup 1's last `pass_turn` would complete.
+# Warpgroup 1, done with its last PV, goes on to the epilogue and waits at barrier 1 for
+# warpgroup 2. Neither can move: a deadlock, in every interleaving and for every work tile with
+# at least one KV tile. On a GPU the kernel never finishes: the check reports that the process
+# running it was ended after its deadline (H200, 2026-12-04,
+# `docs/results/exercises_h200_2026-12-04_8a-10a.txt`).
 # </details>
 
 # %%
