@@ -19,7 +19,7 @@ help:
 	@echo "make diff-sizes lines added + removed (docstring lines) of every diff-N, both tracks"
 	@echo "make bench      benchmarks against cuBLAS / torch SDPA / FA4, timed in the same run"
 	@echo "make host-time  host work per call of the entry points at a tiny shape (GPU)"
-	@echo "make cp GPUS=N  stage 15: ring attention over N GPUs (torchrun; CP_ARGS=--cpu runs it on CPU processes)"
+	@echo "make cp GPUS=N  stage 15: ring attention over N GPUs (torchrun; CP_ARGS=--cpu runs it on CPU processes at S = 1024)"
 	@echo "make model      a Llama-style transformers model on each stage's kernel from 7 on: logits vs SDPA, prefill tokens/s vs SDPA and FA4; a decode run on stage 14's paged KV cache (needs transformers)"
 	@echo "make notebooks  execute every notebook (compile-only mode without a GPU)"
 	@echo "make notebooks-source  rewrite notebooks/*.ipynb from notebooks/source/ (their single source)"

@@ -35,6 +35,18 @@ def test_a_broken_edit_is_reported_not_raised():
     assert not r.done and "does not compile" in r.message, r
 
 
+def test_a_dsl_error_is_one_plain_line_with_the_place_of_the_edit():
+    """An edit the DSL refuses at compile time (a name that does not exist) is reported without
+    the DSL's terminal colours, with the line of the edited file and its text."""
+    old = "        self.issue_qk(qk_mma, acc_S, tSrQ, tSrK, k_state.index)\n        # ... and O"
+    new = old.replace("acc_S,", "acc_S_typo,")
+    r = exercises.check("10a", edits=((old, new),), show=False)
+    assert not r.done and "does not compile" in r.message, r
+    assert "\x1b" not in r.message, r
+    assert "name 'acc_S_typo' is not defined" in r.message, r
+    assert "of the edited file: `self.issue_qk(qk_mma, acc_S_typo," in r.message, r
+
+
 def test_a_solution_that_no_longer_applies_names_the_file():
     with pytest.raises(ValueError, match="occurs 0 times"):
         exercises.load_stage_file(2, "hopper", edits=(("no such text in any kernel", ""),))

@@ -326,6 +326,18 @@ def test_launcher_with_virtual_ranks_on_the_cpu(capsys):
             re.search(rf"\|{what} - {what} of one call over the sequence\| = (\S+)", out)[1]
         )
         assert err < 1e-5, out
+    assert "no measure of the kernel's speed-up" in out and "(ideal 3x" not in out, out
+
+
+def test_launcher_on_the_cpu_defaults_to_a_short_sequence(capsys):
+    """Without --seqlen the CPU run takes S = 1024: the fp64 stand-in holds a chunk's whole score
+    matrix, which at the GPU's default of 32k tokens does not fit in memory."""
+    from common.tools import cp_run
+
+    args = ["--virtual-ranks", "2", "--cpu", "--heads", "2", "--kv-heads", "1"]
+    cp_run.main(args + ["--head-dim", "16", "--reps", "1"])
+    out = capsys.readouterr().out
+    assert "S = 1024," in out, out
 
 
 # ---------------------------------------------------------------- the kernel on one GPU

@@ -222,10 +222,30 @@ def _gpu_child(path, shape, seconds, options):
     except TimeoutError:
         out = {"hang": True}
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        first = error_line(e)
         out = {"error": f"{type(e).__name__}: {first}"}
     print("RESULT " + json.dumps(out), flush=True)
     os._exit(0)
+
+
+def error_line(e):
+    """One line for an exception from an edited stage file: its first line without the DSL's
+    terminal colours, and, where the DSL names a place (`--> file:line`), that line of the edited
+    file and its text."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return ""
+    first = lines[0].removeprefix("error:").strip()
+    place = next((m for m in map(re.compile(r"^-->\s*\S+:(\d+)$").match, lines) if m), None)
+    if place:
+        number = place.group(1)
+        code = next(
+            (line.split("|", 1)[1].strip() for line in lines if line.startswith(number + " |")),
+            "",
+        )
+        first += f" (line {number} of the edited file" + (f": `{code}`)" if code else ")")
+    return first
 
 
 def ptxas_warnings(ptx, arch="sm_90a"):
@@ -1652,7 +1672,7 @@ def check(id, edits=(), show=True, gpu=True):
         mod = load_stage_file(ex.stage, ex.track, edits, path=ex.path)
         result = ex.check(mod)
     except Exception as e:  # the learner's edit broke the file: say so, in one line
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        first = error_line(e)
         return _show(
             id,
             Result(False, f"the edited file does not compile: {type(e).__name__}: {first}"),
@@ -1662,7 +1682,7 @@ def check(id, edits=(), show=True, gpu=True):
         try:
             seen = ex.gpu_check(mod)
         except Exception as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            first = error_line(e)
             seen = f"the launch failed: {type(e).__name__}: {first}"
         result = Result(result.done, f"{result.message}. On this GPU: {seen}")
     return _show(id, result, show)

@@ -1896,8 +1896,13 @@ def exercise(id):
     rel = os.path.relpath(ex.path, ROOT)
     _markdown(
         f"**Exercise {ex.id}** (edit `{rel}`): {ex.task}\n\nThen re-run the next cell: it loads "
-        "the file as it is on disk now, compiles it without a GPU and says whether the edit did "
-        "what was asked"
+        "the file as it is on disk now, "
+        + (
+            "compiles it without a GPU"
+            if os.path.basename(ex.path) in ("hopper.py", "blackwell.py")
+            else "runs its check on the CPU"
+        )
+        + " and says whether the edit did what was asked"
         + (
             "; on a GPU of this track it also runs the edited kernel and says what its output "
             "does against the fp64 reference"

@@ -393,10 +393,9 @@ print(
 # A `Ring` has one method, `exchange(send)`: send `send` to rank $r + 1$, receive a tensor of
 # the same shape from rank $r - 1$, and return a handle whose `wait()` gives it. `TorchRing` does
 # it with `torch.distributed`'s `batch_isend_irecv` (NCCL between GPUs, gloo between CPU
-# processes: without a GPU, `make cp GPUS=2 CP_ARGS="--cpu --seqlen 1000 --causal"` runs it
-# between two CPU processes with an fp64 attention as the kernel; keep $S$ short, since that
-# stand-in holds a chunk's whole score matrix, 64 GiB per rank at the launcher's defaults of 32k
-# tokens and 32 heads). On NCCL the transfer runs on NCCL's own CUDA stream, and `wait()` makes
+# processes: without a GPU, `make cp GPUS=2 CP_ARGS="--cpu --causal"` runs it between two CPU
+# processes with an fp64 attention as the kernel, at $S$ = 1,024, since that stand-in holds a
+# chunk's whole score matrix, 64 GiB per rank at the GPU's default of 32k tokens and 32 heads). On NCCL the transfer runs on NCCL's own CUDA stream, and `wait()` makes
 # the current stream wait for it without blocking the host. `attention_cp` starts the hop of step
 # $t$ before it launches step $t$'s kernel and waits for it after the merge: the hop that brings
 # the next chunk runs while the kernel works on this one. `FakeRing` runs the ranks as threads of
