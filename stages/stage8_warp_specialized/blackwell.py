@@ -1093,7 +1093,7 @@ class Sm100Kernel:
     def work_tile(self, tile, mQ, mK, mCuSeqlensQ, mCuSeqlensK, window_left, window_right):
         """What every role takes from work tile `tile`: (q_tile0, head, kv_head, batch,
         offset_q, seqlen_q, offset_k, seqlen_k, kv_tile_lo, kv_tile_hi); tile = blockIdx. q_tile0
-        is the CTA's Q tile (from stage 9 on the first of its two)."""
+        is the first of the CTA's `self.q_tiles` Q tiles."""
         heads = cute.size(mQ, mode=[2, 0])
         # CTA row block bidx: Q tile bidx. Query head `head` reads KV head
         # head // group. (Pack-GQA: mQ has Hkv heads, the group is 1 and `head` is the KV head.)
