@@ -2,6 +2,7 @@
 assumes (the table below), and every later call with the same types reuses it. What inspects the
 compiled code (PTX counts, ptxas registers, compile-only reports) is in common/tools/ptx.py."""
 
+import copy
 import inspect
 import re
 
@@ -169,7 +170,14 @@ def cached_compile_ffi(kernel, *args):
                 "stages 7-12 launch through TVM-FFI: pip install apache-tvm-ffi "
                 "(requirements.txt lists it)"
             ) from None
-        fn = cute.compile(kernel, *fakes, fake_stream(env=True), options="--enable-tvm-ffi")
+        # Traced on a copy: tracing sets attributes on the object it traces (Hopper's
+        # shared_storage, whose repr holds an address, and shared_memory_bytes), which
+        # kernel_config reads, so the caller's object would no longer have the key it was
+        # compiled under (a LaunchPlan compiles its SplitLaunch again, for the calls that return
+        # no LSE: that compile would miss the cache and compile the same code once more).
+        fn = cute.compile(
+            copy.deepcopy(kernel), *fakes, fake_stream(env=True), options="--enable-tvm-ffi"
+        )
         _CACHE[key] = fn
     return fn
 
