@@ -53,7 +53,11 @@ def kernel_config(kernel):
 
 
 def _config_value(v):
-    return kernel_config(v) if callable(getattr(v, "kernel", None)) else repr(v)
+    if callable(getattr(v, "kernel", None)):
+        return kernel_config(v)
+    if isinstance(v, (set, frozenset)):  # a set's repr follows its order of insertion and hashing
+        return repr(sorted(v, key=repr))
+    return repr(v)
 
 
 _PARAMS = {}

@@ -73,3 +73,30 @@ def test_the_lse_in_buffer_variant_compiles_once_per_configuration(sm90a_compile
         plan.run(q, k, v, o, lse, None, None, 1, 0.1, None, buffer=buffer)
     # the variant that returns LSE and the one that keeps it in the buffer: one compile each
     assert len(sm90a_compiles.kernels) == 2
+
+
+@pytest.mark.parametrize("track", ["hopper", "blackwell"])
+@pytest.mark.parametrize("stage", range(7, 15))
+def test_every_launched_kernel_object_copies_with_its_key(stage, track):
+    """cached_compile_ffi traces a deep copy of the kernel object: every stage that launches
+    through it (7-14, both tracks) must copy, and the copy must have the original's key."""
+    import copy
+
+    from common.compile import kernel_config
+    from common.tools import stage_table
+
+    mod = stage_table.track_module(stage, track)
+    kernel, _ = mod.compile_args(torch.bfloat16, (1, 1, 128, 128, 128))
+    twin = copy.deepcopy(kernel)
+    assert type(twin) is type(kernel) and twin is not kernel
+    assert kernel_config(twin) == kernel_config(kernel)
+
+
+def test_the_same_tunings_in_another_order_give_the_same_key():
+    from common.compile import kernel_config
+    from stages.stage12_last_percent import hopper
+
+    names = sorted(hopper.Sm90Kernel.TUNINGS)
+    one, two = (hopper.Sm90Kernel(hopper.cutlass.BFloat16, 128, 1) for _ in range(2))
+    one.tunings, two.tunings = frozenset(names), frozenset(reversed(names))
+    assert kernel_config(one) == kernel_config(two)

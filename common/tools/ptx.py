@@ -1,6 +1,7 @@
 """Reading compiled code without a GPU: compile any stage for sm_90a or sm_100a against fake
 tensors, count the PTX instructions each stage is about, ask ptxas for registers and spills."""
 
+import copy
 import dataclasses
 import os
 import re
@@ -226,5 +227,8 @@ def compile_ffi_for_arch(kernel, args, arch):
     fakes = [fake_like(a) if isinstance(a, torch.Tensor) else a for a in args]
     with _ArchOverride(arch):
         return cute.compile(
-            kernel, *fakes, fake_stream(env=True), options=f"--enable-tvm-ffi --gpu-arch {arch}"
+            copy.deepcopy(kernel),  # traced on a copy, as cached_compile_ffi does
+            *fakes,
+            fake_stream(env=True),
+            options=f"--enable-tvm-ffi --gpu-arch {arch}",
         )
