@@ -171,7 +171,7 @@ def check_tile_order_covers_every_tile_once_longest_first_by_section(
         ]
 
 
-def check_ticket_walk_hands_every_live_tile_out_once(module, D, pack, lens_q, grid):
+def check_ticket_walk_hands_every_first_nonempty_tile_out_once(module, D, pack, lens_q, grid):
     """On packed sequences the persistent grid hands every tile with rows of Q to exactly one
     CTA, never an empty one, and every CTA ends: over 20 orders of the CTAs, against the live
     tiles counted from the lengths (ceil(len * G / rows) per head). The counter ends at the
@@ -341,8 +341,8 @@ def test_tile_counter_is_zero_wherever_the_kernel_draws_from_it(monkeypatch):
 
 def check_persistent_ctas_walk_packed_sequences(module, ref, D, monkeypatch):
     """Packed sequences on a persistent grid capped at 7 CTAs: the tiles drawn from tile_counter
-    at run time, and the empty ones skipped by the producer (live_tile: the grid counts the
-    longest sequence's Q tiles for every sequence, so a 1-token sequence has one live tile and
+    at run time, and the empty ones skipped by the producer (first_nonempty_tile: the grid counts
+    the longest sequence's Q tiles for every sequence, so a 1-token sequence has one live tile and
     the rest empty). The first batch starts with a 1-token and an empty sequence, so that most
     CTAs start on an empty tile; then a long one, queries without any key (O = 0, LSE = -inf),
     equal lengths and another long one. The second has fewer live tiles (6; 4 at D = 64, where
@@ -512,8 +512,8 @@ def test_walk_runs_every_tile_once(causal, window, persistent):
     ids=str,
 )
 @pytest.mark.parametrize("grid", [1, 3, 7, 132])
-def test_ticket_walk_hands_every_live_tile_out_once(D, pack, lens_q, grid):
-    check_ticket_walk_hands_every_live_tile_out_once(hopper, D, pack, lens_q, grid)
+def test_ticket_walk_hands_every_first_nonempty_tile_out_once(D, pack, lens_q, grid):
+    check_ticket_walk_hands_every_first_nonempty_tile_out_once(hopper, D, pack, lens_q, grid)
 
 
 @pytest.mark.parametrize("D", [64, 128])

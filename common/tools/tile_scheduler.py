@@ -177,10 +177,10 @@ def pairs_in_flight(plan, window):
 def ticket_walk(kernel, lens_q, heads, grid, rng):
     """A CPU model of the persistent grid on packed sequences: `grid` CTAs, each starting with
     tile c, taking the next tile as gridDim.x + a ticket drawn from one counter (next_tile) and
-    skipping the empty ones as the producer does (live_tile: draw again while the tile is past
-    its sequence's end), with the kernel's tile_coords and tile_is_empty; the CTAs run in an
-    order drawn by `rng`. Returns (tiles handed to the consumers, in order; the final count of
-    the counter; tiles_m; the number of tiles)."""
+    skipping the empty ones as the producer does (first_nonempty_tile: draw again while the
+    tile is past its sequence's end), with the kernel's tile_coords and tile_is_empty; the CTAs
+    run in an order drawn by `rng`. Returns (tiles handed to the consumers, in order; the final
+    count of the counter; tiles_m; the number of tiles)."""
     tiles_m = -(-max(lens_q) * kernel.pack_gqa // kernel.cta_tile[0])
     total = tiles_m * heads * len(lens_q)
     counter = [0]

@@ -71,7 +71,7 @@ def stage_kernel(stage, D=128, **settings):
 #   the host at every call that reads it);
 # - follow a tile number from the producer to the consumers with its Q (`tile_id`, `q_full`,
 #   `q_empty`) and compute both barriers' parities for any tile;
-# - say which tiles `live_tile` skips in packed sequences and why;
+# - say which tiles `first_nonempty_tile` skips in packed sequences and why;
 # - compute the order of the tiles for a shape - longest first, in sections of a power of two
 #   (head, sequence) pairs whose K and V fit in the 50 MB L2 - and draw which SM runs which tile;
 # - do the shared-memory arithmetic of O's own buffer: 5 K/V slots instead of 6 at D = 128;
@@ -209,8 +209,8 @@ nb.table(
 # The docstring gives the changes with their numbers; then the start of the kernel class's diff
 # against stage 10 (`make diff-11 TRACK=hopper` shows the whole files). The loop inside a tile is
 # untouched: the diff is the grid and its two decisions in `__call__` (the fixed share or the
-# counter, the section size), the tile number handed over with Q, `next_tile`, `live_tile`,
-# `tile_coords` with sections, and O's buffer.
+# counter, the section size), the tile number handed over with Q, `next_tile`,
+# `first_nonempty_tile`, `tile_coords` with sections, and O's buffer.
 
 # %%
 nb.show_docstring(11, "hopper")
@@ -405,19 +405,19 @@ for what, programs in broken.items():
     print(f"{what}: {sorted(map(str, got))}")
 
 # %% [markdown]
-# ### 5.4 Packed sequences: `live_tile`
+# ### 5.4 Packed sequences: `first_nonempty_tile`
 #
 # With packed sequences the grid counts as many Q tiles per (head, sequence) as the *longest*
 # sequence has, so a shorter sequence's last tiles hold no row of Q. Stage 10's CTA for such a
 # tile loaded Q, found an empty range and stored nothing. A persistent CTA would waste the same
-# time inside its walk, so the producer skips them: `live_tile` draws again while the tile
+# time inside its walk, so the producer skips them: `first_nonempty_tile` draws again while the tile
 # starts past its sequence's end (`tile_is_empty`), and hands the consumers only tiles with
 # rows. Packed sequences always take the counter (their tiles differ with the lengths), head by
 # head and sequence after sequence (longest first only inside a sequence's tiles; a long
 # sequence late in `cu_seqlens` is drawn late).
 
 # %%
-nb.show_source(11, "hopper", names=["Sm90Kernel.live_tile", "Sm90Kernel.tile_is_empty"])
+nb.show_source(11, "hopper", names=["Sm90Kernel.first_nonempty_tile", "Sm90Kernel.tile_is_empty"])
 
 # %% [markdown]
 # `make bench`'s packed batch (16 sequences of 64-2047 tokens, H = 16), walked by the ticket
@@ -524,7 +524,9 @@ if report is not None and report10 is not None:
         print(f"{family}: stage 10 {report10.counts[family]}, stage 11 {report.counts[family]}")
     if report_packed is not None:
         atoms = [len(ptx_lines(r.ptx, r"atom\.global\.add", 10)) for r in (report, report_packed)]
-        print(f"atom.global.add: batch {atoms[0]}, packed {atoms[1]} (live_tile draws too)")
+        print(
+            f"atom.global.add: batch {atoms[0]}, packed {atoms[1]} (first_nonempty_tile draws too)"
+        )
 
 # %% [markdown]
 # ### 5.8 The same stage on Blackwell

@@ -308,8 +308,8 @@ class Sm90Kernel:
 
         # The work tiles: one per Q tile (bM rows) of one (head, sequence), as many Q tiles as the
         # longest sequence has (packed: G rows per position); the tiles past a shorter
-        # sequence's end have nothing to do (the producer skips them: live_tile). Persistent:
-        # min(tiles, SMs) CTAs share them out; persistent off: one CTA per tile.
+        # sequence's end have nothing to do (the producer's first_nonempty_tile skips them).
+        # Persistent: min(tiles, SMs) CTAs share them out; persistent off: one CTA per tile.
         sequences = (
             q.shape[3] if cutlass.const_expr(cu_seqlens_q is None) else cu_seqlens_q.shape[0] - 1
         )
@@ -329,8 +329,8 @@ class Sm90Kernel:
             grid = (cutlass.min(tiles, self.sm_count), 1, 1)
             if cutlass.const_expr(cu_seqlens_q is not None):
                 # Packed sequences: the tiles differ with the lengths (and past a shorter
-                # sequence's end they are empty, skipped by the producer: live_tile). They go
-                # head by head, sequence after sequence (longest first only inside a (head,
+                # sequence's end they are empty: the producer's first_nonempty_tile skips them).
+                # They go head by head, sequence after sequence (longest first only inside a (head,
                 # sequence)): a long sequence late in cu_seqlens is drawn last.
                 dynamic = cutlass.Int32(1)
         if cutlass.const_expr(cu_seqlens_q is None):
@@ -575,7 +575,7 @@ class Sm90Kernel:
         tiles_done = cutlass.Int32(0)
         entries = cutlass.Int32(0)
         live = (tiles_m, heads, l2_heads, num_splits, dynamic, tile_counter, mCuSeqlensQ)
-        tile = self.live_tile(cute.arch.block_idx()[0], total_tiles, *live)
+        tile = self.first_nonempty_tile(cute.arch.block_idx()[0], total_tiles, *live)
         while tile < total_tiles:
             pid_m, head, batch, split = self.tile_coords(tile, tiles_m, heads, l2_heads, num_splits)
             kv_head = head // (mQ.shape[2] // mK.shape[2])
@@ -610,7 +610,9 @@ class Sm90Kernel:
             tiles_done += 1
             # Every load of this tile is issued (the consumers are a few KV tiles behind):
             # take the next tile now (packed sequences: the next one with rows of Q).
-            tile = self.live_tile(self.next_tile(tile, dynamic, tile_counter), total_tiles, *live)
+            tile = self.first_nonempty_tile(
+                self.next_tile(tile, dynamic, tile_counter), total_tiles, *live
+            )
         # No tile left: tell the consumers with a tile number past the end and a q_full
         # of its own (an arrive without bytes), once they are done with the last Q.
         cute.arch.mbarrier_wait(q_empty, self.q_empty_parity(tiles_done))
@@ -1211,7 +1213,7 @@ class Sm90Kernel:
         return nxt
 
     @cute.jit
-    def live_tile(
+    def first_nonempty_tile(
         self,
         tile,
         total_tiles,
