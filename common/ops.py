@@ -204,7 +204,8 @@ def _define(schema, kernel, fake):
     implementation, and a fallthrough at the Autograd key: the dispatcher goes on to the fake
     (fake or meta tensors), to a subclass's or a dispatch mode's handler, or to `kernel`, with
     no Python call on the way. Both `kernel` and `fake` refuse inputs that require grad under
-    grad mode (refuse_grad). Returns the op's OpOverload (torch.ops.flash_tutorial.<name>.default)."""
+    grad mode (refuse_grad). Returns the op's OpOverload
+    (torch.ops.flash_tutorial.<name>.default)."""
     global _lib
     name = schema.split("(")[0]
     namespace = getattr(torch.ops, NAMESPACE)
