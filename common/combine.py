@@ -210,8 +210,8 @@ class Combine:
 
 
 def partial_offsets(splits, rows, head_dim):
-    """Where a split launch's fp32 buffer holds what, in elements: (LSE_partial's offset, O_partial's,
-    the total). LSE (rows = B x H x Sq of them) first at offset 0, when the call returns none of
+    """Where a split launch's fp32 buffer holds what, in elements: (O_partial's offset,
+    LSE_partial's offset, the total). LSE (rows = B x H x Sq of them) first at offset 0, when the call returns none of
     its own; O_partial (splits, B, H, Sq, D) from the next multiple of 64 (256 bytes); LSE_partial
     (splits, B, H, Sq) right behind it. Python ints (attention_host.partials_layout) and the
     DSL's run-time integers (SplitLaunch) alike."""

@@ -1393,9 +1393,11 @@ def table(header, rows):
 
 def show_function(fn):
     """Display a host-side function of common/ (a stage's pure-Python twin, e.g.
-    common.masks.kv_tile_range) the way show_source displays the stage files."""
+    common.masks.kv_tile_range) the way show_source displays the stage files. A decorated
+    function (`@cute.kernel`, `@cute.jit`) is shown from its own file, not the decorator's."""
+    fn = inspect.unwrap(fn)
     rel = os.path.relpath(inspect.getsourcefile(fn), ROOT)
-    _markdown(f"`{rel}`: `{fn.__name__}`", f"--- {rel}: {fn.__name__} ---")
+    _markdown(f"`{rel}`: `{fn.__qualname__}`", f"--- {rel}: {fn.__qualname__} ---")
     _code(textwrap.dedent(inspect.getsource(fn)))
 
 

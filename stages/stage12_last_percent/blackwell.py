@@ -1377,8 +1377,7 @@ class Sm100Kernel:
 
     @cute.jit
     def smem_tensors(self, storage, q_smem_s, k_smem_s, v_smem_s, o_smem_s):
-        """The CTA's buffers in shared memory: Q, the K/V ring (as K and as V), O's staging, the
-        row statistics."""
+        """The CTA's buffers in shared memory: Q, the K/V ring (as K and as V), row statistics."""
         # (MMA, MMA_M, MMA_K, q_buffers)
         sQ = storage.sQ.get_tensor(q_smem_s.outer, swizzle=q_smem_s.inner)
         # (MMA, MMA_N, MMA_K, kv_slots)

@@ -15,8 +15,8 @@ How many splits (splits_for): as many as fill one wave, SMs / tiles, at most 64 
 per KV tile; 1 when the tiles alone fill 0.8 of the SMs or the range is 4 KV tiles (of 128
 keys) or fewer. Decode at B = 1, Hkv = 8 on 132 SMs: 16; at B = 16: 1.
 A decode tile (launch_options): query rows that fit in 64 (G x Sq, G dividing 64) get one
-consumer warpgroup on a 64-row tile, not 128 rows whose second 64 hold no query (split kernel,
-B = 1, 8k: 8.8 us, not 11.7; NVIDIA H100 80GB HBM3, 2026-12-06 and 2026-12-05). No turns then.
+consumer warpgroup on a 64-row tile, not 128 rows whose second 64 hold no query (measured:
+docs/results/README.md, stage 13). No turns then.
 Partial buffers per call: num_splits x B x H x Sq x (D + 1) x 4 bytes (16 x 32 x 129 x 4 =
 258 KiB for the decode step above), against 2 x Sk x Hkv x D x 2 bytes of K and V read (32k
 keys: 128 MiB).
