@@ -15,16 +15,17 @@
 # # Stage 13 - split-KV (FlashDecoding): a decode step on every SM
 #
 # This notebook walks through `stages/stage13_split_kv/hopper.py`: stage 12's kernel (persistent
-# CTAs, ping-pong consumer warpgroups with the overlap inside the loop, every tuning, every
-# feature of stage 7) whose work tiles can each be cut along the keys. A decode step - one new
-# query token per sequence against a long KV cache - has too few work tiles to fill the GPU:
-# at batch 1 with 8 KV heads, 8 CTAs stream all of K and V while the other SMs wait. Stage 13
-# cuts each tile's KV range into splits, each its own work tile; each split writes its O and
-# LSE in fp32, and a second kernel, the combine (`common/combine.py`), merges them by their LSE
-# weights. The launch picks the split count (`splits_for` in `common/attention_host.py`), and
-# `seqused_k` lets a sequence use only the first keys of a cache allocated longer. The
-# notebook imports the stage file and displays it; it never pastes kernel code. Every number
-# measured here is Hopper's; the Blackwell track is section 5.8.
+# CTAs, ping-pong consumer warpgroups with the overlap inside the loop, every tuning, every feature
+# of stage 7) whose work tiles can each be cut along the keys. A decode step - one new query token
+# per sequence against a long KV cache - has too few work tiles to fill the GPU: at batch 1 with 8
+# KV heads, 8 CTAs stream all of K and V while the other SMs wait. Stage 13 cuts each tile's KV
+# range into splits (Flash-Decoding: Dao, Haziza, Massa and Sizov, *Flash-Decoding for long-context
+# inference*, 2023), each its own work tile; each split writes its O and LSE in fp32, and a second
+# kernel, the combine (`common/combine.py`), merges them by their LSE weights. The launch picks the
+# split count (`splits_for` in `common/attention_host.py`), and `seqused_k` lets a sequence use only
+# the first keys of a cache allocated longer. The notebook imports the stage file and displays it;
+# it never pastes kernel code. Every number measured here is Hopper's; the Blackwell track is
+# section 5.8.
 #
 # **How to run.** As stage 1: in Jupyter from `notebooks/`, or `make notebooks`. Without an
 # H100/H200 the cells of *Run and verify* and *Measure* say they are skipped; everything else
@@ -91,7 +92,8 @@ split_range = type(kernel).split_range.__wrapped__
 # issued with PV of the last. For short queries it packs the G = H / Hkv query heads of a KV
 # head into one tile (pack-GQA, stage 7): a decode step with 32 / 8 heads puts 4 rows (one
 # token, four heads) in a 128-row tile, so each work tile reads its KV head's K and V once. On
-# the paper shapes at S = 8k it runs at 0.94-1.02x FA4, event-timed (H200, 2026-12-04). On a
+# the paper shapes at S = 8k it runs at 0.94-1.02x FA4, event-timed (H200, 2026-12-04,
+# `docs/results/ablation_h200_2026-12-04.md`). On a
 # decode step at batch 1 it reads K and V at 359-384 GB/s (H200, 2026-12-04,
 # `docs/results/decode_h200_2026-12-04.md`), under 10% of what the GPU's memory can deliver:
 # the loop is not the problem, the number of CTAs is.
@@ -146,8 +148,8 @@ split_range = type(kernel).split_range.__wrapped__
 # (65 KV tiles of 128), cut 16 ways with the kernel's own `split_range`, each split's
 # $(O_s, \text{lse}_s)$ computed directly from its keys, merged by `combine_reference` (the fp64
 # twin of the combine kernel, `common/combine.py`), against one softmax over all keys - then
-# the same with every score multiplied by 1,000 (the row labelled "scores around 1e4": its LSEs
-# are in the thousands), and the fp32 merge with and without $\text{lse}_{\max}$.
+# the same with every score multiplied by 1,000 (the row labelled "scores in the thousands": its
+# LSEs are in the thousands), and the fp32 merge with and without $\text{lse}_{\max}$.
 
 # %%
 g = torch.Generator().manual_seed(13)
@@ -257,7 +259,8 @@ fig = figures.idle_sms(
 )
 
 # %% [markdown]
-# How many splits: `splits_for` fills one wave of CTAs. When the work tiles occupy fewer than
+# How many splits: `splits_for` fills one wave of CTAs (a wave: as many CTAs as run at once,
+# here one per SM). When the work tiles occupy fewer than
 # `FILLED_SHARE` = 0.8 of the SMs, each tile gets $\lfloor \text{SMs} / \text{tiles} \rfloor$
 # splits; one more split per tile would start a second, mostly empty wave. Two caps apply: at
 # most one split per KV tile (a split of less than one KV tile would be empty) and at most
@@ -285,9 +288,10 @@ nb.table(
 # rows fit in 64 one consumer warpgroup. The tensor-core work per KV tile halves, the ring gets
 # a sixth K/V slot (Q and O take 16 KB each instead of 32), and without a second warpgroup there
 # are no turns to take: `wait_turn` and `pass_turn` compile to nothing. The split kernel of the
-# 8k step took 8.8 us with the decode tile (2026-12-06) and 11.7 us with 128 rows (2026-12-05),
-# on an H100 80GB HBM3 with K and V warm in L2 (`docs/results/README.md`, stage 13). The cell
-# builds the kernel object each launch would get.
+# 8k step took 8.8 us with the decode tile and 11.7 us with 128 rows, on an H100 80GB HBM3 with K
+# and V warm in L2, in two runs (2026-12-06, `docs/results/decode_kernels_h100_2026-12-06.txt`;
+# 2026-12-05, `docs/results/decode_kernels_h100_2026-12-05.txt`). The cell builds the kernel
+# object each launch would get.
 
 # %%
 nb.show_function(stage13.Sm90Kernel.launch_options)
@@ -398,21 +402,20 @@ for Sk_ in (8192, 32768, 131072):
 #
 # ### 5.5 The combine kernel
 #
-# `common/combine.py`'s `Combine` merges a row's splits: $\text{splits} \cdot (D + 1) \cdot 4$
-# bytes read per row, 8 KiB for a decode row cut 16 ways. So little data makes the kernel's time
-# that of its loads' latency, and the kernel is laid out to wait for global memory once. A row
-# takes $D / 4 \cdot \text{lanes}$ threads, 4 columns each; lane $i$ reads splits $i$,
-# $i + \text{lanes}$, ... (`lanes`: the split count rounded up to a power of two, at most 8 at
-# D = 128). Every load is issued before the first barrier - each thread's $\text{lse}_t$ into
-# shared memory, its first 8 splits' columns of $O_s$ as 16-byte loads - then each warp reduces
-# the row's LSEs from shared memory with shuffles (the max $m$, then $l = \sum_s
-# e^{\text{lse}_s - m}$), each thread weights its $O_s$, and after a second barrier lane 0 adds
-# the lanes' sums. A decode step's combine at 16 splits takes 2.5 us of GPU time, against 2.8 us
-# for cuDNN's reduction; a kernel of one warp per CTA with its loops over the splits unrolled took
-# 3.3 us, its loads going out in rounds (B = 1, 8k; H100 80GB HBM3, 2026-12-06;
-# `docs/results/decode_kernels_h100_2026-12-06.txt`). It is plain CUDA-core code, no TMA or tensor cores, so the same kernel
-# compiles for sm_90a and sm_100a. A row that no split saw keeps O = 0 and LSE = $-\infty$, as the
-# unsplit kernel gives.
+# `common/combine.py`'s `Combine` merges a row's splits: $\text{splits} \cdot (D + 1) \cdot 4$ bytes
+# read per row, 8 KiB for a decode row cut 16 ways. So little data makes the kernel's time that of
+# its loads' latency, and the kernel is laid out to wait for global memory once. A row takes $D / 4
+# \cdot \text{lanes}$ threads, 4 columns each; lane $i$ reads splits $i$, $i + \text{lanes}$, ...
+# (`lanes`: the split count rounded up to a power of two, at most 8 at D = 128). Every load is
+# issued before the first barrier - each thread's $\text{lse}_t$ into shared memory, its first 8
+# splits' columns of $O_s$ as 16-byte loads - then each warp reduces the row's LSEs from shared
+# memory with shuffles (the max $m$, then $l = \sum_s e^{\text{lse}_s - m}$), each thread weights
+# its $O_s$, and after a second barrier lane 0 adds the lanes' sums. A decode step's combine at 16
+# splits takes 2.5 us of GPU time, against 2.8 us for cuDNN's reduction; a kernel of one warp per
+# CTA with its loops over the splits unrolled took 3.3 us, its loads going out in rounds (B = 1, 8k;
+# H100 80GB HBM3, 2026-12-06; `docs/results/decode_kernels_h100_2026-12-06.txt`). It is plain
+# CUDA-core code, no TMA or tensor cores, so the same kernel compiles for sm_90a and sm_100a. A row
+# that no split saw keeps O = 0 and LSE = $-\infty$, as the unsplit kernel gives.
 
 # %%
 nb.show_function(Combine.kernel)
@@ -549,21 +552,20 @@ fig = nb.error_picture(13, result)
 #
 # The stage's goals (`docs/notes/stage13.md`, "What misses the goals"): at least 1.0x SDPA's
 # cuDNN backend in every decode row, at least 3,800 GB/s at B = 1 from $S_k$ = 32k, and at most
-# 25 us of host work per call.
+# 25 us of host work per call. The 3,800 GB/s are set for the H200's 4.8 TB/s; the H100 below
+# has 3,350 GB/s and cannot reach them.
 #
 # `make bench`'s decode rows on an NVIDIA H100 80GB HBM3 (2026-12-06, bf16, $S_q$ = 1, D = 128;
-# `docs/results/decode_h100_2026-12-06_decode_tile.md`), the kernels as they are (the split
-# kernel and the combine still launched by two host calls then; section 5.6): stage 12, stage
-# 13, FA4 and SDPA's cuDNN, flash
-# and memory-efficient backends, all timed in the same interleaved rounds, inputs rotated past
-# L2. A decode step is bound by memory, so the unit is GB/s of K and V read,
-# $2 S_k H_{kv} D \cdot 2\,\text{B} \cdot B$ / time. Two timings: calls back to back between CUDA
-# events (what a model sees, host work included) and GPU time alone (the kernels' durations; for
-# stage 13 the attention kernel and the combine). The cell reads the run's `.json` file (which
+# `docs/results/decode_h100_2026-12-06_split_launch.md`), the kernels as they are: stage 12, stage
+# 13, FA4 and SDPA's cuDNN, flash and memory-efficient backends, all timed in the same interleaved
+# rounds, inputs rotated past L2. A decode step is bound by memory, so the unit is GB/s of K and V
+# read, $2 S_k H_{kv} D \cdot 2\,\text{B} \cdot B$ / time. Two timings: calls back to back between
+# CUDA events (what a model sees, host work included) and GPU time alone (the kernels' durations;
+# for stage 13 the attention kernel and the combine). The cell reads the run's `.json` file (which
 # also holds stage 14 on paged caches: `docs/notes/stage14.md`).
 
 # %%
-with open(os.path.join(nb.ROOT, "docs/results/decode_h100_2026-12-06_decode_tile.json")) as f:
+with open(os.path.join(nb.ROOT, "docs/results/decode_h100_2026-12-06_split_launch.json")) as f:
     decode = json.load(f)
 KERNELS = ["stage 12", "stage 13", "FA4", "SDPA cuDNN", "SDPA flash", "SDPA efficient"]
 gpu_time = {tuple(r["shape"]): r["tflops"] for r in decode["rows"] if r["stage"] == "13 decode GPU"}
@@ -603,19 +605,16 @@ fig = figures.decode_bars(
 # Read from the table (H100 80GB HBM3, 2026-12-06):
 #
 # - **The split pays where the tiles are few.** At batch 1 with 8 KV heads stage 12 stays under
-#   400 GB/s whatever $S_k$ (8 CTAs); stage 13, cut 16 ways, reads 694 GB/s at 8k, 2,114 at 32k
-#   and 2,894 at 128k back to back, 7.3x stage 12 at 128k. FA4 stays near stage 12 on these
-#   rows. With 32 KV heads (4 splits) or a batch of 8 (2 splits) stage 13 reaches 2,887-2,973
+#   400 GB/s whatever $S_k$ (8 CTAs); stage 13, cut 16 ways, reads 735 GB/s at 8k, 2,276 at 32k
+#   and 2,889 at 128k back to back, 7.5x stage 12 at 128k. FA4 stays near stage 12 on these
+#   rows. With 32 KV heads (4 splits) or a batch of 8 (2 splits) stage 13 reaches 2,894-2,969
 #   GB/s; at a batch of 32 the launch does not split.
 # - **Against SDPA's cuDNN backend, in GPU time:** 1.03x at 8k and 1.00x at 32k (batch 1),
 #   0.98-0.99x in the other rows. There both kernels read 88-92% of the H100's 3,350 GB/s; at
 #   batch 32 the 256 work tiles leave 8 of 132 SMs idle for the second round, about 3%
-#   (`docs/notes/stage13.md`). Back to back 0.97-1.31x; with the two kernels in one compiled
-#   launch (`SplitLaunch`, the same GPU and day,
-#   `docs/results/decode_h100_2026-12-06_split_launch.md`) the GPU-time ratios stay 0.98-1.03x
-#   and back to back becomes 0.97-1.42x (735 GB/s at 8k, 2,276 at 32k).
+#   (`docs/notes/stage13.md`). Back to back 0.97-1.42x.
 # - **Short caches are host-bound.** At 8k and 32k a call back to back takes longer than its GPU
-#   work, so the event-timed GB/s measure the host: 2,114 GB/s at 32k back to back against 2,650
+#   work, so the event-timed GB/s measure the host: 2,276 GB/s at 32k back to back against 2,648
 #   in GPU time. The next section is the host's side.
 #
 # On the H200 (2026-12-04, `docs/results/decode_h200_2026-12-04.md`), with the kernel as it was
@@ -625,44 +624,47 @@ fig = figures.decode_bars(
 #
 # ### 7.2 Host work per call
 #
-# `python -m common.tools.host_time --calls 2000` times a tiny decode step (K and V of 256 keys,
-# causal: 5-7 us of GPU work, less than the host's) under `torch.inference_mode()`, every entry
-# in 5 rounds in rotated order: back to back between CUDA events, the host's own time, the GPU's.
-# The cell prints the run of the launch path as it is (NVIDIA H100 80GB HBM3, 2026-12-06,
-# `docs/results/host_time_h100_2026-12-06_split_launch.txt`) with cProfile's view of stage 13's
-# call, and the split count the launch picks for this step: none, since a range of 4 KV tiles
+# `python -m common.tools.host_time --calls 1000 --rounds 3 --profile` times a tiny decode step (K
+# and V of 256 keys, causal: 5-7 us of GPU work, less than the host's) under
+# `torch.inference_mode()`, every entry in rotated order each round: back to back between CUDA
+# events, the host's own time, the GPU's. The cell prints the run of the launch path as it is
+# (NVIDIA H100 80GB HBM3, 2026-12-06,
+# `docs/results/host_time_h100_2026-12-06_traced_copy_profile.txt`) with cProfile's view of stage
+# 13's call, and the split count the launch picks for this step: none, since a range of 4 KV tiles
 # or fewer is not split (section 5.1).
 
 # %%
-with open(os.path.join(nb.ROOT, "docs/results/host_time_h100_2026-12-06_split_launch.txt")) as f:
+HOST_TIME = "docs/results/host_time_h100_2026-12-06_traced_copy_profile.txt"
+with open(os.path.join(nb.ROOT, HOST_TIME)) as f:
     text = f.read()
-table, _, profiles = text.partition("cProfile of 2000 calls: stage 12\n")
+table, _, profiles = text.partition("cProfile of 1000 calls: stage 12\n")
 skip = ("round ", "Warning", "_warn_once")  # progress lines and a profiler warning
 print("\n".join(ln for ln in table.splitlines() if not any(w in ln for w in skip)))
-stage13_profile = profiles.split("cProfile of 2000 calls: stage 13\n")[1].split("cProfile of")[0]
-print("cProfile of 2000 calls: stage 13\n" + stage13_profile)
+stage13_profile = profiles.split("cProfile of 1000 calls: stage 13\n")[1].split("cProfile of")[0]
+print("cProfile of 1000 calls: stage 13\n" + stage13_profile)
 print("splits the launch picks for this step now:", attention_host.splits_for(8, 2, SMS))
 
 # %% [markdown]
-# Stage 12, and stage 13 where it does not split, take 18.5-18.9 us per call back to back and of
-# host time, against SDPA's 14.7: within the goal of 25 us. A split call (`num_splits=2`) takes
-# 23.3-23.4: the partials' buffer and one call that launches both kernels (section 5.6; H100
-# 80GB HBM3, 2026-12-06, the same run). With two calls, the combine's its own, and three views
-# of the buffer, it took 28.7-28.8 on the same GPU model the same day
-# (`docs/results/host_time_h100_2026-12-06_checks_first.txt`, a host where SDPA took 14.2). Of stage
-# 12's 18.8 us in an A/B on the same GPU model (2026-12-05), its compiled function called alone
-# on ready arguments took 5.1 (the TVM-FFI call and the launch) and each of its two outputs 2.2
-# (`torch.empty_strided`): about 9 us was the launch path's Python. A call whose tensors and options match an earlier
+# Stage 12, and stage 13 where it does not split, take 19.5-19.8 us per call back to back and of
+# host time, against SDPA's 14.8: within the goal of 25 us. A split call (`num_splits=2`) takes
+# 24.4 back to back and 24.8 of host time: the partials' buffer and one call that launches both
+# kernels (section 5.6). The custom op takes 23.7 under inference mode and 23.8 under
+# `torch.no_grad()` (H100 80GB HBM3, 2026-12-06, the same run). Of stage 12's 18.8 us in an A/B
+# on the same GPU model (2026-12-05, `docs/results/host_time_fast_path_ab_h100_2026-12-05.txt`),
+# its compiled function called alone on ready arguments took 5.1 (the TVM-FFI call and the
+# launch) and each of its two outputs 2.2 (`torch.empty_strided`): about 9 us was the launch
+# path's Python. A call whose tensors and options match an earlier
 # call's (`call_key` in `common/attention_host.py`) takes the fast path: no shape checks, and
 # the launch plan made for the first such call, which keeps everything decided once (the
 # compiled kernel and combine, the mask bounds, the split count, the partials' layout, the
 # inputs' canonical strides). What is left is Python per call, which only fewer Python calls per
 # step remove: a CUDA graph over a model's decode step, as `tests/test_stage13.py` replays one.
-# How each change to the launch path moved these numbers, and the H200's measurement of the
-# older path (2026-12-04): `docs/results/README.md`, *Host work per call*.
+# Earlier launch paths, and what each change to it saved: `docs/results/README.md`, *Host work
+# per call*.
 #
 # In GPU mode the cell below times stage 13 against stage 12 and the baselines at two decode
-# shapes (MHA, 32 heads: the launch picks 4 splits) in this run.
+# shapes (MHA, 32 heads: the launch picks 4 splits) in this run. Its table gives TFLOP/s,
+# `nb.measure`'s unit for every stage; for a decode step read the milliseconds and the ratios.
 
 # %%
 bench = nb.measure(

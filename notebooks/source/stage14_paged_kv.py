@@ -19,7 +19,8 @@
 # keeps one pool of pages of `page_size` keys - `k_cache` and `v_cache` of shape (num_pages,
 # page_size, Hkv, D) - and per sequence a row of `page_table` that lists its pages in order:
 # FlashAttention's and vLLM's layout. A sequence grows a page at a time, and pages are shared
-# and freed without copying. The kernel changes in its producer alone: a KV tile of 128 keys,
+# and freed without copying. The kernel changes in its producer (and in `seq_info`, which every
+# role calls): a KV tile of 128 keys,
 # one TMA load in stage 13, becomes 128 / r TMA boxes of r = min(page_size, 128) rows, each
 # from the page that holds its keys, all counted on the ring slot's one full barrier. The
 # notebook imports the stage file and displays it; it never pastes kernel code. Every number
@@ -103,8 +104,8 @@ def paged_cache(k, v, used, page_size, spare_pages=3, seed=14):
 # - follow the clamp to the last page: which `page_table` entries the producer reads, and why
 #   none past $\lceil \text{seqused\_k} / P \rceil$ may be read;
 # - name the three kinds of memory that may hold NaN, and why none reaches O;
-# - read the measured decode table (H200, 2026-12-04): what pages cost against stage 13's
-#   contiguous cache in GPU time, and where the host's work per call sets the pace.
+# - read the measured decode table (H100 80GB HBM3, 2026-12-06): what pages cost against stage
+#   13's contiguous cache in GPU time, and where the host's work per call sets the pace.
 #
 # ## 2. Previous stage recap
 #
@@ -229,8 +230,9 @@ nb.table(
 # the first `page_rows` rows of a slot; the longest key count read from the table's width
 # (max_pages x page_size); `page_table` passed to both roles and to `seq_info`; the paged
 # partitions in `tma_views`; the last page computed once per work tile in `load`; the box loop
-# in `load_tiles`. The consumers do not change: they wait for a full slot and read the ring as
-# in stage 13.
+# in `load_tiles`. The consumers' loop does not change: they wait for a full slot and read the
+# ring as in stage 13 (only `seq_info`, which every role calls, takes S_k from the table's
+# width).
 
 # %%
 nb.show_docstring(14, "hopper")
@@ -407,8 +409,9 @@ nb.show_function(checks.check_page_table)
 # The stage's compile shape (unpaged: stage 13's kernel with the new arguments), then the paged
 # kernel of a decode step at page sizes 16 and 256. The cell compares them: the same `wgmma`,
 # exponentials and TMA load instructions (the box loop is one TMA instruction in a loop that is
-# not unrolled), and one `expect_tx` of 32 KB per slot at every page size - the byte count of a
-# tile, whatever the number of boxes that deliver it.
+# not unrolled), and the same two `expect_tx` byte counts at every page size: 32 KB for each K
+# or V slot - the byte count of a tile, whatever the number of boxes that deliver it - and 16 KB
+# for Q's 64-row decode tile.
 
 # %%
 report = nb.compile_summary(14, "hopper")
@@ -535,16 +538,16 @@ fig = nb.error_picture(14, result)
 #
 # ### 7.1 Decode steps by page size
 #
-# `make bench`'s decode rows on an NVIDIA H200 (2026-12-04, bf16, $S_q$ = 1, D = 128;
-# `docs/results/decode_h200_2026-12-04.md`): stage 13 on contiguous K and V and stage 14 on a
-# paged copy of them (pages in random order) at page sizes 16, 64, 128 and 256, timed in the
-# same interleaved rounds, inputs rotated past L2. The cell reads the run's `.json` file and
-# gives stage 14's GB/s of K and V over stage 13's (1.00: as fast as the contiguous cache), in
-# GPU time alone (the kernels' durations) and with calls back to back between CUDA events
-# (host work included), with stage 13's time per call in microseconds.
+# `make bench`'s decode rows on an NVIDIA H100 80GB HBM3 (2026-12-06, bf16, $S_q$ = 1, D = 128;
+# `docs/results/decode_h100_2026-12-06_split_launch.md`), the kernels as they are: stage 13 on
+# contiguous K and V and stage 14 on a paged copy of them (pages in random order) at page sizes 16,
+# 64, 128 and 256, timed in the same interleaved rounds, inputs rotated past L2. The cell reads the
+# run's `.json` file and gives stage 14's GB/s of K and V over stage 13's (1.00: as fast as the
+# contiguous cache), in GPU time alone (the kernels' durations) and with calls back to back between
+# CUDA events (host work included), with stage 13's time per call in microseconds.
 
 # %%
-with open(os.path.join(nb.ROOT, "docs/results/decode_h200_2026-12-04.json")) as f:
+with open(os.path.join(nb.ROOT, "docs/results/decode_h100_2026-12-06_split_launch.json")) as f:
     decode = json.load(f)
 BENCH_PAGES = (16, 64, 128, 256)
 print(f"{decode['gpu']}, {decode['date']}, torch {decode['torch']}: stage 14 / stage 13")
@@ -573,65 +576,54 @@ fig = figures.paged_ratios(
 )
 
 # %% [markdown]
-# Read from the tables (H200, 2026-12-04):
+# Read from the tables (H100 80GB HBM3, 2026-12-06):
 #
-# - **In GPU time, pages of 64 keys or more cost 0-3%** (0.97-1.01 of stage 13), except at
-#   B = 1 with 8k keys, where pages of 64, 128 and 256 all cost 15% (0.85) - 256 included,
-#   though a tile is then one box as in stage 13. That is about 4 us of stage 13's 21.7 us. A
-#   split there has only 4 KV tiles, so a cost paid once per split weighs most; what that cost
-#   is was not profiled.
-# - **Pages of 16 keys cost 9-18% in GPU time** (0.82-0.91): every K or V tile is 8 boxes of
+# - **In GPU time, pages of 64 keys or more cost 0-4%** (0.96-1.00 of stage 13) in every row,
+#   B = 1 at 8k included.
+# - **Pages of 16 keys cost 2-5% in GPU time** (0.95-0.98): every K or V tile is 8 boxes of
 #   4 KB instead of one of 32 KB, each issued by the producer after its own `page_table` read.
-# - **Back to back at B = 1 with 8 KV heads the host sets the pace**: at 32k a paged call takes
-#   110-113 us against stage 13's 77.5, for 44-48 us of GPU work, so every page size reads at
-#   0.68-0.70 of stage 13 there, and at 8k 0.36-0.48: lower still because at 8k the benchmark
-#   cycles through 24 page tables and the launch timed then remembered only the last 8, so most
-#   calls read their table to the host again (`docs/notes/stage14.md`). With 32 KV heads, at
-#   B = 8 and at B = 32
-#   the GPU work dominates and the ratios are those of GPU time (0.84-0.86 at page 16,
-#   0.97-1.00 from 64 on).
+# - **Back to back at B = 1 with 8 KV heads, at 8k and 32k, the host sets the pace**: every page
+#   size reads at 0.86-0.90 of stage 13 there, because a paged call costs the host a few us more
+#   (section 7.2) and these calls are short. In the other rows the GPU work dominates and the
+#   ratios are those of GPU time.
 #
-# The kernel as it is (the 64-row decode tile and the combine of 256 threads) has run on an
-# H100 80GB HBM3 only (2026-12-06, `docs/results/decode_h100_2026-12-06_decode_tile.md`,
-# columns `14 pN`): in GPU time 0.96-1.00 of stage 13 at pages of 64 keys or more and
-# 0.95-0.98 at pages of 16, in every row, B = 1 at 8k included; back to back 0.73-0.78 at B = 1
-# with 8 KV heads at 8k and 32k, where the host sets the pace. With the split kernel and the
-# combine in one compiled launch (the same GPU and day,
-# `docs/results/decode_h100_2026-12-06_split_launch.md`) the GPU-time ratios stay in those
-# ranges and back to back those rows rise to 0.86-0.90.
+# On the H200 (2026-12-04, `docs/results/decode_h200_2026-12-04.md`), with the kernel and launch
+# path as they were then (128-row tiles, two host calls for a split launch), pages of 64 keys or
+# more cost 0-3% in GPU time except at B = 1 with 8k keys (0.85), and pages of 16 keys 9-18%;
+# the kernel as it is has not run on an H200.
 #
 # ### 7.2 Host work per call
 #
-# `python -m common.tools.host_time --calls 2000` (notebook 13, section 7.2) times a tiny decode
-# step (K and V of 256 keys; stage 14 on pages of 64 keys) under `torch.inference_mode()`. The
-# cell prints the run of the launch path as it is (NVIDIA H100 80GB HBM3, 2026-12-06,
-# `docs/results/host_time_h100_2026-12-06_split_launch.txt`), and cProfile's view of a paged
-# call whose tables were made outside inference mode.
+# `python -m common.tools.host_time --calls 1000 --rounds 3 --profile` (notebook 13, section
+# 7.2) times a tiny decode step (K and V of 256 keys; stage 14 on pages of 64 keys) under
+# `torch.inference_mode()`. The cell prints the run of the launch path as it is (NVIDIA H100 80GB
+# HBM3, 2026-12-06, `docs/results/host_time_h100_2026-12-06_traced_copy_profile.txt`), and
+# cProfile's view of a paged call whose tables were made outside inference mode.
 
 # %%
-with open(os.path.join(nb.ROOT, "docs/results/host_time_h100_2026-12-06_split_launch.txt")) as f:
+HOST_TIME = "docs/results/host_time_h100_2026-12-06_traced_copy_profile.txt"
+with open(os.path.join(nb.ROOT, HOST_TIME)) as f:
     text = f.read()
-table, _, profiles = text.partition("cProfile of 2000 calls: stage 12\n")
+table, _, profiles = text.partition("cProfile of 1000 calls: stage 12\n")
 skip = ("round ", "Warning", "_warn_once")  # progress lines and a profiler warning
 print("\n".join(ln for ln in table.splitlines() if not any(w in ln for w in skip)))
-paged = "cProfile of 2000 calls: stage 14, paged (64 keys a page)\n"
+paged = "cProfile of 1000 calls: stage 14, paged (64 keys a page)\n"
 print(paged + profiles.split(paged)[1].split("cProfile of")[0])
 
 # %% [markdown]
-# A paged call costs the host 23.8-24.3 us with its tables made outside inference mode, 21.8-22.2
-# with `check_values=False`, against an unsplit stage 13's 18.7-18.9 and SDPA's 14.7 (H100 80GB
-# HBM3, 2026-12-06). What the checks cost per call is a lookup: `seqused_k` and `page_table` were
-# read to the host once and remembered with their version counters (section 5.5), and a call
-# that finds them unchanged asks nothing else - not even whether a CUDA graph is being
-# captured, a query of about 1.5 us under cProfile, needed only before a read. Tables made under
-# `torch.inference_mode()` carry no version counter, so they are read at every call, each read
-# a copy and a synchronisation, then every page a sequence uses is checked in Python: 67.9 us.
-# Inside a captured CUDA graph nothing is read and no Python runs at replay
-# (`tests/test_stage14.py` replays a paged decode step in a graph as the cache grows a page).
-# The cache itself goes to the kernel as the caller holds it (section 5.2): no permuted views to
-# make per call. How each change moved these numbers, and the H200's measurement of an older
-# launch path (2026-12-04, 111.0 us a paged call): `docs/results/README.md`, *Host work per
-# call*.
+# A paged call takes 24.6 us back to back and 25.0 of host time with its tables made outside
+# inference mode, 22.6 and 23.1 with `check_values=False`, against an unsplit stage 13's 19.8 and
+# SDPA's 14.8 (H100 80GB HBM3, 2026-12-06, the same run). What the checks cost per call is a lookup:
+# `seqused_k` and `page_table` were read to the host once and remembered with their version counters
+# (section 5.5), and a call that finds them unchanged asks nothing else - not even whether a CUDA
+# graph is being captured, which is needed only before a read. Tables made under
+# `torch.inference_mode()` carry no version counter, so they are read at every call, each read a
+# copy and a synchronisation, then every page a sequence uses is checked in Python: 69.7 us back to
+# back. Inside a captured CUDA graph nothing is read and no Python runs at replay
+# (`tests/test_stage14.py` replays a paged decode step in a graph as the cache grows a page). The
+# cache itself goes to the kernel as the caller holds it (section 5.2): no permuted views to make
+# per call. Earlier launch paths, and what each change to it saved: `docs/results/README.md`, *Host
+# work per call*.
 #
 # In GPU mode the cells below time stage 14's unpaged entry against stage 13 (the same kernel)
 # and the baselines, then stage 14 on pages of 16, 64 and 256 against stage 13 on one decode
