@@ -21,8 +21,8 @@ different thread" pattern; "wait" is the mbarrier wait):
 (a) S read, its columns then rewritten by the next QK MMA. Softmax: tcgen05.ld, tcgen05.wait::ld,
     fence before, arrive. MMA warp: wait, fence after, tcgen05.mma. The tcgen05.wait::ld makes the
     load complete; the two fences order it before the MMA.
-(b) P written over S, read by the PV MMA. Softmax: tcgen05.st, tcgen05.wait::st, fence before,
-    arrive. MMA warp: wait, fence after, tcgen05.mma.
+(b) P written (over S, or in columns of its own), read by the PV MMA. Softmax: tcgen05.st,
+    tcgen05.wait::st, fence before, arrive. MMA warp: wait, fence after, tcgen05.mma.
 (c) O rescaled by the correction warps: as (b). tcgen05.ld, tcgen05.st, tcgen05.wait::st, fence
     before, arrive; the MMA warp waits, fences after, and issues the PV MMA into O.
 (d) An MMA's result read: tcgen05.commit to an mbarrier; the reader waits, fences after, then
@@ -53,11 +53,11 @@ def fence_before_thread_sync(*, loc=None, ip=None):
     Before `tcgen05.dealloc`: the warp that frees the tensor memory must not do so while another
     warp's tcgen05.ld or tcgen05.st of it may still be in flight. tcgen05.wait::ld and ::st only
     wait for the waiting thread's own operations; the barrier orders them for the other warps only
-    with this fence before it. So every warp that read or wrote TMEM issues this fence, then the
-    barrier, and only then does the allocating warp run tcgen05.dealloc (the order CUTLASS's
-    low-level tcgen05 examples use: fence, barrier, dealloc). tcgen05.dealloc is a synchronous
-    tcgen05 instruction, and the fence after a barrier is for asynchronous ones, so the freeing
-    warp needs none."""
+    with this fence before it. So every warp that ran tcgen05.ld or tcgen05.st issues this fence,
+    then the barrier, and only then does the allocating warp run tcgen05.dealloc (the order
+    CUTLASS's low-level tcgen05 examples use: fence, barrier, dealloc). tcgen05.dealloc is a
+    synchronous tcgen05 instruction, and the fence after a barrier is for asynchronous ones, so the
+    freeing warp needs none."""
     nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC, loc=loc, ip=ip)
 
 

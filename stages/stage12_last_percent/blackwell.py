@@ -486,9 +486,10 @@ class Sm100Kernel:
         # 2. Main loop by warp role, over the CTA's work tiles. The TMA warp picks the tiles
         # (next_tile) and hands each one's number to the other roles (hand_over, handed_tile);
         # every pipeline's state runs on from one tile to the next.
-        # The MMA, TMA and idle warps form the fourth warpgroup: its registers go to the softmax
-        # warpgroups. Each role's branch lowers or raises its own count first, so that ptxas
-        # knows the count of every branch.
+        # The MMA, TMA and idle warps form the fourth warpgroup: it and the correction warpgroup
+        # give registers to the two softmax warpgroups (the counts: the module docstring). Each
+        # role's branch lowers or raises its own count first, so that ptxas knows the count of
+        # every branch.
         if warp_idx >= self.idle_warp_ids[0]:
             cute.arch.setmaxregister_decrease(self.other_registers)
 
@@ -742,7 +743,8 @@ class Sm100Kernel:
         s_prod0, s_prod1 = (p.make_producer() for p in s_pipes)
         p_cons0, p_cons1 = (p.make_consumer() for p in p_pipes)
         o_prod0, o_prod1 = (p.make_producer() for p in o_pipes)
-        # Waits, like the softmax warps, until P_s,j-1 @ V_j-1 has completed
+        # With P over S (D = 128): waits, like the softmax warps, until P_s,j-1 @ V_j-1 has
+        # completed
         p_free0, p_free1 = (p.make_producer() for p in p_pipes)
         pipes = (q_cons, kv_cons, s_prod0, s_prod1, p_cons0, p_cons1)
         pipes += (o_prod0, o_prod1, p_free0, p_free1)
@@ -974,9 +976,10 @@ class Sm100Kernel:
                 row_max, tTR_rS.load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
             )
             # The reference max moves only when the row max has grown by more than the
-            # threshold (the first finite max always moves it: +inf > threshold; a row that has
-            # seen no key keeps -inf: NaN > threshold is false). Otherwise P = exp2(scale (S -
-            # row_max)) <= 2^threshold, and the factor is exactly 1.
+            # threshold (the first finite max always moves it: +inf <= threshold is false; a
+            # row that has seen no key: NaN <= threshold is false too, so row_max_new is kept,
+            # and it is -inf as well). Otherwise P = exp2(scale_log2 (S - row_max)) <=
+            # 2^threshold, and the factor is exactly 1.
             if (row_max_new - row_max) * scale_log2 <= self.rescale_threshold:
                 row_max_new = row_max
             # A row that has seen no key yet (max -inf) subtracts 0 instead: P = exp2(-inf)
@@ -1291,10 +1294,11 @@ class Sm100Kernel:
         # P_s, softmax warpgroup s -> MMA: 128 arrivals once P_s is in TMEM; tcgen05.commit after
         #   the PV MMAs marks P_s's columns free again.
         # O_s, MMA -> correction: tcgen05.commit after P_s @ V_j (O_s holds tile j); the 128
-        #   correction threads arrive once they have rescaled (or, last, read) it.
+        #   correction threads arrive once they have rescaled it (or found no row of their warp
+        #   to rescale; last, read it).
         # stats_s, softmax warpgroup s -> correction, through shared memory: per KV tile the row
-        #   factor exp2(scale (m_old - m_new)), after the loop the row sum and max; 128 arrivals
-        #   each way.
+        #   factor exp(scale (m_old - m_new)) = exp2(scale_log2 (m_old - m_new)), after the loop
+        #   the row sum and max; 128 arrivals each way.
         s_pipes, p_pipes, o_pipes, stats_pipes = [], [], [], []
         for s in cutlass.range_constexpr(self.q_tiles):
             s_pipes.append(

@@ -357,9 +357,10 @@ class Sm100Kernel:
         pipeline.pipeline_init_wait(cluster_shape_mn=cluster_layout_vmnk)
 
         # 2. Main loop by warp role
-        # The MMA, TMA and idle warps form the fourth warpgroup: its registers go to the softmax
-        # warpgroups. Each role's branch lowers or raises its own count first, so that ptxas
-        # knows the count of every branch.
+        # The MMA, TMA and idle warps form the fourth warpgroup: it and the correction warpgroup
+        # give registers to the two softmax warpgroups (the counts: the module docstring). Each
+        # role's branch lowers or raises its own count first, so that ptxas knows the count of
+        # every branch.
         if warp_idx >= self.idle_warp_ids[0]:
             cute.arch.setmaxregister_decrease(self.other_registers)
 
@@ -963,8 +964,8 @@ class Sm100Kernel:
         # O_s, MMA -> correction: tcgen05.commit after P_s @ V_j (O_s holds tile j); the 128
         #   correction threads arrive once they have rescaled (or, last, read) it.
         # stats_s, softmax warpgroup s -> correction, through shared memory: per KV tile the row
-        #   factor exp2(scale (m_old - m_new)), after the loop the row sum and max; 128 arrivals
-        #   each way.
+        #   factor exp(scale (m_old - m_new)) = exp2(scale_log2 (m_old - m_new)), after the loop
+        #   the row sum and max; 128 arrivals each way.
         s_pipes, p_pipes, o_pipes, stats_pipes = [], [], [], []
         for s in cutlass.range_constexpr(self.q_tiles):
             s_pipes.append(
