@@ -648,8 +648,8 @@ print("splits the launch picks for this step now:", attention_host.splits_for(8,
 # Stage 12, and stage 13 where it does not split, take 19.5-19.8 us per call back to back and of
 # host time, against SDPA's 14.8: within the goal of 25 us. A split call (`num_splits=2`) takes
 # 24.4 back to back and 24.8 of host time: the partials' buffer and one call that launches both
-# kernels (section 5.6). The custom op takes 23.7 under inference mode and 23.8 under
-# `torch.no_grad()` (H100 80GB HBM3, 2026-12-06, the same run). Of stage 12's 18.8 us in an A/B
+# kernels (section 5.6). The custom op takes 23.7 / 23.6 (back to back / host) under inference
+# mode and 23.8 / 24.0 under `torch.no_grad()` (H100 80GB HBM3, 2026-12-06, the same run). Of stage 12's 18.8 us in an A/B
 # on the same GPU model (2026-12-05, `docs/results/host_time_fast_path_ab_h100_2026-12-05.txt`),
 # its compiled function called alone on ready arguments took 5.1 (the TVM-FFI call and the
 # launch) and each of its two outputs 2.2 (`torch.empty_strided`): about 9 us was the launch
