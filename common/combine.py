@@ -211,10 +211,10 @@ class Combine:
 
 def partial_offsets(splits, rows, head_dim):
     """Where a split launch's fp32 buffer holds what, in elements: (O_partial's offset,
-    LSE_partial's offset, the total). LSE (rows = B x H x Sq of them) first at offset 0, when the call returns none of
-    its own; O_partial (splits, B, H, Sq, D) from the next multiple of 64 (256 bytes); LSE_partial
-    (splits, B, H, Sq) right behind it. Python ints (attention_host.partials_layout) and the
-    DSL's run-time integers (SplitLaunch) alike."""
+    LSE_partial's offset, the total). LSE (rows = B x H x Sq of them) first at offset 0, when the
+    call returns none of its own; O_partial (splits, B, H, Sq, D) from the next multiple of 64
+    (256 bytes); LSE_partial (splits, B, H, Sq) right behind it. Python ints
+    (attention_host.partials_layout) and the DSL's run-time integers (SplitLaunch) alike."""
     o_at = (rows + 63) // 64 * 64
     lse_at = o_at + splits * rows * head_dim
     return o_at, lse_at, lse_at + splits * rows
