@@ -171,7 +171,7 @@ def check_tile_order_covers_every_tile_once_longest_first_by_section(
         ]
 
 
-def check_ticket_walk_hands_every_first_nonempty_tile_out_once(module, D, pack, lens_q, grid):
+def check_ticket_walk_hands_every_nonempty_tile_out_once(module, D, pack, lens_q, grid):
     """On packed sequences the persistent grid hands every tile with rows of Q to exactly one
     CTA, never an empty one, and every CTA ends: over 20 orders of the CTAs, against the live
     tiles counted from the lengths (ceil(len * G / rows) per head). The counter ends at the
@@ -512,8 +512,8 @@ def test_walk_runs_every_tile_once(causal, window, persistent):
     ids=str,
 )
 @pytest.mark.parametrize("grid", [1, 3, 7, 132])
-def test_ticket_walk_hands_every_first_nonempty_tile_out_once(D, pack, lens_q, grid):
-    check_ticket_walk_hands_every_first_nonempty_tile_out_once(hopper, D, pack, lens_q, grid)
+def test_ticket_walk_hands_every_nonempty_tile_out_once(D, pack, lens_q, grid):
+    check_ticket_walk_hands_every_nonempty_tile_out_once(hopper, D, pack, lens_q, grid)
 
 
 @pytest.mark.parametrize("D", [64, 128])
