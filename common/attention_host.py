@@ -235,6 +235,8 @@ class LaunchPlan:
         self.partials = partials
         self.launcher = launcher
         self.fn_lse_in_buffer = None
+        # Per device, the scratch LSE of an unsplit call that returns none (scratch_output).
+        self.scratch_lse = {}
         # output_layout of O and of LSE (for outputs: batch mode and paged caches)
         self.o_layout, self.lse_layout = outputs or (None, None)
 
@@ -246,8 +248,13 @@ class LaunchPlan:
         buffer alive with it: splits x B x H x Sq x (D + 1) x 4 bytes, 258 KiB at the decode
         step of stage 13's docstring, for 128 bytes of LSE)."""
         o = new_output(self.o_layout, dtype, device)
-        if self.splits == 1 or return_lse:
-            lse = new_output(self.lse_layout, torch.float32, device)
+        if return_lse:
+            return o, new_output(self.lse_layout, torch.float32, device), None
+        if self.splits == 1:
+            # The kernel writes an LSE the caller does not take: into scratch, not a fresh one.
+            lse = self.scratch_lse.get(device)
+            if lse is None:
+                lse = self.scratch_lse[device] = scratch_output(self.lse_layout, device)
             return o, lse, None
         return o, None, empty_output((self.partials[0],), torch.float32, device)
 
@@ -291,6 +298,25 @@ class LaunchPlan:
 def new_output(layout, dtype, device):
     """An output of output_layout's (shape, stride)."""
     return empty_output(layout[0], dtype, device, stride=layout[1])
+
+
+_SCRATCH = {}
+
+
+def scratch_output(layout, device):
+    """An fp32 (shape, stride) view for a kernel to write and nobody to read (the LSE of an
+    unsplit call that returns none): a view of the device's scratch buffer, one allocation less
+    per call (its host time: docs/notes/stage13.md). The buffers are never freed: a CUDA graph
+    that captured a call holds the address. A larger layout gets a buffer twice the
+    size of the last one (or its own size, if larger), and the views made before keep theirs.
+    Two launches on two streams may write the same elements; no launch reads them."""
+    shape, stride = layout
+    size = 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else 0
+    kept = _SCRATCH.setdefault(device, [])
+    if not kept or kept[-1].numel() < size:
+        grown = max(size, 2 * kept[-1].numel() if kept else 4096)
+        kept.append(torch.empty(grown, dtype=torch.float32, device=device))
+    return kept[-1].as_strided(shape, stride)
 
 
 LOG2_E = math.log2(math.e)

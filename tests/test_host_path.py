@@ -374,6 +374,31 @@ def test_plan_key_tells_apart_the_strides_of_size_one_modes():
 # ------------------------------------------------------------- what a call allocates
 
 
+def test_scratch_views_fit_their_buffer_and_outlive_its_growth(monkeypatch):
+    # scratch_output: each view lies inside the buffer it was made from (its last element
+    # included, strided and size-0 layouts too); a larger layout gets a new buffer and the
+    # earlier views keep the old one (a captured CUDA graph may still write through them).
+    monkeypatch.setattr(AH, "_SCRATCH", {})
+    layouts = [
+        AH.output_layout((1, 32, 1)),
+        AH.output_layout((2, 4, 0)),
+        ((3, 5, 7), (1, 3 * 7 * 9, 3)),  # not contiguous, gaps between rows
+        AH.output_layout((8, 64, 1024)),
+        AH.output_layout((1, 32, 1)),
+    ]
+    views = [AH.scratch_output(layout, "cpu") for layout in layouts]
+    for view, (shape, stride) in zip(views, layouts):
+        assert view.shape == shape and view.stride() == stride and view.dtype == torch.float32
+        if view.numel():
+            last = sum((n - 1) * st for n, st in zip(shape, stride))
+            assert last < view.untyped_storage().nbytes() // 4
+            view.fill_(1.0)  # writable, in bounds
+    kept = AH._SCRATCH["cpu"]
+    assert len(kept) == 2 and kept[1].numel() == 8 * 64 * 1024 > kept[0].numel() == 4096
+    assert views[0].untyped_storage().data_ptr() == kept[0].data_ptr()
+    assert views[4].untyped_storage().data_ptr() == kept[1].data_ptr()
+
+
 @pytest.mark.parametrize("return_lse", [False, True])
 @pytest.mark.parametrize("splits", [1, 2, 3, 16])
 @pytest.mark.parametrize("shape", [(1, 32, 1, 128), (3, 5, 7, 64), (1, 1, 1, 64)])
@@ -383,7 +408,9 @@ def test_plan_outputs_look_fresh_and_the_split_lse_leads_the_partials(shape, spl
     # allocates none: the compiled launch (common/combine.py's SplitLaunch) writes it into the
     # partials' buffer, at offset 0, the partials 256-byte aligned behind it, no two views
     # overlapping (partials_layout states SplitLaunch's views in torch's terms). A returned LSE
-    # has its own storage (a view would keep the whole buffer alive).
+    # has its own storage (a view would keep the whole buffer alive); an unsplit call's LSE
+    # that is not returned is a view of the device's scratch (scratch_output), the same view at
+    # every call of the plan.
     from common.combine import partial_offsets
     from common.cute_interop import canonical_strides
 
@@ -406,8 +433,13 @@ def test_plan_outputs_look_fresh_and_the_split_lse_leads_the_partials(shape, spl
         assert same, (t.stride(), fresh.stride(), mode)
         assert t.storage_offset() == fresh.storage_offset() == 0
     if not in_buffer:
-        assert buffer is None and lse._base is None and lse.dtype == torch.float32
-        assert lse.shape == lse_shape and lse.untyped_storage().nbytes() == 4 * lse.numel()
+        assert buffer is None and lse.dtype == torch.float32 and lse.shape == lse_shape
+        if return_lse:
+            assert lse._base is None and lse.untyped_storage().nbytes() == 4 * lse.numel()
+        else:
+            assert any(lse.untyped_storage().data_ptr() == s.data_ptr() for s in AH._SCRATCH["cpu"])
+            _, again, _ = plan.outputs(torch.bfloat16, "cpu", return_lse)
+            assert again is lse
         return
     elements, o_view, lse_view, lse_final = partials
     assert buffer.dtype == torch.float32 and buffer.numel() == elements

@@ -11,7 +11,8 @@ and tests/test_stage_chain.py checks num_splits=1 equal to stage 12 bit for bit.
 - seqused_k, batch mode and packed sequences, with NaN planted in every key and value past each
   sequence's used length: none may reach an output;
 - a sequence of calls in one process alternating split and unsplit launches, shapes and modes;
-- a decode step captured in a CUDA graph and replayed on new inputs (equal to eager calls);
+- a decode step captured in a CUDA graph and replayed on new inputs (equal to eager calls), one
+  with the LSE returned and one without (its LSE in the device's scratch, grown between replays);
 - the combine kernel alone against its fp64 formula, including rows no split saw;
 - bad input: num_splits and seqused_k checks (errors naming the argument), and the split-count
   rule on the CPU.
@@ -254,6 +255,49 @@ def test_decode_step_in_a_cuda_graph(track):
         o_eager, lse_eager = run(track, step)
         assert torch.equal(o_graph, o_eager) and torch.equal(lse_graph, lse_eager), lengths
         used_reference_check("graph", o_graph, lse_graph, q, k2, v2, lengths, True)
+
+
+@pytest.mark.parametrize("track", on_gpu_stages(stages=STAGES))
+def test_unreturned_lse_scratch_under_a_cuda_graph_and_growth(track, monkeypatch):
+    # An unsplit call that returns no LSE has its kernel write the LSE into the device's
+    # scratch (attention_host.scratch_output). Capture such a step in a CUDA graph with the
+    # scratch first made for it, grow the scratch with calls of a larger layout (a new buffer;
+    # the graph's view must keep the old one), then replay on new inputs: O equal to an eager
+    # call's and to the fp64 reference, and the larger calls' O right too.
+    for name in ("_SCRATCH", "_PLANS", "_CALLS"):  # no plan made before holds a scratch view
+        monkeypatch.setattr(attention_host, name, {})
+    mod = stage_module(track)
+    B, H, Hkv, Sk, D = 2, 32, 8, 2048, 128
+    q, k, v = decode_inputs(B, H, Hkv, 1, Sk, D, torch.bfloat16, seed=11)
+
+    def step():
+        return mod.attention(q, k, v, causal=True, num_splits=1)
+
+    run(track, step)  # compiles (fresh LSE)
+    run(track, step)  # the remembered call: the scratch LSE
+    assert len(attention_host._SCRATCH[q.device]) == 1
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            o_graph = step()
+    torch.cuda.synchronize()
+    bq, bk, bv = decode_inputs(4, 64, 8, 300, 600, 64, torch.float16, seed=12)
+    for _ in range(2):  # the second call takes the fast path and grows the scratch
+        o_big = run(track, lambda: mod.attention(bq, bk, bv, causal=True, num_splits=1))
+    assert len(attention_host._SCRATCH[q.device]) == 2
+    gqa_reference_check("larger call", o_big, None, bq, bk, bv, True, None)
+    for seed in (13, 14):
+        q2, k2, v2 = decode_inputs(B, H, Hkv, 1, Sk, D, torch.bfloat16, seed=seed)
+        for dst, src in ((q, q2), (k, k2), (v, v2)):
+            dst.copy_(src)
+        graph.replay()
+        run(track, lambda: mod.attention(bq, bk, bv, causal=True, num_splits=1))
+        torch.cuda.synchronize()
+        o_eager = run(track, step)
+        assert torch.equal(o_graph, o_eager), seed
+        gqa_reference_check(f"graph replay {seed}", o_graph, None, q, k, v, True, None)
 
 
 @pytest.mark.parametrize("splits", [2, 9, 33, 200])
