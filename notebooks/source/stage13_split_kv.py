@@ -406,14 +406,14 @@ for Sk_ in (8192, 32768, 131072):
 # read per row, 8 KiB for a decode row cut 16 ways. So little data makes the kernel's time that of
 # its loads' latency, and the kernel is laid out to wait for global memory once. A row takes $D / 4
 # \cdot \text{lanes}$ threads, 4 columns each; lane $i$ reads splits $i$, $i + \text{lanes}$, ...
-# (`lanes`: the split count rounded up to a power of two, at most 8 at D = 128). Every load is
-# issued before the first barrier - each thread's $\text{lse}_t$ into shared memory, its first 8
-# splits' columns of $O_s$ as 16-byte loads - then each warp reduces the row's LSEs from shared
-# memory with shuffles (the max $m$, then $l = \sum_s e^{\text{lse}_s - m}$), each thread weights
-# its $O_s$, and after a second barrier lane 0 adds the lanes' sums. A decode step's combine at 16
-# splits takes 2.5 us of GPU time, against 2.8 us for cuDNN's reduction; a kernel of one warp per
-# CTA with its loops over the splits unrolled took 3.3 us, its loads going out in rounds (B = 1, 8k;
-# H100 80GB HBM3, 2026-12-06; `docs/results/decode_kernels_h100_2026-12-06.txt`). It is plain
+# (`lanes`: the split count rounded up to a power of two, at least 2, at most 8 at D = 128). Every
+# load is issued before the first barrier - each thread's $\text{lse}_t$ into shared memory, its
+# first 8 splits' columns of $O_s$ as 16-byte loads - then each warp reduces the row's LSEs from
+# shared memory with shuffles (the max $m$, then $l = \sum_s e^{\text{lse}_s - m}$), each thread
+# weights its $O_s$, and after a second barrier lane 0 adds the lanes' sums. A decode step's combine
+# at 16 splits takes 2.5 us of GPU time, against 2.8 us for cuDNN's reduction; a kernel of one warp
+# per CTA with its loops over the splits unrolled took 3.3 us, its loads going out in rounds (B = 1,
+# 8k; H100 80GB HBM3, 2026-12-06; `docs/results/decode_kernels_h100_2026-12-06.txt`). It is plain
 # CUDA-core code, no TMA or tensor cores, so the same kernel compiles for sm_90a and sm_100a. A row
 # that no split saw keeps O = 0 and LSE = $-\infty$, as the unsplit kernel gives.
 
