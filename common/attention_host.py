@@ -246,12 +246,12 @@ class LaunchPlan:
         partials (LSE None here: the compiled launch makes the view): two allocations per call
         instead of three. An LSE that is returned gets its own (a view would keep the whole
         buffer alive with it: splits x B x H x Sq x (D + 1) x 4 bytes, 258 KiB at the decode
-        step of stage 13's docstring, for 128 bytes of LSE)."""
+        step of stage 13's docstring, for 128 bytes of LSE). An unsplit call's LSE that is not
+        returned goes to the device's scratch (scratch_output), one view per plan."""
         o = new_output(self.o_layout, dtype, device)
         if return_lse:
             return o, new_output(self.lse_layout, torch.float32, device), None
         if self.splits == 1:
-            # The kernel writes an LSE the caller does not take: into scratch, not a fresh one.
             lse = self.scratch_lse.get(device)
             if lse is None:
                 lse = self.scratch_lse[device] = scratch_output(self.lse_layout, device)
