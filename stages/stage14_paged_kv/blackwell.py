@@ -23,9 +23,9 @@ Hopper stage 14's in this track's TMA warp (the other four roles are stage 13's)
   stage 13's tile.
 - A box past the sequence's last page takes that last page instead (it holds keys at or past
   seqused_k: S masked, V zeroed by the MMA warp, stage 13's tail); no page_table entry past
-  ceil(seqused_k / page_size) is read, so nothing another sequence owns or nobody owns (which
-  may hold NaN) is loaded. seq_info takes seqlen_k = max_pages x page_size before the
-  seqused_k clamp, and the launch's scheduler test uses that key count.
+  the sequence's first ceil(seqused_k / page_size) is read, so nothing another sequence owns or
+  nobody owns (which may hold NaN) is loaded. seq_info takes seqlen_k = max_pages x page_size
+  before the seqused_k clamp, and the launch's scheduler test uses that key count.
 - Registers: stage 13's 176 / 112 / 48. ptxas of CUDA 13.0 (2026-12-06): no spill in any
   tested configuration (pages of 16 to 256 keys, split and not, MQA, causal, window, a paged
   decode step; bf16 and fp16, D = 64 and 128), nor with_tunings(()) (stage 11's 184 / 96 / 48);

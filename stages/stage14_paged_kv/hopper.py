@@ -14,10 +14,10 @@ page_rows):
 - page_size = 16, 32 or 64: a gather of 128 / page_size boxes into one ring slot, all
   counted on the slot's one full barrier (its 32 KB at D = 128 arrive in pieces).
 Each box is 16 x D x 2 bytes or more (4 KB at D = 128, page 16); what pages of 16 keys cost
-is measured in docs/notes/stage14.md. A box past the sequence's last page takes that last page instead (it
-holds keys at or past seqused_k, masked like stage 13's tail); no page_table entry past
-ceil(seqused_k / page_size) is read, so nothing another sequence owns or nobody owns (which may
-hold NaN) is loaded.
+is measured in docs/notes/stage14.md. A box past the sequence's last page takes that last page
+instead (it holds keys at or past seqused_k, masked like stage 13's tail); no page_table entry
+past the sequence's first ceil(seqused_k / page_size) is read, so nothing another sequence owns
+or nobody owns (which may hold NaN) is loaded.
 
 attention_paged(q, k_cache, v_cache, page_table, seqused_k, ...) with stage 13's options
 (causal, window bottom-right against seqused_k, LSE, pack_gqa, num_splits); attention and
