@@ -6,7 +6,7 @@ PYTEST = $(PYTHON) -m pytest
 # Tests run on every core (pytest-xdist); JOBS=1 runs them in one process.
 JOBS ?= auto
 
-.PHONY: help setup lint format test tour bench model test-gpu notebooks notebooks-source sanitize clocks doctor stage-1 stage-2 stage-3 stage-4 stage-5 stage-6 stage-7 stage-8 stage-9 stage-10 stage-11 stage-12 stage-13 stage-14 stage-15 diff-2 diff-3 diff-4 diff-5 diff-6 diff-7 diff-8 diff-9 diff-10 diff-11 diff-12 diff-13 diff-14 diff-sizes host-time cp
+.PHONY: help setup lint format test tour bench model test-gpu notebooks notebooks-source sanitize clocks doctor stage-1 stage-2 stage-3 stage-4 stage-5 stage-6 stage-7 stage-8 stage-9 stage-10 stage-11 stage-12 stage-13 stage-14 stage-15 diff-1 diff-2 diff-3 diff-4 diff-5 diff-6 diff-7 diff-8 diff-9 diff-10 diff-11 diff-12 diff-13 diff-14 diff-15 diff-sizes host-time cp
 
 help:
 	@echo "make setup      install what is missing: torch (CPU build without a GPU), requirements.txt, the DSL libs for torch's CUDA"
@@ -80,8 +80,23 @@ clocks: setup
 doctor:
 	@$(PYTHON) -m common.tools.doctor
 
-$(addprefix stage-,1 2 3 4 5 6 7 8 9 10 11 12 13 14 15): stage-%: setup
+# Stage 7's test set runs on every stage from 7 on (tests/tracks.py, KERNEL_STAGES) and
+# tests/test_stage_chain.py checks stages 8-14 against the stage before, bit for bit: stage-N
+# takes its own share of both (test ids name the stage: hopper-stage8-..., [8-...]).
+LATER_STAGES = 8 9 10 11 12 13 14
+$(addprefix stage-,1 2 3 4 5 6 15): stage-%: setup
 	$(PYTEST) -q $(wildcard tests/test_stage$*.py tests/test_stage$*_*.py)
+
+stage-7: setup
+	$(PYTEST) -q $(wildcard tests/test_stage7.py tests/test_stage7_*.py) \
+	  -k "not ($(subst $(eval) , or ,$(addprefix stage,$(LATER_STAGES))))"
+
+$(addprefix stage-,$(LATER_STAGES)): stage-%: setup
+	$(PYTEST) -q $(wildcard tests/test_stage$*.py tests/test_stage$*_*.py) tests/test_stage7.py \
+	  tests/test_stage_chain.py -k "stage$* or [$*-$(if $(filter 12,$*), or each_tuning_alone)"
+
+diff-1 diff-15:
+	@echo "make diff-N takes N = 2..14: stage 1 is the first, and stage 15 adds no kernel (its ring runs stage 14's)"
 
 $(addprefix diff-,2 3 4 5 6 7 8 9 10 11 12 13 14): diff-%:
 	@n=$*; p=$$((n-1)); \

@@ -9,12 +9,20 @@
    A CPU torch needs neither GPU library (the kernels only compile there).
 
 On a machine that already has everything (the H200 machine, which has no network) it installs
-nothing and says so."""
+nothing and says so. Those checks import torch and the CuTe DSL in fresh interpreters (some 15 s
+on two cores), and every `make` target that runs code runs `make setup` first; so a successful
+check leaves a stamp in the environment (sys.prefix), and while the stamp's key still holds (the
+same interpreter, requirements.txt, this file, and no package added to or removed from
+site-packages since) setup says so and checks nothing. `python -m common.tools.setup --full`
+checks again."""
 
+import hashlib
 import importlib
 import importlib.metadata as md
 import json
+import os
 import shutil
+import site
 import subprocess
 import sys
 
@@ -126,7 +134,49 @@ def install_torch():
     return pip("torch")
 
 
-def main():
+STAMP = os.path.join(sys.prefix, ".flash-tutorial-setup")
+
+
+def stamp_key():
+    """What a stamp vouches for: this interpreter, requirements.txt and this file, and the
+    modification times of the site-packages folders (a package installed or removed changes
+    them)."""
+    h = hashlib.sha256(sys.executable.encode())
+    for path in ("requirements.txt", __file__):
+        try:
+            with open(path, "rb") as f:
+                h.update(f.read())
+        except OSError:
+            h.update(b"-")
+    for folder in site.getsitepackages():
+        if os.path.isdir(folder):
+            h.update(f"{folder}:{os.stat(folder).st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+def stamped():
+    try:
+        with open(STAMP) as f:
+            return f.read().split("\n")[0] == stamp_key()
+    except OSError:
+        return False
+
+
+def write_stamp(summary):
+    try:
+        with open(STAMP, "w") as f:
+            f.write(stamp_key() + "\n" + summary + "\n")
+    except OSError:  # a read-only environment: setup checks again next time
+        pass
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "--full" not in argv and stamped():
+        with open(STAMP) as f:
+            summary = (f.read().split("\n") + [""])[1]
+        print(f"setup: nothing to install (as checked before: {summary}; --full checks again)")
+        return 0
     installed = []
     if not importable("torch"):
         if install_torch() != 0:
@@ -182,7 +232,9 @@ def main():
     libs = ", ".join(f"cu{m}" for m in dsl_libs()) or "none"
     cuda = f"CUDA {cuda}" if cuda not in ("CPU", "?") else "CPU build"
     what = f"installed {', '.join(installed)}" if installed else "nothing to install"
-    print(f"setup: {what}; cutlass-dsl {dsl} (libs {libs}), torch {torch_version} ({cuda})")
+    summary = f"cutlass-dsl {dsl} (libs {libs}), torch {torch_version} ({cuda})"
+    print(f"setup: {what}; {summary}")
+    write_stamp(summary)
     return 0
 
 

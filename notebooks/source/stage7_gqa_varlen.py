@@ -115,7 +115,7 @@ real, padded = sum(n * n for n in lens), len(lens) * longest * longest
 real_c = sum(n * (n + 1) // 2 for n in lens)
 padded_c = len(lens) * longest * (longest + 1) // 2
 print("lengths:", lens)
-print(f"{sum(lens)} real tokens; padded to {longest}: {len(lens) * longest} tokens")
+print(f"{sum(lens)} real tokens; padded to the longest ({longest}): {len(lens) * longest} tokens")
 print(
     f"(query, key) pairs: real {real:,}, padded {padded:,} - padding multiplies the work by "
     f"{padded / real:.2f}x (causal: {padded_c / real_c:.2f}x)"
