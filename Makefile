@@ -66,7 +66,7 @@ host-time: setup
 	$(PYTHON) -m common.tools.host_time
 
 notebooks: setup
-	$(PYTHON) -m common.tools.nbrun notebooks/*.ipynb
+	$(PYTHON) -m common.tools.nbrun $$(ls notebooks/*.ipynb | sort -V)
 
 notebooks-source:
 	$(PYTHON) notebooks/source/gen.py
