@@ -188,3 +188,11 @@ def test_15a_schedule_on_the_committed_and_the_swapped_pieces():
     other = (("[piece[r], piece[count - 1 - r]] if zigzag", "[piece[r], piece[r]] if zigzag"),)
     r = exercises.check("15a", edits=other, show=False)
     assert not r.done and "neither" in r.message, r
+
+
+def test_a_result_is_echoed_without_its_message_again():
+    # check() prints the message; Jupyter and the REPL then echo the returned Result's repr,
+    # which must not print it a second time. str() keeps the whole message.
+    r = exercises.Result(False, "8 wgmma per K tile")
+    assert repr(r) == "Result(done=False)"
+    assert str(r) == "not yet: 8 wgmma per K tile"

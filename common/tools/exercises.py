@@ -40,6 +40,10 @@ class Result:
     def __str__(self):
         return ("done: " if self.done else "not yet: ") + self.message
 
+    def __repr__(self):
+        # What Jupyter or a REPL echoes after check() has printed the message: not it again.
+        return f"Result(done={self.done})"
+
 
 @dataclasses.dataclass(frozen=True)
 class Exercise:
