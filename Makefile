@@ -14,7 +14,7 @@ help:
 	@echo "make lint       ruff format --check and ruff check (what CI runs; make format rewrites)"
 	@echo "make test       all tests (GPU tests skip with a reason when the GPU is absent)"
 	@echo "make test-gpu   only the tests that launch kernels (what a GPU adds to CI's compile-only run)"
-	@echo "make stage-N    the tests of stage N (1..15)"
+	@echo "make stage-N    the tests of stage N (1..15); for N = 8..14 also stage 7's set run on stage N and its bit-for-bit check"
 	@echo "make diff-N     what stage N changes over stage N-1 (N = 2..14; TRACK=hopper|blackwell)"
 	@echo "make diff-sizes lines added + removed (docstring lines) of every diff-N, both tracks"
 	@echo "make bench      benchmarks against cuBLAS / torch SDPA / FA4, timed in the same run"
@@ -93,7 +93,7 @@ stage-7: setup
 
 $(addprefix stage-,$(LATER_STAGES)): stage-%: setup
 	$(PYTEST) -q $(wildcard tests/test_stage$*.py tests/test_stage$*_*.py) tests/test_stage7.py \
-	  tests/test_stage_chain.py -k "stage$* or [$*-$(if $(filter 12,$*), or each_tuning_alone)"
+	  tests/test_stage_chain.py -k "stage$* or (stage_chain and ([$*-$(if $(filter 12,$*), or each_tuning_alone)))"
 
 diff-1 diff-15:
 	@echo "make diff-N takes N = 2..14: stage 1 is the first, and stage 15 adds no kernel (its ring runs stage 14's)"

@@ -18,21 +18,21 @@ def test_every_stage_from_2_to_15_has_an_exercise_that_edits_its_kernel():
 @pytest.mark.parametrize("id", IDS)
 def test_check_says_not_yet_on_the_committed_file(id):
     r = exercises.check(id, show=False)
-    assert not r.done, r
-    assert "does not compile" not in r.message, r
+    assert not r.done, str(r)
+    assert "does not compile" not in r.message, str(r)
 
 
 @pytest.mark.parametrize("id", IDS)
 def test_check_says_done_with_the_solution(id):
     ex = exercises.EXERCISES[id]
     r = exercises.check(id, edits=ex.solution, show=False)
-    assert r.done, r
+    assert r.done, str(r)
 
 
 def test_a_broken_edit_is_reported_not_raised():
     ex = exercises.EXERCISES[IDS[0]]
     r = exercises.check(ex.id, edits=((ex.solution[0][0], "this is not python ("),), show=False)
-    assert not r.done and "does not compile" in r.message, r
+    assert not r.done and "does not compile" in r.message, str(r)
 
 
 def test_a_dsl_error_is_one_plain_line_with_the_place_of_the_edit():
@@ -41,10 +41,10 @@ def test_a_dsl_error_is_one_plain_line_with_the_place_of_the_edit():
     old = "        self.issue_qk(qk_mma, acc_S, tSrQ, tSrK, k_state.index)\n        # ... and O"
     new = old.replace("acc_S,", "acc_S_typo,")
     r = exercises.check("10a", edits=((old, new),), show=False)
-    assert not r.done and "does not compile" in r.message, r
-    assert "\x1b" not in r.message, r
-    assert "name 'acc_S_typo' is not defined" in r.message, r
-    assert "of the edited file: `self.issue_qk(qk_mma, acc_S_typo," in r.message, r
+    assert not r.done and "does not compile" in r.message, str(r)
+    assert "\x1b" not in r.message, str(r)
+    assert "name 'acc_S_typo' is not defined" in r.message, str(r)
+    assert "of the edited file: `self.issue_qk(qk_mma, acc_S_typo," in r.message, str(r)
 
 
 def test_a_solution_that_no_longer_applies_names_the_file():
@@ -159,7 +159,7 @@ def test_14a_box_reads_on_the_committed_and_the_edited_load_tiles():
             assert got == counts, (bool(edits), seqused_k, page_size, got)
     wrong_rows = (("tXgX[None, (key % self.page_size) // r, page]", "tXgX[None, 0, page]"),)
     r = exercises.check("14a", edits=ex.solution + wrong_rows, show=False)
-    assert not r.done and "wrong page or rows" in r.message, r
+    assert not r.done and "wrong page or rows" in r.message, str(r)
 
 
 def test_15a_schedule_on_the_committed_and_the_swapped_pieces():
@@ -187,7 +187,7 @@ def test_15a_schedule_on_the_committed_and_the_swapped_pieces():
             assert err_o < 1e-5 and err_lse < 1e-5, (err_o, err_lse)
     other = (("[piece[r], piece[count - 1 - r]] if zigzag", "[piece[r], piece[r]] if zigzag"),)
     r = exercises.check("15a", edits=other, show=False)
-    assert not r.done and "neither" in r.message, r
+    assert not r.done and "neither" in r.message, str(r)
 
 
 def test_a_result_is_echoed_without_its_message_again():

@@ -385,6 +385,8 @@ def test_scratch_views_fit_their_buffer_and_outlive_its_growth(monkeypatch):
         ((3, 5, 7), (1, 3 * 7 * 9, 3)),  # not contiguous, gaps between rows
         AH.output_layout((8, 64, 1024)),
         AH.output_layout((1, 32, 1)),
+        ((4,), (200_000,)),  # spans 600,001: more than the buffer, less than twice it
+        ((2, 3), (1, 1_200_000)),  # spans 2,400,002: more than twice the buffer
     ]
     views = [AH.scratch_output(layout, "cpu") for layout in layouts]
     for view, (shape, stride) in zip(views, layouts):
@@ -394,9 +396,11 @@ def test_scratch_views_fit_their_buffer_and_outlive_its_growth(monkeypatch):
             assert last < view.untyped_storage().nbytes() // 4
             view.fill_(1.0)  # writable, in bounds
     kept = AH._SCRATCH["cpu"]
-    assert len(kept) == 2 and kept[1].numel() == 8 * 64 * 1024 > kept[0].numel() == 4096
-    assert views[0].untyped_storage().data_ptr() == kept[0].data_ptr()
-    assert views[4].untyped_storage().data_ptr() == kept[1].data_ptr()
+    # the size a buffer gets: 4096 elements at least, twice the last one's, or the layout's span
+    assert [t.numel() for t in kept] == [4096, 8 * 64 * 1024, 2 * 8 * 64 * 1024, 2_400_002]
+    owner = [0, 0, 0, 1, 1, 2, 3]  # the buffer each view was made from
+    for view, i in zip(views, owner):
+        assert view.untyped_storage().data_ptr() == kept[i].data_ptr()
 
 
 @pytest.mark.parametrize("return_lse", [False, True])

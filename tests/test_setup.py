@@ -25,6 +25,17 @@ def test_the_stamp_holds_until_site_packages_changes(tmp_path, monkeypatch):
     assert not setup.stamped()
 
 
+def test_the_stamp_breaks_when_requirements_change(tmp_path, monkeypatch):
+    monkeypatch.setattr(setup.site, "getsitepackages", lambda: [])
+    monkeypatch.setattr(setup, "STAMP", str(tmp_path / "stamp"))
+    monkeypatch.chdir(tmp_path)  # stamp_key reads requirements.txt from the working directory
+    (tmp_path / "requirements.txt").write_text("torch\n")
+    setup.write_stamp("s")
+    assert setup.stamped()
+    (tmp_path / "requirements.txt").write_text("torch\nnew-package\n")
+    assert not setup.stamped()
+
+
 def test_a_stamped_setup_checks_nothing_and_full_checks_again(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(setup, "STAMP", str(tmp_path / "stamp"))
     setup.write_stamp("the summary")

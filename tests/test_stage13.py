@@ -260,10 +260,14 @@ def test_decode_step_in_a_cuda_graph(track):
 @pytest.mark.parametrize("track", on_gpu_stages(stages=STAGES))
 def test_unreturned_lse_scratch_under_a_cuda_graph_and_growth(track, monkeypatch):
     # An unsplit call that returns no LSE has its kernel write the LSE into the device's
-    # scratch (attention_host.scratch_output). Capture such a step in a CUDA graph with the
-    # scratch first made for it, grow the scratch with calls of a larger layout (a new buffer;
-    # the graph's view must keep the old one), then replay on new inputs: O equal to an eager
-    # call's and to the fp64 reference, and the larger calls' O right too.
+    # scratch (attention_host.scratch_output). Capture such a step in a CUDA graph, forget every
+    # launch plan (then only the scratch list keeps the buffer the graph writes to), grow the
+    # scratch with calls of a larger layout (a new buffer), then replay on new inputs: O equal
+    # to an eager call's, the LSE the replay wrote into the captured buffer equal to the one an
+    # eager call returns, both against the fp64 reference, and memory allocated after the
+    # growth left untouched by the replays.
+    import gc
+
     for name in ("_SCRATCH", "_PLANS", "_CALLS"):  # no plan made before holds a scratch view
         monkeypatch.setattr(attention_host, name, {})
     mod = stage_module(track)
@@ -275,7 +279,12 @@ def test_unreturned_lse_scratch_under_a_cuda_graph_and_growth(track, monkeypatch
 
     run(track, step)  # compiles (fresh LSE)
     run(track, step)  # the remembered call: the scratch LSE
-    assert len(attention_host._SCRATCH[q.device]) == 1
+    scratch = attention_host._SCRATCH[q.device]
+    (plan,) = attention_host._PLANS.values()
+    view = plan.scratch_lse[q.device]
+    assert len(scratch) == 1 and view.untyped_storage().data_ptr() == scratch[0].data_ptr()
+    layout = (view.shape, view.stride())
+    del plan, view
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
@@ -283,21 +292,29 @@ def test_unreturned_lse_scratch_under_a_cuda_graph_and_growth(track, monkeypatch
         with torch.cuda.graph(graph, stream=stream):
             o_graph = step()
     torch.cuda.synchronize()
+    attention_host._PLANS.clear()
+    attention_host._CALLS.clear()
     bq, bk, bv = decode_inputs(4, 64, 8, 300, 600, 64, torch.float16, seed=12)
     for _ in range(2):  # the second call takes the fast path and grows the scratch
         o_big = run(track, lambda: mod.attention(bq, bk, bv, causal=True, num_splits=1))
-    assert len(attention_host._SCRATCH[q.device]) == 2
+    assert len(scratch) == 2
     gqa_reference_check("larger call", o_big, None, bq, bk, bv, True, None)
+    gc.collect()
+    torch.cuda.empty_cache()
+    canaries = [torch.full((4096,), 7.0, device=q.device) for _ in range(64)]
     for seed in (13, 14):
         q2, k2, v2 = decode_inputs(B, H, Hkv, 1, Sk, D, torch.bfloat16, seed=seed)
         for dst, src in ((q, q2), (k, k2), (v, v2)):
             dst.copy_(src)
         graph.replay()
-        run(track, lambda: mod.attention(bq, bk, bv, causal=True, num_splits=1))
         torch.cuda.synchronize()
-        o_eager = run(track, step)
-        assert torch.equal(o_graph, o_eager), seed
-        gqa_reference_check(f"graph replay {seed}", o_graph, None, q, k, v, True, None)
+        o_eager, lse_eager = run(
+            track, lambda: mod.attention(q, k, v, causal=True, num_splits=1, return_lse=True)
+        )
+        lse_graph = scratch[0].as_strided(*layout)  # what the replay wrote
+        assert torch.equal(o_graph, o_eager) and torch.equal(lse_graph, lse_eager), seed
+        gqa_reference_check(f"graph replay {seed}", o_graph, lse_graph, q, k, v, True, None)
+        assert all(bool((c == 7.0).all()) for c in canaries), "a replay wrote to freed memory"
 
 
 @pytest.mark.parametrize("splits", [2, 9, 33, 200])

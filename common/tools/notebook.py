@@ -1054,7 +1054,7 @@ def ptxas_problem(res, arch_name, ptx=None):
         return (
             f"ptxas {info['release']} ({info['path']}) cannot assemble {arch_name}: its newest "
             f"target is {newest}. The kernel itself compiled (the CuTe DSL assembles with its own "
-            "bundled compiler); only this report's spill counts need a ptxas of CUDA 12.8 or newer"
+            "bundled compiler); only this report's spill counts need a ptxas of CUDA 12.9 or newer"
         )
     detail = _ptxas_first_error(ptx, arch_name) or res["error"]
     return f"ptxas {info['release']} ({info['path']}) failed for {arch_name}: {detail}"

@@ -9,8 +9,8 @@
    A CPU torch needs neither GPU library (the kernels only compile there).
 
 On a machine that already has everything (the H200 machine, which has no network) it installs
-nothing and says so. Those checks import torch and the CuTe DSL in fresh interpreters (some 15 s
-on two cores), and every `make` target that runs code runs `make setup` first; so a successful
+nothing and says so. Those checks import torch and the CuTe DSL in fresh interpreters (18-24 s
+on a two-core machine without a GPU, 2026-12-07), and every `make` target that runs code runs `make setup` first; so a successful
 check leaves a stamp in the environment (sys.prefix), and while the stamp's key still holds (the
 same interpreter, requirements.txt, this file, and no package added to or removed from
 site-packages since) setup says so and checks nothing. `python -m common.tools.setup --full`
@@ -139,8 +139,8 @@ STAMP = os.path.join(sys.prefix, ".flash-tutorial-setup")
 
 def stamp_key():
     """What a stamp vouches for: this interpreter, requirements.txt and this file, and the
-    modification times of the site-packages folders (a package installed or removed changes
-    them)."""
+    modification times of the site-packages folders, the user's included (a package installed or
+    removed changes them)."""
     h = hashlib.sha256(sys.executable.encode())
     for path in ("requirements.txt", __file__):
         try:
@@ -148,7 +148,7 @@ def stamp_key():
                 h.update(f.read())
         except OSError:
             h.update(b"-")
-    for folder in site.getsitepackages():
+    for folder in site.getsitepackages() + [site.getusersitepackages()]:
         if os.path.isdir(folder):
             h.update(f"{folder}:{os.stat(folder).st_mtime_ns}".encode())
     return h.hexdigest()

@@ -627,8 +627,9 @@ fig = figures.decode_bars(
 # `python -m common.tools.host_time --calls 1000 --rounds 3 --profile` times a tiny decode step (K
 # and V of 256 keys, causal: 5-7 us of GPU work, less than the host's) under
 # `torch.inference_mode()`, every entry in rotated order each round: back to back between CUDA
-# events, the host's own time, the GPU's. The cell prints the run of the launch path as it is
-# (NVIDIA H100 80GB HBM3, 2026-12-06,
+# events, the host's own time, the GPU's. The cell prints the run of the launch path as it was
+# before an unsplit call's unreturned LSE went to the device's scratch (one allocation less per
+# call, not timed yet; `docs/notes/stage13.md`) (NVIDIA H100 80GB HBM3, 2026-12-06,
 # `docs/results/host_time_h100_2026-12-06_traced_copy_profile.txt`) with cProfile's view of stage
 # 13's call, and the split count the launch picks for this step: none, since a range of 4 KV tiles
 # or fewer is not split (section 5.1).

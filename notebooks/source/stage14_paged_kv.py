@@ -594,11 +594,12 @@ fig = figures.paged_ratios(
 #
 # ### 7.2 Host work per call
 #
-# `python -m common.tools.host_time --calls 1000 --rounds 3 --profile` (notebook 13, section
-# 7.2) times a tiny decode step (K and V of 256 keys; stage 14 on pages of 64 keys) under
-# `torch.inference_mode()`. The cell prints the run of the launch path as it is (NVIDIA H100 80GB
-# HBM3, 2026-12-06, `docs/results/host_time_h100_2026-12-06_traced_copy_profile.txt`), and
-# cProfile's view of a paged call whose tables were made outside inference mode.
+# `python -m common.tools.host_time --calls 1000 --rounds 3 --profile` (notebook 13, section 7.2)
+# times a tiny decode step (K and V of 256 keys; stage 14 on pages of 64 keys) under
+# `torch.inference_mode()`. The cell prints the run of the launch path as it was before an unsplit
+# call's unreturned LSE went to the device's scratch (not timed yet) (NVIDIA H100 80GB HBM3,
+# 2026-12-06, `docs/results/host_time_h100_2026-12-06_traced_copy_profile.txt`), and cProfile's view
+# of a paged call whose tables were made outside inference mode.
 
 # %%
 HOST_TIME = "docs/results/host_time_h100_2026-12-06_traced_copy_profile.txt"
