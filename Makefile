@@ -75,7 +75,7 @@ sanitize: setup
 	$(PYTHON) -m common.tools.sanitize
 
 clocks: setup
-	$(PYTHON) -m common.tools.clock_probe --out docs/results/clock_probe_$$(date +%F).json
+	$(PYTHON) -m common.tools.clock_probe
 
 doctor:
 	@$(PYTHON) -m common.tools.doctor

@@ -13,7 +13,8 @@ Stage 12: the ablation stage 5 -> 7 -> 8 -> ... -> 12 at the paper shapes, causa
 FA4 and cuDNN (--dtype fp16 for the fp16 rows); --tunings adds stage 12's tunings one by one.
 Stage 13: decode steps (Sq = 1) in GB/s of K and V against stage 12, FA4 and SDPA's backends;
 --decode-sweep adds B = 1 ... 64 x Sk = 4k ... 256k.
-Writes docs/results/bench_<gpu>_<date>.{md,json} and attention_<gpu>_<date>.png."""
+Writes results/bench_<gpu>_<date>.{md,json} and attention_<gpu>_<date>.png (--out picks another
+folder; results/ is not tracked by git, docs/results/ holds the published runs)."""
 
 import argparse
 import json
@@ -29,6 +30,15 @@ from common.tools import stage_table, timing
 from common.tools.workloads import make_case
 
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+
+
+# Said under the paper-shape table: its rows and the ablation's are timed in different rounds.
+ATTN_TABLE_NOTE = (
+    "The kernels of a row here are timed in their own interleaved rounds; the ablation table "
+    "(when the run has one) times its nine kernels of a row together, at other moments of the "
+    "run. The same kernel at the same shape can read several percent apart in the two tables "
+    "(the clocks step by 5-10% under sustained load): compare kernels within one table."
+)
 
 
 def paper_shape(S, D):
@@ -622,7 +632,11 @@ def main(argv=None):
         default=1,
         help="time each stage 4/5 row this many times (spread check)",
     )
-    ap.add_argument("--out", default="docs/results")
+    ap.add_argument(
+        "--out",
+        default="results",
+        help="folder of the .md, .json and .png (default results/, not tracked by git; docs/results holds the published runs)",
+    )
     args = ap.parse_args(argv)
     track = arch.track()
     gpu, date = timing.gpu_and_date()
@@ -714,9 +728,11 @@ def main(argv=None):
     curves = {}
     if attn:
         lines += [
-            "## Stages "
+            ("## Stage " if len(attn) == 1 else "## Stages ")
             + ", ".join(map(str, attn))
             + ": attention forward, FlashAttention paper shapes (B*S = 16k, H*D = 2048, non-causal), TFLOP/s",
+            "",
+            ATTN_TABLE_NOTE,
             "",
         ]
         for D in headdims:

@@ -8,7 +8,7 @@ This probe runs each kernel back to back for a window of seconds while `nvidia-s
 SM clock and the power draw every 20 ms, and reports per window the TFLOP/s, the median clock
 and power, and TFLOP/s per GHz (the work per cycle, the clock taken out).
 
-    python -m common.tools.clock_probe [--window 2.0] [--out probe.json]
+    python -m common.tools.clock_probe [--window 2.0] [--out results/clock_probe_{gpu}_{date}.json]
 
 Stage 12 (Hopper), FA4 where importable and SDPA cuDNN, bf16, the paper shapes at S = 8k and
 16k, D = 128 and 64, non-causal, two rounds each. GPU only; nothing here changes the GPU's
@@ -17,6 +17,7 @@ settings (no clock locking).
 
 import argparse
 import json
+import os
 import subprocess
 import time
 from datetime import datetime
@@ -77,7 +78,11 @@ def _window(fn, sets, seconds):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--window", type=float, default=2.0, help="seconds per kernel and round")
-    ap.add_argument("--out", default="clock_probe.json")
+    ap.add_argument(
+        "--out",
+        default="results/clock_probe_{gpu}_{date}.json",
+        help="the JSON file; {gpu} and {date} are filled in (default results/clock_probe_{gpu}_{date}.json)",
+    )
     args = ap.parse_args(argv)
 
     import torch
@@ -157,9 +162,11 @@ def main(argv=None):
             f"| {r['power_w']} | {per_ghz} | {r['n_samples']} |"
         )
     name, date = timing.gpu_and_date()
-    with open(args.out, "w") as f:
+    out = args.out.format(gpu=name.replace("NVIDIA ", "").replace(" ", "_").lower(), date=date)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
         json.dump(dict(gpu=name, date=date, window_s=args.window, rows=rows), f, indent=1)
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

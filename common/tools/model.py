@@ -18,7 +18,7 @@ heads as they come (no repeat_kv), once per stage with that API (7: GQA and pack
 3. a decode run (common/tools/model_decode.py): 256 tokens generated after a 32k-token prompt at
    B = 1 and 8, stage 14's kernel on this repository's paged KV cache against sdpa with
    transformers' own cache, tokens/s and the logits of every step compared;
-4. a table on stdout and in docs/results/model_<gpu>_<date>.md.
+4. a table on stdout and in results/model_<gpu>_<date>.md (--out picks the folder).
 
 The model (`model_config`): 4 layers, hidden 4096, 32/8 heads of 128, intermediate 4096, vocabulary
 8192. Attention is exactly Llama-3-8B's per layer; the MLP (14336 there) and the vocabulary
@@ -417,7 +417,11 @@ def main(argv=None):
     ap.add_argument("--decode-steps", type=int, default=256, help="tokens generated, decode run")
     ap.add_argument("--page-size", type=int, default=64, help="keys per page, decode run")
     ap.add_argument("--decode-only", action="store_true", help="only the decode run")
-    ap.add_argument("--out", default="docs/results", help="folder of the .md ('' to not write)")
+    ap.add_argument(
+        "--out",
+        default="results",
+        help="folder of the .md ('' to not write; default results/, not tracked by git)",
+    )
     args = ap.parse_args(argv)
 
     reason = skip_reason()

@@ -112,8 +112,8 @@ def ptxas_resources(ptx, arch):
         lines = text.strip().splitlines()
         too_old = next((ln for ln in lines if "Unsupported .version" in ln), None)
         if too_old:
-            # A ptxas older than the PTX ISA the DSL writes (the H200 machine's CUDA 13.0 ptxas
-            # and the DSL's cu13 build): not an error of the kernel.
+            # A ptxas older than the PTX ISA the DSL writes (CUDA 13.0's ptxas reads up to ISA
+            # 9.0; the DSL's cu13 build writes 9.4): not an error of the kernel.
             return {
                 "error": f"{exe} cannot assemble this PTX ({too_old.split(':', 2)[-1].strip()})",
                 "ptxas_too_old": True,

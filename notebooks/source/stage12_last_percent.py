@@ -770,7 +770,10 @@ bench = nb.measure(
 # section 5.1, `docs/results/tunings_h200_2026-12-04.md`). To tell, time the kernel with tuning
 # 3 alone against no tuning, and against all seven with tuning 3 off, in interleaved rounds
 # (`make bench` does), several times. The cell below makes the first comparison once in GPU mode
-# (`nb.measure_calls`, one call after the other in this run).
+# (`nb.measure_calls`, one call after the other in this run). Such a timing moves by a few
+# percent from one cell to the next: `with_tunings(())` compiles to stage 11's PTX (tested), yet
+# it need not read what stage 11 read in 7.1's table, and a step of 1.7-3.5% is within that. One
+# sequential timing cannot settle it; interleaved rounds, repeated, can.
 # </details>
 #
 # <details><summary>5. Where the wait goes</summary>

@@ -653,8 +653,8 @@ print("splits the launch picks for this step now:", attention_host.splits_for(8,
 # mode and 23.8 / 24.0 under `torch.no_grad()` (H100 80GB HBM3, 2026-12-06, the same run). Of stage 12's 18.8 us in an A/B
 # on the same GPU model (2026-12-05, `docs/results/host_time_fast_path_ab_h100_2026-12-05.txt`),
 # its compiled function called alone on ready arguments took 5.1 (the TVM-FFI call and the
-# launch) and each of its two outputs 2.2 (`torch.empty_strided`): about 9 us was the launch
-# path's Python. A call whose tensors and options match an earlier
+# launch), each of its two outputs 2.2 (`torch.empty_strided`) and Q's canonical view 0.9
+# (`as_strided`): the other 8.4 us was the launch path's Python. A call whose tensors and options match an earlier
 # call's (`call_key` in `common/attention_host.py`) takes the fast path: no shape checks, and
 # the launch plan made for the first such call, which keeps everything decided once (the
 # compiled kernel and combine, the mask bounds, the split count, the partials' layout, the
