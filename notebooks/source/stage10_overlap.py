@@ -552,7 +552,8 @@ bench = nb.measure(
 # Each O row goes through the same operations in the same order in both stages: O is set to 0,
 # then for each KV tile $O \leftarrow O \cdot$ `row_scale` followed by $O \leftarrow O + P V$.
 # Stage 10 delays each $PV$ by one step but still applies it after the rescale of its own tile
-# and before the next tile's rescale, since `rescale_o_and_convert_p` waits for $PV_{j-1}$. The
+# and before the next tile's rescale, since `mma_one_n_block` calls `rescale_o_and_convert_p` only
+# after `wait_group(0)` has seen $PV_{j-1}$ complete. The
 # same floating-point operations on the same values in the same order give the same bits;
 # `tests/test_stage_chain.py` checks it on the H200.
 # </details>

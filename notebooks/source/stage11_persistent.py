@@ -542,8 +542,7 @@ if report is not None and report10 is not None:
 # more values live: the correction warpgroup's 96 registers of stage 9's split hold them (at 80
 # it spilled), and ptxas of CUDA 13.0 reports no spill in any tested configuration (2026-12-06,
 # `docs/notes/stage11.md`). The cells below show the concept table of the two tracks and the
-# compile summary; in the executed copy in `docs/notebooks/` they come from a compile-only run
-# (its first cell names such cells).
+# compile summary.
 #
 # **Blackwell kernels are compile-checked here, not run on hardware.** No sm_100 GPU has run
 # them: the Blackwell files are compiled for sm_100a with fake tensors, their PTX is checked and the

@@ -518,8 +518,7 @@ report64 = nb.compile_summary(12, "hopper", shape=(2, 16, 2048, 2048, 64))
 # its tunings, in every tested configuration (ptxas of CUDA 13.0, 2026-12-06;
 # `docs/notes/stage12.md`). Unlike the Hopper tunings, the emulation changes
 # P's bits: the cubic's relative error, 8.8e-5, is below P's rounding to bf16. The cells below
-# show its compile summary and the concept table of the two tracks (in the executed copy in
-# `docs/notebooks/`, from a compile-only run: its first cell names such cells). **Blackwell
+# show its compile summary and the concept table of the two tracks. **Blackwell
 # kernels are compile-checked here, not run on hardware**: no number in this notebook was
 # measured on Blackwell, and what the tunings gain on a B200 is open.
 

@@ -627,15 +627,13 @@ fig = figures.decode_bars(
 # `python -m common.tools.host_time --calls 1000 --rounds 3 --profile` times a tiny decode step (K
 # and V of 256 keys, causal: 5-7 us of GPU work, less than the host's) under
 # `torch.inference_mode()`, every entry in rotated order each round: back to back between CUDA
-# events, the host's own time, the GPU's. The cell prints the run of the launch path as it was
-# before an unsplit call's unreturned LSE went to the device's scratch (one allocation less per
-# call, not timed yet; `docs/notes/stage13.md`) (NVIDIA H100 80GB HBM3, 2026-12-06,
-# `docs/results/host_time_h100_2026-12-06_traced_copy_profile.txt`) with cProfile's view of stage
-# 13's call, and the split count the launch picks for this step: none, since a range of 4 KV tiles
+# events, the host's own time, the GPU's. The cell prints a run of the launch path as it is
+# (NVIDIA H100 80GB HBM3, 2026-12-07, `docs/results/host_time_h100_2026-12-07_scratch_lse.txt`)
+# with cProfile's view of stage 13's call, and the split count the launch picks for this step: none, since a range of 4 KV tiles
 # or fewer is not split (section 5.1).
 
 # %%
-HOST_TIME = "docs/results/host_time_h100_2026-12-06_traced_copy_profile.txt"
+HOST_TIME = "docs/results/host_time_h100_2026-12-07_scratch_lse.txt"
 with open(os.path.join(nb.ROOT, HOST_TIME)) as f:
     text = f.read()
 table, _, profiles = text.partition("cProfile of 1000 calls: stage 12\n")
@@ -646,15 +644,18 @@ print("cProfile of 1000 calls: stage 13\n" + stage13_profile)
 print("splits the launch picks for this step now:", attention_host.splits_for(8, 2, SMS))
 
 # %% [markdown]
-# Stage 12, and stage 13 where it does not split, take 19.5-19.8 us per call back to back and of
-# host time, against SDPA's 14.8: within the goal of 25 us. A split call (`num_splits=2`) takes
-# 24.4 back to back and 24.8 of host time: the partials' buffer and one call that launches both
-# kernels (section 5.6). The custom op takes 23.7 / 23.6 (back to back / host) under inference
-# mode and 23.8 / 24.0 under `torch.no_grad()` (H100 80GB HBM3, 2026-12-06, the same run). Of stage 12's 18.8 us in an A/B
+# Stage 12, and stage 13 where it does not split, take 17.9-18.2 us per call back to back and of
+# host time, against SDPA's 16.0 / 15.4 (back to back / host): within the goal of 25 us. A split
+# call (`num_splits=2`) takes 26.2 / 26.6, over the goal on this host (24.4 / 24.8 on a quicker
+# one, 2026-12-06): the partials' buffer and one call that launches both kernels (section 5.6).
+# The custom op takes 24.4 / 25.2 under inference mode and 25.2 / 25.0 under `torch.no_grad()`
+# (H100 80GB HBM3, 2026-12-07, the same run). An unsplit call that returns no LSE writes it into
+# the device's scratch: one allocation less, 2.0-2.8 us a call in an A/B the same day
+# (`docs/results/host_time_scratch_lse_ab_h100_2026-12-07.txt`). Of stage 12's 18.8 us in an A/B
 # on the same GPU model (2026-12-05, `docs/results/host_time_fast_path_ab_h100_2026-12-05.txt`),
-# its compiled function called alone on ready arguments took 5.1 (the TVM-FFI call and the
-# launch), each of its two outputs 2.2 (`torch.empty_strided`) and Q's canonical view 0.9
-# (`as_strided`): the other 8.4 us was the launch path's Python. A call whose tensors and options match an earlier
+# when it still allocated the LSE, its compiled function called alone on ready arguments took 5.1
+# (the TVM-FFI call and the launch), each of its two outputs 2.2 (`torch.empty_strided`) and Q's
+# canonical view 0.9 (`as_strided`): the other 8.4 us was the launch path's Python. A call whose tensors and options match an earlier
 # call's (`call_key` in `common/attention_host.py`) takes the fast path: no shape checks, and
 # the launch plan made for the first such call, which keeps everything decided once (the
 # compiled kernel and combine, the mask bounds, the split count, the partials' layout, the

@@ -596,13 +596,12 @@ fig = figures.paged_ratios(
 #
 # `python -m common.tools.host_time --calls 1000 --rounds 3 --profile` (notebook 13, section 7.2)
 # times a tiny decode step (K and V of 256 keys; stage 14 on pages of 64 keys) under
-# `torch.inference_mode()`. The cell prints the run of the launch path as it was before an unsplit
-# call's unreturned LSE went to the device's scratch (not timed yet) (NVIDIA H100 80GB HBM3,
-# 2026-12-06, `docs/results/host_time_h100_2026-12-06_traced_copy_profile.txt`), and cProfile's view
+# `torch.inference_mode()`. The cell prints a run of the launch path as it is (NVIDIA H100 80GB
+# HBM3, 2026-12-07, `docs/results/host_time_h100_2026-12-07_scratch_lse.txt`), and cProfile's view
 # of a paged call whose tables were made outside inference mode.
 
 # %%
-HOST_TIME = "docs/results/host_time_h100_2026-12-06_traced_copy_profile.txt"
+HOST_TIME = "docs/results/host_time_h100_2026-12-07_scratch_lse.txt"
 with open(os.path.join(nb.ROOT, HOST_TIME)) as f:
     text = f.read()
 table, _, profiles = text.partition("cProfile of 1000 calls: stage 12\n")
@@ -612,14 +611,14 @@ paged = "cProfile of 1000 calls: stage 14, paged (64 keys a page)\n"
 print(paged + profiles.split(paged)[1].split("cProfile of")[0])
 
 # %% [markdown]
-# A paged call takes 24.6 us back to back and 25.0 of host time with its tables made outside
-# inference mode, 22.6 and 23.1 with `check_values=False`, against an unsplit stage 13's 19.8 and
-# SDPA's 14.8 (H100 80GB HBM3, 2026-12-06, the same run). What the checks cost per call is a lookup:
+# A paged call takes 22.8 us back to back and 23.9 of host time with its tables made outside
+# inference mode, 20.8 and 21.8 with `check_values=False`, against an unsplit stage 13's 17.9 /
+# 18.1 and SDPA's 16.0 / 15.4 (H100 80GB HBM3, 2026-12-07, the same run). What the checks cost per call is a lookup:
 # `seqused_k` and `page_table` were read to the host once and remembered with their version counters
 # (section 5.5), and a call that finds them unchanged asks nothing else - not even whether a CUDA
 # graph is being captured, which is needed only before a read. Tables made under
 # `torch.inference_mode()` carry no version counter, so they are read at every call, each read a
-# copy and a synchronisation, then every page a sequence uses is checked in Python: 69.7 us back to
+# copy and a synchronisation, then every page a sequence uses is checked in Python: 70.1 us back to
 # back. Inside a captured CUDA graph nothing is read and no Python runs at replay
 # (`tests/test_stage14.py` replays a paged decode step in a graph as the cache grows a page). The
 # cache itself goes to the kernel as the caller holds it (section 5.2): no permuted views to make

@@ -27,8 +27,8 @@
 #
 # **What has run.** The notebook runs the ring on the CPU, its ranks as threads of one process
 # (`FakeRing`) with an fp64 attention in place of the kernel. In GPU mode it also runs the ring
-# on one GPU as virtual ranks calling stage 14's kernel (sections 6 and 7): those cells are
-# written for an H100/H200 and have not run there yet. The same check of the ring of virtual
+# on one GPU as virtual ranks calling stage 14's kernel (sections 6 and 7; in the executed copy
+# in `docs/notebooks/`, on an H100 80GB HBM3, 2026-12-07). The same check of the ring of virtual
 # ranks, in `tests/test_stage15.py`, passed on an H200 (2026-12-05,
 # `docs/results/tests_hopper_gpu_h200_2026-12-05_split_outputs.txt`) and an H100 80GB HBM3
 # (2026-12-06, `docs/results/tests_hopper_gpu_h100_2026-12-06_combine.txt`); nothing was timed

@@ -467,8 +467,9 @@ fig = nb.error_picture(1, result)
 # $4096^3$, where a call takes about 0.2 ms, the ratio moves more from run to run. A `make bench`
 # run (H200, 2026-11-29, bf16; `docs/results/bench_h200_2026-11-29.md`) measured stage 1 at 758
 # TFLOP/s against cuBLAS's 774 at $4096^3$ (0.98x) and 784 against 690 at $8192^3$ (1.14x); the
-# run of this notebook's executed copy (H200, 2026-12-04; `docs/notebooks/stage1_gemm.ipynb`)
-# measured 624 against 788 (0.79x) and 706 against 703 (1.00x). Numbers drift between runs and
+# run of this notebook's executed copy (H100 80GB HBM3, 2026-12-07;
+# `docs/notebooks/stage1_gemm.ipynb`) measured 403 against 788 (0.51x) and 796 against 748
+# (1.06x). Numbers drift between runs and
 # machines, so the table below - this run - is what to compare; its last column is stage 1's
 # speed over each kernel (above 1: stage 1 is faster).
 #

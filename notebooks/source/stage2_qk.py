@@ -208,7 +208,7 @@ report_bw = nb.compile_summary(2, "blackwell")
 # the smaller of the hard bound $10^{-4}$ and 3x the error of PyTorch's own fp32 product plus
 # $10^{-6}$ - about $10^{-6}$ here, and the table prints it. **Expected:** a relative error around
 # $10^{-7}$ (the run of this notebook's executed copy, `docs/notebooks/stage2_qk.ipynb`, measured
-# $1.3\cdot 10^{-7}$ on the H200, 2026-12-04), below that bound.
+# $1.3\cdot 10^{-7}$ on an H100 80GB HBM3, 2026-12-07), below that bound.
 # The output is poisoned with NaN before the launch, so an unwritten tile fails. The error map
 # shows the (b, h) slice that holds the worst element of the whole output, so that its circle is
 # the table's worst element.

@@ -181,10 +181,16 @@ fig = figures.kv_slot_timeline(
 # `PipelineState` (one flip per lap of the ring) no longer matches; the stage keeps one parity bit
 # per slot (`slot_phase`) and builds the state of each use with `slot_state`. A fresh slot starts
 # at parity 1 - on a barrier no phase has completed yet, a wait for parity 1 returns at once -
-# so the producer's first load into each slot does not wait. The producer step and the main loop:
+# so the producer's first load into each slot does not wait. The producer step, one step of pass
+# 2 (`mma_one_n_block`: wait for the PV group, release K_j's slot, only then load V_j into it -
+# the fix of the hazard above, which exercise 2 asks about) and the main loop:
 
 # %%
-nb.show_source(4, "hopper", names=["Sm90Kernel.slot_state", "Sm90Kernel.load_tiles"])
+nb.show_source(
+    4,
+    "hopper",
+    names=["Sm90Kernel.slot_state", "Sm90Kernel.load_tiles", "Sm90Kernel.mma_one_n_block"],
+)
 
 # %%
 nb.show_source(4, "hopper", section="# 2.")
@@ -258,7 +264,7 @@ report_bw = nb.compile_summary(4, "blackwell")
 #
 # **Expected:** like stage 3, a relative error of a few $10^{-3}$ (bf16 P and bf16 O; the run of
 # this notebook's executed copy, `docs/notebooks/stage4_kv_interleave.ipynb`, measured
-# $2.4\cdot 10^{-3}$ on the H200, 2026-12-04), within 3x PyTorch's own bf16 attention error
+# $2.4\cdot 10^{-3}$ on an H100 80GB HBM3, 2026-12-07), within 3x PyTorch's own bf16 attention error
 # against the fp64 reference; the table prints the bound used. With $S_k = 1024$ there are
 # 8 KV tiles, so a slot is reused many times: a phase bookkeeping error shows up as a wrong result
 # or a hang (the check has a deadline, a hang fails after 60 s instead of blocking). Run

@@ -165,7 +165,8 @@ fig = figures.kv_slot_timelines(
 # ### 5.2 The update in registers
 #
 # `online_softmax` (shared with stage 4's pass 1) folds an S tile into `row_max` and `row_sum` and
-# returns `row_scale`; the main loop multiplies the O accumulator by it before adding $P_jV_j$.
+# returns `row_scale`; `rescale_o_and_convert_p`, which `mma_one_n_block` calls for each KV tile,
+# multiplies the O accumulator by it before adding $P_jV_j$ (the method exercise 5a edits).
 # A thread holds $D/2$ registers of O, 2 rows of $D/4$ each, so that is $D/2$ multiplies per
 # thread (64 at D = 128; exercise 5a reads them in the PTX) and one `exp2` per row per tile. The
 # row max is reduced across the quad at once (all 4 threads must subtract the same max); the row
@@ -175,7 +176,9 @@ fig = figures.kv_slot_timelines(
 # rescale (by $\alpha_0 = 0$) left in it (exercise 2).
 
 # %%
-nb.show_source(5, "hopper", names=["Sm90Kernel.online_softmax"])
+nb.show_source(
+    5, "hopper", names=["Sm90Kernel.online_softmax", "Sm90Kernel.rescale_o_and_convert_p"]
+)
 
 # %%
 nb.show_source(5, "hopper", section="# 2.")

@@ -423,7 +423,8 @@ if not bench_masks:
 #    (stage 7, the same tile range and mask, 2026-12-04,
 #    `docs/results/ablation_h200_2026-12-04.md`) to 0.97 (stage 6, 2026-12-01,
 #    `docs/results/bench_h200_2026-12-01_stage6.md`) of the no-mask time on the H200 (section 7)
-#    for 0.53 of the tiles. Compute, for causal at S = 2k and 8k, how many KV tiles the CTAs of
+#    for 0.53 of the tiles; the run of this notebook's executed copy measured 0.60 (H100 80GB
+#    HBM3, 2026-12-07). Compute, for causal at S = 2k and 8k, how many KV tiles the CTAs of
 #    Q tiles 0, the middle one and the last one compute, and the total number of CTAs (B·H·Q
 #    tiles at B·S = 16k, H = 16). Which of these numbers differ between 2k and 8k? (This only
 #    starts the question: the cause of the 2k figure is not established in this tutorial. In

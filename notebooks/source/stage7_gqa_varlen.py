@@ -126,8 +126,12 @@ print(
 #
 # The docstring gives the changes with their numbers; then the kernel class against stage 6
 # (`make diff-7 TRACK=hopper` shows the whole files, the new entry `attention_varlen` included).
-# The diff is the head mapping, the sequence offsets (`seq_info`, `domain_offset`), the grid over
-# sequences, and the two boundary fixes (`zero_rows`, `store_rows`).
+# The diff is the head mapping, pack-GQA (a KV head's query heads sharing one Q tile's rows), the
+# sequence offsets (`seq_info`, `domain_offset`), the grid over sequences, and the two boundary
+# fixes (`zero_rows`, `store_rows`). Two changes come with them that the later stages build on:
+# the host side moves to `common/attention_host.py`, shared by stages 7-14 (the entry functions
+# call it), and `load` and `mma` take their arguments grouped (`gmem`, `smem`, `barriers`, ...),
+# as the warp-role methods of stage 8 on do.
 
 # %%
 nb.show_docstring(7, "hopper")

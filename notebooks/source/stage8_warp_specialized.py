@@ -109,9 +109,9 @@ nb.start(8)
 #
 # The split uses the pool exactly: a producer that kept even 8 registers more would leave the
 # consumers' `setmaxnreg.inc` waiting forever (exercise 1). What the consumers gain is room:
-# stage 7's loop body needed 164 registers per thread at D = 128 in batch mode and 188 packed
-# (ptxas, bf16, 2026-12-01; `docs/notes/stage7.md`; 158 in batch mode on the code of 2026-12-05,
-# `docs/notes/stage8.md`), close to or above the 168 a 384-thread CTA starts with.
+# stage 7's loop body needs 158 registers per thread at D = 128 in batch mode and 189 with packed
+# sequences (ptxas of CUDA 13.0, bf16, 2026-12-06; `docs/notes/stage7.md`), close to or above the
+# 168 a 384-thread CTA starts with.
 #
 # ### 3.3 The ring
 #
