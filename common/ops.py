@@ -354,8 +354,8 @@ def _split_window(window):
 def eager_direct(tensors, device_type="cuda"):
     """Whether a wrapper call may go straight to the stage's function instead of through the
     custom op. The op's eager path (the dispatcher and the op's Python kernel) adds host time
-    per call (1.3 us, NVIDIA H100 80GB HBM3, 2026-12-06: docs/results/README.md, host work per
-    call) and nothing else to an eager call on plain CUDA tensors. So the wrappers skip it only then: not while torch.compile or
+    per call (24.4 us back to back through torch.ops against 20.6 for the wrapper's direct
+    call, NVIDIA H100 80GB HBM3, 2026-12-07: docs/results/README.md, host work per call) and nothing else to an eager call on plain CUDA tensors. So the wrappers skip it only then: not while torch.compile or
     torch.jit.trace traces (the op is what the graph must hold; a trace would record the
     output's allocation and not the launch, which does not go through the dispatcher), not under a dispatch mode, a torch-function mode or a
     functorch transform (FakeTensorMode, FlopCounterMode, vmap: they must see the op), and only

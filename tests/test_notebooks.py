@@ -1,13 +1,13 @@
 """The notebooks: one jupytext source each, committed without outputs, in the fixed order of
 STYLE.md, importing (never pasting) the kernels, and executable end to end - by common/tools/nbrun.py
-(in process, the H200's way) and through a real Jupyter kernel (nbclient + ipykernel, the way a
+(in process, the way the GPU machine runs them) and through a real Jupyter kernel (nbclient + ipykernel, the way a
 reader runs them, which takes common.tools.notebook's IPython branch).
 
 Without a GPU (CI) every notebook runs in compile-only mode: its stage is compiled for sm_90a and
 sm_100a and the GPU cells say they are skipped. On an H100/H200 the in-process run is in GPU mode,
 where the "Run and verify" cell must launch the Hopper kernel and pass the checker, and the
-"Measure" cell must time it. The executed copies under docs/notebooks/ (written on the H200 by
-`python -m common.tools.nbrun --execute-to docs/notebooks`) must carry exactly the sources' code."""
+"Measure" cell must time it. The executed copies under docs/notebooks/ (written on a GPU
+machine by `python -m common.tools.nbrun --execute-to docs/notebooks`) must carry exactly the sources' code."""
 
 import glob
 import importlib.util
@@ -269,7 +269,7 @@ def test_notebook_runs_in_a_jupyter_kernel(stage, tmp_path, monkeypatch):
 
 
 def test_executed_copies_are_written(tmp_path):
-    """`python -m common.tools.nbrun --execute-to DIR` (what the H200 run uses) writes valid notebooks
+    """`python -m common.tools.nbrun --execute-to DIR` (what the GPU machine's run uses) writes valid notebooks
     with a header naming GPU, mode and date, the sources' cells, and their outputs: text,
     Markdown from the helpers, PNG figures."""
     nbformat = pytest.importorskip("nbformat")

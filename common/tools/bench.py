@@ -35,7 +35,7 @@ SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 # Said under the paper-shape table: its rows and the ablation's are timed in different rounds.
 ATTN_TABLE_NOTE = (
     "The kernels of a row here are timed in their own interleaved rounds; the ablation table "
-    "(when the run has one) times its nine kernels of a row together, at other moments of the "
+    "(when the run has one) times all its kernels of a row together, at other moments of the "
     "run. The same kernel at the same shape can read several percent apart in the two tables "
     "(the clocks step by 5-10% under sustained load): compare kernels within one table."
 )

@@ -1,6 +1,6 @@
 """A plain in-process notebook runner: executes a notebook's code cells in order in one
 namespace, with matplotlib on the Agg backend. Enough to verify notebooks on machines without
-Jupyter (the H200 machine) and in CI (compile-only mode, no GPU).
+Jupyter (the GPU machine) and in CI (compile-only mode, no GPU).
 
     python -m common.tools.nbrun notebooks/*.ipynb
     python -m common.tools.nbrun --execute-to docs/notebooks notebooks/*.ipynb
@@ -292,7 +292,8 @@ def executed_copy(path, recorded, when=None):
         f"one run on **{gpu}**, **{when.date().isoformat()}** ({mode} mode; {versions}; "
         f"{when.strftime('%H:%M')} UTC). Produced by `python -m common.tools.nbrun --execute-to "
         "docs/notebooks notebooks/*.ipynb`. The code cells are exactly those of the notebook "
-        "(tests/test_notebooks.py checks it); every number and figure below is from this run. "
+        "(tests/test_notebooks.py checks it); every number and figure below is from this run, "
+        "except what a cell reads from `docs/results/` (its GPU and date named in the cell or the text above it). "
         "To run it yourself, open the notebook in `notebooks/`."
     )
     cells = [

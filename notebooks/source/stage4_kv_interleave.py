@@ -182,7 +182,8 @@ fig = figures.kv_slot_timeline(
 # per slot (`slot_phase`) and builds the state of each use with `slot_state`. A fresh slot starts
 # at parity 1 - on a barrier no phase has completed yet, a wait for parity 1 returns at once -
 # so the producer's first load into each slot does not wait. The producer step, one step of pass
-# 2 (`mma_one_n_block`: wait for the PV group, release K_j's slot, only then load V_j into it -
+# 2 (`mma_one_n_block`: wait for the QK group, the wgmmas reading K_j, release K_j's slot, only
+# then load V_j into it -
 # the fix of the hazard above, which exercise 2 asks about) and the main loop:
 
 # %%

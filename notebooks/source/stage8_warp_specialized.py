@@ -573,8 +573,8 @@ fig = figures.step_against_s(
 # specialisation frees were not what held D = 64 back. In that run stage 7 ran one CTA an SM at
 # D = 64 in bf16: ptxas gave it 133 registers a thread, and two 256-thread CTAs share an SM only
 # at 128 or fewer. In fp16 the same run's stage 7 got 128, two CTAs, and stage 8 ran at
-# 0.72-0.77 of it at D = 64 from 2k (`docs/results/ablation_h200_2026-12-04_fp16.md`). Stage 7
-# as it is now gets 123 in bf16, so two CTAs (four warpgroups computing, where stage 8 has two
+# 0.72-0.77 of it at D = 64 from 2k (`docs/results/ablation_h200_2026-12-04_fp16.md`). Stage 7's
+# code from 2026-12-05 on gets 123 in bf16, so two CTAs (four warpgroups computing, where stage 8 has two
 # consumers), and then stage 8 runs at 0.74-0.85 of it at D = 64 (H100 80GB HBM3, 2026-12-05;
 # the registers and that run in `docs/notes/stage8.md`; stage 12's third consumer warpgroup wins
 # the difference back). On the H200, stage 8 stays at 0.77-0.88 of FA4 at D = 128 and 0.69-0.77
