@@ -290,3 +290,10 @@ def test_interleaved_timing_rotates_the_order_and_takes_each_fns_median(monkeypa
     order = "".join(n for _, n in log)
     assert order == "abcbcacab" * 2
     assert [k for k, _ in log] == ["event"] * 9 + ["gpu"] * 9
+
+
+def test_results_files_are_tagged_by_gpu_name():
+    from common.tools.timing import file_tag
+
+    assert file_tag("NVIDIA H200") == "h200"
+    assert file_tag("NVIDIA H100 80GB HBM3") == "h100_80gb_hbm3"

@@ -822,9 +822,7 @@ def main(argv=None):
     results["gpu state at end"] = state
     lines += [f"GPU at the end: {state or 'not read (no nvidia-smi)'}.", ""]
     os.makedirs(args.out, exist_ok=True)
-    tag = f"{gpu.replace('NVIDIA ', '').replace(' ', '_').lower()}_{date}" + (
-        "" if args.dtype == "bf16" else f"_{args.dtype}"
-    )
+    tag = f"{timing.file_tag(gpu)}_{date}" + ("" if args.dtype == "bf16" else f"_{args.dtype}")
     with open(os.path.join(args.out, f"bench_{tag}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(args.out, f"bench_{tag}.json"), "w") as f:

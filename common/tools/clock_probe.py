@@ -162,7 +162,7 @@ def main(argv=None):
             f"| {r['power_w']} | {per_ghz} | {r['n_samples']} |"
         )
     name, date = timing.gpu_and_date()
-    out = args.out.format(gpu=name.replace("NVIDIA ", "").replace(" ", "_").lower(), date=date)
+    out = args.out.format(gpu=timing.file_tag(name), date=date)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump(dict(gpu=name, date=date, window_s=args.window, rows=rows), f, indent=1)

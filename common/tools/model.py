@@ -597,7 +597,7 @@ def main(argv=None):
     print("\n" + text, flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        tag = f"{gpu.replace('NVIDIA ', '').replace(' ', '_').lower()}_{date}"
+        tag = f"{timing.file_tag(gpu)}_{date}"
         path = os.path.join(args.out, f"model_{tag}.md")
         with open(path, "w") as f:
             f.write(text)

@@ -166,6 +166,11 @@ def gpu_state():
     return None
 
 
+def file_tag(gpu):
+    """The GPU's name as the results files carry it: 'NVIDIA H200' -> 'h200'."""
+    return gpu.replace("NVIDIA ", "").replace(" ", "_").lower()
+
+
 def gpu_and_date():
     import datetime
 
