@@ -186,16 +186,25 @@ def cached_compile_ffi(kernel, *args):
     return fn
 
 
-# Caches that hold compiled functions too (common/attention_host.py's launch plans): emptied
-# with this one.
+# Caches that hold compiled functions too (common/attention_host.py's launch plans and
+# remembered calls): emptied with this one. They are keyed by the kernel class, not by the
+# settings of the kernel object the plan compiled (those are read once, when the plan is made).
 CLEAR_WITH_CACHE = []
+
+
+def clear_launch_plans():
+    """Forget the launch plans and remembered calls; the compiled kernels stay, so the next
+    call of each shape builds its plan again from a new kernel object (and compiles only if
+    that object's settings are new). Needed whenever a kernel class starts or stops building
+    objects with other settings (common/tools/notebook.py's kernel_settings)."""
+    for clear in CLEAR_WITH_CACHE:
+        clear()
 
 
 def clear_cache():
     """Forget every compiled kernel (the next launch of each compiles again)."""
     _CACHE.clear()
-    for clear in CLEAR_WITH_CACHE:
-        clear()
+    clear_launch_plans()
 
 
 def cache_size():

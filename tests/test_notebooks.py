@@ -910,6 +910,44 @@ def test_kernel_settings_reach_derived_settings(monkeypatch):
     assert (Kernel().ab_buffers, Kernel().kv_slots) == (4, 4)
 
 
+def test_kernel_settings_are_not_served_a_plan_made_without_them(monkeypatch):
+    """A call inside kernel_settings must build its kernel with the settings even when the same
+    call was made just before the block (the launch plans are keyed by the kernel class, not by
+    its settings), and a call after the block must not get the plan made inside it. The plan is
+    a stand-in that records the setting of the kernel object it was made from; nothing runs."""
+    import torch
+
+    from common import attention_host
+    from common.tools import notebook as nb
+
+    cls = nb._kernel_class(11, "hopper")
+
+    class Plan:
+        def __init__(self, kernel_class, q, *rest):
+            self.persistent = kernel_class(
+                attention_host.cute_dtype(q.dtype), q.shape[-1], 1
+            ).persistent
+
+        def run(self, *args):
+            pass
+
+    monkeypatch.setattr(attention_host, "make_plan", Plan)
+    q = torch.zeros(1, 2, 128, 128, dtype=torch.bfloat16)
+    o, lse = torch.empty_like(q), torch.empty(1, 2, 128)
+
+    def call():
+        return attention_host.launch(cls, q, q, q, o, lse, None, None, 128, 1.0, False, None, 128)
+
+    default = call().persistent
+    with nb.kernel_settings(11, "hopper", persistent=not default):
+        assert call().persistent == (not default)
+        assert call().persistent == (not default)
+    assert call().persistent == default
+    attention_host._CALLS["stand-in"] = "a remembered call"
+    with nb.kernel_settings(11, "hopper", persistent=not default):
+        assert "stand-in" not in attention_host._CALLS
+
+
 def test_reload_stage_gives_a_new_kernel_class():
     import torch
 

@@ -35,6 +35,7 @@ import time
 import torch
 
 from common import arch, outputs
+from common import compile as compile_cache
 from common.tools import stage_table
 
 # The notebooks check outputs as the tests do: every fresh output is NaN until written
@@ -405,11 +406,15 @@ def kernel_settings(stage, track="hopper", **settings):
     `with nb.kernel_settings(1, "hopper", ab_buffers=2): ...`. The override happens as __init__
     assigns the attribute, so settings __init__ derives from it follow (Blackwell stage 1 derives
     its K slots from ab_buffers). The compile cache keys on the kernel's attributes, so the
-    modified kernel is compiled anew. An unknown name raises AttributeError."""
+    modified kernel is compiled anew. The launch plans and remembered calls (keyed by the
+    kernel class, common/attention_host.py) are forgotten on entry and on exit: a call inside
+    the block must not reuse the plan of the same call made before it, nor a call after the
+    block the plan made inside it. An unknown name raises AttributeError."""
     if not settings:
         yield
         return
     cls = _kernel_class(stage, track)
+    compile_cache.clear_launch_plans()
     orig_init = cls.__init__
 
     @functools.wraps(orig_init)
@@ -440,6 +445,7 @@ def kernel_settings(stage, track="hopper", **settings):
         yield
     finally:
         cls.__init__ = orig_init
+        compile_cache.clear_launch_plans()
 
 
 def reload_stage(stage, track=None):
