@@ -21,7 +21,8 @@
 # of tile $j$ while $PV_{j-1}$ is still on the tensor cores. The notebook imports the stage file
 # and displays it; it never pastes kernel code.
 #
-# **How to run.** As stage 1: in Jupyter from `notebooks/`, or `make notebooks`. Without an
+# **How to run.** As stage 1: in Jupyter from `notebooks/`, or headless with
+# `python -m common.tools.nbrun notebooks/stage10_overlap.ipynb`. Without an
 # H100/H200 the cells of *Run and verify* and *Measure* say they are skipped; everything else (the
 # pictures, the turn model, the compile summaries) runs in both modes. Source:
 # `notebooks/source/stage10_overlap.py`.

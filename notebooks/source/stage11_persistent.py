@@ -22,7 +22,8 @@
 # notebook imports the stage file and displays it; it never pastes kernel code. The Blackwell
 # stage 11, compile-checked only, is section 5.8.
 #
-# **How to run.** As stage 1: in Jupyter from `notebooks/`, or `make notebooks`. Without an
+# **How to run.** As stage 1: in Jupyter from `notebooks/`, or headless with
+# `python -m common.tools.nbrun notebooks/stage11_persistent.ipynb`. Without an
 # H100/H200 the cells of *Run and verify* and *Measure* say they are skipped; everything else (the
 # tile-order and timeline models, the hand-over model, the compile summaries) runs in both modes.
 # Source: `notebooks/source/stage11_persistent.py`.

@@ -25,7 +25,8 @@
 # [`docs/notes/stage12.md`](../docs/notes/stage12.md). The notebook imports the stage file and
 # displays it; it never pastes kernel code.
 #
-# **How to run.** As stage 1: in Jupyter from `notebooks/`, or `make notebooks`. Without an
+# **How to run.** As stage 1: in Jupyter from `notebooks/`, or headless with
+# `python -m common.tools.nbrun notebooks/stage12_last_percent.ipynb`. Without an
 # H100/H200 the cells of *Run and verify* and *Measure* say they are skipped; everything else (the
 # compiled variants, their PTX, the measured tables read from `docs/results/`) runs in both
 # modes. Source: `notebooks/source/stage12_last_percent.py`.

@@ -27,7 +27,8 @@
 # it never pastes kernel code. Every number measured here is Hopper's; the Blackwell track is
 # section 5.8.
 #
-# **How to run.** As stage 1: in Jupyter from `notebooks/`, or `make notebooks`. Without an
+# **How to run.** As stage 1: in Jupyter from `notebooks/`, or headless with
+# `python -m common.tools.nbrun notebooks/stage13_split_kv.ipynb`. Without an
 # H100/H200 the cells of *Run and verify* and *Measure* say they are skipped; everything else
 # (the split arithmetic on the kernel's own methods, the combine checked in fp64 on the CPU,
 # the compile summaries, the measured tables read from `docs/results/`) runs in both modes.

@@ -26,7 +26,8 @@
 # notebook imports the stage file and displays it; it never pastes kernel code. Every number
 # measured here is Hopper's; the Blackwell track is section 5.7.
 #
-# **How to run.** As stage 1: in Jupyter from `notebooks/`, or `make notebooks`. Without an
+# **How to run.** As stage 1: in Jupyter from `notebooks/`, or headless with
+# `python -m common.tools.nbrun notebooks/stage14_paged_kv.ipynb`. Without an
 # H100/H200 the cells of *Run and verify* and *Measure* say they are skipped; everything else
 # (a paged cache built and read back on the CPU, the producer's box loop run on integers from
 # the kernel's own source, the compile summaries, the measured tables read from

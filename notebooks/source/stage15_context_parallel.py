@@ -37,7 +37,8 @@
 # measurement in `docs/results/` and a published specification, or measured in the run itself
 # (GPU mode), and says which.
 #
-# **How to run.** As stage 1: in Jupyter from `notebooks/`, or `make notebooks`. Without an
+# **How to run.** As stage 1: in Jupyter from `notebooks/`, or headless with
+# `python -m common.tools.nbrun notebooks/stage15_context_parallel.ipynb`. Without an
 # H100/H200 the cells of *Run and verify* and *Measure* that launch kernels say they are
 # skipped; everything else (the schedule drawn from `ring.py`'s own functions, the ring on CPU
 # threads against one fp64 attention, the overlap arithmetic, the compile summaries of the

@@ -21,7 +21,8 @@
 # and run time* is what later notebooks refer to.
 #
 # **How to run.** Open it in Jupyter from `notebooks/` and run the cells in order, or run them all
-# headless with `make notebooks` (`python -m common.tools.nbrun`, the same cells in one process). On an
+# headless with `python -m common.tools.nbrun notebooks/stage1_gemm.ipynb` (the same cells in
+# one process; `make notebooks` runs every notebook). On an
 # H100/H200 the cells of *Run and verify* and *Measure* launch the kernel, check it and time it;
 # anywhere else they say they are skipped. Everything else - the compile summaries (PTX,
 # registers, shared memory) of both tracks included - needs no GPU and appears in both modes. The

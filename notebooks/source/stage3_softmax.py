@@ -20,7 +20,8 @@
 # tile ($S_k \le 128$). It imports the stage files and displays them; it never pastes kernel
 # code.
 #
-# **How to run.** As stage 1: in Jupyter from `notebooks/`, or `make notebooks`. Without an
+# **How to run.** As stage 1: in Jupyter from `notebooks/`, or headless with
+# `python -m common.tools.nbrun notebooks/stage3_softmax.ipynb`. Without an
 # H100/H200 the cells of *Run and verify* and *Measure* say they are skipped; the compile
 # summaries of both tracks appear in both modes. Source: `notebooks/source/stage3_softmax.py`.
 

@@ -23,7 +23,8 @@
 # are the same: a slot may be refilled only after the MMA that read its previous tile has
 # completed. The notebook imports the stage files and displays them; it never pastes kernel code.
 #
-# **How to run.** As stage 1: in Jupyter from `notebooks/`, or `make notebooks`. Without an
+# **How to run.** As stage 1: in Jupyter from `notebooks/`, or headless with
+# `python -m common.tools.nbrun notebooks/stage4_kv_interleave.ipynb`. Without an
 # H100/H200 the cells of *Run and verify* and *Measure* say they are skipped; the compile
 # summaries of both tracks appear in both modes. Source: `notebooks/source/stage4_kv_interleave.py`.
 

@@ -20,7 +20,8 @@
 # never touches, and what the few tiles that cross a mask edge do element by element. The notebook
 # imports the stage files and displays them; it never pastes kernel code.
 #
-# **How to run.** As stage 1: in Jupyter from `notebooks/`, or `make notebooks`. Without an
+# **How to run.** As stage 1: in Jupyter from `notebooks/`, or headless with
+# `python -m common.tools.nbrun notebooks/stage6_masks.ipynb`. Without an
 # H100/H200 the cells of *Run and verify* and *Measure* say they are skipped; everything else
 # (the pictures, the CPU examples, the compile summaries of both tracks) runs in both modes.
 # Source: `notebooks/source/stage6_masks.py`.

@@ -20,7 +20,8 @@
 # of sequences of different lengths is packed into one tensor instead of being padded to the
 # longest. The notebook imports the stage files and displays them; it never pastes kernel code.
 #
-# **How to run.** As stage 1: in Jupyter from `notebooks/`, or `make notebooks`. Without an
+# **How to run.** As stage 1: in Jupyter from `notebooks/`, or headless with
+# `python -m common.tools.nbrun notebooks/stage7_gqa_varlen.ipynb`. Without an
 # H100/H200 the cells of *Run and verify* and *Measure* say they are skipped; everything else runs
 # in both modes. Source: `notebooks/source/stage7_gqa_varlen.py`.
 

@@ -22,7 +22,8 @@
 # arithmetic does not change: O and LSE are stage 7's bit for bit. The notebook imports the stage
 # file and displays it; it never pastes kernel code.
 #
-# **How to run.** As stage 1: in Jupyter from `notebooks/`, or `make notebooks`. Without an
+# **How to run.** As stage 1: in Jupyter from `notebooks/`, or headless with
+# `python -m common.tools.nbrun notebooks/stage8_warp_specialized.ipynb`. Without an
 # H100/H200 the cells of *Run and verify* and *Measure* say they are skipped; everything else (the
 # pictures, the CPU model of the barriers, the compile summaries) runs in both modes. Source:
 # `notebooks/source/stage8_warp_specialized.py`.
@@ -178,7 +179,9 @@ for D in (64, 128):
 # in the new `mma`. The diff pairs stage 7's `mma` with the new one by name, so the new `mma`'s
 # loop and the line `def mma_tile(` show as added lines in the middle of the old method, whose
 # body continues as `mma_tile`'s. Section 5 goes through the new code method by method. The
-# arithmetic of each consumer warpgroup is stage 7's, line for line.
+# arithmetic of each consumer warpgroup is stage 7's but for where two accumulators start: S is
+# zero-filled before the loop (without it ptxas serialises the wgmma, warning C7512) and so is O,
+# so that every PV accumulates where stage 7's first PV overwrote it. O and LSE stay bit for bit.
 
 # %%
 nb.show_docstring(8, "hopper")

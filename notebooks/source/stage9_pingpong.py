@@ -23,7 +23,8 @@
 # to back. The arithmetic does not change: O and LSE are stage 8's bit for bit. The notebook
 # imports the stage file and displays it; it never pastes kernel code.
 #
-# **How to run.** As stage 1: in Jupyter from `notebooks/`, or `make notebooks`. Without an
+# **How to run.** As stage 1: in Jupyter from `notebooks/`, or headless with
+# `python -m common.tools.nbrun notebooks/stage9_pingpong.ipynb`. Without an
 # H100/H200 the cells of *Run and verify* and *Measure* say they are skipped; everything else (the
 # turn model, the timelines, the compile summaries) runs in both modes. Source:
 # `notebooks/source/stage9_pingpong.py`.

@@ -1186,6 +1186,8 @@ class Sm90Kernel:
         tOgO = thr_mma.partition_C(gO)
         tOcO = thr_mma.partition_C(cute.make_identity_tensor((bM, bK)))
         valid_rows = seqlen_q * self.pack_gqa - pid_m * bM
+        # Unrolled over the thread's 64 (D = 128) or 32 accumulator elements, one guarded fp32
+        # store each; the DSL warns that a static loop of 64 iterations compiles slowly (expected).
         for i in cutlass.range_constexpr(cute.size(acc_O)):
             if tOcO[i][0] < valid_rows:
                 tOgO[i] = acc_O[i]
