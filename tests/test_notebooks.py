@@ -1,5 +1,5 @@
-"""The notebooks: one jupytext source each, committed without outputs, in the fixed order of
-STYLE.md, importing (never pasting) the kernels, and executable end to end - by common/tools/nbrun.py
+"""The notebooks: one jupytext source each, committed without outputs, in one fixed order of
+sections (SECTIONS below), importing (never pasting) the kernels, and executable end to end - by common/tools/nbrun.py
 (in process, the way the GPU machine runs them) and through a real Jupyter kernel (nbclient + ipykernel, the way a
 reader runs them, which takes common.tools.notebook's IPython branch).
 
@@ -48,7 +48,7 @@ NOTEBOOKS = {
 # every rank, and is not in the stage table): its notebook starts, compiles, checks and times
 # stage 14's kernel, and shows ring.py's functions where the others show their kernel diff.
 KERNEL_OF = {15: 14}
-# STYLE.md rule 7: the fixed order of the sections (level-2 headings).
+# The fixed order of every notebook's sections (level-2 headings).
 SECTIONS = (
     "Objectives",
     "Previous stage recap",

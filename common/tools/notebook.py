@@ -1207,9 +1207,11 @@ def run_and_verify(stage, shape=None, seed=0, settings=None):
 
     case = make_case(stage, track, shape, seed=seed)
     with kernel_settings(stage, track, **(settings or {})):
+        compiled_before = compile_cache.cache_size()
         t0 = time.perf_counter()
         out = run_with_deadline(case.run, 60, f"stage {stage} ({track})")
         first = time.perf_counter() - t0
+        compiled = compile_cache.cache_size() > compiled_before
         ref = case.ref()
         chk = compare(
             f"stage {stage} {track} {shape}", out, ref, rtol=case.rtol, torch_lowp=case.lowp()
@@ -1251,8 +1253,9 @@ def run_and_verify(stage, shape=None, seed=0, settings=None):
             if c is not None
         ],
     )
+    launch = "compile + run" if compiled else "run; its kernel was compiled earlier in this process"
     print(
-        f"bound = min(hard bound, 3 x PyTorch's own error + 1e-6); first launch (compile + run) "
+        f"bound = min(hard bound, 3 x PyTorch's own error + 1e-6); this cell's launch ({launch}) "
         f"took {first:.1f} s on {arch.gpu_description()}"
     )
     for c in (chk, lse_chk):

@@ -175,8 +175,9 @@ _compiled = {}
 
 def tuned(names, D, **options):
     """Stage 12 with only the tunings `names` (with_tunings), compiled for sm_90a against fake
-    tensors (B, H, Sq, Sk) = SHAPE at head dim D: (kernel object, PTX, registers per thread)."""
-    key = (tuple(names), D, tuple(sorted(options.items())))
+    tensors (B, H, Sq, Sk) = SHAPE at head dim D: (kernel object, PTX, registers per thread).
+    Kept per kernel class: after an edit and nb.reload_stage(12) the variants compile anew."""
+    key = (stage12.Sm90Kernel, tuple(names), D, tuple(sorted(options.items())))
     if key not in _compiled:
         kernel, args = attention_host.compile_args(
             stage12.with_tunings(names), torch.bfloat16, (*SHAPE, D), **options
@@ -786,9 +787,10 @@ bench = nb.measure(
 # <details><summary>6. One chain (12a)</summary>
 #
 # The same `max.f32`, as many as before: a thread folds each of its rows' 32 columns (and the
-# quad's and the running max) either way. With four chains, column c goes into chain c % 4, so
-# four independent fmax can be in flight and a chain is 8 deep, plus 2 steps to fold the chains
-# and 1 for the running max; with one chain every fmax waits for the one before, about 32 deep.
+# quad's and the running max) either way. With four chains, chain c starts at column c and
+# takes every fourth column after it, so four independent fmax can be in flight and a chain is
+# 7 deep; 2 steps fold the chains, 1 takes the running max and 2 the quad's exchanges: 12. With
+# every column folded into `chains[0]` that chain is 28 deep, and the same 5 steps follow: 33.
 # The check prints the longest chain it finds in the PTX for both. The row max is the same
 # number, so O is unchanged; what changes is the latency of the row max, which the softmax and,
 # with tuning 6, the wait for $PV_{j-1}$ stand behind.

@@ -465,7 +465,9 @@ fig = nb.error_picture(1, result)
 # TFLOP/s = $2MNK$ / time, medians of CUDA-event timings after warm-up, inputs rotated so that they
 # do not stay in L2, cuBLAS (`torch.matmul`) timed in the same run. **Expected:** about as fast
 # as cuBLAS at $8192^3$, well below the H100/H200 datasheet peak for dense bf16 (989); at
-# $4096^3$, where a call takes about 0.2 ms, the ratio moves more from run to run. A `make bench`
+# $4096^3$, where cuBLAS's call takes about 0.17 ms, the ratio moves more from run to run (each
+# call is timed between CUDA events, host work included: a call whose host work outlasts its
+# kernel is timed by the host). A `make bench`
 # run (H200, 2026-11-29, bf16; `docs/results/bench_h200_2026-11-29.md`) measured stage 1 at 758
 # TFLOP/s against cuBLAS's 774 at $4096^3$ (0.98x) and 784 against 690 at $8192^3$ (1.14x); the
 # run of this notebook's executed copy (H100 80GB HBM3, 2026-12-07;

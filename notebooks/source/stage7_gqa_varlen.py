@@ -200,7 +200,7 @@ print(
 #   rows into the next sequence's O - which another CTA writes too. O now goes from shared memory
 #   to global memory by threads, 16 bytes per copy, only for rows < seqlen_q (`store_rows`).
 #
-# The picture: the sequences of the boundary test (`tests/test_stage7_hopper.py` plants NaN in
+# The picture: the sequences of the boundary test (`tests/test_stage7.py` plants NaN in
 # every row outside one sequence and checks it never gets in), their Q tiles, and the rows each
 # last tile reads from a neighbour.
 
