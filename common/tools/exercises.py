@@ -1216,8 +1216,8 @@ _ALL.append(
         ),
         check=_check_12a,
         gpu_check=_gpu_in_own_process,
-        hint="a thread's 32 columns of a row: four chains of 8, folded in 2 + 1 steps, against "
-        "one chain of 32",
+        hint="a thread's 32 columns of a row: four chains of 7 fmax (each starts at a column), "
+        "folded in 2 steps, then the running max and the quad's 2 exchanges; one chain is 28 deep",
     )
 )
 

@@ -393,7 +393,7 @@ step_table(4)
 #
 # **What.** `quad_row_max` takes each row's max over the thread's 32 columns in four independent
 # chains of `fmax` (FA4's form) instead of `TensorSSA.reduce`'s single chain. **Why.** One chain
-# is 32 dependent instructions; four chains are 8 each and overlap in the pipeline. `fmax`
+# is 31 dependent instructions; four chains are 7 each and overlap in the pipeline. `fmax`
 # (`max.f32`, SASS `FMNMX`) ignores a NaN operand where the reduction's `max.NaN.f32` returns it;
 # a NaN in S still reaches O through P and `row_sum` (the docstring). **How it was found.**
 # Reading FA4's softmax against this one after counting instructions per KV tile. At D = 64 it

@@ -179,9 +179,9 @@ for D in (64, 128):
 # in the new `mma`. The diff pairs stage 7's `mma` with the new one by name, so the new `mma`'s
 # loop and the line `def mma_tile(` show as added lines in the middle of the old method, whose
 # body continues as `mma_tile`'s. Section 5 goes through the new code method by method. The
-# arithmetic of each consumer warpgroup is stage 7's but for where two accumulators start: S is
-# zero-filled before the loop (without it ptxas serialises the wgmma, warning C7512) and so is O,
-# so that every PV accumulates where stage 7's first PV overwrote it. O and LSE stay bit for bit.
+# arithmetic of each consumer warpgroup is stage 7's but for two lines: S is zero-filled before
+# the loop (without it ptxas serialises the wgmma at D = 128, warning C7512), and every PV
+# accumulates into O's zeros where stage 7's first PV overwrote them. O and LSE stay bit for bit.
 
 # %%
 nb.show_docstring(8, "hopper")

@@ -11,8 +11,8 @@ Changes from stage 7:
   13 x 16 KB (D = 64). Arrivals per phase: kv_full 1 + the tile's TMA bytes, kv_empty 8 (one per
   consumer warp), q_full 1 + Q's bytes, q_empty 256 (every consumer thread, once sO is stored).
 - The work-tile loop: load and mma count tiles and ring entries, so that the phases carry from
-  tile to tile (one tile per CTA here; stage 11: several). S and O start from zeros, and every
-  PV accumulates (mma_tile's comments say why). O and LSE: stage 7's, bit for bit.
+  tile to tile (one tile per CTA here; stage 11: several). S starts from zeros and every PV
+  accumulates into O's zeros (mma_tile's comments say why). O and LSE: stage 7's, bit for bit.
 
 attention(q, k, v, ...): Q (B, H, Sq, D), K and V (B, Hkv, Sk, D), H % Hkv == 0 (Hkv = 1: MQA).
 attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...): q (total_q, H, D), k and v (total_k,
