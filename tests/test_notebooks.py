@@ -938,14 +938,21 @@ def test_kernel_settings_are_not_served_a_plan_made_without_them(monkeypatch):
     def call():
         return attention_host.launch(cls, q, q, q, o, lse, None, None, 128, 1.0, False, None, 128)
 
-    default = call().persistent
-    with nb.kernel_settings(11, "hopper", persistent=not default):
-        assert call().persistent == (not default)
-        assert call().persistent == (not default)
-    assert call().persistent == default
-    attention_host._CALLS["stand-in"] = "a remembered call"
-    with nb.kernel_settings(11, "hopper", persistent=not default):
+    try:
+        default = call().persistent
+        with nb.kernel_settings(11, "hopper", persistent=not default):
+            assert call().persistent == (not default)
+            assert call().persistent == (not default)
+        assert call().persistent == default
+        # The remembered calls (the entries' fast path) go on entry and on exit too.
+        attention_host._CALLS["stand-in"] = "a remembered call"
+        with nb.kernel_settings(11, "hopper", persistent=not default):
+            assert "stand-in" not in attention_host._CALLS
+            attention_host._CALLS["stand-in"] = "a call remembered inside the block"
         assert "stand-in" not in attention_host._CALLS
+    finally:  # no stand-in plan or call outlives the test
+        attention_host._PLANS.clear()
+        attention_host._CALLS.clear()
 
 
 def test_reload_stage_gives_a_new_kernel_class():
