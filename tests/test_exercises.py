@@ -3,6 +3,8 @@
 to a copy, and every solution must still apply (its text found exactly once). Compile-only: the
 checks read PTX, shared memory and the schedule model, so they run in CI."""
 
+import os
+
 import pytest
 
 from common.tools import exercises
@@ -196,3 +198,20 @@ def test_a_result_is_echoed_without_its_message_again():
     r = exercises.Result(False, "8 wgmma per K tile")
     assert repr(r) == "Result(done=False)"
     assert str(r) == "not yet: 8 wgmma per K tile"
+
+
+def test_the_command_line_lists_shows_hints_and_rejects_an_unknown_id(capsys):
+    assert exercises.main([]) == 0
+    listing = capsys.readouterr().out
+    for id in IDS:  # every exercise, with the file it edits
+        ex = exercises.EXERCISES[id]
+        assert f"{id} " in listing and os.path.relpath(ex.path, exercises.ROOT) in listing
+    assert exercises.main(["4a"]) == 0
+    assert exercises.EXERCISES["4a"].task in capsys.readouterr().out
+    assert exercises.main(["4a", "--hint"]) == 0
+    assert capsys.readouterr().out.strip() == exercises.EXERCISES["4a"].hint.strip()
+    with pytest.raises(SystemExit) as e:
+        exercises.main(["zz"])
+    assert e.value.code == 2 and "'zz' does not exist" in capsys.readouterr().err
+    assert exercises.main(["2a", "--check"]) == 1  # the committed file: not yet
+    assert "exercise 2a: not yet" in capsys.readouterr().out

@@ -1696,3 +1696,43 @@ def _show(id, result, show):
     if show:
         print(f"exercise {id}: {result}")
     return result
+
+
+def main(argv=None):
+    """`python -m common.tools.exercises` lists the exercises; with an id it prints the task,
+    with --hint the hint, with --check the check's verdict on the file as it is on disk."""
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m common.tools.exercises",
+        description="The exercises that edit a kernel (the last section of notebooks 2-15).",
+    )
+    p.add_argument("id", nargs="?", help="an exercise, e.g. 4a; without it: the list")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--hint", action="store_true", help="print the exercise's hint")
+    what.add_argument("--check", action="store_true", help="check the edited file")
+    args = p.parse_args(argv)
+    if args.id is None:
+        if args.hint or args.check:
+            p.error("--hint and --check need an exercise id, e.g. 4a")
+        for ex in _ALL:
+            where = os.path.relpath(ex.path, ROOT)
+            task = ex.task.strip().replace("\n", " ")
+            title = min(task.split(". ")[0], task.split(": ")[0], key=len)  # its first words
+            print(f"{ex.id:4} {title} ({where})")
+        print("python -m common.tools.exercises ID [--hint | --check]")
+        return 0
+    try:
+        ex = exercise(args.id)
+    except ValueError as e:
+        p.error(str(e))
+    if args.check:
+        return 0 if check(ex.id).done else 1
+    print(ex.hint if args.hint else f"exercise {ex.id}, edit {os.path.relpath(ex.path, ROOT)}:")
+    if not args.hint:
+        print(ex.task)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -250,8 +250,9 @@ bench = nb.measure(2, [(4, 32, 2048, 2048, 64), (4, 16, 2048, 2048, 128)])
 #    `nb.compile_summary(2, "hopper", shape=(2, 4, 512, 512, 64))`. What else could the freed
 #    space hold?
 # 5. **Blackwell.** Why does the MMA warp have to wait for the softmax warps before it computes the
-#    next S tile, and what would a second S buffer in TMEM (`s_buffers = 2`) buy? Try
-#    `nb.compile_summary(2, "blackwell", settings=dict(s_buffers=2))`.
+#    next S tile, and what would a second S buffer in TMEM (`s_buffers = 2`) buy? Then try
+#    `nb.compile_summary(2, "blackwell", settings=dict(s_buffers=2))`: what changes in the summary,
+#    and what does not?
 #
 # ### Answers
 #
@@ -287,7 +288,13 @@ bench = nb.measure(2, [(4, 32, 2048, 2048, 64), (4, 16, 2048, 2048, 128)])
 #
 # There is one S tile in TMEM; the next QK MMA would overwrite it while the softmax warps are
 # still reading it. With two, the MMA warp computes S_(j+1) into the other buffer while the
-# softmax warps read and store S_j, at the price of 128 more TMEM columns.
+# softmax warps read and store S_j, at the price of 128 more TMEM columns. The setting alone does
+# not build that: it deepens the S hand-off's barriers to two stages, but the file still
+# allocates TMEM for one 128 x 128 tile and points every S at column 0
+# (`self.tmem_s_offset`), so the summary shows the same registers, shared memory and
+# `tcgen05.alloc` of 128 columns - and on hardware the MMA warp would overwrite the S the
+# softmax warps are still reading. A real second buffer also needs 256 columns allocated and S
+# addressed at `tmem_s_offset + 128 * index` of the stage.
 # </details>
 
 # %% [markdown]

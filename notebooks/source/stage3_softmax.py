@@ -82,8 +82,9 @@ nb.start(3)
 # $$e^{\text{scale}(S_{ij} - M_i)} = 2^{\,S_{ij} s_2 - M_i s_2}, \qquad M_i = \max_j S_{ij},$$
 #
 # one fused multiply-add and one `ex2.approx` per score. The max can be taken on the unscaled S
-# because scale > 0. Finally the division by $\ell_i$ is done once per output element at the end
-# ($D$ divisions per row) instead of once per probability ($S_k$ per row).
+# because scale > 0. Finally the normalisation by $\ell_i$ is done once per output element at the
+# end (one reciprocal `rcp.approx` and $D$ multiplies per row) instead of once per probability
+# ($S_k$ per row).
 
 # %%
 # The identities above, on the CPU in fp32.

@@ -243,9 +243,9 @@ report_bw = nb.compile_summary(5, "blackwell")
 # **Expected:** O within 3x PyTorch's own bf16 attention error against the fp64 reference (a few
 # $10^{-3}$ relative; the table prints this run's error next to PyTorch's own), and the LSE
 # (fp32, natural log) within $10^{-4}$ relative of the fp64 log-sum-exp - it comes from fp32
-# statistics, so its error is around $10^{-7}$-$10^{-6}$; a wrong base ($\log_2$ instead of $\ln$)
-# or a missing scale would be off by far more. The table prints both bounds; the error map shows
-# the (b, h) slice holding O's worst element.
+# statistics, so its error is $10^{-6}$ or less (the table prints this run's); a wrong base
+# ($\log_2$ instead of $\ln$) or a missing scale would be off by far more. The table prints both
+# bounds; the error map shows the (b, h) slice holding O's worst element.
 
 # %%
 result = nb.run_and_verify(5, (2, 4, 512, 1024, 128))

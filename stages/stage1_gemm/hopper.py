@@ -6,8 +6,8 @@ predecessor; it sets up the skeleton that every later Hopper stage keeps:
 
 - CTA tile 128 x 256 x 64 (bM x bN x bK). Two consumer warpgroups (256 threads); warpgroup w owns
   rows [64 w, 64 w + 64) of the tile and issues `wgmma.mma_async` m64n256k16, 4 per K tile.
-- Accumulator: 128 x 256 fp32 / 256 threads = 128 fp32 registers per thread (ptxas: 154 in all,
-  no spills).
+- Accumulator: 128 x 256 fp32 / 256 threads = 128 fp32 registers per thread (ptxas of
+  CUDA 13.0, 2026-12-07: 154 in all, no spills).
 - Shared memory per pipeline buffer: A 128 x 64 x 2 B = 16 KB, B 256 x 64 x 2 B = 32 KB, 48 KB in
   all. A CTA may use 227 KB on H100/H200, so 4 buffers fit (192 KB; a fifth would need 240 KB):
   ab_buffers = 4, one CTA per SM.

@@ -19,7 +19,8 @@ roles of its loops changed):
 - The epilogue of stage 1 runs once per step, inside the main loop: S = scale * acc in fp32,
   registers -> shared memory -> TMA store, which clips rows beyond Sq and keys beyond Sk. The
   staging tile is reused by the next step only after TMA has finished reading it.
-- Registers: S accumulator 128 x 128 fp32 / 256 threads = 64 per thread (ptxas: 90 in all).
+- Registers: S accumulator 128 x 128 fp32 / 256 threads = 64 per thread (ptxas of
+  CUDA 13.0, 2026-12-07: 90 in all).
 - Dynamic layouts: the entry marks B, H, S (shapes and strides) dynamic, one compile per (dtype,
   D). A static size-1 mode (B = 1, H = 1, Sq = 1) would be folded away and change the TMA's
   rank; from here on the attention stages keep dynamic layouts.

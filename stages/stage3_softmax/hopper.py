@@ -28,8 +28,8 @@ Changes from stage 2:
   softmax, so they get weight 0.
 - Epilogue: O = (P @ V) / row_sum, rounded to the input dtype, stored through shared memory
   and TMA like stage 1's C. Registers: S 64, P 32 and O 64 (D = 128) per thread, never all
-  live at once: S is dead once P is formed, and O is written only by the PV wgmma (ptxas: 124
-  in all, no spills).
+  live at once: S is dead once P is formed, and O is written only by the PV wgmma (ptxas of
+  CUDA 13.0, 2026-12-07: 124 in all, no spills).
 - Nothing overlaps yet: with a single KV tile each CTA waits for its loads, computes, and
   stores.
 

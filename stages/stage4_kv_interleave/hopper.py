@@ -31,7 +31,7 @@ Changes from stage 3:
   scale_log2) / l, the final probabilities, and O += P V; no division at the end. Pass 1 costs a
   second QK^T and a second exponential per score: about 1.5x the matrix work of one pass
   (TFLOP/s count 4 B H Sq Sk D FLOPs, so pass 1 is not credited).
-- Registers (ptxas): 174 (D = 128), no spills.
+- Registers (ptxas of CUDA 13.0, 2026-12-07): 174 (D = 128), no spills.
 
 O = softmax(scale * Q K^T) V for Q (B, H, Sq, D) and K, V (B, H, Sk, D) of any length, bf16 or
 fp16, D = 64 or 128. K and V stream through one shared-memory ring in which V_j lands in the very

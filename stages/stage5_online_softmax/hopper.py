@@ -15,7 +15,8 @@ Changes from stage 4:
   written by one thread of each quad (rows beyond Sq skipped).
 - Work per KV tile: 2 wgmma batches (QK^T, PV) and 1 exp2 per score, against stage 4's 3 and 2:
   at Sq = Sk the ideal speed-up over stage 4 is 1.5x.
-- Registers (ptxas): 160 (D = 128), no spills; shared memory as in stage 4 (96 KB at D = 128).
+- Registers (ptxas of CUDA 13.0, 2026-12-07): 160 (D = 128), no spills; shared memory as in
+  stage 4 (96 KB at D = 128).
 
 O = softmax(scale * Q K^T) V and, on request, LSE = log(sum_j exp(scale * Q K_j^T)) per row, for
 Q (B, H, Sq, D) and K, V (B, H, Sk, D) of any length, bf16 or fp16, D = 64 or 128: the
