@@ -216,12 +216,18 @@ def opcode_changes(names, D, limit=8, **options):
 
 # Which tunings change the code where: each alone against none, at both head dims (causal for
 # the mask's tuning, whose code runs on tiles that cross the diagonal).
+def code(ptx):
+    """The PTX without its comments, the entry's name (it carries the class's) replaced."""
+    lines = (ln for ln in ptx.splitlines() if not ln.strip().startswith("//"))
+    return re.sub(r"kernel_cutlass_kernel_\w+", "K", "\n".join(lines))
+
+
 overview = []
 for i, name in enumerate(stage12.TUNINGS, 1):
     opts = {"causal": True} if name == "interval_mask" else {}
     cells = []
     for D in (64, 128):
-        same = tuned((name,), D, **opts)[1] == tuned((), D, **opts)[1]
+        same = code(tuned((name,), D, **opts)[1]) == code(tuned((), D, **opts)[1])
         cells.append("same PTX" if same else "changes the PTX")
     overview.append((i, f"`{name}`", *cells))
 nb.table(("", "tuning", "D = 64", "D = 128"), overview)
@@ -386,8 +392,8 @@ step_table(4)
 # %% [markdown]
 # The PTX shows the descriptor arithmetic turn from moves into 64-bit adds; the difference that
 # counts is in the SASS, which the PTX does not show. Measured: within the noise at D = 128
-# (+0% to +1.1%) and causal at D = 64; a loss of 2.6% to 2.9% at D = 64 non-causal S = 8k and
-# 16k (none at 2k). Like tuning 3 it stays on at both head dims; its measured case is thin.
+# (+0% to +1.1%) and causal at D = 64 (-1.4% to +0.6%, the edge of the band); a loss of 2.6% to
+# 2.9% at D = 64 non-causal S = 8k and 16k (none at 2k). Like tuning 3 it stays on at both head dims; its measured case is thin.
 #
 # ### 5.6 Tuning 5: the row max in four chains (D = 128)
 #
@@ -771,9 +777,10 @@ bench = nb.measure(
 # section 5.1, `docs/results/tunings_h200_2026-12-04.md`). To tell, time the kernel with tuning
 # 3 alone against no tuning, and against all seven with tuning 3 off, in interleaved rounds
 # (`make bench` does), several times. The cell below makes the first comparison once in GPU mode
-# (`nb.measure_calls`, one call after the other in this run). Such a timing moves by a few
+# (`nb.measure_calls`, one call after the other in this run). Such a timing moves by several
 # percent from one cell to the next: `with_tunings(())` compiles to stage 11's PTX (tested), yet
-# it need not read what stage 11 read in 7.1's table, and a step of 1.7-3.5% is within that. One
+# it need not read what `none` read in 7.1's table, nor what stage 11 reads in another cell of
+# this run, and a step of 1.7-3.5% is within that. One
 # sequential timing cannot settle it; interleaved rounds, repeated, can.
 # </details>
 #

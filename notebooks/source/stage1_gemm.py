@@ -385,7 +385,8 @@ nb.show_source(1, "hopper", section="# 3.")
 # ### 5.7 What the compiler produced
 #
 # The Hopper kernel compiled for sm_90a with fake tensors (no GPU needed, so this is shown in
-# both modes): registers per thread and spills, the dynamic shared memory, the bytes each full
+# both modes): registers per thread and spills (where the ptxas on PATH reads the DSL's PTX; the
+# summary says when it cannot), the dynamic shared memory, the bytes each full
 # barrier expects, how many instructions of each family the PTX holds and a few of them. The
 # exercises refer to this summary.
 
