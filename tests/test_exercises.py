@@ -4,6 +4,7 @@ to a copy, and every solution must still apply (its text found exactly once). Co
 checks read PTX, shared memory and the schedule model, so they run in CI."""
 
 import os
+import re
 
 import pytest
 
@@ -200,12 +201,13 @@ def test_a_result_is_echoed_without_its_message_again():
     assert str(r) == "not yet: 8 wgmma per K tile"
 
 
-def test_the_command_line_lists_shows_hints_and_rejects_an_unknown_id(capsys):
+def test_the_command_line_lists_shows_hints_and_rejects_an_unknown_id(capsys, monkeypatch):
     assert exercises.main([]) == 0
     listing = capsys.readouterr().out
-    for id in IDS:  # every exercise, with the file it edits
+    for id in IDS:  # every exercise on a line of its own, with the file it edits
         ex = exercises.EXERCISES[id]
-        assert f"{id} " in listing and os.path.relpath(ex.path, exercises.ROOT) in listing
+        line = re.search(rf"^{id}\s.*$", listing, re.M)
+        assert line and os.path.relpath(ex.path, exercises.ROOT) in line.group(0), id
     assert exercises.main(["4a"]) == 0
     assert exercises.EXERCISES["4a"].task in capsys.readouterr().out
     assert exercises.main(["4a", "--hint"]) == 0
@@ -215,3 +217,9 @@ def test_the_command_line_lists_shows_hints_and_rejects_an_unknown_id(capsys):
     assert e.value.code == 2 and "'zz' does not exist" in capsys.readouterr().err
     assert exercises.main(["2a", "--check"]) == 1  # the committed file: not yet
     assert "exercise 2a: not yet" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        exercises.main(["--hint"])  # a hint of which exercise?
+    assert e.value.code == 2 and "need an exercise id" in capsys.readouterr().err
+    # The exit status follows the check's verdict: 0 once the edit is done.
+    monkeypatch.setattr(exercises, "check", lambda id: exercises.Result(True, "done"))
+    assert exercises.main(["2a", "--check"]) == 0

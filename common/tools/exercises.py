@@ -53,7 +53,7 @@ class Exercise:
     task: str  # what to change and what to watch, in the notebook's words
     solution: tuple  # ((old text, new text), ...): each old text occurs once in the file
     check: Callable  # check(module) -> Result, on the stage module as loaded from disk
-    hint: str = ""  # one line for a learner who is stuck: exercise(id).hint (README, Study path)
+    hint: str = ""  # one line for a stuck learner: python -m common.tools.exercises ID --hint
     # gpu_check(module) -> str: what the edited kernel does on a GPU of its track (its output
     # against the fp64 reference); run only where such a GPU exists, appended to the Result.
     gpu_check: Callable | None = None

@@ -234,12 +234,12 @@ nb.table(("", "tuning", "D = 64", "D = 128"), overview)
 
 # %% [markdown]
 # Every tuning changes the code where its docstring says it applies and nowhere else
-# (`tests/test_stage12_hopper.py` checks this table). The measured steps come from one run on an
-# NVIDIA H200 (2026-12-04, bf16, paper shapes; section 7.1 has the whole table): the tunings
-# switched on one by one in `TUNINGS`' order, every variant and FA4 timed in the same interleaved
-# rounds, event-timed. A step is the ratio of TFLOP/s with the tuning to without it (with the
-# tunings before it on in both). Where a tuning does not apply its step is the run's noise:
-# tunings 1 and 2 at D = 128 moved by -0.8% to +1.3%, tunings 5 and 6 at D = 64 by -1.3% to
+# (`tests/test_stage12_hopper.py` makes the same comparison, at another shape). The measured steps
+# come from one run on an NVIDIA H200 (2026-12-04, bf16, paper shapes; section 7.1 has the whole
+# table): the tunings switched on one by one in `TUNINGS`' order, every variant and FA4 timed in the
+# same interleaved rounds, event-timed. A step is the ratio of TFLOP/s with the tuning to without it
+# (with the tunings before it on in both). Where a tuning does not apply its step is the run's
+# noise: tunings 1 and 2 at D = 128 moved by -0.8% to +1.3%, tunings 5 and 6 at D = 64 by -1.3% to
 # +1.5%. A step inside that band is not settled by this run.
 
 # %%
@@ -391,9 +391,10 @@ step_table(4)
 
 # %% [markdown]
 # The PTX shows the descriptor arithmetic turn from moves into 64-bit adds; the difference that
-# counts is in the SASS, which the PTX does not show. Measured: within the noise at D = 128
-# (+0% to +1.1%) and causal at D = 64 (-1.4% to +0.6%, the edge of the band); a loss of 2.6% to
-# 2.9% at D = 64 non-causal S = 8k and 16k (none at 2k). Like tuning 3 it stays on at both head dims; its measured case is thin.
+# counts is in the SASS, which the PTX does not show. Measured: within the noise at D = 128 (+0% to
+# +1.1%); causal at D = 64 -1.5% to +0.7%, just outside the band; a loss of 2.6% to 2.9% at D = 64
+# non-causal S = 8k and 16k (none at 2k). Like tuning 3 it stays on at both head dims; its measured
+# case is thin.
 #
 # ### 5.6 Tuning 5: the row max in four chains (D = 128)
 #

@@ -471,10 +471,9 @@ fig = nb.error_picture(1, result)
 # kernel is timed by the host). A `make bench`
 # run (H200, 2026-11-29, bf16; `docs/results/bench_h200_2026-11-29.md`) measured stage 1 at 758
 # TFLOP/s against cuBLAS's 774 at $4096^3$ (0.98x) and 784 against 690 at $8192^3$ (1.14x); two
-# runs of this notebook on an H100 80GB HBM3 the same day (2026-12-07;
-# `docs/results/notebook_runs_h100_2026-12-07.md`) measured 0.51x and 0.98x at $4096^3$, 1.06x
-# and 1.13x at $8192^3$. Numbers drift between runs and
-# machines, so the table below - this run - is what to compare; its last column is stage 1's
+# runs of this notebook on an H100 80GB HBM3 on 2026-12-07
+# (`docs/results/notebook_runs_h100_2026-12-07.md`) measured 0.51x and 0.98x at $4096^3$, 1.06x
+# and 1.13x at $8192^3$. Numbers drift between runs and machines, so the table below - this run - is what to compare; its last column is stage 1's
 # speed over each kernel (above 1: stage 1 is faster).
 #
 # To measure a changed kernel in the same run, pass variants: the kernel class is built with

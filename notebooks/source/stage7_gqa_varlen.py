@@ -346,8 +346,9 @@ fig = nb.error_picture(7, result)
 # tiles); nothing here measures which costs what.
 #
 # The first cell times stage 7 in batch mode against stage 6 (the same work: the head mapping and
-# the offsets should cost nothing, so a few percent either way is the run's noise); the second the packed batch against the same batch padded,
-# through this stage and through SDPA cuDNN, all in one run.
+# the offsets should cost nothing; one run cannot tell a few percent from noise); the second the
+# packed batch against the same batch padded, through this stage and through SDPA cuDNN, all in one
+# run.
 
 # %%
 bench = nb.measure(7, [(2, 16, 8192, 8192, 128)], also_stages=(6,))

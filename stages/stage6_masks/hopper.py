@@ -25,8 +25,8 @@ Changes from stage 5:
   NaN): P = 0, row_scale = 0. O starts at 0 (acc_O.fill), so a row that sees no key, and a Q
   tile whose range is empty (no K or V is loaded), writes O = 0; its row_sum is 0, the
   epilogue keeps O = 0 instead of dividing by it and writes LSE = log(0) = -inf. Never NaN.
-- Registers (ptxas of CUDA 13.0, 2026-12-01): 160 (bf16) and 168 (fp16) at D = 128, 123 and 127 at D = 64,
-  no spills (stage 5: 160, 172, 122, 127); shared memory as in stage 5 (96 KB at D = 128).
+- Registers (ptxas of CUDA 13.0, 2026-12-01): 160 (bf16) and 168 (fp16) at D = 128, 123 and 127
+  at D = 64, no spills (stage 5: 160, 172, 122, 127); shared memory as stage 5 (96 KB at D = 128).
 
 O = softmax(scale * Q K^T + mask) V and, on request, LSE per row, for Q (B, H, Sq, D) and K, V
 (B, H, Sk, D) of any length, bf16 or fp16, D = 64 or 128.
