@@ -235,9 +235,10 @@ nb.table(("", "tuning", "D = 64", "D = 128"), overview)
 # %% [markdown]
 # Every tuning changes the code where its docstring says it applies and nowhere else
 # (`tests/test_stage12_hopper.py` makes the same comparison, at another shape). The measured steps
-# come from one run on an NVIDIA H200 (2026-12-04, bf16, paper shapes; section 7.1 has the whole
-# table): the tunings switched on one by one in `TUNINGS`' order, every variant and FA4 timed in the
-# same interleaved rounds, event-timed. A step is the ratio of TFLOP/s with the tuning to without it
+# come from one run on an NVIDIA H200 (2026-12-04, bf16, the FlashAttention papers' shapes: B x S =
+# 16k tokens, H x D = 2048; section 7.1 has the whole table): the tunings switched on one by one in
+# `TUNINGS`' order, every variant and FA4 timed in the same interleaved rounds (each kernel in
+# turn, round after round, so that the GPU's clock steps fall on all of them alike), event-timed. A step is the ratio of TFLOP/s with the tuning to without it
 # (with the tunings before it on in both). Where a tuning does not apply its step is the run's
 # noise: tunings 1 and 2 at D = 128 moved by -0.8% to +1.3%, tunings 5 and 6 at D = 64 by -1.3% to
 # +1.5%. A step inside that band is not settled by this run.
