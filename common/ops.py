@@ -13,8 +13,8 @@ unpaged entries are stage 13's split-KV launch); the environment variable FLASH_
 or `with use_stage(7):` pins another of stages 7-14. use_stage is read at each call, so also
 inside a compiled graph; the variable is read at the first call in a process (a read of the
 environment costs 0.18-0.50 us on a CPU-only machine, 2026-12-07,
-docs/results/os_environ_get_cpu_2026-12-07.md, which every layer of a decode step would pay), and again by
-`read_stage_env()` after a running process changes it. The stage's package is imported on the
+docs/results/os_environ_get_cpu_2026-12-07.md, which every layer of a decode step would pay),
+and again by `read_stage_env()` after a running process changes it. The stage's package is imported on the
 first real call, so importing this module needs neither a GPU nor the CuTe DSL. Each op has a
 fake implementation (`register_fake`: shapes, dtypes and devices from the inputs' metadata alone)
 which FakeTensorMode, meta tensors and torch.compile's tracing use instead of the kernel.

@@ -35,7 +35,7 @@ from test_stage11_blackwell import WORK, statements
 
 from common import attention_host
 from common.tools import inputs, schedule, verify
-from common.tools.ptx import compile_for_arch, compile_only, tcgen05_mma_order
+from common.tools.ptx import code_only, compile_for_arch, compile_only, tcgen05_mma_order
 from stages.stage11_persistent import blackwell as stage11
 from stages.stage12_last_percent import blackwell
 
@@ -117,9 +117,7 @@ def ptx_of(kernel_class, D, **options):
         kernel_class, torch.bfloat16, (*SHAPE[:4], D), **options
     )
     ptx, _ = compile_for_arch(kernel, args, "sm_100a")
-    # The entry's name carries the module's and the class's names: compare the code only.
-    lines = (ln for ln in ptx.splitlines() if not ln.strip().startswith("//"))
-    return re.sub(r"kernel_cutlass_kernel_\w+", "K", "\n".join(lines))
+    return code_only(ptx)  # the entry's name carries the class's: compare the code only
 
 
 @pytest.mark.parametrize("D", [64, 128])

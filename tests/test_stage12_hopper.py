@@ -139,15 +139,13 @@ def test_wait_for_pv_stands_after_the_row_max(D, Sk):
 
 
 def ptx_of(kernel_class, D, **options):
-    from common.tools.ptx import compile_for_arch
+    from common.tools.ptx import code_only, compile_for_arch
 
     kernel, args = attention_host.compile_args(
         kernel_class, torch.bfloat16, (2, 8, 512, 2048, D), **options
     )
     ptx, _ = compile_for_arch(kernel, args, "sm_90a")
-    # The entry's name carries the module's and the class's names: compare the code only.
-    lines = (ln for ln in ptx.splitlines() if not ln.strip().startswith("//"))
-    return re.sub(r"kernel_cutlass_kernel_\w+", "K", "\n".join(lines))
+    return code_only(ptx)  # the entry's name carries the class's: compare the code only
 
 
 @pytest.mark.parametrize("D", [64, 128])

@@ -50,7 +50,7 @@ from common import attention_host, masks  # noqa: E402
 from common.kv_ring import release_slot  # noqa: E402
 from common.tools import notebook as nb  # noqa: E402
 from common.tools import stage_table  # noqa: E402
-from common.tools.ptx import compile_for_arch, ptx_lines  # noqa: E402
+from common.tools.ptx import code_only, compile_for_arch, ptx_lines  # noqa: E402
 from notebooks.figures import stage12 as figures  # noqa: E402
 
 nb.start(12)
@@ -216,18 +216,12 @@ def opcode_changes(names, D, limit=8, **options):
 
 # Which tunings change the code where: each alone against none, at both head dims (causal for
 # the mask's tuning, whose code runs on tiles that cross the diagonal).
-def code(ptx):
-    """The PTX without its comments, the entry's name (it carries the class's) replaced."""
-    lines = (ln for ln in ptx.splitlines() if not ln.strip().startswith("//"))
-    return re.sub(r"kernel_cutlass_kernel_\w+", "K", "\n".join(lines))
-
-
 overview = []
 for i, name in enumerate(stage12.TUNINGS, 1):
     opts = {"causal": True} if name == "interval_mask" else {}
     cells = []
     for D in (64, 128):
-        same = code(tuned((name,), D, **opts)[1]) == code(tuned((), D, **opts)[1])
+        same = code_only(tuned((name,), D, **opts)[1]) == code_only(tuned((), D, **opts)[1])
         cells.append("same PTX" if same else "changes the PTX")
     overview.append((i, f"`{name}`", *cells))
 nb.table(("", "tuning", "D = 64", "D = 128"), overview)
