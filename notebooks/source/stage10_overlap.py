@@ -14,12 +14,13 @@
 # %% [markdown]
 # # Stage 10 - overlap inside the loop: the next QK^T issued with the last PV
 #
-# This notebook walks through `stages/stage10_overlap/hopper.py`: stage 9's kernel (a TMA
-# producer warpgroup, two consumer warpgroups taking turns on the tensor cores, every feature of
-# stage 7) with the next of FlashAttention-3's schedule techniques, the *intra-warpgroup
-# overlap*: each consumer warpgroup issues $QK_j$ and $PV_{j-1}$ in one turn and runs the softmax
-# of tile $j$ while $PV_{j-1}$ is still on the tensor cores. The notebook imports the stage file
-# and displays it; it never pastes kernel code.
+# This notebook walks through `stages/stage10_overlap/hopper.py`: stage 9's kernel (a TMA producer
+# warpgroup, two consumer warpgroups taking turns on the tensor cores, every feature of stage 7)
+# with the next of FlashAttention-3's schedule techniques, the *intra-warpgroup overlap*: each
+# consumer warpgroup issues $QK_j$ and $PV_{j-1}$ in one turn, waits for $QK_j$ alone, and so may
+# run the softmax of tile $j$ while $PV_{j-1}$ is still on the tensor cores (at D = 128 ptxas moves
+# the wait up and takes that back: section 5.5). The notebook imports the stage file and displays
+# it; it never pastes kernel code.
 #
 # **How to run.** As stage 1: in Jupyter from `notebooks/`, or headless with
 # `python -m common.tools.nbrun notebooks/stage10_overlap.ipynb`. Without an
@@ -276,20 +277,24 @@ nb.table(
 # %% [markdown]
 # ### 5.5 What the compiler produced
 #
-# The Hopper kernel for sm_90a (both modes): twice stage 9's `wgmma.mma_async` and `ex2.approx`
-# (the prologue and the loop each hold a QK^T and a softmax; the loop and the last step each a
-# PV), and a `wgmma.wait_group 1` in the loop. The register count is that of the kernel's entry,
-# 65,536 / 384 threads rounded down to a multiple of 8 = 168; `setmaxnreg` then moves the
-# consumers to 240. ptxas reports no spills where it is new enough to read the DSL's PTX.
+# The Hopper kernel for sm_90a (both modes): twice stage 9's `wgmma.mma_async` and `ex2.approx` (the
+# prologue and the loop each hold a QK^T and a softmax; the loop and the last step each a PV), and a
+# `wgmma.wait_group 1` in the loop. The register count is that of the kernel's entry, 65,536 / 384
+# threads rounded down to a multiple of 8 = 168; `setmaxnreg` then moves the consumers to 240. ptxas
+# of CUDA 13.0 reports no spill at D = 64 or 128, bf16 or fp16, batch or packed, causal
+# (`tests/test_stage10_hopper.py` fails on one); the compile summary below leaves spills uncounted
+# where the installed ptxas cannot read the DSL's PTX.
 #
-# **What the machine code does with the wait.** The PTX puts `wgmma.wait_group 0` after the
-# whole softmax. ptxas schedules the machine code, and it moves a wgmma wait up to the top of its
-# basic block: in the SASS (the GPU's machine code, which ptxas makes from the PTX; `cuobjdump
-# -sass` prints it) of this loop the wait for $PV_{j-1}$ stands right after the mask, so
-# of the softmax only the mask runs under the warpgroup's own $PV_{j-1}$. Stage 12's tuning 6
-# gives the wait a block of its own after the row max (notebook 12); this stage keeps the plain
-# program order, the lesson, and section 7 shows what that costs at D = 128. How the wait was
-# found in the SASS, and what else was tried: [`docs/notes/stage10.md`](../docs/notes/stage10.md).
+# **What the machine code does with the wait.** The PTX puts `wgmma.wait_group 0` after the whole
+# softmax. ptxas schedules the machine code, and it moves a wgmma wait up to the top of its basic
+# block: in the SASS (the GPU's machine code, which ptxas makes from the PTX; `cuobjdump -sass`
+# prints it) of this loop at D = 128 the wait for $PV_{j-1}$ stands right after the mask, so of the
+# softmax only the mask runs under the warpgroup's own $PV_{j-1}$, and only on a tile that needs one
+# (SASS read from ptxas of CUDA 13.0 on the H200, 2026-12-02, in stage 12's kernel without tuning 6,
+# whose loop is this stage's). Stage 12's tuning 6 gives the wait a block of its own after the row
+# max (notebook 12); this stage keeps the plain program order, the lesson, and section 7 shows what
+# that costs at D = 128. How the wait was found in the SASS, and what else was tried:
+# [`docs/notes/stage10.md`](../docs/notes/stage10.md).
 
 # %%
 report = nb.compile_summary(10, "hopper")
@@ -567,8 +572,10 @@ bench = nb.measure(
 # other way round, and the softmax's reads of S are no longer covered by a wait. Where ptxas is
 # installed the check also shows its warning C7514: it serialises the wgmma because registers of
 # a running wgmma are read, so the edited kernel still gives the right O while nothing overlaps
-# any more (on an H200, 2026-12-04, `docs/results/exercises_h200_2026-12-04_8a-10a.txt`; on a GPU
-# the check runs it and says so).
+# any more. The check's message with that warning, from a CPU-only machine (ptxas of CUDA 13.0,
+# 2026-12-07): `docs/results/exercise_10a_ptxas_cpu_2026-12-07.txt`; the edited kernel's O right
+# on an H200 (2026-12-04: `tests/test_exercises.py` passes only then,
+# `docs/results/exercises_h200_2026-12-04_8a-10a.txt`). On a GPU the check runs it and says so.
 # </details>
 
 # %%

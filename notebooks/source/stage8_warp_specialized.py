@@ -196,7 +196,11 @@ nb.show_diff(8, "hopper", max_lines=80)
 # range and TMA views move into the roles, per work tile) and gains the role dispatch; `load` and
 # `mma` gain the work-tile loops; `mma_tile` is new as a name, its body is stage 7's `mma`; the
 # small new methods hold the bookkeeping of the loops (`tile_coords`, `next_tile`, `sequences`,
-# `ring_state`, the two parities).
+# `ring_state`, the two parities). Two small hunks in the epilogue follow from the split: its
+# `sync_threads` becomes named barrier 1 of the 256 consumer threads (the producer never reaches
+# the epilogue, so a barrier of the whole CTA would wait for it forever), and each consumer thread
+# ends a tile with a proxy fence and an arrive on `q_empty` (its reads of sQ and sO, by ordinary
+# loads, ordered before the TMA write of the next tile's Q into the same bytes).
 
 # %%
 nb.diff_map(8, "hopper")
@@ -339,7 +343,7 @@ if kernel8 is not None:
 # %% [markdown]
 # ### 5.6 The barrier protocol on the CPU
 #
-# Three warpgroups, 14 mbarriers and a ring whose slots wrap: a mistake in a parity or a count
+# Three warpgroups, 14 mbarriers (D = 128: 2 + 2 x 6 slots) and a ring whose slots wrap: a mistake in a parity or a count
 # hangs the GPU, or worse, lets the producer overwrite a slot a consumer still reads - which a
 # test run may never show. `common/tools/barrier_protocol.py` models the protocol from the kernel
 # object itself: the producer and each consumer warpgroup become programs of waits, fills, reads
@@ -429,7 +433,7 @@ if kernel8 is not None:
 #
 # ### 5.7 What the compiler produced
 #
-# The Hopper kernel for sm_90a: `.reqntid 384` and `.minnctapersm 1` (the register cap of 168 at
+# The Hopper kernel for sm_90a: `.reqntid 384` (with `.minnctapersm 1`: the register cap of 168 at
 # entry: the cubin's register count below is that cap, not what the consumers use after
 # `setmaxnreg`), the two `setmaxnreg` instructions, the 14 `mbarrier.init` (2 + 2 x 6) with the
 # counts of 5.6, and stage 7's loop body: the same `wgmma.mma_async` and `ex2.approx` counts,
@@ -572,7 +576,8 @@ fig = figures.step_against_s(
 # What the table says (H200, 2026-12-04): at D = 128 warp specialisation gains 8-16% over stage 7
 # non-causal and 7-13% causal from S = 2k (9-17% and 6-12% in GPU time). At D = 64 it gains
 # nothing to 8% (0.98-1.05 causal): there a GEMM takes half the time it takes at D = 128 and the
-# exponentials as long (notebook 9's section 3), so the loads and the registers that warp
+# exponentials as long (at the FlashAttention-3 paper's H100 rates, about 140 against 280 ns a GEMM
+# and 277 ns an exponential pass per KV tile: notebook 9's section 3), so the loads and the registers that warp
 # specialisation frees were not what held D = 64 back. In that run stage 7 ran one CTA an SM at
 # D = 64 in bf16: ptxas gave it 133 registers a thread, and two 256-thread CTAs share an SM only
 # at 128 or fewer. In fp16 the same run's stage 7 got 128, two CTAs, and stage 8 ran at
@@ -592,6 +597,10 @@ fig = figures.step_against_s(
 # on another GPU, so its margins are not quoted next to these.
 #
 # The cell below measures stage 8 against stage 7 and FA4 on this machine's GPU, all in one run.
+# One such run moves by a few percent from the next: in this notebook's executed copy (H100 80GB
+# HBM3, 2026-12-07) stage 8 read 1.02x stage 7 at D = 128 and 0.82x at D = 64, where the H100's
+# ablation of 2026-12-06 read 1.09x and 0.82x at S = 8k
+# ([`docs/results/ablation_h100_2026-12-06.md`](../docs/results/ablation_h100_2026-12-06.md)).
 
 # %%
 bench = nb.measure(
@@ -612,7 +621,8 @@ bench = nb.measure(
 #    GPU: `nb.compile_summary(8, "hopper", settings=dict(load_registers=32))` - does the compiler
 #    object?
 # 2. **The ring's depth.** With one ring entry per load but only 2 slots, how far ahead could the
-#    producer run? Draw it: `figures.ring_timelines(slots_after=2)`. Why does stage 7 manage with
+#    producer run? Draw it: `figures.ring_timelines(kv_tiles=5, slots_before=2, slots_after=2)`.
+#    Why does stage 7 manage with
 #    2 slots at all?
 # 3. **Parities.** In 5.3's table, why does the producer's first wait on each `kv_empty` pass at
 #    once, and which entry is the first whose producer waits for a real release?
@@ -726,8 +736,10 @@ print(
 # fresh barriers); at entry 6 it waits on `kv_empty[0]` for the release of entry 0 - forever. The
 # consumers finish the tiles that were loaded and then wait on `kv_full[0]` for entry 6, which
 # never comes. A CTA whose range has 3 KV tiles or fewer loads everything and hangs one step
-# later, in `producer_tail`. The model reports both hangs; on a GPU the kernel does not finish
-# (H200, 2026-12-04, `docs/results/exercises_h200_2026-12-04_8a-10a.txt`).
+# later, in `producer_tail`. The model reports both hangs; on a GPU the kernel does not finish:
+# `tests/test_exercises.py` runs the edited kernel under a deadline and passes only if the check
+# reports the hang, and it passed on an H200 (2026-12-04,
+# `docs/results/exercises_h200_2026-12-04_8a-10a.txt`).
 # </details>
 
 # %%

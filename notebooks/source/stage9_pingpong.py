@@ -334,8 +334,9 @@ fig = figures.pingpong_timelines(
 #
 # The Hopper kernel for sm_90a: stage 8's instructions plus the named barriers of the turns - two
 # `bar.sync` and two `bar.arrive` of 256 threads on a register (the barrier number is
-# `turn_barrier(warpgroup_idx)`, computed at run time) - and one `wgmma.wait_group 0` per turn
-# instead of one per GEMM. The letters print the PTX's order (0: the CTA's barrier, d/i:
+# `turn_barrier(warpgroup_idx)`, computed at run time) - and, at run time, one `wgmma.wait_group 0`
+# per turn instead of one per GEMM (the PTX still holds two: one in the loop, one after it for the
+# last PV). The letters print the PTX's order (0: the CTA's barrier, d/i:
 # `setmaxnreg`, L: a TMA load, T: `wait_turn`, P: `pass_turn`, G: wgmma, C: commit, W: wait,
 # B: barrier 1).
 
@@ -497,6 +498,10 @@ fig = figures.step_against_s(
 # to these single steps.
 #
 # The cell below measures stage 9 against stage 8 and FA4 on this machine's GPU, all in one run.
+# One such run moves by a few percent from the next: in this notebook's executed copy (H100 80GB
+# HBM3, 2026-12-07) stage 9 read 1.16x stage 8 at D = 128 and 0.99x at D = 64, where the H100's
+# ablation of 2026-12-06 read 1.17x and 1.05x at S = 8k
+# ([`docs/results/ablation_h100_2026-12-06.md`](../docs/results/ablation_h100_2026-12-06.md)).
 
 # %%
 bench = nb.measure(
@@ -629,8 +634,8 @@ fig = figures.pingpong_timelines(head_dim=64, block_n=bN, rows=rows_per_wg, step
 # Warpgroup 1, done with its last PV, goes on to the epilogue and waits at barrier 1 for
 # warpgroup 2. Neither can move: a deadlock, in every interleaving and for every work tile with
 # at least one KV tile. On a GPU the kernel never finishes: the check reports that the process
-# running it was ended after its deadline (H200, 2026-12-04,
-# `docs/results/exercises_h200_2026-12-04_8a-10a.txt`).
+# running it was ended after its deadline. `tests/test_exercises.py` passes only if it does, and it
+# passed on an H200 (2026-12-04, `docs/results/exercises_h200_2026-12-04_8a-10a.txt`).
 # </details>
 
 # %%

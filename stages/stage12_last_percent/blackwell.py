@@ -83,6 +83,8 @@ class Sm100Kernel:
     make_pipelines; the TMEM allocator; the CTA's tiles: gmem_tiles) and each warp then calls its
     role's method: `load` (the TMA warp), `mma` (the MMA warp), `softmax` (a warpgroup: P per
     KV tile) and `correction` (a warpgroup: O's rescale, then `epilogue`: O stored, and LSE).
+    From stage 11 on, each role's loop over the work tiles (load_loop, softmax_loop,
+    correction_loop; mma around mma_tile) calls them once per tile.
     The methods after them are their helpers."""
 
     def __init__(self, dtype, head_dim, pack_gqa=1, sm_count=None):
@@ -495,37 +497,12 @@ class Sm100Kernel:
 
         if warp_idx == self.tma_warp_id:
             cute.arch.setmaxregister_decrease(self.other_registers)
-            tile_prod = tile_pipe.make_producer()
-            tile = cute.arch.block_idx()[0]
-            loads = (q_prod, kv_prod)
-            while tile < total_tiles:
-                w = self.work_tile(tile, *work)
-                q_tile0, head, kv_head, batch = w[:4]
-                offset_q, seqlen_q, offset_k, seqlen_k = w[4:8]
-                kv_tile_lo, kv_tile_hi = w[8:]
-                # Packed: a tile past its sequence's end (the grid counts the longest
-                # sequence's tiles for each) is skipped, not handed over.
-                if q_tile0 * 128 < seqlen_q * self.pack_gqa:
-                    tile_prod = self.hand_over(tile_prod, sTile, tile)
-                    _, _, gQ, gK, gV, _, _ = self.gmem_tiles(
-                        mQ, mK, mV, mO, mLSE, head, kv_head, batch, offset_q, offset_k
-                    )
-                    loads = self.load(
-                        (tma_q, tma_k, tma_v, qk_thr, pv_thr),
-                        (gQ, gK, gV, sQ, sK, sV),
-                        *loads,
-                        q_tile0,
-                        kv_tile_lo,
-                        kv_tile_hi,
-                    )
-                tile = self.next_tile(tile, dynamic, tile_counter)
-            # No tile left: a number past the end ends the other roles' loops.
-            tile_prod = self.hand_over(tile_prod, sTile, total_tiles)
-            # Every buffer released by the MMA warp, and the last number read, before this
-            # warp exits.
-            loads[1].tail()
-            loads[0].tail()
-            tile_prod.tail()
+            self.load_loop(
+                (tma_q, tma_k, tma_v, qk_thr, pv_thr),
+                (mQ, mK, mV, mO, mLSE, sQ, sK, sV),
+                (q_prod, kv_prod, tile_pipe, sTile),
+                (total_tiles, work, dynamic, tile_counter),
+            )
 
         if warp_idx == self.mma_warp_id:
             cute.arch.setmaxregister_decrease(self.other_registers)
@@ -557,32 +534,16 @@ class Sm100Kernel:
                 cute.arch.setmaxregister_increase(self.softmax_registers)
                 tmem.wait_for_alloc()
                 tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-                s_cons, p_prod = s_pipes[s].make_consumer(), p_pipes[s].make_producer()
-                stats_prod, tile_cons = stats_pipes[s].make_producer(), tile_pipe.make_consumer()
-                tile, tile_cons = self.handed_tile(tile_cons, sTile)
-                while tile < total_tiles:
-                    w = self.work_tile(tile, *work)
-                    q_tile0, seqlen_q, seqlen_k = w[0], w[5], w[7]
-                    kv_tile_lo, kv_tile_hi = w[8], w[9]
-                    s_cons, p_prod, stats_prod = self.softmax(
-                        s,
-                        tidx % softmax_threads,
-                        cute.make_tensor(tmem_ptr + self.tmem_s_offset[s], tStS_layout),
-                        tCcS,
-                        s_cons,
-                        p_prod,
-                        stats_prod,
-                        sStats,
-                        q_tile0 + s,
-                        kv_tile_lo,
-                        kv_tile_hi,
-                        seqlen_q,
-                        seqlen_k,
-                        scale_log2,
-                        window_left,
-                        window_right,
-                    )
-                    tile, tile_cons = self.handed_tile(tile_cons, sTile)
+                self.softmax_loop(
+                    s,
+                    tidx % softmax_threads,
+                    cute.make_tensor(tmem_ptr + self.tmem_s_offset[s], tStS_layout),
+                    tCcS,
+                    (s_pipes[s], p_pipes[s], stats_pipes[s], tile_pipe),
+                    (sStats, sTile),
+                    (total_tiles, work, window_left, window_right),
+                    scale_log2,
+                )
                 # Done with TMEM: its tcgen05.st ordered before the barrier that frees TMEM.
                 fence_before_thread_sync()
                 tmem_free_bar.arrive()
@@ -594,46 +555,17 @@ class Sm100Kernel:
             tmem.allocate(self.num_tmem_alloc_cols)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-            stats_cons = tuple(p.make_consumer() for p in stats_pipes)
-            o_cons = tuple(p.make_consumer() for p in o_pipes)
-            tile, tile_cons = self.handed_tile(tile_pipe.make_consumer(), sTile)
-            while tile < total_tiles:
-                w = self.work_tile(tile, *work)
-                q_tile0, head, kv_head, batch = w[:4]
-                offset_q, seqlen_q, offset_k, seqlen_k = w[4:8]
-                kv_tile_lo, kv_tile_hi = w[8:]
-                tile_mO, tile_mLSE, _, _, _, gO, cO = self.gmem_tiles(
-                    mQ, mK, mV, mO, mLSE, head, kv_head, batch, offset_q, offset_k
-                )
-                stats_cons, o_cons = self.correction(
-                    tidx % correction_threads,  # this thread's row, in both Q tiles
-                    tmem_ptr,
-                    tOtO_layout,
-                    pv_thr,
-                    gO,
-                    cO,
-                    sO,
-                    sStats,
-                    stats_cons,
-                    o_cons,
-                    correction_bar,
-                    tma_o,
-                    mO_tma,
-                    tile_mO,
-                    tile_mLSE,
-                    head,
-                    batch,
-                    q_tile0,
-                    kv_tile_lo,
-                    kv_tile_hi,
-                    seqlen_q,
-                    scale_log2,
-                )
-                tile, tile_cons = self.handed_tile(tile_cons, sTile)
-            if cutlass.const_expr(self.o_by_tma):
-                # The staging buffers must stay valid until the TMA unit has read them.
-                if tidx % correction_threads == 0:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+            self.correction_loop(
+                tidx % correction_threads,  # this thread's row, in both Q tiles
+                tmem_ptr,
+                tOtO_layout,
+                pv_thr,
+                (mQ, mK, mV, mO, mLSE, sO, sStats, sTile),
+                (stats_pipes, o_pipes, tile_pipe, correction_bar),
+                (tma_o, mO_tma),
+                (total_tiles, work),
+                scale_log2,
+            )
 
             # Every softmax and correction warp is done with TMEM before warp 8 frees it: each
             # orders its tcgen05 loads and stores before the barrier (fence::before_thread_sync);
@@ -642,6 +574,44 @@ class Sm100Kernel:
             fence_before_thread_sync()
             tmem_free_bar.arrive_and_wait()
             tmem.free(tmem_ptr)
+
+    @cute.jit
+    def load_loop(self, atoms, tensors, pipes, tiling):
+        """The TMA warp's loop: the CTA's work tiles (next_tile), handed over, each one's loads."""
+        mQ, mK, mV, mO, mLSE, sQ, sK, sV = tensors
+        q_prod, kv_prod, tile_pipe, sTile = pipes
+        total_tiles, work, dynamic, tile_counter = tiling
+        tile_prod = tile_pipe.make_producer()
+        tile = cute.arch.block_idx()[0]
+        loads = (q_prod, kv_prod)
+        while tile < total_tiles:
+            w = self.work_tile(tile, *work)
+            q_tile0, head, kv_head, batch = w[:4]
+            offset_q, seqlen_q, offset_k, seqlen_k = w[4:8]
+            kv_tile_lo, kv_tile_hi = w[8:]
+            # Packed: a tile past its sequence's end (the grid counts the longest
+            # sequence's tiles for each) is skipped, not handed over.
+            if q_tile0 * 128 < seqlen_q * self.pack_gqa:
+                tile_prod = self.hand_over(tile_prod, sTile, tile)
+                _, _, gQ, gK, gV, _, _ = self.gmem_tiles(
+                    mQ, mK, mV, mO, mLSE, head, kv_head, batch, offset_q, offset_k
+                )
+                loads = self.load(
+                    atoms,
+                    (gQ, gK, gV, sQ, sK, sV),
+                    *loads,
+                    q_tile0,
+                    kv_tile_lo,
+                    kv_tile_hi,
+                )
+            tile = self.next_tile(tile, dynamic, tile_counter)
+        # No tile left: a number past the end ends the other roles' loops.
+        tile_prod = self.hand_over(tile_prod, sTile, total_tiles)
+        # Every buffer released by the MMA warp, and the last number read, before this
+        # warp exits.
+        loads[1].tail()
+        loads[0].tail()
+        tile_prod.tail()
 
     @cute.jit
     def load(self, atoms, tiles, q_prod, kv_prod, q_tile0, kv_tile_lo, kv_tile_hi):
@@ -890,6 +860,39 @@ class Sm100Kernel:
         return qk_mma, pv_mma, pipes + (o_prod0, o_prod1, p_free0, p_free1)
 
     @cute.jit
+    def softmax_loop(self, s: cutlass.Constexpr, row, tStS, tCcS, pipes, smem, tiling, scale_log2):
+        """Softmax warpgroup s's loop: the work tiles handed over, the softmax of each one's Q_s."""
+        s_pipe, p_pipe, stats_pipe, tile_pipe = pipes
+        sStats, sTile = smem
+        total_tiles, work, window_left, window_right = tiling
+        s_cons, p_prod = s_pipe.make_consumer(), p_pipe.make_producer()
+        stats_prod, tile_cons = stats_pipe.make_producer(), tile_pipe.make_consumer()
+        tile, tile_cons = self.handed_tile(tile_cons, sTile)
+        while tile < total_tiles:
+            w = self.work_tile(tile, *work)
+            q_tile0, seqlen_q, seqlen_k = w[0], w[5], w[7]
+            kv_tile_lo, kv_tile_hi = w[8], w[9]
+            s_cons, p_prod, stats_prod = self.softmax(
+                s,
+                row,
+                tStS,
+                tCcS,
+                s_cons,
+                p_prod,
+                stats_prod,
+                sStats,
+                q_tile0 + s,
+                kv_tile_lo,
+                kv_tile_hi,
+                seqlen_q,
+                seqlen_k,
+                scale_log2,
+                window_left,
+                window_right,
+            )
+            tile, tile_cons = self.handed_tile(tile_cons, sTile)
+
+    @cute.jit
     def softmax(
         self,
         s: cutlass.Constexpr,
@@ -1029,6 +1032,56 @@ class Sm100Kernel:
         sStats[row, 1, s] = row_max
         stats_empty.commit()
         return s_cons, p_prod, stats_prod
+
+    @cute.jit
+    def correction_loop(
+        self, row, tmem_ptr, tOtO_layout, pv_thr, tensors, pipes, o_tma, tiling, scale_log2
+    ):
+        """The correction warpgroup's loop: the work tiles handed over, each one's correction."""
+        mQ, mK, mV, mO, mLSE, sO, sStats, sTile = tensors
+        stats_pipes, o_pipes, tile_pipe, correction_bar = pipes
+        tma_o, mO_tma = o_tma
+        total_tiles, work = tiling
+        stats_cons = tuple(p.make_consumer() for p in stats_pipes)
+        o_cons = tuple(p.make_consumer() for p in o_pipes)
+        tile, tile_cons = self.handed_tile(tile_pipe.make_consumer(), sTile)
+        while tile < total_tiles:
+            w = self.work_tile(tile, *work)
+            q_tile0, head, kv_head, batch = w[:4]
+            offset_q, seqlen_q, offset_k, seqlen_k = w[4:8]
+            kv_tile_lo, kv_tile_hi = w[8:]
+            tile_mO, tile_mLSE, _, _, _, gO, cO = self.gmem_tiles(
+                mQ, mK, mV, mO, mLSE, head, kv_head, batch, offset_q, offset_k
+            )
+            stats_cons, o_cons = self.correction(
+                row,
+                tmem_ptr,
+                tOtO_layout,
+                pv_thr,
+                gO,
+                cO,
+                sO,
+                sStats,
+                stats_cons,
+                o_cons,
+                correction_bar,
+                tma_o,
+                mO_tma,
+                tile_mO,
+                tile_mLSE,
+                head,
+                batch,
+                q_tile0,
+                kv_tile_lo,
+                kv_tile_hi,
+                seqlen_q,
+                scale_log2,
+            )
+            tile, tile_cons = self.handed_tile(tile_cons, sTile)
+        if cutlass.const_expr(self.o_by_tma):
+            # The staging buffers must stay valid until the TMA unit has read them.
+            if row == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def correction(

@@ -9,7 +9,7 @@ Changes from stage 8:
   consumers' own sync); wait_turn is a bar.sync of 256 threads (this warpgroup's 128 + the
   other's 128 from pass_turn's bar.arrive), so each completion hands over one turn.
 - A turn is PV_j and QK_{j+1}, issued back to back with one wait after both (stage 8 waited
-  for PV_j before issuing QK_{j+1}, a gap on the tensor cores while the warpgroup holds them).
+  for PV_j before issuing QK_{j+1}, a gap in which the warpgroup issued nothing).
   So V_j's slot is released one step later, after the wait behind QK_{j+1}.
 - Counting the turns: with steps = kv_tile_hi - kv_tile_lo, a warpgroup takes steps + 1 turns
   (QK_lo alone, steps - 1 pairs, the last PV alone); warpgroup 1 starts without waiting, 2 passes
