@@ -588,7 +588,10 @@ for D_, budget in ((64, 160), (128, 160), (128, 240)):
 lost = [list(p) for p in programs]
 last_pass = max(i for i, op in enumerate(lost[0]) if op[0] == "arrive")
 del lost[0][last_pass]
-print("without warpgroup 1's last pass:", sorted(turns.explore(lost, turns.overlap_order(3))))
+found = sorted(turns.explore(lost, turns.overlap_order(3)))
+_, stuck = turns.issue_order(lost)
+print("without warpgroup 1's last pass:", "; ".join(turns.problem_kinds(found)) or "no problem")
+print("where the warpgroups stop:", stuck or "they finish")
 
 # Exercise 4: the model's time per extra KV tile against the softmax's length.
 for D_ in (64, 128):
