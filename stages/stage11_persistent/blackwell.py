@@ -5,18 +5,16 @@ Changes from stage 10 (Hopper stage 11's, on this track's five roles):
 - Grid: min(tiles, SMs) CTAs (227 KiB of shared memory: one per SM); a work tile is a CTA's
   2 x 128 rows of one (head, sequence). The set-up is paid once per SM, and the TMA warp loads
   the next tile's K/V during this tile's last MMAs (its Q once they have completed).
-- The tiles (next_tile): batch mode without a mask, a fixed share (c, c + gridDim.x, ...); under
-  a mask or packed, gridDim.x + a ticket from tile_counter (an atomic add); longest first in L2
-  sections under a mask (tile_coords, l2_section_heads); packed tiles past their sequence's
-  end skipped. Each role's branch walks the tiles (stages 9-10: work_tile of blockIdx, once).
-- The hand-over: the TMA warp writes the tile number to shared memory under a one-entry pipeline
-  (full: 32 arrivals, empty: 416, 13 warps); a number past the end ends every loop.
-- Phases across tiles: every barrier and pipeline state lives across tiles. After tiles with KV
-  ranges r_1 .. r_t, K/V is at entry 2 sum r_i, S_s, P_s and O_s at sum r_i, stats_s at
-  sum (r_i + 1), Q at 2 x (tiles with r_i > 0), the tile pipe at t; a per-tile method returns
-  the states it advanced (common/tools/schedule.py replays the roles over several work tiles).
+- The tiles (next_tile): batch mode without a mask, a fixed share (c, c + gridDim.x, ...); under a
+  mask or packed, gridDim.x + a ticket from tile_counter (an atomic add); longest first in L2
+  sections under a mask (tile_coords, l2_section_heads); packed tiles past their sequence's end
+  skipped. The TMA warp hands each number to the other 13 warps in shared memory (a one-entry
+  pipeline: full 32 arrivals, empty 416); each role's loop walks them to a number past the end.
+- Phases: every pipeline state lives across tiles. After tiles of KV ranges r_1 .. r_t, K/V is at
+  entry 2 sum r_i, S_s, P_s and O_s at sum r_i, stats_s at sum (r_i + 1), Q at 2 x (tiles with
+  r_i > 0), the tile pipe at t; per-tile methods return the states they advance (schedule.py).
 - Registers: stage 10's 184 / 96 / 48, which the loop's live values need too (the correction
-  warpgroup at 80 spilled); ptxas of CUDA 13.0 (2026-12-06): no spill in 24 configurations.
+  warpgroup at 80 spilled); ptxas of CUDA 13.0 (2026-12-07): no spill in 24 configurations.
 
 attention(q, k, v, ...): Q (B, H, Sq, D), K and V (B, Hkv, Sk, D), H % Hkv == 0 (Hkv = 1: MQA).
 attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...): q (total_q, H, D), k and v (total_k,
@@ -52,11 +50,10 @@ from common.tmem import fence_after_thread_sync, fence_before_thread_sync
 class Sm100Kernel:
     """The device code is organised by warp role, as in FA4's flash_fwd_sm100.py. `kernel` sets up
     what the roles share (shared memory: smem_tensors; the mbarrier pipelines and named barriers:
-    make_pipelines; the TMEM allocator; the CTA's tiles: gmem_tiles) and each warp then calls its
-    role's method: `load` (the TMA warp), `mma` (the MMA warp), `softmax` (a warpgroup: P per
+    make_pipelines; the TMEM allocator) and each warp then calls its role's loop over the work
+    tiles (load_loop, mma, softmax_loop, correction_loop), which takes each tile's views
+    (gmem_tiles) and calls `load` (TMA warp), `mma_tile` (MMA warp), `softmax` (a warpgroup: P per
     KV tile) and `correction` (a warpgroup: O's rescale, then `epilogue`: O stored, and LSE).
-    From stage 11 on, each role's loop over the work tiles (load_loop, softmax_loop,
-    correction_loop; mma around mma_tile) calls them once per tile.
     The methods after them are their helpers."""
 
     def __init__(self, dtype, head_dim, pack_gqa=1, sm_count=None):
@@ -360,7 +357,9 @@ class Sm100Kernel:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         # The work tiles: tiles_m CTA row blocks x heads x sequences. What a role needs of a
-        # tile (its Q tiles, head, sequence, KV range) it takes from work_tile.
+        # tile (its Q tiles, head, sequence, KV range) its loop takes from work_tile; only their
+        # number is made before the warps split (the values of a tile made there stay live across
+        # every branch's setmaxnreg: stages 9-10 say so).
         work = (tiles_m, l2_heads, mQ, mK, mCuSeqlensQ, mCuSeqlensK, window_left, window_right)
         sequences = (
             cute.size(mQ, mode=[2, 1])
@@ -460,9 +459,9 @@ class Sm100Kernel:
                     tidx % softmax_threads,
                     cute.make_tensor(tmem_ptr + self.tmem_s_offset[s], tStS_layout),
                     tCcS,
-                    (s_pipes[s], p_pipes[s], stats_pipes[s], tile_pipe),
-                    (sStats, sTile),
-                    (total_tiles, work, window_left, window_right),
+                    sStats,
+                    (s_pipes[s], p_pipes[s], stats_pipes[s], tile_pipe, sTile),
+                    (total_tiles, work),
                     scale_log2,
                 )
                 # Done with TMEM: its tcgen05.st ordered before the barrier that frees TMEM.
@@ -481,8 +480,8 @@ class Sm100Kernel:
                 tmem_ptr,
                 tOtO_layout,
                 pv_thr,
-                (mQ, mK, mV, mO, mLSE, sStats, sTile),
-                (stats_pipes, o_pipes, tile_pipe),
+                (mQ, mK, mV, mO, mLSE, sStats),
+                (stats_pipes, o_pipes, tile_pipe, sTile),
                 (total_tiles, work),
                 scale_log2,
             )
@@ -780,11 +779,13 @@ class Sm100Kernel:
         return qk_mma, pv_mma, pipes + (o_prod0, o_prod1, p_free0, p_free1)
 
     @cute.jit
-    def softmax_loop(self, s: cutlass.Constexpr, row, tStS, tCcS, pipes, smem, tiling, scale_log2):
+    def softmax_loop(
+        self, s: cutlass.Constexpr, row, tStS, tCcS, sStats, pipes, tiling, scale_log2
+    ):
         """Softmax warpgroup s's loop: the work tiles handed over, the softmax of each one's Q_s."""
-        s_pipe, p_pipe, stats_pipe, tile_pipe = pipes
-        sStats, sTile = smem
-        total_tiles, work, window_left, window_right = tiling
+        s_pipe, p_pipe, stats_pipe, tile_pipe, sTile = pipes
+        total_tiles, work = tiling
+        window_left, window_right = work[-2:]  # work_tile's last two arguments
         s_cons, p_prod = s_pipe.make_consumer(), p_pipe.make_producer()
         stats_prod, tile_cons = stats_pipe.make_producer(), tile_pipe.make_consumer()
         tile, tile_cons = self.handed_tile(tile_cons, sTile)
@@ -950,8 +951,8 @@ class Sm100Kernel:
         self, row, tmem_ptr, tOtO_layout, pv_thr, tensors, pipes, tiling, scale_log2
     ):
         """The correction warpgroup's loop: the work tiles handed over, each one's correction."""
-        mQ, mK, mV, mO, mLSE, sStats, sTile = tensors
-        stats_pipes, o_pipes, tile_pipe = pipes
+        mQ, mK, mV, mO, mLSE, sStats = tensors
+        stats_pipes, o_pipes, tile_pipe, sTile = pipes
         total_tiles, work = tiling
         stats_cons = tuple(p.make_consumer() for p in stats_pipes)
         o_cons = tuple(p.make_consumer() for p in o_pipes)
@@ -1292,8 +1293,8 @@ class Sm100Kernel:
 
     @cute.jit
     def gmem_tiles(self, mQ, mK, mV, mO, mLSE, head, kv_head, batch, offset_q, offset_k):
-        """The CTA's (head, sequence) of the tensors in global memory, O and LSE, and their tiles:
-        (mO, mLSE, gQ, gK, gV, gO, cO)."""
+        """The work tile's (head, sequence) of the tensors in global memory, O and LSE, and their
+        tiles: (mO, mLSE, gQ, gK, gV, gO, cO)."""
         # This CTA's sequence and head, from the sequence's first row: Q (Sq, D), K (Sk, D),
         # V (D, Sk), O (Sq, D) and LSE (Sq); K and V of head kv_head.
         # (Packed, a row is (g, position): the sequence starts at (0, offset_q).)
@@ -1407,6 +1408,7 @@ class Sm100Kernel:
         # head // group. (Pack-GQA: mQ has Hkv heads, the group is 1 and `head` is the KV head.)
         bidx, head, batch = self.tile_coords(tile, tiles_m, heads, l2_heads)
         kv_head = head // (heads // cute.size(mK, mode=[2, 0]))
+        q_tile0 = bidx * self.q_tiles
         # Where this sequence starts in Q and K, and how long it is (batch mode: 0, Sq, 0, Sk).
         offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
             batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
@@ -1417,7 +1419,6 @@ class Sm100Kernel:
         kv_tile_lo, kv_tile_hi = self.kv_tile_range(
             bidx, seqlen_q, seqlen_k, window_left, window_right, self.cta_rows
         )
-        q_tile0 = bidx * self.q_tiles
         return (q_tile0, head, kv_head, batch, offset_q, seqlen_q, offset_k, seqlen_k) + (
             kv_tile_lo,
             kv_tile_hi,

@@ -19,7 +19,7 @@ Changes from stage 11:
    tile's Q may land meanwhile; D = 128: 3 ring slots, not 4) in one TMA store that clips at Sq,
    as FA4's epilogue (use_tma_O): one thread hands the tile to the TMA unit, not 128 threads
    D / 8 vectors each; a 128-thread barrier twice per Q tile. Packed, pack-GQA: row stores.
-ptxas of CUDA 13.0 (2026-12-06), every dtype, D, mask and layout: no spill with every tuning,
+ptxas of CUDA 13.0 (2026-12-07), every dtype, D, mask and layout: no spill with every tuning,
 nor with none (stage 11); the numbers behind each: docs/notes/stage12.md.
 
 attention(q, k, v, ...): Q (B, H, Sq, D), K and V (B, Hkv, Sk, D), H % Hkv == 0 (Hkv = 1: MQA).
@@ -80,11 +80,10 @@ EX2_CUBIC = (
 class Sm100Kernel:
     """The device code is organised by warp role, as in FA4's flash_fwd_sm100.py. `kernel` sets up
     what the roles share (shared memory: smem_tensors; the mbarrier pipelines and named barriers:
-    make_pipelines; the TMEM allocator; the CTA's tiles: gmem_tiles) and each warp then calls its
-    role's method: `load` (the TMA warp), `mma` (the MMA warp), `softmax` (a warpgroup: P per
+    make_pipelines; the TMEM allocator) and each warp then calls its role's loop over the work
+    tiles (load_loop, mma, softmax_loop, correction_loop), which takes each tile's views
+    (gmem_tiles) and calls `load` (TMA warp), `mma_tile` (MMA warp), `softmax` (a warpgroup: P per
     KV tile) and `correction` (a warpgroup: O's rescale, then `epilogue`: O stored, and LSE).
-    From stage 11 on, each role's loop over the work tiles (load_loop, softmax_loop,
-    correction_loop; mma around mma_tile) calls them once per tile.
     The methods after them are their helpers."""
 
     def __init__(self, dtype, head_dim, pack_gqa=1, sm_count=None):
@@ -437,7 +436,9 @@ class Sm100Kernel:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         # The work tiles: tiles_m CTA row blocks x heads x sequences. What a role needs of a
-        # tile (its Q tiles, head, sequence, KV range) it takes from work_tile.
+        # tile (its Q tiles, head, sequence, KV range) its loop takes from work_tile; only their
+        # number is made before the warps split (the values of a tile made there stay live across
+        # every branch's setmaxnreg: stages 9-10 say so).
         work = (tiles_m, l2_heads, mQ, mK, mCuSeqlensQ, mCuSeqlensK, window_left, window_right)
         sequences = (
             cute.size(mQ, mode=[2, 1])
@@ -539,9 +540,9 @@ class Sm100Kernel:
                     tidx % softmax_threads,
                     cute.make_tensor(tmem_ptr + self.tmem_s_offset[s], tStS_layout),
                     tCcS,
-                    (s_pipes[s], p_pipes[s], stats_pipes[s], tile_pipe),
-                    (sStats, sTile),
-                    (total_tiles, work, window_left, window_right),
+                    sStats,
+                    (s_pipes[s], p_pipes[s], stats_pipes[s], tile_pipe, sTile),
+                    (total_tiles, work),
                     scale_log2,
                 )
                 # Done with TMEM: its tcgen05.st ordered before the barrier that frees TMEM.
@@ -560,8 +561,8 @@ class Sm100Kernel:
                 tmem_ptr,
                 tOtO_layout,
                 pv_thr,
-                (mQ, mK, mV, mO, mLSE, sO, sStats, sTile),
-                (stats_pipes, o_pipes, tile_pipe, correction_bar),
+                (mQ, mK, mV, mO, mLSE, sO, sStats),
+                (stats_pipes, o_pipes, correction_bar, tile_pipe, sTile),
                 (tma_o, mO_tma),
                 (total_tiles, work),
                 scale_log2,
@@ -860,11 +861,13 @@ class Sm100Kernel:
         return qk_mma, pv_mma, pipes + (o_prod0, o_prod1, p_free0, p_free1)
 
     @cute.jit
-    def softmax_loop(self, s: cutlass.Constexpr, row, tStS, tCcS, pipes, smem, tiling, scale_log2):
+    def softmax_loop(
+        self, s: cutlass.Constexpr, row, tStS, tCcS, sStats, pipes, tiling, scale_log2
+    ):
         """Softmax warpgroup s's loop: the work tiles handed over, the softmax of each one's Q_s."""
-        s_pipe, p_pipe, stats_pipe, tile_pipe = pipes
-        sStats, sTile = smem
-        total_tiles, work, window_left, window_right = tiling
+        s_pipe, p_pipe, stats_pipe, tile_pipe, sTile = pipes
+        total_tiles, work = tiling
+        window_left, window_right = work[-2:]  # work_tile's last two arguments
         s_cons, p_prod = s_pipe.make_consumer(), p_pipe.make_producer()
         stats_prod, tile_cons = stats_pipe.make_producer(), tile_pipe.make_consumer()
         tile, tile_cons = self.handed_tile(tile_cons, sTile)
@@ -1038,8 +1041,8 @@ class Sm100Kernel:
         self, row, tmem_ptr, tOtO_layout, pv_thr, tensors, pipes, o_tma, tiling, scale_log2
     ):
         """The correction warpgroup's loop: the work tiles handed over, each one's correction."""
-        mQ, mK, mV, mO, mLSE, sO, sStats, sTile = tensors
-        stats_pipes, o_pipes, tile_pipe, correction_bar = pipes
+        mQ, mK, mV, mO, mLSE, sO, sStats = tensors
+        stats_pipes, o_pipes, correction_bar, tile_pipe, sTile = pipes
         tma_o, mO_tma = o_tma
         total_tiles, work = tiling
         stats_cons = tuple(p.make_consumer() for p in stats_pipes)
@@ -1434,7 +1437,8 @@ class Sm100Kernel:
 
     @cute.jit
     def smem_tensors(self, storage, q_smem_s, k_smem_s, v_smem_s, o_smem_s):
-        """The CTA's buffers in shared memory: Q, the K/V ring (as K and as V), row statistics."""
+        """The CTA's buffers in shared memory: Q, the K/V ring (as K and as V), O's staging, the
+        row statistics."""
         # (MMA, MMA_M, MMA_K, q_buffers)
         sQ = storage.sQ.get_tensor(q_smem_s.outer, swizzle=q_smem_s.inner)
         # (MMA, MMA_N, MMA_K, kv_slots)
@@ -1453,8 +1457,8 @@ class Sm100Kernel:
 
     @cute.jit
     def gmem_tiles(self, mQ, mK, mV, mO, mLSE, head, kv_head, batch, offset_q, offset_k):
-        """The CTA's (head, sequence) of the tensors in global memory, O and LSE, and their tiles:
-        (mO, mLSE, gQ, gK, gV, gO, cO)."""
+        """The work tile's (head, sequence) of the tensors in global memory, O and LSE, and their
+        tiles: (mO, mLSE, gQ, gK, gV, gO, cO)."""
         # This CTA's sequence and head, from the sequence's first row: Q (Sq, D), K (Sk, D),
         # V (D, Sk), O (Sq, D) and LSE (Sq); K and V of head kv_head.
         # (Packed, a row is (g, position): the sequence starts at (0, offset_q).)
@@ -1624,6 +1628,7 @@ class Sm100Kernel:
         # head // group. (Pack-GQA: mQ has Hkv heads, the group is 1 and `head` is the KV head.)
         bidx, head, batch = self.tile_coords(tile, tiles_m, heads, l2_heads)
         kv_head = head // (heads // cute.size(mK, mode=[2, 0]))
+        q_tile0 = bidx * self.q_tiles
         # Where this sequence starts in Q and K, and how long it is (batch mode: 0, Sq, 0, Sk).
         offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
             batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK
@@ -1634,7 +1639,6 @@ class Sm100Kernel:
         kv_tile_lo, kv_tile_hi = self.kv_tile_range(
             bidx, seqlen_q, seqlen_k, window_left, window_right, self.cta_rows
         )
-        q_tile0 = bidx * self.q_tiles
         return (q_tile0, head, kv_head, batch, offset_q, seqlen_q, offset_k, seqlen_k) + (
             kv_tile_lo,
             kv_tile_hi,

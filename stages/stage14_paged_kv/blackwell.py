@@ -26,7 +26,7 @@ Hopper stage 14's in this track's TMA warp (the other four roles are stage 13's)
   the sequence's first ceil(seqused_k / page_size) is read, so nothing another sequence owns or
   nobody owns (which may hold NaN) is loaded. seq_info takes seqlen_k = max_pages x page_size
   before the seqused_k clamp, and the launch's scheduler test uses that key count.
-- Registers: stage 13's 176 / 112 / 48. ptxas of CUDA 13.0 (2026-12-06): no spill in any
+- Registers: stage 13's 176 / 112 / 48. ptxas of CUDA 13.0 (2026-12-07): no spill in any
   tested configuration (pages of 16 to 256 keys, split and not, MQA, causal, window, a paged
   decode step; bf16 and fp16, D = 64 and 128), nor with_tunings(()) (stage 11's 184 / 96 / 48);
   the unpaged kernel is stage 13's.
@@ -86,11 +86,10 @@ EX2_CUBIC = (
 class Sm100Kernel:
     """The device code is organised by warp role, as in FA4's flash_fwd_sm100.py. `kernel` sets up
     what the roles share (shared memory: smem_tensors; the mbarrier pipelines and named barriers:
-    make_pipelines; the TMEM allocator; the CTA's tiles: gmem_tiles) and each warp then calls its
-    role's method: `load` (the TMA warp), `mma` (the MMA warp), `softmax` (a warpgroup: P per
+    make_pipelines; the TMEM allocator) and each warp then calls its role's loop over the work
+    tiles (load_loop, mma, softmax_loop, correction_loop), which takes each tile's views
+    (gmem_tiles) and calls `load` (TMA warp), `mma_tile` (MMA warp), `softmax` (a warpgroup: P per
     KV tile) and `correction` (a warpgroup: O's rescale, then `epilogue`: O stored, and LSE).
-    From stage 11 on, each role's loop over the work tiles (load_loop, softmax_loop,
-    correction_loop; mma around mma_tile) calls them once per tile.
     The methods after them are their helpers."""
 
     def __init__(self, dtype, head_dim, pack_gqa=1, sm_count=None, split_kv=False, page_size=None):
@@ -410,8 +409,9 @@ class Sm100Kernel:
         max_seqlen_k = k.shape[0]
         if cutlass.const_expr(self.page_size is not None):
             max_seqlen_k = page_table.shape[1] * self.page_size
-        # Equal tiles (batch mode, no causal or window cut: left >= Sk and right >= Sq): CTA c
-        # takes c, c + gridDim.x, ... Otherwise (dynamic = 1) a CTA takes the next tile not yet
+        # Equal tiles (batch mode, no causal or window cut: left >= Sk and right >= Sq; with
+        # seqused_k the sequences' ranges differ, and their tiles still go in this fixed share):
+        # CTA c takes c, c + gridDim.x, ... Otherwise (dynamic = 1) a CTA takes the next tile not yet
         # taken from tile_counter (zeroed by the host); in batch mode longest first across
         # sections of l2_heads (head, sequence) pairs (tile_coords).
         l2_heads, dynamic = Int32(1), Int32(0)
@@ -492,7 +492,9 @@ class Sm100Kernel:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         # The work tiles: tiles_m CTA row blocks x heads x sequences x splits. What a role needs
-        # of a tile (its Q tiles, head, sequence, KV range, split) it takes from work_tile.
+        # of a tile (its Q tiles, head, sequence, KV range, split) its loop takes from work_tile;
+        # only their number is made before the warps split (the values of a tile made there stay
+        # live across every branch's setmaxnreg: stages 9-10 say so).
         # The unsplit kernel is launched with num_splits = 1: a constant here, so that the split
         # arithmetic folds away (stage 12's kernel).
         if cutlass.const_expr(not self.split_kv):
@@ -559,7 +561,7 @@ class Sm100Kernel:
             cute.arch.setmaxregister_decrease(self.other_registers)
             self.load_loop(
                 (tma_q, tma_k, tma_v, qk_thr, pv_thr),
-                (mQ, mK, mV, mO, mLSE, sQ, sK, sV, mPageTable),
+                (mQ, mK, mV, mO, mLSE, mPageTable, sQ, sK, sV),
                 (q_prod, kv_prod, tile_pipe, sTile),
                 (total_tiles, work, dynamic, tile_counter),
             )
@@ -599,9 +601,9 @@ class Sm100Kernel:
                     tidx % softmax_threads,
                     cute.make_tensor(tmem_ptr + self.tmem_s_offset[s], tStS_layout),
                     tCcS,
-                    (s_pipes[s], p_pipes[s], stats_pipes[s], tile_pipe),
-                    (sStats, sTile),
-                    (total_tiles, work, window_left, window_right),
+                    sStats,
+                    (s_pipes[s], p_pipes[s], stats_pipes[s], tile_pipe, sTile),
+                    (total_tiles, work),
                     scale_log2,
                 )
                 # Done with TMEM: its tcgen05.st ordered before the barrier that frees TMEM.
@@ -620,8 +622,8 @@ class Sm100Kernel:
                 tmem_ptr,
                 tOtO_layout,
                 pv_thr,
-                (mQ, mK, mV, mO, mLSE, sO, sStats, sTile),
-                (stats_pipes, o_pipes, tile_pipe, correction_bar),
+                (mQ, mK, mV, mO, mLSE, sO, sStats),
+                (stats_pipes, o_pipes, correction_bar, tile_pipe, sTile),
                 (tma_o, mO_tma),
                 (total_tiles, work),
                 scale_log2,
@@ -638,7 +640,7 @@ class Sm100Kernel:
     @cute.jit
     def load_loop(self, atoms, tensors, pipes, tiling):
         """The TMA warp's loop: the CTA's work tiles (next_tile), handed over, each one's loads."""
-        mQ, mK, mV, mO, mLSE, sQ, sK, sV, mPageTable = tensors
+        mQ, mK, mV, mO, mLSE, mPageTable, sQ, sK, sV = tensors
         q_prod, kv_prod, tile_pipe, sTile = pipes
         total_tiles, work, dynamic, tile_counter = tiling
         tile_prod = tile_pipe.make_producer()
@@ -688,8 +690,7 @@ class Sm100Kernel:
         gQ, gK, gV, sQ, sK, sV = tiles
         # (MMA, MMA_M, MMA_K, Q tiles)
         tCgQ = qk_thr.partition_A(gQ)
-        # TMA views, one CTA, no multicast: (TMA, q_buffers) and (TMA, Q tiles); (TMA, kv_slots)
-        # and (TMA, kv_tiles)
+        # TMA views, one CTA, no multicast: (TMA, q_buffers) and (TMA, Q tiles)
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3), cute.group_modes(tCgQ, 0, 3)
         )
@@ -698,6 +699,7 @@ class Sm100Kernel:
             tCgK = qk_thr.partition_B(gK)
             # (MMA, MMA_N, MMA_K, kv_tiles)
             tCgV = pv_thr.partition_B(gV)
+            # TMA views: (TMA, kv_slots) and (TMA, kv_tiles)
             tKsK, tKgK = cpasync.tma_partition(
                 tma_k,
                 0,
@@ -995,11 +997,13 @@ class Sm100Kernel:
         return qk_mma, pv_mma, pipes + (o_prod0, o_prod1, p_free0, p_free1)
 
     @cute.jit
-    def softmax_loop(self, s: cutlass.Constexpr, row, tStS, tCcS, pipes, smem, tiling, scale_log2):
+    def softmax_loop(
+        self, s: cutlass.Constexpr, row, tStS, tCcS, sStats, pipes, tiling, scale_log2
+    ):
         """Softmax warpgroup s's loop: the work tiles handed over, the softmax of each one's Q_s."""
-        s_pipe, p_pipe, stats_pipe, tile_pipe = pipes
-        sStats, sTile = smem
-        total_tiles, work, window_left, window_right = tiling
+        s_pipe, p_pipe, stats_pipe, tile_pipe, sTile = pipes
+        total_tiles, work = tiling
+        window_left, window_right = work[-2:]  # work_tile's last two arguments
         s_cons, p_prod = s_pipe.make_consumer(), p_pipe.make_producer()
         stats_prod, tile_cons = stats_pipe.make_producer(), tile_pipe.make_consumer()
         tile, tile_cons = self.handed_tile(tile_cons, sTile)
@@ -1173,8 +1177,8 @@ class Sm100Kernel:
         self, row, tmem_ptr, tOtO_layout, pv_thr, tensors, pipes, o_tma, tiling, scale_log2
     ):
         """The correction warpgroup's loop: the work tiles handed over, each one's correction."""
-        mQ, mK, mV, mO, mLSE, sO, sStats, sTile = tensors
-        stats_pipes, o_pipes, tile_pipe, correction_bar = pipes
+        mQ, mK, mV, mO, mLSE, sO, sStats = tensors
+        stats_pipes, o_pipes, correction_bar, tile_pipe, sTile = pipes
         tma_o, mO_tma = o_tma
         total_tiles, work = tiling
         stats_cons = tuple(p.make_consumer() for p in stats_pipes)
@@ -1590,8 +1594,8 @@ class Sm100Kernel:
 
     @cute.jit
     def gmem_tiles(self, mQ, mK, mV, mO, mLSE, head, kv_head, batch, offset_q, offset_k, split):
-        """The CTA's (head, sequence) of the tensors in global memory, O and LSE, and their tiles:
-        (mO, mLSE, gQ, gK, gV, gO, cO). Split-KV: O and LSE are split `split`'s partials."""
+        """The work tile's (head, sequence) of the tensors in global memory, O and LSE, and their
+        tiles: (mO, mLSE, gQ, gK, gV, gO, cO). Split-KV: O and LSE are split `split`'s partials."""
         if cutlass.const_expr(self.split_kv):
             mO, mLSE = mO[(None, None, None, split)], mLSE[(None, None, split)]
         # This CTA's sequence and head, from the sequence's first row: Q (Sq, D), K (Sk, D),
@@ -1793,6 +1797,7 @@ class Sm100Kernel:
         # head // group. (Pack-GQA: mQ has Hkv heads, the group is 1 and `head` is the KV head.)
         bidx, head, batch, split = self.tile_coords(tile, tiles_m, heads, l2_heads, num_splits)
         kv_head = head // (heads // cute.size(mK, mode=[2, 0]))
+        q_tile0 = bidx * self.q_tiles
         # Where this sequence starts in Q and K, and how long it is (batch mode: 0, Sq, 0, Sk).
         offset_q, seqlen_q, offset_k, seqlen_k, batch = self.seq_info(
             batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable
@@ -1805,7 +1810,6 @@ class Sm100Kernel:
             split,
             num_splits,
         )
-        q_tile0 = bidx * self.q_tiles
         return (q_tile0, head, kv_head, batch, offset_q, seqlen_q, offset_k, seqlen_k) + (
             kv_tile_lo,
             kv_tile_hi,

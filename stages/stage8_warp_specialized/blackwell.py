@@ -985,8 +985,8 @@ class Sm100Kernel:
 
     @cute.jit
     def gmem_tiles(self, mQ, mK, mV, mO, mLSE, head, kv_head, batch, offset_q, offset_k):
-        """The CTA's (head, sequence) of the tensors in global memory, O and LSE, and their tiles:
-        (mO, mLSE, gQ, gK, gV, gO, cO)."""
+        """The work tile's (head, sequence) of the tensors in global memory, O and LSE, and their
+        tiles: (mO, mLSE, gQ, gK, gV, gO, cO)."""
         # This CTA's sequence and head, from the sequence's first row: Q (Sq, D), K (Sk, D),
         # V (D, Sk), O (Sq, D) and LSE (Sq); K and V of head kv_head.
         # (Packed, a row is (g, position): the sequence starts at (0, offset_q).)
