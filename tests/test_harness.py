@@ -297,3 +297,31 @@ def test_results_files_are_tagged_by_gpu_name():
 
     assert file_tag("NVIDIA H200") == "h200"
     assert file_tag("NVIDIA H100 80GB HBM3") == "h100_80gb_hbm3"
+
+
+def test_a_pinned_sdpa_call_is_timed_inside_its_backend_choice_entered_once():
+    """timing.pinned: called directly, the call runs inside sdpa_kernel(backend) (here flash
+    only: math off); what time_ms and gpu_ms time is the bare call, and the context they enter
+    around it is that same choice, so a back-to-back time leaves out the context's own work."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    from common.tools import timing
+
+    def enabled():
+        return torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()
+
+    before = enabled()
+    run = timing.pinned(SDPBackend.FLASH_ATTENTION, enabled)
+    assert run() == (True, False)
+    assert enabled() == before  # left as it was
+    call, context = timing._unpinned(run)
+    assert call is enabled  # the bare call: no context entered per launch
+    with context:
+        assert call() == (True, False)
+    assert enabled() == before
+    plain = lambda: 1  # noqa: E731
+    call, context = timing._unpinned(plain)
+    assert call is plain
+    with context:
+        assert call() == 1

@@ -112,15 +112,16 @@ def stage7_rows(track, dtype, record):
         fa4 = fa
     except Exception:
         pass
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
 
-    def cudnn(q, k, v, causal, mask=None):
-        """SDPA pinned to cuDNN for this call (the pin is entered at each call, so it holds
-        inside timing.interleaved's rounds)."""
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(
+    def cudnn(causal, mask=None):
+        """SDPA pinned to cuDNN (timing.pinned: timed inside the pin, entered once)."""
+        return timing.pinned(
+            SDPBackend.CUDNN_ATTENTION,
+            lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1]
-            )
+            ),
+        )
 
     def timed(todo, name, fn, sets):
         """Run fn once (compiles it; a backend that cannot run raises here) and queue it for
@@ -168,7 +169,7 @@ def stage7_rows(track, dtype, record):
                         t,
                     )
                 try:
-                    timed(todo, "SDPA cuDNN", lambda q, k, v: cudnn(q, k, v, causal), [(q, k, v)])
+                    timed(todo, "SDPA cuDNN", cudnn(causal), [(q, k, v)])
                 except Exception as e:
                     print(f"    SDPA cuDNN GQA: not available ({type(e).__name__})", flush=True)
                 row, gpu = timing.interleaved(todo, gpu=True)
@@ -253,7 +254,7 @@ def stage7_rows(track, dtype, record):
                 timed(
                     todo,
                     "padded",
-                    lambda q, k, v: cudnn(q, k, v, causal=False, mask=mask),
+                    cudnn(False, mask),
                     [tuple(padded)],
                 )
             except Exception as e:
@@ -263,7 +264,7 @@ def stage7_rows(track, dtype, record):
                     f"    padded SDPA cuDNN with a mask: {type(e).__name__}; timing it without",
                     flush=True,
                 )
-                timed(todo, "padded", lambda q, k, v: cudnn(q, k, v, causal), [tuple(padded)])
+                timed(todo, "padded", cudnn(causal), [tuple(padded)])
             row, gpu = timing.interleaved(todo, gpu=True)
             tf = {name: timing.tflops(flops, ms) for name, ms in row.items()}
             tg = {name: timing.tflops(flops, ms) for name, ms in gpu.items()}
@@ -389,7 +390,7 @@ def split_kv_rows(dtype, record, sweep=False):
     same interleaved rounds, inputs rotated past L2: GB/s of K and V read per call (the bound of
     a decode step: the H200's HBM gives about 4,800). sweep: also B = 1, 4, 16, 64 x Sk = 4k ...
     256k (rows above 4 GB of K and V skipped)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
 
     from common.tools import inputs
 
@@ -414,7 +415,8 @@ def split_kv_rows(dtype, record, sweep=False):
         "13's launch chose; `14 pN` = stage 14 on a paged cache of N keys per page, pages in "
         "random order. First by the calls' time back to back between CUDA events (what a "
         "model sees, host work included), then by GPU time alone (the kernels' durations as "
-        "the profiler records them: what the kernels do with the memory).",
+        "the profiler records them: what the kernels do with the memory). SDPA runs inside its "
+        "backend's context, entered once around each timer's calls (timing.pinned).",
         "",
         "### Calls back to back (CUDA events)",
         "",
@@ -428,11 +430,12 @@ def split_kv_rows(dtype, record, sweep=False):
     }
 
     def sdpa(backend):
-        def run(q, k, v):
-            with sdpa_kernel(backend):
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-
-        return run
+        return timing.pinned(
+            backend,
+            lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, enable_gqa=True
+            ),
+        )
 
     rows = SPLIT_KV_ROWS + ([r for r in SPLIT_KV_SWEEP if r not in SPLIT_KV_ROWS] if sweep else [])
     D = 128

@@ -1705,7 +1705,7 @@ def measure_varlen(stage, lens=None, heads=16, head_dim=128, causal=(False, True
     track = arch.track()
     if not available(stage, track):
         return None
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
 
     from common.outputs import no_poison
     from common.tools import plots, reference, timing
@@ -1749,15 +1749,18 @@ def measure_varlen(stage, lens=None, heads=16, head_dim=128, causal=(False, True
             if c:
                 sdpa_mask = sdpa_mask & (qi[None, :] <= qi[:, None])[None, None]
 
-            def cudnn(m=sdpa_mask):
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    return torch.nn.functional.scaled_dot_product_attention(*padded, attn_mask=m)
-
-            def cudnn_unmasked(c=c):
-                # Where cuDNN takes no boolean mask: the same padded work (the padding's results
-                # are discarded), as make bench falls back to.
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    return torch.nn.functional.scaled_dot_product_attention(*padded, is_causal=c)
+            cudnn = timing.pinned(
+                SDPBackend.CUDNN_ATTENTION,
+                lambda m=sdpa_mask: torch.nn.functional.scaled_dot_product_attention(
+                    *padded, attn_mask=m
+                ),
+            )
+            # Where cuDNN takes no boolean mask: the same padded work (the padding's results are
+            # discarded), as make bench falls back to.
+            cudnn_unmasked = timing.pinned(
+                SDPBackend.CUDNN_ATTENTION,
+                lambda c=c: torch.nn.functional.scaled_dot_product_attention(*padded, is_causal=c),
+            )
 
             runs["SDPA cuDNN padded (key mask)"] = cudnn
             runs["SDPA cuDNN padded (no mask, same work)"] = cudnn_unmasked

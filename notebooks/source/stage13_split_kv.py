@@ -613,7 +613,12 @@ fig = figures.decode_bars(
 # - **Against SDPA's cuDNN backend, in GPU time:** 1.03x at 8k and 1.00x at 32k (batch 1),
 #   0.98-0.99x in the other rows. There both kernels read 88-92% of the H100's 3,350 GB/s; at
 #   batch 32 the 256 work tiles leave 8 of 132 SMs idle for the second round, about 3%
-#   (`docs/notes/stage13.md`). Back to back 0.97-1.42x.
+#   (`docs/notes/stage13.md`). Back to back 0.97-1.42x; but in this run SDPA's calls were timed
+#   with its backend context (`sdpa_kernel`) entered at every call, about 30 us of Python that a
+#   model pays once. Timed inside that context entered once (the same GPU, 2026-12-07, 16 rows,
+#   `docs/results/decode_h100_2026-12-07_sweep.md`), stage 13 reads 0.79-1.01x cuDNN back to
+#   back, 18-21% behind at batch 1 with 8 KV heads at 8k and 32k, where its host work sets the
+#   pace, and 0.985-1.045x in GPU time.
 # - **Short caches are host-bound.** At 8k and 32k a call back to back takes longer than its GPU
 #   work, so the event-timed GB/s measure the host: 2,276 GB/s at 32k back to back against 2,648
 #   in GPU time. The next section is the host's side.

@@ -584,9 +584,15 @@ fig = figures.paged_ratios(
 # - **Pages of 16 keys cost 2-5% in GPU time** (0.95-0.98): every K or V tile is 8 boxes of
 #   4 KB instead of one of 32 KB, each issued by the producer after its own `page_table` read.
 # - **Back to back at B = 1 with 8 KV heads, at 8k and 32k, the host sets the pace**: every page
-#   size reads at 0.86-0.90 of stage 13 there, because a paged call costs the host a few us more
-#   (section 7.2) and these calls are short. In the other rows the GPU work dominates and the
-#   ratios are those of GPU time.
+#   size reads at 0.86-0.90 of stage 13 there: these calls are short, and a paged call costs the
+#   host more (section 7.2 measures an unsplit call, 4.9 us more; a split paged call's host work
+#   was not measured on its own). In the other rows the GPU work dominates and the ratios are
+#   those of GPU time.
+#
+# Over 16 rows (B = 1-64, 4k-256k keys; H100 80GB HBM3, 2026-12-07,
+# `docs/results/decode_h100_2026-12-07_sweep.md`) pages of 64 keys or more read 0.94-0.995 of stage
+# 13 in GPU time (below 0.95 only at B = 1, 4k, with pages of 128 and 256) and pages of 16
+# 0.92-0.97.
 #
 # On the H200 (2026-12-04, `docs/results/decode_h200_2026-12-04.md`), with the kernel and launch
 # path as they were then (128-row tiles, two host calls for a split launch), pages of 64 keys or
