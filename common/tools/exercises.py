@@ -410,7 +410,8 @@ def _gpu_4a(mod):
 
 
 def _check_4a(mod):
-    # Q (128 x 128) + kv_slots K/V tiles (128 x 128), 2 bytes each, + 1 KiB of barriers.
+    # Q (128 x 128) + kv_slots K/V tiles (128 x 128), 2 bytes each, + 1 KiB: the barriers (8 bytes
+    # each), padded to the 1,024-byte alignment of sQ that follows them.
     kernel, _, _ = compile_module(mod, "hopper")
     tile = 128 * 128 * 2
     slots = (kernel.shared_memory_bytes - 1024 - tile) / tile
@@ -437,7 +438,7 @@ _ALL.append(
         solution=(("        self.kv_slots = 2  #", "        self.kv_slots = 3  #"),),
         check=_check_4a,
         gpu_check=_gpu_4a,
-        hint="96 KiB + 32 KiB + 1 KiB of barriers",
+        hint="96 KiB + 32 KiB + 1 KiB (the barriers, 8 bytes each, padded to sQ's 1 KiB alignment)",
     )
 )
 

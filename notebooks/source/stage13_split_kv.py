@@ -290,8 +290,10 @@ nb.table(
 # a sixth K/V slot (Q and O take 16 KB each instead of 32), and without a second warpgroup there
 # are no turns to take: `wait_turn` and `pass_turn` compile to nothing. The split kernel of the
 # 8k step took 8.8 us with the decode tile and 11.7 us with 128 rows, on an H100 80GB HBM3 with K
-# and V warm in L2, in two runs (2026-12-06, `docs/results/decode_kernels_h100_2026-12-06.txt`;
-# 2026-12-05, `docs/results/decode_kernels_h100_2026-12-05.txt`). The cell builds the kernel
+# and V warm in L2, in two runs a day apart, with the combine of each day (2026-12-06,
+# `docs/results/decode_kernels_h100_2026-12-06.txt`; 2026-12-05,
+# `docs/results/decode_kernels_h100_2026-12-05.txt`; cuDNN's attention kernel took 8.9 us in
+# both). The cell builds the kernel
 # object each launch would get.
 
 # %%
@@ -394,11 +396,12 @@ for Sk_ in (8192, 32768, 131072):
     kv = 2 * Sk_ * 8 * 128 * 2
     print(
         f"B = 1, 32 / 8 heads, Sk = {Sk_ // 1024}k, 16 splits: partials {partial / 1024:.0f} KiB "
-        f"written and read once more, K and V {kv / 2**20:.0f} MiB read: {partial / kv:.2%}"
+        f"written and read once more ({2 * partial / 1024:.0f} KiB of traffic), K and V "
+        f"{kv / 2**20:.0f} MiB read: {2 * partial / kv:.2%}"
     )
 
 # %% [markdown]
-# fp32 partials cost little (0.8% of the traffic at 8k, 0.2% at 32k) and keep one rounding: O
+# fp32 partials cost little (1.6% of the traffic at 8k, 0.4% at 32k) and keep one rounding: O
 # is rounded to bf16 once, after the merge, as the unsplit kernel rounds it once.
 #
 # ### 5.5 The combine kernel
@@ -653,7 +656,8 @@ print("splits the launch picks for this step now:", attention_host.splits_for(8,
 # Stage 12, and stage 13 where it does not split, take 17.9-18.2 us per call back to back and of
 # host time, against SDPA's 16.0 / 15.4 (back to back / host): within the goal of 25 us. A split
 # call (`num_splits=2`) takes 26.2 / 26.6, over the goal on this host (24.4 / 24.8 on a quicker
-# one, 2026-12-06): the partials' buffer and one call that launches both kernels (section 5.6).
+# one, 2026-12-06, `docs/results/host_time_h100_2026-12-06_traced_copy_profile.txt`; 23.3-27.6 in
+# that day's other runs): the partials' buffer and one call that launches both kernels (section 5.6).
 # The custom op takes 24.4 / 25.2 under inference mode and 25.2 / 25.0 under `torch.no_grad()`
 # (H100 80GB HBM3, 2026-12-07, the same run). An unsplit call that returns no LSE writes it into
 # the device's scratch: one allocation less, 2.0-2.8 us a call in an A/B the same day

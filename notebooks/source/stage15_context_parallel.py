@@ -152,7 +152,8 @@ def work_pairs(chunks, rank, src, causal):
 # convention; the ring only calls it causally on square blocks, where that is the usual
 # top-left diagonal. On a long prefill the loop each rank runs is stage 12's: 664-685 TFLOP/s
 # at D = 128, S = 16k, without and with the causal mask (H200, 2026-12-04, `make bench`'s
-# ablation, `docs/results/ablation_h200_2026-12-04.md`).
+# ablation table in `docs/results/ablation_h200_2026-12-04.md`; the same file's paper-shape
+# table, timed in other rounds of that run, has 693 without the mask).
 #
 # ## 3. The math
 #
@@ -690,7 +691,8 @@ else:
 # one GPU's throughput on 2 and 4 GPUs. What can be measured on one GPU, in GPU mode:
 #
 # 1. stage 14's kernel over a whole sequence of 32k tokens, causal, against SDPA - the one-GPU
-#    time a ring of $N$ would divide by up to $N$;
+#    time a ring of $N$ would divide by up to $N$ (with 32 KV heads here; the ring of item 2 runs
+#    8, so its own call over the sequence takes a different time);
 # 2. `python -m common.tools.cp_run --virtual-ranks 4 --causal` on that sequence: the ring of
 #    virtual ranks against one call, then each rank's step (its kernel and its merge) timed
 #    alone: the ring's compute time on 4 GPUs (the busiest rank per step, summed) against one

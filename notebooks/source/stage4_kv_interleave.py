@@ -166,7 +166,9 @@ fig = figures.kv_slot_timeline(kv_tiles=3, kv_slots=kv_slots, two_pass=True)
 # order in pass 2 is: issue the QK wgmmas, `wgmma.wait_group 0` (they have completed, $K_j$ is no
 # longer needed), *then* release the slot (an arrive per warp on its empty barrier), and the
 # producer waits for all those arrives before it announces $V_j$'s bytes and starts the TMA load.
-# Skip the wait or the release and TMA silently overwrites $K_j$ under the tensor cores. The
+# Release before that wait, or let the producer load $V_j$ without waiting for the release, and
+# TMA silently overwrites $K_j$ under the tensor cores; drop the release altogether and the
+# producer waits forever (exercise 4b). The
 # obvious Blackwell ring does exactly that (section 5.5): it loads $V_j$ into $K_j$'s slot, under $K_j$'s
 # barrier, without waiting for the QK MMA to release the slot. The same model with the V load not
 # waiting for the release shows the race (the hazards row names each overwrite):
@@ -201,8 +203,8 @@ nb.show_source(4, "hopper", section="# 2.")
 # ### 5.3 The statistics of pass 1
 #
 # Pass 1 folds each S tile into `row_max` and `row_sum` (m and $\ell$) with `online_softmax` - the
-# same update stage 5 will use for O as well. Pass 2 uses stage 3's `softmax` with the final
-# statistics, dividing by `row_sum` inside P.
+# same update stage 5 will use for O as well. Pass 2 uses a rewritten `softmax` (stage 3's without
+# its reductions) with the final statistics, dividing by `row_sum` inside P.
 
 # %%
 nb.show_source(4, "hopper", names=["Sm90Kernel.online_softmax"])
@@ -317,6 +319,8 @@ bench = nb.measure(
 #    ones come from pass 1?
 # 5. **Phases.** With `kv_slots = 2` and 3 KV tiles, list for each use of slot 0 (pass 1 and
 #    pass 2) the tile it holds and the parity the consumer waits for on its full barrier.
+# 6. **Exercises 4a and 4b** edit the stage files (a third K/V slot; a release dropped on the
+#    Blackwell ring): the cells after the answers below.
 #
 # ### Answers and checks
 #

@@ -139,7 +139,8 @@ nb.table(("S", "tile pairs", "skipped", "partial", "full", "computed / all"), ro
 # ### 3.3 A row that sees no key
 #
 # With a window, a row can see no key in a whole tile; with causal and $S_q > S_k$ (or a narrow
-# window) it can see no key at all. Then the tile's row max is $-\infty$, and the online update of
+# window) it can see no key at all. While a row has seen no key so far (a tile before its band, or
+# no key at all), its running max is $-\infty$, and the online update of
 # stage 5 computes $e^{x - m} = e^{-\infty - (-\infty)} = e^{\text{NaN}}$: the NaN enters $\ell$
 # and O, and stays there ($\alpha \cdot \text{NaN} = \text{NaN}$ even when $\alpha = 0$). The kernel
 # subtracts a **safe max** instead, 0 when $m = -\infty$: then $P = e^{-\infty} = 0$ and
@@ -373,7 +374,10 @@ fig = nb.error_picture(6, result)
 # between runs; exercise 6 looks at what differs between 2k and 8k. Without a mask, stage 6 stayed
 # within a few percent of stage 5 in the 2026-12-01 run from S = 2k up (D = 128, S = 8k: 544
 # against 555). The tables below are this run's: the column "time / stage 6 no-mask time" of the
-# second one is this run's ratio, next to the share of tile pairs computed.
+# second one is this run's ratio, next to the share of tile pairs computed. The two cells time
+# stage 6 without a mask each in their own rounds, a moment apart, so its speed at (2, 16, 8k, 8k,
+# 128) can differ between them by several percent (544 and 591 TFLOP/s in the executed copy's run,
+# H100 80GB HBM3, 2026-12-07); each ratio is taken within one cell.
 
 # %%
 bench = nb.measure(6, [(2, 16, 8192, 8192, 128)], also_stages=(5,))

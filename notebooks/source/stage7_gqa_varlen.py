@@ -161,10 +161,10 @@ nb.show_source(7, "hopper", names=["Sm90Kernel.seq_info"])
 # %% [markdown]
 # ### 5.2 The CTA grid of a ragged batch
 #
-# The grid is (ceil(max_seqlen_q / 128), H, sequences): as many Q tiles per sequence as the longest
-# has. A CTA whose tile starts past its sequence's end finds an empty tile range (a line added to
+# The grid is (ceil(G max_seqlen_q / 128), H / G, sequences), G = 1 until pack-GQA (5.3b): as many
+# Q tiles per sequence as the longest has. A CTA whose tile starts past its sequence's end finds an empty tile range (a line added to
 # `kv_tile_range`) and, like stage 6's Q tiles that see no key, loads no K or V and computes
-# nothing; it still loads its Q tile (the load is issued before the range is looked at) and then
+# nothing; it still loads its Q tile (Q is loaded whatever the range) and then
 # stores nothing. The picture: five sequences (one of them empty), causal, two of the H heads drawn
 # (all heads look the same); the number in a cell is the count of KV tiles that CTA computes.
 
