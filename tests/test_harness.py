@@ -325,3 +325,59 @@ def test_a_pinned_sdpa_call_is_timed_inside_its_backend_choice_entered_once():
     assert call is plain
     with context:
         assert call() == 1
+
+
+def test_time_ms_and_gpu_ms_time_a_pinned_call_inside_its_context(monkeypatch):
+    """time_ms and gpu_ms (with CUDA's events, synchronize and the profiler stood in for on the
+    CPU) call the bare call of a pinned SDPA callable, never its per-call wrapper, and every call
+    they make runs inside the backend's context."""
+    import contextlib
+
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    from common.tools import timing
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 1.0
+
+    class Profile:
+        def events(self):
+            return []
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(
+        "torch.profiler.profile", lambda **kw: contextlib.nullcontext(Profile()), raising=True
+    )
+    seen = []
+
+    def bare():
+        seen.append(
+            (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
+        )
+
+    run = timing.pinned(SDPBackend.FLASH_ATTENTION, bare)
+    wrapper_calls = []
+    inner = run.timed
+    run.timed = inner
+
+    def counting_wrapper(*args):  # what a per-call pin would cost: must not be called
+        wrapper_calls.append(args)
+        return inner(*args)
+
+    counting_wrapper.timed = inner
+    counting_wrapper.outer_context = run.outer_context
+    assert timing.time_ms(counting_wrapper, [()], warmup=2, reps=3) == 1.0
+    assert len(seen) == 5 and set(seen) == {(True, False)}
+    seen.clear()
+    timing.gpu_ms(counting_wrapper, [()], reps=3)
+    assert len(seen) == 4 and set(seen) == {(True, False)}
+    assert wrapper_calls == []

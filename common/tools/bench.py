@@ -249,7 +249,7 @@ def stage7_rows(track, dtype, record):
             mask = keep[:, None, None, :]
             if causal:
                 mask = mask & (qi[None, :] <= qi[:, None])[None, None]
-            # cuDNN is pinned inside each call (the rounds run after this block is built).
+            # cuDNN pinned by timing.pinned: the timers enter its context once, around the calls.
             try:
                 timed(
                     todo,

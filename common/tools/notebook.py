@@ -1831,7 +1831,7 @@ def measure_calls(stage, calls, title=None):
     with no_poison():
         for label, (fn, flops) in calls.items():
             fn()
-            ms = timing.time_ms(lambda: fn(), [()])
+            ms = timing.time_ms(fn, [()])
             tf = timing.tflops(flops, ms)
             first = first if first is not None else tf
             res[label] = tf

@@ -83,7 +83,7 @@ split_range = type(kernel).split_range.__wrapped__
 # - cut a KV range the way `split_range` does, say which splits get no key and what they write;
 # - apply the split-count rule (`splits_for`) to a shape and say why a batch of 16 is not split;
 # - use `seqused_k` and say why keys past it never reach O even when they hold NaN;
-# - read the measured decode table (H100 80GB HBM3, 2026-12-06): where stage 13 reaches SDPA's
+# - read the measured decode table (H100 80GB HBM3, 2026-12-07): where stage 13 reaches SDPA's
 #   cuDNN backend, where it does not, and what the host's work per call has to do with it.
 #
 # ## 2. Previous stage recap
@@ -559,17 +559,19 @@ fig = nb.error_picture(13, result)
 # 25 us of host work per call. The 3,800 GB/s are set for the H200's 4.8 TB/s; the H100 below
 # has 3,350 GB/s and cannot reach them.
 #
-# `make bench`'s decode rows on an NVIDIA H100 80GB HBM3 (2026-12-06, bf16, $S_q$ = 1, D = 128;
-# `docs/results/decode_h100_2026-12-06_split_launch.md`), the kernels as they are: stage 12, stage
+# `make bench --stages 13 --decode-sweep` on an NVIDIA H100 80GB HBM3 (2026-12-07, bf16, $S_q$ = 1,
+# D = 128; `docs/results/decode_h100_2026-12-07_sweep.md`), the kernels as they are: the six decode
+# rows of `make bench` first, then B = 1, 4, 16, 64 x $S_k$ = 4k, 16k, 64k, 256k; stage 12, stage
 # 13, FA4 and SDPA's cuDNN, flash and memory-efficient backends, all timed in the same interleaved
-# rounds, inputs rotated past L2. A decode step is bound by memory, so the unit is GB/s of K and V
-# read, $2 S_k H_{kv} D \cdot 2\,\text{B} \cdot B$ / time. Two timings: calls back to back between
-# CUDA events (what a model sees, host work included) and GPU time alone (the kernels' durations;
-# for stage 13 the attention kernel and the combine). The cell reads the run's `.json` file (which
-# also holds stage 14 on paged caches: `docs/notes/stage14.md`).
+# rounds, inputs rotated past L2, SDPA inside its backend's context (`sdpa_kernel`) entered once
+# around the timed calls. A decode step is bound by memory, so the unit is GB/s of K and V read,
+# $2 S_k H_{kv} D \cdot 2\,\text{B} \cdot B$ / time. Two timings: calls back to back between CUDA
+# events (what a model sees, host work included) and GPU time alone (the kernels' durations; for
+# stage 13 the attention kernel and the combine). The cell reads the run's `.json` file (which also
+# holds stage 14 on paged caches: `docs/notes/stage14.md`).
 
 # %%
-with open(os.path.join(nb.ROOT, "docs/results/decode_h100_2026-12-06_split_launch.json")) as f:
+with open(os.path.join(nb.ROOT, "docs/results/decode_h100_2026-12-07_sweep.json")) as f:
     decode = json.load(f)
 KERNELS = ["stage 12", "stage 13", "FA4", "SDPA cuDNN", "SDPA flash", "SDPA efficient"]
 gpu_time = {tuple(r["shape"]): r["tflops"] for r in decode["rows"] if r["stage"] == "13 decode GPU"}
@@ -606,25 +608,24 @@ fig = figures.decode_bars(
 )
 
 # %% [markdown]
-# Read from the table (H100 80GB HBM3, 2026-12-06):
+# Read from the table (H100 80GB HBM3, 2026-12-07):
 #
 # - **The split pays where the tiles are few.** At batch 1 with 8 KV heads stage 12 stays under
-#   400 GB/s whatever $S_k$ (8 CTAs); stage 13, cut 16 ways, reads 735 GB/s at 8k, 2,276 at 32k
-#   and 2,889 at 128k back to back, 7.5x stage 12 at 128k. FA4 stays near stage 12 on these
-#   rows. With 32 KV heads (4 splits) or a batch of 8 (2 splits) stage 13 reaches 2,894-2,969
-#   GB/s; at a batch of 32 the launch does not split.
-# - **Against SDPA's cuDNN backend, in GPU time:** 1.03x at 8k and 1.00x at 32k (batch 1),
-#   0.98-0.99x in the other rows. There both kernels read 88-92% of the H100's 3,350 GB/s; at
-#   batch 32 the 256 work tiles leave 8 of 132 SMs idle for the second round, about 3%
-#   (`docs/notes/stage13.md`). Back to back 0.97-1.42x; but in this run SDPA's calls were timed
-#   with its backend context (`sdpa_kernel`) entered at every call, about 30 us of Python that a
-#   model pays once. Timed inside that context entered once (the same GPU, 2026-12-07, 16 rows,
-#   `docs/results/decode_h100_2026-12-07_sweep.md`), stage 13 reads 0.79-1.01x cuDNN back to
-#   back, 18-21% behind at batch 1 with 8 KV heads at 8k and 32k, where its host work sets the
-#   pace, and 0.985-1.045x in GPU time.
-# - **Short caches are host-bound.** At 8k and 32k a call back to back takes longer than its GPU
-#   work, so the event-timed GB/s measure the host: 2,276 GB/s at 32k back to back against 2,648
-#   in GPU time. The next section is the host's side.
+#   400 GB/s whatever $S_k$ (8 CTAs); stage 13, cut 16 ways, reads 735 GB/s at 8k, 1,969 at 32k,
+#   2,999 at 128k and 3,108 at 256k back to back, 7.7x stage 12 at 128k. FA4 stays near stage 12
+#   on these rows. With 32 KV heads (4 splits) or a batch of 8 (2 splits) stage 13 reaches
+#   3,015-3,099 GB/s; from a batch of 16 the launch does not split.
+# - **Against SDPA's cuDNN backend, in GPU time:** 0.985-1.045x; at or above cuDNN in 8 of the 16
+#   rows, 0.2-0.6% behind in 6 and 1.3-1.5% behind at batch 32, 8k and batch 64, 4k, where stage
+#   13 reads 93% of the H100's 3,350 GB/s and cuDNN 94-95%: 256 and 512 work tiles over 132 SMs
+#   leave the last round 3% short (`docs/notes/stage13.md`).
+# - **Back to back, short caches are host-bound:** 0.79-1.01x cuDNN, 18-21% behind at batch 1
+#   with 8 KV heads at 8k and 32k (1,969 GB/s at 32k back to back against 2,748 in GPU time),
+#   where a split call's host work is longer than its kernels. The next section is the host's
+#   side. Runs before this one entered SDPA's backend context inside every timed call, and there
+#   SDPA's call read 29-37 us longer at batch 1, 4k-8k (this run against the one before it that
+#   day, `docs/results/decode_h100_2026-12-07_sweep_pin_per_call.md`): their back-to-back ratios
+#   (up to 1.42x on 2026-12-06) overstate stage 13.
 #
 # On the H200 (2026-12-04, `docs/results/decode_h200_2026-12-04.md`), with the kernel as it was
 # then (128-row tiles, the combine's loops rolled), stage 13 read 491 GB/s at 8k, 1,732 at 32k and

@@ -591,7 +591,8 @@ fig = figures.paged_ratios(
 #
 # Over 16 rows (B = 1-64, 4k-256k keys; H100 80GB HBM3, 2026-12-07,
 # `docs/results/decode_h100_2026-12-07_sweep.md`) pages of 64 keys or more read 0.94-0.995 of stage
-# 13 in GPU time (below 0.95 only at B = 1, 4k, with pages of 128 and 256) and pages of 16
+# 13 in GPU time (below 0.95 only at B = 1, 4k, with pages of 128 and 256, by less than two runs
+# differ there) and pages of 16
 # 0.92-0.97.
 #
 # On the H200 (2026-12-04, `docs/results/decode_h200_2026-12-04.md`), with the kernel and launch
