@@ -58,20 +58,26 @@ def window_stats(t0, t1, samples, settle_s=0.3):
 
 
 def _window(fn, sets, seconds):
+    """Calls of fn for `seconds`, 4 at a time (a pinned SDPA call inside its backend's context,
+    entered once: timing.pinned): (start, end, calls, ms a call between CUDA events)."""
     import torch
 
+    from common.tools import timing
+
+    fn, context = timing._unpinned(fn)
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    t0 = time.time()
-    start.record()
-    calls = 0
-    while time.time() - t0 < seconds:
-        for _ in range(4):
-            fn(*sets[calls % len(sets)])
-            calls += 1
+    with context:
         torch.cuda.synchronize()
-    stop.record()
-    torch.cuda.synchronize()
+        t0 = time.time()
+        start.record()
+        calls = 0
+        while time.time() - t0 < seconds:
+            for _ in range(4):
+                fn(*sets[calls % len(sets)])
+                calls += 1
+            torch.cuda.synchronize()
+        stop.record()
+        torch.cuda.synchronize()
     return t0, time.time(), calls, start.elapsed_time(stop) / calls
 
 
