@@ -237,10 +237,19 @@ def error_line(e):
     terminal colours, and, where the DSL names a place (`--> file:line`), that line of the edited
     file and its text."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()
+    # A syntax error names the edited copy (load_stage_file's module): name the learner's file.
+    text = re.sub(
+        r"_exercise_stage(\d+)_(hopper|blackwell)_\d+\.py",
+        lambda m: os.path.relpath(stage_path(int(m.group(1)), m.group(2)), ROOT),
+        text,
+    )
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if not lines:
         return ""
     first = lines[0].removeprefix("error:").strip()
+    if first.endswith(":") and len(lines) > 1:
+        # "Operation creation failed:" says nothing alone; the reason is on the next line.
+        first += " " + lines[1].removeprefix("error:").removeprefix(" unknown:").strip()
     place = next((m for m in map(re.compile(r"^-->\s*\S+:(\d+)$").match, lines) if m), None)
     if place:
         number = place.group(1)
@@ -337,7 +346,8 @@ _ALL.append(
             "Halve the K tile: in `Sm90Kernel.__init__` of `stages/stage2_qk/hopper.py` set "
             "`self.cta_tile = (128, 64, head_dim)` (64 keys per K tile instead of 128). Before "
             "you run the check, predict at D = 128 the wgmma instruction shape in the PTX and "
-            "the shared memory the kernel asks for (161 KiB with 128 keys)."
+            "the shared memory the kernel asks for (161 KiB with 128 keys: the docstring's 160 KiB of "
+            "tiles plus 1 KiB of mbarriers and alignment)."
         ),
         solution=(
             (
@@ -347,7 +357,10 @@ _ALL.append(
         ),
         check=_check_2a,
         gpu_check=_gpu_2a,
-        hint="m64n64k16; the K slots and the fp32 S staging tile both halve: 32 + 2 x 16 + 32 + 1",
+        hint=(
+            "m64n64k16; the K slots and the fp32 S staging tile both halve: Q 32 + 2 x 16 (K) "
+            "+ 32 (S staging) + 1 (mbarriers, alignment) = 97 KiB"
+        ),
     )
 )
 
@@ -398,7 +411,10 @@ _ALL.append(
             ),
         ),
         check=_check_3a,
-        hint="128 / 64 loads for S and 128 / 64 for O",
+        hint=(
+            "change both lines: tmem_load_cols = 64 alone still gives 8 loads of .x32, and the "
+            ".x64 atom alone does not compile; then 128 / 64 loads for S and 128 / 64 for O"
+        ),
     )
 )
 
@@ -1111,7 +1127,11 @@ def _check_11a(mod):
         f"(SMs busy {got.busy:.1%}), longest first at {ref.end:g} ({ref.busy:.1%})"
     )
     if got.end <= ref.end:
-        return Result(False, seen + " (the exercise hands the Q tiles out first to last)")
+        return Result(
+            False,
+            seen + " (tile_coords still hands the Q tiles out longest first; the exercise asks "
+            "for first to last)",
+        )
     return Result(
         True,
         seen + f": {got.end - ref.end:g} KV tiles of tail, the longest tiles running last on a few "
@@ -1218,7 +1238,8 @@ _ALL.append(
         check=_check_12a,
         gpu_check=_gpu_in_own_process,
         hint="a thread's 32 columns of a row: four chains of 7 fmax (each starts at a column), "
-        "folded in 2 steps, then the running max and the quad's 2 exchanges; one chain is 28 deep",
+        "folded in 2 steps, then the running max and the quad's 2 exchanges: 12 deep; after the "
+        "edit chains[0] takes the other 28 columns, then the same 5 steps: 33 deep",
     )
 )
 
@@ -1663,7 +1684,8 @@ def exercise(id):
         return EXERCISES[id]
     except KeyError:
         raise ValueError(
-            f"exercise {id!r} does not exist; exercises: {sorted(EXERCISES)}"
+            f"exercise {id!r} does not exist; exercises: "
+            f"{sorted(EXERCISES, key=lambda e: (int(e[:-1]), e))}"
         ) from None
 
 

@@ -1879,9 +1879,11 @@ def tmem_plan(stage, head_dim=128, block_n=128):
                 regions = [
                     (n, found.get("S" if n == "C" else n, s), w, what) for n, s, w, what in regions
                 ]
+                # Stage 1's GEMM accumulator sits where S will from stage 2 on (tmem_s_offset).
+                names = {"S": "the accumulator (S from stage 2 on)"} if stage == 1 else {}
                 source = (
                     "the offsets the stage file's Sm100Kernel sets ("
-                    + ", ".join(f"{k} at column {v}" for k, v in found.items())
+                    + ", ".join(f"{names.get(k, k)} at column {v}" for k, v in found.items())
                     + ")"
                 )
             alloc = getattr(kernel, "num_tmem_alloc_cols", None) or alloc

@@ -74,7 +74,7 @@ def stage_kernel(stage, D=128, **settings):
 #   `q_empty`) and compute both barriers' parities for any tile;
 # - say which tiles `first_nonempty_tile` skips in packed sequences and why;
 # - compute the order of the tiles for a shape - longest first, in sections of a power of two
-#   (head, sequence) pairs whose K and V fit in the 50 MB L2 - and draw which SM runs which tile;
+#   (head, sequence) pairs whose K and V fit in the 50 MiB L2 - and draw which SM runs which tile;
 # - do the shared-memory arithmetic of O's own buffer: 5 K/V slots instead of 6 at D = 128;
 # - read the measured step from stage 10 to stage 11 (H200, 2026-12-04): where it gains, and
 #   where it is slower.
@@ -153,7 +153,7 @@ nb.table(
 # ### 3.2 The L2 section
 #
 # The CTAs that run at the same time should read the same K and V, so that L2 serves the
-# repeats. A (head, sequence) pair has $S_k \cdot 2D$ elements of K and V; an L2 of 50 MB
+# repeats. A (head, sequence) pair has $S_k \cdot 2D$ elements of K and V; an L2 of 50 MiB
 # (`l2_bytes` = 50 x 2^20: the H100's and the H200's) holds
 #
 # $$\text{fit} = \Big\lfloor \frac{\texttt{l2\_bytes}}{2D \cdot 2\,\text{B} \cdot S_k}\Big\rfloor
@@ -478,7 +478,7 @@ for (label, plan), (_, k) in zip(plans, orders):
 # Head by head, the 132 CTAs read 3-4 heads' K and V at a time, well inside L2, but the long
 # and short tiles alternate head after head, and the model ends later. One section of all pairs
 # gives the best order and asks L2 for 128 MiB. The sections keep the order's gain and the
-# working set under 50 MB, except near a section's end, where the CTAs run tiles of two sections.
+# working set under 50 MiB, except near a section's end, where the CTAs run tiles of two sections.
 #
 # ### 5.6 O gets its own buffer
 #
@@ -541,7 +541,7 @@ if report is not None and report10 is not None:
 # number past the end ends every loop. Every pipeline state lives across tiles; O still leaves
 # by the correction warps' rows (its TMA store is Blackwell stage 12's tuning 4). The loops keep
 # more values live: the correction warpgroup's 96 registers of stage 9's split hold them (at 80
-# it spilled), and ptxas of CUDA 13.0 reports no spill in any tested configuration (2026-12-06,
+# it spilled), and ptxas of CUDA 13.0 reports no spill in any tested configuration (2026-12-07,
 # `docs/notes/stage11.md`). The cells below show the concept table of the two tracks and the
 # compile summary.
 #
@@ -561,7 +561,7 @@ report_bw = nb.compile_summary(11, "blackwell")
 # within 3x PyTorch's own bf16 error), the masks of stage 6 including rows with no key, GQA, and a
 # packed batch with a zero-length and a one-token sequence and NaN planted around each sequence.
 # The loop inside a tile is stage 10's, so O and LSE should equal stage 10's bit for bit whatever
-# SM runs a tile; the last cell runs stage 11 on a grid capped at 7 CTAs (`sm_count = 7`), so
+# SM runs a tile; the second cell below runs stage 11 on a grid capped at 7 CTAs (`sm_count = 7`), so
 # that each CTA walks many tiles and the ring and Q's barriers wrap many times, and compares it
 # with stage 10 bit for bit, without a mask (the fixed share) and causal (the tile counter).
 

@@ -679,7 +679,7 @@ fig = figures.measured_ratios(
 # %% [markdown]
 # **Where stage 12 is below.** Against FA4, from S = 2k: at D = 64 causal at every length,
 # 0.93-0.96x (0.96x in GPU time alone); at D = 64 non-causal from 4k, 0.95-0.99x (0.98-1.00x in
-# GPU time); at D = 128 non-causal 0.97-0.99x from 4k (0.98-0.99x in GPU time). At D = 128 causal it
+# GPU time); at D = 128 non-causal 0.97-0.99x from 4k (0.99x in GPU time). At D = 128 causal it
 # is level or ahead from 4k (1.01-1.03x); the event-timed 0.82x at D = 128 causal S = 2k is not
 # seen in GPU time alone (1.03x) nor in the tunings run of the same day (552 against FA4's 533
 # TFLOP/s, 7.1), so that row is a run-to-run outlier of event timing rather than the kernel. At

@@ -70,7 +70,7 @@ nb.start(1)
 # - say which thread of a warpgroup holds which element of a `wgmma` accumulator;
 # - find the matrix instructions in the PTX and count them per K tile;
 # - change a pipeline depth or a tile size from the notebook and see the new kernel compiled and
-#   measured (`nb.kernel_settings`, `nb.reload_stage`);
+#   measured (`settings=` of `nb.compile_summary`, `variants=` of `nb.measure`, `nb.reload_stage`);
 # - say what changes on Blackwell: the accumulator in tensor memory (TMEM), one thread issuing
 #   `tcgen05.mma`, warps with fixed roles.
 #
@@ -349,8 +349,8 @@ nb.show_source(1, "hopper", names=["Sm90Kernel.load_tiles"])
 # ### 5.5 The accumulator: which thread holds what
 #
 # `wgmma.mma_async.m64nNk16` multiplies a 64 x 16 tile of A by a 16 x N tile of B into a 64 x N fp32
-# accumulator spread over the 128 threads of the warpgroup. The PTX ISA fixes the layout: thread t
-# of warp w holds rows $16w + \lfloor t/4 \rfloor$ and $16w + \lfloor t/4 \rfloor + 8$, columns
+# accumulator spread over the 128 threads of the warpgroup. The PTX ISA fixes the layout: lane t
+# (0-31) of warp w holds rows $16w + \lfloor t/4 \rfloor$ and $16w + \lfloor t/4 \rfloor + 8$, columns
 # $2(t \bmod 4) + 8i + \{0, 1\}$ for $i = 0 \ldots N/8 - 1$: N/2 registers per thread, and each
 # row spread over the 4 threads of a *quad*. With two warpgroups stacked along M and N = 256 that is
 # 128 fp32 registers per thread for C. This layout matters from stage 3 on, when the softmax

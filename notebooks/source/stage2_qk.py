@@ -72,7 +72,8 @@ nb.start(2)
 # \qquad \text{scale} = \frac{1}{\sqrt{D}} \text{ unless given.}$$
 #
 # This is stage 1's GEMM with $A = Q$, $B = K$, $M = S_q$, $N = S_k$ and a reduction over only
-# $K = D \le 128$: a whole row of Q fits in one K tile, so there is no K loop any more. The loop
+# $K = D \le 128$: a whole row of Q fits in one reduction step ($b_K = D$), so there is no loop over
+# the reduction any more. The loop
 # runs over tiles of keys instead (`kv_tile` = 0, 1, ...), and each step produces a finished
 # $128 \times 128$ tile of S. Work: $2\,B H S_q S_k D$ operations. Output: $4\,B H S_q S_k$ bytes of
 # fp32. The cell below puts the two side by side.
@@ -120,8 +121,8 @@ nb.show_diff(2, "hopper")
 # ### 5.1 The attention grid
 #
 # One CTA per 128-row tile of Q of one head of one batch; each CTA produces the 128-row band of S
-# for its rows, one 128-key tile at a time. `__init__` now takes the head dim: the K tile of the
-# reduction is the whole row of Q, $b_K = D$.
+# for its rows, one 128-key tile at a time. `__init__` now takes the head dim: the reduction tile
+# is the whole row of Q, $b_K = D$; from here on "K tile" means a tile of 128 keys.
 
 # %%
 cfg = nb.show_config(2, "hopper")
@@ -168,6 +169,7 @@ print(
     f"shared memory, D = {D}: Q {q_bytes // 1024} KB + {kv_slots} K slots x {k_bytes // 1024} KB "
     f"+ S staging {s_bytes // 1024} KB = {(q_bytes + kv_slots * k_bytes + s_bytes) // 1024} KB of 227 KB"
 )
+print("(the compile summary adds 1 KiB: the mbarriers, and sQ's start on a 1,024-byte boundary)")
 nb.show_source(2, "hopper", section="# 2.")
 
 # %% [markdown]
@@ -278,7 +280,8 @@ bench = nb.measure(2, [(4, 32, 2048, 2048, 64), (4, 16, 2048, 2048, 128)])
 #
 # <details><summary>4. Head dim 64</summary>
 #
-# Q 16 KB + 2 x 16 KB + the 64 KB fp32 S staging = 112 KB: the S staging tile does not shrink with
+# Q 16 KB + 2 x 16 KB + the 64 KB fp32 S staging = 112 KB (113 KiB in the compile summary, with the
+# mbarriers and alignment): the S staging tile does not shrink with
 # D. That is 48 KB less than at D = 128 and leaves 115 KB of the 227 KB unused: room for a deeper
 # ring (16 KB per K slot) or a second 64 KB S staging buffer, so that a store overlaps the next
 # tile.

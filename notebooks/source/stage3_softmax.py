@@ -121,8 +121,8 @@ nb.show_diff(3, "hopper")
 #
 # ### 5.1 A row lives in a quad: the row max and row sum
 #
-# Each warpgroup owns 64 rows of the 128 x 128 S tile as a 64 x 128 `wgmma` accumulator: thread t
-# of warp w holds rows $16w + \lfloor t/4\rfloor$ and that $+8$, 32 columns of each (pairs of
+# Each warpgroup owns 64 rows of the 128 x 128 S tile as a 64 x 128 `wgmma` accumulator: lane t
+# (0-31) of warp w holds rows $16w + \lfloor t/4\rfloor$ and that $+8$, 32 columns of each (pairs of
 # neighbours every 8 columns; stage 1, section 5.5). The 4 threads of a quad (lanes $4r \ldots 4r+3$)
 # hold one row between them. So the row max is a max over the thread's own 32 values, then two
 # butterfly shuffles inside the quad: exchange with lane XOR 2, then with lane XOR 1 (the order of
@@ -145,8 +145,8 @@ nb.show_source(3, "hopper", names=["Sm90Kernel.rows_view", "Sm90Kernel.softmax"]
 # ### 5.2 P stays in registers
 #
 # The second GEMM is $O = PV$ with P as the A operand. `wgmma` can take A from registers, in a
-# fixed fragment layout: for a 64 x 16 block of A, thread t holds rows $\lfloor t/4\rfloor$ and
-# $+8$, columns $2(t \bmod 4) + \{0,1,8,9\}$. That is exactly where the same thread's
+# fixed fragment layout: for a 64 x 16 block of A, lane t of warp w holds rows $16w + \lfloor t/4\rfloor$
+# and $+8$, columns $2(t \bmod 4) + \{0,1,8,9\}$. That is exactly where the same thread's
 # accumulator values of S sit for those 16 keys. So no data moves between threads: the kernel
 # rounds P to bf16 and *views* the accumulator as the A operand (`acc_as_operand_a`). The picture
 # shows one thread's values in both roles, for the first two 16-key blocks.

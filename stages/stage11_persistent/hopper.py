@@ -9,8 +9,8 @@ Changes from stage 10:
 - The scheduler (next_tile): no mask, batch mode: CTA c takes c, c + gridDim.x, ...; under a
   mask or for packed sequences the producer draws the next tile from an atomic counter and hands
   its number to the consumers with Q (tile_id); a number past the end ends both loops.
-- The order (tile_coords): longest first, in sections of (head, sequence) pairs whose K and V
-  fit in the 50 MB L2 together (l2_section_heads).
+- The order (tile_coords): longest first; under a mask in batch mode in sections of (head,
+  sequence) pairs whose K and V fit in the 50 MiB L2 together (l2_section_heads).
 - O gets its own buffer (32 KB at D = 128, 16 KB at D = 64): the consumers release Q after
   their last GEMM, so the next tile's Q lands while O is stored. The ring loses a slot:
   5 x 32 KB (D = 128), 12 x 16 KB (D = 64), 225 KB both.
@@ -94,7 +94,7 @@ class Sm90Kernel:
         # Under a mask (batch mode) the work tiles go longest first across as many (head,
         # sequence) pairs as fit their K and V in L2 (tile_coords); off: head by head.
         self.l2_sections = True
-        self.l2_bytes = 50 * 1024 * 1024  # L2 of the H100 and the H200: 50 MB
+        self.l2_bytes = 50 * 1024 * 1024  # L2 of the H100 and the H200: 50 MiB
         # The launch passes tile_counter (common/attention_host.py): the dynamic scheduler's.
         self.uses_tile_counter = True
 
@@ -948,10 +948,11 @@ class Sm90Kernel:
         gO = cute.local_tile(mO_seq, self.cta_tile, (pid_m, None, 0), proj=(1, None, 1))
         # Shared memory -> global memory, 16 bytes per thread and copy, only the rows
         # inside the sequence: TMA would clip at the packed tensor's end, not the
-        # sequence's, and write the tile's last rows into the next sequence's O. Then
-        # this thread is done with the tile's Q and sO: its arrive on q_empty, after a
-        # proxy fence (the next Q is written by TMA, the async proxy, over bytes this
-        # thread accessed with ordinary loads and stores).
+        # sequence's, and write the tile's last rows into the next sequence's O. With O
+        # over Q (o_buffer off) this thread is then done with the tile's Q and sO: its
+        # arrive on q_empty, after a proxy fence (the next Q is written by TMA, the async
+        # proxy, over bytes this thread accessed with ordinary loads and stores); with O's
+        # own buffer it arrived at the top of the epilogue.
         self.store_rows(
             sO,
             gO,
@@ -1105,7 +1106,7 @@ class Sm90Kernel:
 
     @cute.jit
     def l2_section_heads(self, seqlen_k, pairs):
-        """How many (head, sequence) pairs' K and V (Sk x 2 D bytes each) fit in the 50 MB L2
+        """How many (head, sequence) pairs' K and V (Sk x 2 D bytes each) fit in the 50 MiB L2
         together (the H100's and the H200's), rounded down to a power of two as FlashAttention's
         LPT scheduler, at least 1 and at most the largest power of two dividing the number of
         pairs (pairs & -pairs), so that every section is whole."""

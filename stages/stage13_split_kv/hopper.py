@@ -126,7 +126,7 @@ class Sm90Kernel:
         # Under a mask (batch mode) the work tiles go longest first across as many (head,
         # sequence) pairs as fit their K and V in L2 (tile_coords); off: head by head.
         self.l2_sections = True
-        self.l2_bytes = 50 * 1024 * 1024  # L2 of the H100 and the H200: 50 MB
+        self.l2_bytes = 50 * 1024 * 1024  # L2 of the H100 and the H200: 50 MiB
         # The launch passes tile_counter (common/attention_host.py): the dynamic scheduler's.
         self.uses_tile_counter = True
         # The tunings of the loop (the module's TUNINGS, numbered as there).
@@ -1119,10 +1119,11 @@ class Sm90Kernel:
         gO = cute.local_tile(mO_seq, self.cta_tile, (pid_m, None, 0), proj=(1, None, 1))
         # Shared memory -> global memory, 16 bytes per thread and copy, only the rows
         # inside the sequence: TMA would clip at the packed tensor's end, not the
-        # sequence's, and write the tile's last rows into the next sequence's O. Then
-        # this thread is done with the tile's Q and sO: its arrive on q_empty, after a
-        # proxy fence (the next Q is written by TMA, the async proxy, over bytes this
-        # thread accessed with ordinary loads and stores).
+        # sequence's, and write the tile's last rows into the next sequence's O. With O
+        # over Q (o_buffer off) this thread is then done with the tile's Q and sO: its
+        # arrive on q_empty, after a proxy fence (the next Q is written by TMA, the async
+        # proxy, over bytes this thread accessed with ordinary loads and stores); with O's
+        # own buffer it arrived at the top of the epilogue.
         self.store_rows(
             sO,
             gO,
@@ -1396,7 +1397,7 @@ class Sm90Kernel:
 
     @cute.jit
     def l2_section_heads(self, seqlen_k, pairs):
-        """How many (head, sequence) pairs' K and V (Sk x 2 D bytes each) fit in the 50 MB L2
+        """How many (head, sequence) pairs' K and V (Sk x 2 D bytes each) fit in the 50 MiB L2
         together (the H100's and the H200's), rounded down to a power of two as FlashAttention's
         LPT scheduler, at least 1 and at most the largest power of two dividing the number of
         pairs (pairs & -pairs), so that every section is whole."""
@@ -1518,8 +1519,9 @@ class Sm90Kernel:
             cute.arch.mbarrier_arrive(q_empty)
 
     def store_rows_per_pass(self):
-        """Rows per pass of store_rows, a 16-byte chunk per consumer thread (48 or 24 with three
-        warpgroups); the power of two below where packed GQA's G (32, 64) would not divide it."""
+        """Rows per pass of store_rows, a 16-byte chunk per consumer thread (D = 64: 32, or 48
+        with three warpgroups; D = 128: 16); the power of two below where packed GQA's G (32,
+        64) would not divide it."""
         rows = self.mma_threads // (self.cta_tile[2] // 8)
         if rows % self.pack_gqa != 0 and self.pack_gqa % rows != 0:
             rows = 1 << (rows.bit_length() - 1)

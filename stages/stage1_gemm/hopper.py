@@ -34,8 +34,8 @@ predecessor; it sets up the skeleton that every later Hopper stage keeps:
   clips the rows and columns that fall outside C.
 - Tile order: the CTA launched i-th computes tile i of a band of raster_m = 16 M-tiles walked
   N-tile by N-tile, so the 132 CTAs resident at once (one per SM) cover 16 x ~8 tiles of C and
-  read 16 x 128 rows of A and ~8 x 256 rows of B (the smallest such footprint), rather than 64 x 2
-  tiles in plain launch order.
+  read 16 x 128 rows of A and ~8 x 256 rows of B (the smallest such footprint), rather than 64 x ~2
+  tiles in plain launch order (at M = 8192: 64 M-tiles to a column of C).
 - Static layouts (one compile per shape): the index math folds into constants; shapes with a
   size-1 mode get dynamic layouts instead (see gemm()).
 
@@ -332,10 +332,12 @@ class Sm90Kernel:
 
 
 def compile_args(dtype, shape, scale=None, **options):
-    """(kernel, args) for cute.compile with fake tensors, shape = (M, N, K); no scale in stage 1."""
+    """(kernel, args) for cute.compile with fake tensors, shape = (M, N, K); no scale in stage 1.
+    The layouts are those gemm() launches with: static, dynamic when a dimension is 1."""
     checks.check_options(options, allowed=())
     M, N, K = shape
-    a, b, c = fake_tensor(dtype, (M, K)), fake_tensor(dtype, (N, K)), fake_tensor(dtype, (M, N))
+    dynamic = 1 in (M, N, K)
+    a, b, c = (fake_tensor(dtype, s, dynamic=dynamic) for s in ((M, K), (N, K), (M, N)))
     return Sm90Kernel(cute_dtype(dtype)), (a, b, c, fake_stream())
 
 

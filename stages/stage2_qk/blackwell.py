@@ -80,8 +80,9 @@ class Sm100Kernel:
         self.q_buffers = 1
         self.kv_slots = 2
         self.s_buffers = 1
-        # Ring entries per KV tile, in order, one tuple per sweep over the KV tiles: what the TMA
-        # warp loads and what the MMA warp waits for (K for QK).
+        # Ring entries per KV tile, read by the CPU model of the schedule (common/tools/schedule.py),
+        # not by this kernel: one tuple per pass over the KV tiles (stages 4 and 5 make two), naming
+        # what the TMA warp loads and the MMA warp waits for (here K only).
         self.kv_producer_entries = (("K",),)
         self.kv_consumer_entries = (("K",),)
         # TMEM columns (32-bit cells; lane = row of the tile): S from column 0.

@@ -7,13 +7,15 @@ roles of its loops changed):
   TMA descriptor per tensor serves all (head, batch) pairs: a CTA addresses its own matrix with
   the coordinates (row, 0, h, b).
 - The reduction dimension is the head dim, D <= 128, so it fits in one tile: bK = D and the CTA
-  tile is 128 x 128 x D. The K loop of stage 1 (one A tile and one B tile per step) becomes a
-  loop over K tiles of 128 keys, and every step produces a complete 128 x 128 tile of S.
+  tile is 128 x 128 x D. Stage 1's loop over reduction tiles (one A tile and one B tile per
+  step) becomes a loop over K tiles - from here on a tile of 128 keys - and every step produces a
+  complete 128 x 128 tile of S.
 - Q is loaded once, by one TMA load announced on its own mbarrier (q_full, waited on phase 0),
   and stays resident in shared memory for all Sk / 128 steps: operand reuse. The pipeline now
   carries only K tiles through kv_slots = 2 slots (the ab_buffers of stage 1).
-- Shared memory (D = 128): Q 128 x 128 x 2 B = 32 KB, kv_slots x (128 x 128 x 2 B) = 2 x 32 KB,
-  S staging 128 x 128 x 4 B = 64 KB: 160 KB (D = 64: 16 + 2 x 16 + 64 = 112 KB).
+- Shared memory (D = 128): Q 128 x 128 x 2 B = 32 KiB, kv_slots x (128 x 128 x 2 B) = 2 x 32 KiB,
+  S staging 128 x 128 x 4 B = 64 KiB: 160 KiB of tiles (D = 64: 16 + 2 x 16 + 64 = 112 KiB). The
+  kernel asks for 1 KiB more: the mbarriers, and sQ starting on a 1,024-byte boundary.
 - Each step waits for its wgmmas (`wgmma.wait_group 0`): the whole S tile is needed before it can
   be written out. The K slot is released at once and refilled with the K tile kv_slots ahead.
 - The epilogue of stage 1 runs once per step, inside the main loop: S = scale * acc in fp32,

@@ -7,7 +7,8 @@ Changes from stage 2:
   wgmma mode, so the V tile sits in shared memory exactly as TMA brings it (the same 128B swizzle
   as a K tile: sVt is V^T viewed over the same bytes).
 - The ring carries K then V: K in slot 0, V in slot 1 (kv_slots = 2, both loaded up front).
-  Shared memory (D = 128): Q 32 KB + 2 slots x 32 KB = 96 KB (D = 64: 16 + 2 x 16 = 48 KB). O's
+  Shared memory (D = 128): Q 32 KiB + 2 slots x 32 KiB = 96 KiB of tiles, and the kernel asks for
+  1 KiB more for the mbarriers and sQ's 1,024-byte alignment (D = 64: 16 + 2 x 16 = 48 KiB). O's
   staging tile reuses Q's bytes, free once both warpgroups' S wgmmas are done; the fp32 S
   staging tile of stage 2 is gone:
 
@@ -23,7 +24,8 @@ Changes from stage 2:
 - P (fp32, accumulator layout) is rounded to the input dtype and used in place as the A operand
   of the second wgmma: for each 16-key block, the 8 values a thread holds for A (rows r, r + 8,
   keys 2 (lane % 4) + {0, 1, 8, 9}) are exactly its accumulator values of S for those keys, so
-  no data moves between threads. P: 128 x 128 bf16 / 256 threads = 32 registers.
+  no data moves between threads. P: 128 x 128 bf16 / 256 threads = 64 values a thread, two
+  16-bit values per 32-bit register: 32 registers.
 - Keys beyond Sk (when Sk < 128) read zeros from TMA; their scores are set to -inf before the
   softmax, so they get weight 0.
 - Epilogue: O = (P @ V) / row_sum, rounded to the input dtype, stored through shared memory

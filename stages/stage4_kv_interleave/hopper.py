@@ -23,8 +23,9 @@ Changes from stage 3:
   consumers wait for on the slot's full barrier, flipped after each use. The producer refills a
   slot after its release with the same parity: empty-barrier phase r completes when use r of
   the slot is released, just as full-barrier phase r completes when use r has landed.
-- Shared memory: Q + kv_slots x one tile = 32 + 2 x 32 = 96 KB (D = 128; D = 64: 48 KB) instead
-  of Q + K ring + V ring = 32 + 2 x 32 + 2 x 32 = 160 KB for the same two tiles of lookahead.
+- Shared memory: Q + kv_slots x one tile = 32 + 2 x 32 = 96 KB (D = 128; D = 64: 48 KB; 1 KB more
+  for the mbarriers and alignment) instead of Q + K ring + V ring = 32 + 2 x 32 + 2 x 32 = 160 KB
+  for the same two tiles of lookahead.
 - Exact softmax in two passes over the KV tiles. Pass 1 (K only): S = Q K^T, running row_max m
   and row_sum l (l is rescaled by exp2((m_old - m_new) * scale_log2) when m grows: two scalars
   per row, O is not involved). Pass 2 (K and V): S again, P = exp2(S * scale_log2 - m *

@@ -14,9 +14,9 @@ Changes from stage 4:
 - LSE (fp32, natural log) per row: ln l + m * scale = (m * scale_log2 + log2 l) * ln 2,
   written by one thread of each quad (rows beyond Sq skipped).
 - Work per KV tile: 2 wgmma batches (QK^T, PV) and 1 exp2 per score, against stage 4's 3 and 2:
-  at Sq = Sk the ideal speed-up over stage 4 is 1.5x.
+  the ideal speed-up over stage 4 is 1.5x, whatever the lengths.
 - Registers (ptxas of CUDA 13.0, 2026-12-07): 160 (D = 128), no spills; shared memory as in
-  stage 4 (96 KB at D = 128).
+  stage 4 (96 KB of tiles at D = 128; 97 KB with the mbarriers and sQ's 1,024-byte alignment).
 
 O = softmax(scale * Q K^T) V and, on request, LSE = log(sum_j exp(scale * Q K_j^T)) per row, for
 Q (B, H, Sq, D) and K, V (B, H, Sk, D) of any length, bf16 or fp16, D = 64 or 128: the
