@@ -625,3 +625,8 @@ nb.exercise("10a")
 
 # %%
 nb.check_exercise("10a")
+
+# %% [markdown]
+# **Next:** `make diff-11` shows what stage 11 adds to this one (`TRACK=blackwell` for the other
+# track), and [`stage11_persistent.ipynb`](stage11_persistent.ipynb) walks through it.
+# What this stage's measurements showed, and what was tried and dropped: [`docs/notes/stage10.md`](../docs/notes/stage10.md).

@@ -867,3 +867,8 @@ nb.exercise("11a")
 
 # %%
 nb.check_exercise("11a")
+
+# %% [markdown]
+# **Next:** `make diff-12` shows what stage 12 adds to this one (`TRACK=blackwell` for the other
+# track), and [`stage12_last_percent.ipynb`](stage12_last_percent.ipynb) walks through it.
+# What this stage's measurements showed, and what was tried and dropped: [`docs/notes/stage11.md`](../docs/notes/stage11.md).

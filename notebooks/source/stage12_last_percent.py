@@ -854,3 +854,8 @@ nb.exercise("12a")
 
 # %%
 nb.check_exercise("12a")
+
+# %% [markdown]
+# **Next:** `make diff-13` shows what stage 13 adds to this one (`TRACK=blackwell` for the other
+# track), and [`stage13_split_kv.ipynb`](stage13_split_kv.ipynb) walks through it.
+# What this stage's measurements showed, and what was tried and dropped: [`docs/notes/stage12.md`](../docs/notes/stage12.md).

@@ -815,3 +815,8 @@ nb.exercise("13a")
 
 # %%
 nb.check_exercise("13a")
+
+# %% [markdown]
+# **Next:** `make diff-14` shows what stage 14 adds to this one (`TRACK=blackwell` for the other
+# track), and [`stage14_paged_kv.ipynb`](stage14_paged_kv.ipynb) walks through it.
+# What this stage's measurements showed, and what was tried and dropped: [`docs/notes/stage13.md`](../docs/notes/stage13.md).

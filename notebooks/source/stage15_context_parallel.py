@@ -843,3 +843,8 @@ if check.done:
     )
 else:
     print("the edited schedule is drawn once the check says done")
+
+# %% [markdown]
+# **This is the last stage.** Every measured number, with its GPU and date:
+# [`docs/results/README.md`](../docs/results/README.md).
+# What this stage's measurements showed, and what was tried and dropped: [`docs/notes/stage15.md`](../docs/notes/stage15.md).

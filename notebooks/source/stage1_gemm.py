@@ -589,3 +589,8 @@ print(
     f"logical chunk {k * 2 // 16} -> stored chunk {figures.swizzle_128b_chunk(row, k * 2 // 16)}: "
     f"byte {figures.swizzle(row * 128 + k * 2)} of the tile"
 )
+
+# %% [markdown]
+# **Next:** `make diff-2` shows what stage 2 adds to this one (`TRACK=blackwell` for the other
+# track), and [`stage2_qk.ipynb`](stage2_qk.ipynb) walks through it.
+# What this stage's measurements showed, and what was tried and dropped: [`docs/notes/stage1.md`](../docs/notes/stage1.md).

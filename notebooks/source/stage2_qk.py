@@ -313,3 +313,8 @@ nb.exercise("2a")
 
 # %%
 nb.check_exercise("2a")
+
+# %% [markdown]
+# **Next:** `make diff-3` shows what stage 3 adds to this one (`TRACK=blackwell` for the other
+# track), and [`stage3_softmax.ipynb`](stage3_softmax.ipynb) walks through it.
+# What this stage's measurements showed, and what was tried and dropped: [`docs/notes/stage2.md`](../docs/notes/stage2.md).

@@ -351,3 +351,8 @@ nb.exercise("3a")
 
 # %%
 nb.check_exercise("3a")
+
+# %% [markdown]
+# **Next:** `make diff-4` shows what stage 4 adds to this one (`TRACK=blackwell` for the other
+# track), and [`stage4_kv_interleave.ipynb`](stage4_kv_interleave.ipynb) walks through it.
+# This stage's numbers: [`docs/results/README.md`](../docs/results/README.md) (stage 3 has no note).

@@ -407,3 +407,8 @@ nb.exercise("4b")
 
 # %%
 nb.check_exercise("4b")
+
+# %% [markdown]
+# **Next:** `make diff-5` shows what stage 5 adds to this one (`TRACK=blackwell` for the other
+# track), and [`stage5_online_softmax.ipynb`](stage5_online_softmax.ipynb) walks through it.
+# What this stage's measurements showed, and what was tried and dropped: [`docs/notes/stage4.md`](../docs/notes/stage4.md).

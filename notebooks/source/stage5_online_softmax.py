@@ -395,3 +395,8 @@ nb.exercise("5a")
 
 # %%
 nb.check_exercise("5a")
+
+# %% [markdown]
+# **Next:** `make diff-6` shows what stage 6 adds to this one (`TRACK=blackwell` for the other
+# track), and [`stage6_masks.ipynb`](stage6_masks.ipynb) walks through it.
+# What this stage's measurements showed, and what was tried and dropped: [`docs/notes/stage5.md`](../docs/notes/stage5.md).

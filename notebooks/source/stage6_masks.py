@@ -588,3 +588,8 @@ nb.exercise("6a")
 
 # %%
 nb.check_exercise("6a")
+
+# %% [markdown]
+# **Next:** `make diff-7` shows what stage 7 adds to this one (`TRACK=blackwell` for the other
+# track), and [`stage7_gqa_varlen.ipynb`](stage7_gqa_varlen.ipynb) walks through it.
+# What this stage's measurements showed, and what was tried and dropped: [`docs/notes/stage6.md`](../docs/notes/stage6.md).

@@ -553,3 +553,8 @@ nb.exercise("7a")
 
 # %%
 nb.check_exercise("7a")
+
+# %% [markdown]
+# **Next:** `make diff-8` shows what stage 8 adds to this one (`TRACK=blackwell` for the other
+# track), and [`stage8_warp_specialized.ipynb`](stage8_warp_specialized.ipynb) walks through it.
+# What this stage's measurements showed, and what was tried and dropped: [`docs/notes/stage7.md`](../docs/notes/stage7.md).

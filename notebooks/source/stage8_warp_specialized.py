@@ -747,3 +747,8 @@ nb.exercise("8a")
 
 # %%
 nb.check_exercise("8a")
+
+# %% [markdown]
+# **Next:** `make diff-9` shows what stage 9 adds to this one (`TRACK=blackwell` for the other
+# track), and [`stage9_pingpong.ipynb`](stage9_pingpong.ipynb) walks through it.
+# What this stage's measurements showed, and what was tried and dropped: [`docs/notes/stage8.md`](../docs/notes/stage8.md).

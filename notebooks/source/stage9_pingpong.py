@@ -643,3 +643,8 @@ nb.exercise("9a")
 
 # %%
 nb.check_exercise("9a")
+
+# %% [markdown]
+# **Next:** `make diff-10` shows what stage 10 adds to this one (`TRACK=blackwell` for the other
+# track), and [`stage10_overlap.ipynb`](stage10_overlap.ipynb) walks through it.
+# What this stage's measurements showed, and what was tried and dropped: [`docs/notes/stage9.md`](../docs/notes/stage9.md).
