@@ -62,12 +62,21 @@ from common.outputs import empty_output
 
 
 class Sm90Kernel:
+    """The device code is organised as stage 8's will be by warp role (FA4's
+    flash_attn/cute/flash_fwd_sm90.py): kernel prepares what every warpgroup shares (shared
+    memory, barriers, the K/V ring, the wgmma views) and calls load (warp 0: Q and the first K
+    tiles) and mma (every warpgroup: the two passes over the KV tiles, one mma_one_n_block per
+    step of pass 2, then epilogue: O stored)."""
+
     def __init__(self, dtype, head_dim):
         self.dtype = dtype  # element type of Q, K, V and O: cutlass.BFloat16 or cutlass.Float16
         self.acc_dtype = cutlass.Float32
-        self.cta_tile = (128, 128, head_dim)  # (bM, bN, bK): query rows, keys per KV tile, head dim
-        self.mma_warpgroups = 2  # warpgroup w computes query rows [64 w, 64 w + 64) of the tile
-        self.threads = 128 * self.mma_warpgroups
+        # Warpgroup w = 0, 1 computes query rows [64 w, 64 w + 64) of the 128-row tile.
+        self.mma_warpgroups = 2
+        # (bM, bN, bK): query rows, keys per KV tile, head dim
+        self.cta_tile = (64 * self.mma_warpgroups, 128, head_dim)
+        self.mma_threads = 128 * self.mma_warpgroups
+        self.threads = self.mma_threads  # every warpgroup computes; warp 0 also loads
         self.kv_slots = 2  # K_j then V_j in one slot, K_{j+1} in the other: 2 x 32 KB (D = 128)
         self.smem_align = 1024  # the 128-byte swizzle repeats every 8 rows of 128 B
 
@@ -194,7 +203,9 @@ class Sm90Kernel:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        # Every warpgroup computes: the threads that compute count from mma_tidx = tidx.
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // 128)
+        mma_tidx = tidx
         bM, bN, bK = self.cta_tile
 
         # 1. Prepare
@@ -239,7 +250,7 @@ class Sm90Kernel:
         kv_pipeline = pipeline.PipelineTmaAsync.create(
             num_stages=self.kv_slots,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads // 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32),
             tx_count=kv_bytes,
             barrier_storage=storage.kv_full.data_ptr(),
         )
@@ -300,7 +311,7 @@ class Sm90Kernel:
         # (MMA, MMA_M, MMA_N): 64 fp32 per thread
         acc_S = cute.make_rmem_tensor(qk_thr.partition_shape_C(self.cta_tile[:2]), self.acc_dtype)
         # (MMA, MMA_M, MMA_N): (query row, key) within the tile of this thread's elements of acc_S
-        tScS = qk_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((bM, bN)))
+        tScS = qk_mma.get_slice(mma_tidx).partition_C(cute.make_identity_tensor((bM, bN)))
         # (MMA, MMA_M, MMA_K): P in the input dtype, 32 registers per thread
         tOrP = cute.make_rmem_tensor(pv_thr.partition_shape_A((bM, bN)), self.dtype)
         # (MMA, MMA_M, MMA_N): bK / 2 fp32 per thread
@@ -311,19 +322,25 @@ class Sm90Kernel:
         # This thread's wgmma operands and accumulators, as the consumers' methods take them
         views = (tSrQ, tSrK, tOrVt, acc_S, tScS, tOrP, acc_O, row_max, row_sum)
 
-        # Warp 0 starts the ring: Q once, then the K tiles of the first kv_slots
-        # steps, one per slot (a fresh slot needs no wait: the producer's parity 1 is already
-        # "complete" on a new barrier). Then every warpgroup computes its rows of the tile (mma),
-        # warp 0 also issuing the loads that refill the ring (refills: what it needs for them).
+        # Warp 0 starts the ring (load: Q, then K of the first kv_slots steps);
+        # then every warpgroup computes its rows of the tile (mma), warp 0 also issuing, from
+        # each step, the loads that refill the ring (refills: what it needs for them).
         steps = 2 * kv_tiles
         refills = (warp_idx, steps, tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV)
         if warp_idx == 0:
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(q_full, q_bytes)
-            cute.copy(tma_atom_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_full)
-            for step in cutlass.range(cutlass.min(self.kv_slots, steps), unroll=1):
-                fresh_slot = self.slot_state(step % self.kv_slots, 1)
-                self.load_tiles(kv_pipeline, fresh_slot, step % kv_tiles, tma_atom_k, tKgK, tKsK)
+            self.load(
+                tma_atom_q,
+                tma_atom_k,
+                kv_pipeline,
+                q_full,
+                q_bytes,
+                tQsQ,
+                tQgQ,
+                tKsK,
+                tKgK,
+                kv_tiles,
+                steps,
+            )
         self.mma(
             qk_mma,
             pv_mma,
@@ -339,6 +356,31 @@ class Sm90Kernel:
             refills,
             tidx,
         )
+
+    @cute.jit
+    def load(
+        self,
+        tma_atom_q,
+        tma_atom_k,
+        kv_pipeline,
+        q_full,
+        q_bytes,
+        tQsQ,
+        tQgQ,
+        tKsK,
+        tKgK,
+        kv_tiles,
+        steps,
+    ):
+        """Warp 0's first loads: Q, then the K tiles of the first kv_slots steps, one per slot.
+        A fresh slot needs no wait: the producer's parity 1 is already "complete" on a new
+        barrier. The ring's later loads are issued from mma's steps."""
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(q_full, q_bytes)
+        cute.copy(tma_atom_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_full)
+        for step in cutlass.range(cutlass.min(self.kv_slots, steps), unroll=1):
+            fresh_slot = self.slot_state(step % self.kv_slots, 1)
+            self.load_tiles(kv_pipeline, fresh_slot, step % kv_tiles, tma_atom_k, tKgK, tKsK)
 
     @cute.jit
     def mma(
