@@ -32,10 +32,10 @@ different thread" pattern; "wait" is the mbarrier wait):
 A fence covers all of its thread's tcgen05 operations on its side of the barrier: one after a
 group of waits, one before a group of arrives.
 
-CUTLASS's pipeline classes (PipelineTmaUmma, PipelineAsyncUmma, PipelineUmmaAsync) emit none of
-these fences (their signals are mbarrier arrives or tcgen05.commit, their waits plain mbarrier
-waits), and FA4 and CUTLASS's Blackwell attention examples place only tcgen05.wait::ld and ::st at
-these hand-offs. A kernel that follows the ISA's rules adds the fences itself, with the two helpers
+CUTLASS's pipeline classes (PipelineTmaUmma, PipelineAsyncUmma, PipelineUmmaAsync; CuTe DSL
+4.8.1) emit none of these fences (their signals are mbarrier arrives or tcgen05.commit, their
+waits plain mbarrier waits), and FA4 (4.0.0b36's flash_fwd_sm100.py) and CUTLASS's Blackwell
+attention examples place only tcgen05.wait::ld and ::st at these hand-offs. A kernel that follows the ISA's rules adds the fences itself, with the two helpers
 below."""
 
 from cutlass import dsl_user_op

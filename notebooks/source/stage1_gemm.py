@@ -570,9 +570,10 @@ bench = nb.measure(1, [(4096, 4096, 4096), (8192, 8192, 8192)])
 #
 # <details><summary>7. Blackwell</summary>
 #
-# 256 of the 512 columns (one 32-bit column per fp32 element of a row); one `tcgen05.ld` of a whole
-# row would need 256 registers per thread - more than the 255 a thread may have - which is why the
-# epilogue reads 32 columns at a time.
+# 256 of the 512 columns (one 32-bit column per fp32 element of a row). A whole row is 256 fp32
+# values per thread: more than the 255 registers a thread may have, and more than one `tcgen05.ld`
+# moves (`.32x32b` goes up to `.x128`, 128 registers). That is why the epilogue reads 32 columns
+# at a time.
 # </details>
 
 # %%

@@ -58,7 +58,7 @@ nb.start(4)
 #   pass 2), starting a fresh slot at parity 1 (stage 1, section 5.2);
 # - compute an exact softmax over many KV tiles in two passes, and say what the second pass costs;
 # - recognise in a timeline what goes wrong when $V_j$ is loaded without waiting for the release
-#   of its slot - the mistake the obvious Blackwell ring makes.
+#   of its slot - the mistake a Blackwell ring written the obvious way makes.
 #
 # ## 2. Previous stage recap
 #
@@ -168,8 +168,8 @@ fig = figures.kv_slot_timeline(kv_tiles=3, kv_slots=kv_slots, two_pass=True)
 # producer waits for all those arrives before it announces $V_j$'s bytes and starts the TMA load.
 # Release before that wait, or let the producer load $V_j$ without waiting for the release, and
 # TMA silently overwrites $K_j$ under the tensor cores; drop the release altogether and the
-# producer waits forever (exercise 4b). The
-# obvious Blackwell ring does exactly that (section 5.5): it loads $V_j$ into $K_j$'s slot, under $K_j$'s
+# producer waits forever (exercise 4b). A
+# Blackwell ring written the obvious way does exactly that (section 5.5): it loads $V_j$ into $K_j$'s slot, under $K_j$'s
 # barrier, without waiting for the QK MMA to release the slot. The same model with the V load not
 # waiting for the release shows the race (the hazards row names each overwrite):
 

@@ -353,7 +353,8 @@ else:
 #
 # O and $\ell$ are both accumulated relative to the same reference max, whatever it is; the
 # epilogue's $O / \ell$ cancels it. Skipping the rescale only lets the reference lag behind the
-# true max, which is safe as long as $e^{x - m_{\text{ref}}}$ cannot overflow fp32 - hence the
+# true max, which is safe as long as $e^{x - m_{\text{ref}}}$ stays small: P is rounded to bf16 or
+# fp16 for the PV MMA (fp16 overflows above 65,504) and O and $\ell$ grow in fp32 - hence the
 # threshold.
 # </details>
 

@@ -138,8 +138,8 @@ class Sm100Kernel:
         # (and P, over it or in columns of its own), one O, one row-statistics hand-off.
         self.q_buffers = self.q_tiles
         tile_bytes = 128 * head_dim * dtype.width // 8
-        # The sm_100 opt-in limit (227 KiB), less the barriers, the row statistics (1 KiB per
-        # Q tile) and the 1 KiB alignment of the buffers. Tuning 4 stages O for its TMA store in
+        # The sm_100 opt-in limit (227 KiB) less a 4 KiB reserve that holds the barriers, the
+        # row statistics (1 KiB per Q tile) and the 1 KiB alignment of the buffers. Tuning 4 stages O for its TMA store in
         # buffers of its own, so that the next tile's Q can land during this tile's epilogue:
         # one per Q tile at D = 64 (2 x 16 KiB: the ring keeps 8 slots), one for both at
         # D = 128 (32 KiB: 3 slots next to 2 x 32 KiB of Q; two would leave 2).
@@ -1960,8 +1960,8 @@ class Sm100Kernel:
         kv_tile: j >= Sk, or j - i outside [band_lo, band_hi] (tTR_cS: the (row, key) of each
         element within the tile). The thread owns the row, so the keys it sees are one interval
         of the tile's columns, [keys_first, keys_end). A select per element, not a branch per
-        element: the branches took stage 3 to 253 registers against 157 (ptxas, bf16,
-        2026-12-01)."""
+        element: the branches took stage 3 to 253 registers against 157
+        (ptxas of CUDA 13.0, sm_100a, bf16, 2026-12-01)."""
         bM, bN = self.qk_mma_tiler[:2]
         band_lo, band_hi = seqlen_k - seqlen_q - window_left, seqlen_k - seqlen_q + window_right
         row = (q_tile * bM + tTR_cS[0][0]) // self.pack_gqa  # its position

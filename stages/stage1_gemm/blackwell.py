@@ -187,6 +187,8 @@ class Sm100Kernel:
             cpasync.prefetch_descriptor(tma_b)
 
         storage = SmemAllocator().allocate(self.shared_storage)
+        # UMMA is CUTLASS's name for tcgen05.mma. PipelineTmaUmma: TMA fills, tcgen05.commit
+        # empties; PipelineUmmaAsync: tcgen05.commit fills, threads empty.
         # A/B ring: the TMA warp fills a buffer (full = 32 KiB landed), the MMA warp's
         # tcgen05.commit empties it (one arrive).
         ab_prod, ab_cons = pipeline.PipelineTmaUmma.create(

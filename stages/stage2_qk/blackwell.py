@@ -12,7 +12,8 @@ Changes from stage 1:
 - Operand reuse: Q is loaded once into its own buffer (q_buffers = 1, its own full/empty barriers
   and byte count) and read by every MMA of the CTA; K tiles stream through a ring of
   kv_slots = 2. Shared memory: Q 128 x D x 2 B plus 2 K slots of the same size = 48 KiB (D = 64)
-  or 96 KiB (D = 128), instead of 128 KiB for stage 1's A/B ring.
+  or 96 KiB (D = 128), instead of 128 KiB for stage 1's A/B ring (+1 KiB for the mbarriers and
+  alignment: 49 / 97 KiB in the compile summary).
 - S goes through TMEM once per K tile (128 lanes x 128 fp32 columns, s_buffers = 1): the MMA
   warp waits until the softmax warps have read the previous S before overwriting it, and the
   softmax warps `tcgen05.ld` each S tile, multiply it by scale and store it in fp32

@@ -2,8 +2,8 @@
 
 Changes from stage 2:
 - The softmax warps now compute the softmax of S instead of storing it. Thread t of warp w owns
-  row 32 w + t of the tile (a TMEM lane): `tcgen05.ld.32x32b` brings its whole row of S into
-  128 fp32 registers, so row_max and row_sum are per-thread reductions, no shuffles.
+  row 32 w + t of the tile (a TMEM lane): four `tcgen05.ld.32x32b.x32` (32 columns each) bring
+  its whole row of S into 128 fp32 registers, so row_max and row_sum are per-thread reductions, no shuffles.
   P = exp2(S * scale * log2 e - row_max * scale * log2 e) = exp(scale * (S - row_max)): the
   scale and log2(e) are folded into one multiplier, scale_log2, passed instead of scale.
 - P goes back into TMEM over S (`tcgen05.st.32x32b`): 128 x 128 16-bit values packed in pairs
@@ -15,7 +15,8 @@ Changes from stage 2:
 - V joins K in the ring: per KV tile the TMA warp loads K (entry 1) and V (entry 2), each into
   its own slot with its own byte count (kv_tma_bytes), and the MMA warp waits for both.
   With kv_slots = 2 and one KV tile, the ring holds exactly K and V: shared memory is
-  Q + K + V = 3 x 128 x D x 2 B = 48 KiB (D = 64) or 96 KiB (D = 128).
+  Q + K + V = 3 x 128 x D x 2 B = 48 KiB (D = 64) or 96 KiB (D = 128) (+1 KiB for the mbarriers
+  and alignment: 49 / 97 KiB in the compile summary).
 - Epilogue: the softmax warps wait for O, `tcgen05.ld` it, divide by row_sum and store O in
   the 16-byte pieces of stage 1 that lie inside O.
 - Keys at or beyond Sk (Sk < 128) are read as zeros by TMA; their scores are set to -inf before
@@ -612,8 +613,8 @@ class Sm100Kernel:
     def mask_keys(self, tTR_rS, tTR_cS, kv_tile, seqlen_k):
         """S = -inf for the keys of KV tile kv_tile at or beyond seqlen_k, in this thread's row
         (tTR_cS: the (row, key) of each element within the tile). A select per element, not a
-        branch per element: the branches took stage 3 to 253 registers against 157 (ptxas,
-        bf16, 2026-12-01)."""
+        branch per element: the branches took stage 3 to 253 registers against 157
+        (ptxas of CUDA 13.0, sm_100a, bf16, 2026-12-01)."""
         keys_left = seqlen_k - kv_tile * self.qk_mma_tiler[1]
         for i in cutlass.range(cute.size(tTR_rS), unroll_full=True):
             tTR_rS[i] = -Float32.inf if tTR_cS[i][1] >= keys_left else tTR_rS[i]

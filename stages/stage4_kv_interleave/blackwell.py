@@ -1,10 +1,13 @@
-"""Stage 4 - KV-tile interleaving, V overwrites K (Blackwell, sm_100a). Exact attention, any Sk.
+"""Stage 4 - KV-tile interleaving: K and V share one ring (Blackwell, sm_100a). Exact attention,
+any Sk.
 
 Changes from stage 3:
 - Any Sk: K and V tiles stream through the one ring of kv_slots = 2 slots. A slot holds a K
   tile or a V tile (sV is sK's memory in V's layout); which one depends on where the tile falls
-  in the sequence of ring entries. Shared memory (bf16) stays Q + 2 slots = 96 KiB at D = 128,
-  48 KiB at D = 64, whatever Sk is; keeping K and V resident as stage 3 does would need
+  in the sequence of ring entries (the Hopper stage's "V overwrites K" describes the Hopper
+  ring; here V_j lands in the slot after K_j's, over the tile two loads older). Shared memory
+  (bf16) stays Q + 2 slots = 96 KiB at D = 128, 48 KiB at D = 64, whatever Sk is (+1 KiB for
+  the mbarriers and alignment: 97 / 49 KiB in the compile summary); keeping K and V resident as stage 3 does would need
   Q + 2 x Sk x D x 2 B (544 KiB at Sk = 1024, D = 128), and separate K and V rings of 2
   slots each 160 KiB.
 - Exact softmax in two passes, no rescaling of O. Pass 1 streams K: S_j = Q K_j^T, row_max and
@@ -14,8 +17,8 @@ Changes from stage 3:
   K is read twice: per KV tile 3 tile loads (K, K, V) and 3 tile GEMMs (QK, QK, PV) instead
   of 2 and 2.
 - The division by row_sum folds into the exponent: P_j = exp2(S_j * scale_log2 - (row_max *
-  scale_log2 + log2(row_sum))), one FFMA and one exp2 per score as in pass 1. (ptxas,
-  2026-12-01: 190 registers, bf16, against 254 with a multiply by 1 / row_sum after the exp2.)
+  scale_log2 + log2(row_sum))), one FFMA and one exp2 per score as in pass 1. (ptxas of
+  CUDA 13.0, sm_100a, 2026-12-01: 190 registers, bf16, against 254 with a multiply by 1 / row_sum after the exp2.)
 - Every K or V tile is its own ring entry: the TMA warp produces 1 entry per KV tile in pass 1
   (K) and 2 in pass 2 (K, V); the MMA warp consumes them in the same order
   (kv_producer_entries, kv_consumer_entries). Each entry arms the bytes of its own copy,
@@ -837,8 +840,8 @@ class Sm100Kernel:
     def mask_keys(self, tTR_rS, tTR_cS, kv_tile, seqlen_k):
         """S = -inf for the keys of KV tile kv_tile at or beyond seqlen_k, in this thread's row
         (tTR_cS: the (row, key) of each element within the tile). A select per element, not a
-        branch per element: the branches took stage 3 to 253 registers against 157 (ptxas,
-        bf16, 2026-12-01)."""
+        branch per element: the branches took stage 3 to 253 registers against 157
+        (ptxas of CUDA 13.0, sm_100a, bf16, 2026-12-01)."""
         keys_left = seqlen_k - kv_tile * self.qk_mma_tiler[1]
         for i in cutlass.range(cute.size(tTR_rS), unroll_full=True):
             tTR_rS[i] = -Float32.inf if tTR_cS[i][1] >= keys_left else tTR_rS[i]

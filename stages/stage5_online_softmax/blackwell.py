@@ -16,7 +16,8 @@ Changes from stage 4:
 - Epilogue: O / row_sum as in stage 3, and LSE = scale * row_max + log(row_sum) per row (one
   fp32 per thread: the thread owns the row, and skips the store when the row is at or beyond
   Sq).
-- Shared memory and TMEM are unchanged: Q + 2 slots = 96 KiB (D = 128, bf16); S at columns
+- Shared memory and TMEM are unchanged: Q + 2 slots = 96 KiB (D = 128, bf16; 97 KiB with the
+  mbarriers and alignment); S at columns
   0-127, P over S at 0-63, O at 128-255 (D = 128) or 128-191; 256 columns.
 - Registers (ptxas of CUDA 13.0, sm_100a, 2026-12-01): 163 (bf16) and 192 (fp16), at D = 64
   and D = 128 alike, no spills, one compile for every Sk. Only the KV tile that crosses Sk
@@ -824,8 +825,8 @@ class Sm100Kernel:
     def mask_keys(self, tTR_rS, tTR_cS, kv_tile, seqlen_k):
         """S = -inf for the keys of KV tile kv_tile at or beyond seqlen_k, in this thread's row
         (tTR_cS: the (row, key) of each element within the tile). A select per element, not a
-        branch per element: the branches took stage 3 to 253 registers against 157 (ptxas,
-        bf16, 2026-12-01)."""
+        branch per element: the branches took stage 3 to 253 registers against 157
+        (ptxas of CUDA 13.0, sm_100a, bf16, 2026-12-01)."""
         keys_left = seqlen_k - kv_tile * self.qk_mma_tiler[1]
         for i in cutlass.range(cute.size(tTR_rS), unroll_full=True):
             tTR_rS[i] = -Float32.inf if tTR_cS[i][1] >= keys_left else tTR_rS[i]

@@ -36,9 +36,9 @@ Changes from stage 5:
   so every role reaches the end and TMEM is freed as in stage 5. (tests/test_schedule.py
   replays these counts for ranges that start past 0 and for an empty one.)
 - Registers (ptxas of CUDA 13.0, sm_100a, 2026-12-01): 168 (bf16) and 209 (fp16), at D = 64
-  and D = 128 alike, no spills (stage 5: 163 and 192). Most of it is the band's second compare
-  and select per score: with stage 5's one, 161 and 190. Shared memory and TMEM as in stage 5
-  (97 KiB at D = 128; 256 columns).
+  and D = 128 alike, no spills (stage 5: 163 and 192). The band's second compare and select per
+  score accounts for all of it and more: with stage 5's single compare, 161 and 190. Shared
+  memory and TMEM as in stage 5 (97 KiB at D = 128; 256 columns).
 
 O = softmax(scale * Q K^T + mask) V and, on request, LSE per row, for Q (B, H, Sq, D) and K, V
 (B, H, Sk, D) of any length, bf16 or fp16, D = 64 or 128.
@@ -929,8 +929,8 @@ class Sm100Kernel:
         kv_tile: j >= Sk, or j - i outside [band_lo, band_hi] (tTR_cS: the (row, key) of each
         element within the tile). The thread owns the row, so the keys it sees are one interval
         of the tile's columns, [keys_first, keys_end). A select per element, not a branch per
-        element: the branches took stage 3 to 253 registers against 157 (ptxas, bf16,
-        2026-12-01)."""
+        element: the branches took stage 3 to 253 registers against 157
+        (ptxas of CUDA 13.0, sm_100a, bf16, 2026-12-01)."""
         bM, bN = self.qk_mma_tiler[:2]
         band_lo, band_hi = seqlen_k - seqlen_q - window_left, seqlen_k - seqlen_q + window_right
         row = q_tile * bM + tTR_cS[0][0]

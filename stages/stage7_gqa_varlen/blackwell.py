@@ -1051,8 +1051,8 @@ class Sm100Kernel:
         kv_tile: j >= Sk, or j - i outside [band_lo, band_hi] (tTR_cS: the (row, key) of each
         element within the tile). The thread owns the row, so the keys it sees are one interval
         of the tile's columns, [keys_first, keys_end). A select per element, not a branch per
-        element: the branches took stage 3 to 253 registers against 157 (ptxas, bf16,
-        2026-12-01)."""
+        element: the branches took stage 3 to 253 registers against 157
+        (ptxas of CUDA 13.0, sm_100a, bf16, 2026-12-01)."""
         bM, bN = self.qk_mma_tiler[:2]
         band_lo, band_hi = seqlen_k - seqlen_q - window_left, seqlen_k - seqlen_q + window_right
         row = (q_tile * bM + tTR_cS[0][0]) // self.pack_gqa  # its position

@@ -88,8 +88,8 @@ class Sm100Kernel:
         # Pipeline depths: Q loaded once; a ring of K/V slots; one S, O and statistics entry.
         self.q_buffers = self.q_tiles
         tile_bytes = 128 * head_dim * dtype.width // 8
-        # The sm_100 opt-in limit (227 KiB), less the barriers, the row statistics (1 KiB per
-        # Q tile) and the 1 KiB alignment of the buffers.
+        # The sm_100 opt-in limit (227 KiB) less a 4 KiB reserve that holds the barriers, the
+        # row statistics (1 KiB per Q tile) and the 1 KiB alignment of the buffers.
         self.smem_budget = 227 * 1024 - 4 * 1024
         self.kv_slots = min((self.smem_budget - self.q_buffers * tile_bytes) // tile_bytes, 8)
         self.s_buffers = 1
@@ -1190,8 +1190,8 @@ class Sm100Kernel:
         kv_tile: j >= Sk, or j - i outside [band_lo, band_hi] (tTR_cS: the (row, key) of each
         element within the tile). The thread owns the row, so the keys it sees are one interval
         of the tile's columns, [keys_first, keys_end). A select per element, not a branch per
-        element: the branches took stage 3 to 253 registers against 157 (ptxas, bf16,
-        2026-12-01)."""
+        element: the branches took stage 3 to 253 registers against 157
+        (ptxas of CUDA 13.0, sm_100a, bf16, 2026-12-01)."""
         bM, bN = self.qk_mma_tiler[:2]
         band_lo, band_hi = seqlen_k - seqlen_q - window_left, seqlen_k - seqlen_q + window_right
         row = (q_tile * bM + tTR_cS[0][0]) // self.pack_gqa  # its position
