@@ -109,3 +109,15 @@ def test_the_map_on_the_command_line(capsys):
     assert "make diff-8" in out and "Sm90Kernel.kernel" in out and "Sm90Kernel.mma_tile" in out
     with pytest.raises(SystemExit, match="no stages 0 and 1"):
         diff_sizes.main(["--map", "1", "--track", "hopper"])
+
+
+def test_schedule_stages_keep_their_bounds():
+    """Stages 8-12 teach one schedule technique each: every such diff stays within 400 lines, at
+    most 60 of them docstring, on both tracks (the bounds in diff_sizes.LIMITS)."""
+    for track in ("hopper", "blackwell"):
+        for n, lines, doc, over in diff_sizes.table(track):
+            if n in diff_sizes.LIMITS["stages"]:
+                assert not over, (
+                    f"{track} diff-{n}: {lines} lines, {doc} of them docstring; the bounds are "
+                    f"{diff_sizes.LIMITS['lines']} and {diff_sizes.LIMITS['docstring']}"
+                )
