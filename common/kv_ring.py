@@ -9,7 +9,7 @@ def release_slot(kv_pipeline, state):
     empty barrier (its count is one per consumer warp, 8 or 12). The pipeline's consumer_release
     does the same from lane 0, a predicate made from tidx % 32 once, which ptxas does not keep in
     a predicate register across the loop: it re-reads %tid.x and rebuilds it at every KV tile
-    (S2R + LOP3 in the loop's SASS, ptxas of CUDA 13.0, sm_90a, 2026-12-03). elect.sync picks a
-    lane in one instruction, from nothing live (measured: docs/notes/stage12.md)."""
+    (S2R + LOP3 in the loop's SASS, from the cubin the DSL built for sm_90a, 2026-12-03).
+    elect.sync picks a lane in one instruction, from nothing live (measured: docs/notes/stage12.md)."""
     with cute.arch.elect_one():
         cute.arch.mbarrier_arrive(kv_pipeline.sync_object_empty.get_barrier(state.index))

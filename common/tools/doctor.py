@@ -52,7 +52,7 @@ def main():
         print(f"driver      {out}")
     for tool in ("ptxas", "cuobjdump", "compute-sanitizer"):
         print(f"{tool:<11} {shutil.which(tool) or 'not found'}")
-    print(f"ptxas reads {ptxas_release()}")
+    print(f"ptxas       release {ptxas_release()}")
 
 
 def ptxas_release():
@@ -60,12 +60,12 @@ def ptxas_release():
     PTX ISA 8.8, its cu13 ones 9.4; CUDA 13.0's ptxas reads up to 9.0 (README, Set-up)."""
     exe = shutil.which("ptxas")
     if exe is None:
-        return "nothing: no ptxas on PATH, so compile reports give no registers or spills"
+        return "none: no ptxas on PATH, so compile reports count no spills (registers come from the DSL's cubin)"
     out = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
     release = next((w.rstrip(",") for w in out.split() if w[:1].isdigit() and "." in w), "?")
     return (
-        f"the PTX ISA of its release {release}: spills are counted where the DSL's PTX is no "
-        "newer (cu12 libs: ISA 8.8; cu13 libs: ISA 9.4; CUDA 13.0's ptxas reads up to 9.0)"
+        f"{release}: spills are counted where it reads the DSL's PTX (cu12 libs write ISA 8.8, "
+        "cu13 libs 9.4; CUDA 13.0's ptxas reads up to 9.0)"
     )
 
 

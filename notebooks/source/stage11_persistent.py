@@ -460,7 +460,7 @@ nb.show_source(11, "hopper", names=["Sm90Kernel.tile_coords"])
 S, D = 8192, 128
 orders = [
     ("head by head", stage_kernel(11, D, l2_sections=False)),
-    ("the kernel: 50 MB of L2", stage_kernel(11, D)),
+    ("the kernel: 50 MiB of L2", stage_kernel(11, D)),
     ("all pairs in one section", stage_kernel(11, D, l2_bytes=2**30)),
 ]
 plans = [(label, tile_scheduler.launch_plan(k, 2, 16, S, S, causal=True)) for label, k in orders]

@@ -795,6 +795,7 @@ nb.exercise("14a")
 nb.check_exercise("14a")
 
 # %% [markdown]
-# **Next:** `make diff-15` shows what stage 15 adds to this one (`TRACK=blackwell` for the other
-# track), and [`stage15_context_parallel.ipynb`](stage15_context_parallel.ipynb) walks through it.
+# **Next:** stage 15 adds no kernel: its ring (`stages/stage15_context_parallel/ring.py`) runs this
+# stage's kernel over several GPUs, and [`stage15_context_parallel.ipynb`](stage15_context_parallel.ipynb)
+# walks through it.
 # What this stage's measurements showed, and what was tried and dropped: [`docs/notes/stage14.md`](../docs/notes/stage14.md).

@@ -572,8 +572,8 @@ bench = nb.measure(1, [(4096, 4096, 4096), (8192, 8192, 8192)])
 #
 # 256 of the 512 columns (one 32-bit column per fp32 element of a row). A whole row is 256 fp32
 # values per thread: more than the 255 registers a thread may have, and more than one `tcgen05.ld`
-# moves (`.32x32b` goes up to `.x128`, 128 registers). That is why the epilogue reads 32 columns
-# at a time.
+# moves (`.32x32b` goes up to `.x128`, 128 registers). So a 128 x 256 accumulator needs more than
+# one load per row; the epilogue reads 32 columns at a time, which also keeps few registers live.
 # </details>
 
 # %%

@@ -166,8 +166,9 @@ D = bK
 kv_slots = cfg.get("kv_slots", 2)
 q_bytes, k_bytes, s_bytes = bM * D * 2, bN * D * 2, bM * bN * 4
 print(
-    f"shared memory, D = {D}: Q {q_bytes // 1024} KB + {kv_slots} K slots x {k_bytes // 1024} KB "
-    f"+ S staging {s_bytes // 1024} KB = {(q_bytes + kv_slots * k_bytes + s_bytes) // 1024} KB of 227 KB"
+    f"shared memory, D = {D}: Q {q_bytes // 1024} KiB + {kv_slots} K slots x {k_bytes // 1024} KiB "
+    f"+ S staging {s_bytes // 1024} KiB = {(q_bytes + kv_slots * k_bytes + s_bytes) // 1024} KiB "
+    "of 227 KiB"
 )
 print("(the compile summary adds 1 KiB: the mbarriers, and sQ's start on a 1,024-byte boundary)")
 nb.show_source(2, "hopper", section="# 2.")
@@ -280,11 +281,10 @@ bench = nb.measure(2, [(4, 32, 2048, 2048, 64), (4, 16, 2048, 2048, 128)])
 #
 # <details><summary>4. Head dim 64</summary>
 #
-# Q 16 KB + 2 x 16 KB + the 64 KB fp32 S staging = 112 KB (113 KiB in the compile summary, with the
-# mbarriers and alignment): the S staging tile does not shrink with
-# D. That is 48 KB less than at D = 128 and leaves 115 KB of the 227 KB unused: room for a deeper
-# ring (16 KB per K slot) or a second 64 KB S staging buffer, so that a store overlaps the next
-# tile.
+# Q 16 KiB + 2 x 16 KiB + the 64 KiB fp32 S staging = 112 KiB (113 KiB in the compile summary,
+# with the mbarriers and alignment): the S staging tile does not shrink with D. That is 48 KiB less
+# than at D = 128 and leaves 114 KiB of the 227 KiB unused: room for a deeper ring (16 KiB per K
+# slot) or a second 64 KiB S staging buffer, so that a store overlaps the next tile.
 # </details>
 #
 # <details><summary>5. Blackwell</summary>

@@ -216,7 +216,8 @@ report = nb.compile_summary(3, "hopper")
 #
 # The machine model is stage 1's (section 5.8). What stage 3 changes in it, and this is where the
 # tracks differ most: **S, P and O all live in TMEM.** Thread t of softmax warp w owns row
-# $32w + t$: `tcgen05.ld.32x32b` brings its whole row of S into 128 registers, so the row max and
+# $32w + t$: four `tcgen05.ld.32x32b.x32` (32 columns each) bring its whole row of S into 128
+# registers, so the row max and
 # sum are per-thread loops - no shuffles. P is written back into TMEM *over S* with `tcgen05.st`
 # (two bf16 per 32-bit column, so 64 columns), and the MMA warp issues `tcgen05.mma` with A = P
 # from TMEM (`OperandSource.TMEM`) and B = V from shared memory, accumulating O in TMEM. New

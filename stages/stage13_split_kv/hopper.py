@@ -1519,8 +1519,9 @@ class Sm90Kernel:
             cute.arch.mbarrier_arrive(q_empty)
 
     def store_rows_per_pass(self):
-        """Rows per pass of store_rows, a 16-byte chunk per consumer thread (32, or 48 with three
-        warpgroups at D = 64; 16 at D = 128); the power of two below if G and it divide neither."""
+        """Rows per pass of store_rows, a 16-byte chunk per consumer thread (at D = 64: 32, 48 with
+        three warpgroups, 16 with a decode tile's one; at D = 128: 16, or 8 with one); the power
+        of two below if G and it divide neither."""
         rows = self.mma_threads // (self.cta_tile[2] // 8)
         if rows % self.pack_gqa != 0 and self.pack_gqa % rows != 0:
             rows = 1 << (rows.bit_length() - 1)

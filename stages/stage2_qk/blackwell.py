@@ -82,7 +82,7 @@ class Sm100Kernel:
         self.kv_slots = 2
         self.s_buffers = 1
         # Ring entries per KV tile, read by the CPU model of the schedule (common/tools/schedule.py),
-        # not by this kernel: one tuple per pass over the KV tiles (stages 4 and 5 make two), naming
+        # not by this kernel: one tuple per pass over the KV tiles (stage 4 makes two), naming
         # what the TMA warp loads and the MMA warp waits for (here K only).
         self.kv_producer_entries = (("K",),)
         self.kv_consumer_entries = (("K",),)

@@ -12,7 +12,7 @@ Changes from stage 2:
   staging tile reuses Q's bytes, free once both warpgroups' S wgmmas are done; the fp32 S
   staging tile of stage 2 is gone:
 
-      shared memory | q_full, kv_full, kv_empty | sQ: Q 32 KB         | slot 0: K  | slot 1: V  |
+      shared memory | q_full, kv_full, kv_empty | sQ: Q 32 KiB        | slot 0: K  | slot 1: V  |
                     |                           | sO: O (epilogue)    | (sVt: V^T over the slots) |
 - Softmax in registers. A warpgroup's 64 x 128 S accumulator gives each thread 2 rows x 32
   columns (rows lane / 4 and lane / 4 + 8 of its warp's 16 rows, columns 8 n + 2 (lane % 4) +
