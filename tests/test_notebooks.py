@@ -612,6 +612,9 @@ def _figures():
                 ("pages of 256", 256, 1100, [(3, 0, 1, 0, 128)], 5),
             ]
         ),
+        "decode_sweep": lambda: plots.plot_decode(
+            _results("decode_h100_2026-12-07_sweep.json"), "t"
+        ),
         "paged_ratios": lambda: stage14.paged_ratios(
             _results("decode_h200_2026-12-04.json"), (16, 64, 128, 256), "t"
         ),

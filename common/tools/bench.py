@@ -13,8 +13,10 @@ Stage 12: the ablation stage 5 -> 7 -> 8 -> ... -> 12 at the paper shapes, causa
 FA4 and cuDNN (--dtype fp16 for the fp16 rows); --tunings adds stage 12's tunings one by one.
 Stage 13: decode steps (Sq = 1) in GB/s of K and V against stage 12, FA4 and SDPA's backends;
 --decode-sweep adds B = 1 ... 64 x Sk = 4k ... 256k.
-Writes results/bench_<gpu>_<date>.{md,json} and attention_<gpu>_<date>.png (--out picks another
-folder; results/ is not tracked by git, docs/results/ holds the published runs)."""
+Writes results/bench_<gpu>_<date>.{md,json} and its figures, attention_, causal_, stage7_,
+ablation_ and decode_<gpu>_<date>.png, as the run's rows allow (--out picks another folder;
+results/ is not tracked by git, docs/results/ holds the published runs; `python -m
+common.tools.plots RUN.json` draws a run's ablation and decode figures again)."""
 
 import argparse
 import json
@@ -854,6 +856,14 @@ def main(argv=None):
             f"Stages 5, 7 -> 12 on {gpu}, {date} ({args.dtype}, paper shapes)",
             os.path.join(args.out, f"ablation_{tag}.png"),
         )
+    if any(r["stage"] == "13 decode" for r in results["rows"]):
+        from common.tools.plots import plot_decode
+
+        fig = plot_decode(
+            results["rows"], f"Decode steps (Sq = 1, D = 128) on {gpu}, {date} ({args.dtype})"
+        )
+        if fig is not None:
+            fig.savefig(os.path.join(args.out, f"decode_{tag}.png"), dpi=100)
     if causal_curves:
         from common.tools.plots import plot_attention_bench
 

@@ -51,6 +51,8 @@ KERNEL_COLORS = {
     "stage 10": "#E15759",
     "stage 11": "#59A14F",
     "stage 12": "#000000",
+    "stage 13": "#6A3D9A",
+    "stage 14": "#76B7B2",
     "stage 7 MHA": "#F5DE8A",
     "stage 7 unpacked": "#C9A227",
     "padded SDPA cuDNN": "#98DF8A",

@@ -275,6 +275,65 @@ def plot_ablation(rows, title, path=None):
     return fig
 
 
+def plot_decode(rows, title, path=None):
+    """Stage 13's decode steps of `make bench` (rows "13 decode" and "13 decode GPU": shape (B,
+    H, Hkv, Sq, Sk, D) and GB/s of K and V per kernel): GB/s against Sk for each batch size with
+    at least three lengths, heads 32/8, calls back to back (top) and GPU time alone (bottom).
+    Stage 14's page sizes ("14 pN") are drawn in stage 14's colour, one dash pattern each."""
+    kinds = [("13 decode", "calls back to back"), ("13 decode GPU", "GPU time alone")]
+    heads = [r for r in rows if r["stage"] in dict(kinds) and tuple(r["shape"][1:3]) == (32, 8)]
+    batches = sorted(
+        b
+        for b in {r["shape"][0] for r in heads}
+        if len({r["shape"][4] for r in heads if r["shape"][0] == b}) >= 3
+    )
+    kinds = [k for k in kinds if any(r["stage"] == k[0] for r in heads)]
+    if not batches or not kinds:
+        return None
+    fig, axes = plt.subplots(
+        len(kinds),
+        len(batches),
+        figsize=(min(FIG_WIDTH, 5.5 * len(batches)), 3.6 * len(kinds)),
+        squeeze=False,
+    )
+    dashes = {"14 p16": (1, 1), "14 p64": (4, 2), "14 p128": (6, 2, 1, 2), "14 p256": (8, 3)}
+    for row_axes, (kind, label) in zip(axes, kinds):
+        for ax, B in zip(row_axes, batches):
+            mine = sorted(
+                (r for r in heads if r["stage"] == kind and r["shape"][0] == B),
+                key=lambda r: r["shape"][4],
+            )
+            names = []
+            for r in mine:
+                names += [n for n in r["tflops"] if n not in names]
+            for name in names:
+                pts = [(r["shape"][4], r["tflops"][name]) for r in mine if name in r["tflops"]]
+                xs, ys = zip(*pts)
+                drawn = "stage 14" if name.startswith("14 p") else name
+                ax.plot(
+                    xs,
+                    ys,
+                    marker="o",
+                    markersize=3,
+                    label=name,
+                    color=kernel_color(drawn),
+                    dashes=dashes.get(name, ()),
+                    linewidth=2.2 if drawn.startswith("stage") else 1.2,
+                )
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("keys per sequence Sk", fontsize=10)
+            ax.set_ylabel("GB/s of K and V", fontsize=10)
+            ax.set_title(f"B = {B}, heads 32/8: {label}", fontsize=10)
+            ax.grid(alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=9)
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.09, 1, 1))
+    if path:
+        fig.savefig(path, dpi=100)
+    return fig
+
+
 def plot_stage7_bench(rows, title, path=None):
     """Stage 7's rows of a `make bench` run (the json's "rows"; stage 12 beside stage 7
     where the run has them): GQA against MHA and the
@@ -335,3 +394,40 @@ def plot_stage7_bench(rows, title, path=None):
     if path:
         fig.savefig(path, dpi=100)
     return fig
+
+
+def main(argv=None):
+    """Draw a published run's figures again from its .json: python -m common.tools.plots
+    RUN.json [OUT_DIR] (ablation_*.png and decode_*.png, where the run has those rows)."""
+    import json
+    import os
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0].startswith("-"):
+        print(main.__doc__)
+        return 2
+    path = argv[0]
+    out = argv[1] if len(argv) > 1 else os.path.dirname(path) or "."
+    with open(path) as f:
+        run = json.load(f)
+    rows = run.get("rows", [])
+    tag = os.path.splitext(os.path.basename(path))[0].split("_", 1)[-1]
+    about = f"{run.get('gpu', '?')}, {run.get('date', '?')}"
+    written = []
+    if any(r["stage"] == "ablation" for r in rows):
+        written.append(os.path.join(out, f"ablation_{tag}.png"))
+        plot_ablation(rows, f"Stages 5, 7 -> 12 on {about} (paper shapes)", written[-1])
+    fig = plot_decode(rows, f"Decode steps (Sq = 1, D = 128) on {about}")
+    if fig is not None:
+        written.append(os.path.join(out, f"decode_{tag}.png"))
+        fig.savefig(written[-1], dpi=100)
+    if not written:
+        print(f"{path}: no ablation or decode rows to draw")
+        return 1
+    print("written: " + ", ".join(written))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
