@@ -357,7 +357,8 @@ def make_plan(
     # A bound that cuts no row is written as none: a left bound of at least Sk - 1 lets the
     # last row see key 0 (and every row before it too), a right bound of at least Sq - 1 lets
     # row 0 see key Sk - 1 (packed: of the longest sequences, which covers every shorter one).
-    # Sq = 1 under causal is then no mask at all: no tile scheduler, no mask code.
+    # Sq = 1 under causal is then no mask at all: no tile scheduler, and only a KV tile that
+    # reaches past Sk masks (its keys beyond Sk), as without causal.
     if window_left >= max_seqlen_k - 1:
         window_left = max_seqlen_k
     if window_right >= max_seqlen_q - 1:

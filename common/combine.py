@@ -53,7 +53,8 @@ from common.cute_interop import cute_dtype, rows_of_16_bytes
 class Combine:
     """O (B, H, S, D) in the input dtype and LSE (B, H, S) fp32 from O_partial (splits, B, H, S,
     D) and LSE_partial (splits, B, H, S), both fp32. Every tensor may have any strides (packed
-    sequences pass (1, H, total, D) views of (total, H, D)); D is contiguous in O and O_partial.
+    sequences pass (1, H, total, D) views of (total, H, D)), but D is contiguous in O and
+    O_partial and their other strides are multiples of 16 bytes (kernel: rows_of_16_bytes).
     `lanes`: how many groups of D / 4 threads a row has, lane i reading splits i, i + lanes, ...
     (a power of two, 2 ... 256 / (D / 4): lanes_for)."""
 

@@ -452,13 +452,13 @@ fig = figures.measured_ratios(
 )
 
 # %% [markdown]
-# **What the table says.** At D = 64 the overlap pays: +3% to +6.5% from S = 2k in event time,
-# +3% to +5.5% in GPU time alone, causal and not. At D = 128 it does not: in GPU time alone stage
-# 10 is 0.5-1.6% slower than stage 9 at every length from 2k; event-timed the step runs from 0.92
-# (non-causal S = 16k: 637 TFLOP/s against stage 9's 689) to 1.005 (causal 16k). The two timings of one
-# row differ by up to 0.06 (non-causal 16k: 0.92 event-timed, 0.98 in GPU time), so a step of a
-# few percent is not settled by one of them; the GPU-time column is the steadier one. The
-# FlashAttention-3 paper measured this step on an H100 SXM5 (its Table 2: FP16, non-causal,
+# **What the table says** (H200, 2026-12-04). At D = 64 the overlap pays: +2.9% to +6.5% from S = 2k
+# in event time, +2.8% to +5.4% in GPU time alone, causal and not. At D = 128 it does not: in GPU
+# time alone stage 10 is 0.5-1.6% slower than stage 9 at every length from 2k; event-timed the step
+# runs from 0.92 (non-causal S = 16k: 637 TFLOP/s against stage 9's 689) to 1.005 (causal 16k). The
+# two timings of one row differ by up to 0.06 (non-causal 16k: 0.92 event-timed, 0.98 in GPU time),
+# so a step of a few percent is not settled by one of them; the GPU-time column is the steadier one.
+# The FlashAttention-3 paper measured this step on an H100 SXM5 (its Table 2: FP16, non-causal,
 # batch 4, 8448 tokens, 16 heads of 128, the GPU clock fixed at 1830 MHz): 582 TFLOP/s with warp
 # specialisation and without the GEMM-softmax pipelining, 661 with both, +14%.
 #

@@ -20,12 +20,12 @@
 # per sequence against a long KV cache - has too few work tiles to fill the GPU: at batch 1 with 8
 # KV heads, 8 CTAs stream all of K and V while the other SMs wait. Stage 13 cuts each tile's KV
 # range into splits (Flash-Decoding: Dao, Haziza, Massa and Sizov, *Flash-Decoding for long-context
-# inference*, 2023), each its own work tile; each split writes its O and LSE in fp32, and a second
-# kernel, the combine (`common/combine.py`), merges them by their LSE weights. The launch picks the
-# split count (`splits_for` in `common/attention_host.py`), and `seqused_k` lets a sequence use only
-# the first keys of a cache allocated longer. The notebook imports the stage file and displays it;
-# it never pastes kernel code. Every number measured here is Hopper's; the Blackwell track is
-# section 5.8.
+# inference*, 2023), each its own work tile; each split writes its O and its LSE (the natural log of
+# its row's softmax sum, the second output since stage 5) in fp32, and a second kernel, the combine
+# (`common/combine.py`), merges them by their LSE weights. The launch picks the split count
+# (`splits_for` in `common/attention_host.py`), and `seqused_k` lets a sequence use only the first
+# keys of a cache allocated longer. The notebook imports the stage file and displays it; it never
+# pastes kernel code. Every number measured here is Hopper's; the Blackwell track is section 5.8.
 #
 # **How to run.** As stage 1: in Jupyter from `notebooks/`, or headless with
 # `python -m common.tools.nbrun notebooks/stage13_split_kv.ipynb`. Without an
@@ -292,9 +292,8 @@ nb.table(
 # 8k step took 8.8 us with the decode tile and 11.7 us with 128 rows, on an H100 80GB HBM3 with K
 # and V warm in L2, in two runs a day apart, with the combine of each day (2026-12-06,
 # `docs/results/decode_kernels_h100_2026-12-06.txt`; 2026-12-05,
-# `docs/results/decode_kernels_h100_2026-12-05.txt`; cuDNN's attention kernel took 8.9 us in
-# both). The cell builds the kernel
-# object each launch would get.
+# `docs/results/decode_kernels_h100_2026-12-05.txt`; cuDNN's attention kernel took 8.9-9.0 us in
+# both). The cell builds the kernel object each launch would get.
 
 # %%
 nb.show_function(stage13.Sm90Kernel.launch_options)
@@ -436,7 +435,7 @@ nb.show_function(combine_reference)
 # size-1 modes need them. A later call with the same signature allocates and launches.
 # `make_plan` also drops a mask bound that cuts nothing: under `causal=True` a single query row
 # ($S_q = 1$, bottom-right aligned) sees every key, so a decode step runs the kernel without a
-# mask (no tile counter to zero, no mask code).
+# mask (no tile counter to zero; only a tile that reaches past $S_k$ runs the mask code).
 #
 # The two kernels are one compiled function, `SplitLaunch` in `common/combine.py`: a `cute.jit`
 # function may launch several kernels, one after the other on its stream. It takes the
@@ -559,12 +558,13 @@ fig = nb.error_picture(13, result)
 # 25 us of host work per call. The 3,800 GB/s are set for the H200's 4.8 TB/s; the H100 below
 # has 3,350 GB/s and cannot reach them.
 #
-# `make bench --stages 13 --decode-sweep` on an NVIDIA H100 80GB HBM3 (2026-12-07, bf16, $S_q$ = 1,
-# D = 128; `docs/results/decode_h100_2026-12-07_sweep.md`), the kernels as they are: the six decode
-# rows of `make bench` first, then B = 1, 4, 16, 64 x $S_k$ = 4k, 16k, 64k, 256k; stage 12, stage
-# 13, FA4 and SDPA's cuDNN, flash and memory-efficient backends, all timed in the same interleaved
-# rounds, inputs rotated past L2, SDPA inside its backend's context (`sdpa_kernel`) entered once
-# around the timed calls. A decode step is bound by memory, so the unit is GB/s of K and V read,
+# `python -m common.tools.bench --stages 13 --decode-sweep` on an NVIDIA H100 80GB HBM3
+# (2026-12-07, bf16, $S_q$ = 1, D = 128; `docs/results/decode_h100_2026-12-07_sweep.md`), the
+# kernels as they are: the six decode rows of `make bench` first, then B = 1, 4, 16, 64 x $S_k$ =
+# 4k, 16k, 64k, 256k (rows over 4 GB of K and V left out); stage 12, stage 13, FA4 and SDPA's
+# cuDNN, flash and memory-efficient backends, all timed in the same interleaved rounds, inputs
+# rotated past L2, SDPA inside its backend's context (`sdpa_kernel`) entered once around the
+# timed calls. A decode step is bound by memory, so the unit is GB/s of K and V read,
 # $2 S_k H_{kv} D \cdot 2\,\text{B} \cdot B$ / time. Two timings: calls back to back between CUDA
 # events (what a model sees, host work included) and GPU time alone (the kernels' durations; for
 # stage 13 the attention kernel and the combine). The cell reads the run's `.json` file (which also
@@ -639,8 +639,8 @@ fig = figures.decode_bars(
 # `torch.inference_mode()`, every entry in rotated order each round: back to back between CUDA
 # events, the host's own time, the GPU's. The cell prints a run of the launch path as it is
 # (NVIDIA H100 80GB HBM3, 2026-12-07, `docs/results/host_time_h100_2026-12-07_scratch_lse.txt`)
-# with cProfile's view of stage 13's call, and the split count the launch picks for this step: none, since a range of 4 KV tiles
-# or fewer is not split (section 5.1).
+# with cProfile's view of stage 13's call, and the split count the launch picks for this step:
+# none, since a range of 4 KV tiles or fewer is not split (section 5.1).
 
 # %%
 HOST_TIME = "docs/results/host_time_h100_2026-12-07_scratch_lse.txt"
@@ -657,8 +657,10 @@ print("splits the launch picks for this step now:", attention_host.splits_for(8,
 # Stage 12, and stage 13 where it does not split, take 17.9-18.2 us per call back to back and of
 # host time, against SDPA's 16.0 / 15.4 (back to back / host): within the goal of 25 us. A split
 # call (`num_splits=2`) takes 26.2 / 26.6, over the goal on this host (24.4 / 24.8 on a quicker
-# one, 2026-12-06, `docs/results/host_time_h100_2026-12-06_traced_copy_profile.txt`; 23.3-27.6 in
-# that day's other runs): the partials' buffer and one call that launches both kernels (section 5.6).
+# one, 2026-12-06, `docs/results/host_time_h100_2026-12-06_traced_copy_profile.txt`; 23.3-28.3 in
+# that day's five other runs with the split launch in one call, `..._split_launch.txt`,
+# `..._stage_env_once.txt`, `..._autograd_fallthrough*.txt` and `..._traced_copy.txt`): the
+# partials' buffer and one call that launches both kernels (section 5.6).
 # The custom op takes 24.4 / 25.2 under inference mode and 25.2 / 25.0 under `torch.no_grad()`
 # (H100 80GB HBM3, 2026-12-07, the same run). An unsplit call that returns no LSE writes it into
 # the device's scratch: one allocation less, 2.0-2.8 us a call in an A/B the same day
@@ -666,14 +668,14 @@ print("splits the launch picks for this step now:", attention_host.splits_for(8,
 # on the same GPU model (2026-12-05, `docs/results/host_time_fast_path_ab_h100_2026-12-05.txt`),
 # when it still allocated the LSE, its compiled function called alone on ready arguments took 5.1
 # (the TVM-FFI call and the launch), each of its two outputs 2.2 (`torch.empty_strided`) and Q's
-# canonical view 0.9 (`as_strided`): the other 8.4 us was the launch path's Python. A call whose tensors and options match an earlier
-# call's (`call_key` in `common/attention_host.py`) takes the fast path: no shape checks, and
-# the launch plan made for the first such call, which keeps everything decided once (the
-# compiled kernel and combine, the mask bounds, the split count, the partials' layout, the
-# inputs' canonical strides). What is left is Python per call, which only fewer Python calls per
-# step remove: a CUDA graph over a model's decode step, as `tests/test_stage13.py` replays one.
-# Earlier launch paths, and what each change to it saved: `docs/results/README.md`, *Host work
-# per call*.
+# canonical view 0.9 (`as_strided`): the other 8.4 us was the launch path's Python. A call whose
+# tensors and options match an earlier call's (`call_key` in `common/attention_host.py`) takes
+# the fast path: no shape checks, and the launch plan made for the first such call, which keeps
+# everything decided once (the compiled kernel and combine, the mask bounds, the split count, the
+# partials' layout, the inputs' canonical strides). What is left is Python per call, which only
+# fewer Python calls per step remove: a CUDA graph over a model's decode step, as
+# `tests/test_stage13.py` replays one. Earlier launch paths, and what each change to it saved:
+# `docs/results/README.md`, *Host work per call*.
 #
 # In GPU mode the cell below times stage 13 against stage 12 and the baselines at two decode
 # shapes (MHA, 32 heads: the launch picks 4 splits) in this run. Its table gives TFLOP/s,
@@ -744,7 +746,8 @@ bench = nb.measure(
 # every $O_s$ first and the merged O again adds a second rounding of the same order as the
 # first: the cell prints both errors, and the bf16 partials' is the larger, though by less than
 # twice (the two roundings are not aligned). fp32 partials keep the unsplit kernel's single
-# rounding, for 258 KiB of traffic against 128 MiB of K and V at 32k (section 5.4).
+# rounding, for 258 KiB of partials written and read once more (516 KiB of traffic) against
+# 128 MiB of K and V at 32k (section 5.4).
 # </details>
 #
 # <details><summary>5. Drop the clamps (13a)</summary>
@@ -819,4 +822,5 @@ nb.check_exercise("13a")
 # %% [markdown]
 # **Next:** `make diff-14` shows what stage 14 adds to this one (`TRACK=blackwell` for the other
 # track), and [`stage14_paged_kv.ipynb`](stage14_paged_kv.ipynb) walks through it.
-# What this stage's measurements showed, and what was tried and dropped: [`docs/notes/stage13.md`](../docs/notes/stage13.md).
+# What this stage's measurements showed, and what was tried and dropped:
+# [`docs/notes/stage13.md`](../docs/notes/stage13.md).

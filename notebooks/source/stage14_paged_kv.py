@@ -14,17 +14,17 @@
 # %% [markdown]
 # # Stage 14 - a paged KV cache: K and V in pages, a KV tile in TMA boxes
 #
-# This notebook walks through `stages/stage14_paged_kv/hopper.py`: stage 13's kernel (split-KV
-# on stage 12's persistent ping-pong kernel) reading K and V from a paged cache. A serving stack
-# keeps one pool of pages of `page_size` keys - `k_cache` and `v_cache` of shape (num_pages,
-# page_size, Hkv, D) - and per sequence a row of `page_table` that lists its pages in order:
-# FlashAttention's and vLLM's layout. A sequence grows a page at a time, and pages are shared
-# and freed without copying. The kernel changes in its producer (and in `seq_info`, which every
-# role calls): a KV tile of 128 keys,
-# one TMA load in stage 13, becomes 128 / r TMA boxes of r = min(page_size, 128) rows, each
-# from the page that holds its keys, all counted on the ring slot's one full barrier. The
-# notebook imports the stage file and displays it; it never pastes kernel code. Every number
-# measured here is Hopper's; the Blackwell track is section 5.7.
+# This notebook walks through `stages/stage14_paged_kv/hopper.py`: stage 13's kernel (split-KV on
+# stage 12's persistent ping-pong kernel) reading K and V from a paged cache. A serving stack keeps
+# one pool of pages of `page_size` keys - `k_cache` and `v_cache` of shape (num_pages, page_size,
+# Hkv, D) - and per sequence a row of `page_table` that lists its pages in order, with
+# `seqused_k[b]` (stage 13) the number of keys sequence b holds: FlashAttention's and vLLM's layout.
+# A sequence grows a page at a time, and pages are shared and freed without copying. The kernel
+# changes in its producer (and in `seq_info`, which every role calls): a KV tile of 128 keys, one
+# TMA load in stage 13, becomes 128 / r TMA boxes of r = min(page_size, 128) rows, each from the
+# page that holds its keys, all counted on the ring slot's one full barrier. The notebook imports
+# the stage file and displays it; it never pastes kernel code. Every number measured here is
+# Hopper's; the Blackwell track is section 5.7.
 #
 # **How to run.** As stage 1: in Jupyter from `notebooks/`, or headless with
 # `python -m common.tools.nbrun notebooks/stage14_paged_kv.ipynb`. Without an
@@ -139,7 +139,7 @@ def paged_cache(k, v, used, page_size, spare_pages=3, seed=14):
 # random order, NaN in the pages nobody owns and in the unused tail of each last page, -1 in the
 # table past a sequence's pages), reads every key back by the formula and compares it with the
 # contiguous K; then it counts the keys each layout allocates for `make bench`'s packed batch
-# of 16 sequences (64 to 2,047 keys each, `nb.varlen_lengths()`).
+# of 16 sequences (lengths drawn from 64 to 2,047 keys, `nb.varlen_lengths()`).
 
 # %%
 used = [40, 75, 18]  # keys of three sequences
@@ -585,15 +585,16 @@ fig = figures.paged_ratios(
 #   4 KB instead of one of 32 KB, each issued by the producer after its own `page_table` read.
 # - **Back to back at B = 1 with 8 KV heads, at 8k and 32k, the host sets the pace**: every page
 #   size reads at 0.86-0.90 of stage 13 there: these calls are short, and a paged call costs the
-#   host more (section 7.2 measures an unsplit call, 4.9 us more; a split paged call's host work
-#   was not measured on its own). In the other rows the GPU work dominates and the ratios are
-#   those of GPU time.
+#   host more (section 7.2 measures an unsplit call, 4.9 us more back to back; a split paged call
+#   has not been timed on the launch path as it is: with that of 2026-12-05 it took 34.5 us of
+#   host time with `check_values=False` against 28.3 for a split stage 13 call, H100 80GB HBM3,
+#   `docs/results/host_time_fast_path_ab_h100_2026-12-05.txt`). In the other rows the GPU work
+#   dominates and the ratios are those of GPU time.
 #
 # Over 16 rows (B = 1-64, 4k-256k keys; H100 80GB HBM3, 2026-12-07,
 # `docs/results/decode_h100_2026-12-07_sweep.md`) pages of 64 keys or more read 0.94-0.995 of stage
-# 13 in GPU time (below 0.95 only at B = 1, 4k, with pages of 128 and 256, by less than two runs
-# differ there) and pages of 16
-# 0.92-0.97.
+# 13 in GPU time (below 0.95 only at B = 1, 4k, with pages of 128 and 256: 0.944 and 0.947, where
+# the run of the same day that timed SDPA differently read 0.955) and pages of 16 0.92-0.97.
 #
 # On the H200 (2026-12-04, `docs/results/decode_h200_2026-12-04.md`), with the kernel and launch
 # path as they were then (128-row tiles, two host calls for a split launch), pages of 64 keys or
@@ -620,11 +621,11 @@ print(paged + profiles.split(paged)[1].split("cProfile of")[0])
 
 # %% [markdown]
 # A paged call takes 22.8 us back to back and 23.9 of host time with its tables made outside
-# inference mode, 20.8 and 21.8 with `check_values=False`, against an unsplit stage 13's 17.9 /
-# 18.1 and SDPA's 16.0 / 15.4 (H100 80GB HBM3, 2026-12-07, the same run). What the checks cost per call is a lookup:
-# `seqused_k` and `page_table` were read to the host once and remembered with their version counters
-# (section 5.5), and a call that finds them unchanged asks nothing else - not even whether a CUDA
-# graph is being captured, which is needed only before a read. Tables made under
+# inference mode, 20.8 and 21.8 with `check_values=False`, against an unsplit stage 13's 17.9 / 18.1
+# and SDPA's 16.0 / 15.4 (H100 80GB HBM3, 2026-12-07, the same run). What the checks cost per call
+# is a lookup: `seqused_k` and `page_table` were read to the host once and remembered with their
+# version counters (section 5.5), and a call that finds them unchanged asks nothing else - not even
+# whether a CUDA graph is being captured, which is needed only before a read. Tables made under
 # `torch.inference_mode()` carry no version counter, so they are read at every call, each read a
 # copy and a synchronisation, then every page a sequence uses is checked in Python: 70.1 us back to
 # back. Inside a captured CUDA graph nothing is read and no Python runs at replay
@@ -796,6 +797,7 @@ nb.check_exercise("14a")
 
 # %% [markdown]
 # **Next:** stage 15 adds no kernel: its ring (`stages/stage15_context_parallel/ring.py`) runs this
-# stage's kernel over several GPUs, and [`stage15_context_parallel.ipynb`](stage15_context_parallel.ipynb)
-# walks through it.
-# What this stage's measurements showed, and what was tried and dropped: [`docs/notes/stage14.md`](../docs/notes/stage14.md).
+# stage's kernel over several GPUs, and
+# [`stage15_context_parallel.ipynb`](stage15_context_parallel.ipynb) walks through it.
+# What this stage's measurements showed, and what was tried and dropped:
+# [`docs/notes/stage14.md`](../docs/notes/stage14.md).

@@ -291,7 +291,8 @@ nb.show_source(6, "hopper", section="# 2.")
 # %% [markdown]
 # ### 5.4 Rows that see nothing: the safe max and the epilogue
 #
-# `online_softmax` is stage 5's with one line more (`m_safe`), the CPU function of 3.3 in CuTe.
+# `online_softmax` is stage 5's with one line more, `m_safe`, which its two exponentials subtract
+# in place of `m_new`: the CPU function of 3.3 in CuTe.
 # `acc_O.fill(0.0)` before the loop makes O start at 0, so that a Q tile with an empty range -
 # no K or V loaded, no wgmma issued - still stores zeros, and the epilogue writes LSE = -inf where
 # $\ell = 0$.

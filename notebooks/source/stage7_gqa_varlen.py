@@ -106,8 +106,9 @@ fig = figures.gqa_head_map(32, 8)
 # to the total; zero-length sequences allowed). Each sequence is an attention problem of its own,
 # masked as in stage 6 with its own lengths: causal is bottom-right per sequence. What packing
 # saves is the padding: a batch padded to its longest sequence computes $B \cdot S_{\max}^2$
-# (query, key) pairs instead of $\sum_b S_b^2$. For the batch `make bench` times (16 sequences whose
-# lengths are drawn uniformly from 64-2047 tokens with a fixed seed; `nb.varlen_lengths()` draws the same):
+# (query, key) pairs instead of $\sum_b S_b^2$. For the batch `make bench` times (16 sequences
+# whose lengths are drawn uniformly from 64-2047 tokens with a fixed seed; `nb.varlen_lengths()`
+# draws the same):
 
 # %%
 lens = nb.varlen_lengths()
@@ -161,12 +162,13 @@ nb.show_source(7, "hopper", names=["Sm90Kernel.seq_info"])
 # %% [markdown]
 # ### 5.2 The CTA grid of a ragged batch
 #
-# The grid is (ceil(G max_seqlen_q / 128), H / G, sequences), G = 1 until pack-GQA (5.3b): as many
-# Q tiles per sequence as the longest has. A CTA whose tile starts past its sequence's end finds an empty tile range (a line added to
-# `kv_tile_range`) and, like stage 6's Q tiles that see no key, loads no K or V and computes
-# nothing; it still loads its Q tile (Q is loaded whatever the range) and then
-# stores nothing. The picture: five sequences (one of them empty), causal, two of the H heads drawn
-# (all heads look the same); the number in a cell is the count of KV tiles that CTA computes.
+# The grid is (ceil(G max_seqlen_q / 128), H / G, sequences), G = 1 until pack-GQA (5.3b): as
+# many Q tiles per sequence as the longest has. A CTA whose tile starts past its sequence's end
+# finds an empty tile range (a line added to `kv_tile_range`) and, like stage 6's Q tiles that see
+# no key, loads no K or V and computes nothing; it still loads its Q tile (Q is loaded whatever
+# the range) and then stores nothing. The picture: five sequences (one of them empty), causal, two
+# of the H heads drawn (all heads look the same); the number in a cell is the count of KV tiles
+# that CTA computes.
 
 # %%
 cfg = nb.show_config(7, "hopper")
@@ -435,8 +437,8 @@ bench_varlen = nb.measure_varlen(7, lens, heads=16, head_dim=128, with_fa4=True)
 #
 # Every CTA does exactly the work of MHA - same Q tile, same number of K and V tiles, same FLOPs -
 # only the K/V head coordinate of its TMA loads differs. What changes is that 4 CTAs read the same
-# K/V bytes, so HBM traffic for K and V drops by up to 4x when the L2 catches the repeats: GQA should
-# be as fast or faster. The benchmark run quoted in section 7 (H200, 2026-12-02,
+# K/V bytes, so HBM traffic for K and V drops by up to 4x when the L2 catches the repeats: GQA
+# should be as fast or faster. The benchmark run quoted in section 7 (H200, 2026-12-02,
 # `docs/results/gqa_varlen_decode_h200_2026-12-02.md`) measured 0.97-1.09x: within run-to-run
 # noise of "as fast" at S = 8k, faster at 2k; a ratio a few percent below 1 in the table the cell
 # below prints (GPU mode: both at S = 8k in one run) is the same noise.

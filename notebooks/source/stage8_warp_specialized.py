@@ -172,16 +172,18 @@ for D in (64, 128):
 #
 # The docstring gives the changes with their numbers; then the start of the kernel class's diff
 # against stage 7 (the whole files differ by about 250 lines added and 150 removed; `make diff-8
-# TRACK=hopper` shows them). Stage 7 already has stage 8's methods (`load`, `mma_one_n_block`,
-# `epilogue`, and `mma`, which stage 8 renames `mma_tile`: one work tile's pass), so the hunks are
-# the roles themselves: the producer warpgroup and setmaxnreg in `kernel`, `load` issuing every
-# load, the ring's entries in place of stage 7's slot phases, and the work-tile loops in `load` and
-# in the new `mma`. The diff pairs stage 7's `mma` with the new one by name, so the new `mma`'s
-# loop and the line `def mma_tile(` show as added lines in the middle of the old method, whose
-# body continues as `mma_tile`'s. Section 5 goes through the new code method by method. The
-# arithmetic of each consumer warpgroup is stage 7's but for two lines: S is zero-filled before
-# the loop (without it ptxas serialises the wgmma at D = 128, warning C7512), and every PV
-# accumulates into O's zeros where stage 7's first PV overwrote them. O and LSE stay bit for bit.
+# TRACK=hopper` shows them). A **work tile** is one (Q tile, head, sequence), what stage 7's grid
+# gave each CTA; section 5.5 shows how the roles walk them. Stage 7 already has stage 8's methods
+# (`load`, `mma_one_n_block`, `epilogue`, and `mma`, which stage 8 renames `mma_tile`: one work
+# tile's pass), so the hunks are the roles themselves: the producer warpgroup and setmaxnreg in
+# `kernel`, `load` issuing every load, the ring's entries in place of stage 7's slot phases, and the
+# work-tile loops in `load` and in the new `mma`. The diff pairs stage 7's `mma` with the new one by
+# name, so the new `mma`'s loop and the line `def mma_tile(` show as added lines in the middle of
+# the old method, whose body continues as `mma_tile`'s. Section 5 goes through the new code method
+# by method. The arithmetic of each consumer warpgroup is stage 7's but for two lines: S is
+# zero-filled before the loop (without it ptxas serialises the wgmma at D = 128, warning C7512), and
+# every PV accumulates into O's zeros where stage 7's first PV overwrote them. O and LSE stay bit
+# for bit.
 
 # %%
 nb.show_docstring(8, "hopper")
@@ -343,15 +345,15 @@ if kernel8 is not None:
 # %% [markdown]
 # ### 5.6 The barrier protocol on the CPU
 #
-# Three warpgroups, 14 mbarriers (D = 128: 2 + 2 x 6 slots) and a ring whose slots wrap: a mistake in a parity or a count
-# hangs the GPU, or worse, lets the producer overwrite a slot a consumer still reads - which a
-# test run may never show. `common/tools/barrier_protocol.py` models the protocol from the kernel
-# object itself: the producer and each consumer warpgroup become programs of waits, fills, reads
-# and arrives in the kernel's order, with the parities of the kernel's own `ring_state`,
-# `q_full_parity` and `q_empty_parity`. A barrier completes a phase when its count of arrivals
-# has come; a wait for parity $P$ passes once the completed phases have the other parity. The
-# model runs **every interleaving** of the three programs and reports a hang, a read of the wrong
-# tile, a fill over a slot still being read, and an arrive left over at the end.
+# Three warpgroups, 14 mbarriers (D = 128: 2 + 2 x 6 slots) and a ring whose slots wrap: a mistake
+# in a parity or a count hangs the GPU, or worse, lets the producer overwrite a slot a consumer
+# still reads - which a test run may never show. `common/tools/barrier_protocol.py` models the
+# protocol from the kernel object itself: the producer and each consumer warpgroup become programs
+# of waits, fills, reads and arrives in the kernel's order, with the parities of the kernel's own
+# `ring_state`, `q_full_parity` and `q_empty_parity`. A barrier completes a phase when its count of
+# arrivals has come; a wait for parity $P$ passes once the completed phases have the other parity.
+# The model runs **every interleaving** of the three programs and reports a hang, a read of the
+# wrong tile, a fill over a slot still being read, and an arrive left over at the end.
 #
 # First the counts: the kernel object's (what `arrival_counts` says the protocol needs) and what
 # the compiled kernel initialises its barriers with (read from the PTX's `mbarrier.init`).
@@ -574,27 +576,28 @@ fig = figures.step_against_s(
 
 # %% [markdown]
 # What the table says (H200, 2026-12-04): at D = 128 warp specialisation gains 8-16% over stage 7
-# non-causal and 7-13% causal from S = 2k (9-17% and 6-12% in GPU time). At D = 64 it gains
-# nothing to 8% (0.98-1.05 causal): there a GEMM takes half the time it takes at D = 128 and the
+# non-causal and 7-13% causal from S = 2k (9-17% and 6-12% in GPU time). At D = 64 it gains nothing
+# to 8% (0.98-1.05 causal): there a GEMM takes half the time it takes at D = 128 and the
 # exponentials as long (at the FlashAttention-3 paper's H100 rates, about 140 against 280 ns a GEMM
-# and 277 ns an exponential pass per KV tile: notebook 9's section 3), so the loads and the registers that warp
-# specialisation frees were not what held D = 64 back. In that run stage 7 ran one CTA an SM at
-# D = 64 in bf16: ptxas gave it 133 registers a thread, and two 256-thread CTAs share an SM only
-# at 128 or fewer. In fp16 the same run's stage 7 got 128, two CTAs, and stage 8 ran at
-# 0.72-0.77 of it at D = 64 from 2k (`docs/results/ablation_h200_2026-12-04_fp16.md`). Stage 7's
-# code from 2026-12-05 on gets 123 in bf16, so two CTAs (four warpgroups computing, where stage 8 has two
-# consumers), and then stage 8 runs at 0.74-0.85 of it at D = 64 (H100 80GB HBM3, 2026-12-05;
-# the registers and that run in `docs/notes/stage8.md`; stage 12's third consumer warpgroup wins
-# the difference back). On the H200, stage 8 stays at 0.77-0.88 of FA4 at D = 128 and 0.69-0.77
-# at D = 64: FA4's Hopper path (FlashAttention-3's schedule) has the next three stages'
+# and 277 ns an exponential pass per KV tile: notebook 9's section 3), so the loads and the
+# registers that warp specialisation frees were not what held D = 64 back. In that run stage 7 ran
+# one CTA an SM at D = 64 in bf16: ptxas gave it 133 registers a thread, and two 256-thread CTAs
+# share an SM only at 128 or fewer. In fp16 the same run's stage 7 got 128, two CTAs, and stage 8
+# ran at 0.72-0.77 of it at D = 64 from 2k (`docs/results/ablation_h200_2026-12-04_fp16.md`). Stage
+# 7's code from 2026-12-05 on gets 123 in bf16, so two CTAs (four warpgroups computing, where stage
+# 8 has two consumers), and then stage 8 runs at 0.74-0.85 of it at D = 64 (H100 80GB HBM3,
+# 2026-12-05; the registers and that run in `docs/notes/stage8.md`; stage 12's third consumer
+# warpgroup wins the difference back). On the H200, stage 8 stays at 0.77-0.88 of FA4 at D = 128 and
+# 0.69-0.77 at D = 64: FA4's Hopper path (FlashAttention-3's schedule) has the next three stages'
 # techniques too.
 #
 # The FlashAttention-3 paper (Shah et al., 2024) justifies warp specialisation with an ablation
-# on an H100 SXM5 at one shape: its full kernel against the same kernel without warp
-# specialisation, and against it without the softmax/GEMM pipelining inside a warpgroup (stage 10
-# here); each variant ran slower than the full kernel. Its variants switch whole techniques off
-# in its finished kernel, not this tutorial's single steps one after the other, and it measured
-# on another GPU, so its margins are not quoted next to these.
+# on an H100 SXM5 at one shape (its Table 2: FP16, non-causal, batch 4, 8448 tokens, 16 heads of
+# 128, the clock fixed at 1830 MHz): its full kernel ran 661 TFLOP/s, the same kernel without
+# warp specialisation 570 (+16% for it), and without the softmax/GEMM pipelining inside a
+# warpgroup (stage 10 here) 582. Its variants switch one technique off in its finished kernel,
+# where this tutorial adds them one after the other, on another GPU: read the two as the same
+# technique measured from two sides, not as numbers that should agree.
 #
 # The cell below measures stage 8 against stage 7 and FA4 on this machine's GPU, all in one run.
 # One such run moves by a few percent from the next: in this notebook's executed copy (H100 80GB

@@ -493,9 +493,10 @@ fig = figures.step_against_s(
 # and stage 12 gives D = 64 a third consumer warpgroup.
 #
 # The FlashAttention-3 paper (Shah et al., 2024) describes this schedule - its ping-pong
-# scheduling of two warpgroups, through named barriers - as part of its warp-specialised design;
-# what it measured for it was measured on an H100 within its own kernel, and is not quoted next
-# to these single steps.
+# scheduling of two warpgroups, through named barriers - as part of its warp-specialised design.
+# Its ablation table (notebooks 8 and 10 quote it) switches off warp specialisation and the
+# pipelining inside a warpgroup, not the ping-pong on its own, so no row of it sits beside this
+# step.
 #
 # The cell below measures stage 9 against stage 8 and FA4 on this machine's GPU, all in one run.
 # One such run moves by a few percent from the next: in this notebook's executed copy (H100 80GB

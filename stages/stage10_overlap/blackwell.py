@@ -6,12 +6,12 @@ Changes from stage 9:
 - The MMA warp's order, FA4's mma(): for Q tile s = 0, 1 in turn, P_s,j-1 @ V_j-1 and then
   S_s,j = Q_s K_j^T, so softmax warpgroup s finds its next S ready and, while it works, the
   tensor core has the other tile's two GEMMs queued (stage 9: at most one). A prologue issues
-  the range's first S_0 and S_1, an epilogue the last tile's PVs, only for a non-empty range:
-  so are the Q waits, and the TMA warp loads no Q for an empty range (stage 9 did).
+  the range's first S_0 and S_1, an epilogue the last tile's PVs, only for a non-empty range,
+  as are the Q waits; the TMA warp loads no Q for an empty range (stage 9 did).
 - Where P lives: PTX keeps two tcgen05.mma of one thread in order only when they share
   accumulator and shape, so S_s,j must not overwrite P_s,j-1 while its PV may read it. D = 64:
   P gets columns of its own (S 2 x 128, O 2 x 64, P 2 x 64 = 512). D = 128: S and O fill all
-  512 columns, P stays over S, and stage 9's order stays (docs/notes/stage10.md: FA4's choice).
+  512 columns, P stays over S, and stage 9's order stays (unlike FA4: docs/notes/stage10.md).
 - Conditional rescale (FA4's): the softmax subtracts a reference max m_ref that moves to the
   running max only when (m - m_ref) * scale * log2(e) > 8; otherwise the factor is exactly 1,
   and a correction warp whose 32 rows all have factor 1 skips O's TMEM round trip (vote.any).
@@ -367,7 +367,7 @@ class Sm100Kernel:
 
         # 2. Main loop by warp role
         # The MMA, TMA and idle warps form the fourth warpgroup: it and the correction warpgroup
-        # give registers to the two softmax warpgroups (the counts: the module docstring). Each
+        # give registers to the two softmax warpgroups (the counts: __init__). Each
         # role's branch lowers or raises its own count first, so that ptxas knows the count of
         # every branch.
         if warp_idx >= self.idle_warp_ids[0]:
@@ -633,7 +633,7 @@ class Sm100Kernel:
                     o_empty0 = o_prod0.acquire_and_advance()
                     p_full0 = p_cons0.wait_and_advance()
                     pv_mma = self.issue_pv(pv_mma, tOtO[0], tOrP[0], tCrV, v_full.index, accumulate)
-                    # P_0's columns are free, and O_0 holds tile j-1, once these MMAs have completed.
+                    # P_0's columns are free and O_0 holds tile j-1 once these MMAs have completed.
                     p_full0.release()
                     o_empty0.commit()
                     # K_j only now: P_0,j-1 @ V_j-1 did not need it (the ring order stays V_j-1,
@@ -702,7 +702,7 @@ class Sm100Kernel:
                     # The K slot is empty once both tiles' MMAs have read it.
                     kv_full.release()
                     v_full = kv_cons.wait_and_advance()  # ring entry: V_j
-                    # Packed sequences: the last tile's keys past seqlen_k are the next sequence's V.
+                    # Packed sequences: the last tile's keys past seqlen_k are the next one's V.
                     # P is 0 there, but 0 x NaN = NaN: zero those rows of V before P @ V reads them.
                     if cutlass.const_expr(mCuSeqlensK is not None):
                         if (kv_tile + 1) * self.qk_mma_tiler[1] > seqlen_k:

@@ -13,7 +13,7 @@ Changes from stage 9:
   next to acc_O (D / 2 fp32), in the 240 per consumer thread.
 - The turns are (QK_j, PV_{j-1}) pairs, QK_lo alone first, PV_{hi-1} alone last: still steps + 1
   per warpgroup. O and LSE are stage 9's bit for bit (the same operations in the same order).
-- At D = 128 ptxas moves the wait for PV_{j-1} above softmax_j: no overlap (docs/notes/stage10.md).
+- At D = 128 ptxas moves the wait for PV_{j-1} up: only the mask overlaps (docs/notes/stage10.md).
 
 attention(q, k, v, ...): Q (B, H, Sq, D), K and V (B, Hkv, Sk, D), H % Hkv == 0 (Hkv = 1: MQA).
 attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...): q (total_q, H, D), k and v (total_k,

@@ -1,7 +1,7 @@
 """Stage 11 - persistent CTAs (Blackwell, sm_100a): one CTA per SM walks work tiles, a fixed
 share or drawn from an atomic tile scheduler, longest first in L2-sized sections.
 
-Changes from stage 10 (Hopper stage 11's, on this track's five roles):
+Changes from stage 10 (Hopper stage 11's, on the five roles: TMA, MMA, 2 softmax, correction):
 - Grid: min(tiles, SMs) CTAs (227 KiB of shared memory: one per SM); a work tile is a CTA's
   2 x 128 rows of one (head, sequence). The set-up is paid once per SM, and the TMA warp loads
   the next tile's K/V during this tile's last MMAs (its Q once they have completed).
@@ -409,7 +409,7 @@ class Sm100Kernel:
         # (next_tile) and hands each one's number to the other roles (hand_over, handed_tile);
         # every pipeline's state runs on from one tile to the next.
         # The MMA, TMA and idle warps form the fourth warpgroup: it and the correction warpgroup
-        # give registers to the two softmax warpgroups (the counts: the module docstring). Each
+        # give registers to the two softmax warpgroups (the counts: __init__). Each
         # role's branch lowers or raises its own count first, so that ptxas knows the count of
         # every branch.
         if warp_idx >= self.idle_warp_ids[0]:
@@ -679,7 +679,7 @@ class Sm100Kernel:
                     o_empty0 = o_prod0.acquire_and_advance()
                     p_full0 = p_cons0.wait_and_advance()
                     pv_mma = self.issue_pv(pv_mma, tOtO[0], tOrP[0], tCrV, v_full.index, accumulate)
-                    # P_0's columns are free, and O_0 holds tile j-1, once these MMAs have completed.
+                    # P_0's columns are free and O_0 holds tile j-1 once these MMAs have completed.
                     p_full0.release()
                     o_empty0.commit()
                     # K_j only now: P_0,j-1 @ V_j-1 did not need it (the ring order stays V_j-1,
@@ -748,7 +748,7 @@ class Sm100Kernel:
                     # The K slot is empty once both tiles' MMAs have read it.
                     kv_full.release()
                     v_full = kv_cons.wait_and_advance()  # ring entry: V_j
-                    # Packed sequences: the last tile's keys past seqlen_k are the next sequence's V.
+                    # Packed sequences: the last tile's keys past seqlen_k are the next one's V.
                     # P is 0 there, but 0 x NaN = NaN: zero those rows of V before P @ V reads them.
                     if cutlass.const_expr(mCuSeqlensK is not None):
                         if (kv_tile + 1) * self.qk_mma_tiler[1] > seqlen_k:

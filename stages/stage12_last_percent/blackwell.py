@@ -133,10 +133,11 @@ class Sm100Kernel:
         self.q_buffers = self.q_tiles
         tile_bytes = 128 * head_dim * dtype.width // 8
         # The sm_100 opt-in limit (227 KiB) less a 4 KiB reserve that holds the barriers, the
-        # row statistics (1 KiB per Q tile) and the 1 KiB alignment of the buffers. Tuning 4 stages O for its TMA store in
-        # buffers of its own, so that the next tile's Q can land during this tile's epilogue:
-        # one per Q tile at D = 64 (2 x 16 KiB: the ring keeps 8 slots), one for both at
-        # D = 128 (32 KiB: 3 slots next to 2 x 32 KiB of Q; two would leave 2).
+        # row statistics (1 KiB per Q tile) and the 1 KiB alignment of the buffers.
+        # Tuning 4 stages O for its TMA store in buffers of its own, so that the next tile's
+        # Q can land during this tile's epilogue: one per Q tile at D = 64 (2 x 16 KiB: the
+        # ring keeps 8 slots), one for both at D = 128 (32 KiB: 3 slots next to 2 x 32 KiB
+        # of Q; two would leave 2).
         self.smem_budget = 227 * 1024 - 4 * 1024
         self.o_buffers = 0
         if "o_tma_store" in self.tunings:
@@ -490,7 +491,7 @@ class Sm100Kernel:
         # (next_tile) and hands each one's number to the other roles (hand_over, handed_tile);
         # every pipeline's state runs on from one tile to the next.
         # The MMA, TMA and idle warps form the fourth warpgroup: it and the correction warpgroup
-        # give registers to the two softmax warpgroups (the counts: the module docstring). Each
+        # give registers to the two softmax warpgroups (the counts: __init__). Each
         # role's branch lowers or raises its own count first, so that ptxas knows the count of
         # every branch.
         if warp_idx >= self.idle_warp_ids[0]:
@@ -761,7 +762,7 @@ class Sm100Kernel:
                     o_empty0 = o_prod0.acquire_and_advance()
                     p_full0 = p_cons0.wait_and_advance()
                     pv_mma = self.issue_pv(pv_mma, tOtO[0], tOrP[0], tCrV, v_full.index, accumulate)
-                    # P_0's columns are free, and O_0 holds tile j-1, once these MMAs have completed.
+                    # P_0's columns are free and O_0 holds tile j-1 once these MMAs have completed.
                     p_full0.release()
                     o_empty0.commit()
                     # K_j only now: P_0,j-1 @ V_j-1 did not need it (the ring order stays V_j-1,
@@ -830,7 +831,7 @@ class Sm100Kernel:
                     # The K slot is empty once both tiles' MMAs have read it.
                     kv_full.release()
                     v_full = kv_cons.wait_and_advance()  # ring entry: V_j
-                    # Packed sequences: the last tile's keys past seqlen_k are the next sequence's V.
+                    # Packed sequences: the last tile's keys past seqlen_k are the next one's V.
                     # P is 0 there, but 0 x NaN = NaN: zero those rows of V before P @ V reads them.
                     if cutlass.const_expr(mCuSeqlensK is not None):
                         if (kv_tile + 1) * self.qk_mma_tiler[1] > seqlen_k:

@@ -21,8 +21,8 @@ TUNINGS, with_tunings), Hopper stage 13's on this track's five roles:
 - common/combine.py merges the splits: lse = log sum_s exp(lse_s), O = sum_s exp(lse_s - lse)
   O_s, in fp32, then O in the input dtype. A split that sees no key writes O = 0 and
   lse_s = -inf: weight 0. Partial buffers per call: num_splits x B x H x Sq x (D + 1) x 4
-  bytes (18 x 32 x 129 x 4 = 290 KiB for the decode step above), against 2 x Sk x Hkv x D x 2
-  bytes of K and V read (32k keys: 128 MiB).
+  bytes (18 x 32 x 129 x 4 = 290 KiB for the decode step above at D = 128), against 2 x Sk x
+  Hkv x D x 2 bytes of K and V read (32k keys: 128 MiB).
 - seqused_k (B,) int32: sequence b uses only its first seqused_k[b] keys (seq_info clamps
   seqlen_k); the keys past it may hold anything, even NaN. S is masked past seqlen_k (an edge
   tile), and the MMA warp zeroes the last V tile's rows past it before P @ V reads them
@@ -142,10 +142,11 @@ class Sm100Kernel:
         self.q_buffers = self.q_tiles
         tile_bytes = 128 * head_dim * dtype.width // 8
         # The sm_100 opt-in limit (227 KiB) less a 4 KiB reserve that holds the barriers, the
-        # row statistics (1 KiB per Q tile) and the 1 KiB alignment of the buffers. Tuning 4 stages O for its TMA store in
-        # buffers of its own, so that the next tile's Q can land during this tile's epilogue:
-        # one per Q tile at D = 64 (2 x 16 KiB: the ring keeps 8 slots), one for both at
-        # D = 128 (32 KiB: 3 slots next to 2 x 32 KiB of Q; two would leave 2).
+        # row statistics (1 KiB per Q tile) and the 1 KiB alignment of the buffers.
+        # Tuning 4 stages O for its TMA store in buffers of its own, so that the next tile's
+        # Q can land during this tile's epilogue: one per Q tile at D = 64 (2 x 16 KiB: the
+        # ring keeps 8 slots), one for both at D = 128 (32 KiB: 3 slots next to 2 x 32 KiB
+        # of Q; two would leave 2).
         self.smem_budget = 227 * 1024 - 4 * 1024
         self.o_buffers = 0
         if "o_tma_store" in self.tunings:
@@ -387,8 +388,8 @@ class Sm100Kernel:
         tiles = tiles_m * cute.size(q, mode=[2, 0]) * sequences * num_splits  # split t % num_splits
         grid = (cutlass.min(tiles, self.sm_count), 1, 1)
         # Equal tiles (batch mode, no causal or window cut: left >= Sk and right >= Sq; with
-        # seqused_k the sequences' ranges differ, and their tiles still go in this fixed share):
-        # CTA c takes c, c + gridDim.x, ... Otherwise (dynamic = 1) a CTA takes the next tile not yet
+        # seqused_k the sequences' ranges differ, yet their tiles go in this fixed share): CTA c
+        # takes c, c + gridDim.x, ... Otherwise (dynamic = 1) a CTA takes the next tile not yet
         # taken from tile_counter (zeroed by the host); in batch mode longest first across
         # sections of l2_heads (head, sequence) pairs (tile_coords).
         l2_heads, dynamic = Int32(1), Int32(0)
@@ -526,7 +527,7 @@ class Sm100Kernel:
         # (next_tile) and hands each one's number to the other roles (hand_over, handed_tile);
         # every pipeline's state runs on from one tile to the next.
         # The MMA, TMA and idle warps form the fourth warpgroup: it and the correction warpgroup
-        # give registers to the two softmax warpgroups (the counts: the module docstring). Each
+        # give registers to the two softmax warpgroups (the counts: __init__). Each
         # role's branch lowers or raises its own count first, so that ptxas knows the count of
         # every branch.
         if warp_idx >= self.idle_warp_ids[0]:
@@ -805,7 +806,7 @@ class Sm100Kernel:
                     o_empty0 = o_prod0.acquire_and_advance()
                     p_full0 = p_cons0.wait_and_advance()
                     pv_mma = self.issue_pv(pv_mma, tOtO[0], tOrP[0], tCrV, v_full.index, accumulate)
-                    # P_0's columns are free, and O_0 holds tile j-1, once these MMAs have completed.
+                    # P_0's columns are free and O_0 holds tile j-1 once these MMAs have completed.
                     p_full0.release()
                     o_empty0.commit()
                     # K_j only now: P_0,j-1 @ V_j-1 did not need it (the ring order stays V_j-1,
@@ -1318,7 +1319,7 @@ class Sm100Kernel:
         smem_store,
     ):
         """Correction warps, after the last KV tile: TMEM -> registers (tcgen05.ld) -> O / row_sum
-        -> O in global memory (split-KV: O_partial, in fp32); LSE."""
+        -> O in global memory (tuning 4: its staging buffer; split-KV: O_partial, fp32); LSE."""
         # The rows inside the sequence: (G heads, seqlen_q positions) when packed (each
         # element's coordinate in O is then ((g, position), d)).
         q_rows = seqlen_q if cutlass.const_expr(self.pack_gqa == 1) else (self.pack_gqa, seqlen_q)

@@ -1,19 +1,20 @@
 """Stage 13 - split-KV, FlashDecoding (Hopper, sm_90a).
 
-Changes from stage 12: the KV range of each work tile can be cut into num_splits pieces, each
-its own work tile. A decode step (Sq = 1, B = 1, Hkv = 8, query heads packed) has 8 work tiles
-for the H200's 132 SMs: 124 SMs idle while 8 stream all of K and V. Cut 16 ways, 128 CTAs
-stream it. Split s of a tile whose KV tiles are [lo, hi) takes [lo + s n, min(lo + (s + 1) n,
-hi)) with n = ceil((hi - lo) / num_splits) (split_range; empty when past hi). It writes its O,
-normalised by its own row sum, in fp32 to O_partial[s] and its LSE to LSE_partial[s]
-(epilogue_partial: from registers, no shared memory). common/combine.py merges the splits:
+Changes from stage 12: the KV range of each work tile can be cut into num_splits pieces
+(splits), each its own work tile. A decode step (Sq = 1, B = 1, Hkv = 8, query heads packed) has
+8 work tiles for the 132 SMs of an H100 or H200: 124 SMs idle while 8 stream all of K and V. Cut
+16 ways, 128 CTAs stream it. Split s of a tile whose KV tiles are [lo, hi) takes [lo + s n,
+min(lo + (s + 1) n, hi)) with n = ceil((hi - lo) / num_splits) (split_range; empty when past hi).
+It writes its O, normalised by its own row sum, in fp32 to O_partial[s] and its LSE (ln sum_j
+exp(scale q.k_j) over its keys) to LSE_partial[s] (epilogue_partial: from registers, no shared
+memory). common/combine.py merges the splits:
 lse = log sum_s exp(lse_s), O = sum_s exp(lse_s - lse) O_s, in fp32, then O in the input
 dtype. A split that sees no key has lse_s = -inf and weight 0.
 Work tile t is split t % num_splits of stage 12's tile t / num_splits. num_splits = 1 is stage
 12's kernel (split_kv False: O written in the input dtype, no combine).
-How many splits (splits_for): as many as fill one wave, SMs / tiles, at most 64 and at most one
-per KV tile; 1 when the tiles alone fill 0.8 of the SMs or the range is 4 KV tiles (of 128
-keys) or fewer. Decode at B = 1, Hkv = 8 on 132 SMs: 16; at B = 16: 1.
+How many splits (splits_for): as many as fill one wave (one CTA per SM), SMs // tiles, at most
+64 and at most one per KV tile; 1 when the tiles alone fill 0.8 of the SMs or the range is 4 KV
+tiles (of 128 keys) or fewer. Decode at B = 1, Hkv = 8 on 132 SMs: 16; at B = 16: 1.
 A decode tile (launch_options): query rows that fit in 64 (G x Sq, G dividing 64) get one
 consumer warpgroup on a 64-row tile, not 128 rows whose second 64 hold no query (measured:
 docs/results/README.md, stage 13). No turns then.
@@ -70,7 +71,7 @@ class Sm90Kernel:
     mma the consumers' (the work tiles; per tile, in mma_tile, the pass over its KV tiles,
     software-pipelined: first_half_block_overlap for QK_lo, one mma_one_n_block per later KV
     tile, QK_j issued with PV_{j-1}, last_half_block_overlap for the last PV; then epilogue: O
-    normalised and stored, LSE)."""
+    normalised and stored, LSE; a split's O and LSE in fp32: epilogue_partial)."""
 
     def __init__(
         self,
@@ -438,14 +439,15 @@ class Sm90Kernel:
         tile_id = storage.tile_id.get_tensor(cute.make_layout(1))
         q_bytes = cute.size_in_bytes(
             self.dtype, cute.select(q_smem_layout, mode=[0, 1])
-        )  # 32 KB (D = 128)
+        )  # 32 KB (D = 128; 16 KB with a decode tile's 64 rows)
         if warp_idx == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(q_full, 1)
                 cute.arch.mbarrier_init(q_empty, self.mma_threads)
         # kv_full[i]: 1 arrive (the producer's expect_tx of one tile) + the TMA writes of the tile.
-        # kv_empty[i]: 1 arrive from each of the 8 (12) consumer warps. (Creating the pipeline
-        # fences and syncs the CTA, which also publishes the initialisation of the barriers above.)
+        # kv_empty[i]: 1 arrive from each of the 8 (12; a decode tile's 4) consumer warps. (Creating
+        # the pipeline fences and syncs the CTA, which also publishes the initialisation of the
+        # barriers above.)
         kv_bytes = cute.size_in_bytes(
             self.dtype, cute.select(kv_smem_layout, mode=[0, 1])
         )  # 32 KB (D = 128)
@@ -484,9 +486,10 @@ class Sm90Kernel:
         # This thread's wgmma operands and accumulators, as the consumers' methods take them
         views = (tSrQ, tSrK, tOrVt, acc_S, tScS, tScS_offsets, tOrP, acc_O, row_max, row_sum)
 
-        # 2. The work tiles. Tile t is (Q tile, head, sequence) by tile_coords; CTA c starts with
-        # tile c, and its producer picks the next one (next_tile: c + gridDim.x, ..., or drawn from
-        # tile_counter under a mask) and hands each to the consumers with its Q (tile_id, q_full).
+        # 2. The work tiles. Tile t is (Q tile, head, sequence, split) by tile_coords; CTA c starts
+        # with tile c, and its producer picks the next one (next_tile: c + gridDim.x, ..., or drawn
+        # from tile_counter under a mask) and hands each to the consumers with its Q (tile_id,
+        # q_full).
         # Producer and consumers walk the same tiles and count what they have walked: `tiles_done`
         # gives the phase of q_full and q_empty, `entries` (2 per KV tile) the ring position.
         # The ring: entry 2 t holds K of step t (KV tile kv_tile_lo + t), entry 2 t + 1 its V;
@@ -529,7 +532,8 @@ class Sm90Kernel:
                 )
         else:
             # The consumer warpgroups take the registers the producer gave up (168 -> 240; with
-            # three consumer warpgroups, 128 -> 160).
+            # three consumer warpgroups, 128 -> 160; a decode tile's kernel, 256 threads, starts
+            # at 240 at D = 128: docs/results/ncu_decode_b1_8k_decode_tile_h100_2026-12-06.txt).
             cute.arch.setmaxregister_increase(self.mma_registers)
             self.mma(
                 qk_mma,

@@ -16,7 +16,7 @@ Hopper stage 14's in this track's TMA warp (the other four roles are stage 13's)
   in pieces of r x D x 2: 4 KiB at D = 128, page 16). The boxes are issued by a loop that is
   not unrolled: the TMA warp has 48 registers.
 - The boxes' TMA atoms are plain tiled ones (cpasync.make_tiled_tma_atom), not the MMA's B
-  atoms: a slot holds key n, column d of K at n + bN d and of V at d + D n, so a box is the
+  atoms: a slot holds key n, column d of K at index n + bN d, of V at d + D n, so a box is the
   slot's layout composed with (r, D):(1, bN) for K and (D, r):(1, D) for V. r is a multiple of
   8 keys: every box starts on a 1024-byte swizzle atom (8 rows of 128 bytes), where the MMA's
   128-byte swizzle pattern restarts; at D = 128 each box is 2 TMA copies of 64 columns, as
@@ -139,10 +139,11 @@ class Sm100Kernel:
         self.q_buffers = self.q_tiles
         tile_bytes = 128 * head_dim * dtype.width // 8
         # The sm_100 opt-in limit (227 KiB) less a 4 KiB reserve that holds the barriers, the
-        # row statistics (1 KiB per Q tile) and the 1 KiB alignment of the buffers. Tuning 4 stages O for its TMA store in
-        # buffers of its own, so that the next tile's Q can land during this tile's epilogue:
-        # one per Q tile at D = 64 (2 x 16 KiB: the ring keeps 8 slots), one for both at
-        # D = 128 (32 KiB: 3 slots next to 2 x 32 KiB of Q; two would leave 2).
+        # row statistics (1 KiB per Q tile) and the 1 KiB alignment of the buffers.
+        # Tuning 4 stages O for its TMA store in buffers of its own, so that the next tile's
+        # Q can land during this tile's epilogue: one per Q tile at D = 64 (2 x 16 KiB: the
+        # ring keeps 8 slots), one for both at D = 128 (32 KiB: 3 slots next to 2 x 32 KiB
+        # of Q; two would leave 2).
         self.smem_budget = 227 * 1024 - 4 * 1024
         self.o_buffers = 0
         if "o_tma_store" in self.tunings:
@@ -337,7 +338,7 @@ class Sm100Kernel:
         )
         if cutlass.const_expr(self.page_size is not None):
             # Paged: a box of r = page_rows keys, the first r keys of a slot. A slot holds key n,
-            # column d of K at n + bN d, and of V at d + D n (smem_tensors' views).
+            # column d of K at index n + bN d, and of V at d + D n (smem_tensors' views).
             bN, D, r = self.qk_mma_tiler[1], self.qk_mma_tiler[2], self.page_rows
             k_box = cute.composition(k_smem_one, cute.make_layout((r, D), stride=(1, bN)))
             v_box = cute.composition(v_smem_one, cute.make_layout((D, r), stride=(1, D)))
@@ -410,8 +411,8 @@ class Sm100Kernel:
         if cutlass.const_expr(self.page_size is not None):
             max_seqlen_k = page_table.shape[1] * self.page_size
         # Equal tiles (batch mode, no causal or window cut: left >= Sk and right >= Sq; with
-        # seqused_k the sequences' ranges differ, and their tiles still go in this fixed share):
-        # CTA c takes c, c + gridDim.x, ... Otherwise (dynamic = 1) a CTA takes the next tile not yet
+        # seqused_k the sequences' ranges differ, yet their tiles go in this fixed share): CTA c
+        # takes c, c + gridDim.x, ... Otherwise (dynamic = 1) a CTA takes the next tile not yet
         # taken from tile_counter (zeroed by the host); in batch mode longest first across
         # sections of l2_heads (head, sequence) pairs (tile_coords).
         l2_heads, dynamic = Int32(1), Int32(0)
@@ -551,7 +552,7 @@ class Sm100Kernel:
         # (next_tile) and hands each one's number to the other roles (hand_over, handed_tile);
         # every pipeline's state runs on from one tile to the next.
         # The MMA, TMA and idle warps form the fourth warpgroup: it and the correction warpgroup
-        # give registers to the two softmax warpgroups (the counts: the module docstring). Each
+        # give registers to the two softmax warpgroups (the counts: __init__). Each
         # role's branch lowers or raises its own count first, so that ptxas knows the count of
         # every branch.
         if warp_idx >= self.idle_warp_ids[0]:
@@ -895,7 +896,7 @@ class Sm100Kernel:
                     o_empty0 = o_prod0.acquire_and_advance()
                     p_full0 = p_cons0.wait_and_advance()
                     pv_mma = self.issue_pv(pv_mma, tOtO[0], tOrP[0], tCrV, v_full.index, accumulate)
-                    # P_0's columns are free, and O_0 holds tile j-1, once these MMAs have completed.
+                    # P_0's columns are free and O_0 holds tile j-1 once these MMAs have completed.
                     p_full0.release()
                     o_empty0.commit()
                     # K_j only now: P_0,j-1 @ V_j-1 did not need it (the ring order stays V_j-1,
@@ -1408,7 +1409,7 @@ class Sm100Kernel:
         smem_store,
     ):
         """Correction warps, after the last KV tile: TMEM -> registers (tcgen05.ld) -> O / row_sum
-        -> O in global memory (split-KV: O_partial, in fp32); LSE."""
+        -> O in global memory (tuning 4: its staging buffer; split-KV: O_partial, fp32); LSE."""
         # The rows inside the sequence: (G heads, seqlen_q positions) when packed (each
         # element's coordinate in O is then ((g, position), d)).
         q_rows = seqlen_q if cutlass.const_expr(self.pack_gqa == 1) else (self.pack_gqa, seqlen_q)

@@ -6,16 +6,16 @@ page_size] (page_table int32 (B, max_pages), as FlashAttention's and vLLM's), an
 says how many keys it has. A model's cache then grows a page at a time, and pages are shared
 and freed without copying.
 The kernel sees a cache as stage 13's (B, Hkv, S, D) K with the page as the batch mode: the
-view (page_size, D, Hkv, num_pages). A KV tile (bN = 128 keys) is loaded as bN / r TMA boxes of
-r = min(page_size, bN) rows, box c from the page holding keys j bN + c r .. (load_tiles,
-page_rows):
+view (page_size, D, Hkv, num_pages). KV tile j (bN = 128 keys) is loaded as bN / r TMA boxes of
+r = min(page_size, bN) rows, box c from the page holding keys j bN + c r .. j bN + (c + 1) r - 1
+(load_tiles, page_rows):
 - page_size >= 128 (a multiple of 128): one box per tile, tile j % (page_size / 128) of its
   page: the same single TMA load as stage 13, from a page-dependent coordinate;
 - page_size = 16, 32 or 64: a gather of 128 / page_size boxes into one ring slot, all
   counted on the slot's one full barrier (its 32 KB at D = 128 arrive in pieces).
 Each box is 16 x D x 2 bytes or more (4 KB at D = 128, page 16); what pages of 16 keys cost
 is measured in docs/notes/stage14.md. A box past the sequence's last page takes that last page
-instead (it holds keys at or past seqused_k, masked like stage 13's tail); no page_table entry
+instead (its keys all lie at or past seqused_k, masked like stage 13's tail); no page_table entry
 past the sequence's first ceil(seqused_k / page_size) is read, so nothing another sequence owns
 or nobody owns (which may hold NaN) is loaded.
 
@@ -66,7 +66,7 @@ class Sm90Kernel:
     mma the consumers' (the work tiles; per tile, in mma_tile, the pass over its KV tiles,
     software-pipelined: first_half_block_overlap for QK_lo, one mma_one_n_block per later KV
     tile, QK_j issued with PV_{j-1}, last_half_block_overlap for the last PV; then epilogue: O
-    normalised and stored, LSE)."""
+    normalised and stored, LSE; a split's O and LSE in fp32: epilogue_partial)."""
 
     def __init__(
         self,
@@ -460,14 +460,15 @@ class Sm90Kernel:
         tile_id = storage.tile_id.get_tensor(cute.make_layout(1))
         q_bytes = cute.size_in_bytes(
             self.dtype, cute.select(q_smem_layout, mode=[0, 1])
-        )  # 32 KB (D = 128)
+        )  # 32 KB (D = 128; 16 KB with a decode tile's 64 rows)
         if warp_idx == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(q_full, 1)
                 cute.arch.mbarrier_init(q_empty, self.mma_threads)
         # kv_full[i]: 1 arrive (the producer's expect_tx of one tile) + the TMA writes of the tile.
-        # kv_empty[i]: 1 arrive from each of the 8 (12) consumer warps. (Creating the pipeline
-        # fences and syncs the CTA, which also publishes the initialisation of the barriers above.)
+        # kv_empty[i]: 1 arrive from each of the 8 (12; a decode tile's 4) consumer warps. (Creating
+        # the pipeline fences and syncs the CTA, which also publishes the initialisation of the
+        # barriers above.)
         kv_bytes = cute.size_in_bytes(
             self.dtype, cute.select(kv_smem_layout, mode=[0, 1])
         )  # 32 KB (D = 128)
@@ -506,9 +507,10 @@ class Sm90Kernel:
         # This thread's wgmma operands and accumulators, as the consumers' methods take them
         views = (tSrQ, tSrK, tOrVt, acc_S, tScS, tScS_offsets, tOrP, acc_O, row_max, row_sum)
 
-        # 2. The work tiles. Tile t is (Q tile, head, sequence) by tile_coords; CTA c starts with
-        # tile c, and its producer picks the next one (next_tile: c + gridDim.x, ..., or drawn from
-        # tile_counter under a mask) and hands each to the consumers with its Q (tile_id, q_full).
+        # 2. The work tiles. Tile t is (Q tile, head, sequence, split) by tile_coords; CTA c starts
+        # with tile c, and its producer picks the next one (next_tile: c + gridDim.x, ..., or drawn
+        # from tile_counter under a mask) and hands each to the consumers with its Q (tile_id,
+        # q_full).
         # Producer and consumers walk the same tiles and count what they have walked: `tiles_done`
         # gives the phase of q_full and q_empty, `entries` (2 per KV tile) the ring position.
         # The ring: entry 2 t holds K of step t (KV tile kv_tile_lo + t), entry 2 t + 1 its V;
@@ -551,7 +553,8 @@ class Sm90Kernel:
                 )
         else:
             # The consumer warpgroups take the registers the producer gave up (168 -> 240; with
-            # three consumer warpgroups, 128 -> 160).
+            # three consumer warpgroups, 128 -> 160; a decode tile's kernel, 256 threads, starts
+            # at 240 at D = 128: docs/results/ncu_decode_b1_8k_decode_tile_h100_2026-12-06.txt).
             cute.arch.setmaxregister_increase(self.mma_registers)
             self.mma(
                 qk_mma,

@@ -26,7 +26,8 @@ Changes from stage 5:
   tile whose range is empty (no K or V is loaded), writes O = 0; its row_sum is 0, the
   epilogue keeps O = 0 instead of dividing by it and writes LSE = log(0) = -inf. Never NaN.
 - Registers (ptxas of CUDA 13.0, 2026-12-01): 160 (bf16) and 168 (fp16) at D = 128, 123 and 127
-  at D = 64, no spills (stage 5: 160, 172, 122, 127); shared memory as stage 5 (96 KB at D = 128).
+  at D = 64, no spills (stage 5: 160, 172, 122, 127); shared memory as stage 5 (at D = 128: 96 KB
+  of tiles, 97 KB with the mbarriers and sQ's 1,024-byte alignment).
 
 O = softmax(scale * Q K^T + mask) V and, on request, LSE per row, for Q (B, H, Sq, D) and K, V
 (B, H, Sk, D) of any length, bf16 or fp16, D = 64 or 128.

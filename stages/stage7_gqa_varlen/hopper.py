@@ -5,8 +5,8 @@ Changes from stage 6:
   coordinate; the H / Hkv heads of a group read the same K/V tiles, which L2 serves.
 - Packed sequences: seq_info() gives (offset_q, seqlen_q, offset_k, seqlen_k) to the kernel
   (batch mode: (0, Sq, 0, Sk)); packed, each sequence is a domain_offset view of its rows, with
-  ceil(G x max_seqlen_q / 128) Q tiles (G = 1 without pack-GQA; those past a shorter sequence's
-  end store nothing).
+  ceil(G x max_seqlen_q / 128) Q tiles (G = 1 without pack-GQA, the last change below; those
+  past a shorter sequence's end store nothing).
 - Sequence boundaries: TMA clips at the packed tensor's end, not the sequence's. P = 0 past
   seqlen_k, but 0 x NaN = NaN: the next sequence's V rows are zeroed in shared memory first
   (zero_rows); O is stored by threads, only rows < seqlen_q (store_rows).
