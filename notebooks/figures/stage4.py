@@ -14,7 +14,7 @@ def kv_ring_schedule(
     stage 5: one pass, online softmax. slot_per="tile" is the Hopper track: step t of the ring
     uses slot t % kv_slots twice, V_j lands in the slot K_j just left. slot_per="entry" is the
     Blackwell track: every load (K_j or V_j) is the next ring entry, entry e in slot
-    e % kv_slots. v_waits_for_release=False is the faulty first draft of the Blackwell kernel:
+    e % kv_slots. v_waits_for_release=False is a Blackwell ring that gets it wrong:
     V_j is loaded into K_j's slot without waiting for the QK^T MMA to release it."""
     if slot_per not in ("tile", "entry"):
         raise ValueError(f"slot_per = {slot_per!r}; allowed: 'tile', 'entry'")
@@ -103,7 +103,7 @@ def kv_slot_timeline(
     """Stage 4 (two_pass=True) or stage 5 (two_pass=False): one ring of kv_slots shared-memory
     slots carries K and V. In pass 2 a slot receives K_j, the QK^T MMA reads it, the slot is
     released, V_j is loaded into the same slot, the PV MMA reads it, the slot is released again.
-    With v_waits_for_release=False (the faulty first draft) V_j's load overlaps QK_j: a race."""
+    With v_waits_for_release=False V_j's load overlaps QK_j: a race."""
     panel = _kv_panel(kv_tiles, kv_slots, two_pass, v_waits_for_release, load_time, slot_per)
     return timeline_figure([panel], notes=_KV_NOTES, path=path)
 

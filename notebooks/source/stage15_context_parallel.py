@@ -32,8 +32,8 @@
 # ranks, in `tests/test_stage15.py`, passed on an H200 (2026-12-05,
 # `docs/results/tests_hopper_gpu_h200_2026-12-05_split_outputs.txt`) and an H100 80GB HBM3
 # (2026-12-06, `docs/results/tests_hopper_gpu_h100_2026-12-06_combine.txt`); nothing was timed
-# there. **The multi-GPU run - NCCL between GPUs, `make cp GPUS=N` - has not been run yet: no
-# number for it exists.** Every time in this notebook is computed in its cell from a single-GPU
+# there. **The multi-GPU run - NCCL between GPUs, `make cp GPUS=N` - has not run: no number
+# for it exists.** Every time in this notebook is computed in its cell from a single-GPU
 # measurement in `docs/results/` and a published specification, or measured in the run itself
 # (GPU mode), and says which.
 #

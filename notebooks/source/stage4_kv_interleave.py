@@ -55,7 +55,7 @@ nb.start(4)
 #   the slot's previous tile has *completed* - issuing, even committing, a `wgmma` does not mean it
 #   has read its operands;
 # - keep the phase bits of barriers whose slots are used unevenly (once per tile in pass 1, twice in
-#   pass 2), starting a fresh slot at parity 1 (stage 1, section 5.2);
+#   pass 2), with the producer's first wait on a fresh slot at parity 1 (stage 1, section 5.2);
 # - compute an exact softmax over many KV tiles in two passes, and say what the second pass costs;
 # - recognise in a timeline what goes wrong when $V_j$ is loaded without waiting for the release
 #   of its slot - the mistake a Blackwell ring written the obvious way makes.
@@ -71,9 +71,10 @@ nb.start(4)
 #
 # ## 3. The math
 #
-# With $S_k$ keys split into tiles $j = 0 \ldots n-1$ of 128 (`kv_tile` in the code), a row's
-# softmax needs the max and the sum over *all* tiles before any probability is final. Stage 4 gets
-# them first, then uses them (for one row; $x = \text{scale}\cdot S$):
+# With $S_k$ keys split into $n$ tiles $j = 0 \ldots n-1$ of 128 keys (in the code: $j$ is
+# `kv_tile`, $n$ is `kv_tiles`, 128 is bN), a row's softmax needs the max and the sum over *all*
+# tiles before any probability is final. Stage 4 gets them first, then uses them (for one row;
+# $x = \text{scale}\cdot S$):
 #
 # **Pass 1** (K only), tile by tile:
 # $$m \leftarrow \max\big(m, \max_{k \in j} x_k\big), \qquad
@@ -117,7 +118,14 @@ print(
 # ## 4. What changes
 #
 # The docstring lists the changes with their numbers; below it, the diff of the kernel class
-# against stage 3 (`make diff-4 TRACK=hopper` shows the whole files).
+# against stage 3 (`make diff-4 TRACK=hopper` shows the whole files). Most of the diff is new
+# methods: the kernel is now split by role, as stage 8 will split it by warp (the class
+# docstring). `kernel` prepares what all threads share; warp 0's `load` issues Q and the K tiles
+# of the first `kv_slots` steps; then every warpgroup runs `mma`: pass 1, pass 2 (one
+# `mma_one_n_block` per KV tile) and the `epilogue`. Warp 0 is no separate producer yet: it
+# issues the ring's later loads from inside `mma`. `mma_threads` is how many threads compute and
+# `mma_tidx` numbers them: all 256 here, so `mma_tidx = tidx` (from stage 8 on, a producer
+# warpgroup comes first and the count starts after it).
 
 # %%
 nb.show_docstring(4, "hopper")
@@ -132,9 +140,10 @@ nb.show_diff(4, "hopper")
 #
 # In stage 3, Q, K and V each had a slot. For long sequences, separate K and V rings of
 # `kv_slots` tiles each would cost Q + 2 x `kv_slots` tiles of shared memory. Stage 4 keeps one
-# ring: step t of the ring uses slot t % `kv_slots` - in pass 2 twice: $K_j$ lands, $S = QK_j^{\top}$
-# reads it, the slot is released, $V_j$ lands in the same slot, $O \mathrel{+}= PV_j$ reads it, the
-# slot is released and refilled with the K tile `kv_slots` steps ahead.
+# ring. Its steps are K tiles $0 \ldots n-1$ (pass 1), then KV tiles $0 \ldots n-1$ (pass 2);
+# step t uses slot t % `kv_slots`, in pass 2 twice: $K_j$ lands, $S = QK_j^{\top}$ reads it, the
+# slot is released, $V_j$ lands in the same slot, $O \mathrel{+}= PV_j$ reads it, the slot is
+# released and refilled with the K tile `kv_slots` steps ahead.
 
 # %%
 cfg = nb.show_config(4, "hopper")
@@ -167,11 +176,11 @@ fig = figures.kv_slot_timeline(kv_tiles=3, kv_slots=kv_slots, two_pass=True)
 # longer needed), *then* release the slot (an arrive per warp on its empty barrier), and the
 # producer waits for all those arrives before it announces $V_j$'s bytes and starts the TMA load.
 # Release before that wait, or let the producer load $V_j$ without waiting for the release, and
-# TMA silently overwrites $K_j$ under the tensor cores; drop the release altogether and the
-# producer waits forever (exercise 4b). A
-# Blackwell ring written the obvious way does exactly that (section 5.5): it loads $V_j$ into $K_j$'s slot, under $K_j$'s
-# barrier, without waiting for the QK MMA to release the slot. The same model with the V load not
-# waiting for the release shows the race (the hazards row names each overwrite):
+# TMA silently overwrites $K_j$ under the tensor cores. A Blackwell ring written the obvious way
+# does the second (section 5.5): it loads $V_j$ into $K_j$'s slot, under $K_j$'s barrier, without
+# waiting for the QK MMA to release the slot. Drop a release altogether instead and the producer
+# waits forever (exercise 4b, on the Blackwell file). The same model with the V load not waiting
+# for the release shows the race (the hazards row names each overwrite):
 
 # %%
 fig = figures.kv_slot_timeline(
@@ -182,12 +191,13 @@ fig = figures.kv_slot_timeline(
 # Phase bookkeeping: a barrier completes one phase per use of its slot, and waiters wait for a
 # phase parity (stage 1, section 5.2). In pass 2 a slot is used twice per step, so the usual
 # `PipelineState` (one flip per lap of the ring) no longer matches; the stage keeps one parity bit
-# per slot (`slot_phase`) and builds the state of each use with `slot_state`. A fresh slot starts
-# at parity 1 - on a barrier no phase has completed yet, a wait for parity 1 returns at once -
-# so the producer's first load into each slot does not wait. The producer step, one step of pass
-# 2 (`mma_one_n_block`: wait for the QK group, the wgmmas reading K_j, release K_j's slot, only
-# then load V_j into it -
-# the fix of the hazard above, which exercise 2 asks about) and the main loop:
+# per slot (`slot_phase`) and builds the state of each use with `slot_state`. The producer's
+# first wait on a fresh slot is for parity 1 - on a barrier no phase has completed yet, a wait for
+# parity 1 returns at once - so `load` (in the diff of section 4) fills each slot the first time
+# with `slot_state(slot, 1)` and does not wait. Below: `slot_state`, the producer step
+# `load_tiles`, one step of pass 2 (`mma_one_n_block`: wait for the QK group, the wgmmas reading
+# $K_j$, release $K_j$'s slot, only then load $V_j$ into it - the fix of the hazard above, which
+# exercise 2 asks about) and the main loop of `mma`:
 
 # %%
 nb.show_source(
@@ -228,16 +238,17 @@ report = nb.compile_summary(4, "hopper")
 # by `tcgen05.commit` when the MMA that read it completes, and the producer waits for that release
 # before reusing the slot - the same rule as Hopper's, with the tensor core, not the consumer
 # threads, arriving on the empty barrier. The entries per KV tile are declared in the kernel
-# (`kv_producer_entries`, `kv_consumer_entries`), so that producer and consumer cannot disagree on
-# them; `common/tools/schedule.py` checks them. The file's docstring lists how such a ring fails when
-# written the obvious way: $V_j$ loaded into $K_j$'s slot
-# under $K_j$'s barrier before the QK MMA had read $K_j$; one ring entry produced per KV tile
+# class: the TMA warp's `load` loops over `kv_producer_entries`, and `kv_consumer_entries` states
+# the order in which the MMA warp's `mma` waits; `common/tools/schedule.py` replays the ring from
+# them and checks that the two agree and that no slot is refilled before its release. The file's
+# docstring lists how such a ring fails when written the obvious way: $V_j$ loaded into $K_j$'s
+# slot under $K_j$'s barrier before the QK MMA had read $K_j$; one ring entry produced per KV tile
 # against two consumed (a hang); the ring armed with Q's bytes plus K's (a barrier that never
 # completes); S accumulated across KV tiles.
 #
 # **Blackwell kernels are compile-checked here, not run on hardware.** No sm_100 GPU has run
-# them: the Blackwell files are compiled for sm_100a with fake tensors and their PTX is checked for the
-# `tcgen05` instructions. Their numerics are tested only where an sm_100 GPU exists.
+# them: the Blackwell files are compiled for sm_100a with fake tensors and their PTX is checked for
+# the `tcgen05` instructions. Their numerics are tested only where an sm_100 GPU exists.
 
 # %%
 bw = nb.kernel_config(4, "blackwell")
@@ -328,9 +339,10 @@ bench = nb.measure(
 #
 # No deadlock with one slot: each load waits for the previous release, so K, V and the next K
 # take turns and every load is exposed (the model's run takes longest). Shared memory at D = 128:
-# Q 32 KB + 32 KB per slot, 64 / 96 / 128 KB for 1 / 2 / 3 slots (the compile summary adds the
-# barriers and alignment). A third slot lets the next K tile load earlier, but in the model the
-# PV waits for V_j, which can only start after QK_j, so the run is not shorter.
+# Q 32 KiB + 32 KiB per slot, 64 / 96 / 128 KiB for 1 / 2 / 3 slots, and 1 KiB more for the
+# barriers and alignment in the compile summary (65 / 97 / 129 KiB). A third slot lets the next K
+# tile load earlier, but in the model the PV waits for V_j, which can only start after QK_j, so
+# the run is not shorter.
 # </details>
 #
 # <details><summary>2. The race</summary>
@@ -384,9 +396,8 @@ for slot in range(2):
 # ### Exercise 4a: a third K/V slot
 #
 # The first cell gives the task; the second compiles the stage file as it is on disk now (no GPU
-# needed) and says "done" or "not yet" with what it read. It reads the shared memory the kernel asks
-# for. On the committed file it says
-# "not yet".
+# needed) and says "done" or "not yet" with what it read: the shared memory the kernel asks for.
+# On the committed file it says "not yet".
 
 # %%
 nb.exercise("4a")
@@ -398,9 +409,9 @@ nb.check_exercise("4a")
 # ### Exercise 4b: drop a barrier release (Blackwell, `stages/stage4_kv_interleave/blackwell.py`)
 #
 # The first cell gives the task; the second compiles the stage file as it is on disk now (no GPU
-# needed) and says "done" or "not yet" with what it read. It counts the MMA warp's tcgen05.commit in the
-# PTX and replays stage 4's CTA in the schedule model without the missing release. On the committed file it says
-# "not yet".
+# needed) and says "done" or "not yet" with what it read: it counts the MMA warp's
+# `tcgen05.commit` in the PTX and replays stage 4's CTA in the schedule model without the missing
+# release. On the committed file it says "not yet".
 
 # %%
 nb.exercise("4b")
@@ -411,4 +422,5 @@ nb.check_exercise("4b")
 # %% [markdown]
 # **Next:** `make diff-5` shows what stage 5 adds to this one (`TRACK=blackwell` for the other
 # track), and [`stage5_online_softmax.ipynb`](stage5_online_softmax.ipynb) walks through it.
-# What this stage's measurements showed, and what was tried and dropped: [`docs/notes/stage4.md`](../docs/notes/stage4.md).
+# What this stage's measurements showed:
+# [`docs/notes/stage4.md`](../docs/notes/stage4.md).

@@ -7,9 +7,9 @@ Changes from stage 3:
   in the sequence of ring entries (the Hopper stage's "V overwrites K" describes the Hopper
   ring; here V_j lands in the slot after K_j's, over the tile two loads older). Shared memory
   (bf16) stays Q + 2 slots = 96 KiB at D = 128, 48 KiB at D = 64, whatever Sk is (+1 KiB for
-  the mbarriers and alignment: 97 / 49 KiB in the compile summary); keeping K and V resident as stage 3 does would need
-  Q + 2 x Sk x D x 2 B (544 KiB at Sk = 1024, D = 128), and separate K and V rings of 2
-  slots each 160 KiB.
+  the mbarriers and alignment: 97 / 49 KiB in the compile summary); keeping K and V resident
+  as stage 3 does would need Q + 2 x Sk x D x 2 B (544 KiB at Sk = 1024, D = 128), and
+  separate K and V rings of 2 slots each 160 KiB.
 - Exact softmax in two passes, no rescaling of O. Pass 1 streams K: S_j = Q K_j^T, row_max and
   row_sum over all tiles (when the max grows, the sum so far is multiplied by
   exp(scale * (old max - new max)): one multiply per row per tile). Pass 2 streams K and V:
@@ -18,7 +18,8 @@ Changes from stage 3:
   of 2 and 2.
 - The division by row_sum folds into the exponent: P_j = exp2(S_j * scale_log2 - (row_max *
   scale_log2 + log2(row_sum))), one FFMA and one exp2 per score as in pass 1. (ptxas of
-  CUDA 13.0, sm_100a, 2026-12-01: 190 registers, bf16, against 254 with a multiply by 1 / row_sum after the exp2.)
+  CUDA 13.0, sm_100a, 2026-12-01: 190 registers, bf16, against 254 with a multiply by
+  1 / row_sum after the exp2.)
 - Every K or V tile is its own ring entry: the TMA warp produces 1 entry per KV tile in pass 1
   (K) and 2 in pass 2 (K, V); the MMA warp consumes them in the same order
   (kv_producer_entries, kv_consumer_entries). Each entry arms the bytes of its own copy,
@@ -49,14 +50,15 @@ The hazard, in shared memory (D = 128, bf16, kv_slots = 2; a slot is one 128 x 1
 
 Four ways a K/V ring written the obvious way fails, and what this stage does instead (the
 warp roles, Q, the 2-slot ring with V viewed over K's shared memory through recast_ptr, and
-S, P and O in TMEM are as described above):
+S, P and O in TMEM are stage 3's):
 1. V_j is loaded into K_j's slot under K_j's barrier, before the QK MMA has read K_j: TMA may
    overwrite K_j while the tensor core reads it, and QK_j finds V_j, or half of each. Here K_j
    and V_j are separate ring entries: V_j lands only in a slot whose previous tile the MMA
    warp has released (tcgen05.commit after the MMA that read it).
 2. One ring entry is produced per KV tile against two consumed (K for QK, then V for PV): the
-   MMA warp waits for an entry that never comes. Here both warps follow kv_producer_entries /
-   kv_consumer_entries: 1 per tile in pass 1 (K), 2 in pass 2 (K, V).
+   MMA warp waits for an entry that never comes. Here the TMA warp loops over
+   kv_producer_entries and the MMA warp waits in the order kv_consumer_entries declares: 1 per
+   tile in pass 1 (K), 2 in pass 2 (K, V).
 3. The K/V ring (and the Q buffer) is armed with Q + K bytes: a full barrier that expects more
    bytes than its copies move never completes. Here each entry arms the bytes of its own
    copy; Q has its own pipeline and byte count.
@@ -110,7 +112,7 @@ class Sm100Kernel:
     what the roles share (shared memory: smem_tensors; the mbarrier pipelines and named barriers;
     the TMEM allocator; the CTA's tiles) and each warp then calls its
     role's method: `load` (the TMA warp), `mma` (the MMA warp) and `softmax` (the four softmax
-    warps: the row statistics, then P, per KV tile, then `epilogue`: O stored).
+    warps: pass 1's row statistics, then pass 2's P, tile by tile, then `epilogue`: O stored).
     The methods after them are their helpers."""
 
     def __init__(self, dtype, head_dim):
@@ -790,7 +792,8 @@ class Sm100Kernel:
 
     @cute.jit
     def issue_qk(self, qk_mma, tStS, tCrQ, q_slot, tCrK, k_slot):
-        """S = Q @ K_j^T into TMEM: bK / 16 tcgen05.mma of 128 x 128 x 16, the first overwriting S."""
+        """S = Q @ K_j^T into TMEM: bK / 16 tcgen05.mma of 128 x 128 x 16, the first overwriting
+        S."""
         # The caller has waited for S's columns (the softmax warps have read S; where P lies over
         # S, the PV MMAs have read P): order these MMAs after the waits (common/tmem.py, (a), (d))
         fence_after_thread_sync()

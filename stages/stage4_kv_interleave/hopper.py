@@ -4,10 +4,11 @@ Changes from stage 3:
 - Any Sk: kv_tiles = ceil(Sk / 128) KV tiles (the last one masked when Sk % 128 != 0).
 - One ring for K and V. The KV tile of step t uses slot t % kv_slots, twice: K_j lands in the
   slot, S = Q K_j^T reads it, the slot is released; V_j is loaded into the same slot,
-  O += P V_j reads it, the slot is released again; then the K tile kv_slots steps ahead. While
-  one slot is busy with K_j and V_j, the other holds K_{j+1}, already loaded:
+  O += P V_j reads it, the slot is released again; then the K tile kv_slots steps ahead. (Step t
+  of the ring: K tile t in pass 1, t < kv_tiles; KV tile t - kv_tiles in pass 2.) While one
+  slot is busy with K_j and V_j, the other holds K_{j+1}, already loaded (D = 128):
 
-      shared memory | barriers | sQ: Q 32 KB (O in the epilogue) | slot 0: 32 KB | slot 1: 32 KB |
+      shared memory | barriers | sQ: Q 32 KiB (O in the epilogue) | slot 0: 32 KiB | slot 1: 32 KiB
       pass 2, over time:          slot 0:  K_j -> V_j -> K_{j+2} -> V_{j+2} -> ...
                                   slot 1:         K_{j+1} -> V_{j+1} -> K_{j+3} -> ...
 - The hazard: TMA may write V_j over K_j only after every wgmma reading K_j has completed. A
@@ -23,16 +24,20 @@ Changes from stage 3:
   consumers wait for on the slot's full barrier, flipped after each use. The producer refills a
   slot after its release with the same parity: empty-barrier phase r completes when use r of
   the slot is released, just as full-barrier phase r completes when use r has landed.
-- Shared memory: Q + kv_slots x one tile = 32 + 2 x 32 = 96 KB (D = 128; D = 64: 48 KB; 1 KB more
-  for the mbarriers and alignment) instead of Q + K ring + V ring = 32 + 2 x 32 + 2 x 32 = 160 KB
-  for the same two tiles of lookahead.
+- Shared memory: Q + kv_slots x one tile = 32 + 2 x 32 = 96 KiB (D = 128; D = 64: 48 KiB), and
+  1 KiB more for the 5 mbarriers and sQ's 1,024-byte alignment (97 / 49 KiB in the compile
+  summary), instead of Q + K ring + V ring = 32 + 2 x 32 + 2 x 32 = 160 KiB for the same two
+  tiles of lookahead.
 - Exact softmax in two passes over the KV tiles. Pass 1 (K only): S = Q K^T, running row_max m
   and row_sum l (l is rescaled by exp2((m_old - m_new) * scale_log2) when m grows: two scalars
   per row, O is not involved). Pass 2 (K and V): S again, P = exp2(S * scale_log2 - m *
   scale_log2) / l, the final probabilities, and O += P V; no division at the end. Pass 1 costs a
   second QK^T and a second exponential per score: about 1.5x the matrix work of one pass
   (TFLOP/s count 4 B H Sq Sk D FLOPs, so pass 1 is not credited).
-- Registers (ptxas of CUDA 13.0, 2026-12-07): 174 (D = 128), no spills.
+- Registers (ptxas of CUDA 13.0, 2026-12-07): 174 (bf16, D = 128), no spills.
+- The code is split into methods by role (the class docstring): load, mma, mma_one_n_block
+  (one step of pass 2), epilogue. mma_threads is how many threads compute and mma_tidx numbers
+  them: all 256 here, so mma_tidx = tidx.
 
 O = softmax(scale * Q K^T) V for Q (B, H, Sq, D) and K, V (B, H, Sk, D) of any length, bf16 or
 fp16, D = 64 or 128. K and V stream through one shared-memory ring in which V_j lands in the very
@@ -66,7 +71,8 @@ class Sm90Kernel:
     flash_attn/cute/flash_fwd_sm90.py): kernel prepares what every warpgroup shares (shared
     memory, barriers, the K/V ring, the wgmma views) and calls load (warp 0: Q and the first K
     tiles) and mma (every warpgroup: the two passes over the KV tiles, one mma_one_n_block per
-    step of pass 2, then epilogue: O stored)."""
+    step of pass 2, then epilogue: O stored; warp 0 issues the ring's later loads from mma's
+    steps)."""
 
     def __init__(self, dtype, head_dim):
         self.dtype = dtype  # element type of Q, K, V and O: cutlass.BFloat16 or cutlass.Float16
@@ -373,8 +379,8 @@ class Sm90Kernel:
         steps,
     ):
         """Warp 0's first loads: Q, then the K tiles of the first kv_slots steps, one per slot.
-        A fresh slot needs no wait: the producer's parity 1 is already "complete" on a new
-        barrier. The ring's later loads are issued from mma's steps."""
+        A fresh slot's wait passes at once: the producer's parity 1 is already "complete" on a
+        new barrier. The ring's later loads are issued from mma's steps."""
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(q_full, q_bytes)
         cute.copy(tma_atom_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_full)
@@ -504,10 +510,10 @@ class Sm90Kernel:
         kv_tiles,
         refills,
     ):
-        """One step of pass 2, KV tile kv_tile = j: S = Q K_j^T, the mask and the softmax, P_j,
-        then O += P_j V_j; warp 0 loads V_j into K_j's slot and then the K tile of step +
-        kv_slots into it. Returns slot_phase, the slots' phase bits after V_j, which the loop
-        carries."""
+        """One step of pass 2 (ring step kv_tiles + j), KV tile kv_tile = j: S = Q K_j^T, the mask
+        and the softmax, P_j, then O += P_j V_j; warp 0 loads V_j into K_j's slot and then
+        K_{j + kv_slots}, if there is one, into it. Returns slot_phase, the slots' phase bits
+        after V_j, which the loop carries."""
         warp_idx, steps, tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV = refills
         step = kv_tiles + kv_tile
         slot = step % self.kv_slots

@@ -16,7 +16,7 @@ Changes from stage 4:
 - Work per KV tile: 2 wgmma batches (QK^T, PV) and 1 exp2 per score, against stage 4's 3 and 2:
   the ideal speed-up over stage 4 is 1.5x, whatever the lengths.
 - Registers (ptxas of CUDA 13.0, 2026-12-07): 160 (D = 128), no spills; shared memory as in
-  stage 4 (96 KB of tiles at D = 128; 97 KB with the mbarriers and sQ's 1,024-byte alignment).
+  stage 4 (96 KiB of tiles at D = 128; 97 KiB with the mbarriers and sQ's 1,024-byte alignment).
 
 O = softmax(scale * Q K^T) V and, on request, LSE = log(sum_j exp(scale * Q K_j^T)) per row, for
 Q (B, H, Sq, D) and K, V (B, H, Sk, D) of any length, bf16 or fp16, D = 64 or 128: the
@@ -365,8 +365,8 @@ class Sm90Kernel:
         steps,
     ):
         """Warp 0's first loads: Q, then the K tiles of the first kv_slots steps, one per slot.
-        A fresh slot needs no wait: the producer's parity 1 is already "complete" on a new
-        barrier. The ring's later loads are issued from mma_one_n_block."""
+        A fresh slot's wait passes at once: the producer's parity 1 is already "complete" on a
+        new barrier. The ring's later loads are issued from mma_one_n_block."""
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(q_full, q_bytes)
         cute.copy(tma_atom_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_full)

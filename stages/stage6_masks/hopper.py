@@ -390,8 +390,8 @@ class Sm90Kernel:
         steps,
     ):
         """Warp 0's first loads: Q, then the K tiles of the first kv_slots steps, one per slot.
-        A fresh slot needs no wait: the producer's parity 1 is already "complete" on a new
-        barrier. The ring's later loads are issued from mma_one_n_block."""
+        A fresh slot's wait passes at once: the producer's parity 1 is already "complete" on a
+        new barrier. The ring's later loads are issued from mma_one_n_block."""
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(q_full, q_bytes)
         cute.copy(tma_atom_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_full)

@@ -350,8 +350,8 @@ class Sm90Kernel:
     @cute.jit
     def load(self, atoms, barriers, q_bytes, tQsQ, tQgQ, tKsK, tKgK, kv_range, steps):
         """Warp 0's first loads: Q, then the K tiles of the first kv_slots steps, one per slot.
-        A fresh slot needs no wait: the producer's parity 1 is already "complete" on a new
-        barrier. The ring's later loads are issued from mma_one_n_block."""
+        A fresh slot's wait passes at once: the producer's parity 1 is already "complete" on a
+        new barrier. The ring's later loads are issued from mma_one_n_block."""
         tma_atom_q, tma_atom_k, _ = atoms
         kv_pipeline, q_full = barriers
         kv_tile_lo, _ = kv_range
