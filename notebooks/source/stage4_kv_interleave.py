@@ -152,9 +152,9 @@ kv_slots = cfg.get("kv_slots", 2)
 tile_kb = bN * D * 2 // 1024
 q_kb = bM * D * 2 // 1024
 print(
-    f"D = {D}: Q {q_kb} KB + {kv_slots} slots x {tile_kb} KB = {q_kb + kv_slots * tile_kb} KB; "
-    f"separate K and V rings of {kv_slots}: {q_kb + 2 * kv_slots * tile_kb} KB; "
-    f"K and V of Sk = 1024 resident: {q_kb + 2 * 1024 * D * 2 // 1024} KB (of 227 KB)"
+    f"D = {D}: Q {q_kb} KiB + {kv_slots} slots x {tile_kb} KiB = {q_kb + kv_slots * tile_kb} KiB; "
+    f"separate K and V rings of {kv_slots}: {q_kb + 2 * kv_slots * tile_kb} KiB; "
+    f"K and V of Sk = 1024 resident: {q_kb + 2 * 1024 * D * 2 // 1024} KiB (of 227 KiB)"
 )
 
 # %% [markdown]
