@@ -293,7 +293,7 @@ def plot_decode(rows, title, path=None):
     fig, axes = plt.subplots(
         len(kinds),
         len(batches),
-        figsize=(min(FIG_WIDTH, 5.5 * len(batches)), 3.6 * len(kinds)),
+        figsize=(min(FIG_WIDTH, max(7.5, 5.5 * len(batches))), 3.6 * len(kinds)),
         squeeze=False,
     )
     dashes = {"14 p16": (1, 1), "14 p64": (4, 2), "14 p128": (6, 2, 1, 2), "14 p256": (8, 3)}
@@ -325,10 +325,13 @@ def plot_decode(rows, title, path=None):
             ax.set_ylabel("GB/s of K and V", fontsize=10)
             ax.set_title(f"B = {B}, heads 32/8: {label}", fontsize=10)
             ax.grid(alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=9)
+    legend = {}  # every panel's kernels, in the order they first appear
+    for ax in axes.flat:
+        for handle, name in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(name, handle)
+    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=5, fontsize=9)
     fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.09, 1, 1))
+    fig.tight_layout(rect=(0, 0.18 / len(kinds), 1, 1))  # the legend's two lines: 0.65 inch
     if path:
         fig.savefig(path, dpi=100)
     return fig
@@ -397,8 +400,11 @@ def plot_stage7_bench(rows, title, path=None):
 
 
 def main(argv=None):
-    """Draw a published run's figures again from its .json: python -m common.tools.plots
-    RUN.json [OUT_DIR] (ablation_*.png and decode_*.png, where the run has those rows)."""
+    """Draw a run's figures again from its .json: python -m common.tools.plots RUN.json
+    [OUT_DIR] (OUT_DIR: RUN.json's folder unless given). ablation_X.json draws ablation_X.png
+    and decode_X.json decode_X.png, the names docs/results/ gives them; any other RUN.json
+    (bench_*, tunings_*) draws ablation_RUN.png and decode_RUN.png, so that no run's figure
+    takes the name of another run's. Each where the run has those rows."""
     import json
     import os
     import sys
@@ -411,19 +417,31 @@ def main(argv=None):
     out = argv[1] if len(argv) > 1 else os.path.dirname(path) or "."
     with open(path) as f:
         run = json.load(f)
-    rows = run.get("rows", [])
-    tag = os.path.splitext(os.path.basename(path))[0].split("_", 1)[-1]
+    rows = run.get("rows") if isinstance(run, dict) else None
+    if not isinstance(rows, list):
+        print(f"{path}: not a `make bench` run (no list of rows)")
+        return 1
+    rows = [r for r in rows if isinstance(r, dict) and {"stage", "shape", "tflops"} <= set(r)]
+    stem = os.path.splitext(os.path.basename(path))[0]
+
+    def name(kind):
+        return os.path.join(
+            out, (stem if stem.startswith(kind + "_") else f"{kind}_{stem}") + ".png"
+        )
+
     about = f"{run.get('gpu', '?')}, {run.get('date', '?')}"
+    # make bench's --dtype: bf16, or fp16 with the tag _fp16 (the .json does not say)
+    dtype = "fp16" if "fp16" in stem.split("_") else "bf16"
     written = []
     if any(r["stage"] == "ablation" for r in rows):
-        written.append(os.path.join(out, f"ablation_{tag}.png"))
-        plot_ablation(rows, f"Stages 5, 7 -> 12 on {about} (paper shapes)", written[-1])
-    fig = plot_decode(rows, f"Decode steps (Sq = 1, D = 128) on {about}")
+        written.append(name("ablation"))
+        plot_ablation(rows, f"Stages 5, 7 -> 12 on {about} ({dtype}, paper shapes)", written[-1])
+    fig = plot_decode(rows, f"Decode steps (Sq = 1, D = 128) on {about} ({dtype})")
     if fig is not None:
-        written.append(os.path.join(out, f"decode_{tag}.png"))
+        written.append(name("decode"))
         fig.savefig(written[-1], dpi=100)
     if not written:
-        print(f"{path}: no ablation or decode rows to draw")
+        print(f"{path}: no ablation rows, nor decode rows of 3 lengths or more at one B")
         return 1
     print("written: " + ", ".join(written))
     return 0
