@@ -200,6 +200,23 @@ def tmem_columns(
     return finish(fig, path)
 
 
+def _curve(ax, xs, ys, name, drawn=None, stage_width=2.5, **style):
+    """One kernel's curve: in its KERNEL_COLORS colour (that of `drawn`, if given), the stages
+    thick and the baselines thin."""
+    drawn = drawn or name
+    width = stage_width if drawn.startswith("stage") else 1.2
+    ax.plot(xs, ys, marker="o", label=name, color=kernel_color(drawn), linewidth=width, **style)
+
+
+def _log2_axes(ax, xlabel, ylabel, title, title_size=11):
+    """A panel of curves against a length on a log-2 axis."""
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel, fontsize=10)
+    ax.set_ylabel(ylabel, fontsize=10)
+    ax.set_title(title, fontsize=title_size)
+    ax.grid(alpha=0.3)
+
+
 def plot_attention_bench(curves, title, path=None):
     """curves: {(D, label): [(S, tflops), ...]} -> one panel per head dim, TFLOP/s against S, each
     kernel in its KERNEL_COLORS colour."""
@@ -211,20 +228,8 @@ def plot_attention_bench(curves, title, path=None):
         for (d, label), pts in sorted(curves.items(), key=lambda kv: kv[0][1]):
             if d != D:
                 continue
-            xs, ys = zip(*pts)
-            ax.plot(
-                xs,
-                ys,
-                marker="o",
-                label=label,
-                color=kernel_color(label),
-                linewidth=2.5 if label.startswith("stage") else 1.2,
-            )
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("sequence length S", fontsize=10)
-        ax.set_ylabel("TFLOP/s", fontsize=10)
-        ax.set_title(f"D = {D}", fontsize=11)
-        ax.grid(alpha=0.3)
+            _curve(ax, *zip(*pts), label)
+        _log2_axes(ax, "sequence length S", "TFLOP/s", f"D = {D}")
         ax.legend(fontsize=9)
     fig.suptitle(title)
     fig.tight_layout()
@@ -253,20 +258,9 @@ def plot_ablation(rows, title, path=None):
             pts = [(r["shape"][2], r["tflops"][name]) for r in mine if name in r["tflops"]]
             if not pts:
                 continue
-            xs, ys = zip(*pts)
-            ax.plot(
-                xs,
-                ys,
-                marker="o",
-                label=name,
-                color=kernel_color(name),
-                linewidth=2.5 if name.startswith("stage") else 1.2,
-            )
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("sequence length S", fontsize=10)
-        ax.set_ylabel("TFLOP/s", fontsize=10)
-        ax.set_title(f"D = {D}, {'causal' if causal else 'non-causal'}", fontsize=11)
-        ax.grid(alpha=0.3)
+            _curve(ax, *zip(*pts), name)
+        masked = "causal" if causal else "non-causal"
+        _log2_axes(ax, "sequence length S", "TFLOP/s", f"D = {D}, {masked}")
         ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
@@ -308,23 +302,10 @@ def plot_decode(rows, title, path=None):
                 names += [n for n in r["tflops"] if n not in names]
             for name in names:
                 pts = [(r["shape"][4], r["tflops"][name]) for r in mine if name in r["tflops"]]
-                xs, ys = zip(*pts)
                 drawn = "stage 14" if name.startswith("14 p") else name
-                ax.plot(
-                    xs,
-                    ys,
-                    marker="o",
-                    markersize=3,
-                    label=name,
-                    color=kernel_color(drawn),
-                    dashes=dashes.get(name, ()),
-                    linewidth=2.2 if drawn.startswith("stage") else 1.2,
-                )
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("keys per sequence Sk", fontsize=10)
-            ax.set_ylabel("GB/s of K and V", fontsize=10)
-            ax.set_title(f"B = {B}, heads 32/8: {label}", fontsize=10)
-            ax.grid(alpha=0.3)
+                _curve(ax, *zip(*pts), name, drawn, 2.2, markersize=3, dashes=dashes.get(name, ()))
+            panel = f"B = {B}, heads 32/8: {label}"
+            _log2_axes(ax, "keys per sequence Sk", "GB/s of K and V", panel, title_size=10)
     legend = {}  # every panel's kernels, in the order they first appear
     for ax in axes.flat:
         for handle, name in zip(*ax.get_legend_handles_labels()):
