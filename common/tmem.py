@@ -23,20 +23,23 @@ different thread" pattern; "wait" is the mbarrier wait):
     load complete; the two fences order it before the MMA.
 (b) P written (over S, or in columns of its own), read by the PV MMA. Softmax: tcgen05.st,
     tcgen05.wait::st, fence before, arrive. MMA warp: wait, fence after, tcgen05.mma.
-(c) O rescaled by the correction warps: as (b). tcgen05.ld, tcgen05.st, tcgen05.wait::st, fence
-    before, arrive; the MMA warp waits, fences after, and issues the PV MMA into O.
+(c) O rescaled (by the softmax warps in stages 5-7, by the correction warps from stage 8): as
+    (b). tcgen05.ld, tcgen05.st, tcgen05.wait::st, fence before, arrive; the MMA warp waits,
+    fences after, and issues the PV MMA into O.
 (d) An MMA's result read: tcgen05.commit to an mbarrier; the reader waits, fences after, then
-    tcgen05.ld (S for softmax, O for correction and epilogue). The same holds for any tcgen05
-    operation that waits on a commit: softmax's tcgen05.st of P over columns the previous PV MMA
-    read, the MMA warp's QK MMA over them. No fence before: tcgen05.commit is one.
+    tcgen05.ld (S for the softmax, O for the rescale and the epilogue). The same holds for any
+    tcgen05 operation that waits on a commit: softmax's tcgen05.st of P over columns the previous
+    PV MMA read, the MMA warp's QK MMA over them. No fence before: tcgen05.commit is one.
 A fence covers all of its thread's tcgen05 operations on its side of the barrier: one after a
 group of waits, one before a group of arrives.
 
 CUTLASS's pipeline classes (PipelineTmaUmma, PipelineAsyncUmma, PipelineUmmaAsync; CuTe DSL
 4.8.1) emit none of these fences (their signals are mbarrier arrives or tcgen05.commit, their
 waits plain mbarrier waits), and FA4 (4.0.0b36's flash_fwd_sm100.py) and CUTLASS's Blackwell
-attention examples place only tcgen05.wait::ld and ::st at these hand-offs. A kernel that follows the ISA's rules adds the fences itself, with the two helpers
-below."""
+attention examples place only tcgen05.wait::ld and ::st at these hand-offs. The same FA4 release
+does place tcgen05.fence::after_thread_sync in its MLA kernel (flash_fwd_mla_1cta_kb64_sm100.py:
+after each mbarrier wait that precedes a tcgen05.cp into TMEM). A kernel that follows the ISA's
+rules adds the fences itself, with the two helpers below."""
 
 from cutlass import dsl_user_op
 from cutlass._mlir.dialects import nvvm

@@ -48,8 +48,8 @@ def test_compiles_overlapped(dtype, D, varlen):
     # epilogue's two barriers.
     expected = r"0dL+iTGCPW" + r"TGCGCPwW" + ("B" if varlen else "") + r"TGCPWBB"
     assert re.fullmatch(expected, schedule_string(ptx)), schedule_string(ptx)
-    # One CTA per tile: Q and the ring in 227 KB, 6 x 32 KB next to 32 KB (D = 128), 13 x 16 KB
-    # next to 16 KB (D = 64); 225 KB with the barriers.
+    # One CTA per tile: Q and the ring in 227 KiB, 6 x 32 KiB next to 32 KiB (D = 128), 13 x 16 KiB
+    # next to 16 KiB (D = 64); 225 KiB with the barriers.
     assert kernel.kv_slots == {64: 13, 128: 6}[D]
     assert kernel.shared_memory_bytes == 1024 + 128 * D * 2 * (1 + kernel.kv_slots) == 230400
     check_no_spills(kernel, ptx, res)

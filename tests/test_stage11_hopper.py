@@ -3,7 +3,7 @@ drawn from an atomic tile scheduler, longest first in L2-sized sections, O in it
 
 - Compile-only (no GPU), bf16 and fp16, D = 64 and 128, batch and packed: the grid-independent
   facts of the kernel (two consumer warpgroups, setmaxnreg 24 / 240, the ring of 5 or 12 slots
-  next to Q and O's own buffer, 225 KB of shared memory, q_full / q_empty and two barriers per
+  next to Q and O's own buffer, 225 KiB of shared memory, q_full / q_empty and two barriers per
   slot), no spills.
 - CPU: the ring's position carried across work tiles; the tile order (every tile once, longest
   first, in L2 sections) and the L2 section rule's host twin against the kernel's source; the
@@ -95,8 +95,8 @@ def test_compiles_persistent(dtype, D, varlen):
     assert ".reqntid 384, 1, 1" in ptx and ".minnctapersm 1" in ptx
     assert statements(ptx, r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;") != []
     assert statements(ptx, r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;") != []
-    # The ring: as many K or V tiles as fit in 227 KB next to Q and O's own buffer (bM x D each)
-    # and 1 KB of barriers: 5 x 32 KB at D = 128, 12 x 16 KB at D = 64; 225 KB either way.
+    # The ring: as many K or V tiles as fit in 227 KiB next to Q and O's own buffer (bM x D each)
+    # and 1 KiB of barriers: 5 x 32 KiB at D = 128, 12 x 16 KiB at D = 64; 225 KiB either way.
     tile_bytes = q_bytes = 128 * D * 2
     assert kernel.kv_slots == {64: 12, 128: 5}[D]
     assert kernel.shared_memory_bytes == 1024 + 2 * q_bytes + kernel.kv_slots * tile_bytes

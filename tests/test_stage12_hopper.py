@@ -88,8 +88,8 @@ def test_compiles_with_every_tuning(dtype, D, Sk, varlen):
     # epilogue's two barriers.
     expected = r"0dL+iTGCPW" + r"TGCGCPwW" + ("B" if varlen else "") + r"TGCPWBB"
     assert re.fullmatch(expected, schedule_string(ptx)), schedule_string(ptx)
-    # Q and O (bM x D each) and the ring in 227 KB: 2 x 24 KB + 11 x 16 KB at D = 64 (192-row
-    # tile; 2 x 16 KB + 12 x 16 KB with 128 rows), 2 x 32 KB + 5 x 32 KB at D = 128; 225 KB
+    # Q and O (bM x D each) and the ring in 227 KiB: 2 x 24 KiB + 11 x 16 KiB at D = 64 (192-row
+    # tile; 2 x 16 KiB + 12 x 16 KiB with 128 rows), 2 x 32 KiB + 5 x 32 KiB at D = 128; 225 KiB
     # with the barriers either way.
     assert kernel.kv_slots == {(64, 3): 11, (64, 2): 12, (128, 2): 5}[D, wgs]
     tile_bytes = 128 * D * 2

@@ -121,7 +121,7 @@ def test_decode_tile_takes_one_warpgroup_and_no_turns(stage):
         torch.bfloat16, (1, 32, 1, 8192, 128), kv_heads=8, num_splits=16
     )
     assert (kernel.mma_warpgroups, kernel.cta_tile[0], kernel.threads) == (1, 64, 256)
-    assert kernel.kv_slots == 6  # Q and O of 16 KB each leave room for a sixth K/V slot
+    assert kernel.kv_slots == 6  # Q and O of 16 KiB each leave room for a sixth K/V slot
     wider, _ = module.compile_args(torch.bfloat16, (1, 32, 17, 8192, 128), kv_heads=8)
     assert (wider.mma_warpgroups, wider.cta_tile[0]) == (2, 128)
     ptx, _ = compile_for_arch(kernel, args, "sm_90a")

@@ -5,7 +5,7 @@
   register cap at entry (.reqntid 384, .minnctapersm 1), setmaxnreg.dec 24 and .inc 240 and not
   ignored by ptxas; stage 7's loop body (the same wgmma and exp2 counts); a wait after every
   GEMM and no named barrier but the consumers' own; the ring of 6 (D = 128) or 13 (D = 64)
-  slots next to Q, 225 KB; no spills.
+  slots next to Q, 225 KiB; no spills.
 - CPU: a model of the CTA's barrier protocol (common/tools/barrier_protocol.py) built from the
   kernel object (its kv_slots, ring_state, q_full_parity, q_empty_parity and arrival counts):
   the producer and each consumer warpgroup as programs of mbarrier waits and arrives with the
@@ -62,7 +62,7 @@ def test_compiles_warp_specialized(dtype, D, varlen):
     # Loads by TMA (Q, K, V; D = 128 splits each box in two 64-column halves); O by threads.
     assert counts["cp.async.bulk.tensor (load)"] == (3 if D == 64 else 6)
     assert counts["cp.async.bulk.tensor (store)"] == 0
-    # The ring: as many 128-key tiles as fit in 227 KB next to Q and 1 KB of barriers.
+    # The ring: as many 128-key tiles as fit in 227 KiB next to Q and 1 KiB of barriers.
     assert kernel.kv_slots == {64: 13, 128: 6}[D]
     assert kernel.shared_memory_bytes == 1024 + 128 * D * 2 * (1 + kernel.kv_slots) == 230400
     assert counts["mbarrier.init"] == 2 * kernel.kv_slots + 2

@@ -10,8 +10,10 @@ Each rank builds the same full sequence (one seed), takes its chunk (zig-zag whe
 seqlen, the chunks then differ by a token), runs attention_cp, and reports: its time per call
 (CUDA events; wall clock on the CPU), the time of its kernels alone and of its hops alone (the
 same schedule run without the other) - the ring's time over its kernels' is what the hops and
-the merges add, 0 when the hops are hidden - and its output's error against one attention over
-the whole sequence on rank 0's device (the kernel itself on a GPU; fp64 on the CPU).
+the merges add (the merges and the K/V buffer's set-up alone when every hop is hidden) - and its
+output's error against one attention over the whole sequence on rank 0's device (the kernel
+itself on a GPU; fp64 on the CPU). Without a GPU pass --cpu (make cp: CP_ARGS=--cpu): the GPU
+path starts with torch.cuda.set_device and fails there.
 
 One GPU, N virtual ranks (no torchrun, no NCCL: the kernel path on a machine with one GPU):
 
@@ -28,6 +30,7 @@ One GPU, N virtual ranks (no torchrun, no NCCL: the kernel path on a machine wit
 
 import argparse
 import os
+import sys
 import time
 
 import torch
@@ -116,6 +119,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.seqlen is None:
         args.seqlen = 1024 if args.cpu else 32768
+    if not args.cpu and not torch.cuda.is_available():
+        sys.exit(
+            "no CUDA GPU here: pass --cpu to run the ranks on CPU processes (make cp CP_ARGS=--cpu)"
+        )
     if args.virtual_ranks:
         return run_virtual(args)
     return run_distributed(args)
@@ -224,7 +231,8 @@ def run_virtual(args):
     ring = FakeRing(world, timeout=1800)
     attention = kernel(cuda)
     say("1. the ring (attention_cp, one thread per rank) against one call over the sequence")
-    say("   (the first calls compile the kernel's variants these chunk shapes need)")
+    if cuda:
+        say("   (the first calls compile the kernel's variants these chunk shapes need)")
     t0 = time.perf_counter()
     o_ref, lse_ref = attention(q, k, v, causal)
     results = ring.run(

@@ -194,7 +194,7 @@ def tmem_columns(
     ax.set_xlabel("TMEM column (32 bits each)", fontsize=10)
     ax.set_yticks([])
     ax.set_title(
-        title or "Tensor memory (TMEM): 128 lanes x 512 columns x 32 bit = 256 KB per SM",
+        title or "Tensor memory (TMEM): 128 lanes x 512 columns x 32 bit = 256 KiB per SM",
         fontsize=10,
     )
     return finish(fig, path)

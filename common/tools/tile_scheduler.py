@@ -235,9 +235,10 @@ def handover_programs(kernel, tiles):
 
 def explore_handover(programs, arrivals):
     """Every interleaving of `programs` over mbarriers with the hardware's parity rule (a wait
-    for parity p passes once the barrier's completed phases have the other parity; a phase
-    completes after `arrivals[bar]` arrives). Returns the set of outcomes: 'done', 'deadlock',
-    or ('read', expected, got) where a consumer read another tile number than its own tile's."""
+    for parity p passes once the count of the barrier's completed phases has the other parity,
+    so a fresh barrier passes p = 1; a phase completes after `arrivals[bar]` arrives). Returns
+    the set of outcomes: 'done', 'deadlock', or ('read', expected, got) where a consumer read
+    another tile number than its own tile's."""
     outcomes, seen = set(), set()
 
     def step(pcs, bars, value):

@@ -153,7 +153,7 @@ def swizzle_128b(rows=8, path=None):
         )
     fig.suptitle(
         "One 128-byte row = 64 bf16 = eight 16-byte chunks (chunk c holds k = 8c .. 8c + 7);\n"
-        "the pattern repeats every 8 rows (1 KB). Cell label = logical chunk, column = where it is stored",
+        "the pattern repeats every 8 rows (1 KiB). Cell label = logical chunk, column = where it is stored",
         fontsize=10,
     )
     return finish(fig, path)
@@ -302,7 +302,7 @@ def prepare_views(
         "tAgA (TMA, k_tiles), tAsA (TMA, ab_buffers)",
         [
             f"TMA mode = one whole box of {bM} x {bK} = {bM * bK} elements",
-            f"({a_kb} KB): one copy per K tile into one buffer",
+            f"({a_kb} KiB): one copy per K tile into one buffer",
         ],
         "#FFF4E0",
         ["tAgA", "tAsA"],
@@ -319,7 +319,7 @@ def prepare_views(
         0,
         3,
         f"sA  (bM, bK, ab_buffers) = ({bM}, {bK}, {ab_buffers})",
-        ["shared memory, 128-byte swizzle,", f"{ab_buffers} buffers x {a_kb} KB"],
+        ["shared memory, 128-byte swizzle,", f"{ab_buffers} buffers x {a_kb} KiB"],
         "#E2F0D9",
         ["sA"],
         slots,
@@ -372,7 +372,7 @@ def prepare_views(
     ax.text(
         11.4,
         3 * (bh + gap) + 0.3,
-        f"per K tile: wait full[buffer] (tx_count = {a_kb} + {b_kb} KB\n"
+        f"per K tile: wait full[buffer] (tx_count = {a_kb} + {b_kb} KiB\n"
         f"landed) -> {k_blocks} x wgmma m64n{bN}k16, one per k_block,\n"
         "each reading a descriptor of A and of B -> wait_group\n"
         "-> release empty[buffer] (one arrive per consumer warp)",

@@ -151,8 +151,8 @@ def tile_boxes(panels, bN=128, title=None, path=None):
             0.45,
             "#F2C14E",
             lw=0.8,
-            text=f"full barrier: expect_tx {bN * 128 * 2 // 1024} KB once, "
-            f"{len(boxes)} box{'es' if len(boxes) > 1 else ''} x {box_kb} KB complete it",
+            text=f"full barrier: expect_tx {bN * 128 * 2 // 1024} KiB once, "
+            f"{len(boxes)} box{'es' if len(boxes) > 1 else ''} x {box_kb} KiB complete it",
         )
         for k in range(0, bN + 1, 32):
             ax.text(k, 2.12, str(tile * bN + k) if k < bN else "", ha="center", fontsize=9)

@@ -161,7 +161,7 @@ def vt_operand(keys=8, dims=8, row_bytes=128, path=None):
     element (d, key) of sVt is element (key, d) of sV (right). Along its N mode (d) the bytes are
     contiguous: wgmma calls that "MN-major" and reads it transposed for free - no copy, no
     transpose instruction. Cells show the byte offset of each element within the slot's first
-    1 KB swizzle atom (8 rows of 64 bf16 = 128 bytes; before the swizzle, which permutes 16-byte
+    1 KiB swizzle atom (8 rows of 64 bf16 = 128 bytes; before the swizzle, which permutes 16-byte
     chunks the same way in both views)."""
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(FIG_WIDTH, 5.4))
 

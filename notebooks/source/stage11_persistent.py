@@ -87,8 +87,8 @@ def stage_kernel(stage, D=128, **settings):
 # tile $j$ runs under the PV. Both roles already walk *work tiles* - a work tile is one 128-row
 # Q tile of one (head, sequence) - in a loop: `tile = blockIdx.x`, then `tile + gridDim.x`. But
 # the grid has one CTA per tile, so every loop runs once. O is staged in shared memory over Q's
-# bytes, and the K/V ring takes what is left of 227 KB: 6 slots at D = 128, 13 at D = 64. One
-# CTA fits an SM (225 KB of shared memory), and the hardware starts the next CTA of the grid on
+# bytes, and the K/V ring takes what is left of 227 KiB: 6 slots at D = 128, 13 at D = 64. One
+# CTA fits an SM (225 KiB of shared memory), and the hardware starts the next CTA of the grid on
 # an SM when the CTA before it there has ended.
 #
 # ## 3. The math
@@ -225,8 +225,9 @@ nb.show_diff(11, "hopper", max_lines=160)
 # ### 5.1 The grid and the two schedulers
 #
 # `__call__` counts the work tiles - Q tiles x heads x sequences - and launches
-# `min(tiles, sm_count)` CTAs (`device_sm_count`: 132 on the H200). Both roles start with tile
-# `blockIdx.x`. Then `next_tile` decides, from one run-time value, `dynamic`:
+# `min(tiles, sm_count)` CTAs (`device_sm_count`: 132 on the H100 and the H200). The producer
+# starts with tile `blockIdx.x` and hands every tile to the consumers with its Q (section 5.3).
+# Then `next_tile` decides, from one run-time value, `dynamic`:
 #
 # - **Fixed share** (`dynamic = 0`): batch mode without a causal or window cut, where every tile
 #   has the same work. CTA $c$ takes $c, c + \text{gridDim.x}, \ldots$ - no memory traffic, and
@@ -486,7 +487,9 @@ for (label, plan), (_, k) in zip(plans, orders):
 # their copies of O out of shared memory are done, so the next tile's Q load starts after the
 # epilogue. With a walk of many tiles that wait is on every tile's path. Stage 11 gives O a
 # buffer of its own, and each consumer thread arrives on `q_empty` at the start of the epilogue:
-# the next Q lands while this tile's O is normalised and stored. The price is one K/V slot:
+# the next Q lands while this tile's O is normalised and stored, and with it the first K and V
+# tiles (`load` issues a tile's K and V after its Q, so they too wait for `q_empty`). The price
+# is one K/V slot:
 #
 # $$\texttt{kv\_slots} = \Big\lfloor \frac{227 \cdot 1024 - 1024 - Q - O}{\text{tile}} \Big\rfloor,
 # \qquad Q = O = \text{tile} = 128 \cdot D \cdot 2\,\text{B}.$$
@@ -499,8 +502,8 @@ for D in (128, 64):
         used = k.kv_slots * tile + tile + o + 1024
         print(
             f"D = {D}, {name}: (232,448 - 1,024 - {tile:,} - {o:,}) // {tile:,} = {k.kv_slots} "
-            f"slots; {k.kv_slots} x {tile // 1024} + Q {tile // 1024} + O {o // 1024} + 1 KB "
-            f"= {used // 1024} KB of 227"
+            f"slots; {k.kv_slots} x {tile // 1024} + Q {tile // 1024} + O {o // 1024} + 1 KiB "
+            f"= {used // 1024} KiB of 227"
         )
 hits = nb.concept_lines(11, "hopper", r"mbarrier_arrive\(q_empty\)|o_bytes_at = ")
 nb.table(("line of hopper.py", "code"), [(f"l. {n}", f"`{code}`") for n, code in hits])
@@ -510,7 +513,7 @@ nb.table(("line of hopper.py", "code"), [(f"l. {n}", f"`{code}`") for n, code in
 #
 # Batch mode and packed, for sm_90a: the same `wgmma` and `ex2` counts as stage 10 (the loop
 # inside a tile is unchanged), two barriers fewer (`mbarrier.init`: one slot less), the atomic add
-# of `next_tile` and the shuffle that broadcasts the ticket, and 225 KB of shared memory as before.
+# of `next_tile` and the shuffle that broadcasts the ticket, and 225 KiB of shared memory as before.
 
 # %%
 report = nb.compile_summary(11, "hopper")
@@ -648,8 +651,10 @@ fig = figures.ablation_step(
 #   S = 16k, 637 -> 623 (0.98; GPU time 0.99). There the tiles are equal, the fixed share draws
 #   nothing, and one set-up saved per tile is little against 32-128 KV tiles; what else changes
 #   is the ring, one slot shallower for O's buffer (12 slots against 13 at D = 64, 5 against 6
-#   at D = 128), and the walk itself. Which of these costs the 1-5% is not established; the
-#   `O over Q` variant below times the first.
+#   at D = 128), and the walk itself. Which of these costs the 1-5% was not measured on the
+#   H200; the `O over Q` variant below times the first. On an H100 (2026-12-07, no mask, S = 8k,
+#   event time; `docs/notes/stage11.md`) it closed the gap at D = 128 and most of it at D = 64:
+#   stage 11 656, the variant 678, stage 10 673 TFLOP/s at D = 128; 424, 443 and 449 at D = 64.
 # - **At S <= 1k, D = 128, in event time:** 323 -> 288 and 539 -> 535 without a mask, 147 -> 106
 #   and 341 -> 267 causal (0.72 at S = 512). In GPU time the same rows gain (1.10-1.15): the
 #   kernel is faster, the call is slower (so is S = 2k causal: 1.01 in event time, 1.13 in GPU
@@ -701,7 +706,7 @@ bench_causal = nb.measure(
 #    (`stage_kernel(11, longest_first=False)`), walk the causal paper shape at S = 8k, D = 128 on
 #    132 SMs and compare its end with the kernel's. Where in the timeline does the time go? In
 #    GPU mode the `shortest first` variant of section 7 measures it.
-# 4. **A smaller L2.** With `l2_bytes` at 20 MB (`stage_kernel(11, l2_bytes=20 * 2**20)`), what
+# 4. **A smaller L2.** With `l2_bytes` at 20 MiB (`stage_kernel(11, l2_bytes=20 * 2**20)`), what
 #    is `l2_heads` for the causal paper shapes at S = 2k-16k, D = 128? Why must it be a power of
 #    two that divides the number of pairs - what would `tile_coords` do with sections of 12 pairs
 #    out of 32?
@@ -757,7 +762,7 @@ bench_causal = nb.measure(
 # <details><summary>5. O's buffer</summary>
 #
 # Without O's buffer the ring gets one slot more: 6 at D = 128 and 13 at D = 64, the shared
-# memory stays about 225 KB (6 x 32 + 32 + 1; 13 x 16 + 16 + 1). The consumers would then have
+# memory stays about 225 KiB (6 x 32 + 32 + 1; 13 x 16 + 16 + 1). The consumers would then have
 # to finish their copies of O out of shared memory before arriving on `q_empty`, since the next
 # Q would be written over the same bytes (stage 10's order); the cell below prints the numbers.
 # </details>
@@ -831,7 +836,7 @@ for D in (128, 64):
     r = nb.compile_report(11, "hopper", shape=(2, 4, 512, 1024, D), settings=settings)
     if r is not None:
         kb = r.shared_memory_bytes / 1024
-        print(f"D = {D}: {slots} slots without O's buffer; shared memory {kb:.0f} KB")
+        print(f"D = {D}: {slots} slots without O's buffer; shared memory {kb:.0f} KiB")
 
 
 # Exercise 6: the packed batch in two orders of cu_seqlens.

@@ -76,12 +76,12 @@ stage12 = stage_table.track_module(12, "hopper")
 #
 # Stage 11 runs stage 10's loop on persistent CTAs: one CTA per SM walks the work tiles (a fixed
 # share where the tiles are equal, tiles drawn from an atomic counter under a mask and for packed
-# sequences), longest first, across sections of heads whose K and V fit in L2 together, and O has
-# a buffer of its own so that the next tile's Q can land during this tile's epilogue. Inside a
-# tile it is stage 10: a TMA producer warpgroup (24 registers), two consumer warpgroups (240
-# registers each) taking turns of ($QK_j$, $PV_{j-1}$) on the tensor cores, softmax$_j$ under
-# $PV_{j-1}$ in the program order. `with_tunings(())` compiles to stage 11's PTX exactly
-# (`tests/test_stage12_hopper.py`).
+# sequences), longest first, under a mask across sections of (head, sequence) pairs whose K and V
+# fit in L2 together, and O has a buffer of its own so that the next tile's Q can land during
+# this tile's epilogue. Inside a tile it is stage 10: a TMA producer warpgroup (24 registers),
+# two consumer warpgroups (240 registers each) taking turns of ($QK_j$, $PV_{j-1}$) on the tensor
+# cores, softmax$_j$ under $PV_{j-1}$ in the program order. `with_tunings(())` compiles to
+# stage 11's PTX exactly (`tests/test_stage12_hopper.py`).
 #
 # ## 3. The math
 #
@@ -363,9 +363,10 @@ step_table(3)
 # In the PTX the `setp.ne` on the lane index becomes `elect.sync` at the four release sites (K in
 # the prologue, K and V in the loop, V after it). Measured: +2.4% to +5.7% at D = 64 non-causal,
 # nothing causal, and at D = 128 a loss of 1.7% to 3.5% at every shape of the run, outside the
-# noise band. The kernel keeps the tuning at both head dims; the cumulative table cannot tell
-# whether the D = 128 loss belongs to the release itself or to how it combines with the tunings
-# after it (exercise 4 times it alone).
+# noise band; the H100 run of 2026-12-06 (`docs/results/tunings_h100_2026-12-06.md`, the same
+# steps) lost 1.5% to 2.9% there too. The kernel keeps the tuning at both head dims; the
+# cumulative tables cannot tell whether the D = 128 loss belongs to the release itself or to how
+# it combines with the tunings after it (exercise 4 times it alone).
 #
 # ### 5.5 Tuning 4: the ring slot indexed before the k-blocks
 #
@@ -612,7 +613,7 @@ fig = figures.tunings_cumulative(
 # All seven together: +23% to +31% at D = 64 non-causal, +8% to +21% causal, +5% to +6% at
 # D = 128 non-causal and +4% to +5% causal. Most of D = 64's gain is tuning 1 (three warpgroups)
 # and tunings 2 and 3; at D = 128 it is tunings 6 and 7. In the same run the kernel with all
-# seven ran at 0.95-1.01x FA4 at D = 64 (0.95 causal from 2k to 16k) and at 0.97-1.03x at
+# seven ran at 0.95-1.01x FA4 at D = 64 (0.951-0.955 causal, 2k to 16k) and at 0.97-1.03x at
 # D = 128.
 #
 # ### 7.2 Stage 12 against FA4 and cuDNN

@@ -287,7 +287,7 @@ nb.table(
 # %% [markdown]
 # The decode tile: `launch_options` (stage 12's, with one rule more) gives a launch whose query
 # rows fit in 64 one consumer warpgroup. The tensor-core work per KV tile halves, the ring gets
-# a sixth K/V slot (Q and O take 16 KB each instead of 32), and without a second warpgroup there
+# a sixth K/V slot (Q and O take 16 KiB each instead of 32), and without a second warpgroup there
 # are no turns to take: `wait_turn` and `pass_turn` compile to nothing. The split kernel of the
 # 8k step took 8.8 us with the decode tile and 11.7 us with 128 rows, on an H100 80GB HBM3 with K
 # and V warm in L2, in two runs a day apart, with the combine of each day (2026-12-06,
@@ -736,8 +736,11 @@ bench = nb.measure(
 #
 # With one split the merge has one term of weight 1: $O = O_0$, the direct softmax. With 65,
 # each split holds one KV tile and the merge is exact to fp64 rounding too. Neither has more
-# splits than tiles: with 65 tiles and 65 splits $n = 1$ and every split gets one. Cutting
-# 65 tiles 66 ways or more gives the splits from 65 on $[65, 65)$, empty.
+# splits than tiles: with 65 tiles and 65 splits $n = 1$ and every split gets one. A split lies
+# past the last tile whenever $(s - 1) \lceil 65/s \rceil \ge 65$ for $s$ splits, not only
+# past 65 splits: from 12 on ($n = 6$, split 11 starts at 66), except 13, 17, 22, 33 and 65.
+# Section 3's 16 splits ($n = 5$) leave splits 13-15 past it, its 3 empty splits. `split_range`
+# clamps their start to $hi$: $[65, 65)$, no tile.
 # </details>
 #
 # <details><summary>4. Why fp32 partials</summary>

@@ -101,7 +101,7 @@ def paged_cache(k, v, used, page_size, spare_pages=3, seed=14):
 #   page it leaves unused;
 # - say why the kernel takes page sizes 16, 32, 64 or multiples of 128, and how many TMA boxes
 #   of how many bytes one KV tile becomes at each;
-# - explain why a KV tile of 8 boxes still has one full barrier and one `expect_tx` of 32 KB;
+# - explain why a KV tile of 8 boxes still has one full barrier and one `expect_tx` of 32 KiB;
 # - follow the clamp to the last page: which `page_table` entries the producer reads, and why
 #   none past $\lceil \text{seqused\_k} / P \rceil$ may be read;
 # - name the three kinds of memory that may hold NaN, and why none reaches O;
@@ -186,7 +186,7 @@ nb.table(("16 sequences, " + f"{sum(lengths):,} keys", "keys allocated", "unused
 # \text{first row} = (128 j + c r) \bmod P .$$
 #
 # Below 128, $r = P$ must divide 128 for the boxes to fill a slot exactly: $P \in \{16, 32,
-# 64\}$ (8 is possible in principle; the stage stops at a box of 16 rows, 4 KB at $D = 128$).
+# 64\}$ (8 is possible in principle; the stage stops at a box of 16 rows, 4 KiB at $D = 128$).
 # From 128 on, a box is a whole tile and a page must hold whole tiles: $P$ a multiple of 128,
 # tile $j$ being tile $j \bmod (P / 128)$ of its page. The $\min$ is the clamp to the last page
 # (section 5.4): a box whose keys all lie at or past $n_b$ reads the last page again, so no
@@ -204,7 +204,7 @@ for p in PAGE_SIZES:
             p,
             r,
             bN // r,
-            f"{r * D * 2 // 1024} KB",
+            f"{r * D * 2 // 1024} KiB",
             bN // r,
             f"{p // bN}" if p >= bN else f"1/{bN // p}",
         )
@@ -294,9 +294,9 @@ nb.show_source(14, "hopper", names=["Sm90Kernel.tma_views", "Sm90Kernel.seq_info
 #
 # The producer's step for one K or V tile is `load_tiles`. It waits for the slot's release
 # (`producer_acquire`, which also announces the slot's bytes on its full barrier: the pipeline
-# was created with `tx_count` = one tile's 32 KB at D = 128), then issues one TMA copy per box,
+# was created with `tx_count` = one tile's 32 KiB at D = 128), then issues one TMA copy per box,
 # each from the page its first key lies in and each completing its bytes on that same barrier.
-# The barrier's phase completes once all 32 KB have landed, 4 KB at a time at page size 16, so
+# The barrier's phase completes once all 32 KiB have landed, 4 KiB at a time at page size 16, so
 # the consumers wait exactly as in stage 13. The loop is not unrolled (`unroll=1`): the
 # producer warpgroup gives its registers to the consumers and keeps 24 per thread.
 #
@@ -410,8 +410,8 @@ nb.show_function(checks.check_page_table)
 # The stage's compile shape (unpaged: stage 13's kernel with the new arguments), then the paged
 # kernel of a decode step at page sizes 16 and 256. The cell compares them: the same `wgmma`,
 # exponentials and TMA load instructions (the box loop is one TMA instruction in a loop that is
-# not unrolled), and the same two `expect_tx` byte counts at every page size: 32 KB for each K
-# or V slot - the byte count of a tile, whatever the number of boxes that deliver it - and 16 KB
+# not unrolled), and the same two `expect_tx` byte counts at every page size: 32 KiB for each K
+# or V slot - the byte count of a tile, whatever the number of boxes that deliver it - and 16 KiB
 # for Q's 64-row decode tile.
 
 # %%
@@ -582,7 +582,7 @@ fig = figures.paged_ratios(
 # - **In GPU time, pages of 64 keys or more cost 0-4%** (0.96-1.00 of stage 13) in every row,
 #   B = 1 at 8k included.
 # - **Pages of 16 keys cost 2-5% in GPU time** (0.95-0.98): every K or V tile is 8 boxes of
-#   4 KB instead of one of 32 KB, each issued by the producer after its own `page_table` read.
+#   4 KiB instead of one of 32 KiB, each issued by the producer after its own `page_table` read.
 # - **Back to back at B = 1 with 8 KV heads, at 8k and 32k, the host sets the pace**: every page
 #   size reads at 0.86-0.90 of stage 13 there: these calls are short, and a paged call costs the
 #   host more (section 7.2 measures an unsplit call, 4.9 us more back to back; a split paged call
@@ -712,8 +712,8 @@ else:
 # <details><summary>2. Boxes per decode step</summary>
 #
 # 32,768 keys are 256 KV tiles per KV head, 512 K and V tiles, 4,096 over 8 KV heads. Pages of
-# 16: 8 boxes of 4 KB per tile, 32,768 boxes and as many `page_table` reads; pages of 64:
-# 8,192 boxes of 16 KB; pages of 256: 4,096 boxes of 32 KB, one per tile as in stage 13, each
+# 16: 8 boxes of 4 KiB per tile, 32,768 boxes and as many `page_table` reads; pages of 64:
+# 8,192 boxes of 16 KiB; pages of 256: 4,096 boxes of 32 KiB, one per tile as in stage 13, each
 # after one table read. The bytes are the same 128 MiB in every case; the boxes and reads are
 # not. Splits cut the same tiles among more CTAs: 16 splits change which CTA issues a box, not
 # how many there are (the splits' ranges cover each tile once, section 5.2 of notebook 13).
@@ -768,7 +768,7 @@ nb.table(("seqused_k", "page size", "entries owned", "keys in the last page", "u
 tiles = 2 * 8 * (32768 // 128)  # K and V tiles over the KV heads
 for p in (16, 64, 256):
     r = paged_kernel(p).page_rows
-    print(f"pages of {p}: {tiles * 128 // r:,} boxes of {r * 128 * 2 // 1024} KB, as many reads")
+    print(f"pages of {p}: {tiles * 128 // r:,} boxes of {r * 128 * 2 // 1024} KiB, as many reads")
 
 # Exercise 3: which rule each refused size breaks.
 for p in (48, 96, 192):

@@ -32,8 +32,8 @@
 # ranks, in `tests/test_stage15.py`, passed on an H200 (2026-12-05,
 # `docs/results/tests_hopper_gpu_h200_2026-12-05_split_outputs.txt`) and an H100 80GB HBM3
 # (2026-12-06, `docs/results/tests_hopper_gpu_h100_2026-12-06_combine.txt`); nothing was timed
-# there. **The multi-GPU run - NCCL between GPUs, `make cp GPUS=N` - has not run: no number
-# for it exists.** Every time in this notebook is computed in its cell from a single-GPU
+# there. **The multi-GPU run - NCCL (NVIDIA's GPU-to-GPU communication library) between GPUs,
+# `make cp GPUS=N` - has not run: no number for it exists.** Every time in this notebook is computed in its cell from a single-GPU
 # measurement in `docs/results/` and a published specification, or measured in the run itself
 # (GPU mode), and says which.
 #
@@ -397,12 +397,14 @@ print(
 # it with `torch.distributed`'s `batch_isend_irecv` (NCCL between GPUs, gloo between CPU
 # processes: without a GPU, `make cp GPUS=2 CP_ARGS="--cpu --causal"` runs it between two CPU
 # processes with an fp64 attention as the kernel, at $S$ = 1,024, since that stand-in holds a
-# chunk's whole score matrix, 64 GiB per rank at the GPU's default of 32k tokens and 32 heads). On NCCL the transfer runs on NCCL's own CUDA stream, and `wait()` makes
-# the current stream wait for it without blocking the host. `attention_cp` starts the hop of step
-# $t$ before it launches step $t$'s kernel and waits for it after the merge: the hop that brings
-# the next chunk runs while the kernel works on this one. `FakeRing` runs the ranks as threads of
-# one process and swaps their buffers through shared slots behind a barrier: a stand-in for the
-# tests and for $N$ virtual ranks on one GPU, where the hops are copies and nothing overlaps.
+# chunk's whole score matrix: 64 GiB per rank over 2 ranks at the GPU's default of 32k tokens
+# and 32 heads, $32 \cdot 16384^2 \cdot 8$ bytes). On NCCL the transfer runs on NCCL's own CUDA
+# stream, and `wait()` makes the current stream wait for it without blocking the host.
+# `attention_cp` starts the hop of step $t$ before it launches step $t$'s kernel and waits for it
+# after the merge: the hop that brings the next chunk runs while the kernel works on this one.
+# `FakeRing` runs the ranks as threads of one process and swaps their buffers through shared
+# slots behind a barrier: a stand-in for the tests and for $N$ virtual ranks on one GPU, where
+# the hops are copies and nothing overlaps.
 
 # %%
 nb.show_function(ring.TorchRing.exchange)
@@ -508,7 +510,8 @@ nb.table(
 # ranks with 32 KV heads (MHA, $G = 1$) moves 32 MiB per hop, 75 us, against 52 us of kernel per
 # step after the first. The timeline below is one rank under the model `attention_cp` follows
 # (step $t + 1$ starts when step $t$'s kernel and hop are both done): the first case and the MHA
-# one, where steps 1 and 2 wait 23 us each for their hop (276 us for 230 us of kernels).
+# one, where the hops started at steps 1 and 2 outlast those steps' kernels by 23 us each, so
+# steps 2 and 3 start 23 us late (276 us for 230 us of kernels).
 
 # %%
 cases = []

@@ -114,7 +114,7 @@ bM, bN, bK = cfg.get("cta_tile", (128, 256, 64))
 per_tile_bytes = (bM + bN) * bK * 2
 per_tile_flops = 2 * bM * bN * bK
 print(
-    f"CTA tile {bM} x {bN} x {bK}: {per_tile_bytes // 1024} KB loaded per K tile, "
+    f"CTA tile {bM} x {bN} x {bK}: {per_tile_bytes // 1024} KiB loaded per K tile, "
     f"{per_tile_flops / per_tile_bytes:.0f} FLOP per byte loaded into shared memory"
 )
 print(
@@ -184,7 +184,10 @@ nb.show_source(1, "hopper", section="# 1.")
 #    into one mode, and the result's first mode, "TMA", is everything one TMA instruction moves -
 #    here the whole 128 x 64 box. `0` and `make_layout(1)` say: CTA 0 of a cluster of one, no
 #    multicast. So `cute.copy(tma_atom_a, tAgA[None, k_tile], tAsA[None, buffer], tma_bar_ptr=full)`
-#    is one `cp.async.bulk.tensor` that brings K tile `k_tile` into buffer `buffer`.
+#    is one `cp.async.bulk.tensor` that brings K tile `k_tile` into buffer `buffer`. (CuTe's
+#    names read `t`, partitioner, memory, tensor: `tAgA` is the global (`g`) tensor A
+#    partitioned (`t`) for A's copy (`A`); `tCrA` of item 5 is A partitioned for the MMA (`C`)
+#    as a register (`r`) fragment.)
 # 4. **`sA`** is the shared-memory buffer ring, (bM, bK, ab_buffers), carrying the 128-byte
 #    swizzle of section 5.3 in its layout.
 # 5. **`thr_mma = tiled_mma.get_slice(warpgroup_idx * 128)`** is the part of the tiled MMA (two
@@ -221,7 +224,7 @@ fig = figures.prepare_views(
 # expects one arrival (the producer's `mbarrier.arrive.expect_tx`) and `tx_count` **bytes**: every
 # byte TMA writes into the buffer counts the transaction count down, and the phase completes when
 # arrivals and bytes both reach zero. So `tx_count` must be exactly what the copies of one K tile
-# bring, 16 KB of A + 32 KB of B. Too many and the barrier never completes (a hang); too few and
+# bring, 16 KiB of A + 32 KiB of B. Too many and the barrier never completes (a hang); too few and
 # the consumers start reading before the last bytes have landed (a race). The PTX shows the
 # number the producer arms:
 
@@ -308,7 +311,7 @@ chunk = k * 2 // 16
 byte = figures.swizzle(row * 128 + k * 2)
 print(
     f"element (row {row}, k {k}) is in logical chunk {chunk}, stored in chunk "
-    f"{figures.swizzle_128b_chunk(row, chunk)} of its row: byte {byte} of the 1 KB swizzle atom "
+    f"{figures.swizzle_128b_chunk(row, chunk)} of its row: byte {byte} of the 1 KiB swizzle atom "
     f"(row-major would be byte {row * 128 + k * 2})"
 )
 
@@ -375,7 +378,8 @@ print(
 # ### 5.6 The epilogue
 #
 # After the last `wgmma` has completed, the accumulator is rounded to bf16, written to shared memory
-# with `stmatrix` (reusing the A buffers, idle by then) and stored by one TMA store per tile, which
+# with `stmatrix` (a warp-wide store of 8 x 8 tiles of 16-bit values from registers, the reverse
+# of `ldmatrix`; reusing the A buffers, idle by then) and stored by one TMA store per tile, which
 # also clips rows and columns that fall outside C.
 
 # %%
@@ -490,7 +494,7 @@ bench = nb.measure(1, [(4096, 4096, 4096), (8192, 8192, 8192)])
 # The answers and checks are collected at the end of the notebook.
 #
 # 1. **Pipeline depth.** In the model of 5.4, try `ab_buffers=(2, 3)`. Show that the MMAs never
-#    wait once `load_time <= (ab_buffers - 1) * mma_time`. How many 48 KB buffers fit in the 227 KB
+#    wait once `load_time <= (ab_buffers - 1) * mma_time`. How many 48 KiB buffers fit in the 227 KiB
 #    a CTA may use on an H200, and what does the epilogue's reuse of the A buffers save? Check the
 #    shared memory of other depths without a GPU:
 #    `nb.compile_summary(1, "hopper", settings=dict(ab_buffers=5))`. On a GPU, time them in one
@@ -521,10 +525,10 @@ bench = nb.measure(1, [(4096, 4096, 4096), (8192, 8192, 8192)])
 # K tile k + ab_buffers - 1 is loaded into the buffer that the MMAs of tile k - 1 release, so it
 # starts when those end and lands load_time later, while the MMAs of tiles k ... k + ab_buffers - 2
 # run, (ab_buffers - 1) x mma_time in all: no wait if load_time <= (ab_buffers - 1) x mma_time.
-# 4 buffers of 48 KB take 192 KB; a fifth would need 240 KB > 227 KB (the compile summary with
-# `ab_buffers=5` shows 241 KiB: it compiles, but a launch would be refused). The 64 KB staging
-# tile of C lives in the A buffers; without that reuse, 4 x 48 + 64 = 256 KB would not fit, so
-# only 3 buffers would.
+# 4 buffers of 48 KiB take 192 KiB; a fifth would need 240 KiB > 227 KiB (the compile summary with
+# `ab_buffers=5` shows 241 KiB, the buffers plus 1 KiB of mbarriers and alignment: it compiles,
+# but a launch would be refused). The 64 KiB staging tile of C lives in the A buffers; without
+# that reuse, 4 x 48 + 64 = 256 KiB would not fit, so only 3 buffers would.
 # </details>
 #
 # <details><summary>2. Who holds C[37, 100]</summary>
@@ -552,10 +556,10 @@ bench = nb.measure(1, [(4096, 4096, 4096), (8192, 8192, 8192)])
 #
 # <details><summary>5. Tile size</summary>
 #
-# With bN = 128: 90 registers (64 for the accumulator), 129 KiB of shared memory (4 x 32 KB),
-# `expect_tx` 32 KiB, `wgmma` m64n128k16. Section 3's FLOP per byte falls from 85 to 64: 1.33x more
-# traffic per FLOP, so where the GEMM is bound by feeding the tensor cores it loses up to a
-# quarter of its speed.
+# With bN = 128: 90 registers (64 for the accumulator; ptxas of CUDA 13.0, 2026-12-07), 129 KiB
+# of shared memory (4 x 32 KiB and 1 KiB of mbarriers and alignment), `expect_tx` 32 KiB, `wgmma`
+# m64n128k16. Section 3's FLOP per byte falls from 85 to 64: 1.33x more traffic per FLOP, so
+# where the GEMM is bound by feeding the tensor cores it loses up to a quarter of its speed.
 # </details>
 #
 # <details><summary>6. Trace time</summary>

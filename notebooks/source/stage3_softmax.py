@@ -320,10 +320,12 @@ bench = nb.measure(3, [(16, 32, 4096, 128, 64), (16, 16, 4096, 128, 128)])
 #
 # S (64) is dead once P (32) has been formed from it, and O (64) is written only by the PV wgmma,
 # which starts after that: at most S + P or P + O are live at once, about 96, plus addresses,
-# descriptors and the 2 + 2 softmax statistics - hence the ~124 ptxas reports, not 160. A 256-key
-# tile doubles S and P (128 + 64 per thread) and the K and V slots (64 KB each): the variant's
-# summary shows how close that comes to the 255 registers a thread may have and to the 227 KB of
-# shared memory (and the entry would still refuse Sk > 128 until its check follows the tile).
+# descriptors and the 2 + 2 softmax statistics - hence the 124 ptxas reports (CUDA 13.0,
+# 2026-12-07, the docstring), not 160. A 256-key tile doubles S and P (128 + 64 per thread) and
+# the K and V slots (64 KiB each): the variant's summary (198 registers, 161 KiB; ptxas of CUDA
+# 13.0, 2026-12-07) shows how close that comes to the 255 registers a thread may have and to the
+# 227 KiB of shared memory (and the entry would still refuse Sk > 128 until its check follows the
+# tile).
 # </details>
 #
 # <details><summary>5. Blackwell</summary>

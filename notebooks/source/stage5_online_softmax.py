@@ -213,8 +213,8 @@ report = nb.compile_summary(5, "hopper")
 # `row_scale` and `tcgen05.st` it back. That has to happen after $PV_{j-1}$ has completed (O is
 # final up to tile j - 1, and P's columns are free) and before $PV_j$ starts; three mbarriers
 # order it, as the picture shows. Faster Blackwell kernels (FA4) hand this job to a separate
-# *correction* warp group and skip the rescale when the max barely moves (exercise 5); this stage
-# keeps it in the softmax warps.
+# *correction* warpgroup (four warps; stage 8 here) and skip the rescale when the max barely
+# moves (exercise 5; stage 10 here); this stage keeps it in the softmax warps.
 #
 # **Blackwell kernels are compile-checked here, not run on hardware.** No sm_100 GPU has run
 # them: the Blackwell files are compiled for sm_100a with fake tensors and their PTX is checked for the
@@ -266,10 +266,10 @@ fig = nb.error_picture(5, result)
 # S = 1k / 4k / 8k, D = 128: 1.36x / 1.36x / 1.43x stage 4, and up to 1.63x at D = 64, S = 2k;
 # above SDPA flash (336 / 347 / 345) and below cuDNN and FA4 (589-711) in the same run. The
 # ablation run of 2026-12-04 on the H200 (`docs/results/ablation_h200_2026-12-04.md`, no stage 4)
-# measured stage 5 at 513 at S = 8k, D = 128. Stage 5 is FA2's algorithm
-# without FA3's scheduling (warp specialisation, ping-pong warpgroups, softmax overlapped with the
-# next $QK^{\top}$). The table below is this run - its numbers, not the quoted ones, are the
-# comparison - and the cell after it prints this run's speed-up over stage 4.
+# measured stage 5 at 513 at S = 8k, D = 128. Stage 5 is FlashAttention-2's algorithm without
+# FlashAttention-3's scheduling (warp specialisation, ping-pong warpgroups, softmax overlapped
+# with the next $QK^{\top}$). The table below is this run - its numbers, not the quoted ones, are
+# the comparison - and the cell after it prints this run's speed-up over stage 4.
 
 # %%
 bench = nb.measure(

@@ -315,10 +315,11 @@ report = nb.compile_summary(6, "hopper")
 # %% [markdown]
 # ### 5.6 The same stage on Blackwell
 #
-# The Blackwell stage 6 follows the same plan on the machine of stage 1 (section 5.8 there): the
-# TMA warp, the MMA warp and the softmax warps each take the KV-tile range from the one
-# tile-range method (three roles, one formula), and the element mask applies where S is in the
-# softmax warps' registers. The cells below show the docstring of
+# The Blackwell stage 6 follows the same plan on the machine of stage 1 (section 5.8 there):
+# `kv_tile_range` computes the KV-tile range once, before the warps split into roles, and the TMA
+# warp, the MMA warp and the softmax warps loop over that one range (three roles, one range: a
+# role that took one tile more or less would hang its ring); the element mask applies where S is
+# in the softmax warps' registers. The cells below show the docstring of
 # `stages/stage6_masks/blackwell.py`, its kernel diff against Blackwell stage 5, the concept table
 # of both tracks and its compile summary.
 #

@@ -284,10 +284,10 @@ report_packed = nb.compile_summary(7, "hopper", options=dict(varlen=True))
 # The same lesson on the machine of stage 1 (section 5.8 there): `seq_info` is called once before
 # the warps split into roles, the head mapping is a TMA coordinate, and the two boundary rules
 # hold - on Blackwell the O store was already a per-row predicated copy from registers, and the
-# zeroing of V past seqlen_k is done where the MMA warp waits for V (its docstring gives the
-# fences this needs: `tcgen05.mma` reads shared memory through the async proxy). The cells
-# below show the docstring of `stages/stage7_gqa_varlen/blackwell.py`, its kernel diff against
-# Blackwell stage 6, the concept table and its compile summary.
+# zeroing of V past seqlen_k is done where the MMA warp waits for V (`zero_keys`; its docstring
+# gives the fences this needs: `tcgen05.mma` reads shared memory through the async proxy). The
+# cells below show the docstring of `stages/stage7_gqa_varlen/blackwell.py`, its kernel diff
+# against Blackwell stage 6, the concept table and its compile summary.
 #
 # **Blackwell kernels are compile-checked here, not run on hardware.** No sm_100 GPU has run
 # them: the Blackwell files are compiled for sm_100a with fake tensors and their PTX is checked for the

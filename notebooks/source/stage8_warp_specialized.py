@@ -118,11 +118,11 @@ nb.start(8)
 #
 # Every K and V tile takes the next **ring entry**: entry $2t$ holds $K$ of step $t$ (KV tile
 # `kv_tile_lo + t`), entry $2t+1$ its $V$, and entry $e$ lives in slot $e \bmod$ `kv_slots`. The
-# slots are as many as fit in the 227 KB (232,448 B) a CTA may use, next to Q and 1 KB of
+# slots are as many as fit in the 227 KiB (232,448 B) a CTA may use, next to Q and 1 KiB of
 # barriers and alignment:
 #
 # $$\texttt{kv\_slots} = \left\lfloor \frac{232{,}448 - 1{,}024 - 128 \cdot D \cdot 2}{128 \cdot D \cdot 2} \right\rfloor
-#   = \begin{cases} 6 & D = 128 \ (32\ \text{KB tiles}) \\ 13 & D = 64 \ (16\ \text{KB tiles}) \end{cases}$$
+#   = \begin{cases} 6 & D = 128 \ (32\ \text{KiB tiles}) \\ 13 & D = 64 \ (16\ \text{KiB tiles}) \end{cases}$$
 #
 # The producer may fill entry $e$ once the consumers have released entry $e - $ `kv_slots`, so it
 # runs up to `kv_slots` entries - 3 KV tiles at D = 128 - ahead of the slower consumer warpgroup.
@@ -439,8 +439,8 @@ if kernel8 is not None:
 # entry: the cubin's register count below is that cap, not what the consumers use after
 # `setmaxnreg`), the two `setmaxnreg` instructions, the 14 `mbarrier.init` (2 + 2 x 6) with the
 # counts of 5.6, and stage 7's loop body: the same `wgmma.mma_async` and `ex2.approx` counts,
-# each GEMM waited for (`wgmma.wait_group 0` twice). 225 KB of dynamic shared memory: Q and six
-# 32 KB slots and 1 KB.
+# each GEMM waited for (`wgmma.wait_group 0` twice). 225 KiB of dynamic shared memory: Q and six
+# 32 KiB slots and 1 KiB.
 
 # %%
 report = nb.compile_summary(8, "hopper")
@@ -458,14 +458,16 @@ if report is not None:
 #
 # ### 5.9 The same stage on Blackwell
 #
-# On Blackwell, warp roles were the design from stage 1 on (a TMA warp, an MMA warp, the softmax
-# warps), because one thread issues the `tcgen05.mma` and the accumulators live in tensor memory.
+# On Blackwell, warp roles were the design from stage 1 on (a TMA warp, an MMA warp, four warps
+# that read tensor memory: stage 1's epilogue, from stage 3 on the softmax), because one thread
+# issues the `tcgen05.mma` and the accumulators live in tensor memory.
 # Stage 8 there splits the jobs of stage 7's softmax warps as FA4 does: a softmax warpgroup only
 # turns S into P, a **correction** warpgroup rescales O in tensor memory and runs the epilogue
 # (O and LSE stored by rows, as in stage 7; stage 12 adds the TMA store of O), and the MMA and
-# TMA warps fill a third warpgroup. `setmaxnreg` gives them 208, 152 and 144
-# registers: $(208 + 152 + 144) \cdot 128 = 64{,}512 = 384 \cdot 168$, the same pool arithmetic
-# as on Hopper. The cells show the docstring of
+# TMA warps and two idle warps make a third (`setmaxnreg` acts on whole warpgroups). From the 168
+# registers a thread that 384 threads hold at launch, `setmaxnreg` gives the three 208, 152 and
+# 144: $(208 + 152 + 144) \cdot 128 = 64{,}512 = 384 \cdot 168$, the same pool arithmetic as on
+# Hopper. The cells show the docstring of
 # `stages/stage8_warp_specialized/blackwell.py`, its kernel diff against Blackwell stage 7 (the
 # start), the concept table of the two tracks and the compile summary.
 #
@@ -684,7 +686,7 @@ bench = nb.measure(
 #
 # <details><summary>5. The grid</summary>
 #
-# 64 Q tiles x 16 heads x 2 sequences = 2,048 CTAs. One runs per SM: 225 KB of shared memory
+# 64 Q tiles x 16 heads x 2 sequences = 2,048 CTAs. One runs per SM: 225 KiB of shared memory
 # leaves no room for a second CTA's (and 384 x 168 registers leave 1,024). So 132 run at once,
 # in $\lceil 2048 / 132 \rceil = 16$ rounds, the last one 68 CTAs. Every CTA pays its set-up
 # (barriers, descriptors, Q's load, the first K and V) - what stage 11's persistent CTAs pay once

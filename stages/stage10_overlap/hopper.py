@@ -68,7 +68,7 @@ class Sm90Kernel:
         self.threads = 128 + self.mma_threads  # warpgroup 0: the TMA producer
         self.load_registers = 24
         self.mma_registers = 240
-        # As many K or V tiles as fit in 227 KB next to Q and 1 KB of barriers
+        # As many K or V tiles as fit in 227 KiB next to Q and 1 KiB of barriers
         q_bytes = self.cta_tile[0] * head_dim * dtype.width // 8
         tile_bytes = self.cta_tile[1] * head_dim * dtype.width // 8
         self.kv_slots = (227 * 1024 - 1024 - q_bytes) // tile_bytes
@@ -270,7 +270,7 @@ class Sm90Kernel:
         q_empty = storage.q_empty.data_ptr()
         q_bytes = cute.size_in_bytes(
             self.dtype, cute.select(q_smem_layout, mode=[0, 1])
-        )  # 32 KB (D = 128)
+        )  # 32 KiB (D = 128)
         if warp_idx == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(q_full, 1)
@@ -280,7 +280,7 @@ class Sm90Kernel:
         # fences and syncs the CTA, which also publishes the initialisation of the barriers above.)
         kv_bytes = cute.size_in_bytes(
             self.dtype, cute.select(kv_smem_layout, mode=[0, 1])
-        )  # 32 KB (D = 128)
+        )  # 32 KiB (D = 128)
         kv_pipeline = pipeline.PipelineTmaAsync.create(
             num_stages=self.kv_slots,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),

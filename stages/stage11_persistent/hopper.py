@@ -4,16 +4,16 @@ Changes from stage 10:
 - Why: a CTA per tile pays its set-up (barriers, setmaxnreg, the first loads) with the tensor
   cores idle, and under a causal mask the tiles differ in work, so the grid's tail runs a few
   long tiles on a mostly idle GPU.
-- Persistent CTAs: min(tiles, SMs) CTAs (225 KB of shared memory: one per SM), each walking
-  tiles in stage 8's loop; the producer loads the next tile's Q and K/V under this tile's GEMMs.
+- Persistent CTAs: min(tiles, SMs) CTAs (225 KiB of shared memory: one per SM), each walking
+  tiles in stage 8's loop; the producer picks the next tile under this tile's last GEMMs.
 - The scheduler (next_tile): no mask, batch mode: CTA c takes c, c + gridDim.x, ...; under a
   mask or for packed sequences the producer draws the next tile from an atomic counter and hands
   its number to the consumers with Q (tile_id); a number past the end ends both loops.
 - The order (tile_coords): longest first; under a mask in batch mode in sections of (head,
   sequence) pairs whose K and V fit in the 50 MiB L2 together (l2_section_heads).
-- O gets its own buffer (32 KB at D = 128, 16 KB at D = 64): the consumers release Q after
-  their last GEMM, so the next tile's Q lands while O is stored. The ring loses a slot:
-  5 x 32 KB (D = 128), 12 x 16 KB (D = 64), 225 KB both.
+- O gets its own buffer (32 KiB at D = 128, 16 KiB at D = 64): the consumers release Q after
+  their last GEMM, so the next tile's Q and K/V load while O is stored. The ring loses a slot:
+  5 x 32 KiB (D = 128), 12 x 16 KiB (D = 64), 225 KiB both.
 - O and LSE are stage 10's bit for bit (tested).
 
 attention(q, k, v, ...): Q (B, H, Sq, D), K and V (B, Hkv, Sk, D), H % Hkv == 0 (Hkv = 1: MQA).
@@ -73,11 +73,11 @@ class Sm90Kernel:
         self.threads = 128 + self.mma_threads  # warpgroup 0: the TMA producer
         self.load_registers = 24
         self.mma_registers = 240
-        # As many K or V tiles as fit in 227 KB next to Q, O and 1 KB of barriers: 5 x 32 KB
-        # next to 2 x 32 KB (D = 128), 12 x 16 KB next to 2 x 16 KB (D = 64).
+        # As many K or V tiles as fit in 227 KiB next to Q, O and 1 KiB of barriers: 5 x 32 KiB
+        # next to 2 x 32 KiB (D = 128), 12 x 16 KiB next to 2 x 16 KiB (D = 64).
         q_bytes = self.cta_tile[0] * head_dim * dtype.width // 8
         tile_bytes = self.cta_tile[1] * head_dim * dtype.width // 8
-        # Persistent CTAs: a grid of at most one CTA per SM (1 fits: 225 KB of shared memory),
+        # Persistent CTAs: a grid of at most one CTA per SM (1 fits: 225 KiB of shared memory),
         # each walking work tiles: blockIdx.x, blockIdx.x + gridDim.x, ... in batch mode without
         # a mask, drawn from an atomic counter under one and for packed sequences (see __call__,
         # load and mma).
@@ -338,7 +338,7 @@ class Sm90Kernel:
         tile_id = storage.tile_id.get_tensor(cute.make_layout(1))
         q_bytes = cute.size_in_bytes(
             self.dtype, cute.select(q_smem_layout, mode=[0, 1])
-        )  # 32 KB (D = 128)
+        )  # 32 KiB (D = 128)
         if warp_idx == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(q_full, 1)
@@ -348,7 +348,7 @@ class Sm90Kernel:
         # fences and syncs the CTA, which also publishes the initialisation of the barriers above.)
         kv_bytes = cute.size_in_bytes(
             self.dtype, cute.select(kv_smem_layout, mode=[0, 1])
-        )  # 32 KB (D = 128)
+        )  # 32 KiB (D = 128)
         kv_pipeline = pipeline.PipelineTmaAsync.create(
             num_stages=self.kv_slots,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
@@ -382,7 +382,8 @@ class Sm90Kernel:
 
         # 2. The work tiles. Tile t is (Q tile, head, sequence) by tile_coords; CTA c starts with
         # tile c, and its producer picks the next one (next_tile: c + gridDim.x, ..., or drawn from
-        # tile_counter under a mask) and hands each to the consumers with its Q (tile_id, q_full).
+        # tile_counter under a mask and for packed sequences) and hands each to the consumers with
+        # its Q (tile_id, q_full).
         # Producer and consumers walk the same tiles and count what they have walked: `tiles_done`
         # gives the phase of q_full and q_empty, `entries` (2 per KV tile) the ring position.
         # The ring: entry 2 t holds K of step t (KV tile kv_tile_lo + t), entry 2 t + 1 its V;
@@ -1091,8 +1092,8 @@ class Sm90Kernel:
     def tile_coords(self, tile, tiles_m, heads, l2_heads):
         """(Q tile, head, sequence) of work tile `tile`. The (head, sequence) pairs hb = head +
         H sequence are cut into sections of l2_heads pairs; inside a section the pair varies
-        fastest and the Q tile slowest, longest first: every head's last Q tile (under a causal
-        mask the one with the most KV tiles), then every head's second last, and so on; the
+        fastest and the Q tile slowest, longest first: every pair's last Q tile (under a causal
+        mask the one with the most KV tiles), then every pair's second last, and so on; the
         CTAs running at one time read one section's K and V. l2_heads = 1: head by head."""
         section_tiles = l2_heads * tiles_m
         section = tile // section_tiles

@@ -82,7 +82,7 @@ class Sm100Kernel:
     what the roles share (shared memory: smem_tensors; the mbarrier pipelines and named barriers:
     make_pipelines; the TMEM allocator) and each warp then calls its role's loop over the work
     tiles (load_loop, mma, softmax_loop, correction_loop), which takes each tile's views
-    (gmem_tiles) and calls `load` (TMA warp), `mma_tile` (MMA warp), `softmax` (a warpgroup: P per
+    (gmem_tiles) and calls `load` (TMA warp), `mma_tile` (MMA warp), `softmax` (two warpgroups: P per
     KV tile) and `correction` (a warpgroup: O's rescale, then `epilogue`: O stored, and LSE).
     The methods after them are their helpers."""
 
@@ -546,7 +546,7 @@ class Sm100Kernel:
                     (total_tiles, work),
                     scale_log2,
                 )
-                # Done with TMEM: its tcgen05.st ordered before the barrier that frees TMEM.
+                # Done with TMEM: its tcgen05.ld and .st ordered before the barrier that frees TMEM.
                 fence_before_thread_sync()
                 tmem_free_bar.arrive()
 
@@ -617,8 +617,9 @@ class Sm100Kernel:
 
     @cute.jit
     def load(self, atoms, tiles, q_prod, kv_prod, q_tile0, kv_tile_lo, kv_tile_hi):
-        """The TMA warp, per work tile: Q_0 and Q_1 once, then every K and V tile, each tile its
-        own ring entry. atoms = (TMA atoms, MMA slices), tiles = (global tiles, shared buffers)."""
+        """The TMA warp, per work tile: Q_0 and Q_1 once, then the K and V tiles of its
+        range, each tile its own ring entry. atoms = (TMA atoms, MMA slices), tiles = (global
+        tiles, shared buffers)."""
         tma_q, tma_k, tma_v, qk_thr, pv_thr = atoms
         gQ, gK, gV, sQ, sK, sV = tiles
         # (MMA, MMA_M, MMA_K, Q tiles)

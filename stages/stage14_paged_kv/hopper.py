@@ -12,8 +12,8 @@ r = min(page_size, bN) rows, box c from the page holding keys j bN + c r .. j bN
 - page_size >= 128 (a multiple of 128): one box per tile, tile j % (page_size / 128) of its
   page: the same single TMA load as stage 13, from a page-dependent coordinate;
 - page_size = 16, 32 or 64: a gather of 128 / page_size boxes into one ring slot, all
-  counted on the slot's one full barrier (its 32 KB at D = 128 arrive in pieces).
-Each box is 16 x D x 2 bytes or more (4 KB at D = 128, page 16); what pages of 16 keys cost
+  counted on the slot's one full barrier (its 32 KiB at D = 128 arrive in pieces).
+Each box is 16 x D x 2 bytes or more (4 KiB at D = 128, page 16); what pages of 16 keys cost
 is measured in docs/notes/stage14.md. A box past the sequence's last page takes that last page
 instead (its keys all lie at or past seqused_k, masked like stage 13's tail); no page_table entry
 past the sequence's first ceil(seqused_k / page_size) is read, so nothing another sequence owns
@@ -100,13 +100,13 @@ class Sm90Kernel:
         # warpgroups), 128 x 24 + 384 x 160 = 64,512 (three), 128 x 24 + 128 x 240 (one).
         self.load_registers = 24
         self.mma_registers = {1: 240, 2: 240, 3: 160}[self.mma_warpgroups]
-        # As many K or V tiles as fit in 227 KB next to Q, O and 1 KB of barriers: 5 x 32 KB
-        # next to 2 x 32 KB (D = 128), 12 x 16 KB next to 2 x 16 KB (D = 64; 11 next to 2 x 24 KB
-        # with three consumer warpgroups; a decode tile's one: 6 x 32 KB next to 2 x 16 KB at
-        # D = 128, 13 x 16 KB next to 2 x 8 KB at D = 64).
+        # As many K or V tiles as fit in 227 KiB next to Q, O and 1 KiB of barriers: 5 x 32 KiB
+        # next to 2 x 32 KiB (D = 128), 12 x 16 KiB next to 2 x 16 KiB (D = 64; 11 next to 2 x 24 KiB
+        # with three consumer warpgroups; a decode tile's one: 6 x 32 KiB next to 2 x 16 KiB at
+        # D = 128, 13 x 16 KiB next to 2 x 8 KiB at D = 64).
         q_bytes = self.cta_tile[0] * head_dim * dtype.width // 8
         tile_bytes = self.cta_tile[1] * head_dim * dtype.width // 8
-        # Persistent CTAs: a grid of at most one CTA per SM (1 fits: 225 KB of shared memory),
+        # Persistent CTAs: a grid of at most one CTA per SM (1 fits: 225 KiB of shared memory),
         # each walking work tiles: blockIdx.x, blockIdx.x + gridDim.x, ... in batch mode without
         # a mask, drawn from an atomic counter under one and for packed sequences (see __call__,
         # load and mma).
@@ -153,8 +153,8 @@ class Sm90Kernel:
         """Consumer warpgroups at head dim D: 3 at D = 64 (192-row Q tile) with tuning 1, else 2."""
         return 3 if head_dim == 64 and "three_warpgroups" in cls.TUNINGS else 2
 
-    # A query row that sees at most this many keys under a mask takes two consumer warpgroups
-    # at D = 64 (launch_options).
+    # A launch whose mask leaves no query row more than this many keys takes two consumer
+    # warpgroups at D = 64 (launch_options).
     SHORT_MASK_KEYS = 1024
 
     @classmethod
@@ -460,7 +460,7 @@ class Sm90Kernel:
         tile_id = storage.tile_id.get_tensor(cute.make_layout(1))
         q_bytes = cute.size_in_bytes(
             self.dtype, cute.select(q_smem_layout, mode=[0, 1])
-        )  # 32 KB (D = 128; 16 KB with a decode tile's 64 rows)
+        )  # 32 KiB (D = 128; 16 KiB with a decode tile's 64 rows)
         if warp_idx == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(q_full, 1)
@@ -471,7 +471,7 @@ class Sm90Kernel:
         # barriers above.)
         kv_bytes = cute.size_in_bytes(
             self.dtype, cute.select(kv_smem_layout, mode=[0, 1])
-        )  # 32 KB (D = 128)
+        )  # 32 KiB (D = 128)
         kv_pipeline = pipeline.PipelineTmaAsync.create(
             num_stages=self.kv_slots,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
@@ -509,8 +509,8 @@ class Sm90Kernel:
 
         # 2. The work tiles. Tile t is (Q tile, head, sequence, split) by tile_coords; CTA c starts
         # with tile c, and its producer picks the next one (next_tile: c + gridDim.x, ..., or drawn
-        # from tile_counter under a mask) and hands each to the consumers with its Q (tile_id,
-        # q_full).
+        # from tile_counter under a mask and for packed sequences) and hands each to the consumers
+        # with its Q (tile_id, q_full).
         # Producer and consumers walk the same tiles and count what they have walked: `tiles_done`
         # gives the phase of q_full and q_empty, `entries` (2 per KV tile) the ring position.
         # The ring: entry 2 t holds K of step t (KV tile kv_tile_lo + t), entry 2 t + 1 its V;
@@ -1409,8 +1409,8 @@ class Sm90Kernel:
         """(Q tile, head, sequence, split) of work tile `tile`: split tile % num_splits of
         tile / num_splits, whose (Q tile, head, sequence) follow. The pairs hb = head +
         H sequence are cut into sections of l2_heads pairs; inside a section the pair varies
-        fastest and the Q tile slowest, longest first: every head's last Q tile (under a causal
-        mask the one with the most KV tiles), then every head's second last, and so on; the
+        fastest and the Q tile slowest, longest first: every pair's last Q tile (under a causal
+        mask the one with the most KV tiles), then every pair's second last, and so on; the
         CTAs running at one time read one section's K and V. l2_heads = 1: head by head."""
         split = tile % num_splits
         tile = tile // num_splits

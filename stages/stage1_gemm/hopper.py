@@ -8,13 +8,13 @@ predecessor; it sets up the skeleton that every later Hopper stage keeps:
   rows [64 w, 64 w + 64) of the tile and issues `wgmma.mma_async` m64n256k16, 4 per K tile.
 - Accumulator: 128 x 256 fp32 / 256 threads = 128 fp32 registers per thread (ptxas of
   CUDA 13.0, 2026-12-07: 154 in all, no spills).
-- Shared memory per pipeline buffer: A 128 x 64 x 2 B = 16 KB, B 256 x 64 x 2 B = 32 KB, 48 KB in
-  all. A CTA may use 227 KB on H100/H200, so 4 buffers fit (192 KB; a fifth would need 240 KB):
+- Shared memory per pipeline buffer: A 128 x 64 x 2 B = 16 KiB, B 256 x 64 x 2 B = 32 KiB, 48 KiB in
+  all. A CTA may use 227 KiB on H100/H200, so 4 buffers fit (192 KiB; a fifth would need 240 KiB):
   ab_buffers = 4, one CTA per SM.
 - TMA brings each K tile of A and B into shared memory (one elected thread issues
   `cp.async.bulk.tensor`), in the 128-byte swizzle that `wgmma` reads without bank conflicts (a
   64-element bf16 row of a K tile is exactly 128 bytes).
-- Pipeline: per buffer a "full" mbarrier (completes when TMA has written its 48 KB: the producer
+- Pipeline: per buffer a "full" mbarrier (completes when TMA has written its 48 KiB: the producer
   announces them with arrive.expect_tx) and an "empty" mbarrier (completes when all 8 consumer
   warps have released the buffer). Each completion flips the barrier's phase bit, so a waiter of
   the r-th use of a buffer waits for phase r % 2; PipelineState carries (index, phase).
@@ -23,18 +23,19 @@ predecessor; it sets up the skeleton that every later Hopper stage keeps:
   with the K tile ab_buffers - 1 ahead. Warp 0 is a consumer and also the producer (no warp
   specialisation yet).
 - Epilogue: registers -> shared memory (`stmatrix`) -> TMA store of the 128 x 256 tile. The
-  staging tile for C (128 x 256 x 2 B = 64 KB) reuses the A buffers (4 x 16 KB), idle once the
+  staging tile for C (128 x 256 x 2 B = 64 KiB) reuses the A buffers (4 x 16 KiB), idle once the
   last wgmma has finished:
 
-      shared memory | ab_full, ab_empty | sA: 4 x 16 KB (main loop) | sB: 4 x 32 KB |
-                    |                   | sC: 64 KB    (epilogue)   |
+      shared memory | ab_full, ab_empty | sA: 4 x 16 KiB (main loop) | sB: 4 x 32 KiB |
+                    |                   | sC: 64 KiB    (epilogue)   |
 
   A TMA store rather than stores from registers: each thread's accumulator fragment holds pairs
   of adjacent columns scattered over 8-row groups, while TMA writes whole 128-byte lines and
   clips the rows and columns that fall outside C.
-- Tile order: the CTA launched i-th computes tile i of a band of raster_m = 16 M-tiles walked
-  N-tile by N-tile, so the 132 CTAs resident at once (one per SM) cover 16 x ~8 tiles of C and
-  read 16 x 128 rows of A and ~8 x 256 rows of B (the smallest such footprint), rather than 64 x ~2
+- Tile order: the CTA launched i-th (blockIdx.x fastest, the order the hardware starts CTAs in;
+  CUDA does not promise it) computes tile i of a band of raster_m = 16 M-tiles walked N-tile by
+  N-tile, so the 132 CTAs resident at once (one per SM) cover 16 x ~8 tiles of C and read
+  16 x 128 rows of A and ~8 x 256 rows of B (the smallest such footprint), rather than 64 x ~2
   tiles in plain launch order (at M = 8192: 64 M-tiles to a column of C).
 - Static layouts (one compile per shape): the index math folds into constants; shapes with a
   size-1 mode get dynamic layouts instead (see gemm()).
@@ -69,7 +70,7 @@ class Sm90Kernel:
         self.cta_tile = (128, 256, 64)  # (bM, bN, bK)
         self.mma_warpgroups = 2  # warpgroup w computes rows [64 w, 64 w + 64) of the tile
         self.threads = 128 * self.mma_warpgroups
-        self.ab_buffers = 4  # 4 x 48 KB of the 227 KB of shared memory
+        self.ab_buffers = 4  # 4 x 48 KiB of the 227 KiB of shared memory
         self.raster_m = 16  # M-tiles per band of the tile order
         self.smem_align = 1024  # the 128-byte swizzle repeats every 8 rows of 128 B
 
@@ -185,10 +186,10 @@ class Sm90Kernel:
             cute.select(c_smem_layout.outer, mode=[0, 1]),
         )
 
-        # ab_full[i]: 1 arrive (the producer's expect_tx of 48 KB) + the 48 KB TMA writes.
+        # ab_full[i]: 1 arrive (the producer's expect_tx of 48 KiB) + the 48 KiB TMA writes.
         # ab_empty[i]: 1 arrive from each of the 8 consumer warps.
-        a_bytes = cute.size_in_bytes(self.dtype, cute.select(a_smem_layout, mode=[0, 1]))  # 16 KB
-        b_bytes = cute.size_in_bytes(self.dtype, cute.select(b_smem_layout, mode=[0, 1]))  # 32 KB
+        a_bytes = cute.size_in_bytes(self.dtype, cute.select(a_smem_layout, mode=[0, 1]))  # 16 KiB
+        b_bytes = cute.size_in_bytes(self.dtype, cute.select(b_smem_layout, mode=[0, 1]))  # 32 KiB
         ab_pipeline = pipeline.PipelineTmaAsync.create(
             num_stages=self.ab_buffers,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
@@ -322,7 +323,7 @@ class Sm90Kernel:
     def load_tiles(
         self, ab_pipeline, producer_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB
     ):
-        """Producer step: wait until buffer producer_state.index is empty, announce its 48 KB on
+        """Producer step: wait until buffer producer_state.index is empty, announce its 48 KiB on
         its full barrier, and start the TMA loads of K tile producer_state.count into it."""
         ab_pipeline.producer_acquire(producer_state)
         full_barrier = ab_pipeline.producer_get_barrier(producer_state)

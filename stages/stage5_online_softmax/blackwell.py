@@ -481,7 +481,8 @@ class Sm100Kernel:
         s_prod = s_pipe.make_producer()
         p_cons = p_pipe.make_consumer()
         o_prod = o_pipe.make_producer()
-        # Waits, like the softmax warps, until the PV MMAs of the previous tile have read P
+        # Waits, like the softmax warps, until the PV MMAs of the previous tile (readers of P)
+        # have completed
         p_free = p_pipe.make_producer()
         q_full = q_cons.wait_and_advance()
         o_empty = o_prod.acquire_and_advance()

@@ -60,7 +60,7 @@ class Sm90Kernel:
         self.cta_tile = (64 * self.mma_warpgroups, 128, head_dim)
         self.mma_threads = 128 * self.mma_warpgroups
         self.threads = self.mma_threads  # every warpgroup computes; warp 0 also loads
-        self.kv_slots = 2  # K_j then V_j in one slot, K_{j+1} in the other: 2 x 32 KB (D = 128)
+        self.kv_slots = 2  # K_j then V_j in one slot, K_{j+1} in the other: 2 x 32 KiB (D = 128)
         self.smem_align = 1024  # the 128-byte swizzle repeats every 8 rows of 128 B
 
     @cute.jit
@@ -225,7 +225,7 @@ class Sm90Kernel:
         q_full = storage.q_full.data_ptr()
         q_bytes = cute.size_in_bytes(
             self.dtype, cute.select(q_smem_layout, mode=[0, 1])
-        )  # 32 KB (D = 128)
+        )  # 32 KiB (D = 128)
         if warp_idx == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(q_full, 1)
@@ -234,7 +234,7 @@ class Sm90Kernel:
         # and syncs the CTA, which also publishes q_full's initialisation.)
         kv_bytes = cute.size_in_bytes(
             self.dtype, cute.select(kv_smem_layout, mode=[0, 1])
-        )  # 32 KB (D = 128)
+        )  # 32 KiB (D = 128)
         kv_pipeline = pipeline.PipelineTmaAsync.create(
             num_stages=self.kv_slots,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),

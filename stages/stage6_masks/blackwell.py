@@ -439,7 +439,7 @@ class Sm100Kernel:
 
     @cute.jit
     def load(self, q_load, k_load, v_load, q_prod, kv_prod, kv_tile_lo, kv_tile_hi):
-        """The TMA warp: Q once, then every K and V tile, each tile its own ring entry.
+        """The TMA warp: Q once, then the K and V tiles of its range, each tile its own ring entry.
         x_load = (TMA atom, the tiles in global memory, the buffers in shared memory)."""
         tma_q, tQgQ, tQsQ = q_load
         q_empty = q_prod.acquire_and_advance()
@@ -499,7 +499,8 @@ class Sm100Kernel:
         s_prod = s_pipe.make_producer()
         p_cons = p_pipe.make_consumer()
         o_prod = o_pipe.make_producer()
-        # Waits, like the softmax warps, until the PV MMAs of the previous tile have read P
+        # Waits, like the softmax warps, until the PV MMAs of the previous tile (readers of P)
+        # have completed
         p_free = p_pipe.make_producer()
         q_full = q_cons.wait_and_advance()
         o_empty = o_prod.acquire_and_advance()

@@ -26,8 +26,8 @@ Changes from stage 5:
   tile whose range is empty (no K or V is loaded), writes O = 0; its row_sum is 0, the
   epilogue keeps O = 0 instead of dividing by it and writes LSE = log(0) = -inf. Never NaN.
 - Registers (ptxas of CUDA 13.0, 2026-12-01): 160 (bf16) and 168 (fp16) at D = 128, 123 and 127
-  at D = 64, no spills (stage 5: 160, 172, 122, 127); shared memory as stage 5 (at D = 128: 96 KB
-  of tiles, 97 KB with the mbarriers and sQ's 1,024-byte alignment).
+  at D = 64, no spills (stage 5: 160, 172, 122, 127); shared memory as stage 5 (at D = 128: 96 KiB
+  of tiles, 97 KiB with the mbarriers and sQ's 1,024-byte alignment).
 
 O = softmax(scale * Q K^T + mask) V and, on request, LSE per row, for Q (B, H, Sq, D) and K, V
 (B, H, Sk, D) of any length, bf16 or fp16, D = 64 or 128.
@@ -70,7 +70,7 @@ class Sm90Kernel:
         self.cta_tile = (64 * self.mma_warpgroups, 128, head_dim)
         self.mma_threads = 128 * self.mma_warpgroups
         self.threads = self.mma_threads  # every warpgroup computes; warp 0 also loads
-        self.kv_slots = 2  # K_j then V_j in one slot, K_{j+1} in the other: 2 x 32 KB (D = 128)
+        self.kv_slots = 2  # K_j then V_j in one slot, K_{j+1} in the other: 2 x 32 KiB (D = 128)
         self.smem_align = 1024  # the 128-byte swizzle repeats every 8 rows of 128 B
 
     @cute.jit
@@ -241,7 +241,7 @@ class Sm90Kernel:
         q_full = storage.q_full.data_ptr()
         q_bytes = cute.size_in_bytes(
             self.dtype, cute.select(q_smem_layout, mode=[0, 1])
-        )  # 32 KB (D = 128)
+        )  # 32 KiB (D = 128)
         if warp_idx == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(q_full, 1)
@@ -250,7 +250,7 @@ class Sm90Kernel:
         # and syncs the CTA, which also publishes q_full's initialisation.)
         kv_bytes = cute.size_in_bytes(
             self.dtype, cute.select(kv_smem_layout, mode=[0, 1])
-        )  # 32 KB (D = 128)
+        )  # 32 KiB (D = 128)
         kv_pipeline = pipeline.PipelineTmaAsync.create(
             num_stages=self.kv_slots,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),

@@ -416,7 +416,7 @@ class Sm100Kernel:
 
     @cute.jit
     def load(self, atoms, tiles, q_prod, kv_prod, q_tile0, kv_tile_lo, kv_tile_hi):
-        """The TMA warp: Q once, then every K and V tile, each tile its own ring entry.
+        """The TMA warp: Q once, then the K and V tiles of its range, each tile its own ring entry.
         atoms = (TMA atoms, MMA slices), tiles = (global tiles, shared buffers)."""
         tma_q, tma_k, tma_v, qk_thr, pv_thr = atoms
         gQ, gK, gV, sQ, sK, sV = tiles

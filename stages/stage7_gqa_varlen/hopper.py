@@ -63,7 +63,7 @@ class Sm90Kernel:
         self.tile_rows = self.cta_tile[0]  # what pack-GQA's G must divide (common/pack_gqa.py)
         self.mma_threads = 128 * self.mma_warpgroups
         self.threads = self.mma_threads  # every warpgroup computes; warp 0 also loads
-        self.kv_slots = 2  # K_j then V_j in one slot, K_{j+1} in the other: 2 x 32 KB (D = 128)
+        self.kv_slots = 2  # K_j then V_j in one slot, K_{j+1} in the other: 2 x 32 KiB (D = 128)
         self.smem_align = 1024  # the 128-byte swizzle repeats every 8 rows of 128 B
 
     @cute.jit
@@ -263,7 +263,7 @@ class Sm90Kernel:
         q_full = storage.q_full.data_ptr()
         q_bytes = cute.size_in_bytes(
             self.dtype, cute.select(q_smem_layout, mode=[0, 1])
-        )  # 32 KB (D = 128)
+        )  # 32 KiB (D = 128)
         if warp_idx == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(q_full, 1)
@@ -272,7 +272,7 @@ class Sm90Kernel:
         # fences and syncs the CTA, which also publishes the initialisation of the barriers above.)
         kv_bytes = cute.size_in_bytes(
             self.dtype, cute.select(kv_smem_layout, mode=[0, 1])
-        )  # 32 KB (D = 128)
+        )  # 32 KiB (D = 128)
         kv_pipeline = pipeline.PipelineTmaAsync.create(
             num_stages=self.kv_slots,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),

@@ -7,8 +7,8 @@ Changes from stage 7:
 - Registers (setmaxnreg): 168 per thread at entry (65,536 / 384, down to a multiple of 8); the
   producer drops to 24, the consumers rise to 240: 128 x 24 + 256 x 240 = 64,512 of 65,536.
 - The ring runs ahead: entry 2 t holds K of step t, 2 t + 1 its V, in slot entry % kv_slots,
-  as many slots as fit in 227 KB next to Q and 1 KB of barriers: 6 x 32 KB (D = 128) or
-  13 x 16 KB (D = 64). Arrivals per phase: kv_full 1 + the tile's TMA bytes, kv_empty 8 (one per
+  as many slots as fit in 227 KiB next to Q and 1 KiB of barriers: 6 x 32 KiB (D = 128) or
+  13 x 16 KiB (D = 64). Arrivals per phase: kv_full 1 + the tile's TMA bytes, kv_empty 8 (one per
   consumer warp), q_full 1 + Q's bytes, q_empty 256 (every consumer thread, once sO is stored).
 - The work-tile loop: load and mma count tiles and ring entries, so that the phases carry from
   tile to tile (one tile per CTA here; stage 11: several). S starts from zeros and every PV
@@ -65,7 +65,7 @@ class Sm90Kernel:
         self.threads = 128 + self.mma_threads  # warpgroup 0: the TMA producer
         self.load_registers = 24
         self.mma_registers = 240
-        # As many K or V tiles as fit in 227 KB next to Q and 1 KB of barriers
+        # As many K or V tiles as fit in 227 KiB next to Q and 1 KiB of barriers
         q_bytes = self.cta_tile[0] * head_dim * dtype.width // 8
         tile_bytes = self.cta_tile[1] * head_dim * dtype.width // 8
         self.kv_slots = (227 * 1024 - 1024 - q_bytes) // tile_bytes
@@ -267,7 +267,7 @@ class Sm90Kernel:
         q_empty = storage.q_empty.data_ptr()
         q_bytes = cute.size_in_bytes(
             self.dtype, cute.select(q_smem_layout, mode=[0, 1])
-        )  # 32 KB (D = 128)
+        )  # 32 KiB (D = 128)
         if warp_idx == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(q_full, 1)
@@ -277,7 +277,7 @@ class Sm90Kernel:
         # fences and syncs the CTA, which also publishes the initialisation of the barriers above.)
         kv_bytes = cute.size_in_bytes(
             self.dtype, cute.select(kv_smem_layout, mode=[0, 1])
-        )  # 32 KB (D = 128)
+        )  # 32 KiB (D = 128)
         kv_pipeline = pipeline.PipelineTmaAsync.create(
             num_stages=self.kv_slots,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),

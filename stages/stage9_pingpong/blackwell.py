@@ -59,7 +59,7 @@ class Sm100Kernel:
     """The device code is organised by warp role, as in FA4's flash_fwd_sm100.py. `kernel` sets up
     what the roles share (shared memory: smem_tensors; the mbarrier pipelines and named barriers:
     make_pipelines; the TMEM allocator; the CTA's tiles: gmem_tiles) and each warp then calls its
-    role's method: `load` (the TMA warp), `mma` (the MMA warp), `softmax` (a warpgroup: P per
+    role's method: `load` (the TMA warp), `mma` (the MMA warp), `softmax` (two warpgroups: P per
     KV tile) and `correction` (a warpgroup: O's rescale, then `epilogue`: O stored, and LSE).
     The methods after them are their helpers."""
 
@@ -436,7 +436,7 @@ class Sm100Kernel:
                     window_left,
                     window_right,
                 )
-                # Done with TMEM: its tcgen05.st ordered before the barrier that frees TMEM.
+                # Done with TMEM: its tcgen05.ld and .st ordered before the barrier that frees TMEM.
                 fence_before_thread_sync()
                 tmem_free_bar.arrive()
 
@@ -485,8 +485,9 @@ class Sm100Kernel:
 
     @cute.jit
     def load(self, atoms, tiles, q_prod, kv_prod, q_tile0, kv_tile_lo, kv_tile_hi):
-        """The TMA warp, for the work tile: Q_0 and Q_1 once, then every K and V tile, each tile its
-        own ring entry. atoms = (TMA atoms, MMA slices), tiles = (global tiles, shared buffers)."""
+        """The TMA warp, for the work tile: Q_0 and Q_1 once, then the K and V tiles of its
+        range, each tile its own ring entry. atoms = (TMA atoms, MMA slices), tiles = (global
+        tiles, shared buffers)."""
         tma_q, tma_k, tma_v, qk_thr, pv_thr = atoms
         gQ, gK, gV, sQ, sK, sV = tiles
         # (MMA, MMA_M, MMA_K, Q tiles)
