@@ -208,7 +208,12 @@ def check_attention_args(
             check_dim_eq("k", k, d, "v", v, d, what)
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
-    check_choice("head dim D", D, head_dims, "the tile configuration is specialised per head dim")
+    check_choice(
+        "head dim D",
+        D,
+        head_dims,
+        "the last dimension of q, k and v; the tile configuration is specialised per head dim",
+    )
     check_positive("B = q.shape[0]", B)
     check_positive("H = q.shape[1]", H)
     check_positive("Sq = q.shape[2]", Sq)
@@ -250,7 +255,10 @@ def check_varlen_args(q, k, v, *, head_dims=(64, 128)):
     for d, what in ((0, "key tokens"), (1, "KV heads"), (2, "head dim")):
         check_dim_eq("k", k, d, "v", v, d, what)
     check_choice(
-        "head dim D", q.shape[2], head_dims, "the tile configuration is specialised per head dim"
+        "head dim D",
+        q.shape[2],
+        head_dims,
+        "the last dimension of q, k and v; the tile configuration is specialised per head dim",
     )
     return tuple(q.shape)
 
@@ -521,7 +529,13 @@ def check_paged_args(q, k_cache, v_cache, page_table, *, head_dims=(64, 128)):
     num_pages, page_size, Hkv, Dk = k_cache.shape
     if Dk != D:
         raise ValueError(f"argument 'k_cache': head dim {Dk} != q's {D}")
-    check_choice("head dim D", D, head_dims, "the tile configuration is specialised per head dim")
+    check_choice(
+        "head dim D",
+        D,
+        head_dims,
+        "the last dimension of q, k_cache and v_cache; the tile configuration is specialised per "
+        "head dim",
+    )
     check_head_groups(H, Hkv)
     check_positive("B = q.shape[0]", B)
     check_positive("H = q.shape[1]", H)

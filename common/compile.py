@@ -122,7 +122,7 @@ def cached_compile(kernel, *args):
     return fn
 
 
-# The TVM-FFI launch (stages 7-12). cute.compile(..., options="--enable-tvm-ffi") against fake
+# The TVM-FFI launch (stages 7-14). cute.compile(..., options="--enable-tvm-ffi") against fake
 # tensors gives a function that takes the torch tensors themselves and launches on the caller's
 # current stream: no CuTe views, no argument conversion in Python at each call (host work per
 # call on the H200, 2026-12-01: 385 us with views, 163 us this way; docs/notes/stage7.md). The
@@ -171,7 +171,7 @@ def cached_compile_ffi(kernel, *args):
             import tvm_ffi  # noqa: F401
         except ImportError:
             raise ImportError(
-                "stages 7-12 launch through TVM-FFI: pip install apache-tvm-ffi "
+                "stages 7-14 launch through TVM-FFI: pip install apache-tvm-ffi "
                 "(requirements.txt lists it)"
             ) from None
         # Traced on a copy: tracing sets attributes on the object it traces (Hopper's

@@ -74,7 +74,8 @@ def visible(Sq, Sk, left, right, device="cpu"):
 
 def kv_tile_range(q_tile, Sq, Sk, left, right, bM=128, bN=128):
     """[lo, hi): the KV tiles holding a key some row of Q tile q_tile sees (hi == lo: none). The
-    kernel's Sm90Kernel.kv_tile_range computes the same, with the same formulas."""
+    kernels' kv_tile_range (Sm90Kernel's and Sm100Kernel's) computes the same, with the same
+    formulas."""
     band_lo, band_hi = Sk - Sq - left, Sk - Sq + right
     first_row = q_tile * bM
     last_row = min(first_row + bM, Sq) - 1

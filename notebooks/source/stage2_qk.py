@@ -292,7 +292,8 @@ bench = nb.measure(2, [(4, 32, 2048, 2048, 64), (4, 16, 2048, 2048, 128)])
 # There is one S tile in TMEM; the next QK MMA would overwrite it while the softmax warps are
 # still reading it. With two, the MMA warp computes S_(j+1) into the other buffer while the
 # softmax warps read and store S_j, at the price of 128 more TMEM columns. The setting alone does
-# not build that: it deepens the S hand-off's barriers to two stages, but the file still
+# not build that: it deepens the S hand-off's barriers to two stages (`mbarrier.init` x10 in the
+# summary instead of x8), but the file still
 # allocates TMEM for one 128 x 128 tile and points every S at column 0
 # (`self.tmem_s_offset`), so the summary shows the same registers, shared memory and
 # `tcgen05.alloc` of 128 columns - and on hardware the MMA warp would overwrite the S the

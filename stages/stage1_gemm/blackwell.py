@@ -18,7 +18,8 @@ no predecessor; it sets up the skeleton every later Blackwell stage keeps:
   fp32 columns, allocated by warp 0 (`tcgen05.alloc`, 128 of the 512 columns), filled by four
   `tcgen05.mma` 128 x 128 x 16 per k-step, and freed with `tcgen05.dealloc` at the end, after
   every warp that read it has issued `tcgen05.fence::before_thread_sync` and met the others at
-  a barrier (common/tmem.py says why).
+  a barrier (common/tmem.py says why). Before that, `tcgen05.relinquish_alloc_permit` tells the
+  hardware that this CTA will allocate no more TMEM.
 - Epilogue: once `tcgen05.commit` signals the accumulator complete, thread t of softmax warp w
   reads row 32 w + t with `tcgen05.ld.32x32b.x32` (32 fp32 columns per load, 4 loads), converts
   to bf16/fp16 and stores its 64 contiguous bytes per load straight to global memory, 16 bytes

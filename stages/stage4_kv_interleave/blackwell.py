@@ -9,7 +9,7 @@ Changes from stage 3:
   (bf16) stays Q + 2 slots = 96 KiB at D = 128, 48 KiB at D = 64, whatever Sk is (+1 KiB for
   the mbarriers and alignment: 97 / 49 KiB in the compile summary); keeping K and V resident
   as stage 3 does would need Q + 2 x Sk x D x 2 B (544 KiB at Sk = 1024, D = 128), and
-  separate K and V rings of 2 slots each 160 KiB.
+  separate K and V rings of 2 slots each, 160 KiB.
 - Exact softmax in two passes, no rescaling of O. Pass 1 streams K: S_j = Q K_j^T, row_max and
   row_sum over all tiles (when the max grows, the sum so far is multiplied by
   exp(scale * (old max - new max)): one multiply per row per tile). Pass 2 streams K and V:
@@ -18,7 +18,7 @@ Changes from stage 3:
   of 2 and 2.
 - The division by row_sum folds into the exponent: P_j = exp2(S_j * scale_log2 - (row_max *
   scale_log2 + log2(row_sum))), one FFMA and one exp2 per score as in pass 1. (ptxas of
-  CUDA 13.0, sm_100a, 2026-12-01: 190 registers, bf16, against 254 with a multiply by
+  CUDA 13.0, sm_100a, bf16, D = 128, 2026-12-01: 190 registers against 254 with a multiply by
   1 / row_sum after the exp2.)
 - Every K or V tile is its own ring entry: the TMA warp produces 1 entry per KV tile in pass 1
   (K) and 2 in pass 2 (K, V); the MMA warp consumes them in the same order
@@ -63,7 +63,7 @@ S, P and O in TMEM are stage 3's):
    bytes than its copies move never completes. Here each entry arms the bytes of its own
    copy; Q has its own pipeline and byte count.
 4. S accumulates across KV tiles (ACCUMULATE = kv_tile != 0 on the QK MMA). Here each tile's
-   S starts afresh: ACCUMULATE is false for the first k-block of every tile.
+   S starts afresh: ACCUMULATE is false for the first MMA (k-block kb = 0) of every tile.
 common/tools/schedule.py replays the ring from this class's own attributes for several KV tile
 counts, and rejects a model of the faulty ring (1 entry per tile carrying K and V, 2 waits per
 tile, Q + K bytes armed) for each of 1-3 (tests/test_schedule.py).
@@ -811,8 +811,8 @@ class Sm100Kernel:
 
     @cute.jit
     def issue_pv(self, pv_mma, tOtO, tOrP, tCrV, v_slot, accumulate):
-        """O += P_j @ V_j in TMEM (O = P_j @ V_j when not accumulate): bN / 16 tcgen05.mma of
-        128 x D x 16, A = P from TMEM."""
+        """O += P_j @ V_j in TMEM (O = P_j @ V_j when not accumulate): bK / 16 tcgen05.mma of
+        128 x D x 16 (bK = 128 keys), A = P from TMEM."""
         # The caller has waited for P (written by the softmax warps): order these MMAs after the
         # waits (common/tmem.py, (b))
         fence_after_thread_sync()
