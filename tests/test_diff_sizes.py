@@ -114,10 +114,17 @@ def test_the_map_on_the_command_line(capsys):
 def test_schedule_stages_keep_their_bounds():
     """Stages 8-12 teach one schedule technique each: every such diff stays within 400 lines, at
     most 60 of them docstring, on both tracks (the bounds in diff_sizes.LIMITS)."""
+    # The bounds are checked on the counts themselves, not only through table()'s own `over`
+    # flag (a flag computed wrongly would pass every diff), and every schedule stage is reached.
+    assert (diff_sizes.LIMITS["lines"], diff_sizes.LIMITS["docstring"]) == (400, 60)
+    assert diff_sizes.LIMITS["stages"] == range(8, 13)
     for track in ("hopper", "blackwell"):
+        checked = []
         for n, lines, doc, over in diff_sizes.table(track):
             if n in diff_sizes.LIMITS["stages"]:
-                assert not over, (
+                checked.append(n)
+                assert lines <= 400 and doc <= 60 and not over, (
                     f"{track} diff-{n}: {lines} lines, {doc} of them docstring; the bounds are "
                     f"{diff_sizes.LIMITS['lines']} and {diff_sizes.LIMITS['docstring']}"
                 )
+        assert checked == list(range(8, 13)), (track, checked)

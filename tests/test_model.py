@@ -124,10 +124,11 @@ def fake_module(causal=True, config_causal=True):
     )
 
 
-def qkv(B=2, H=4, Hkv=2, Sq=16, Sk=16, D=64, dtype=torch.float32):
-    q = torch.randn(B, H, Sq, D, dtype=dtype)
-    k = torch.randn(B, Hkv, Sk, D, dtype=dtype)
-    return q, k, torch.randn_like(k)
+def qkv(B=2, H=4, Hkv=2, Sq=16, Sk=16, D=64, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Sq, D, dtype=dtype, generator=g)
+    k = torch.randn(B, Hkv, Sk, D, dtype=dtype, generator=g)
+    return q, k, torch.randn(k.shape, dtype=dtype, generator=g)
 
 
 def causal_mask_4d(B, Sq, Sk, as_float=False):
@@ -446,7 +447,9 @@ def test_compiled_model_with_the_kernel(tf):
     torch._dynamo.reset()
     M.register(M.TUTORIAL, M.tutorial_attend)
     model = M.build_model(tiny_config(head_dim=128, layers=2), device="cuda")
-    ids = torch.randint(0, 128, (2, 300), device="cuda")
+    ids = torch.randint(
+        0, 128, (2, 300), device="cuda", generator=torch.Generator(device="cuda").manual_seed(3)
+    )
     want = M.logits(model, ids, M.TUTORIAL)
     ref = M.logits(model, ids, "sdpa")
     M.set_attention(model, M.TUTORIAL)

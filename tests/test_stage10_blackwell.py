@@ -33,6 +33,7 @@ from blackwell_ptx import (
     assert_no_spill_in,
     assert_tcgen05_fences,
 )
+from ptxas_checks import ptxas_ran
 from test_stage7 import (
     PACK_GQA_CASES,
     PACKS,
@@ -100,7 +101,7 @@ def test_compiles_in_fa4_order(varlen, D, dtype):
     assert report.counts["ex2.approx"] == nine.counts["ex2.approx"]
     # O by threads' rows, as stage 9 (stage 12 stores it by TMA)
     assert not statements(ptx, r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta")
-    if report.resources and "registers" in report.resources:
+    if ptxas_ran(report.resources, "sm_100a"):
         # ptxas of CUDA 13.0 (2026-12-06): no spill
         assert_no_spill(report, registers=128)
 
@@ -283,7 +284,7 @@ def test_ctas_with_an_empty_range_store_zeros():
     q, k, v = inputs.attention_inputs(1, 2, 1024, 128, 128, seed=41)
     o, lse = run(lambda: blackwell.attention(q, k, v, causal=True, return_lse=True))
     gqa_reference_check("O", o, lse, q, k, v, True, None)
-    assert (o[:, :, :768] == 0).all() and torch.isinf(lse[:, :, :768]).all()
+    assert (o[:, :, :768] == 0).all() and (lse[:, :, :768] == float("-inf")).all()
 
 
 @pytest.mark.gpu_blackwell

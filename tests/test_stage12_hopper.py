@@ -24,6 +24,7 @@ import cutlass
 import pytest
 import torch
 from attention_cases import DTYPES, dtype_id
+from ptxas_checks import ptxas_ran
 from test_stage7 import (
     check_pack_gqa,
     check_packed,
@@ -95,7 +96,7 @@ def test_compiles_with_every_tuning(dtype, D, Sk, varlen):
     tile_bytes = 128 * D * 2
     assert kernel.shared_memory_bytes == 1024 + 2 * 64 * wgs * D * 2 + kernel.kv_slots * tile_bytes
     assert kernel.shared_memory_bytes == 230400
-    if res and "spill_stores" in res:
+    if ptxas_ran(res, "sm_90a"):
         assert res["spill_stores"] == 0 and res["spill_loads"] == 0, res
 
 

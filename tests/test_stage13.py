@@ -340,8 +340,8 @@ def test_combine_matches_its_formula(dtype, D, splits):
         lse_part[16:32, 1, 0, :] = float("-inf")
     o = empty_output((B, H, S, D), dtype, "cuda")
     lse = empty_output((B, H, S), torch.float32, "cuda")
-    combine(o_part, lse_part, o, lse)
-    torch.cuda.synchronize()
+    # A combine that deadlocks (its barriers) fails within the deadline instead of hanging.
+    verify.run_with_deadline(lambda: combine(o_part, lse_part, o, lse), seconds=120, what="combine")
     o_ref, lse_ref = combine_reference(o_part, lse_part)
     assert (o[1, 2, 4] == 0).all() and lse[1, 2, 4] == float("-inf")
     finite = torch.isfinite(lse_ref)
@@ -416,6 +416,57 @@ def test_rejects_bad_split_arguments(track, name, kw, error, match):
         kw["seqused_k"] = torch.tensor(vals, dtype=getattr(torch, dt), device="cuda")
     with pytest.raises(error, match=match):
         stage_module(track).attention(q, k, v, **kw)
+
+
+@pytest.fixture
+def shape_checks_on_cpu(monkeypatch):
+    """The entries with check_attention_args stood in for by its shape part (its first check,
+    that q is a CUDA tensor, is the only one CPU tensors fail) and no call remembered, so that
+    the split-KV checks after it run on the CPU, in CI (as tests/test_host_path.py does)."""
+
+    def dims(q, k, v):
+        B, H, Sq, D = q.shape
+        return B, H, Sq, k.shape[2], D
+
+    monkeypatch.setattr(attention_host, "checked_dims", dims)
+    for name in ("_CALLS", "_PLANS"):
+        monkeypatch.setattr(attention_host, name, {})
+
+
+@pytest.mark.parametrize(
+    "name, kw, error, match", BAD, ids=[f"{c[0]}-{i}" for i, c in enumerate(BAD)]
+)
+@pytest.mark.parametrize("track", on_cpu_stages(stages=STAGES))
+def test_rejects_bad_split_arguments_on_cpu(track, name, kw, error, match, shape_checks_on_cpu):
+    """test_rejects_bad_split_arguments's cases, run in CI: each refused by name before any
+    compile or launch."""
+    q, k, v = decode_inputs_on("cpu", 2, 8, 2, 1, 256, 64, torch.bfloat16, seed=0)
+    kw = dict(kw)
+    if isinstance(kw.get("seqused_k"), tuple):
+        dt, vals = kw["seqused_k"]
+        kw["seqused_k"] = torch.tensor(vals, dtype=getattr(torch, dt))
+    with pytest.raises(error, match=match):
+        stage_module(track).attention(q, k, v, **kw)
+
+
+def test_stage12_refuses_split_arguments_on_cpu(shape_checks_on_cpu):
+    from common.tools import stage_table
+
+    q, k, v = decode_inputs_on("cpu", 1, 8, 2, 1, 256, 64, torch.bfloat16, seed=0)
+    for track in ("hopper", "blackwell"):
+        cls = getattr(stage_table.track_module(12, track), "Sm90Kernel", None) or getattr(
+            stage_table.track_module(12, track), "Sm100Kernel"
+        )
+        for kw in ({"num_splits": 2}, {"seqused_k": torch.tensor([256], dtype=torch.int32)}):
+            with pytest.raises(TypeError, match="split-KV stage"):
+                attention_host.attention(cls, q, k, v, **kw)
+
+
+def decode_inputs_on(device, B, H, Hkv, Sq, Sk, D, dtype, seed):
+    """decode_inputs on `device`."""
+    q, _, _ = inputs.attention_inputs(B, H, Sq, Sq, D, dtype, seed=seed, device=device)
+    _, k, v = inputs.attention_inputs(B, Hkv, Sq, Sk, D, dtype, seed=seed + 1, device=device)
+    return q, k, v
 
 
 @pytest.mark.parametrize("num_splits", [None, 3], ids=lambda s: f"splits{s}")

@@ -84,8 +84,10 @@ def in_sequence_order(results, S, world, zigzag):
     """The ranks' (O, LSE) put back in sequence order: (B, H, S, D) and (B, H, S)."""
     chunks = Chunks(S, world, zigzag)
     o0, lse0 = results[0]
-    o = torch.empty(*o0.shape[:2], S, o0.shape[3], dtype=o0.dtype, device=o0.device)
-    lse = torch.empty(*lse0.shape[:2], S, dtype=lse0.dtype, device=lse0.device)
+    # NaN where no rank's chunk lands: a position no rank covers fails the check.
+    nan = float("nan")
+    o = torch.full((*o0.shape[:2], S, o0.shape[3]), nan, dtype=o0.dtype, device=o0.device)
+    lse = torch.full((*lse0.shape[:2], S), nan, dtype=lse0.dtype, device=lse0.device)
     for r, (o_r, lse_r) in enumerate(results):
         pos = chunks.positions(r).to(o.device)
         assert o_r.shape[2] == lse_r.shape[2] == len(pos), (r, o_r.shape, len(pos))
@@ -193,7 +195,8 @@ def test_ring_equals_one_attention_over_the_sequence(world, causal, zigzag):
 def test_seqlen_gathered_around_the_ring(world, zigzag):
     # seqlen=None: the ranks pass their chunk lengths around the ring and add them up.
     for S in (1, 2 * world + 1, 50):
-        q, k, v = (torch.randn(1, 2, S, 8, dtype=torch.float64) for _ in range(3))
+        g = torch.Generator().manual_seed(10 * world + S)
+        q, k, v = (torch.randn(1, 2, S, 8, dtype=torch.float64, generator=g) for _ in range(3))
         results, _ = ring_run(q, k, v, world, True, zigzag, fp64_attention, seqlen=None)
         o, lse = in_sequence_order(results, S, world, zigzag)
         o_ref, lse_ref = fp64_attention(q, k, v, True)
@@ -398,8 +401,9 @@ def test_ring_of_virtual_ranks_on_one_gpu(track, case):
 
 @pytest.mark.parametrize("track", on_gpu())
 def test_world_of_one_on_the_gpu_is_the_kernel_bit_for_bit(track):
-    q = torch.randn(1, 8, 1000, 128, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(1, 2, 1000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    g = torch.Generator(device="cuda").manual_seed(1000)
+    q = torch.randn(1, 8, 1000, 128, generator=g, device="cuda").bfloat16()
+    k, v = (torch.randn(1, 2, 1000, 128, generator=g, device="cuda").bfloat16() for _ in range(2))
     kernel = default_attention(track)
     o_want, lse_want = verify.run_with_deadline(lambda: kernel(q, k, v, True), seconds=120)
     o, lse = verify.run_with_deadline(

@@ -36,6 +36,7 @@ from blackwell_ptx import (
     assert_tmem_freed_after_fence,
     global_stores,
 )
+from ptxas_checks import ptxas_ran
 
 from common.compile import cached_compile
 from common.cute_interop import current_stream, cute_dtype, fake_stream, to_cute
@@ -96,7 +97,7 @@ def test_compiles_for_sm100a(dtype, shape):
     assert global_stores(ptx) == ["st.global.v4.b32"] * (D // 8), report.summary()
     # Q + 2 ring slots, 128 x D x 2 bytes each, plus 1 KiB for the barriers, whatever Sk is.
     assert report.shared_memory_bytes == 3 * 128 * D * 2 + 1024, report.summary()
-    if report.resources and "spill_stores" in report.resources:
+    if ptxas_ran(report.resources, "sm_100a"):
         assert report.resources["spill_stores"] == 0 and report.resources["spill_loads"] == 0, (
             report.summary()
         )

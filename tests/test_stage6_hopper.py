@@ -9,6 +9,7 @@
 import pytest
 import torch
 from attention_cases import DTYPES, dtype_id
+from ptxas_checks import ptxas_ran
 
 from common.tools.ptx import compile_only
 from stages.stage6_masks import hopper
@@ -34,7 +35,7 @@ def test_compiles_with_stage5_loop_body(dtype, D):
     assert counts["cp.async.bulk.tensor (load)"] == five.counts["cp.async.bulk.tensor (load)"]
     # Shared memory as in stage 5: Q + 2 KV slots + 1 KiB of barriers.
     assert kernel.shared_memory_bytes == 3 * 128 * D * 2 + 1024
-    if res and "spill_stores" in res:
+    if ptxas_ran(res, "sm_90a"):
         assert res["spill_stores"] == 0 and res["spill_loads"] == 0, res
 
 

@@ -172,8 +172,10 @@ def test_stage_package_dispatches_to_the_track(track):
     o = run(track, lambda: attention(q, k[:, :2], v[:, :2], causal=True))
     gqa_reference_check("O", o, None, q, k[:, :2], v[:, :2], True, None)
     q, k, v, cu_q, cu_k = packed_inputs([10, 20], [10, 20], 4, 2, 64, torch.bfloat16, seed=3)
-    o = run(track, lambda: attention_varlen(q, k, v, cu_q, cu_k))
-    assert torch.isfinite(o).all()
+    o, lse = run(track, lambda: attention_varlen(q, k, v, cu_q, cu_k, return_lse=True))
+    # Against the per-sequence fp64 reference, not only finite: a dispatch to the wrong kernel
+    # (or one that ignores cu_seqlens) gives finite but wrong values.
+    check_packed(o, lse, q, k, v, cu_q, cu_k, False, None)
 
 
 # ---------------------------------------------------------------- bad input
@@ -292,8 +294,9 @@ def test_rejects_bad_packed_input(track, name, change, error, match):
 
 def test_reference_helpers_are_exact_on_cpu():
     # The per-sequence reference with GQA equals the expanded-head reference (fp64, CPU).
-    q = torch.randn(1, 4, 5, 8, dtype=torch.float64)
-    k = torch.randn(1, 2, 7, 8, dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 5, 8, dtype=torch.float64, generator=g)
+    k = torch.randn(1, 2, 7, 8, dtype=torch.float64, generator=g)
     o, _ = reference.attention_ref(q, k.repeat_interleave(2, 1), k.repeat_interleave(2, 1))
     o2 = torch.cat(
         [
@@ -305,6 +308,60 @@ def test_reference_helpers_are_exact_on_cpu():
         1,
     )
     torch.testing.assert_close(o, o2)
+
+
+def test_packed_check_passes_the_right_answer_and_fails_wrong_ones_on_cpu():
+    """check_packed and gqa_reference_check, the oracle of every packed and GQA test on the GPU,
+    on CPU tensors: the per-sequence answer (fp64, rounded to bf16 as a kernel's O) passes; a
+    query head reading KV head h % Hkv instead of h // G, attention across sequence boundaries,
+    one NaN in O, and a sequence without keys whose O is not 0 each fail."""
+    from common import masks
+
+    g = torch.Generator().manual_seed(1)
+    lens_q, lens_k, H, Hkv, D = [5, 0, 130, 7], [9, 3, 140, 0], 4, 2, 64
+    q = torch.randn(sum(lens_q), H, D, generator=g).bfloat16()
+    k, v = (torch.randn(sum(lens_k), Hkv, D, generator=g).bfloat16() for _ in range(2))
+    cu_q, cu_k = (
+        torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
+        for n in (lens_q, lens_k)
+    )
+
+    def answer(heads_of, across=False):
+        """(O, LSE) per sequence in fp64 (all sequences as one if `across`); query head h reads
+        KV head heads_of[h]."""
+        o = torch.zeros(q.shape, dtype=torch.float64)
+        lse = torch.full((H, q.shape[0]), float("-inf"), dtype=torch.float64)
+        spans = [(0, q.shape[0], 0, k.shape[0])] if across else [
+            (cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]) for b in range(len(lens_q))
+        ]  # fmt: skip
+        for q0, q1, k0, k1 in spans:
+            if q1 == q0 or k1 == k0:
+                continue
+            qb = q[q0:q1].transpose(0, 1)[None]
+            kb, vb = (t[k0:k1].transpose(0, 1)[None][:, heads_of] for t in (k, v))
+            mask = masks.visible(int(q1 - q0), int(k1 - k0), *masks.resolve_window(
+                True, None, int(q1 - q0), int(k1 - k0)))  # fmt: skip
+            ob, lb = reference.attention_ref(qb, kb, vb, mask=mask)
+            o[q0:q1], lse[:, q0:q1] = ob[0].transpose(0, 1), lb[0]
+        return o.bfloat16(), lse.float()
+
+    right = [h // (H // Hkv) for h in range(H)]
+    o, lse = answer(right)
+    check_packed(o, lse, q, k, v, cu_q, cu_k, True, None)
+    wrong = {
+        "head h % Hkv": answer([h % Hkv for h in range(H)]),
+        "across sequences": answer(right, across=True),
+    }
+    nan_o = o.clone()
+    nan_o[100, 3, 17] = float("nan")  # in sequence 2
+    wrong["one NaN"] = (nan_o, lse)
+    no_keys = o.clone()
+    no_keys[cu_q[3] : cu_q[4]] = 1.0  # sequence 3 has no key: O must be 0
+    wrong["O != 0 without keys"] = (no_keys, lse)
+    for what, (o_bad, lse_bad) in wrong.items():
+        with pytest.raises(AssertionError):
+            check_packed(o_bad, lse_bad, q, k, v, cu_q, cu_k, True, None)
+            pytest.fail(f"check_packed passed {what}")
 
 
 # ---------------------------------------------------------------- pack-GQA

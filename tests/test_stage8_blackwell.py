@@ -35,6 +35,7 @@ import pytest
 import torch
 from attention_cases import DTYPES, dtype_id
 from blackwell_ptx import FENCE_BEFORE, PV_MMA, QK_MMA, assert_tcgen05_fences, global_stores
+from ptxas_checks import ptxas_ran
 from test_stage7 import (
     BAD_PACKED,
     PACK_GQA_CASES,
@@ -129,7 +130,7 @@ def test_compiles_with_four_roles(varlen, D, dtype):
     assert stores == [] and "cp.async.bulk.commit_group" not in ptx
     assert global_stores(ptx) == ["st.global.v4.b32"] * (D // 8) + ["st.global.b32"]
     assert report.shared_memory_bytes == SMEM_BYTES[D] <= 227 * 1024
-    if report.resources and "registers" in report.resources:
+    if ptxas_ran(report.resources, "sm_100a"):
         # 168 at launch (65536 / 384 threads, rounded down to a multiple of 8); the counts
         # after setmaxnreg are the PTX's. ptxas of CUDA 13.0 (2026-12-04): no spills.
         assert report.resources["registers"] == 168, report.summary()
@@ -436,7 +437,7 @@ def test_ctas_with_an_empty_range_store_zeros():
     q, k, v = inputs.attention_inputs(1, 2, 1024, 128, 128, seed=41)
     o, lse = run(lambda: blackwell.attention(q, k, v, causal=True, return_lse=True))
     gqa_reference_check("O", o, lse, q, k, v, True, None)
-    assert (o[:, :, :896] == 0).all() and torch.isinf(lse[:, :, :896]).all()
+    assert (o[:, :, :896] == 0).all() and (lse[:, :, :896] == float("-inf")).all()
 
 
 @pytest.mark.gpu_blackwell

@@ -45,6 +45,7 @@ from blackwell_ptx import (
     assert_tcgen05_fences,
     global_stores,
 )
+from ptxas_checks import ptxas_ran
 from test_stage7 import (
     BAD_PACKED,
     PACK_GQA_CASES,
@@ -116,7 +117,7 @@ def test_compiles_with_five_roles(varlen, D, dtype):
     assert stores == [] and "cp.async.bulk.commit_group" not in ptx
     assert global_stores(ptx) == (["st.global.v4.b32"] * (D // 8) + ["st.global.b32"]) * 2
     assert report.shared_memory_bytes <= 227 * 1024
-    if report.resources and "registers" in report.resources:
+    if ptxas_ran(report.resources, "sm_100a"):
         # 128 at launch (65536 / 512 threads); the counts after setmaxnreg are the PTX's.
         # ptxas of CUDA 13.0 (2026-12-06): no spill (168 / 80 / 96 with the k-blocks unrolled
         # spilled 8-236 bytes across the configurations of test_no_spill_in_any_configuration).
@@ -366,7 +367,7 @@ def test_ctas_with_an_empty_range_store_zeros():
     q, k, v = inputs.attention_inputs(1, 2, 1024, 128, 128, seed=41)
     o, lse = run(lambda: blackwell.attention(q, k, v, causal=True, return_lse=True))
     gqa_reference_check("O", o, lse, q, k, v, True, None)
-    assert (o[:, :, :768] == 0).all() and torch.isinf(lse[:, :, :768]).all()
+    assert (o[:, :, :768] == 0).all() and (lse[:, :, :768] == float("-inf")).all()
 
 
 @pytest.mark.gpu_blackwell
