@@ -13,7 +13,7 @@ ln sum_s e^{lse_s - m}. A split that saw no key has lse_s = -inf: weight e^{-inf
 (its O_s = 0 is never NaN). A row that no split saw (every lse_s = -inf: a window or a causal
 cut that leaves it no key) keeps O = 0 and LSE = -inf, as the unsplit kernel gives.
 
-Work: a row (b, h, s) reads num_splits x (D + 1) x 4 bytes, 16 x 129 x 4 = 8 KiB for a decode
+Work: a row (b, h, s) reads num_splits x (D + 1) x 4 bytes, about 8 KiB (16 x 129 x 4) for a decode
 row cut 16 ways. So little data makes the kernel's time that of its loads' latency, and the
 kernel is laid out to wait for global memory once: a row takes D / 4 x lanes threads, 4 columns
 of O_s each, lane i (a group of D / 4 threads) reading splits i, i + lanes, ... (lanes: the split

@@ -33,9 +33,9 @@
 # `docs/results/tests_hopper_gpu_h200_2026-12-05_split_outputs.txt`) and an H100 80GB HBM3
 # (2026-12-06, `docs/results/tests_hopper_gpu_h100_2026-12-06_combine.txt`); nothing was timed
 # there. **The multi-GPU run - NCCL (NVIDIA's GPU-to-GPU communication library) between GPUs,
-# `make cp GPUS=N` - has not run: no number for it exists.** Every time in this notebook is computed in its cell from a single-GPU
-# measurement in `docs/results/` and a published specification, or measured in the run itself
-# (GPU mode), and says which.
+# `make cp GPUS=N` - has not run: no number for it exists.** Every time in this notebook is
+# computed in its cell from a single-GPU measurement in `docs/results/` and a published
+# specification, or measured in the run itself (GPU mode), and says which.
 #
 # **How to run.** As stage 1: in Jupyter from `notebooks/`, or headless with
 # `python -m common.tools.nbrun notebooks/stage15_context_parallel.ipynb`. Without an

@@ -1094,8 +1094,8 @@ class Sm100Kernel:
 
     @cute.jit
     def issue_pv(self, pv_mma, tOtO, tOrP, tCrV, v_slot, accumulate):
-        """O += P_j @ V_j in TMEM (O = P_j @ V_j when not accumulate): bK / 16 tcgen05.mma of
-        128 x D x 16 (bK = 128 keys), A = P from TMEM."""
+        """O += P_j @ V_j in TMEM (O = P_j @ V_j when not accumulate): bN / 16 tcgen05.mma of
+        128 x D x 16 (bN = 128 keys), A = P from TMEM."""
         # The caller has waited for P (written by the softmax warps) and O (rescaled by the
         # correction warps): order these MMAs after the waits (common/tmem.py, (b), (c))
         fence_after_thread_sync()
