@@ -38,9 +38,9 @@ def run(track, fn):
     return verify.run_with_deadline(fn, seconds=120, what=f"stage {track}")
 
 
-def decode_inputs(B, H, Hkv, Sq, Sk, D, dtype, seed):
-    q, _, _ = inputs.attention_inputs(B, H, Sq, Sq, D, dtype, seed=seed)
-    _, k, v = inputs.attention_inputs(B, Hkv, Sq, Sk, D, dtype, seed=seed + 1)
+def decode_inputs(B, H, Hkv, Sq, Sk, D, dtype, seed, device="cuda"):
+    q, _, _ = inputs.attention_inputs(B, H, Sq, Sq, D, dtype, seed=seed, device=device)
+    _, k, v = inputs.attention_inputs(B, Hkv, Sq, Sk, D, dtype, seed=seed + 1, device=device)
     return q, k, v
 
 
@@ -440,7 +440,7 @@ def shape_checks_on_cpu(monkeypatch):
 def test_rejects_bad_split_arguments_on_cpu(track, name, kw, error, match, shape_checks_on_cpu):
     """test_rejects_bad_split_arguments's cases, run in CI: each refused by name before any
     compile or launch."""
-    q, k, v = decode_inputs_on("cpu", 2, 8, 2, 1, 256, 64, torch.bfloat16, seed=0)
+    q, k, v = decode_inputs(2, 8, 2, 1, 256, 64, torch.bfloat16, seed=0, device="cpu")
     kw = dict(kw)
     if isinstance(kw.get("seqused_k"), tuple):
         dt, vals = kw["seqused_k"]
@@ -452,7 +452,7 @@ def test_rejects_bad_split_arguments_on_cpu(track, name, kw, error, match, shape
 def test_stage12_refuses_split_arguments_on_cpu(shape_checks_on_cpu):
     from common.tools import stage_table
 
-    q, k, v = decode_inputs_on("cpu", 1, 8, 2, 1, 256, 64, torch.bfloat16, seed=0)
+    q, k, v = decode_inputs(1, 8, 2, 1, 256, 64, torch.bfloat16, seed=0, device="cpu")
     for track in ("hopper", "blackwell"):
         cls = getattr(stage_table.track_module(12, track), "Sm90Kernel", None) or getattr(
             stage_table.track_module(12, track), "Sm100Kernel"
@@ -460,13 +460,6 @@ def test_stage12_refuses_split_arguments_on_cpu(shape_checks_on_cpu):
         for kw in ({"num_splits": 2}, {"seqused_k": torch.tensor([256], dtype=torch.int32)}):
             with pytest.raises(TypeError, match="split-KV stage"):
                 attention_host.attention(cls, q, k, v, **kw)
-
-
-def decode_inputs_on(device, B, H, Hkv, Sq, Sk, D, dtype, seed):
-    """decode_inputs on `device`."""
-    q, _, _ = inputs.attention_inputs(B, H, Sq, Sq, D, dtype, seed=seed, device=device)
-    _, k, v = inputs.attention_inputs(B, Hkv, Sq, Sk, D, dtype, seed=seed + 1, device=device)
-    return q, k, v
 
 
 @pytest.mark.parametrize("num_splits", [None, 3], ids=lambda s: f"splits{s}")
